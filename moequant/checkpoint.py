@@ -1,0 +1,384 @@
+"""Checkpoint access: lazy per-tensor reads from sharded safetensors, and atomic sharded writes.
+
+A checkpoint is an HF-style directory: `config.json` plus either `model.safetensors` or
+`model.safetensors.index.json` with its shards. Nothing else is ever read as weights: a
+directory with only pickle files (`pytorch_model.bin`) is refused, never unpickled.
+
+Headers are parsed here (not only by the safetensors library) so a hostile or truncated file
+gives one clear sentence instead of a crash or a huge allocation, and so shapes can be listed
+without touching the data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moequant.errors import UserError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit for the JSON header
+
+DTYPE_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives: its shard file, dtype name (safetensors spelling) and shape."""
+
+    shard: Path
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_SIZES.get(self.dtype, 1)
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+    """Parse and validate a safetensors header without reading tensor data."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) < 8:
+                raise UserError(f"{path} is not a safetensors file: it is shorter than its 8-byte header length.")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > MAX_HEADER_BYTES or header_len + 8 > size:
+                raise UserError(
+                    f"{path} has a corrupt safetensors header: it claims {header_len} header bytes "
+                    f"in a file of {size} bytes."
+                )
+            header_bytes = f.read(header_len)
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}.") from None
+    try:
+        header = json.loads(header_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise UserError(f"{path} has a corrupt safetensors header: it is not valid JSON.") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{path} has a corrupt safetensors header: it is not a JSON object.")
+    data_size = size - 8 - header_len
+    entries: dict[str, TensorEntry] = {}
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = info["dtype"]
+            shape = tuple(int(d) for d in info["shape"])
+            start, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"{path} has a corrupt safetensors header: tensor {name!r} lacks dtype/shape/offsets.") from None
+        if dtype not in DTYPE_SIZES:
+            raise UserError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}.")
+        if any(d < 0 for d in shape):
+            raise UserError(f"{path}: tensor {name!r} has a negative dimension in {shape}.")
+        entry = TensorEntry(path, dtype, shape)
+        expected = entry.nbytes if dtype != "F4" else (entry.numel + 1) // 2
+        if not (0 <= start <= end <= data_size) or end - start != expected:
+            raise UserError(
+                f"{path}: tensor {name!r} has data offsets {start}..{end} that do not match its "
+                f"{dtype} shape {list(shape)} within a data section of {data_size} bytes."
+            )
+        spans.append((start, end, name))
+        entries[name] = entry
+    spans.sort()
+    for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise UserError(f"{path}: tensors {n0!r} and {n1!r} overlap in the file.")
+    return entries
+
+
+def _inside(root: Path, candidate: Path) -> bool:
+    try:
+        candidate.resolve().relative_to(root.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def resolve_model_path(spec: str | os.PathLike) -> Path:
+    """A checkpoint directory, a bare config.json, or `zoo:NAME` → a filesystem path."""
+    s = str(spec)
+    if s.startswith("zoo:"):
+        from moequant import zoo
+
+        return Path(zoo.path(s[4:]))
+    p = Path(s).expanduser()
+    if not p.exists():
+        raise UserError(f"model path {s} does not exist (give a checkpoint directory, a config.json, or zoo:NAME).")
+    return p
+
+
+class Checkpoint:
+    """Read-only view of one checkpoint; tensors are read one at a time on request."""
+
+    def __init__(self, path: Path, config: dict, entries: dict[str, TensorEntry], config_only: bool):
+        self.path = path
+        self.config = config
+        self.entries = entries
+        self.config_only = config_only
+        self._handles: dict[Path, object] = {}
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name).shape
+
+    def dtype(self, name: str) -> str:
+        return self._entry(name).dtype
+
+    def _entry(self, name: str) -> TensorEntry:
+        if name not in self.entries:
+            where = "it has no weights (config only)" if self.config_only else "no shard holds it"
+            raise UserError(f"checkpoint {self.path} has no tensor {name!r}: {where}.")
+        return self.entries[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        entry = self._entry(name)
+        handle = self._handles.get(entry.shard)
+        if handle is None:
+            handle = safe_open(str(entry.shard), framework="pt")
+            self._handles[entry.shard] = handle
+        return handle.get_tensor(name)
+
+    def get_slice(self, name: str):
+        entry = self._entry(name)
+        handle = self._handles.get(entry.shard)
+        if handle is None:
+            handle = safe_open(str(entry.shard), framework="pt")
+            self._handles[entry.shard] = handle
+        return handle.get_slice(name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    @property
+    def directory(self) -> Path:
+        return self.path if self.path.is_dir() else self.path.parent
+
+
+def open_checkpoint(spec: str | os.PathLike) -> Checkpoint:
+    """Open a checkpoint directory, a bare config.json, or `zoo:NAME`; validate what is there."""
+    path = resolve_model_path(spec)
+    if path.is_file():
+        if path.suffix != ".json":
+            raise UserError(f"{path} is a file but not a config.json; give the checkpoint directory instead.")
+        return Checkpoint(path, _read_config(path), {}, config_only=True)
+    config_path = path / "config.json"
+    if not config_path.exists():
+        raise UserError(f"{path} has no config.json; a checkpoint directory needs config.json next to its safetensors.")
+    config = _read_config(config_path)
+    entries = _read_entries(path)
+    return Checkpoint(path, config, entries, config_only=not entries)
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON (line {e.lineno}: {e.msg}).") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}.") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} must hold a JSON object.")
+    return config
+
+
+def _read_entries(directory: Path) -> dict[str, TensorEntry]:
+    index_path = directory / INDEX_NAME
+    single_path = directory / SINGLE_NAME
+    if index_path.exists():
+        try:
+            index = json.loads(index_path.read_text())
+            weight_map = index["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+            raise UserError(f"{index_path} is malformed: it needs a JSON object with a 'weight_map' of tensor → shard.") from None
+        shards: dict[str, list[str]] = {}
+        for tensor, shard in weight_map.items():
+            if not isinstance(shard, str):
+                raise UserError(f"{index_path}: tensor {tensor!r} maps to {shard!r}, not a shard file name.")
+            shards.setdefault(shard, []).append(tensor)
+        entries: dict[str, TensorEntry] = {}
+        for shard, tensors in shards.items():
+            shard_path = directory / shard
+            if os.path.isabs(shard) or not _inside(directory, shard_path) or not shard.endswith(".safetensors"):
+                raise UserError(f"{index_path} names shard {shard!r}, which is not a .safetensors file inside {directory}.")
+            if not shard_path.exists():
+                raise UserError(f"{index_path} names shard {shard}, which is missing from {directory}.")
+            header = read_safetensors_header(shard_path)
+            for t in tensors:
+                if t not in header:
+                    raise UserError(f"{index_path} says {t!r} is in {shard}, but that shard does not hold it.")
+                entries[t] = header[t]
+        return entries
+    if single_path.exists():
+        return read_safetensors_header(single_path)
+    loose = sorted(directory.glob("*.safetensors"))
+    if loose:
+        entries = {}
+        for shard_path in loose:
+            entries.update(read_safetensors_header(shard_path))
+        return entries
+    pickles = [p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl")]
+    if pickles:
+        raise UserError(
+            f"{directory} holds only pickle weights ({', '.join(sorted(pickles)[:3])}); moequant reads safetensors only, "
+            "because loading pickles can run arbitrary code — convert the checkpoint to safetensors first."
+        )
+    return {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+@contextlib.contextmanager
+def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
+    """Build a directory in a temporary sibling and rename it into place only on success.
+
+    A crash or Ctrl-C leaves either the previous complete output or nothing at `final`.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        _fsync_dir_tree(tmp)
+        if final.exists():
+            old = final.parent / f".{final.name}.old-{os.getpid()}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fsync_dir_tree(root: Path) -> None:
+    for p in root.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write a small text file via a temp file + rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+class ShardWriter:
+    """Write tensors into size-limited shards plus an index, inside an (already temporary) directory.
+
+    Tensors are flushed to disk as each shard fills, so peak memory stays near one shard.
+    """
+
+    def __init__(self, directory: Path, max_shard_bytes: int = 2 * 1024**3, metadata: dict | None = None):
+        self.directory = Path(directory)
+        self.max_shard_bytes = max_shard_bytes
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[tuple[str, list[str]]] = []
+        self._total_bytes = 0
+        self._seen: set[str] = set()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._seen:
+            raise ValueError(f"tensor {name} written twice")
+        self._seen.add(name)
+        size = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.detach().contiguous().cpu()
+        self._pending_bytes += size
+        self._total_bytes += size
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        tmp_name = f"shard-{len(self._shards):05d}.safetensors.part"
+        save_file(self._pending, str(self.directory / tmp_name), metadata=self.metadata)
+        self._shards.append((tmp_name, list(self._pending)))
+        self._pending = {}
+        self._pending_bytes = 0
+
+    def finish(self) -> list[str]:
+        """Flush, give shards their final names, write the index when there is more than one."""
+        self._flush()
+        n = len(self._shards)
+        names = []
+        if n == 1:
+            os.rename(self.directory / self._shards[0][0], self.directory / SINGLE_NAME)
+            names.append(SINGLE_NAME)
+            return names
+        weight_map = {}
+        for i, (tmp_name, tensors) in enumerate(self._shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.rename(self.directory / tmp_name, self.directory / final)
+            names.append(final)
+            for t in tensors:
+                weight_map[t] = final
+        index = {"metadata": {"total_size": self._total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        return names
+
+
+AUX_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja", "chat_template.json",
+)
+
+
+def copy_aux_files(source: Path, destination: Path) -> None:
+    """Copy tokenizer and generation files (never weights, never code) next to written weights."""
+    for name in AUX_FILES:
+        src = Path(source) / name
+        if src.is_file():
+            shutil.copyfile(src, Path(destination) / name)

@@ -1,0 +1,58 @@
+"""Tiny random-weight checkpoints of every supported architecture, built offline at test time.
+
+Each is made from a transformers config and saved with `save_pretrained`, so the on-disk layout
+is exactly what transformers writes (per-expert 2-D tensors, or fused for gpt-oss).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+COMMON = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=96, max_position_embeddings=256, tie_word_embeddings=False)
+
+TINY_CONFIGS: dict[str, dict] = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=24, norm_topk_prob=False),
+    "qwen3_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8,
+                      norm_topk_prob=True),
+    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=2.5,
+                        num_key_value_heads=4),
+    "deepseek_v2": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=None, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, topk_method="group_limited_greedy",
+                        num_key_value_heads=4),
+    "olmoe": dict(num_experts=6, num_experts_per_tok=2, eos_token_id=1, pad_token_id=0),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+}
+
+
+def tiny_config(model_type: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **{**COMMON, **TINY_CONFIGS[model_type]})
+
+
+def build_tiny(model_type: str, directory: Path, seed: int = 0, dtype=torch.bfloat16) -> Path:
+    """Save a tiny random model of `model_type` in on-disk layout; returns the directory."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "bias" in name or "sinks" in name:
+                p.normal_(0, 0.02)  # transformers zero-inits some biases: make them visible
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.normal_(0, 0.02)
+    model = model.to(dtype)
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    return directory

@@ -1,0 +1,930 @@
+"""The policy engine: recipe + calibration statistics -> one format per tensor (plan.json).
+
+Which tensors are decided
+-------------------------
+Routed experts are decided per expert (one format for an expert's gate, up and down), and the
+decision unit depends on the serving target:
+
+* `transformers`: every expert on its own (any per-expert mix; loaded by `moequant.load`).
+* `vllm`: one format for all routed experts of a layer. vLLM stacks a layer's experts into one
+  fused-MoE buffer and resolves the quantization scheme from expert 0's gate / up / down only
+  (compressed-tensors `get_moe_method`); a layer whose experts are all in `ignore` is loaded
+  unquantized. So bf16 is offered as a whole-layer choice, never for single experts.
+* `sglang`: one format for all routed experts of the model. SGLang's compressed-tensors MoE
+  schemes read the quantization arguments of the `Linear` target, not per layer.
+
+Both engines load fused-MoE integer weights only at 4 or 8 bits (WNA16 kernels) and only
+symmetric ones, so for `vllm` / `sglang` the candidates int3 / int2 and asymmetric int4 are
+dropped from a budget (with a note saying why) and refused in `uniform` / `rules` plans.
+
+Everything else follows the recipe: the router and the shared-expert gate always stay bf16;
+norms, embeddings, biases and unknown tensors are never quantized; attention, shared experts,
+dense MLPs and lm_head take `non_experts.format` unless `keep` names them.
+
+Predicted loss and usage weight
+-------------------------------
+Calibration measures, for every expert e of layer L, projection p and candidate format f, the
+output error of that projection quantized to f: `sensitivity[p][f][e]` (measured with every
+token sent through every expert, so it exists even for experts the router never picks). In the
+real model an expert's error only reaches a token when the router sends the token to it, so
+the expected damage per token is the error times how often the expert is used:
+
+    loss(L, e, f) = usage(L, e) * sum_p sensitivity_L[p][f][e]
+    usage(L, e)   = max(routed_count_L[e] / tokens_L,  usage_floor * top_k / E)
+
+`routed_count / tokens` is the expected number of times per token that expert e runs (the
+layer's usages sum to top_k). The floor, a fraction (`experts.usage_floor`, default 0.05) of a
+uniformly used expert's usage, keeps experts the calibration data never reached from costing
+nothing: other data may route to them, and without a floor the solver would give them any
+format at all. bf16 has loss 0. The plan's predicted loss is the sum over routed experts; it
+adds errors of different layers as if they were independent (a first-order estimate that ranks
+plans, not a measured KL).
+
+Budget
+------
+`experts.budget.bits_per_weight` counts only routed-expert weight matrices: their bytes (codes,
+scales, zero points, from `formats.nbytes`) * 8 / their element count, so it reads like the
+usual "4.25 bits" of an int4 model and does not depend on how much of the model is attention.
+`experts.budget.gigabytes` counts the whole model (10^9 bytes): every tensor of the plan, kept
+ones included; the routed experts get what the other tensors leave. The solver minimises the
+predicted loss subject to the byte limit exactly: a multiple-choice knapsack solved as a mixed
+integer program (scipy.optimize.milp / HiGHS, relative gap 0, integral byte coefficients
+divided by their gcd, the result re-checked in exact integers). A budget below the smallest
+feasible plan fails with a sentence giving that minimum; a budget exactly at it is feasible.
+
+plan.json (schema "moequant.plan/1")
+------------------------------------
+{
+  "schema": "moequant.plan/1",
+  "model": str, "target": "vllm" | "sglang" | "transformers",
+  "method": "budget" | "rules" | "uniform",
+  "budget": null | {"bits_per_weight": float | null, "gigabytes": float | null,
+                    "routed_bytes_limit": int},      # bytes the routed experts may use
+  "candidates": [format key, ...],                   # offered to the routed experts
+  "dropped_candidates": {format key: reason},        # refused for the target
+  "usage_floor": float,
+  "formats": {format key: {"name": str, "params": {...}, "algorithm": str}},
+  "tensors": [                                       # every tensor; fused on-disk tensors
+    {"name": str,                                    #   (gpt-oss) appear once per expert and
+     "role": str, "layer": int|null,                 #   projection, with the same name
+     "expert": int|null, "proj": "gate"|"up"|"down"|null,
+     "shape": [out, in] (routed experts) or the on-disk shape,
+     "format": format key, "params": {...}, "algorithm": "rtn"|"gptq"|"awq"|"none",
+     "bytes": int, "kept": str|null,                 # why it stays bf16, when it does
+     "usage": float|null, "predicted_loss": float|null}],   # routed experts with stats
+  "summary": {
+     "layers": {"L": {"map": str, "counts": {format key: experts}}},   # one char per expert
+     "legend": {char: format key},
+     "bytes_by_role": {role: int}, "weights_by_role": {role: int}, "total_bytes": int,
+     "bits_per_weight": {"overall": float, "routed_experts": float},
+     "routed_bytes": int, "predicted_loss": float|null,
+     "per_expert_alternative": null | {"predicted_loss": float, "routed_bytes": int,
+                                       "candidates": [...], "counts": {format key: experts}},
+     "uniform_alternatives": [{"format": key, "routed_bytes": int, "predicted_loss": float|null}]},
+  "notes": [str, ...],
+  "recipe": {...}                                    # the resolved recipe
+}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import math
+import os
+import tempfile
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from moequant.errors import UserError
+from moequant.recipe import Recipe, is_format_key, recipe_to_dict
+
+SCHEMA = "moequant.plan/1"
+PROJECTIONS = ("gate", "up", "down")
+# The decision unit for routed experts per target (see the module docstring).
+GRANULARITY = {"transformers": "expert", "vllm": "layer", "sglang": "model"}
+ALWAYS_BF16_ROLES = {
+    "router": "the router always stays bf16",
+    "shared_expert_gate": "the shared-expert gate always stays bf16",
+    "norm": "norms are not quantized",
+    "embedding": "embeddings are not quantized",
+    "other": "tensors of unknown role are not quantized",
+}
+NON_EXPERT_ROLES = ("attention", "shared_expert", "dense_mlp", "lm_head")
+KEEP_GROUP_ROLES = {
+    "router": "router", "shared_expert_gate": "shared_expert_gate", "shared_experts": "shared_expert",
+    "attention": "attention", "dense_mlp": "dense_mlp", "embeddings": "embedding",
+    "lm_head": "lm_head", "routed_experts": "routed_expert",
+}
+MAP_CHARS = {"bf16": "B", "fp8": "F", "int8": "8", "int4": "4", "int3": "3", "int2": "2",
+             "mxfp4": "M", "nvfp4": "N"}
+LOSS_SCALE = 1e6  # the largest loss difference of one choice, after normalisation (solver units)
+
+
+def _formats():
+    from moequant import formats
+
+    if hasattr(formats, "get_format"):
+        return formats
+    from moequant.formats import specs  # before the package re-exports its API
+
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain data
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as the plan sees it; routed experts are one entry per (layer, expert, proj)
+    with shape [out, in], even when the checkpoint fuses them (then `name` repeats)."""
+
+    name: str
+    role: str
+    layer: int | None
+    expert: int | None
+    proj: str | None
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_routed_weight(self) -> bool:
+        return (self.role == "routed_expert" and self.expert is not None and self.proj in PROJECTIONS
+                and len(self.shape) == 2)
+
+
+@dataclass
+class TensorPlan:
+    name: str
+    role: str
+    layer: int | None
+    expert: int | None
+    proj: str | None
+    shape: tuple[int, ...]
+    format: str
+    params: dict
+    algorithm: str
+    bytes: int
+    kept: str | None = None
+    usage: float | None = None
+    predicted_loss: float | None = None
+
+
+@dataclass
+class Plan:
+    model: str
+    target: str
+    method: str
+    budget: dict | None
+    candidates: list[str]
+    dropped_candidates: dict[str, str]
+    usage_floor: float
+    formats: dict[str, dict]
+    tensors: list[TensorPlan]
+    summary: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    recipe: dict = field(default_factory=dict)
+
+    def expert_formats(self) -> dict[tuple[int, int], str]:
+        """(layer, expert) -> format key of its routed weights."""
+        return {(t.layer, t.expert): t.format for t in self.tensors
+                if t.role == "routed_expert" and t.expert is not None and t.proj in PROJECTIONS}
+
+    def layer_formats(self) -> dict[int, set[str]]:
+        out: dict[int, set[str]] = defaultdict(set)
+        for (layer, _), key in self.expert_formats().items():
+            out[layer].add(key)
+        return dict(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Formats and serving constraints
+
+
+def resolve_format(recipe: Recipe, entry: str):
+    """A recipe format entry -> spec: an exact key as is, a bare name with the recipe's params."""
+    formats = _formats()
+    if is_format_key(entry):
+        return formats.parse_key(entry)
+    return formats.get_format(entry, **recipe.formats.get(entry, {}))
+
+
+def spec_params(spec) -> dict:
+    return {k: v for k, v in dataclasses.asdict(spec).items() if k != "name"}
+
+
+def unservable_reason(target: str, spec, routed: bool) -> str | None:
+    """Why `target` cannot load `spec` (None when it can)."""
+    if target == "transformers":
+        return None
+    engine = {"vllm": "vLLM", "sglang": "SGLang"}[target]
+    if spec.name in ("int3", "int2"):
+        return f"{engine} loads integer weights only at 4 or 8 bits (WNA16 kernels)"
+    if routed and spec.name in ("int4", "int8") and not spec.symmetric:
+        return f"{engine}'s fused MoE loads only symmetric integer experts"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor lists
+
+
+def as_tensor_infos(items: Iterable) -> list[TensorInfo]:
+    """Accept TensorInfo or (name, role, layer, expert, proj, shape) tuples."""
+    out = []
+    for item in items:
+        if not isinstance(item, TensorInfo):
+            name, role, layer, expert, proj, shape = item
+            item = TensorInfo(name, role, layer, expert, proj, tuple(int(s) for s in shape))
+        out.append(item)
+    return out
+
+
+def tensors_from_checkpoint(ckpt, adapter=None) -> list[TensorInfo]:
+    """Every tensor of a checkpoint, classified by its adapter; fused expert tensors are split
+    into one entry per (expert, proj) with the adapter's [out, in] shape."""
+    if adapter is None:
+        from moequant.arch import adapter_for
+
+        adapter = adapter_for(ckpt.config)
+    out = []
+    for name in ckpt.keys():
+        role = adapter.classify(name)
+        shape = tuple(int(s) for s in ckpt.shape(name))
+        if role.role == "routed_expert" and role.expert is None and role.proj in ("gate_up", "down", *PROJECTIONS):
+            projs = ("gate", "up") if role.proj == "gate_up" else (role.proj,)
+            for expert in range(adapter.num_experts):
+                for proj in projs:
+                    out.append(TensorInfo(name, "routed_expert", role.layer, expert, proj,
+                                          tuple(adapter.expert_shape(proj))))
+        else:
+            out.append(TensorInfo(name, role.role, role.layer, role.expert, role.proj, shape))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The exact solver
+
+
+def solve_choices(option_bytes: Sequence[Sequence[int]], option_loss: Sequence[Sequence[float]],
+                  limit: int) -> list[int] | None:
+    """One option per group, minimising total loss with total bytes <= limit (exactly).
+
+    Returns the chosen option index per group, or None when even the smallest options exceed
+    the limit. Groups with one option, dominated options (no fewer bytes, no less loss) and the
+    case where the best options already fit are handled before the MILP.
+    """
+    n_groups = len(option_bytes)
+    if sum(min(b) for b in option_bytes) > limit:
+        return None
+    # Pareto-prune each group: sorted by bytes, keep an option only if it lowers the loss.
+    kept: list[list[int]] = []
+    for bytes_, losses in zip(option_bytes, option_loss):
+        order = sorted(range(len(bytes_)), key=lambda i: (bytes_[i], losses[i]))
+        front: list[int] = []
+        for i in order:
+            if not front or losses[i] < losses[front[-1]]:
+                front.append(i)
+        kept.append(front)
+    best = [front[-1] for front in kept]  # the least-loss option of each group
+    if sum(option_bytes[g][best[g]] for g in range(n_groups)) <= limit:
+        return best
+    base = [option_bytes[g][kept[g][0]] for g in range(n_groups)]
+    slack = limit - sum(base)
+    # Variables: options beyond each group's cheapest, as increments over it.
+    var_group, var_option, var_bytes, var_loss = [], [], [], []
+    for g, front in enumerate(kept):
+        low_loss = option_loss[g][front[0]]
+        for i in front:
+            var_group.append(g)
+            var_option.append(i)
+            var_bytes.append(option_bytes[g][i] - base[g])
+            var_loss.append(option_loss[g][i] - low_loss)
+    var_bytes_arr = np.array(var_bytes, dtype=np.int64)
+    divisor = math.gcd(*[int(b) for b in var_bytes if b]) or 1
+    scaled_bytes = var_bytes_arr // divisor
+    loss_arr = np.array(var_loss, dtype=np.float64)
+    spread = float(np.max(np.abs(loss_arr))) or 1.0
+    return _milp_choice(n_groups, var_group, var_option, scaled_bytes, loss_arr * (LOSS_SCALE / spread),
+                        slack // divisor, option_bytes, limit, best)
+
+
+def _milp_choice(n_groups, var_group, var_option, scaled_bytes, objective, cap, option_bytes, limit, fallback):
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import csr_array
+
+    n = len(var_group)
+    rows = np.array(var_group)
+    one_hot = csr_array((np.ones(n), (rows, np.arange(n))), shape=(n_groups, n))
+    for _ in range(8):
+        constraints = [LinearConstraint(one_hot, 1, 1),
+                       LinearConstraint(csr_array(scaled_bytes.astype(np.float64).reshape(1, -1)), -np.inf, cap)]
+        result = milp(objective, integrality=np.ones(n), bounds=Bounds(0, 1), constraints=constraints,
+                      options={"mip_rel_gap": 0.0, "time_limit": 600.0})
+        if result.x is None:
+            raise RuntimeError(f"the budget solver failed: {result.message}")
+        choice = [None] * n_groups
+        for j in np.flatnonzero(result.x > 0.5):
+            choice[var_group[j]] = var_option[j]
+        if any(c is None for c in choice):
+            raise RuntimeError("the budget solver returned a solution without one option per group")
+        total = sum(option_bytes[g][choice[g]] for g in range(n_groups))
+        if total <= limit:
+            return choice
+        cap -= 1  # HiGHS' feasibility tolerance let the byte row overshoot; tighten and resolve
+    raise RuntimeError("the budget solver could not meet the byte limit exactly")
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics
+
+
+def _load_stats(stats):
+    if stats is None or hasattr(stats, "layers"):
+        return stats
+    from moequant.stats import load_stats
+
+    return load_stats(stats)
+
+
+def usage_weights(stats, layer: int, num_experts: int, usage_floor: float) -> np.ndarray:
+    """Expected runs per token of each expert, floored (see the module docstring)."""
+    if layer not in stats.layers:
+        raise UserError(f"the calibration statistics have no MoE layer {layer}; rerun `moequant calibrate` on this model.")
+    ls = stats.layers[layer]
+    counts = np.asarray(ls.routed_count, dtype=np.float64)
+    if counts.shape != (num_experts,):
+        raise UserError(f"the calibration statistics have {counts.shape[0]} experts in layer {layer}, "
+                        f"but the model has {num_experts}; rerun `moequant calibrate` on this model.")
+    tokens = int(ls.tokens)
+    if tokens <= 0:
+        raise UserError(f"the calibration statistics saw no tokens in layer {layer}; rerun `moequant calibrate` with more samples.")
+    top_k = counts.sum() / tokens
+    floor = usage_floor * top_k / num_experts
+    return np.maximum(counts / tokens, floor)
+
+
+def relative_shares(stats, layer: int, num_experts: int) -> np.ndarray:
+    if layer not in stats.layers:
+        raise UserError(f"the calibration statistics have no MoE layer {layer}; rerun `moequant calibrate` on this model.")
+    return np.asarray(stats.layers[layer].share, dtype=np.float64) * num_experts
+
+
+def sensitivity(stats, layer: int, proj: str, key: str) -> np.ndarray:
+    """sensitivity[proj][key] as float64 [E]; bf16 is exact (zeros)."""
+    table = stats.layers[layer].sensitivity
+    if key == "bf16":
+        return None
+    if proj not in table or key not in table[proj]:
+        have = sorted(table.get(proj, {})) if hasattr(table, "get") else []
+        raise UserError(f"the calibration statistics have no sensitivity for format {key} in layer {layer} "
+                        f"({proj}); they have: {', '.join(have) or 'none'}; rerun `moequant calibrate` "
+                        f"with this format among the candidates, or drop it from the recipe.")
+    return np.asarray(table[proj][key], dtype=np.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan building
+
+
+class _Context:
+    """What make_plan computes once: routed experts, usage, byte and loss lookups."""
+
+    def __init__(self, recipe: Recipe, tensors: list[TensorInfo], stats):
+        self.recipe, self.tensors, self.stats = recipe, tensors, stats
+        self.formats = _formats()
+        self.experts: dict[tuple[int, int], list[TensorInfo]] = defaultdict(list)
+        for t in tensors:
+            if t.is_routed_weight:
+                self.experts[(t.layer, t.expert)].append(t)
+        self.layers = sorted({layer for layer, _ in self.experts})
+        self.num_experts = {layer: 1 + max(e for L, e in self.experts if L == layer) for layer in self.layers}
+        self._usage: dict[int, np.ndarray] = {}
+        self._nbytes: dict[tuple, int] = {}
+        self._loss: dict[tuple, float | None] = {}
+
+    def nbytes(self, spec, shape) -> int:
+        key = (spec.key, tuple(shape))
+        if key not in self._nbytes:
+            self._nbytes[key] = self.formats.nbytes(spec, tuple(shape))
+        return self._nbytes[key]
+
+    def usage(self, layer: int) -> np.ndarray | None:
+        if self.stats is None:
+            return None
+        if layer not in self._usage:
+            self._usage[layer] = usage_weights(self.stats, layer, self.num_experts[layer], self.recipe.experts.usage_floor)
+        return self._usage[layer]
+
+    def tensor_loss(self, t: TensorInfo, key: str) -> float | None:
+        if self.stats is None:
+            return None
+        if key == "bf16":
+            return 0.0
+        sens = sensitivity(self.stats, t.layer, t.proj, key)
+        return float(self.usage(t.layer)[t.expert] * sens[t.expert])
+
+    def expert_loss(self, expert: tuple[int, int], key: str) -> float | None:
+        cache_key = (expert, key)
+        if cache_key not in self._loss:
+            parts = [self.tensor_loss(t, key) for t in self.experts[expert]]
+            self._loss[cache_key] = None if any(p is None for p in parts) else float(sum(parts))
+        return self._loss[cache_key]
+
+    def expert_bytes(self, expert: tuple[int, int], spec) -> int:
+        return sum(self.nbytes(spec, t.shape) for t in self.experts[expert])
+
+
+def _keep_match(recipe: Recipe, t: TensorInfo) -> str | None:
+    for entry in recipe.keep:
+        if entry in KEEP_GROUP_ROLES:
+            if KEEP_GROUP_ROLES[entry] == t.role:
+                return f"keep: {entry}"
+        elif fnmatch.fnmatchcase(t.name, entry) or t.name.startswith(entry.rstrip(".") + "."):
+            return f"keep: {entry}"
+    return None
+
+
+def _groups(ctx: _Context, target: str, free: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    unit = GRANULARITY[target]
+    if unit == "expert":
+        return [[e] for e in free]
+    if unit == "layer":
+        by_layer: dict[int, list] = defaultdict(list)
+        for e in free:
+            by_layer[e[0]].append(e)
+        return [by_layer[L] for L in sorted(by_layer)]
+    return [list(free)] if free else []
+
+
+def _group_options(ctx: _Context, group, specs, notes: list[str] | None):
+    """Per candidate that can hold every tensor of the group: (spec, bytes, loss)."""
+    options = []
+    for spec in specs:
+        try:
+            total = sum(ctx.expert_bytes(e, spec) for e in group)
+        except UserError as error:
+            if notes is not None:
+                notes.append(f"{spec.key} is not offered to layer(s) {_layer_text(group)}: {str(error).rstrip('.')}.")
+            continue
+        losses = [ctx.expert_loss(e, spec.key) for e in group]
+        loss = None if any(x is None for x in losses) else float(sum(losses))
+        options.append((spec, total, loss))
+    return options
+
+
+def _layer_text(group) -> str:
+    layers = sorted({L for L, _ in group})
+    return ", ".join(map(str, layers)) if len(layers) <= 6 else f"{layers[0]}-{layers[-1]}"
+
+
+def _dedupe(specs) -> list:
+    seen, out = set(), []
+    for spec in specs:
+        if spec.key not in seen:
+            seen.add(spec.key)
+            out.append(spec)
+    return out
+
+
+def _budget_limit(recipe: Recipe, routed_numel: int, other_bytes: int, fixed_routed: int) -> int:
+    """Bytes the decided routed experts may use (may be negative: infeasible)."""
+    budget = recipe.experts.budget
+    if budget.bits_per_weight is not None:
+        return math.floor(Fraction(str(budget.bits_per_weight)) * routed_numel / 8) - fixed_routed
+    return math.floor(Fraction(str(budget.gigabytes)) * 10**9) - other_bytes - fixed_routed
+
+
+def _infeasible_budget(recipe: Recipe, min_group_bytes: int, routed_numel: int, other_bytes: int,
+                       fixed_routed: int, candidates: list[str]) -> UserError:
+    budget = recipe.experts.budget
+    if budget.bits_per_weight is not None:
+        minimum = Fraction((min_group_bytes + fixed_routed) * 8, routed_numel)
+        shown = math.ceil(minimum * 10**4) / 10**4
+        return UserError(
+            f"experts.budget.bits_per_weight {budget.bits_per_weight} is below the smallest feasible plan for "
+            f"target {recipe.target} with candidates {', '.join(candidates)}: {shown:.4f} bits per routed-expert "
+            f"weight; accepted: bits_per_weight >= {shown:.4f}.")
+    minimum_bytes = min_group_bytes + fixed_routed + other_bytes
+    shown = math.ceil(minimum_bytes / 10**3) / 10**6
+    return UserError(
+        f"experts.budget.gigabytes {budget.gigabytes} is below the smallest feasible plan for target "
+        f"{recipe.target} with candidates {', '.join(candidates)}: {minimum_bytes} bytes for the whole model; "
+        f"accepted: gigabytes >= {shown:.6f}.")
+
+
+def _solve(ctx: _Context, target: str, free, specs, limit: int, notes) -> tuple[dict, int] | None:
+    """Budget solve for one target: (expert -> spec, routed bytes of the choice), or None."""
+    groups = _groups(ctx, target, free)
+    table = []
+    for group in groups:
+        options = _group_options(ctx, group, specs, notes)
+        if not options:
+            raise UserError(f"no candidate format can hold the routed experts of layer(s) {_layer_text(group)}; "
+                            f"accepted: add a format whose group size divides their input dimension (e.g. int8 or fp8).")
+        table.append(options)
+    choice = solve_choices([[o[1] for o in opts] for opts in table], [[o[2] for o in opts] for opts in table], limit)
+    if choice is None:
+        return None
+    assignment = {}
+    used = 0
+    for group, opts, index in zip(groups, table, choice):
+        spec, nbytes, _ = opts[index]
+        used += nbytes
+        for e in group:
+            assignment[e] = spec
+    return assignment, used
+
+
+def _min_bytes(ctx: _Context, target: str, free, specs) -> int:
+    return sum(min(o[1] for o in _group_options(ctx, g, specs, None)) for g in _groups(ctx, target, free))
+
+
+def _apply_rules(ctx: _Context, recipe: Recipe, free) -> dict:
+    rules = recipe.experts.rules
+    needs_share = any(r.share_at_least is not None or r.share_below is not None for r in rules)
+    if needs_share and ctx.stats is None:
+        raise UserError("experts.rules use share_at_least / share_below, which need calibration statistics; "
+                        "run `moequant calibrate` first and pass its statistics.")
+    specs = [resolve_format(recipe, r.format) for r in rules]
+    layer_sets = [r.layer_set() for r in rules]
+    assignment = {}
+    shares = {}
+    for layer, expert in free:
+        if needs_share and layer not in shares:
+            shares[layer] = relative_shares(ctx.stats, layer, ctx.num_experts[layer])
+        for i, rule in enumerate(rules):
+            if layer_sets[i] is not None and layer not in layer_sets[i]:
+                continue
+            share = shares[layer][expert] if needs_share else None
+            if rule.share_at_least is not None and not share >= rule.share_at_least:
+                continue
+            if rule.share_below is not None and not share < rule.share_below:
+                continue
+            assignment[(layer, expert)] = specs[i]
+            break
+        else:
+            detail = f" (routing share {shares[layer][expert]:.3g}x the layer mean)" if needs_share else ""
+            raise UserError(f"no rule in experts.rules matches layer {layer} expert {expert}{detail}; "
+                            f"accepted: end the rules with one without conditions, such as {{format: int4}}.")
+    return assignment
+
+
+def _check_uniform_groups(ctx: _Context, target: str, assignment: dict) -> None:
+    unit = GRANULARITY[target]
+    if unit == "expert":
+        return
+    keys = defaultdict(lambda: defaultdict(list))
+    for (layer, expert), spec in sorted(assignment.items()):
+        keys[layer if unit == "layer" else "all"][spec.key].append(expert)
+    for scope, by_key in keys.items():
+        if len(by_key) > 1:
+            where = f"layer {scope}" if unit == "layer" else "the model"
+            parts = "; ".join(f"{k} (experts {_short_list(v)})" for k, v in by_key.items())
+            raise UserError(f"with target {target} every routed expert of {where} needs one format, but "
+                            f"experts.rules give {where} {parts}; accepted: rules by layers only, or target transformers.")
+
+
+def _short_list(values: list[int]) -> str:
+    return ", ".join(map(str, values[:6])) + (", ..." if len(values) > 6 else "")
+
+
+def make_plan(recipe: Recipe, checkpoint_or_tensors, stats=None) -> Plan:
+    """Decide a format for every tensor.
+
+    checkpoint_or_tensors: an open checkpoint (its adapter classifies the tensors), or a list of
+    TensorInfo / (name, role, layer, expert, proj, shape) tuples. stats: a loaded statistics
+    object, a statistics directory, or None (allowed for uniform plans and layer-only rules).
+    """
+    if hasattr(checkpoint_or_tensors, "keys") and hasattr(checkpoint_or_tensors, "shape"):
+        tensors = tensors_from_checkpoint(checkpoint_or_tensors)
+    else:
+        tensors = as_tensor_infos(checkpoint_or_tensors)
+    stats = _load_stats(stats)
+    ctx = _Context(recipe, tensors, stats)
+    target = recipe.target
+    notes: list[str] = []
+    if not ctx.experts:
+        raise UserError(f"model {recipe.model} has no routed expert weights for moequant to plan.")
+
+    # Non-routed tensors: fixed formats.
+    plans: list[TensorPlan] = []
+    non_expert_spec = resolve_format(recipe, recipe.non_experts.format)
+    reason = unservable_reason(target, non_expert_spec, routed=False)
+    if reason and non_expert_spec.name != "bf16":
+        raise UserError(f"non_experts.format {non_expert_spec.key} cannot be served by target {target}: {reason}; "
+                        f"accepted: bf16, fp8, int8, int4 (symmetric or not), mxfp4, nvfp4.")
+    bf16 = _formats().get_format("bf16")
+    kept_experts: dict[tuple[int, int], str] = {}
+    for t in tensors:
+        if t.is_routed_weight:
+            why = _keep_match(recipe, t)
+            if why:
+                kept_experts.setdefault((t.layer, t.expert), why)
+            continue
+        why = ALWAYS_BF16_ROLES.get(t.role)
+        if why is None and (len(t.shape) < 2 or t.name.endswith("bias") or t.role == "routed_expert"):
+            why = "biases and vectors are not quantized"
+        if why is None:
+            why = _keep_match(recipe, t)
+        if why is None and t.role not in NON_EXPERT_ROLES:
+            why = f"role {t.role} is not quantized"
+        spec = bf16 if why else non_expert_spec
+        if spec.name == "bf16" and not why:
+            why = "non_experts.format is bf16"
+        try:
+            nbytes = 2 * t.numel if spec.name == "bf16" else ctx.nbytes(spec, t.shape)
+        except UserError as error:
+            raise UserError(f"non_experts.format {spec.key} cannot hold tensor {t.name}: {str(error).rstrip('.')}.") from None
+        plans.append(TensorPlan(t.name, t.role, t.layer, t.expert, t.proj, t.shape, spec.key, spec_params(spec),
+                                recipe.algorithm_for(spec.name), nbytes, kept=why if spec.name == "bf16" else None))
+    for (layer, expert), why in kept_experts.items():
+        projs = {t.proj for t in ctx.experts[(layer, expert)] if _keep_match(recipe, t)}
+        if len(projs) < len(ctx.experts[(layer, expert)]):
+            notes.append(f"{why} matches only some projections of layer {layer} expert {expert}; the whole expert "
+                         f"stays bf16, since one format covers an expert's gate, up and down.")
+    free = [e for e in sorted(ctx.experts) if e not in kept_experts]
+    unit = GRANULARITY[target]
+    if unit != "expert" and kept_experts:
+        scopes = {L for L, _ in kept_experts} if unit == "layer" else {"all"}
+        for scope in scopes:
+            members = [e for e in ctx.experts if unit == "model" or e[0] == scope]
+            partial = [e for e in members if e not in kept_experts]
+            if partial:
+                where = f"layer {scope}" if unit == "layer" else "the model"
+                raise UserError(f"keep holds only some routed experts of {where} in bf16, which target {target} "
+                                f"cannot serve (one format per {unit}); accepted: keep whole layers "
+                                f"(e.g. model.layers.3.mlp.experts.*), routed_experts, or target transformers.")
+    other_bytes = sum(p.bytes for p in plans)
+    routed_numel = sum(t.numel for ts in ctx.experts.values() for t in ts)
+    fixed_routed = sum(ctx.expert_bytes(e, bf16) for e in kept_experts)
+
+    # Routed experts.
+    method = recipe.experts.method
+    dropped: dict[str, str] = {}
+    budget_info = None
+    if method == "budget":
+        if stats is None:
+            raise UserError("experts.method budget needs calibration statistics (routing and sensitivity); "
+                            "run `moequant calibrate` first and pass its statistics.")
+        all_specs = _dedupe(resolve_format(recipe, f) for f in recipe.experts.formats)
+        specs = []
+        for spec in all_specs:
+            why = unservable_reason(target, spec, routed=True)
+            if why:
+                dropped[spec.key] = why
+            else:
+                specs.append(spec)
+        if not specs:
+            raise UserError(f"experts.formats offers no format that target {target} can serve "
+                            f"({'; '.join(f'{k}: {v}' for k, v in dropped.items())}); accepted: fp8, int8, "
+                            f"symmetric int4, mxfp4, nvfp4, bf16.")
+        limit = _budget_limit(recipe, routed_numel, other_bytes, fixed_routed)
+        solved = _solve(ctx, target, free, specs, limit, notes) if free else ({}, 0)
+        if solved is None:
+            raise _infeasible_budget(recipe, _min_bytes(ctx, target, free, specs), routed_numel, other_bytes,
+                                     fixed_routed, [s.key for s in specs])
+        assignment, _ = solved
+        budget_info = {"bits_per_weight": recipe.experts.budget.bits_per_weight,
+                       "gigabytes": recipe.experts.budget.gigabytes,
+                       "routed_bytes_limit": limit + fixed_routed}
+    else:
+        if method == "uniform":
+            spec = resolve_format(recipe, recipe.experts.format)
+            assignment = {e: spec for e in free}
+        else:
+            assignment = _apply_rules(ctx, recipe, free)
+        for spec in _dedupe(assignment.values()):
+            why = unservable_reason(target, spec, routed=True)
+            if why:
+                key = "experts.format" if method == "uniform" else "experts.rules"
+                raise UserError(f"{key} gives routed experts {spec.key}, which target {target} cannot serve: {why}; "
+                                f"accepted: fp8, int8, symmetric int4, mxfp4, nvfp4, bf16, or target transformers.")
+        _check_uniform_groups(ctx, target, assignment)
+        specs = _dedupe(assignment.values())
+    for (layer, expert), spec in assignment.items():
+        try:
+            ctx.expert_bytes((layer, expert), spec)
+        except UserError as error:
+            raise UserError(f"format {spec.key} cannot hold layer {layer} expert {expert}: {str(error).rstrip('.')}.") from None
+
+    for e in kept_experts:
+        assignment[e] = bf16
+    for t in tensors:
+        if not t.is_routed_weight:
+            continue
+        spec = assignment[(t.layer, t.expert)]
+        usage = ctx.usage(t.layer)
+        loss = ctx.tensor_loss(t, spec.key) if stats is not None else None
+        plans.append(TensorPlan(t.name, t.role, t.layer, t.expert, t.proj, t.shape, spec.key, spec_params(spec),
+                                recipe.algorithm_for(spec.name), ctx.nbytes(spec, t.shape),
+                                kept=kept_experts.get((t.layer, t.expert)),
+                                usage=None if usage is None else float(usage[t.expert]), predicted_loss=loss))
+    used_specs = _dedupe([*specs, *assignment.values()])
+    plan = Plan(
+        model=recipe.model, target=target, method=method, budget=budget_info,
+        candidates=[s.key for s in specs], dropped_candidates=dropped,
+        usage_floor=recipe.experts.usage_floor,
+        formats={s.key: {"name": s.name, "params": spec_params(s), "algorithm": recipe.algorithm_for(s.name)}
+                 for s in used_specs},
+        tensors=plans, notes=notes, recipe=recipe_to_dict(recipe))
+    plan.summary = _summary(plan, ctx, free, budget_info)
+    return plan
+
+
+def _predicted_loss(ctx: _Context, assignment: dict) -> float | None:
+    if ctx.stats is None:
+        return None
+    try:
+        return float(sum(ctx.expert_loss(e, spec.key) for e, spec in assignment.items()))
+    except UserError:
+        return None
+
+
+def _summary(plan: Plan, ctx: _Context, free, budget_info) -> dict:
+    recipe = ctx.recipe
+    bytes_by_role: Counter = Counter()
+    weights_by_role: Counter = Counter()
+    for t in plan.tensors:
+        bytes_by_role[t.role] += t.bytes
+        weights_by_role[t.role] += math.prod(t.shape)
+    routed = [t for t in plan.tensors if t.role == "routed_expert" and t.expert is not None and t.proj in PROJECTIONS]
+    routed_bytes = sum(t.bytes for t in routed)
+    routed_numel = sum(math.prod(t.shape) for t in routed)
+    total_bytes = sum(bytes_by_role.values())
+    total_numel = sum(weights_by_role.values())
+    expert_keys = plan.expert_formats()
+    legend = _legend(sorted(set(expert_keys.values())))
+    char_of = {k: c for c, k in legend.items()}
+    layers = {}
+    for layer in ctx.layers:
+        keys = [expert_keys[(layer, e)] for e in range(ctx.num_experts[layer]) if (layer, e) in expert_keys]
+        layers[str(layer)] = {"map": "".join(char_of[k] for k in keys), "counts": dict(Counter(keys))}
+    has_loss = ctx.stats is not None and all(t.predicted_loss is not None for t in routed)
+    loss = float(sum(t.predicted_loss for t in routed)) if has_loss else None
+
+    # What the same bytes buy per expert (target transformers), and what uniform formats cost.
+    alternative = None
+    uniform = []
+    if ctx.stats is not None and free:
+        free_set = set(free)
+        fixed_bytes = sum(t.bytes for t in routed if (t.layer, t.expert) not in free_set)
+        if plan.target != "transformers":
+            entries = list(recipe.experts.formats) + [k for k in plan.formats]
+            specs = []
+            for spec in _dedupe(resolve_format(recipe, f) for f in entries):
+                try:
+                    ctx.expert_loss(free[0], spec.key)
+                    for e in free:
+                        ctx.expert_loss(e, spec.key)
+                    specs.append(spec)
+                except UserError:
+                    continue
+            limit = (budget_info["routed_bytes_limit"] if budget_info else routed_bytes) - fixed_bytes
+            solved = _solve(ctx, "transformers", free, specs, limit, None) if specs else None
+            if solved is not None:
+                assignment, used = solved
+                alternative = {"predicted_loss": _predicted_loss(ctx, assignment),  # kept experts: bf16, 0
+                               "routed_bytes": used + fixed_bytes,
+                               "candidates": [s.key for s in specs],
+                               "counts": dict(Counter(s.key for s in assignment.values()))}
+        for key in plan.candidates:
+            spec = _formats().parse_key(key)
+            try:
+                nbytes = sum(ctx.expert_bytes(e, spec) for e in free)
+            except UserError:
+                continue
+            uniform.append({"format": key, "routed_bytes": nbytes + fixed_bytes,
+                            "predicted_loss": _predicted_loss(ctx, {e: spec for e in free})})
+    return {
+        "layers": layers,
+        "legend": legend,
+        "bytes_by_role": dict(bytes_by_role),
+        "weights_by_role": dict(weights_by_role),
+        "total_bytes": total_bytes,
+        "bits_per_weight": {"overall": 8 * total_bytes / total_numel,
+                            "routed_experts": 8 * routed_bytes / routed_numel},
+        "routed_bytes": routed_bytes,
+        "predicted_loss": loss,
+        "per_expert_alternative": alternative,
+        "uniform_alternatives": uniform,
+    }
+
+
+def _legend(keys: list[str]) -> dict[str, str]:
+    legend: dict[str, str] = {}
+    spare = iter("abcdefghijklmnopqrstuvwxyz")
+    for key in keys:
+        char = MAP_CHARS.get(key.split("-")[0])
+        if char is None or char in legend:
+            char = next(spare)
+        legend[char] = key
+    return legend
+
+
+# ---------------------------------------------------------------------------------------------
+# plan.json
+
+
+def plan_to_dict(plan: Plan) -> dict:
+    data = dataclasses.asdict(plan)
+    data["tensors"] = [{**t, "shape": list(t["shape"])} for t in data["tensors"]]
+    return {"schema": SCHEMA, **data}
+
+
+def plan_from_dict(data: dict, source: str = "<plan>") -> Plan:
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise UserError(f"plan {source} has schema {found!r}; accepted: {SCHEMA!r} (write it with `moequant plan`).")
+    try:
+        tensors = [TensorPlan(**{**t, "shape": tuple(t["shape"])}) for t in data["tensors"]]
+        fields = {f.name for f in dataclasses.fields(Plan)} - {"tensors"}
+        return Plan(tensors=tensors, **{k: data[k] for k in fields if k in data})
+    except (KeyError, TypeError) as error:
+        raise UserError(f"plan {source} is malformed ({error}); accepted: a plan.json written by `moequant plan`.") from None
+
+
+def write_plan(plan: Plan, path: str | Path) -> Path:
+    """Write plan.json atomically (temp file beside it, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(plan_to_dict(plan), f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_plan(path: str | Path) -> Plan:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"plan {path} does not exist; write it with `moequant plan`.")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"plan {path} is not valid JSON; accepted: a plan.json written by `moequant plan`.") from None
+    return plan_from_dict(data, str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Summary text
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_summary(plan: Plan) -> str:
+    s = plan.summary
+    lines = [f"plan for {plan.model}: target {plan.target}, method {plan.method}"]
+    if plan.budget:
+        b = plan.budget
+        what = (f"{b['bits_per_weight']} bits per routed-expert weight" if b.get("bits_per_weight") is not None
+                else f"{b['gigabytes']} GB for the whole model")
+        lines.append(f"budget: {what} (routed experts may use {_size(b['routed_bytes_limit'])})")
+    if plan.candidates:
+        lines.append("candidates: " + ", ".join(plan.candidates))
+    for key, why in plan.dropped_candidates.items():
+        lines.append(f"dropped for target {plan.target}: {key} ({why})")
+    lines.append("routed experts per layer (" + ", ".join(f"{c}={k}" for c, k in s["legend"].items()) + "):")
+    for layer, info in s["layers"].items():
+        counts = ", ".join(f"{k} x{n}" for k, n in info["counts"].items())
+        row = f"  L{int(layer):>3}  {counts}"
+        if len(info["counts"]) > 1 and len(info["map"]) <= 128:
+            row += f"  [{info['map']}]"
+        lines.append(row)
+    bpw = s["bits_per_weight"]
+    lines.append(f"bits per weight: {bpw['routed_experts']:.3f} routed experts, {bpw['overall']:.3f} overall")
+    lines.append(f"bytes: {_size(s['total_bytes'])} total; " + ", ".join(
+        f"{role} {_size(n)}" for role, n in sorted(s["bytes_by_role"].items(), key=lambda kv: -kv[1])))
+    if s["predicted_loss"] is not None:
+        lines.append(f"predicted loss: {s['predicted_loss']:.6g}")
+    alt = s.get("per_expert_alternative")
+    if alt:
+        extra = (f"; serving with {plan.target} costs {(s['predicted_loss'] / alt['predicted_loss'] - 1) * 100:+.1f}%"
+                 if alt["predicted_loss"] and s["predicted_loss"] is not None else "")
+        lines.append(f"per-expert plan (target transformers) at the same budget: predicted loss "
+                     f"{alt['predicted_loss']:.6g}, {_size(alt['routed_bytes'])} routed{extra}")
+    for u in s.get("uniform_alternatives", []):
+        loss = f"{u['predicted_loss']:.6g}" if u["predicted_loss"] is not None else "n/a"
+        lines.append(f"uniform {u['format']}: {_size(u['routed_bytes'])} routed, predicted loss {loss}")
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)

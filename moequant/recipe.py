@@ -1,0 +1,400 @@
+"""Recipes: the YAML file that says what to quantize, how, and for which serving engine.
+
+A recipe is plain data validated by pydantic; every stage reads the fields it needs. Loading
+goes through `load_recipe(path, overrides)`, which applies `--set dotted.key=value` overrides
+(values parsed as YAML, so `keep=[router]` or `experts.budget={gigabytes: 2}` work) and turns
+any validation problem into one `UserError` sentence naming the file, the key, the bad value
+and what is accepted.
+
+```yaml
+model: zoo:tiny-qwen2moe      # zoo:NAME, an HF id, or a local directory
+output: runs/NAME
+target: vllm                  # vllm | sglang | transformers
+calibration: {dataset: builtin:stdlib, samples: 128, seq_len: 512, all_experts: true}
+keep: [router, shared_experts, attention, embeddings, lm_head]   # stay bf16
+non_experts: {format: bf16}   # format for attention / shared experts / dense MLPs not kept
+experts:
+  method: budget              # budget | rules | uniform
+  budget: {bits_per_weight: 4.5}        # or {gigabytes: 12.0}
+  formats: [fp8, int8, int4, mxfp4]     # candidates (names, or exact keys like int4-g64-sym)
+  format: int4                          # with method: uniform
+  rules:                                # with method: rules; first match wins
+    - {share_at_least: 2.0, format: fp8}   # routing share relative to the layer mean
+    - {share_below: 0.25, format: int4}
+    - {layers: "0-3", format: int8}
+    - {format: int4}
+  usage_floor: 0.05           # see moequant.policy: usage weight of never-routed experts
+algorithms: {int4: gptq, mxfp4: gptq, int8: rtn, fp8: rtn}
+formats: {int4: {group_size: 128, symmetric: true}, fp8: {block: [128, 128]}}
+export: {format: compressed-tensors}    # | gptq | awq | fp8-block | gpt-oss-mxfp4
+evaluate: {dataset: builtin:stdlib, samples: 64, seq_len: 512}
+seed: 0
+```
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from moequant.errors import UserError
+
+FORMAT_NAMES = ("bf16", "fp8", "int8", "int4", "int3", "int2", "mxfp4", "nvfp4")
+TARGETS = ("vllm", "sglang", "transformers")
+METHODS = ("budget", "rules", "uniform")
+ALGORITHMS = ("rtn", "gptq", "awq")
+EXPORT_FORMATS = ("compressed-tensors", "gptq", "awq", "fp8-block", "gpt-oss-mxfp4")
+# Names `keep` accepts besides tensor-name patterns (anything containing '*' or '.').
+KEEP_GROUPS = (
+    "router", "shared_expert_gate", "shared_experts", "attention", "dense_mlp",
+    "embeddings", "lm_head", "routed_experts",
+)
+# Algorithm used for a format when the recipe's `algorithms` map does not name it.
+DEFAULT_ALGORITHMS = {
+    "bf16": "none", "fp8": "rtn", "int8": "rtn", "int4": "gptq", "int3": "gptq",
+    "int2": "gptq", "mxfp4": "gptq", "nvfp4": "gptq",
+}
+DEFAULT_MODEL = "zoo:tiny-qwen2moe"
+DEFAULT_DATASET = "builtin:stdlib"
+
+
+def is_format_key(entry: str) -> bool:
+    """True for an exact format key such as `int4-g64-sym`, False for a bare name such as `int4`."""
+    return "-" in entry
+
+
+def check_format_entry(value: str) -> str:
+    """A format entry is a bare name (params from the recipe's `formats` map) or an exact key."""
+    name = value.split("-", 1)[0]
+    if name not in FORMAT_NAMES:
+        raise ValueError(f"'{value}' is not a format; accepted: {', '.join(FORMAT_NAMES)} "
+                         "(or an exact key such as int4-g64-sym)")
+    return value
+
+
+def parse_layer_ranges(text: str | int) -> frozenset[int]:
+    """'0-3,7' -> {0,1,2,3,7}; an int is one layer."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"'{text}' is not a layer list; accepted: e.g. \"0-3,7\"")
+        return frozenset([text])
+    layers: set[int] = set()
+    for part in str(text).split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if not match or (match.group(2) is not None and int(match.group(2)) < int(match.group(1))):
+            raise ValueError(f"'{text}' is not a layer list; accepted: e.g. \"0-3,7\"")
+        first = int(match.group(1))
+        last = int(match.group(2)) if match.group(2) is not None else first
+        layers.update(range(first, last + 1))
+    return frozenset(layers)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Calibration(Strict):
+    dataset: str = DEFAULT_DATASET
+    samples: int = Field(128, gt=0)
+    seq_len: int = Field(512, gt=0)
+    all_experts: bool = True
+
+
+class Evaluate(Strict):
+    dataset: str = DEFAULT_DATASET
+    samples: int = Field(64, gt=0)
+    seq_len: int = Field(512, gt=0)
+
+
+class Export(Strict):
+    format: Literal[EXPORT_FORMATS] = "compressed-tensors"
+
+
+class Budget(Strict):
+    """Exactly one of: bits per routed-expert weight, or gigabytes (10^9 bytes) for the whole model."""
+    bits_per_weight: Optional[float] = Field(None, gt=0)
+    gigabytes: Optional[float] = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def one_kind(self):
+        if (self.bits_per_weight is None) == (self.gigabytes is None):
+            raise ValueError("give exactly one of bits_per_weight or gigabytes "
+                             "(override the whole budget, e.g. experts.budget={gigabytes: 2})")
+        return self
+
+
+class Rule(Strict):
+    """Conditions all hold (an empty rule matches everything); `format` is required."""
+    share_at_least: Optional[float] = Field(None, ge=0)
+    share_below: Optional[float] = Field(None, gt=0)
+    layers: Optional[str | int] = None
+    format: str
+
+    @field_validator("format")
+    @classmethod
+    def _check_format(cls, value):
+        return check_format_entry(value)
+
+    @field_validator("layers")
+    @classmethod
+    def _check_layers(cls, value):
+        if value is not None:
+            parse_layer_ranges(value)
+        return value
+
+    def layer_set(self) -> frozenset[int] | None:
+        return None if self.layers is None else parse_layer_ranges(self.layers)
+
+
+class Experts(Strict):
+    method: Literal[METHODS] = "budget"
+    budget: Optional[Budget] = None
+    formats: list[str] = Field(default_factory=lambda: ["fp8", "int8", "int4"])
+    format: Optional[str] = None
+    rules: Optional[list[Rule]] = None
+    usage_floor: float = Field(0.05, ge=0, le=1)
+
+    @field_validator("formats")
+    @classmethod
+    def _check_formats(cls, value):
+        if not value:
+            raise ValueError("the candidate list is empty; accepted: a list of formats such as [fp8, int8, int4]")
+        for entry in value:
+            check_format_entry(entry)
+        if len(set(value)) != len(value):
+            raise ValueError(f"{value} names a format twice")
+        return value
+
+    @field_validator("format")
+    @classmethod
+    def _check_format(cls, value):
+        return None if value is None else check_format_entry(value)
+
+    @model_validator(mode="after")
+    def method_needs(self):
+        if self.method == "budget" and self.budget is None:
+            raise ValueError("method budget needs experts.budget, e.g. {bits_per_weight: 4.5} or {gigabytes: 12}")
+        if self.method == "uniform" and self.format is None:
+            raise ValueError("method uniform needs experts.format, e.g. int4")
+        if self.method == "rules" and not self.rules:
+            raise ValueError("method rules needs a non-empty experts.rules list")
+        return self
+
+
+class NonExperts(Strict):
+    """Format for attention, shared experts and dense MLPs that `keep` does not name."""
+    format: str = "bf16"
+
+    @field_validator("format")
+    @classmethod
+    def _check_format(cls, value):
+        return check_format_entry(value)
+
+
+class Recipe(Strict):
+    model: str = DEFAULT_MODEL
+    output: str = "runs/out"
+    target: Literal[TARGETS] = "vllm"
+    calibration: Calibration = Field(default_factory=Calibration)
+    keep: list[str] = Field(default_factory=lambda: ["router", "shared_expert_gate", "embeddings", "lm_head"])
+    non_experts: NonExperts = Field(default_factory=NonExperts)
+    experts: Experts = Field(default_factory=lambda: Experts(method="uniform", format="int4"))
+    algorithms: dict[str, Literal[ALGORITHMS]] = Field(default_factory=dict)
+    formats: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    export: Export = Field(default_factory=Export)
+    evaluate: Evaluate = Field(default_factory=Evaluate)
+    seed: int = 0
+
+    @field_validator("keep")
+    @classmethod
+    def _check_keep(cls, value):
+        for entry in value:
+            if entry not in KEEP_GROUPS and not ("*" in entry or "." in entry):
+                raise ValueError(f"'{entry}' is not a keep entry; accepted: {', '.join(KEEP_GROUPS)}, "
+                                 "or a tensor-name pattern containing '*' or '.'")
+        return value
+
+    @field_validator("algorithms", "formats")
+    @classmethod
+    def _check_format_names(cls, value):
+        for name in value:
+            if name not in FORMAT_NAMES:
+                raise ValueError(f"'{name}' is not a format name; accepted: {', '.join(FORMAT_NAMES)}")
+        return value
+
+    def algorithm_for(self, format_name: str) -> str:
+        if format_name == "bf16":
+            return "none"
+        return self.algorithms.get(format_name, DEFAULT_ALGORITHMS[format_name])
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading, overrides and error sentences
+
+
+def _dotted(loc: tuple) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts)
+
+
+def _show(value: Any) -> str:
+    return f"'{value}'" if isinstance(value, str) else repr(value)
+
+
+def _accepted_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Field names of the pydantic model that `loc` (minus its last part) points into."""
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        for sub in [*candidates, *[a for c in candidates for a in getattr(c, "__args__", ())]]:
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                model = sub
+                break
+        else:
+            return []
+    return list(model.model_fields)
+
+
+def _sentence(source: str, error: dict) -> str:
+    """One sentence for the first pydantic error: key, bad value, what is accepted."""
+    key = _dotted(error["loc"])
+    kind = error["type"]
+    value = error.get("input")
+    ctx = error.get("ctx") or {}
+    where = f"recipe {source}"
+    if kind == "extra_forbidden":
+        accepted = _accepted_keys(Recipe, error["loc"])
+        return f"{where}: unknown key '{key}'; accepted keys here: {', '.join(accepted)}."
+    if kind == "missing":
+        return f"{where}: key '{key}' is required."
+    if kind == "literal_error":
+        return f"{where}: key '{key}' has value {_show(value)}; accepted: {ctx.get('expected')}."
+    if kind in ("int_parsing", "int_type", "int_from_float"):
+        return f"{where}: key '{key}' has value {_show(value)}; accepted: a whole number."
+    if kind in ("float_parsing", "float_type"):
+        return f"{where}: key '{key}' has value {_show(value)}; accepted: a number."
+    if kind in ("bool_parsing", "bool_type"):
+        return f"{where}: key '{key}' has value {_show(value)}; accepted: true or false."
+    if kind in ("string_type",):
+        return f"{where}: key '{key}' has value {_show(value)}; accepted: a string."
+    if kind in ("list_type",):
+        return f"{where}: key '{key}' has value {_show(value)}; accepted: a list."
+    if kind in ("dict_type", "model_type", "model_attributes_type"):
+        return f"{where}: key '{key}' has value {_show(value)}; accepted: a mapping."
+    if kind == "greater_than":
+        return f"{where}: key '{key}' has value {_show(value)}; accepted: a number greater than {ctx['gt']}."
+    if kind == "greater_than_equal":
+        return f"{where}: key '{key}' has value {_show(value)}; accepted: a number of at least {ctx['ge']}."
+    if kind == "less_than_equal":
+        return f"{where}: key '{key}' has value {_show(value)}; accepted: a number of at most {ctx['le']}."
+    if kind == "value_error":
+        message = str(ctx.get("error", error["msg"]))
+        return f"{where}: key '{key}': {message}." if key else f"{where}: {message}."
+    return f"{where}: key '{key}' has value {_show(value)}: {error['msg']}."
+
+
+def _parse_override(source: str, text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise UserError(f"override {text!r} is not of the form dotted.key=value (e.g. experts.budget.bits_per_weight=4.5).")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_-]+)*", key):
+        raise UserError(f"override {text!r} has key {key!r}, which is not a dotted key such as experts.method.")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        raise UserError(f"override {text!r}: value {raw!r} is not valid YAML.") from None
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str], source: str = "<overrides>") -> dict:
+    """Return a copy of `data` with each `dotted.key=value` set (intermediate mappings created)."""
+    data = copy.deepcopy(data)
+    for text in overrides or []:
+        path, value = _parse_override(source, text)
+        node = data
+        for depth, part in enumerate(path[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise UserError(f"override {text!r}: key '{'.'.join(path[:depth + 1])}' holds "
+                                f"{_show(child)}, not a mapping, so it has no key '{path[depth + 1]}'.")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def recipe_from_dict(data: Any, source: str = "<recipe>") -> Recipe:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"recipe {source}: the top level is {type(data).__name__}, but a mapping of keys (model, target, experts, ...) is accepted.")
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as error:
+        raise UserError(_sentence(source, error.errors()[0])) from None
+    check_format_params(recipe, source)
+    return recipe
+
+
+def check_format_params(recipe: Recipe, source: str) -> None:
+    """Build every format the recipe names, so bad `formats` params fail at load time."""
+    from moequant.policy import resolve_format  # policy owns name/params -> spec resolution
+
+    entries = [("non_experts.format", recipe.non_experts.format)]
+    entries += [(f"experts.formats[{i}]", f) for i, f in enumerate(recipe.experts.formats)]
+    if recipe.experts.format:
+        entries.append(("experts.format", recipe.experts.format))
+    for i, rule in enumerate(recipe.experts.rules or []):
+        entries.append((f"experts.rules[{i}].format", rule.format))
+    entries += [(f"formats.{name}", name) for name in recipe.formats]
+    for key, entry in entries:
+        try:
+            resolve_format(recipe, entry)
+        except UserError as error:
+            raise UserError(f"recipe {source}: key '{key}' ({entry}): {str(error).rstrip('.')}.") from None
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
+    """Read a recipe YAML (None: all defaults), apply `dotted.key=value` overrides, validate."""
+    if path is None:
+        data, source = {}, "<defaults>"
+    else:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise UserError(f"recipe {source} does not exist or is not a file.")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise UserError(f"recipe {source} is not valid YAML{where}.") from None
+        except UnicodeDecodeError:
+            raise UserError(f"recipe {source} is not UTF-8 text.") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise UserError(f"recipe {source}: the top level is {type(data).__name__}, but a mapping of keys (model, target, experts, ...) is accepted.")
+    return recipe_from_dict(apply_overrides(data, overrides or [], source), source)
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    """Plain JSON-able dict (for plan.json and reports)."""
+    return recipe.model_dump(mode="json")

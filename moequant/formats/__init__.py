@@ -1,0 +1,24 @@
+"""Number formats: configs, exact quantize / dequantize, column quantizer, byte accounting, packing.
+
+    from moequant import formats
+    spec = formats.get_format("int4", group_size=128, symmetric=True)   # spec.key == "int4-g128-sym"
+    q = formats.quantize(weight, spec)          # weight [out, in] or [E, out, in]
+    w_hat = q.dequantize(torch.float32); q.nbytes
+    tensors = formats.pack_compressed_tensors(q)
+
+specs.py: what a format is and what it costs; elements.py: e2m1 / e8m0 / e4m3 encodings;
+core.py: quantize, dequantize and the GPTQ column quantizer (scale rules documented there);
+packing.py: compressed-tensors, GPTQ, AWQ, DeepSeek-FP8 and gpt-oss layouts and their readers.
+"""
+
+from moequant.formats.core import (  # noqa: F401
+    ColumnParams, ColumnQuantizer, QuantizedTensor, column_quantizer, dequantize, qdq, quantize, stack_experts,
+)
+from moequant.formats.packing import (  # noqa: F401
+    compressed_tensors_format, pack_awq, pack_compressed_tensors, pack_deepseek_fp8, pack_e2m1, pack_gpt_oss_mxfp4,
+    pack_gptq, pack_int32, packed_nbytes, unpack_awq, unpack_compressed_tensors, unpack_e2m1, unpack_gpt_oss_mxfp4,
+    unpack_gptq, unpack_int32,
+)
+from moequant.formats.specs import (  # noqa: F401
+    FORMAT_NAMES, FormatSpec, all_keys, check_shape, get_format, nbytes, parse_key,
+)

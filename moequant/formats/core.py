@@ -1,0 +1,391 @@
+"""Quantize / dequantize for every format, on [out, in] or stacked [E, out, in] weights.
+
+Plain tensor math, vectorised over experts, rows and groups; CPU or CUDA, any float dtype in
+(the arithmetic is float32; scales are derived in float64 and rounded once to their storage
+dtype). Scales are per expert always: a [E, out, in] weight gets exactly the scales that E
+separate [out, in] calls would give.
+
+Scale-selection rules (w = dequantized weight, q = code, s = scale, z = zero point):
+
+- fp8 (e4m3):  s = amax / 448 in fp32 (amax over the row / 128x128 block / tensor), q = e4m3(w / s).
+  128x128 blocks follow DeepSeek-V3: ceil(out/128) x ceil(in/128) scales, the last block row and
+  column cover what is left (ragged). `scales` is what DeepSeek calls weight_scale_inv: the
+  multiplier applied at dequantization, w = q * s.
+- int B symmetric: s = fp16(amax / (2^(B-1) - 1/2)), q = clamp(round(w / s), -2^(B-1), 2^(B-1)-1).
+  The grid is the 2^B levels -2^(B-1)..2^(B-1)-1 (GPTQ's and compressed-tensors' convention):
+  +amax lands on 2^(B-1) - 1/2 and saturates by half a step to 2^(B-1) - 1, -amax is exact.
+- int B asymmetric: the range [min(w, 0), max(w, 0)] is spread over 2^B - 1 steps,
+  s = fp16((max - min) / (2^B - 1)), z = clamp(-2^(B-1) + round(-min / s)), q = clamp(round(w / s) + z)
+  in signed codes -2^(B-1)..2^(B-1)-1, w = (q - z) * s (zero is exactly representable).
+- mxfp4: e8m0 scale per 32 inputs, rule documented in `elements.e8m0_from_amax`; q = e2m1(w / s).
+- nvfp4 (compressed-tensors / ModelOpt convention): per expert a global scale
+  g = 448 * 6 / amax(tensor) (fp32; 1 for an all-zero tensor); per 16 inputs
+  s = e4m3(g * (amax / 6)); q = e2m1(w / (s / g)); w = q * (s / g).
+
+Codes are signed int8 for integer formats, float8_e4m3fn for fp8, uint8 e2m1 codes (0..15,
+one per byte, unpacked) for mxfp4 / nvfp4. Rounding is half-to-even everywhere. Values beyond
+a format's range saturate to its largest code (fp8 +-448, e2m1 +-6, int clamps). Integer
+formats compute codes with the stored fp16 scale, so dequantization matches them exactly.
+All-zero groups get scale 0 (fp8, int; e8m0 2^-127 for mxfp4), codes equal to the zero point,
+and exact zeros back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from moequant.errors import UserError
+from moequant.formats.elements import (
+    E2M1_MAX, FP8_MAX, FP16_MAX, decode_e2m1, e8m0_from_amax, e8m0_to_float, encode_e2m1, to_e4m3,
+)
+from moequant.formats.specs import FormatSpec, _label, check_shape, get_format, nbytes as _nbytes
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """Codes and scales of one weight ([out, in]) or one stack of experts ([E, out, in]).
+
+    codes:        int8 (int formats, signed), float8_e4m3fn (fp8), uint8 e2m1 codes (mxfp4/nvfp4),
+                  bfloat16 (bf16); same shape as the weight
+    scales:       fp32 [..., out, 1] (fp8-channel) | [..., ceil(out/128), ceil(in/128)] (fp8-block)
+                  | [..., 1, 1] (fp8-tensor); fp16 [..., out, 1] (int8) | [..., out, in/g] (intB);
+                  uint8 e8m0 [..., out, in/32] (mxfp4); float8_e4m3fn [..., out, in/16] (nvfp4)
+    zeros:        int8 [..., out, in/g] signed zero points (asymmetric int), else None
+    global_scale: nvfp4 only: fp32 [] (2-D) or [E], the divisor g of the block scales
+    """
+
+    spec: FormatSpec
+    shape: tuple
+    codes: torch.Tensor
+    scales: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.spec, self.shape)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.spec.bits_per_weight(self.shape)
+
+    @property
+    def num_experts(self) -> int | None:
+        return self.shape[0] if len(self.shape) == 3 else None
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self, dtype)
+
+    def expert(self, e: int) -> "QuantizedTensor":
+        """The [out, in] QuantizedTensor of expert `e` of a stacked one (views, no copy)."""
+        if len(self.shape) != 3:
+            raise ValueError("expert() needs a stacked [E, out, in] QuantizedTensor")
+        pick = lambda t: None if t is None else t[e]  # noqa: E731
+        return QuantizedTensor(self.spec, tuple(self.shape[1:]), self.codes[e], pick(self.scales),
+                               pick(self.zeros), pick(self.global_scale))
+
+    def to(self, device) -> "QuantizedTensor":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return replace(self, codes=self.codes.to(device), scales=move(self.scales), zeros=move(self.zeros),
+                       global_scale=move(self.global_scale))
+
+
+def stack_experts(qs: list) -> QuantizedTensor:
+    """[out, in] QuantizedTensors of one format -> one stacked [E, out, in] QuantizedTensor."""
+    first = qs[0]
+    if any(q.spec != first.spec or q.shape != first.shape for q in qs):
+        raise ValueError("stack_experts needs QuantizedTensors of one format and one shape")
+    st = lambda ts: None if ts[0] is None else torch.stack(ts)  # noqa: E731
+    return QuantizedTensor(first.spec, (len(qs),) + tuple(first.shape), st([q.codes for q in qs]),
+                           st([q.scales for q in qs]), st([q.zeros for q in qs]), st([q.global_scale for q in qs]))
+
+
+# ---------------------------------------------------------------- entry points
+
+def quantize(weight: torch.Tensor, spec, *, name: str | None = None, global_scale=None, **params) -> QuantizedTensor:
+    """Quantize `weight` ([out, in] or [E, out, in], any float dtype, CPU or CUDA) to `spec`.
+
+    spec: a FormatSpec, a format name with its parameters (quantize(w, "int4", group_size=64)),
+    or a key ("int4-g64-asym"). name: the tensor's name, used in error messages.
+    global_scale: nvfp4 only, to impose the per-expert global scale(s) (shape [] or [E]);
+    default 448 * 6 / amax of each expert.
+    """
+    spec = get_format(spec, **params)
+    x = _prepare(weight, spec, name)
+    if spec.name == "bf16":
+        return QuantizedTensor(spec, tuple(weight.shape), weight.to(torch.bfloat16))
+    gs = _global_scale(spec, x, global_scale, name)
+    xg = _reduction_view(spec, x)
+    scales, zeros = _fit(spec, xg, _bcast_gs(gs, xg.dim() - 1), name)
+    if spec.granularity == "block":
+        codes = _encode(spec, x, _expand_block(scales, spec.group_size, *x.shape[-2:]), None, None)
+    else:
+        view = _scale_view(spec, x)
+        codes = _encode(spec, view, _bcast(spec, scales), _bcast(spec, zeros), _bcast_gs(gs, view.dim()))
+        codes = codes.reshape(x.shape)
+    return QuantizedTensor(spec, tuple(weight.shape), codes, scales, zeros, gs)
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Codes and scales -> weight in `dtype` (computed in float32, then cast once)."""
+    spec = q.spec
+    if spec.name == "bf16":
+        return q.codes.to(dtype)
+    if spec.granularity == "block":
+        w = _decode(spec, q.codes, _expand_block(q.scales, spec.group_size, *q.codes.shape[-2:]), None, None)
+        return w.to(dtype)
+    view = _scale_view(spec, q.codes)
+    w = _decode(spec, view, _bcast(spec, q.scales), _bcast(spec, q.zeros), _bcast_gs(q.global_scale, view.dim()))
+    return w.reshape(q.codes.shape).to(dtype)
+
+
+def qdq(weight: torch.Tensor, spec, *, name: str | None = None, **params) -> torch.Tensor:
+    """Quantize then dequantize (round-to-nearest), in the weight's dtype."""
+    return quantize(weight, spec, name=name, **params).dequantize(weight.dtype)
+
+
+# ---------------------------------------------------------------- GPTQ-style column quantizer
+
+@dataclass(frozen=True)
+class ColumnParams:
+    """Scales (and zero points) of one group of input columns, shaped for [..., out, k] columns:
+    [..., out, 1] for group / channel formats, [..., 1, 1] for fp8-tensor, [..., ceil(out/128), 1]
+    for fp8-block."""
+
+    scales: torch.Tensor
+    zeros: torch.Tensor | None = None
+
+
+class ColumnQuantizer:
+    """Quantize columns with fixed scales, for GPTQ-style algorithms.
+
+    Create it with the whole (original) weight; for nvfp4 this fixes the per-expert global
+    scale. Walk the input columns in groups of `group_width` (fp8-block's last group may be
+    narrower when in % 128 != 0): `fit` the group's scales from the current (error-updated)
+    columns, then `quantize` / `dequantize` / `qdq` any of its columns with those scales, and
+    finally `assemble` the codes and the per-group params into a QuantizedTensor. On an
+    unchanged weight this gives exactly `quantize(weight, spec)`.
+    """
+
+    def __init__(self, spec, weight: torch.Tensor, *, name: str | None = None, global_scale=None):
+        self.spec = get_format(spec)
+        if self.spec.name == "bf16":
+            raise UserError("format bf16 keeps weights as they are; there is nothing to quantize column by column")
+        x = _prepare(weight, self.spec, name)
+        if self.spec.granularity != "block":  # early NaN check, as quantize() does through the fit
+            _check_finite(x.abs().amax(), x, name)
+        self.name = name
+        self.shape = tuple(weight.shape)
+        self.rows, self.cols = self.shape[-2:]
+        self.group_width = self.spec.group_size if self.spec.granularity in ("group", "block") else self.cols
+        self.global_scale = _global_scale(self.spec, x, global_scale, name)
+
+    def fit(self, w_group: torch.Tensor) -> ColumnParams:
+        """Scales / zero points of one group from its columns [..., out, k], k <= group_width."""
+        x = w_group.to(torch.float32)
+        spec = self.spec
+        if spec.granularity == "block":
+            b = spec.group_size
+            pad = -x.shape[-2] % b
+            xp = F.pad(x, (0, 0, 0, pad)) if pad else x
+            xg = xp.unflatten(-2, (xp.shape[-2] // b, b)).flatten(-2)  # [..., nbo, b * k]
+            scales, zeros = _fit(spec, xg, None, self.name)
+            return ColumnParams(scales.unsqueeze(-1), None)
+        if spec.granularity == "tensor":
+            xg = x.flatten(-2)[..., None, None, :]
+        else:
+            xg = x.unsqueeze(-2)
+        gs = None if self.global_scale is None else self.global_scale.reshape(self.global_scale.shape + (1, 1))
+        scales, zeros = _fit(spec, xg, gs, self.name)
+        return ColumnParams(scales, zeros)
+
+    def _column_scales(self, params: ColumnParams) -> torch.Tensor:
+        if self.spec.granularity == "block":
+            return params.scales.repeat_interleave(self.spec.group_size, dim=-2)[..., : self.rows, :]
+        return params.scales
+
+    def _gs(self, ndim: int):
+        return _bcast_gs(self.global_scale, ndim)
+
+    def quantize(self, w_cols: torch.Tensor, params: ColumnParams) -> torch.Tensor:
+        """Codes of columns [..., out, k] under fixed params."""
+        x = w_cols.to(torch.float32)
+        return _encode(self.spec, x, self._column_scales(params), params.zeros, self._gs(x.dim()))
+
+    def dequantize(self, codes: torch.Tensor, params: ColumnParams) -> torch.Tensor:
+        """float32 values of column codes [..., out, k] under fixed params."""
+        return _decode(self.spec, codes, self._column_scales(params), params.zeros, self._gs(codes.dim()))
+
+    def qdq(self, w_cols: torch.Tensor, params: ColumnParams) -> torch.Tensor:
+        """Quantize-dequantize columns with fixed params, returned in w_cols' dtype."""
+        return self.dequantize(self.quantize(w_cols, params), params).to(w_cols.dtype)
+
+    def assemble(self, codes, params_list) -> QuantizedTensor:
+        """Codes (one tensor [..., out, in], or a list of column blocks in order) and the params
+        of every group in order -> the QuantizedTensor."""
+        if not isinstance(codes, torch.Tensor):
+            codes = torch.cat(list(codes), dim=-1)
+        if tuple(codes.shape) != self.shape:
+            raise ValueError("assembled codes have shape %s, expected %s" % (tuple(codes.shape), self.shape))
+        params_list = list(params_list)
+        n_groups = math.ceil(self.cols / self.group_width)
+        if len(params_list) != n_groups:
+            raise ValueError("got params for %d groups, expected %d" % (len(params_list), n_groups))
+        scales = torch.cat([p.scales for p in params_list], dim=-1)
+        zeros = None if params_list[0].zeros is None else torch.cat([p.zeros for p in params_list], dim=-1)
+        return QuantizedTensor(self.spec, self.shape, codes, scales, zeros, self.global_scale)
+
+
+def column_quantizer(spec, weight: torch.Tensor, *, name: str | None = None, global_scale=None) -> ColumnQuantizer:
+    """A ColumnQuantizer for `weight` ([out, in] or [E, out, in]) in format `spec`."""
+    return ColumnQuantizer(spec, weight, name=name, global_scale=global_scale)
+
+
+# ---------------------------------------------------------------- internals
+
+def _prepare(weight, spec: FormatSpec, name) -> torch.Tensor:
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        raise UserError("%s must be a floating-point tensor, got %s" % (_label(name), getattr(weight, "dtype", type(weight))))
+    if weight.dim() not in (2, 3):
+        raise UserError("%s has shape %s; accepted: [out, in] or [experts, out, in]" % (_label(name), tuple(weight.shape)))
+    check_shape(spec, weight.shape, name)
+    if spec.name == "bf16":
+        _check_finite(weight.abs().amax() if weight.numel() else torch.zeros(()), weight, name)
+        return weight
+    return weight.to(torch.float32)
+
+
+def _check_finite(stat: torch.Tensor, x: torch.Tensor, name) -> None:
+    """Reductions (amax / amin) propagate NaN and Inf, so checking them covers the whole weight."""
+    if not bool(torch.isfinite(stat).all()):
+        bad = x.to(torch.float32)
+        raise UserError("%s contains %d NaN and %d infinite values; only finite weights can be quantized"
+                        % (_label(name), int(torch.isnan(bad).sum()), int(torch.isinf(bad).sum())))
+
+
+def _global_scale(spec: FormatSpec, x: torch.Tensor, given, name):
+    """nvfp4's per-expert fp32 global scale g = 448 * 6 / amax (1 for all-zero experts)."""
+    if spec.name != "nvfp4":
+        if given is not None:
+            raise UserError("global_scale applies to nvfp4 only, not %s" % spec.key)
+        return None
+    lead = x.shape[:-2]
+    if given is not None:
+        g = torch.as_tensor(given, dtype=torch.float32, device=x.device)
+        if g.numel() == 1 and not lead:
+            g = g.reshape(())
+        if tuple(g.shape) != tuple(lead) or not bool((torch.isfinite(g) & (g > 0)).all()):
+            raise UserError("nvfp4 global_scale for %s must be positive, finite and of shape %s, got %s"
+                            % (_label(name), tuple(lead), tuple(g.shape)))
+        return g
+    amax = x.abs().amax(dim=(-2, -1))
+    _check_finite(amax, x, name)
+    g = (FP8_MAX * E2M1_MAX) / amax
+    return torch.where(amax > 0, g, torch.ones_like(g))
+
+
+def _reduction_view(spec: FormatSpec, x: torch.Tensor) -> torch.Tensor:
+    """View of x whose last axis holds the elements that share one scale."""
+    rows, cols = x.shape[-2:]
+    if spec.granularity == "group":
+        return x.unflatten(-1, (cols // spec.group_size, spec.group_size))
+    if spec.granularity == "channel":
+        return x.unsqueeze(-2)  # [..., out, 1, in]
+    if spec.granularity == "tensor":
+        return x.flatten(-2)[..., None, None, :]  # [..., 1, 1, out*in]
+    b = spec.group_size  # 128x128 blocks, zero-padded at the ragged edges (zeros do not change amax)
+    xp = F.pad(x, (0, -cols % b, 0, -rows % b))
+    nbo, nbi = xp.shape[-2] // b, xp.shape[-1] // b
+    return xp.unflatten(-1, (nbi, b)).unflatten(-3, (nbo, b)).transpose(-3, -2).flatten(-2)  # [..., nbo, nbi, b*b]
+
+
+def _scale_view(spec: FormatSpec, t: torch.Tensor) -> torch.Tensor:
+    """View of a [..., out, in] tensor in which per-group scales broadcast with one trailing axis."""
+    if spec.granularity == "group":
+        return t.unflatten(-1, (t.shape[-1] // spec.group_size, spec.group_size))
+    return t
+
+
+def _bcast(spec: FormatSpec, s):
+    return None if s is None else (s.unsqueeze(-1) if spec.granularity == "group" else s)
+
+
+def _bcast_gs(gs, ndim: int):
+    return None if gs is None else gs.reshape(gs.shape + (1,) * (ndim - gs.dim()))
+
+
+def _expand_block(scales: torch.Tensor, b: int, rows: int, cols: int) -> torch.Tensor:
+    return scales.repeat_interleave(b, dim=-2)[..., :rows, :].repeat_interleave(b, dim=-1)[..., :cols]
+
+
+def _fp16_scale(s64: torch.Tensor, name) -> torch.Tensor:
+    top = float(s64.max()) if s64.numel() else 0.0
+    if top > FP16_MAX:
+        raise UserError("%s has values too large for fp16 scales (a scale of %.4g exceeds %g); "
+                        "use fp8, bf16 or rescale the weight" % (_label(name), top, FP16_MAX))
+    return s64.to(torch.float16)
+
+
+def _fit(spec: FormatSpec, xg: torch.Tensor, gs, name):
+    """Scales (and zero points) over the last axis of xg -> tensors of shape xg.shape[:-1]."""
+    if spec.is_int and not spec.symmetric:
+        lo = xg.amin(-1)
+        hi = xg.amax(-1)
+        _check_finite(lo + hi, xg, name)
+        lo = lo.clamp(max=0.0)
+        hi = hi.clamp(min=0.0)
+        scale = _fp16_scale((hi.double() - lo.double()) / (2 ** spec.bits - 1), name)
+        s = scale.to(torch.float32)
+        qmin, qmax = -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1
+        z = torch.clamp(qmin + torch.round(-lo / torch.where(s > 0, s, 1.0)), qmin, qmax)
+        z = torch.where(s > 0, z, torch.zeros_like(z))
+        return scale, z.to(torch.int8)
+    amax = xg.abs().amax(-1)
+    _check_finite(amax, xg, name)
+    if spec.name == "fp8":
+        return (amax.double() / FP8_MAX).to(torch.float32), None
+    if spec.is_int:
+        return _fp16_scale(amax.double() / (2 ** (spec.bits - 1) - 0.5), name), None
+    if spec.name == "mxfp4":
+        return e8m0_from_amax(amax), None
+    # nvfp4, in compressed-tensors' float32 operation order: e4m3(g * (amax / 6))
+    return to_e4m3(gs * (amax / E2M1_MAX)), None
+
+
+def _encode(spec: FormatSpec, x: torch.Tensor, s, z, gs) -> torch.Tensor:
+    """float32 values -> codes, with scales (zero points, global scale) broadcast against x."""
+    if spec.name == "mxfp4":
+        return encode_e2m1(x / e8m0_to_float(s))
+    if spec.name == "nvfp4":
+        s = s.to(torch.float32) / gs
+    else:
+        s = s.to(torch.float32)
+    ok = s > 0
+    y = x / torch.where(ok, s, 1.0)
+    if spec.name == "fp8":
+        return to_e4m3(torch.where(ok, y, 0.0))
+    if spec.name == "nvfp4":
+        return encode_e2m1(torch.where(ok, y, 0.0))
+    qmin, qmax = -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1
+    q = torch.round(y)
+    if z is not None:
+        q = q + z.to(torch.float32)
+    q = q.clamp_(qmin, qmax)
+    q = torch.where(ok, q, 0.0 if z is None else z.to(torch.float32))
+    return q.to(torch.int8)
+
+
+def _decode(spec: FormatSpec, codes: torch.Tensor, s, z, gs) -> torch.Tensor:
+    """codes -> float32 values."""
+    if spec.name == "mxfp4":
+        return decode_e2m1(codes) * e8m0_to_float(s)
+    if spec.name == "nvfp4":
+        return decode_e2m1(codes) * (s.to(torch.float32) / gs)
+    q = codes.to(torch.float32)
+    if z is not None:
+        q = q - z.to(torch.float32)
+    return q * s.to(torch.float32)

@@ -1,0 +1,311 @@
+"""On-disk layouts for the exporters, and the matching readers.
+
+Every packer takes a QuantizedTensor ([out, in] or stacked [E, out, in]; stacked tensors keep
+the leading expert axis on every output) and returns a dict of tensors named as the target
+format names them; the unpackers invert them exactly. Layout facts (checked against the
+readers in the tests):
+
+- Integer bit packing (compressed-tensors pack-quantized, GPTQ): codes are offset to unsigned
+  (q + 2^(B-1)) and written as one little-endian bit stream per row, element i at bits
+  [i*B, i*B + B) of the stream, 32 bits per int32 word; ceil(n*B/32) words per row, no padding
+  between elements. For B = 4 / 8 that is 8 / 4 codes per word, lowest bits first; for B = 3
+  codes straddle words (32 codes in 3 words), as compressed-tensors >= 0.12 and GPTQ's 3-bit
+  layout both do. compressed-tensors packs along the input axis ([out, ceil(in*B/32)]) and
+  packs asymmetric zero points the same way along the *output* axis ([ceil(out*B/32), groups]).
+- GPTQ v1: qweight = the same stream along the input axis, stored transposed [ceil(in*B/32), out];
+  qzeros [groups, ceil(out*B/32)] hold (zero - 1) (the v1 off-by-one that readers add back;
+  symmetric tensors store 2^(B-1) - 1, which vLLM ignores); scales fp16 [groups, out];
+  g_idx int32 [in] (no activation reordering). version=2 (GPTQModel's gptq_v2) stores zero as is.
+- AWQ GEMM (4-bit): qweight [in, out/8] and qzeros [groups, out/8], packing along the output
+  axis, nibble p of each word holding column 8j + (0, 2, 4, 6, 1, 3, 5, 7)[p]; zeros unsigned
+  as is; scales fp16 [groups, out].
+- e2m1 (mxfp4, nvfp4): two codes per byte along the input axis, element 2k in the low nibble,
+  2k+1 in the high nibble ([..., out, in/2] uint8), as compressed-tensors and the gpt-oss
+  checkpoints (transformers' dequantizer) store them.
+- fp8: float8_e4m3fn codes as they are, fp32 scales.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from moequant.errors import UserError
+from moequant.formats.core import QuantizedTensor
+from moequant.formats.specs import FormatSpec, get_format
+
+_BYTE_ALIGNED = sys.byteorder == "little"
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_INVERSE = tuple(AWQ_ORDER.index(c) for c in range(8))  # (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+# ---------------------------------------------------------------- bit streams
+
+def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes [..., n] (0 <= v < 2^bits) -> int32 words [..., ceil(n*bits/32)], dense
+    little-endian bit stream along the last axis."""
+    n = values.shape[-1]
+    n_words = math.ceil(n * bits / 32)
+    pad = -n % 32
+    if pad:
+        values = torch.cat([values, values.new_zeros(values.shape[:-1] + (pad,))], dim=-1)
+    if 8 % bits == 0 and _BYTE_ALIGNED:
+        per_byte = 8 // bits
+        v = values.to(torch.uint8).unflatten(-1, (values.shape[-1] // per_byte, per_byte))
+        byte = v[..., 0].clone()
+        for i in range(1, per_byte):  # fields inside one byte (at most 4), not rows or groups
+            byte |= v[..., i] << (bits * i)
+        return byte.contiguous().view(torch.int32)[..., :n_words]
+    v = values.to(torch.int64).unflatten(-1, (values.shape[-1] // 32, 32))
+    start = torch.arange(32, device=values.device) * bits
+    words = []
+    for w in range(bits):  # the `bits` words of each 32-code chunk
+        shift = start - 32 * w
+        take = ((shift > -bits) & (shift < 32)).nonzero().flatten()
+        sh = shift[take]
+        part = v[..., take]
+        part = torch.where(sh >= 0, part << sh.clamp(min=0), part >> (-sh).clamp(min=0))
+        words.append((part & 0xFFFFFFFF).sum(-1))
+    out = torch.stack(words, dim=-1).flatten(-2)
+    out = torch.where(out >= 2 ** 31, out - 2 ** 32, out).to(torch.int32)
+    return out[..., :n_words]
+
+
+def unpack_int32(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of pack_int32: int32 words [..., w] -> unsigned codes uint8 [..., n]."""
+    if words.dtype != torch.int32:
+        raise ValueError("packed codes must be int32, got %s" % words.dtype)
+    mask = (1 << bits) - 1
+    if 8 % bits == 0 and _BYTE_ALIGNED:
+        b = words.contiguous().view(torch.uint8)
+        fields = [(b >> (bits * i)) & mask for i in range(8 // bits)]
+        return torch.stack(fields, dim=-1).flatten(-2)[..., :n]
+    pad = -words.shape[-1] % bits
+    if pad:
+        words = torch.cat([words, words.new_zeros(words.shape[:-1] + (pad,))], dim=-1)
+    w = (words.to(torch.int64) & 0xFFFFFFFF).unflatten(-1, (words.shape[-1] // bits, bits))
+    start = torch.arange(32, device=words.device) * bits
+    idx, off = start // 32, start % 32
+    lo = w[..., idx] >> off
+    spill = off + bits > 32
+    hi = w[..., (idx + 1).clamp(max=bits - 1)] << (32 - off)
+    vals = (lo | torch.where(spill, hi, torch.zeros_like(hi))) & mask
+    return vals.flatten(-2)[..., :n].to(torch.uint8)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes [..., n] (uint8 0..15, n even) -> bytes [..., n/2]: element 2k low nibble, 2k+1 high."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """bytes [..., m] -> e2m1 codes [..., 2m] (low nibble first)."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def _unsigned(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    return (codes.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
+
+
+def _signed(u: torch.Tensor, bits: int) -> torch.Tensor:
+    return (u.to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
+
+
+def _along_rows(fn, t: torch.Tensor, *args):
+    """Apply a last-axis packer along the second-to-last axis instead."""
+    return fn(t.transpose(-2, -1), *args).transpose(-2, -1).contiguous()
+
+
+def _per_expert_scalar(t: torch.Tensor) -> torch.Tensor:
+    """[] -> [1] and [E] -> [E, 1]: how per-tensor scalars are written."""
+    return t.reshape(t.shape + (1,)).contiguous()
+
+
+# ---------------------------------------------------------------- compressed-tensors
+
+def compressed_tensors_format(spec) -> str:
+    """compressed-tensors `format` string for a spec."""
+    spec = get_format(spec)
+    return {"bf16": "dense", "fp8": "float-quantized", "mxfp4": "mxfp4-pack-quantized",
+            "nvfp4": "nvfp4-pack-quantized"}.get(spec.name, "pack-quantized")
+
+
+def pack_compressed_tensors(q: QuantizedTensor) -> dict:
+    """Tensors of one module in compressed-tensors layout (names without the module prefix).
+
+    int:   weight_packed int32, weight_scale fp16, [weight_zero_point int32 (asym)], weight_shape int64
+    fp8:   weight float8_e4m3fn, weight_scale fp32 ([out,1] | [ceil(out/128), ceil(in/128)] | [1])
+    mxfp4: weight_packed uint8 [out, in/2], weight_scale uint8 e8m0 [out, in/32]
+    nvfp4: weight_packed uint8 [out, in/2], weight_scale float8_e4m3fn [out, in/16], weight_global_scale fp32 [1]
+    bf16:  weight bfloat16
+    """
+    spec = q.spec
+    if spec.name == "bf16":
+        return {"weight": q.codes}
+    if spec.name == "fp8":
+        scale = q.scales if spec.granularity != "tensor" else _per_expert_scalar(q.scales.reshape(q.scales.shape[:-2]))
+        return {"weight": q.codes, "weight_scale": scale}
+    if spec.is_fp4:
+        out = {"weight_packed": pack_e2m1(q.codes), "weight_scale": q.scales}
+        if spec.name == "nvfp4":
+            out["weight_global_scale"] = _per_expert_scalar(q.global_scale)
+        return out
+    out = {"weight_packed": pack_int32(_unsigned(q.codes, spec.bits), spec.bits),
+           "weight_scale": q.scales,
+           "weight_shape": torch.tensor(q.shape, dtype=torch.int64)}
+    if q.zeros is not None:
+        out["weight_zero_point"] = _along_rows(pack_int32, _unsigned(q.zeros, spec.bits), spec.bits)
+    return out
+
+
+def unpack_compressed_tensors(tensors: dict, spec) -> QuantizedTensor:
+    """Inverse of pack_compressed_tensors."""
+    spec = get_format(spec)
+    if spec.name == "bf16":
+        w = tensors["weight"]
+        return QuantizedTensor(spec, tuple(w.shape), w.to(torch.bfloat16))
+    if spec.name == "fp8":
+        w, s = tensors["weight"], tensors["weight_scale"].to(torch.float32)
+        if spec.granularity == "tensor":
+            s = s.reshape(w.shape[:-2] + (1, 1))
+        return QuantizedTensor(spec, tuple(w.shape), w, s)
+    if spec.is_fp4:
+        codes = unpack_e2m1(tensors["weight_packed"])
+        gs = None
+        if spec.name == "nvfp4":
+            gs = tensors["weight_global_scale"].to(torch.float32).reshape(codes.shape[:-2])
+        return QuantizedTensor(spec, tuple(codes.shape), codes, tensors["weight_scale"], None, gs)
+    shape = tuple(int(v) for v in tensors["weight_shape"].tolist())
+    codes = _signed(unpack_int32(tensors["weight_packed"], spec.bits, shape[-1]), spec.bits)
+    zeros = None
+    if not spec.symmetric:
+        zp = tensors["weight_zero_point"]
+        zeros = _signed(unpack_int32(zp.transpose(-2, -1), spec.bits, shape[-2]).transpose(-2, -1), spec.bits)
+    return QuantizedTensor(spec, shape, codes, tensors["weight_scale"], zeros.contiguous() if zeros is not None else None)
+
+
+# ---------------------------------------------------------------- GPTQ
+
+def _int_spec_for(spec: FormatSpec, layout: str, bits_ok) -> None:
+    if not spec.is_int or spec.bits not in bits_ok:
+        raise UserError("the %s layout holds %s integer formats, not %s"
+                        % (layout, "/".join("int%d" % b for b in bits_ok), spec.key))
+
+
+def _group_size(spec: FormatSpec, cols: int) -> int:
+    return cols if spec.granularity == "channel" else spec.group_size
+
+
+def pack_gptq(q: QuantizedTensor, version: int = 1) -> dict:
+    """GPTQ checkpoint tensors: qweight, qzeros, scales, g_idx (see the module docstring)."""
+    spec = q.spec
+    _int_spec_for(spec, "GPTQ", (2, 3, 4, 8))
+    bits, cols = spec.bits, q.shape[-1]
+    u = _unsigned(q.codes, bits)
+    qweight = pack_int32(u, bits).transpose(-2, -1).contiguous()  # stream along the input axis
+    if q.zeros is None:
+        zeros = torch.full(q.scales.shape, 1 << (bits - 1), dtype=torch.int16, device=u.device)
+    else:
+        zeros = _unsigned(q.zeros, bits).to(torch.int16)
+    if version == 1:
+        if bool((zeros == 0).any()):
+            raise UserError("GPTQ v1 cannot store a zero point of 0 (it writes zero - 1): %d groups of this "
+                            "asymmetric %s tensor have one; use gptq_v2, compressed-tensors or a symmetric format"
+                            % (int((zeros == 0).sum()), spec.key))
+        zeros = zeros - 1
+    elif version != 2:
+        raise ValueError("GPTQ version must be 1 or 2")
+    qzeros = pack_int32(zeros.transpose(-2, -1).contiguous(), bits)  # [..., groups, words over out]
+    g = _group_size(spec, cols)
+    return {"qweight": qweight, "qzeros": qzeros, "scales": q.scales.transpose(-2, -1).contiguous(),
+            "g_idx": torch.arange(cols, dtype=torch.int32, device=u.device) // g}
+
+
+def unpack_gptq(tensors: dict, spec, shape, version: int = 1) -> QuantizedTensor:
+    """Inverse of pack_gptq for a weight of `shape` ([out, in] or [E, out, in])."""
+    spec = get_format(spec)
+    _int_spec_for(spec, "GPTQ", (2, 3, 4, 8))
+    bits, shape = spec.bits, tuple(shape)
+    rows, cols = shape[-2:]
+    codes = _signed(unpack_int32(tensors["qweight"].transpose(-2, -1).contiguous(), bits, cols), bits)
+    scales = tensors["scales"].transpose(-2, -1).contiguous()
+    zeros = None
+    if not spec.symmetric:
+        z = unpack_int32(tensors["qzeros"], bits, rows).to(torch.int16)
+        z = (z + 1) & ((1 << bits) - 1) if version == 1 else z
+        zeros = _signed(z, bits).transpose(-2, -1).contiguous()
+    return QuantizedTensor(spec, shape, codes, scales, zeros)
+
+
+# ---------------------------------------------------------------- AWQ
+
+def pack_awq(q: QuantizedTensor) -> dict:
+    """AutoAWQ GEMM tensors: qweight [in, out/8], qzeros [groups, out/8], scales [groups, out]."""
+    spec = q.spec
+    _int_spec_for(spec, "AWQ", (4,))
+    rows = q.shape[-2]
+    if rows % 8:
+        raise UserError("the AWQ layout needs output features divisible by 8, got %d" % rows)
+    order = torch.tensor(AWQ_ORDER, device=q.codes.device)
+
+    def interleave(u_t):  # [..., n, out] -> words [..., n, out/8]
+        v = u_t.unflatten(-1, (rows // 8, 8))[..., order]
+        return pack_int32(v.flatten(-2), 4)
+
+    u = _unsigned(q.codes, 4).transpose(-2, -1).contiguous()
+    if q.zeros is None:
+        z = torch.full(q.scales.shape, 8, dtype=torch.uint8, device=u.device)
+    else:
+        z = _unsigned(q.zeros, 4)
+    return {"qweight": interleave(u), "qzeros": interleave(z.transpose(-2, -1).contiguous()),
+            "scales": q.scales.transpose(-2, -1).contiguous()}
+
+
+def unpack_awq(tensors: dict, spec, shape) -> QuantizedTensor:
+    """Inverse of pack_awq (a symmetric spec ignores qzeros, which hold 8)."""
+    spec = get_format(spec)
+    _int_spec_for(spec, "AWQ", (4,))
+    shape = tuple(shape)
+    rows = shape[-2]
+    inverse = torch.tensor(AWQ_INVERSE, device=tensors["qweight"].device)
+
+    def deinterleave(words):  # [..., n, out/8] -> [..., n, out]
+        v = unpack_int32(words, 4, rows).unflatten(-1, (rows // 8, 8))[..., inverse]
+        return v.flatten(-2)
+
+    codes = _signed(deinterleave(tensors["qweight"]), 4).transpose(-2, -1).contiguous()
+    zeros = None if spec.symmetric else _signed(deinterleave(tensors["qzeros"]), 4).transpose(-2, -1).contiguous()
+    return QuantizedTensor(spec, shape, codes, tensors["scales"].transpose(-2, -1).contiguous(), zeros)
+
+
+# ---------------------------------------------------------------- DeepSeek FP8 and gpt-oss MXFP4
+
+def pack_deepseek_fp8(q: QuantizedTensor) -> dict:
+    """DeepSeek-V3 layout: weight float8_e4m3fn [out, in], weight_scale_inv fp32 [ceil(out/128), ceil(in/128)]."""
+    if q.spec.key != "fp8-block128":
+        raise UserError("the DeepSeek FP8 layout holds fp8-block128, not %s" % q.spec.key)
+    return {"weight": q.codes, "weight_scale_inv": q.scales}
+
+
+def pack_gpt_oss_mxfp4(q: QuantizedTensor) -> dict:
+    """gpt-oss layout for a [E, out, in] stack: blocks uint8 [E, out, in/32, 16], scales uint8 [E, out, in/32].
+
+    (gpt-oss names them e.g. mlp.experts.gate_up_proj_blocks / _scales; the dequantized
+    parameter is the transpose, [E, in, out].)
+    """
+    if q.spec.name != "mxfp4":
+        raise UserError("the gpt-oss MXFP4 layout holds mxfp4, not %s" % q.spec.key)
+    packed = pack_e2m1(q.codes)
+    return {"blocks": packed.unflatten(-1, (packed.shape[-1] // 16, 16)).contiguous(), "scales": q.scales}
+
+
+def unpack_gpt_oss_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedTensor:
+    codes = unpack_e2m1(blocks.flatten(-2))
+    return QuantizedTensor(get_format("mxfp4"), tuple(codes.shape), codes, scales)
+
+
+def packed_nbytes(tensors: dict) -> int:
+    """Bytes of the tensors that `nbytes` accounts for (shape metadata and g_idx left out)."""
+    return sum(t.numel() * t.element_size() for k, t in tensors.items() if k not in ("weight_shape", "g_idx"))

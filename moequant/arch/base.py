@@ -242,6 +242,48 @@ class Adapter:
         gate_up = experts.gate_up_proj[expert]  # [2I, H]: gate rows first, then up
         return gate_up[:i] if proj == "gate" else gate_up[i:]
 
+    # ---- one decoder layer of a transformers model, materialised from disk -------------------
+    def memory_to_disk(self, layer: int, key: str) -> str:
+        """On-disk name of a (non-expert) parameter of decoder layer `layer`, given its in-memory key."""
+        return f"model.layers.{layer}.{key}"
+
+    def router_module(self, mlp):
+        return mlp.gate
+
+    def expert_hidden(self, experts, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """The input of expert `expert`'s down projection for tokens x (transformers' own math)."""
+        gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[expert]).chunk(2, dim=-1)
+        return experts.act_fn(gate) * up
+
+    def layer_state_dict(self, checkpoint, layer: int, keys, dtype=torch.float32, experts=None, tensors=None) -> dict:
+        """State dict of decoder layer `layer` in transformers' in-memory layout.
+
+        `experts` optionally maps proj → `[E, out, in]` replacement weights (e.g. dequantized),
+        `tensors` maps on-disk name → replacement for anything else.
+        """
+        experts, tensors = experts or {}, tensors or {}
+        out = {}
+        for key in keys:
+            if key.endswith("experts.gate_up_proj") and not self.fused_experts:
+                g = experts.get("gate", None)
+                u = experts.get("up", None)
+                g = self.read_experts(checkpoint, layer, "gate") if g is None else g
+                u = self.read_experts(checkpoint, layer, "up") if u is None else u
+                out[key] = torch.cat([g, u], dim=1).to(dtype)
+            elif key.endswith("experts.down_proj") and not self.fused_experts:
+                d = experts.get("down", None)
+                out[key] = (self.read_experts(checkpoint, layer, "down") if d is None else d).to(dtype)
+            elif self.fused_experts and (key.endswith("experts.gate_up_proj") or key.endswith("experts.down_proj")) and experts:
+                out[key] = self.fuse_experts(checkpoint, layer, key, experts).to(dtype)
+            else:
+                name = self.memory_to_disk(layer, key)
+                t = tensors[name] if name in tensors else checkpoint.get(name)
+                out[key] = t.to(dtype) if t.is_floating_point() else t
+        return out
+
+    def fuse_experts(self, checkpoint, layer, key, experts):
+        raise NotImplementedError
+
     # ---- accounting ------------------------------------------------------------------------
     def params_by_role(self) -> dict[str, int]:
         counts = {r: 0 for r in ROLES}

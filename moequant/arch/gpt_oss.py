@@ -89,3 +89,25 @@ class GptOssAdapter(Adapter):
         if proj == "down":
             return experts.down_proj[expert].t()
         return experts.gate_up_proj[expert][:, _half(proj)].t()
+
+    def router_module(self, mlp):
+        return mlp.router
+
+    def expert_hidden(self, experts, x, expert):
+        gate_up = x @ experts.gate_up_proj[expert] + experts.gate_up_proj_bias[expert]
+        return experts._apply_gate(gate_up)
+
+    def fuse_experts(self, checkpoint, layer, key, experts):
+        if key.endswith("down_proj"):
+            d = experts.get("down")
+            d = self.read_experts(checkpoint, layer, "down") if d is None else d
+            return d.transpose(1, 2)
+        g = experts.get("gate")
+        u = experts.get("up")
+        g = self.read_experts(checkpoint, layer, "gate") if g is None else g
+        u = self.read_experts(checkpoint, layer, "up") if u is None else u
+        E, i, h = g.shape
+        fused = torch.empty(E, h, 2 * i, dtype=g.dtype)
+        fused[:, :, 0::2] = g.transpose(1, 2)
+        fused[:, :, 1::2] = u.transpose(1, 2)
+        return fused

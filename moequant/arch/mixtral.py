@@ -25,3 +25,8 @@ class MixtralAdapter(Adapter):
 
     def attention_tensors(self, layer):
         return gqa_attention(self.config, self.hidden)
+
+    def memory_to_disk(self, layer, key):
+        if key.startswith("mlp."):
+            key = "block_sparse_moe." + key[4:]
+        return f"model.layers.{layer}.{key}"

@@ -1,0 +1,140 @@
+"""Run a transformers MoE model one decoder layer at a time, weights read from safetensors.
+
+Only one decoder layer's weights are ever materialised: the model is built on the `meta`
+device, its embedding / final norm / rotary embedding are made real, and each decoder layer
+is filled from disk when its turn comes and emptied afterwards. The per-layer keyword
+arguments (attention masks per layer type, position embeddings) are captured by running the
+model once with every decoder layer replaced by a pass-through, so each architecture's own
+forward code is used unchanged — no per-architecture re-implementation of attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch import nn
+
+from moequant.arch import Adapter
+from moequant.errors import UserError
+
+
+class _PassThrough(nn.Module):
+    """Stands in for decoder layer `index`: records its inputs, returns hidden states unchanged."""
+
+    def __init__(self, index: int, record: dict, original: nn.Module):
+        super().__init__()
+        self.index = index
+        self.record = record
+        if hasattr(original, "attention_type"):
+            self.attention_type = original.attention_type
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.index == 0:
+            self.record["hidden"] = hidden_states
+        self.record[self.index] = (args, kwargs)
+        return hidden_states
+
+
+def build_skeleton(checkpoint, dtype=torch.float32):
+    """The model on the meta device with embedding, final norm and rotary embedding made real."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    quiet = logging.getLogger("transformers")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        config = AutoConfig.from_pretrained(checkpoint.directory, trust_remote_code=False)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    finally:
+        quiet.setLevel(level)
+    base = model.model
+    for name in ("embed_tokens", "norm"):
+        module = getattr(base, name)
+        module.to_empty(device="cpu")
+        module.load_state_dict({"weight": checkpoint.get(f"model.{name}.weight").to(dtype)})
+    if hasattr(base, "rotary_emb"):
+        base.rotary_emb = type(base.rotary_emb)(config=model.config)
+    model.eval()
+    return model
+
+
+class LayerRunner:
+    """Carries calibration hidden states through the decoder layers, one layer in memory at a time."""
+
+    def __init__(self, checkpoint, adapter: Adapter, input_ids: torch.Tensor, batch_size: int = 8,
+                 device: str | torch.device = "cpu", dtype=torch.float32):
+        self.checkpoint = checkpoint
+        self.adapter = adapter
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.model = build_skeleton(checkpoint, dtype)
+        self.layers = list(self.model.model.layers)
+        self.batches = list(torch.split(input_ids, batch_size))
+        self.layer_kwargs: list[dict] = []  # per batch: layer index → (args, kwargs)
+        self.embedded: list[torch.Tensor] = []
+        self._capture()
+
+    def _capture(self) -> None:
+        base = self.model.model
+        originals = list(base.layers)
+        for batch in self.batches:
+            record: dict = {}
+            for i, layer in enumerate(originals):
+                base.layers[i] = _PassThrough(i, record, layer)
+            try:
+                with torch.no_grad():
+                    base(input_ids=batch, use_cache=False)
+            finally:
+                for i, layer in enumerate(originals):
+                    base.layers[i] = layer
+            self.embedded.append(record.pop("hidden").detach())
+            self.layer_kwargs.append({i: _to_device(v, self.device) for i, v in record.items()})
+
+    @contextlib.contextmanager
+    def materialized(self, layer: int, experts: dict | None = None, tensors: dict | None = None):
+        """Decoder layer `layer` with its weights from disk (or the given replacements), on the device."""
+        module = self.layers[layer]
+        module.to_empty(device=self.device)
+        keys = list(module.state_dict().keys())
+        state = self.adapter.layer_state_dict(self.checkpoint, layer, keys, self.dtype, experts=experts, tensors=tensors)
+        missing = set(dict(module.named_buffers())) - set(state)
+        if missing:
+            raise RuntimeError(f"layer {layer} has buffers that are not in its state dict: {sorted(missing)}")
+        module.load_state_dict(state, strict=True)
+        module.eval()
+        try:
+            yield module
+        finally:
+            module.to("meta")
+
+    def forward(self, module: nn.Module, layer: int, hidden: list[torch.Tensor], before_batch=None) -> list[torch.Tensor]:
+        """Run one materialised layer over every batch; `before_batch(b)` is called before batch b."""
+        out = []
+        with torch.no_grad():
+            for b, h in enumerate(hidden):
+                if before_batch is not None:
+                    before_batch(b)
+                args, kwargs = self.layer_kwargs[b][layer]
+                y = module(h.to(self.device), *args, **kwargs)
+                if isinstance(y, tuple):
+                    y = y[0]
+                if not torch.isfinite(y).all():
+                    raise UserError(f"layer {layer} produced NaN or Inf activations on calibration batch {b}; "
+                                    "the checkpoint's weights or the data are broken.")
+                out.append(y.detach().to("cpu"))
+        return out
+
+
+def _to_device(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value

@@ -1,0 +1,115 @@
+"""Calibration statistics on disk and in memory.
+
+Layout of a `stats/` directory:
+- `summary.json`: the run's fingerprint (model, data, settings), per-layer token counts, the
+  experts with too few real tokens, the formats evaluated for sensitivity;
+- `layer_LLL.safetensors` per MoE layer, tensors (E experts, k = top_k, d = input width):
+  `routing.count [E]` int64 real top-k hits; `routing.weight_sum [E]` float64 sum of routing
+  weights; `routing.rank_count [E, k]` int64 how often the expert was the 1st/2nd/... choice;
+  `routing.count.<domain> [E]` per domain;
+  `input.<group>.tokens [E]`, `input.<group>.sq_mean [E, d]`, `input.<group>.absmax [E, d]`
+  with group `gate_up` (the input gate and up share) or `down`, over the statistic tokens
+  (every token when all-experts coverage is on, else the routed ones);
+  `hessian.<group> [E, d, d]` fp32 = XᵀX / n over the statistic tokens and
+  `hessian_routed.<group>`, `input_routed.<group>.tokens` over the real routed tokens only;
+  `sensitivity.<proj>.<format_key> [E]` float64 predicted output error (see calibrate.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from moequant.errors import UserError
+
+GROUP_OF_PROJ = {"gate": "gate_up", "up": "gate_up", "down": "down"}
+
+
+def layer_file(directory: Path, layer: int) -> Path:
+    return Path(directory) / f"layer_{layer:03d}.safetensors"
+
+
+@dataclass
+class LayerStats:
+    layer: int
+    top_k: int
+    tokens: int
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.tensors["routing.count"].numel())
+
+    @property
+    def routed_count(self) -> torch.Tensor:
+        return self.tensors["routing.count"]
+
+    @property
+    def weight_sum(self) -> torch.Tensor:
+        return self.tensors["routing.weight_sum"]
+
+    @property
+    def rank_count(self) -> torch.Tensor:
+        return self.tensors["routing.rank_count"]
+
+    @property
+    def share(self) -> torch.Tensor:
+        """Fraction of this layer's top-k slots that went to each expert (sums to 1)."""
+        total = max(self.tokens * self.top_k, 1)
+        return self.routed_count.double() / total
+
+    def domain_share(self, domain: str) -> torch.Tensor:
+        c = self.tensors[f"routing.count.{domain}"].double()
+        return c / c.sum().clamp_min(1)
+
+    @property
+    def domains(self) -> list[str]:
+        return sorted(k.split(".", 2)[2] for k in self.tensors if k.startswith("routing.count."))
+
+    @property
+    def sensitivity(self) -> dict[str, dict[str, torch.Tensor]]:
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for k, v in self.tensors.items():
+            if k.startswith("sensitivity."):
+                _, proj, fmt = k.split(".", 2)
+                out.setdefault(proj, {})[fmt] = v
+        return out
+
+    def hessian(self, proj: str, routed: bool = False) -> torch.Tensor:
+        key = ("hessian_routed." if routed else "hessian.") + GROUP_OF_PROJ.get(proj, proj)
+        if key not in self.tensors:
+            raise UserError(f"statistics of layer {self.layer} hold no {key}; calibrate with Hessians enabled.")
+        return self.tensors[key]
+
+    def input_tokens(self, proj: str, routed: bool = False) -> torch.Tensor:
+        return self.tensors[("input_routed." if routed else "input.") + GROUP_OF_PROJ.get(proj, proj) + ".tokens"]
+
+
+@dataclass
+class Stats:
+    directory: Path
+    summary: dict
+    layers: dict[int, LayerStats]
+
+
+def load_stats(directory: str | Path, with_hessians: bool = True) -> Stats:
+    directory = Path(directory)
+    summary_path = directory / "summary.json"
+    if not summary_path.exists():
+        raise UserError(f"{directory} holds no calibration statistics (summary.json is missing); run `moequant calibrate` first.")
+    summary = json.loads(summary_path.read_text())
+    layers = {}
+    for entry in summary["layers"]:
+        L = int(entry["layer"])
+        path = layer_file(directory, L)
+        if not path.exists():
+            raise UserError(f"{path} is missing: the statistics in {directory} are incomplete; run calibrate again.")
+        tensors = load_file(str(path))
+        if not with_hessians:
+            tensors = {k: v for k, v in tensors.items() if not k.startswith("hessian")}
+        layers[L] = LayerStats(L, int(summary["top_k"]), int(entry["tokens"]), tensors)
+    return Stats(directory, summary, layers)

@@ -10,7 +10,7 @@ and what is accepted.
 model: zoo:tiny-qwen2moe      # zoo:NAME, an HF id, or a local directory
 output: runs/NAME
 target: vllm                  # vllm | sglang | transformers
-calibration: {dataset: builtin:stdlib, samples: 128, seq_len: 512, all_experts: true}
+calibration: {dataset: builtin:mix, samples: 128, seq_len: 512, all_experts: true}
 keep: [router, shared_experts, attention, embeddings, lm_head]   # stay bf16
 non_experts: {format: bf16}   # format for attention / shared experts / dense MLPs not kept
 experts:
@@ -27,7 +27,7 @@ experts:
 algorithms: {int4: gptq, mxfp4: gptq, int8: rtn, fp8: rtn}
 formats: {int4: {group_size: 128, symmetric: true}, fp8: {block: [128, 128]}}
 export: {format: compressed-tensors}    # | gptq | awq | fp8-block | gpt-oss-mxfp4
-evaluate: {dataset: builtin:stdlib, samples: 64, seq_len: 512}
+evaluate: {dataset: builtin:mix, samples: 64, seq_len: 512}
 seed: 0
 ```
 """
@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from typing_extensions import Annotated
 
 from moequant.errors import UserError
 
@@ -60,7 +61,7 @@ DEFAULT_ALGORITHMS = {
     "int2": "gptq", "mxfp4": "gptq", "nvfp4": "gptq",
 }
 DEFAULT_MODEL = "zoo:tiny-qwen2moe"
-DEFAULT_DATASET = "builtin:stdlib"
+DEFAULT_DATASET = "builtin:mix"
 
 
 def is_format_key(entry: str) -> bool:
@@ -75,6 +76,9 @@ def check_format_entry(value: str) -> str:
         raise ValueError(f"'{value}' is not a format; accepted: {', '.join(FORMAT_NAMES)} "
                          "(or an exact key such as int4-g64-sym)")
     return value
+
+
+FormatEntry = Annotated[str, AfterValidator(check_format_entry)]
 
 
 def parse_layer_ranges(text: str | int) -> frozenset[int]:
@@ -133,12 +137,7 @@ class Rule(Strict):
     share_at_least: Optional[float] = Field(None, ge=0)
     share_below: Optional[float] = Field(None, gt=0)
     layers: Optional[str | int] = None
-    format: str
-
-    @field_validator("format")
-    @classmethod
-    def _check_format(cls, value):
-        return check_format_entry(value)
+    format: FormatEntry
 
     @field_validator("layers")
     @classmethod
@@ -154,8 +153,8 @@ class Rule(Strict):
 class Experts(Strict):
     method: Literal[METHODS] = "budget"
     budget: Optional[Budget] = None
-    formats: list[str] = Field(default_factory=lambda: ["fp8", "int8", "int4"])
-    format: Optional[str] = None
+    formats: list[FormatEntry] = Field(default_factory=lambda: ["int8", "int4"])
+    format: Optional[FormatEntry] = None
     rules: Optional[list[Rule]] = None
     usage_floor: float = Field(0.05, ge=0, le=1)
 
@@ -164,16 +163,9 @@ class Experts(Strict):
     def _check_formats(cls, value):
         if not value:
             raise ValueError("the candidate list is empty; accepted: a list of formats such as [fp8, int8, int4]")
-        for entry in value:
-            check_format_entry(entry)
         if len(set(value)) != len(value):
             raise ValueError(f"{value} names a format twice")
         return value
-
-    @field_validator("format")
-    @classmethod
-    def _check_format(cls, value):
-        return None if value is None else check_format_entry(value)
 
     @model_validator(mode="after")
     def method_needs(self):
@@ -188,12 +180,7 @@ class Experts(Strict):
 
 class NonExperts(Strict):
     """Format for attention, shared experts and dense MLPs that `keep` does not name."""
-    format: str = "bf16"
-
-    @field_validator("format")
-    @classmethod
-    def _check_format(cls, value):
-        return check_format_entry(value)
+    format: FormatEntry = "bf16"
 
 
 class Recipe(Strict):
@@ -203,7 +190,7 @@ class Recipe(Strict):
     calibration: Calibration = Field(default_factory=Calibration)
     keep: list[str] = Field(default_factory=lambda: ["router", "shared_expert_gate", "embeddings", "lm_head"])
     non_experts: NonExperts = Field(default_factory=NonExperts)
-    experts: Experts = Field(default_factory=lambda: Experts(method="uniform", format="int4"))
+    experts: Experts = Field(default_factory=lambda: Experts(budget=Budget(bits_per_weight=5.5)))
     algorithms: dict[str, Literal[ALGORITHMS]] = Field(default_factory=dict)
     formats: dict[str, dict[str, Any]] = Field(default_factory=dict)
     export: Export = Field(default_factory=Export)
@@ -297,11 +284,11 @@ def _sentence(source: str, error: dict) -> str:
     if kind in ("dict_type", "model_type", "model_attributes_type"):
         return f"{where}: key '{key}' has value {_show(value)}; accepted: a mapping."
     if kind == "greater_than":
-        return f"{where}: key '{key}' has value {_show(value)}; accepted: a number greater than {ctx['gt']}."
+        return f"{where}: key '{key}' has value {_show(value)}; accepted: a number greater than {ctx['gt']:g}."
     if kind == "greater_than_equal":
-        return f"{where}: key '{key}' has value {_show(value)}; accepted: a number of at least {ctx['ge']}."
+        return f"{where}: key '{key}' has value {_show(value)}; accepted: a number of at least {ctx['ge']:g}."
     if kind == "less_than_equal":
-        return f"{where}: key '{key}' has value {_show(value)}; accepted: a number of at most {ctx['le']}."
+        return f"{where}: key '{key}' has value {_show(value)}; accepted: a number of at most {ctx['le']:g}."
     if kind == "value_error":
         message = str(ctx.get("error", error["msg"]))
         return f"{where}: key '{key}': {message}." if key else f"{where}: {message}."
@@ -357,13 +344,13 @@ def check_format_params(recipe: Recipe, source: str) -> None:
     """Build every format the recipe names, so bad `formats` params fail at load time."""
     from moequant.policy import resolve_format  # policy owns name/params -> spec resolution
 
-    entries = [("non_experts.format", recipe.non_experts.format)]
+    entries = [(f"formats.{name}", name) for name in recipe.formats]
+    entries.append(("non_experts.format", recipe.non_experts.format))
     entries += [(f"experts.formats[{i}]", f) for i, f in enumerate(recipe.experts.formats)]
     if recipe.experts.format:
         entries.append(("experts.format", recipe.experts.format))
     for i, rule in enumerate(recipe.experts.rules or []):
         entries.append((f"experts.rules[{i}].format", rule.format))
-    entries += [(f"formats.{name}", name) for name in recipe.formats]
     for key, entry in entries:
         try:
             resolve_format(recipe, entry)

@@ -1,0 +1,1 @@
+"""Quantization algorithms for the experts of one MoE layer: RTN, GPTQ (batched), AWQ."""

@@ -1,0 +1,465 @@
+"""GPTQ for all routed experts of one MoE layer at once.
+
+Every routed expert of a layer has the same shapes, so their GPTQ problems are solved as one
+batch: the Hessians `[E, in, in]` are damped, factored and inverted with batched Cholesky, and
+the column sweep quantizes column j of every expert in the same tensor operation. The experts
+are processed in chunks (`chunk_experts`) so the batch fits the device. The numbers are the
+ones a one-expert-at-a-time GPTQ gives (tests/test_gptq.py checks both against a float64
+reference written independently).
+
+The algorithm is GPTQ (Frantar et al., 2022) with lazy block updates: for column j,
+    q_j = quantize(w_j);  e_j = (w_j - q_j) / U_jj;  w_{k>j} -= e_j * U_{j,k}
+where U is the upper Cholesky factor of H^-1. Element quantization goes through the format's
+column quantizer (`moequant.formats.column_quantizer`), so any format with per-group or
+per-channel scales works (int4/int3/int2, int8, fp8, mxfp4, nvfp4).
+
+Per-expert fallbacks, always recorded in the report:
+- an expert with fewer than `min_tokens` calibration tokens, or whose Hessian is all zeros or
+  not finite, uses `shared_hessian` (the Hessian of all the layer's tokens, when the caller
+  gives one), else plain round-to-nearest;
+- when a Cholesky fails, that expert's damping grows tenfold and it is factored again, up to
+  `max_damp_tries` times; an expert that still fails falls back as above.
+Dead input columns (H_ii == 0: an input channel that was always zero) get H_ii = 1 and their
+weights are set to 0, as in the GPTQ reference; their value cannot change the layer's output
+on the calibration data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from moequant.errors import UserError
+
+# GPTQ report's names for what each expert got.
+GPTQ = "gptq"
+GPTQ_SHARED_HESSIAN = "gptq-shared-hessian"
+RTN = "rtn"
+
+
+@dataclass
+class GPTQReport:
+    """What happened to each expert (lists indexed by expert). Plain data: `to_dict()` is JSON."""
+
+    method: list[str]  # "gptq", "gptq-shared-hessian" or "rtn"
+    reason: list[str]  # why an expert did not get plain GPTQ ("" when it did)
+    damp: list[float | None]  # damping used, as a fraction of mean(diag(H)); None for RTN
+    dead_columns: list[int]  # input columns with H_ii == 0 (weights set to 0)
+    proxy_loss: list[float | None]  # GPTQ's own objective sum((w-q)^2 / U_jj^2) / 2; None for RTN
+    tokens: list[int] | None = None  # calibration tokens per expert, as the caller gave them
+    settings: dict = field(default_factory=dict)
+
+    def fallbacks(self) -> dict[int, str]:
+        """Experts that did not get GPTQ on their own Hessian: {expert: "method: reason"}."""
+        return {e: f"{m}: {r}" for e, (m, r) in enumerate(zip(self.method, self.reason)) if m != GPTQ}
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def gptq(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    spec,
+    *,
+    block_size: int = 128,
+    damp: float = 0.01,
+    act_order: bool = False,
+    static_groups: bool = True,
+    chunk_experts: int | None = None,
+    tokens: Sequence[int] | torch.Tensor | None = None,
+    min_tokens: int = 1,
+    shared_hessian: torch.Tensor | None = None,
+    max_damp_tries: int = 6,
+    device: torch.device | str | None = None,
+):
+    """GPTQ-quantize the experts of one projection; returns (QuantizedTensor, GPTQReport).
+
+    weight: [E, out, in] (or [out, in] for a single matrix); hessian: [E, in, in] (or [in, in]),
+    any positive multiple of X^T X of the expert's inputs (the scale does not matter).
+    spec: a `moequant.formats` spec or format key string.
+    block_size: columns per lazy-update block (rounded to a multiple of the format's group width).
+    damp: relative damping, lambda = damp * mean(diag(H)), grown tenfold per failed Cholesky
+        (from 1e-4 when damp is 0).
+    act_order: quantize columns in order of decreasing H_ii. Only with `static_groups=True`:
+        groups stay contiguous in the original column order (no dynamic g_idx, which vLLM rejects).
+    static_groups: fit every group's scales on the (dead-column-zeroed) weights before the sweep.
+        With False, a group's scales are fitted on the already-updated weights when the sweep
+        reaches the group (the GPTQ reference's default; usually a little more accurate).
+    chunk_experts: experts per batch; default sized to the device's free memory.
+    tokens, min_tokens, shared_hessian: per-expert token counts and the fallback (module doc).
+    device: where to compute; default the weight's device. Results come back on the weight's device.
+    """
+    quantized, report = gptq_shared_hessian(
+        [weight], hessian, spec,
+        block_size=block_size, damp=damp, act_order=act_order, static_groups=static_groups,
+        chunk_experts=chunk_experts, tokens=tokens, min_tokens=min_tokens,
+        shared_hessian=shared_hessian, max_damp_tries=max_damp_tries, device=device,
+    )
+    return quantized[0], report
+
+
+def gptq_shared_hessian(
+    weights: Sequence[torch.Tensor],
+    hessian: torch.Tensor,
+    spec,
+    *,
+    block_size: int = 128,
+    damp: float = 0.01,
+    act_order: bool = False,
+    static_groups: bool = True,
+    chunk_experts: int | None = None,
+    tokens: Sequence[int] | torch.Tensor | None = None,
+    min_tokens: int = 1,
+    shared_hessian: torch.Tensor | None = None,
+    max_damp_tries: int = 6,
+    device: torch.device | str | None = None,
+):
+    """GPTQ of several projections that read the same input (gate and up): one factorization.
+
+    weights: tensors [E, out_k, in] sharing `hessian` [E, in, in]. Their rows are swept together
+    (GPTQ treats rows independently, so the codes equal separate `gptq` calls) while each keeps
+    its own scales. Returns ([QuantizedTensor per weight], GPTQReport). Arguments as in `gptq`.
+    """
+    from moequant import formats
+
+    spec = formats.get_format(spec)
+    if act_order and not static_groups:
+        raise UserError(
+            "GPTQ act_order=True needs static_groups=True: dynamic group indices (g_idx) are "
+            "rejected by vLLM; pass static_groups=True or act_order=False."
+        )
+    if not weights:
+        raise UserError("gptq_shared_hessian needs at least one weight tensor.")
+    single = weights[0].dim() == 2
+    ws = [w.unsqueeze(0) if single else w for w in weights]
+    h_all = hessian.unsqueeze(0) if hessian.dim() == 2 else hessian
+    _check_shapes(ws, h_all)
+    num_experts, _, num_in = ws[0].shape
+    out_device = ws[0].device
+    # float64 weights are solved in float64 (exact comparisons in tests); everything else in float32
+    work_dtype = torch.float64 if ws[0].dtype == torch.float64 else torch.float32
+    device = torch.device(device) if device is not None else out_device
+
+    token_counts = _token_counts(tokens, num_experts)
+    if shared_hessian is not None and tuple(shared_hessian.shape) != (num_in, num_in):
+        raise UserError(
+            f"shared_hessian has shape {tuple(shared_hessian.shape)}; expected ({num_in}, {num_in}) "
+            "(the Hessian of all the layer's tokens for this projection)."
+        )
+
+    report = GPTQReport(
+        method=[GPTQ] * num_experts, reason=[""] * num_experts, damp=[None] * num_experts,
+        dead_columns=[0] * num_experts, proxy_loss=[None] * num_experts,
+        tokens=None if token_counts is None else [int(t) for t in token_counts],
+        settings=dict(spec=spec.key, block_size=block_size, damp=damp, act_order=act_order,
+                      static_groups=static_groups, min_tokens=min_tokens),
+    )
+
+    rows = [w.shape[1] for w in ws]
+    if chunk_experts is None:
+        chunk_experts = _default_chunk(num_experts, sum(rows), num_in, device)
+    chunk_experts = max(1, int(chunk_experts))
+
+    parts: list[list[Any]] = [[] for _ in ws]  # per weight: QuantizedTensor of each chunk
+    for start in range(0, num_experts, chunk_experts):
+        experts = range(start, min(start + chunk_experts, num_experts))
+        w_chunk = [w[experts.start:experts.stop].to(device, work_dtype, copy=True) for w in ws]
+        h_chunk = h_all[experts.start:experts.stop].to(device, work_dtype, copy=True)
+        h_chunk = _choose_hessians(h_chunk, experts, token_counts, min_tokens, shared_hessian, report, device)
+        quantized = _gptq_chunk(
+            w_chunk, h_chunk, spec, experts, report,
+            block_size=block_size, damp=damp, act_order=act_order, static_groups=static_groups,
+            max_damp_tries=max_damp_tries, squeeze=single,
+        )
+        for k, q in enumerate(quantized):
+            parts[k].append(q.to(out_device) if out_device != device else q)
+        del w_chunk, h_chunk, quantized
+    return [_stack_chunks(p) for p in parts], report
+
+
+# ---------------------------------------------------------------------------------------------
+# the batched solve
+
+
+def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, static_groups,
+                max_damp_tries, squeeze):
+    """GPTQ of one chunk of experts. ws: list of [c, out_k, in] float32; h: [c, in, in] float32.
+
+    Experts whose report says "rtn" (set by _choose_hessians) are quantized with one pass of
+    fitted scales and no error feedback (their Hessian is replaced by the identity, which makes
+    GPTQ's update vanish: with U = I every e_j * U_{j,k>j} is 0).
+    """
+    from moequant import formats
+
+    c, num_in = h.shape[0], h.shape[-1]
+    idx = list(experts)
+    rtn_mask = torch.tensor([report.method[e] == RTN for e in idx], device=h.device)
+    if rtn_mask.any():
+        eye = torch.eye(num_in, device=h.device, dtype=h.dtype)
+        h = torch.where(rtn_mask[:, None, None], eye, h)
+
+    # Dead input columns: as in GPTQ, H_ii = 1 and the weights are zeroed.
+    diag = h.diagonal(dim1=-2, dim2=-1)
+    dead = diag == 0
+    if dead.any():
+        diag.masked_fill_(dead, 1.0)
+        for w in ws:
+            w.masked_fill_(dead[:, None, :], 0.0)
+    for j, e in enumerate(idx):
+        report.dead_columns[e] = 0 if report.method[e] == RTN else int(dead[j].sum())
+
+    # The column quantizers see each whole (zeroed) weight once, e.g. for per-tensor scales.
+    cqs = [formats.column_quantizer(spec, w[0] if squeeze else w) for w in ws]
+    group_width = cqs[0].group_width
+    per_row = group_width >= num_in  # per-channel / per-tensor scales: one fit for all columns
+    if not per_row:
+        block_size = max(1, block_size // group_width) * group_width  # groups never straddle blocks
+
+    perm = None
+    if act_order:
+        perm = torch.argsort(h.diagonal(dim1=-2, dim2=-1), dim=-1, descending=True)  # [c, in]
+        h = torch.gather(h, 1, perm[:, :, None].expand(-1, -1, num_in))
+        h = torch.gather(h, 2, perm[:, None, :].expand(-1, num_in, -1))
+
+    # Scales fitted before the sweep: per-row formats, static groups (always with act_order).
+    fixed_params = None
+    if per_row:
+        fixed_params = [[cq_fit(cq, w, squeeze)] for cq, w in zip(cqs, ws)]
+    elif static_groups:
+        fixed_params = [
+            [cq_fit(cq, w[..., g:g + group_width], squeeze) for g in range(0, num_in, group_width)]
+            for cq, w in zip(cqs, ws)
+        ]
+
+    if perm is not None:
+        ws = [torch.gather(w, 2, perm[:, None, :].expand(-1, w.shape[1], -1)) for w in ws]
+
+    u, used_damp = _inverse_cholesky(h, damp, max_damp_tries, [report.method[e] == RTN for e in idx])
+    for j, e in enumerate(idx):
+        if report.method[e] == RTN:
+            continue
+        if used_damp[j] is None:  # every damping failed: round-to-nearest for this expert
+            report.method[e], report.reason[e] = RTN, (
+                f"Cholesky of the damped Hessian failed up to damp={damp * 10 ** (max_damp_tries - 1):g}"
+            )
+            u[j] = torch.eye(num_in, device=u.device, dtype=u.dtype)
+        else:
+            report.damp[e] = used_damp[j]
+    del h
+
+    out_rows = [w.shape[1] for w in ws]
+    w_all = torch.cat(ws, dim=1) if len(ws) > 1 else ws[0]  # [c, sum(out), in]
+    del ws
+    codes: list[torch.Tensor | None] = [None] * len(cqs)  # per weight [c, out_k, in], allocated on first use
+    losses = torch.zeros(c, device=w_all.device, dtype=torch.float64)
+    dynamic_params: list[list[Any]] = [[] for _ in cqs]
+    group_of = None if perm is None else perm // group_width  # [c, in]: original group of each column
+
+    def params_for(k, col):
+        if per_row:
+            return fixed_params[k][0]
+        if perm is not None:
+            return _gather_groups(fixed_params[k], group_of[:, col])
+        if static_groups:
+            return fixed_params[k][col // group_width]
+        return dynamic_params[k][-1]
+
+    def quantize_column(col, w):
+        """Codes of column `col` (permuted index) for every weight, and its dequantized values."""
+        values = []
+        for k, (cq, piece) in enumerate(zip(cqs, w.split(out_rows, dim=1))):
+            params = params_for(k, col)
+            column_codes = cq_call(cq.quantize, piece, params, squeeze)
+            if codes[k] is None:
+                codes[k] = torch.zeros(piece.shape[:-1] + (num_in,), dtype=column_codes.dtype, device=piece.device)
+            codes[k][..., col:col + 1] = column_codes
+            values.append(cq_call(cq.dequantize, column_codes, params, squeeze).to(w.dtype))
+        return torch.cat(values, dim=1) if len(values) > 1 else values[0]
+
+    for i1 in range(0, num_in, block_size):
+        i2 = min(i1 + block_size, num_in)
+        w1 = w_all[..., i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        u1 = u[:, i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if not per_row and not static_groups and col % group_width == 0:
+                for k, (cq, piece) in enumerate(zip(cqs, w1[..., i:i + group_width].split(out_rows, dim=1))):
+                    dynamic_params[k].append(cq_fit(cq, piece, squeeze))
+            w = w1[..., i:i + 1]  # [c, rows, 1]
+            q = quantize_column(col, w)
+            err = (w - q) / u1[:, i, i][:, None, None]
+            w1[..., i + 1:] -= err * u1[:, None, i, i + 1:]
+            err1[..., i:i + 1] = err
+        losses += err1.double().square().sum(dim=(1, 2)) / 2
+        if i2 < num_in:
+            w_all[..., i2:] -= torch.bmm(err1, u[:, i1:i2, i2:])
+    del u, w_all
+
+    if perm is not None:
+        inv = torch.argsort(perm, dim=-1)
+        codes = [torch.gather(t, 2, inv[:, None, :].expand(-1, t.shape[1], -1)) for t in codes]
+    for j, e in enumerate(idx):
+        if report.method[e] != RTN:
+            report.proxy_loss[e] = float(losses[j])
+
+    params = fixed_params if (per_row or static_groups) else dynamic_params
+    return [cq.assemble(t[0] if squeeze else t, [_squeeze_params(p, squeeze) for p in ps])
+            for cq, t, ps in zip(cqs, codes, params)]
+
+
+def _inverse_cholesky(h, damp, max_tries, skip):
+    """U = upper Cholesky factor of (H + lambda I)^-1 per expert, lambda = f * mean(diag(H)).
+
+    f starts at `damp` and grows tenfold for the experts whose factorization failed, up to
+    `max_tries` tries. Experts flagged in `skip` (round-to-nearest) get U = I.
+    Returns (U [c, in, in], f used per expert, None where skipped or every try failed).
+    """
+    c, n = h.shape[0], h.shape[-1]
+    mean_diag = h.diagonal(dim1=-2, dim2=-1).mean(dim=-1)
+    u = torch.eye(n, device=h.device, dtype=h.dtype).repeat(c, 1, 1)
+    used: list[float | None] = [None] * c
+    todo = torch.tensor([not s for s in skip], device=h.device)
+    factor = damp
+    for _ in range(max_tries):
+        if not bool(todo.any()):
+            break
+        rows = todo.nonzero().flatten()
+        damped = h[rows]  # a copy (advanced indexing)
+        damped.diagonal(dim1=-2, dim2=-1).add_((factor * mean_diag[rows])[:, None])
+        chol, info = torch.linalg.cholesky_ex(damped)
+        del damped
+        ok = info == 0
+        upper, info2 = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
+        del chol
+        ok &= (info2 == 0) & torch.isfinite(upper).flatten(1).all(dim=1)
+        done = rows[ok]
+        u[done] = upper[ok]
+        del upper
+        for j in done.tolist():
+            used[j] = factor
+        todo[done] = False
+        factor = factor * 10 if factor > 0 else 1e-4
+    return u, used
+
+
+def _choose_hessians(h, experts, token_counts, min_tokens, shared_hessian, report, device):
+    """Replace the Hessians of experts without enough data by the shared one (or mark RTN)."""
+    for j, e in enumerate(experts):
+        reason = ""
+        if token_counts is not None and token_counts[e] < min_tokens:
+            reason = f"{int(token_counts[e])} calibration tokens < min_tokens={min_tokens}"
+        elif not bool(torch.isfinite(h[j]).all()):
+            reason = "Hessian has non-finite entries"
+        elif not bool((h[j].diagonal() > 0).any()):
+            reason = "Hessian is all zeros (no tokens reached this expert)"
+        if not reason:
+            continue
+        if shared_hessian is not None:
+            h[j] = shared_hessian.to(device, h.dtype)
+            report.method[e], report.reason[e] = GPTQ_SHARED_HESSIAN, reason
+        else:
+            report.method[e], report.reason[e] = RTN, reason
+    return h
+
+
+# ---------------------------------------------------------------------------------------------
+# glue to the format's column quantizer
+
+
+def cq_call(method, cols, params, squeeze):
+    """A column-quantizer method on [c, out, k] columns (the quantizer of a 2-D weight has no c)."""
+    if squeeze:
+        return method(cols[0], _squeeze_params(params, True)).unsqueeze(0)
+    return method(cols, params)
+
+
+def cq_fit(cq, w_group, squeeze):
+    params = cq.fit(w_group[0] if squeeze else w_group)
+    return _tree_map(lambda t: t.unsqueeze(0), params) if squeeze else params
+
+
+def _squeeze_params(params, squeeze):
+    return _tree_map(lambda t: t[0], params) if squeeze else params
+
+
+def _gather_groups(group_params: list[Any], group_index: torch.Tensor):
+    """Per expert j, the params of group group_index[j] (act_order: each expert its own order)."""
+    return _tree_map(lambda *leaves: _pick(leaves, group_index), *group_params)
+
+
+def _pick(leaves, group_index):
+    stacked = torch.stack(leaves)  # [G, c, ...]
+    return stacked[group_index, torch.arange(stacked.shape[1], device=stacked.device)]
+
+
+def _tree_map(fn: Callable, *trees):
+    first = trees[0]
+    if isinstance(first, torch.Tensor):
+        return fn(*trees)
+    if first is None or isinstance(first, (int, float, str, bool)):
+        return first
+    if isinstance(first, (tuple, list)):
+        return type(first)(_tree_map(fn, *parts) for parts in zip(*trees))
+    if isinstance(first, dict):
+        return {k: _tree_map(fn, *(t[k] for t in trees)) for k in first}
+    if dataclasses.is_dataclass(first):
+        return dataclasses.replace(
+            first, **{f.name: _tree_map(fn, *(getattr(t, f.name) for t in trees))
+                      for f in dataclasses.fields(first)})
+    raise TypeError(f"cannot batch column-quantizer params of type {type(first).__name__}")
+
+
+def _stack_chunks(parts):
+    """QuantizedTensors of consecutive expert chunks -> one QuantizedTensor of all experts."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts, dim=0)  # noqa: E731
+    return dataclasses.replace(
+        first, shape=(sum(p.shape[0] for p in parts),) + tuple(first.shape[1:]),
+        codes=cat([p.codes for p in parts]), scales=cat([p.scales for p in parts]),
+        zeros=cat([p.zeros for p in parts]), global_scale=cat([p.global_scale for p in parts]),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# checks and sizing
+
+
+def _check_shapes(ws, h):
+    e, _, n = ws[0].shape
+    for w in ws:
+        if w.dim() != 3 or w.shape[0] != e or w.shape[2] != n:
+            raise UserError(
+                f"GPTQ weights must all be [E, out, in] with E={e} and in={n}; got {tuple(w.shape)}."
+            )
+        if not bool(torch.isfinite(w).all()):
+            raise UserError("GPTQ weight has NaN or infinite values; the checkpoint is damaged.")
+    if tuple(h.shape) != (e, n, n):
+        raise UserError(f"GPTQ Hessian has shape {tuple(h.shape)}; expected ({e}, {n}, {n}) for weights {tuple(ws[0].shape)}.")
+
+
+def _token_counts(tokens, num_experts):
+    if tokens is None:
+        return None
+    counts = torch.as_tensor(tokens).flatten().tolist()
+    if len(counts) != num_experts:
+        raise UserError(f"tokens has {len(counts)} entries; expected one per expert ({num_experts}).")
+    return counts
+
+
+def _default_chunk(num_experts, rows, num_in, device):
+    """Experts per batch so the working set (H, its factors, W, Q, updates) fits the device."""
+    per_expert = 4 * (4 * num_in * num_in + 4 * rows * num_in)  # float32, generous
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = 0.6 * free
+    else:
+        budget = 4 * 2**30
+    return max(1, min(num_experts, int(budget // per_expert)))

@@ -354,7 +354,7 @@ def _load_stats(stats):
         return stats
     from moequant.stats import load_stats
 
-    return load_stats(stats)
+    return load_stats(stats, with_hessians=False)
 
 
 def usage_weights(stats, layer: int, num_experts: int, usage_floor: float) -> np.ndarray:
@@ -369,7 +369,7 @@ def usage_weights(stats, layer: int, num_experts: int, usage_floor: float) -> np
     tokens = int(ls.tokens)
     if tokens <= 0:
         raise UserError(f"the calibration statistics saw no tokens in layer {layer}; rerun `moequant calibrate` with more samples.")
-    top_k = counts.sum() / tokens
+    top_k = getattr(ls, "top_k", None) or counts.sum() / tokens
     floor = usage_floor * top_k / num_experts
     return np.maximum(counts / tokens, floor)
 
@@ -380,11 +380,8 @@ def relative_shares(stats, layer: int, num_experts: int) -> np.ndarray:
     return np.asarray(stats.layers[layer].share, dtype=np.float64) * num_experts
 
 
-def sensitivity(stats, layer: int, proj: str, key: str) -> np.ndarray:
-    """sensitivity[proj][key] as float64 [E]; bf16 is exact (zeros)."""
-    table = stats.layers[layer].sensitivity
-    if key == "bf16":
-        return None
+def sensitivity(table: dict, layer: int, proj: str, key: str) -> np.ndarray:
+    """One layer's sensitivity[proj][key] as float64 [E] (not defined for bf16, which is exact)."""
     if proj not in table or key not in table[proj]:
         have = sorted(table.get(proj, {})) if hasattr(table, "get") else []
         raise UserError(f"the calibration statistics have no sensitivity for format {key} in layer {layer} "
@@ -412,6 +409,7 @@ class _Context:
         self._usage: dict[int, np.ndarray] = {}
         self._nbytes: dict[tuple, int] = {}
         self._loss: dict[tuple, float | None] = {}
+        self._sensitivity: dict[tuple, np.ndarray] = {}
 
     def nbytes(self, spec, shape) -> int:
         key = (spec.key, tuple(shape))
@@ -431,8 +429,12 @@ class _Context:
             return None
         if key == "bf16":
             return 0.0
-        sens = sensitivity(self.stats, t.layer, t.proj, key)
-        return float(self.usage(t.layer)[t.expert] * sens[t.expert])
+        if (t.layer, t.proj, key) not in self._sensitivity:
+            if t.layer not in self.stats.layers:
+                raise UserError(f"the calibration statistics have no MoE layer {t.layer}; rerun `moequant calibrate` on this model.")
+            table = self.stats.layers[t.layer].sensitivity
+            self._sensitivity[(t.layer, t.proj, key)] = sensitivity(table, t.layer, t.proj, key)
+        return float(self.usage(t.layer)[t.expert] * self._sensitivity[(t.layer, t.proj, key)][t.expert])
 
     def expert_loss(self, expert: tuple[int, int], key: str) -> float | None:
         cache_key = (expert, key)

@@ -26,7 +26,7 @@ KV_HEADROOM = 0.20
 EXPERT_VARIANTS = {
     "bf16": "bf16",
     "fp8": "fp8-channel",
-    "int8": "int8",
+    "int8": "int8-channel",
     "int4-g128": "int4-g128-sym",
     "mxfp4": "mxfp4",
 }
@@ -55,6 +55,20 @@ def routed_expert_bytes(adapter: Adapter, format_key: str) -> int:
     return per_layer * len(adapter.moe_layers) + bias_bytes
 
 
+def _fitting_variant(adapter: Adapter, key: str):
+    """Bytes in `key`, or in the same format with a smaller group when the shapes need it
+    (gpt-oss's 2880 columns take int4 in groups of 64, not 128)."""
+    from moequant.errors import UserError
+
+    candidates = [key] + ([key.replace("g128", "g64"), key.replace("g128", "g32")] if "g128" in key else [])
+    for k in candidates:
+        try:
+            return k, routed_expert_bytes(adapter, k)
+        except UserError:
+            continue
+    return key, None
+
+
 def account(adapter: Adapter) -> dict:
     """The whole memory account as one plain dict (what `moequant inspect --json` prints)."""
     by_role = adapter.params_by_role()
@@ -66,7 +80,10 @@ def account(adapter: Adapter) -> dict:
     non_routed_bf16 = 2 * (total - routed)
     variants = {}
     for label, key in EXPERT_VARIANTS.items():
-        experts = routed_expert_bytes(adapter, key)
+        key, experts = _fitting_variant(adapter, key)
+        if experts is None:
+            variants[label] = None  # no group size of this format divides the expert shapes
+            continue
         whole = non_routed_bf16 + experts
         per_token = non_routed_bf16 - 2 * embedding + experts * k / E
         variants[label] = {
@@ -119,6 +136,11 @@ def format_account(acc: dict, name: str) -> str:
                                                                               (f"{s}GB" for s in acc["gpu_sizes_gb"])),
     ]
     for label, v in acc["variants"].items():
+        if v is None:
+            lines.append(f"{label:<18}{'n/a: shapes do not fit the format':>40}")
+            continue
+        if v["expert_format"] != EXPERT_VARIANTS[label]:
+            label = v["expert_format"]
         lines.append(
             f"{label:<18}{_fmt_bytes(v['bytes']):>12}{_fmt_bytes(v['bytes_per_token']):>13}"
             + "".join(f"{v['gpus_needed'][f'{s}GB']:>11}" for s in acc["gpu_sizes_gb"])

@@ -83,7 +83,8 @@ class LayerStats:
         key = ("hessian_routed." if routed else "hessian.") + GROUP_OF_PROJ.get(proj, proj)
         if key not in self.tensors:
             raise UserError(f"statistics of layer {self.layer} hold no {key}; calibrate with Hessians enabled.")
-        return self.tensors[key]
+        h = self.tensors[key]
+        return h.expand(self.num_experts, -1, -1) if h.shape[0] == 1 else h  # shared by all experts
 
     def input_tokens(self, proj: str, routed: bool = False) -> torch.Tensor:
         return self.tensors[("input_routed." if routed else "input.") + GROUP_OF_PROJ.get(proj, proj) + ".tokens"]

@@ -1,0 +1,443 @@
+"""Calibration: per-expert routing and input statistics, layer by layer in bounded memory.
+
+For each decoder layer (one in memory at a time, see layers.py) the calibration hidden
+states go through the layer; on MoE layers two hooks record:
+- the router's output (the model's own router, so routing is exactly transformers'): real
+  top-k hits, routing weights, rank of each choice, per domain;
+- the experts' input: with all-experts coverage (default) every token is pushed through every
+  expert *for the statistics only* — the layer output still uses the real routing — so rarely
+  used experts get full-rank Hessians. Statistics over the real routed tokens are kept beside
+  them: they are the usage signal and what GPTQ prefers when an expert has enough tokens.
+
+Sensitivity of (expert, projection, format) is the predicted squared output error per token of
+round-to-nearest in that format: tr(ΔW H ΔWᵀ) / n, with H = XᵀX over the expert's routed tokens
+when it has at least `min_tokens` of them, else over all tokens (the all-experts Hessian).
+
+Resumable: after each layer the carried hidden states and a progress marker are written to
+`stats/.work/`; a rerun with the same inputs continues from the next layer. `summary.json` is
+written last, so its presence means the statistics are complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from moequant.arch import adapter_for
+from moequant.checkpoint import atomic_write_text, open_checkpoint
+from moequant.errors import UserError
+from moequant.layers import LayerRunner
+from moequant.stats import layer_file
+
+DEFAULT_SENSITIVITY_FORMATS = ("fp8-channel", "int8-channel", "int4-g128-sym", "mxfp4", "int3-g128-sym", "int2-g64-sym")
+MIN_ROUTED_TOKENS = 64  # below this an expert's own Hessian is too noisy: use the all-experts one
+
+
+@dataclass
+class CalibrationSettings:
+    dataset: str = "builtin:mix"
+    samples: int = 64
+    seq_len: int = 256
+    seed: int = 0
+    batch_size: int = 8
+    all_experts: bool = True
+    hessians: bool = True
+    formats: tuple[str, ...] = DEFAULT_SENSITIVITY_FORMATS
+    min_tokens: int = MIN_ROUTED_TOKENS
+    allow_fewer: bool = False
+    device: str = "cpu"
+
+    def fingerprint_fields(self) -> dict:
+        return {k: getattr(self, k) for k in ("dataset", "samples", "seq_len", "seed", "all_experts", "hessians",
+                                              "formats", "min_tokens", "allow_fewer")}
+
+
+def model_fingerprint(checkpoint) -> str:
+    """Identifies a model by its config and tensor list (names, shapes, dtypes), not its path."""
+    h = hashlib.sha256(json.dumps(checkpoint.config, sort_keys=True).encode())
+    for name in sorted(checkpoint.entries):
+        e = checkpoint.entries[name]
+        h.update(f"{name}:{e.dtype}:{e.shape}".encode())
+    return h.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- collection
+
+
+@dataclass
+class _LayerCollector:
+    """Accumulates one MoE layer's statistics from its router and experts hooks."""
+
+    adapter: object
+    experts_module: object
+    num_experts: int
+    top_k: int
+    domains: list[str]
+    all_experts: bool
+    hessians: bool
+    token_domains: torch.Tensor | None = None  # domain index per token of the current batch
+    tokens: int = 0
+    t: dict = field(default_factory=dict)
+    _routing: tuple | None = None
+
+    def __post_init__(self):
+        E, k = self.num_experts, self.top_k
+        self.t["routing.count"] = torch.zeros(E, dtype=torch.int64)
+        self.t["routing.weight_sum"] = torch.zeros(E, dtype=torch.float64)
+        self.t["routing.rank_count"] = torch.zeros(E, k, dtype=torch.int64)
+        for d in self.domains:
+            self.t[f"routing.count.{d}"] = torch.zeros(E, dtype=torch.int64)
+
+    def on_router(self, module, args, output):
+        _, weights, indices = output
+        indices = indices.reshape(-1, self.top_k).to("cpu")
+        weights = weights.reshape(-1, self.top_k).detach().to("cpu", torch.float64)
+        E = self.num_experts
+        self.tokens += indices.shape[0]
+        self.t["routing.count"] += torch.bincount(indices.reshape(-1), minlength=E)
+        self.t["routing.weight_sum"].index_add_(0, indices.reshape(-1), weights.reshape(-1))
+        # rank = position of the choice when the token's weights are sorted high to low
+        order = torch.argsort(weights, dim=1, descending=True, stable=True)
+        ranked = torch.gather(indices, 1, order)
+        for r in range(self.top_k):
+            self.t["routing.rank_count"][:, r] += torch.bincount(ranked[:, r], minlength=E)
+        for di, d in enumerate(self.domains):
+            sel = indices[self.token_domains == di]
+            self.t[f"routing.count.{d}"] += torch.bincount(sel.reshape(-1), minlength=E)
+        self._routing = (indices, weights)
+
+    def _acc(self, key: str, value: torch.Tensor) -> None:
+        if key in self.t:
+            self.t[key] += value
+        else:
+            self.t[key] = value.clone()
+
+    def _acc_max(self, key: str, value: torch.Tensor) -> None:
+        self.t[key] = torch.maximum(self.t[key], value) if key in self.t else value.clone()
+
+    def on_experts(self, module, args, kwargs):
+        x = (args[0] if args else kwargs["hidden_states"]).detach().reshape(-1, module_hidden(args, kwargs))
+        x = x.to(torch.float32)
+        indices, _ = self._routing
+        E = self.num_experts
+        routed_mask = torch.zeros(x.shape[0], E, dtype=torch.bool)
+        routed_mask.scatter_(1, indices, True)
+        routed_mask = routed_mask.to(x.device)
+        # gate/up input: the layer's normalised hidden state, identical for every expert
+        if self.all_experts:
+            self._acc("input.gate_up.tokens_all", torch.tensor(x.shape[0], dtype=torch.int64))
+            self._acc("input.gate_up.sqsum_all", (x.double() ** 2).sum(0).cpu())
+            self._acc_max("input.gate_up.absmax_all", x.abs().amax(0).cpu())
+            if self.hessians:
+                self._acc("hessian_sum.gate_up_all", (x.T @ x).cpu())
+        for e in range(E):
+            sel = routed_mask[:, e]
+            xe = x[sel]
+            n_e = xe.shape[0]
+            self._acc_e("input_routed.gate_up.tokens", e, torch.tensor(n_e))
+            self._acc_e("input_routed.gate_up.sqsum", e, (xe.double() ** 2).sum(0).cpu())
+            self._acc_max_e("input_routed.gate_up.absmax", e, xe.abs().amax(0).cpu() if n_e else torch.zeros(x.shape[1]))
+            if self.hessians:
+                self._acc_e("hessian_sum_routed.gate_up", e, (xe.T @ xe).cpu())
+            # down input: the expert's own intermediate activation
+            with torch.no_grad():
+                h_all = self.adapter.expert_hidden(self.experts_module, x if self.all_experts else xe, e).float()
+            h_routed = h_all[sel] if self.all_experts else h_all
+            self._acc_e("input_routed.down.tokens", e, torch.tensor(n_e))
+            self._acc_e("input_routed.down.sqsum", e, (h_routed.double() ** 2).sum(0).cpu())
+            self._acc_max_e("input_routed.down.absmax", e, h_routed.abs().amax(0).cpu() if n_e else torch.zeros(h_all.shape[1]))
+            if self.hessians:
+                self._acc_e("hessian_sum_routed.down", e, (h_routed.T @ h_routed).cpu())
+            if self.all_experts:
+                self._acc_e("input.down.tokens", e, torch.tensor(h_all.shape[0]))
+                self._acc_e("input.down.sqsum", e, (h_all.double() ** 2).sum(0).cpu())
+                self._acc_max_e("input.down.absmax", e, h_all.abs().amax(0).cpu())
+                if self.hessians:
+                    self._acc_e("hessian_sum.down", e, (h_all.T @ h_all).cpu())
+
+    def _acc_e(self, key, e, value):
+        if key not in self.t:
+            self.t[key] = torch.zeros((self.num_experts,) + tuple(value.shape), dtype=value.dtype)
+        self.t[key][e] += value
+
+    def _acc_max_e(self, key, e, value):
+        if key not in self.t:
+            self.t[key] = torch.zeros((self.num_experts,) + tuple(value.shape), dtype=value.dtype)
+        self.t[key][e] = torch.maximum(self.t[key][e], value)
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """Turn sums into the documented per-expert statistics (means, normalised Hessians)."""
+        t, E = self.t, self.num_experts
+        out = {k: v for k, v in t.items() if k.startswith("routing.")}
+        for group in ("gate_up", "down"):
+            n_r = t[f"input_routed.{group}.tokens"]
+            out[f"input_routed.{group}.tokens"] = n_r
+            out[f"input_routed.{group}.sq_mean"] = t[f"input_routed.{group}.sqsum"] / n_r.clamp_min(1)[:, None]
+            out[f"input_routed.{group}.absmax"] = t[f"input_routed.{group}.absmax"]
+            if self.hessians:
+                out[f"hessian_routed.{group}"] = t[f"hessian_sum_routed.{group}"] / n_r.clamp_min(1)[:, None, None]
+        if self.all_experts:
+            n_all = t["input.gate_up.tokens_all"]
+            out["input.gate_up.tokens"] = n_all.repeat(E)
+            out["input.gate_up.sq_mean"] = (t["input.gate_up.sqsum_all"] / max(int(n_all), 1)).repeat(E, 1)
+            out["input.gate_up.absmax"] = t["input.gate_up.absmax_all"].repeat(E, 1)
+            out["input.down.tokens"] = t["input.down.tokens"]
+            out["input.down.sq_mean"] = t["input.down.sqsum"] / t["input.down.tokens"].clamp_min(1)[:, None]
+            out["input.down.absmax"] = t["input.down.absmax"]
+            if self.hessians:
+                # identical for every expert: stored once, [1, d, d], broadcast by readers
+                out["hessian.gate_up"] = (t["hessian_sum.gate_up_all"] / max(int(n_all), 1))[None]
+                out["hessian.down"] = t["hessian_sum.down"] / t["input.down.tokens"].clamp_min(1)[:, None, None]
+        else:
+            for group in ("gate_up", "down"):
+                for suffix in ("tokens", "sq_mean", "absmax"):
+                    out[f"input.{group}.{suffix}"] = out[f"input_routed.{group}.{suffix}"]
+                if self.hessians:
+                    out[f"hessian.{group}"] = out[f"hessian_routed.{group}"]
+        return out
+
+
+def module_hidden(args, kwargs) -> int:
+    x = args[0] if args else kwargs["hidden_states"]
+    return x.shape[-1]
+
+
+def sensitivity(weights: dict[str, torch.Tensor], stats: dict[str, torch.Tensor], format_keys, min_tokens: int):
+    """Predicted per-token squared output error of RTN per (proj, format): tr(ΔW H ΔWᵀ) per expert.
+
+    H is the expert's own routed-token Hessian when it has at least `min_tokens` tokens,
+    else the all-tokens one. Formats that cannot hold a shape are left out (and reported).
+    """
+    from moequant import formats
+
+    out, skipped = {}, []
+    for proj, W in weights.items():
+        group = "down" if proj == "down" else "gate_up"
+        if f"hessian.{group}" not in stats:
+            break
+        H_all = stats[f"hessian.{group}"].expand(W.shape[0], -1, -1)
+        H_routed = stats[f"hessian_routed.{group}"]
+        enough = stats[f"input_routed.{group}.tokens"] >= min_tokens
+        H = torch.where(enough[:, None, None], H_routed, H_all).double()
+        for key in format_keys:
+            try:
+                q = formats.quantize(W, formats.parse_key(key))
+            except UserError:
+                skipped.append(f"{proj}:{key}")
+                continue
+            dW = (W.double() - q.dequantize(dtype=torch.float64))
+            err = torch.einsum("eoi,eij,eoj->e", dW, H, dW)
+            out[f"sensitivity.{proj}.{key}"] = err.clamp_min(0)
+    return out, skipped
+
+
+# ----------------------------------------------------------------------------- the runner
+
+
+def calibrate(model: str, output: str | Path, settings: CalibrationSettings, overwrite: bool = False,
+              tokenizer=None, progress=True, samples=None) -> Path:
+    """Calibrate `model` on `settings.dataset`; writes `output/` (see stats.py). Returns the path."""
+    from moequant.data import load_samples
+
+    ckpt = open_checkpoint(model)
+    if ckpt.config_only:
+        raise UserError(f"{model} has no weights (config only); calibration needs a full checkpoint.")
+    adapter = adapter_for(ckpt.config)
+    adapter.check_shapes(ckpt)
+    output = Path(output)
+    fingerprint = {"model": model_fingerprint(ckpt), **settings.fingerprint_fields()}
+    fingerprint["formats"] = list(fingerprint["formats"])
+
+    summary_path = output / "summary.json"
+    if summary_path.exists():
+        old = json.loads(summary_path.read_text())
+        if old.get("fingerprint") == fingerprint:
+            return output  # complete and identical: reuse
+        if not overwrite:
+            what = "another model" if old.get("fingerprint", {}).get("model") != fingerprint["model"] else "other settings"
+            raise UserError(f"{output} already holds calibration statistics of {what}; pass --overwrite to replace them.")
+        shutil.rmtree(output)
+    elif output.exists() and any(output.iterdir()) and not (output / ".work").exists():
+        if not overwrite:
+            raise UserError(f"{output} exists and is not a statistics directory; choose another --output or pass --overwrite.")
+        shutil.rmtree(output)
+
+    max_pos = int(ckpt.config.get("max_position_embeddings") or 0)
+    if max_pos and settings.seq_len > max_pos:
+        raise UserError(f"seq_len {settings.seq_len} exceeds the model's max_position_embeddings ({max_pos}).")
+    if samples is None:  # else: pre-tokenised samples given by the caller (library use, tests)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(ckpt.directory)
+        samples = load_samples(settings.dataset, tokenizer, settings.samples, settings.seq_len, split="calibration",
+                               seed=settings.seed, allow_fewer=settings.allow_fewer)
+    else:
+        fingerprint["dataset"] = hashlib.sha256(b"".join(s.input_ids.numpy().tobytes() for s in samples)).hexdigest()[:16]
+    input_ids = torch.stack([s.input_ids for s in samples])
+    domains = sorted({s.domain for s in samples})
+    token_domain = torch.tensor([domains.index(s.domain) for s in samples]).repeat_interleave(settings.seq_len)
+
+    work = output / ".work"
+    work.mkdir(parents=True, exist_ok=True)
+    progress_path = work / "progress.json"
+    runner = LayerRunner(ckpt, adapter, input_ids, batch_size=settings.batch_size, device=settings.device)
+    start_layer, hidden = 0, runner.embedded
+    if progress_path.exists():
+        state = json.loads(progress_path.read_text())
+        if state.get("fingerprint") == fingerprint and (work / "hidden.safetensors").exists():
+            start_layer = int(state["next_layer"])
+            saved = load_file(str(work / "hidden.safetensors"))
+            hidden = [saved[f"batch_{b}"] for b in range(len(runner.batches))]
+    atomic_write_text(work / "fingerprint.json", json.dumps(fingerprint))
+
+    timings = {}
+    bs = settings.batch_size
+    for L in _progress(range(start_layer, adapter.num_layers), progress, "calibrating", adapter.num_layers, start_layer):
+        t0 = time.perf_counter()
+        with runner.materialized(L) as module:
+            if L in adapter.moe_layers:
+                mlp = module.mlp
+                experts = mlp.experts
+                col = _LayerCollector(adapter, experts, adapter.num_experts, adapter.top_k, domains,
+                                      settings.all_experts, settings.hessians)
+                hooks = [adapter.router_module(mlp).register_forward_hook(col.on_router),
+                         experts.register_forward_pre_hook(col.on_experts, with_kwargs=True)]
+
+                def set_domains(b, col=col):
+                    col.token_domains = token_domain[b * bs * settings.seq_len:(b + 1) * bs * settings.seq_len]
+
+                try:
+                    hidden = runner.forward(module, L, hidden, before_batch=set_domains)
+                finally:
+                    for h in hooks:
+                        h.remove()
+                tensors = col.finish()
+                weights = {p: adapter.read_experts(ckpt, L, p).float() for p in adapter.projections}
+                sens, skipped = sensitivity(weights, tensors, settings.formats, settings.min_tokens)
+                tensors.update(sens)
+                _check_finite(tensors, L)
+                _save_atomic(tensors, layer_file(output, L), {"layer": str(L), "tokens": str(col.tokens)})
+                (work / f"skipped_{L:03d}.json").write_text(json.dumps(skipped))
+            else:
+                hidden = runner.forward(module, L, hidden)
+        _save_atomic({f"batch_{b}": h for b, h in enumerate(hidden)}, work / "hidden.safetensors", {})
+        atomic_write_text(progress_path, json.dumps({"fingerprint": fingerprint, "next_layer": L + 1}))
+        timings[L] = time.perf_counter() - t0
+
+    summary = _summary(ckpt, adapter, output, fingerprint, settings, domains, input_ids.shape[0], work)
+    atomic_write_text(output / "summary.json", json.dumps(summary, indent=2) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        plot_routing(output)
+    except Exception as e:  # a plot must never lose the statistics
+        print(f"warning: routing plot not written ({e})")
+    return output
+
+
+def _summary(ckpt, adapter, output, fingerprint, settings, domains, n_samples, work) -> dict:
+    from moequant.stats import load_stats  # noqa: F401  (the format the summary describes)
+
+    layers, underused = [], []
+    for L in adapter.moe_layers:
+        t = load_file(str(layer_file(output, L)))
+        count = t["routing.count"]
+        tokens = int(count.sum()) // adapter.top_k
+        layers.append({"layer": L, "tokens": tokens})
+        for e in range(adapter.num_experts):
+            if int(count[e]) < settings.min_tokens:
+                underused.append({"layer": L, "expert": e, "routed_tokens": int(count[e])})
+    skipped = {}
+    for L in adapter.moe_layers:
+        p = work / f"skipped_{L:03d}.json"
+        if p.exists() and json.loads(p.read_text()):
+            skipped[str(L)] = json.loads(p.read_text())
+    return {
+        "fingerprint": fingerprint,
+        "model": str(ckpt.path),
+        "model_type": adapter.model_type,
+        "num_experts": adapter.num_experts,
+        "top_k": adapter.top_k,
+        "moe_layers": adapter.moe_layers,
+        "samples": n_samples,
+        "seq_len": settings.seq_len,
+        "domains": domains,
+        "all_experts": settings.all_experts,
+        "min_tokens": settings.min_tokens,
+        "layers": layers,
+        "underused_experts": underused,
+        "sensitivity_formats": list(settings.formats),
+        "sensitivity_skipped": skipped,
+    }
+
+
+def _check_finite(tensors: dict, layer: int) -> None:
+    for k, v in tensors.items():
+        if v.is_floating_point() and not torch.isfinite(v).all():
+            raise UserError(f"calibration statistic {k} of layer {layer} is not finite; the model produced NaN/Inf.")
+
+
+def _save_atomic(tensors: dict, path: Path, metadata: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    tmp.replace(path)
+
+
+def _progress(iterable, enabled, label, total, start):
+    if not enabled:
+        return iterable
+    from rich.progress import track
+
+    return track(iterable, description=label, total=total - start)
+
+
+def load_tokenizer(directory: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
+    except Exception as e:  # no tokenizer files, or unreadable ones
+        raise UserError(f"cannot load a tokenizer from {directory} ({type(e).__name__}); the checkpoint needs tokenizer files.") from None
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def plot_routing(stats_dir: str | Path) -> Path:
+    """routing.png: layers × experts routing share, and per-domain shares of one layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from moequant.stats import load_stats
+
+    s = load_stats(stats_dir, with_hessians=False)
+    layers = sorted(s.layers)
+    share = torch.stack([s.layers[L].share for L in layers]).numpy()
+    domains = s.layers[layers[0]].domains
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [1.2, 1]})
+    im = axes[0].imshow(share * s.layers[layers[0]].num_experts, aspect="auto", cmap="viridis")
+    axes[0].set_xlabel("expert")
+    axes[0].set_ylabel("MoE layer")
+    axes[0].set_yticks(range(len(layers)), [str(L) for L in layers])
+    axes[0].set_title("routing share × experts (1 = uniform)")
+    fig.colorbar(im, ax=axes[0])
+    mid = layers[len(layers) // 2]
+    width = 0.8 / max(len(domains), 1)
+    E = s.layers[mid].num_experts
+    for i, d in enumerate(domains):
+        axes[1].bar([e + i * width for e in range(E)], s.layers[mid].domain_share(d).numpy(), width=width, label=d)
+    axes[1].set_title(f"layer {mid}: routing share per domain")
+    axes[1].set_xlabel("expert")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(stats_dir) / "routing.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

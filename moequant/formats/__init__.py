@@ -20,5 +20,5 @@ from moequant.formats.packing import (  # noqa: F401
     unpack_gptq, unpack_int32,
 )
 from moequant.formats.specs import (  # noqa: F401
-    FORMAT_NAMES, FormatSpec, all_keys, check_shape, get_format, nbytes, parse_key,
+    FORMAT_NAMES, LAYOUTS, FormatSpec, all_keys, check_shape, get_format, nbytes, parse_key,
 )

@@ -67,6 +67,8 @@ class QuantizedTensor:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of codes + scales + zero points as compressed-tensors stores them
+        (formats.nbytes(spec, shape, layout) for GPTQ / AWQ, which add zeros to symmetric formats)."""
         return _nbytes(self.spec, self.shape)
 
     @property
@@ -176,8 +178,7 @@ class ColumnQuantizer:
         if self.spec.name == "bf16":
             raise UserError("format bf16 keeps weights as they are; there is nothing to quantize column by column")
         x = _prepare(weight, self.spec, name)
-        if self.spec.granularity != "block":  # early NaN check, as quantize() does through the fit
-            _check_finite(x.abs().amax(), x, name)
+        _check_finite(x.abs().amax(), x, name)  # fail before any column work, as quantize() does
         self.name = name
         self.shape = tuple(weight.shape)
         self.rows, self.cols = self.shape[-2:]

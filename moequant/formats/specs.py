@@ -189,13 +189,20 @@ def _split_shape(shape) -> tuple[int, int, int]:
     raise UserError("weight shape %s is not supported; accepted: [out, in] or [experts, out, in]" % (shape,))
 
 
-def nbytes(spec, shape) -> int:
+LAYOUTS = ("compressed-tensors", "gptq", "awq", "deepseek", "gpt-oss")
+
+
+def nbytes(spec, shape, layout: str = "compressed-tensors") -> int:
     """Exact bytes of codes + scales + zero points for a weight of `shape` ([out, in] or [E, out, in]).
 
     Equal to the bytes of the tensors the packers write (per-expert scales for [E, out, in]).
+    All layouts of a format cost the same, except that GPTQ and AWQ also store zero points
+    for symmetric integer formats (layout="gptq" / "awq" counts them).
     Shapes the format cannot hold raise UserError, as `quantize` would.
     """
     spec = get_format(spec)
+    if layout not in LAYOUTS:
+        raise UserError("unknown layout %r; accepted: %s" % (layout, ", ".join(LAYOUTS)))
     experts, rows, cols = _split_shape(shape)
     check_shape(spec, (rows, cols))
     if spec.name == "bf16":
@@ -212,7 +219,7 @@ def nbytes(spec, shape) -> int:
         words_per_row = math.ceil(cols * spec.bits / 32)
         groups = 1 if spec.granularity == "channel" else cols // spec.group_size
         per = 4 * rows * words_per_row + 2 * rows * groups
-        if not spec.symmetric:
+        if not spec.symmetric or layout in ("gptq", "awq"):
             per += 4 * math.ceil(rows * spec.bits / 32) * groups
     elif spec.name == "mxfp4":
         per = rows * cols // 2 + rows * cols // MX_GROUP

@@ -198,9 +198,9 @@ class _LayerCollector:
         else:
             for group in ("gate_up", "down"):
                 for suffix in ("tokens", "sq_mean", "absmax"):
-                    out[f"input.{group}.{suffix}"] = out[f"input_routed.{group}.{suffix}"]
+                    out[f"input.{group}.{suffix}"] = out[f"input_routed.{group}.{suffix}"].clone()
                 if self.hessians:
-                    out[f"hessian.{group}"] = out[f"hessian_routed.{group}"]
+                    out[f"hessian.{group}"] = out[f"hessian_routed.{group}"].clone()
         return out
 
 

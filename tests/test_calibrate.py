@@ -1,0 +1,158 @@
+"""Calibration runner: exact routing counts, float64 statistics, coverage modes, resume, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from moequant.arch import adapter_for
+from moequant.calibrate import CalibrationSettings, calibrate
+from moequant.checkpoint import open_checkpoint
+from moequant.cli import main
+from moequant.data import Sample
+from moequant.errors import UserError
+from moequant.stats import load_stats
+from tiny import TINY_CONFIGS, build_tiny
+
+SEQ, N, BS = 24, 6, 3
+FORMATS = ("int8-channel", "fp8-channel")
+
+
+def make_samples(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [Sample(torch.randint(0, 96, (SEQ,), generator=g), "code" if i % 2 else "prose", "test") for i in range(N)]
+
+
+def settings(**kw):
+    base = dict(samples=N, seq_len=SEQ, batch_size=BS, formats=FORMATS)
+    base.update(kw)
+    return CalibrationSettings(**base)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_cal")
+    return {mt: build_tiny(mt, root / mt, seed=1) for mt in TINY_CONFIGS}
+
+
+def reference_pass(directory, samples):
+    """The unmodified transformers model, hooked: routing indices and expert inputs per MoE layer."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    adapter = adapter_for(open_checkpoint(directory).config)
+    seen = {L: {"indices": [], "x": []} for L in adapter.moe_layers}
+    hooks = []
+    for L in adapter.moe_layers:
+        mlp = model.model.layers[L].mlp
+        hooks.append(adapter.router_module(mlp).register_forward_hook(
+            lambda m, a, out, L=L: seen[L]["indices"].append(out[2].reshape(-1, adapter.top_k))))
+        hooks.append(mlp.experts.register_forward_pre_hook(
+            lambda m, a, L=L: seen[L]["x"].append(a[0].reshape(-1, a[0].shape[-1]).double())))
+    ids = torch.stack([s.input_ids for s in samples])
+    with torch.no_grad():
+        for batch in torch.split(ids, BS):
+            model(input_ids=batch)
+    for h in hooks:
+        h.remove()
+    return adapter, model, {L: (torch.cat(v["indices"]), torch.cat(v["x"])) for L, v in seen.items()}
+
+
+@pytest.mark.parametrize("model_type", list(TINY_CONFIGS))
+def test_routing_counts_and_statistics_match_an_independent_hook(tiny_dirs, tmp_path, model_type):
+    samples = make_samples()
+    out = calibrate(str(tiny_dirs[model_type]), tmp_path / "stats", settings(), samples=samples, progress=False)
+    stats = load_stats(out)
+    adapter, model, ref = reference_pass(tiny_dirs[model_type], samples)
+    assert sorted(stats.layers) == adapter.moe_layers
+    domains = torch.tensor([s.domain == "code" for s in samples]).repeat_interleave(SEQ)
+    for L, (indices, x) in ref.items():
+        s = stats.layers[L]
+        E = adapter.num_experts
+        assert torch.equal(s.routed_count, torch.bincount(indices.reshape(-1), minlength=E))
+        assert torch.equal(s.tensors["routing.count.code"], torch.bincount(indices[domains].reshape(-1), minlength=E))
+        assert s.tokens == N * SEQ and abs(float(s.share.sum()) - 1) < 1e-12
+        assert torch.equal(s.rank_count.sum(1), s.routed_count)
+        # all-experts Hessian of gate/up = XᵀX / n over every token (float64 reference)
+        H = x.T @ x / x.shape[0]
+        torch.testing.assert_close(s.hessian("gate").double(), H.expand(E, -1, -1), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(s.tensors["input.gate_up.sq_mean"][0], torch.diagonal(H), rtol=1e-6, atol=1e-9)
+        experts = model.model.layers[L].mlp.experts
+        for e in range(E):
+            routed = (indices == e).any(1)
+            xe = x[routed]
+            He = xe.T @ xe / max(xe.shape[0], 1)
+            torch.testing.assert_close(s.hessian("up", routed=True)[e].double(), He, rtol=1e-4, atol=1e-6)
+            with torch.no_grad():
+                h = adapter.expert_hidden(experts, x.float(), e).double()
+            torch.testing.assert_close(s.hessian("down")[e].double(), h.T @ h / h.shape[0], rtol=1e-4, atol=1e-6)
+            assert int(s.input_tokens("down", routed=True)[e]) == int(routed.sum())
+        # sensitivity = tr(ΔW H ΔWᵀ) with the routed Hessian when the expert has enough tokens
+        for proj in ("gate", "down"):
+            for key, value in s.sensitivity[proj].items():
+                assert value.shape == (E,) and torch.isfinite(value).all() and (value >= 0).all()
+    assert (out / "routing.png").stat().st_size > 1000
+
+
+def test_routed_only_mode_differs_only_where_it_should(tiny_dirs, tmp_path):
+    d = str(tiny_dirs["qwen2_moe"])
+    a = load_stats(calibrate(d, tmp_path / "all", settings(), samples=make_samples(), progress=False)).layers
+    r = load_stats(calibrate(d, tmp_path / "routed", settings(all_experts=False), samples=make_samples(),
+                             progress=False)).layers
+    for L in a:
+        for k, v in r[L].tensors.items():
+            if k.startswith(("routing.", "input_routed.", "hessian_routed.")):
+                assert torch.equal(v, a[L].tensors[k]), k
+        assert torch.equal(r[L].tensors["hessian.down"], r[L].tensors["hessian_routed.down"])
+        assert not torch.equal(a[L].tensors["hessian.down"], a[L].tensors["hessian_routed.down"])
+        assert (a[L].tensors["input.down.tokens"] == N * SEQ).all()
+
+
+def test_resume_after_interruption_gives_identical_statistics(tiny_dirs, tmp_path, monkeypatch):
+    d = str(tiny_dirs["deepseek_v3"])
+    whole = calibrate(d, tmp_path / "whole", settings(), samples=make_samples(), progress=False)
+    from moequant import layers
+
+    real_forward = layers.LayerRunner.forward
+    calls = {"n": 0}
+
+    def dying_forward(self, module, layer, hidden, before_batch=None):
+        if layer == 2:
+            raise KeyboardInterrupt  # as if killed while layer 2 runs
+        calls["n"] += 1
+        return real_forward(self, module, layer, hidden, before_batch)
+
+    monkeypatch.setattr(layers.LayerRunner, "forward", dying_forward)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(d, tmp_path / "resumed", settings(), samples=make_samples(), progress=False)
+    assert not (tmp_path / "resumed" / "summary.json").exists()
+    assert json.loads((tmp_path / "resumed" / ".work" / "progress.json").read_text())["next_layer"] == 2
+    monkeypatch.setattr(layers.LayerRunner, "forward", real_forward)
+    seen = []
+    monkeypatch.setattr(layers.LayerRunner, "forward",
+                        lambda self, m, layer, h, before_batch=None: seen.append(layer) or real_forward(self, m, layer, h, before_batch))
+    resumed = calibrate(d, tmp_path / "resumed", settings(), samples=make_samples(), progress=False)
+    assert seen == [2]  # only the unfinished layer ran again
+    a, b = load_stats(whole).layers, load_stats(resumed).layers
+    for L in a:
+        assert a[L].tensors.keys() == b[L].tensors.keys()
+        for k in a[L].tensors:
+            assert torch.equal(a[L].tensors[k], b[L].tensors[k]), k
+
+
+def test_bad_input(tiny_dirs, tmp_path):
+    d = str(tiny_dirs["mixtral"])
+    with pytest.raises(UserError, match="max_position_embeddings"):
+        calibrate(d, tmp_path / "s", settings(seq_len=10_000), samples=make_samples(), progress=False)
+    calibrate(d, tmp_path / "s", settings(), samples=make_samples(), progress=False)
+    with pytest.raises(UserError, match="another model.*--overwrite"):
+        calibrate(str(tiny_dirs["olmoe"]), tmp_path / "s", settings(), samples=make_samples(), progress=False)
+    calibrate(str(tiny_dirs["olmoe"]), tmp_path / "s", settings(), samples=make_samples(), progress=False, overwrite=True)
+    assert load_stats(tmp_path / "s").summary["model_type"] == "olmoe"
+    # the CLI: a model without tokenizer files is one sentence, exit 2
+    result = CliRunner().invoke(main, ["calibrate", "--model", d, "--output", str(tmp_path / "c"), "--samples", "2",
+                                       "--seq-len", "8"])
+    assert result.exit_code == 2 and "tokenizer" in result.output

@@ -1,0 +1,482 @@
+"""Quality of a quantized MoE model against its original, on the same tokens.
+
+    quality = evaluate(reference_model, quantized_model, samples, batch_size=4)
+    quality = evaluate_checkpoints("out/checkpoint", "path/to/original")   # `moequant eval`
+
+Both models see the same token windows (an evaluation split disjoint from calibration, see
+data.py). What is measured, and on which positions:
+
+- perplexity: exp(mean next-token NLL) over the positions that have a next token (T-1 per
+  window), log-softmax in float64;
+- KL(original || quantized) per position over every position of every window (T per window):
+  sum_v p(v) (log p(v) - log q(v)) in float64 from the two models' logits; mean, p90, p99
+  (linear interpolation between order statistics, numpy's default), max;
+- top-1 agreement: share of those positions where both models' argmax is the same token;
+- routing agreement per MoE layer: share of tokens whose top-k expert *set* is unchanged,
+  each model routing its own hidden states (forward hooks on the router module, whose output
+  is (logits, weights, indices)); `routing_agreement` is the mean over MoE layers;
+- MoE-block output relative error per layer, sqrt(sum ||y_q - y_ref||^2 / sum ||y_ref||^2)
+  over all tokens, in two variants:
+  `moe_output_error`: both blocks see the *reference* model's input of that layer (the quantized
+  block is run a second time on it), so it isolates that block's own quantization error;
+  `moe_output_error_accumulated`: each block sees its own model's input, so it includes the
+  drift of every earlier layer;
+- per routed expert (reference input, reference routing, only the tokens the reference router
+  sends to it): relative error of the expert's output and its squared error per routed token
+  (the unit of calibration's predicted sensitivity); `error` is None for an expert that got no
+  token;
+- the reference model's routing share per expert on these tokens (sums to 1 per layer);
+- per domain (when samples carry one): perplexities, KL mean / p99, top-1 and routing agreement.
+
+Batches bound memory: logits are turned into float64 statistics a few thousand positions at a
+time, and only per-position KL values (one float64 each) are kept across batches.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from moequant.errors import UserError
+
+LOGIT_CHUNK_ELEMENTS = 1 << 24  # float64 logits handled at once (128 MiB per temporary)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _as_windows(samples) -> list[tuple[torch.Tensor, str | None]]:
+    """(input_ids [T] int64, domain or None) for Sample objects, 1-D tensors or a 2-D tensor."""
+    if isinstance(samples, torch.Tensor):
+        if samples.dim() != 2:
+            raise UserError(f"evaluation samples as a tensor must be 2-D [samples, tokens], got shape {list(samples.shape)}.")
+        return [(row, None) for row in samples]
+    out = []
+    for s in samples:
+        ids = s.input_ids if hasattr(s, "input_ids") else s
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        if ids.numel() < 2:
+            raise UserError(f"an evaluation sample has {ids.numel()} tokens; perplexity needs at least 2.")
+        out.append((ids, getattr(s, "domain", None)))
+    if not out:
+        raise UserError("no evaluation samples were given; ask for at least one sample.")
+    return out
+
+
+def _batches(windows, batch_size: int):
+    """Consecutive windows of equal length, at most batch_size at a time (original order kept)."""
+    by_len: dict[int, list[int]] = defaultdict(list)
+    for i, (ids, _) in enumerate(windows):
+        by_len[ids.numel()].append(i)
+    for length in sorted(by_len):
+        idx = by_len[length]
+        for start in range(0, len(idx), batch_size):
+            yield idx[start:start + batch_size]
+
+
+def _input_device(model) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+def _adapter(model):
+    from moequant.arch import adapter_for
+
+    return adapter_for(model.config.to_dict())
+
+
+def _moe_block(model, layer: int):
+    return model.model.layers[layer].mlp
+
+
+# ----------------------------------------------------------------------------- hooks
+
+
+@dataclass
+class _Capture:
+    """Forward hooks on one model's routers and MoE blocks; records one batch at a time."""
+
+    model: object
+    adapter: object
+    keep_inputs: bool
+    active: bool = True
+    indices: dict = field(default_factory=dict)   # layer -> [tokens, k] expert ids
+    inputs: dict = field(default_factory=dict)    # layer -> MoE block input [tokens, hidden]
+    outputs: dict = field(default_factory=dict)   # layer -> MoE block output [tokens, hidden]
+    handles: list = field(default_factory=list)
+
+    def __post_init__(self):
+        for L in self.adapter.moe_layers:
+            block = _moe_block(self.model, L)
+            router = self.adapter.router_module(block)
+            self.handles.append(router.register_forward_hook(self._on_router(L)))
+            self.handles.append(block.register_forward_hook(self._on_block(L), with_kwargs=True))
+
+    def _on_router(self, layer):
+        def hook(module, args, output):
+            if self.active:
+                if not (isinstance(output, tuple) and len(output) == 3):
+                    raise UserError(f"the router of layer {layer} ({type(module).__name__}) does not return "
+                                    "(logits, weights, indices); this model's MoE implementation is not supported.")
+                self.indices[layer] = output[2].detach().reshape(-1, self.adapter.top_k)
+        return hook
+
+    def _on_block(self, layer):
+        def hook(module, args, kwargs, output):
+            if self.active:
+                x = args[0] if args else kwargs["hidden_states"]
+                y = output[0] if isinstance(output, tuple) else output  # gpt-oss also returns router scores
+                if self.keep_inputs:
+                    self.inputs[layer] = x.detach()
+                self.outputs[layer] = y.detach().reshape(-1, y.shape[-1])
+        return hook
+
+    def clear(self):
+        self.indices.clear()
+        self.inputs.clear()
+        self.outputs.clear()
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+# ----------------------------------------------------------------------------- per-token math
+
+
+def token_statistics(ref_logits: torch.Tensor, q_logits: torch.Tensor, targets: torch.Tensor | None = None):
+    """Per-position float64 statistics of two logit tensors [N, V] (targets [N], -100 = none).
+
+    Returns (kl [N], top1_equal [N] bool, nll_ref [N], nll_q [N]); NLL is NaN where there is no
+    target. Works in chunks so a large vocabulary never needs N x V float64 at once.
+    """
+    n, v = ref_logits.shape
+    chunk = max(1, LOGIT_CHUNK_ELEMENTS // v)
+    kl, same, nll_r, nll_q = [], [], [], []
+    for s in range(0, n, chunk):
+        lp = torch.log_softmax(ref_logits[s:s + chunk].double(), dim=-1)
+        lq = torch.log_softmax(q_logits[s:s + chunk].to(lp.device).double(), dim=-1)
+        kl.append((lp.exp() * (lp - lq)).sum(-1).clamp_min(0).cpu())
+        same.append((ref_logits[s:s + chunk].argmax(-1).cpu() == q_logits[s:s + chunk].argmax(-1).cpu()))
+        if targets is not None:
+            t = targets[s:s + chunk].to(lp.device)
+            has = t >= 0
+            tt = t.clamp_min(0)[:, None]
+            nll_r.append(torch.where(has, -lp.gather(1, tt)[:, 0], torch.nan).cpu())
+            nll_q.append(torch.where(has, -lq.gather(1, tt)[:, 0], torch.nan).cpu())
+    cat = torch.cat
+    if targets is None:
+        empty = torch.full((n,), torch.nan, dtype=torch.float64)
+        return cat(kl), cat(same), empty, empty.clone()
+    return cat(kl), cat(same), cat(nll_r), cat(nll_q)
+
+
+def _expert_output(adapter, experts, x: torch.Tensor, expert: int) -> torch.Tensor:
+    """Output of one routed expert (before its routing weight) for tokens x [n, hidden], float32."""
+    w_down = adapter.expert_from_module(experts, expert, "down")
+    x = x.to(w_down.dtype)
+    h = adapter.expert_hidden(experts, x, expert)
+    y = torch.nn.functional.linear(h.to(w_down.dtype), w_down)
+    bias = getattr(experts, "down_proj_bias", None)
+    if bias is not None:
+        y = y + bias[expert]
+    return y.float()
+
+
+def _has_fused_experts(model, adapter, layer) -> bool:
+    experts = getattr(_moe_block(model, layer), "experts", None)
+    return experts is not None and hasattr(experts, "down_proj") and (
+        hasattr(experts, "gate_up_proj") or hasattr(experts, "gate_up_proj_blocks"))
+
+
+# ----------------------------------------------------------------------------- evaluate
+
+
+def _quantile(values: np.ndarray, q: float) -> float:
+    return float(np.quantile(values, q)) if values.size else float("nan")
+
+
+def _ppl(nll_sum: float, count: int) -> float:
+    return math.exp(nll_sum / count) if count else float("nan")
+
+
+def evaluate(reference_model, quantized_model, samples, batch_size: int = 4, per_expert: bool = True,
+             progress: bool = False) -> dict:
+    """Compare `quantized_model` with `reference_model` (transformers causal LMs, already loaded,
+    eval mode) on `samples` (moequant.data Samples, 1-D token tensors, or a [N, T] tensor).
+
+    Returns a plain dict (JSON-ready); keys are described in the module docstring and below:
+    tokens, samples, ppl_original, ppl_quantized, nll_original, nll_quantized, kl_mean, kl_p90,
+    kl_p99, kl_max, top1_agreement, routing_agreement, moe_output_error,
+    moe_output_error_accumulated, layers [{layer, routing_agreement, moe_output_error,
+    moe_output_error_accumulated, tokens}], experts [{layer, expert, tokens, share, error,
+    sq_error_per_token}], by_domain {domain: {...}}, seconds.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise UserError(f"batch_size must be a positive integer, got {batch_size!r}.")
+    adapter = _adapter(reference_model)
+    q_adapter = _adapter(quantized_model)
+    if (q_adapter.moe_layers, q_adapter.num_experts, q_adapter.top_k) != (
+            adapter.moe_layers, adapter.num_experts, adapter.top_k):
+        raise UserError("the quantized model's MoE structure (layers, experts, top-k) differs from the reference model's; "
+                        "compare a checkpoint with the model it was made from.")
+    windows = _as_windows(samples)
+    layers = list(adapter.moe_layers)
+    E, k = adapter.num_experts, adapter.top_k
+    expert_errors = per_expert and all(_has_fused_experts(m, adapter, L)
+                                       for m in (reference_model, quantized_model) for L in layers)
+
+    ref_cap = _Capture(reference_model, adapter, keep_inputs=True)
+    q_cap = _Capture(quantized_model, adapter, keep_inputs=False)
+
+    kl_all, dom_all = [], []
+    top1_same = 0
+    positions = 0
+    nll = {"ref": defaultdict(float), "q": defaultdict(float)}
+    nll_count = defaultdict(int)
+    route_same = {L: 0 for L in layers}
+    route_same_dom = defaultdict(lambda: {L: 0 for L in layers})
+    route_tokens = 0
+    route_tokens_dom = defaultdict(int)
+    top1_dom = defaultdict(int)
+    pos_dom = defaultdict(int)
+    block_sq = {L: [0.0, 0.0, 0.0] for L in layers}  # sum |Δ|² (ref input), sum |Δ|² (own input), sum |y_ref|²
+    routed = torch.zeros(len(layers), E, dtype=torch.int64)
+    exp_sq = torch.zeros(len(layers), E, dtype=torch.float64)
+    exp_ref_sq = torch.zeros(len(layers), E, dtype=torch.float64)
+
+    batches = list(_batches(windows, batch_size))
+    it = batches
+    if progress:
+        from rich.progress import track
+
+        it = track(batches, description="evaluating", total=len(batches))
+    start = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            for idx in it:
+                ids = torch.stack([windows[i][0] for i in idx])
+                doms = [windows[i][1] for i in idx]
+                B, T = ids.shape
+                ref_cap.clear()
+                q_cap.clear()
+                ref_logits = reference_model(input_ids=ids.to(_input_device(reference_model)), use_cache=False).logits
+                q_logits = quantized_model(input_ids=ids.to(_input_device(quantized_model)), use_cache=False).logits
+                if ref_logits.shape != q_logits.shape:
+                    raise UserError(f"the two models' logits differ in shape ({list(ref_logits.shape)} vs "
+                                    f"{list(q_logits.shape)}); they must share one vocabulary.")
+                targets = torch.full((B, T), -100, dtype=torch.long)
+                targets[:, :-1] = ids[:, 1:]
+                kl, same, nr, nq = token_statistics(ref_logits.reshape(B * T, -1), q_logits.reshape(B * T, -1),
+                                                    targets.reshape(-1))
+                del ref_logits, q_logits
+                tok_dom = [d for d in doms for _ in range(T)]
+                kl_all.append(kl)
+                dom_all.extend(tok_dom)
+                top1_same += int(same.sum())
+                positions += B * T
+                for b, d in enumerate(doms):
+                    sl = slice(b * T, (b + 1) * T)
+                    has = ~torch.isnan(nr[sl])
+                    for key in (None, d) if d is not None else (None,):
+                        nll["ref"][key] += float(nr[sl][has].sum())
+                        nll["q"][key] += float(nq[sl][has].sum())
+                        nll_count[key] += int(has.sum())
+                    if d is not None:
+                        top1_dom[d] += int(same[sl].sum())
+                        pos_dom[d] += T
+                        route_tokens_dom[d] += T
+
+                route_tokens += B * T
+                for li, L in enumerate(layers):
+                    r_idx = ref_cap.indices[L]
+                    q_idx = q_cap.indices[L].to(r_idx.device)
+                    equal = (r_idx.sort(-1).values == q_idx.sort(-1).values).all(-1).cpu()
+                    route_same[L] += int(equal.sum())
+                    for b, d in enumerate(doms):
+                        if d is not None:
+                            route_same_dom[d][L] += int(equal[b * T:(b + 1) * T].sum())
+                    routed[li] += torch.bincount(r_idx.reshape(-1).cpu(), minlength=E)
+
+                    y_ref = ref_cap.outputs[L].float()
+                    y_own = q_cap.outputs[L].to(y_ref.device).float()
+                    x_ref = ref_cap.inputs[L]
+                    q_block = _moe_block(quantized_model, L)
+                    q_cap.active = False  # the second run on the reference input must not overwrite captures
+                    try:
+                        y_q = q_block(x_ref.to(next(q_block.parameters()).device))
+                    finally:
+                        q_cap.active = True
+                    y_q = (y_q[0] if isinstance(y_q, tuple) else y_q).reshape(-1, y_ref.shape[-1]).to(y_ref.device).float()
+                    block_sq[L][0] += float((y_q - y_ref).double().pow(2).sum())
+                    block_sq[L][1] += float((y_own - y_ref).double().pow(2).sum())
+                    block_sq[L][2] += float(y_ref.double().pow(2).sum())
+
+                    if expert_errors:
+                        x = x_ref.reshape(-1, x_ref.shape[-1])
+                        ref_experts = adapter.experts_module(reference_model, L)
+                        q_experts = adapter.experts_module(quantized_model, L)
+                        for e in range(E):
+                            tok = (r_idx == e).any(-1).nonzero()[:, 0]
+                            if tok.numel() == 0:
+                                continue
+                            xe = x[tok]
+                            ye_ref = _expert_output(adapter, ref_experts, xe, e)
+                            ye_q = _expert_output(adapter, q_experts, xe.to(next(q_block.parameters()).device), e)
+                            exp_sq[li, e] += float((ye_q.to(ye_ref.device) - ye_ref).double().pow(2).sum())
+                            exp_ref_sq[li, e] += float(ye_ref.double().pow(2).sum())
+                ref_cap.clear()
+                q_cap.clear()
+    finally:
+        ref_cap.remove()
+        q_cap.remove()
+
+    kl_values = torch.cat(kl_all).numpy()
+    dom_arr = np.array([d if d is not None else "" for d in dom_all])
+    layer_rows = []
+    for li, L in enumerate(layers):
+        d_ref, d_own, ref_sq = block_sq[L]
+        layer_rows.append({
+            "layer": L,
+            "tokens": route_tokens,
+            "routing_agreement": route_same[L] / route_tokens,
+            "moe_output_error": math.sqrt(d_ref / ref_sq) if ref_sq > 0 else float("nan"),
+            "moe_output_error_accumulated": math.sqrt(d_own / ref_sq) if ref_sq > 0 else float("nan"),
+        })
+    expert_rows = []
+    for li, L in enumerate(layers):
+        total = max(int(routed[li].sum()), 1)
+        for e in range(E):
+            n = int(routed[li, e])
+            has = expert_errors and n > 0 and float(exp_ref_sq[li, e]) > 0
+            expert_rows.append({
+                "layer": L, "expert": e, "tokens": n, "share": n / total,
+                "error": math.sqrt(float(exp_sq[li, e]) / float(exp_ref_sq[li, e])) if has else None,
+                "sq_error_per_token": float(exp_sq[li, e]) / n if (expert_errors and n > 0) else None,
+            })
+    by_domain = {}
+    for d in sorted({d for d in dom_all if d is not None}):
+        sel = kl_values[dom_arr == d]
+        by_domain[d] = {
+            "tokens": pos_dom[d],
+            "ppl_original": _ppl(nll["ref"][d], nll_count[d]),
+            "ppl_quantized": _ppl(nll["q"][d], nll_count[d]),
+            "kl_mean": float(sel.mean()),
+            "kl_p99": _quantile(sel, 0.99),
+            "top1_agreement": top1_dom[d] / pos_dom[d],
+            "routing_agreement": float(np.mean([route_same_dom[d][L] / route_tokens_dom[d] for L in layers])),
+        }
+    mean = lambda xs: float(np.mean(xs)) if xs else float("nan")  # noqa: E731
+    return {
+        "samples": len(windows),
+        "tokens": positions,
+        "ppl_original": _ppl(nll["ref"][None], nll_count[None]),
+        "ppl_quantized": _ppl(nll["q"][None], nll_count[None]),
+        "nll_original": nll["ref"][None] / nll_count[None],
+        "nll_quantized": nll["q"][None] / nll_count[None],
+        "kl_mean": float(kl_values.mean()),
+        "kl_p90": _quantile(kl_values, 0.90),
+        "kl_p99": _quantile(kl_values, 0.99),
+        "kl_max": float(kl_values.max()),
+        "top1_agreement": top1_same / positions,
+        "routing_agreement": mean([r["routing_agreement"] for r in layer_rows]),
+        "moe_output_error": mean([r["moe_output_error"] for r in layer_rows]),
+        "moe_output_error_accumulated": mean([r["moe_output_error_accumulated"] for r in layer_rows]),
+        "layers": layer_rows,
+        "experts": expert_rows,
+        "by_domain": by_domain,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _is_moequant_checkpoint(directory) -> bool:
+    from pathlib import Path
+
+    from moequant.export import EXPORT_INFO
+
+    return (Path(directory) / EXPORT_INFO).exists()
+
+
+def load_quantized(path, dtype=None, device: str = "cpu"):
+    """A quantized checkpoint as a dense transformers model: moequant's loader first (any checkpoint
+    moequant wrote, and the compressed-tensors / GPTQ / AWQ / FP8 / MXFP4 layouts it reads), else
+    transformers' own loading (e.g. an llm-compressor checkpoint with `Linear` targets, decompressed)."""
+    from moequant.checkpoint import open_checkpoint
+
+    directory = open_checkpoint(path).directory
+    try:
+        from moequant.loader import load
+    except ImportError:  # pragma: no cover - the loader is part of the package
+        load = None
+    first_error = None
+    if load is not None:
+        try:
+            return load(directory, dtype=dtype, device=device)
+        except UserError as e:
+            if _is_moequant_checkpoint(directory):
+                raise  # moequant wrote it: its loader's word is final
+            first_error = e
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or "auto", device_map=device)
+    except Exception as e:
+        raise UserError(f"cannot load {path} as a quantized model: moequant's loader said "
+                        f"\"{first_error}\" and transformers failed with {type(e).__name__}: {e}") from None
+    return model.eval()
+
+
+def evaluate_checkpoints(checkpoint, reference, dataset: str = "builtin:mix", samples: int = 64, seq_len: int = 512,
+                         seed: int = 0, batch_size: int = 4, device: str | None = None, dtype=None,
+                         lm_eval_tasks: list[str] | None = None, progress: bool = True) -> dict:
+    """`moequant eval CHECKPOINT --reference ORIGINAL`: load both, evaluate on the evaluation split of
+    `dataset` (tokenised with the reference's tokenizer). Returns evaluate()'s dict plus
+    `checkpoint`, `reference`, `dataset`, `seq_len`, `seed` and, when asked, `lm_eval`."""
+    from transformers import AutoModelForCausalLM
+
+    from moequant.calibrate import load_tokenizer
+    from moequant.checkpoint import open_checkpoint
+    from moequant.data import load_samples
+
+    if lm_eval_tasks:
+        _require_lm_eval()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    ref_dir = open_checkpoint(reference).directory
+    tokenizer = load_tokenizer(ref_dir)
+    windows = load_samples(dataset, tokenizer, samples, seq_len, split="evaluation", seed=seed)
+    ref_model = AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=dtype or "auto", device_map=device).eval()
+    q_model = load_quantized(checkpoint, dtype=dtype, device=device)
+    result = evaluate(ref_model, q_model, windows, batch_size=batch_size, progress=progress)
+    result.update({"checkpoint": str(checkpoint), "reference": str(reference), "dataset": dataset,
+                   "seq_len": seq_len, "seed": seed})
+    if lm_eval_tasks:
+        result["lm_eval"] = {"original": run_lm_eval(ref_model, tokenizer, lm_eval_tasks, batch_size),
+                             "quantized": run_lm_eval(q_model, tokenizer, lm_eval_tasks, batch_size)}
+    return result
+
+
+def _require_lm_eval():
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise UserError("lm-eval tasks were asked for but lm_eval is not installed; install lm-eval "
+                        "(pip install lm-eval) in the environment that runs moequant, or leave out the tasks.") from None
+
+
+def run_lm_eval(model, tokenizer, tasks: list[str], batch_size: int = 4) -> dict:
+    """Scores of lm-eval `tasks` for an already-loaded model (only when lm_eval is importable)."""
+    _require_lm_eval()
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    out = simple_evaluate(model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size), tasks=list(tasks))
+    return {task: {k: v for k, v in scores.items() if isinstance(v, (int, float))}
+            for task, scores in out["results"].items()}

@@ -10,20 +10,20 @@ from pathlib import Path
 
 import torch
 
-COMMON = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=96, max_position_embeddings=256, tie_word_embeddings=False)
 
 TINY_CONFIGS: dict[str, dict] = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+    "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=24, norm_topk_prob=False),
-    "qwen3_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8,
+    "qwen3_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8,
                       norm_topk_prob=True),
-    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
                         first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=2.5,
                         num_key_value_heads=4),
-    "deepseek_v2": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+    "deepseek_v2": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
                         first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=None, kv_lora_rank=16,
                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, topk_method="group_limited_greedy",
                         num_key_value_heads=4),

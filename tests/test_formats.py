@@ -429,13 +429,17 @@ def test_gptq_v1_refuses_a_zero_point_of_zero():
                        q.dequantize())
 
 
-def test_int_bit_streams_hand_derived():
+@pytest.mark.parametrize("byte_path", [True, False])
+def test_int_bit_streams_hand_derived(byte_path, monkeypatch):
     # element i occupies bits [i*B, i*B+B) of one little-endian stream per row
+    monkeypatch.setattr(formats.packing, "_BYTE_ALIGNED", byte_path)  # byte-run fast path and the generic one
     g = torch.Generator().manual_seed(31)
     for bits in (2, 3, 4, 8):
         n = 70
         u = torch.randint(0, 2 ** bits, (3, n), generator=g, dtype=torch.int32)
+        before = u.clone()
         words = formats.pack_int32(u, bits)
+        assert torch.equal(u, before)
         assert words.shape == (3, math.ceil(n * bits / 32)) and words.dtype == torch.int32
         for r in range(3):
             stream = sum(int(u[r, i]) << (i * bits) for i in range(n))

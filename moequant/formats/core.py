@@ -358,26 +358,24 @@ def _fit(spec: FormatSpec, xg: torch.Tensor, gs, name):
 
 
 def _encode(spec: FormatSpec, x: torch.Tensor, s, z, gs) -> torch.Tensor:
-    """float32 values -> codes, with scales (zero points, global scale) broadcast against x."""
+    """float32 values -> codes, with scales (zero points, global scale) broadcast against x.
+
+    A zero scale (all-zero group) divides by +inf instead, so its codes are +-0 (the zero point).
+    """
     if spec.name == "mxfp4":
         return encode_e2m1(x / e8m0_to_float(s))
+    s = s.to(torch.float32)
     if spec.name == "nvfp4":
-        s = s.to(torch.float32) / gs
-    else:
-        s = s.to(torch.float32)
-    ok = s > 0
-    y = x / torch.where(ok, s, 1.0)
+        s = s / gs
+    y = x / torch.where(s > 0, s, torch.inf)
     if spec.name == "fp8":
-        return to_e4m3(torch.where(ok, y, 0.0))
+        return to_e4m3(y)
     if spec.name == "nvfp4":
-        return encode_e2m1(torch.where(ok, y, 0.0))
-    qmin, qmax = -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1
-    q = torch.round(y)
+        return encode_e2m1(y)
+    y = y.round_()
     if z is not None:
-        q = q + z.to(torch.float32)
-    q = q.clamp_(qmin, qmax)
-    q = torch.where(ok, q, 0.0 if z is None else z.to(torch.float32))
-    return q.to(torch.int8)
+        y += z.to(torch.float32)
+    return y.clamp_(-(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1).to(torch.int8)
 
 
 def _decode(spec: FormatSpec, codes: torch.Tensor, s, z, gs) -> torch.Tensor:

@@ -27,16 +27,21 @@ def e2m1_lut(device) -> torch.Tensor:
 def encode_e2m1(y: torch.Tensor) -> torch.Tensor:
     """Float values -> e2m1 codes (uint8, 0..15), nearest with ties to even, saturating at +-6.
 
-    Between 0 and 2 the grid step is 0.5, between 2 and 4 it is 1, above 4 it is 2; in each
-    range torch.round (half to even on the scaled value) lands on the code with an even
-    mantissa, as IEEE rounding does. Negative inputs keep the sign bit even when they round
-    to zero (-0), as ml_dtypes and compressed-tensors do.
+    The magnitude code counts the decision thresholds |y| has passed. The thresholds are the
+    midpoints of the grid 0, .5, 1, 1.5, 2, 3, 4, 6; at a midpoint the tie goes to the neighbour
+    with the even mantissa, so it counts as passed with ">=" where the upper neighbour is even
+    (.75 -> 1, 1.75 -> 2, 3.5 -> 4) and with ">" where the lower one is (.25 -> 0, 1.25 -> 1,
+    2.5 -> 2, 5 -> 4). Negative inputs keep the sign bit even when they round to zero (-0), as
+    ml_dtypes and compressed-tensors do.
     """
     a = y.abs()
-    low = torch.round(a * 2.0)                              # 0..4   -> codes 0..4 (0, .5, 1, 1.5, 2)
-    mid = torch.round(a) + 2.0                              # 2..4   -> codes 4..6 (2, 3, 4)
-    high = torch.round(a * 0.5).clamp_(max=3.0) + 4.0       # 4..6+  -> codes 6..7 (4, 6), saturates
-    code = torch.where(a < 2.0, low, torch.where(a < 4.0, mid, high)).to(torch.uint8)
+    code = (a > 0.25).to(torch.uint8)
+    code += a >= 0.75
+    code += a > 1.25
+    code += a >= 1.75
+    code += a > 2.5
+    code += a >= 3.5
+    code += a > 5.0
     return code | (torch.signbit(y).to(torch.uint8) << 3)
 
 
@@ -83,4 +88,4 @@ def e8m0_to_float(codes: torch.Tensor) -> torch.Tensor:
 
 def to_e4m3(y: torch.Tensor) -> torch.Tensor:
     """Float -> float8_e4m3fn, nearest-even, saturating at +-448 (the cast alone would give NaN)."""
-    return y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return torch.clamp(y, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

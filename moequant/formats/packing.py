@@ -51,13 +51,19 @@ def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
     pad = -n % 32
     if pad:
         values = torch.cat([values, values.new_zeros(values.shape[:-1] + (pad,))], dim=-1)
-    if 8 % bits == 0 and _BYTE_ALIGNED:
-        per_byte = 8 // bits
-        v = values.to(torch.uint8).unflatten(-1, (values.shape[-1] // per_byte, per_byte))
-        byte = v[..., 0].clone()
-        for i in range(1, per_byte):  # fields inside one byte (at most 4), not rows or groups
-            byte |= v[..., i] << (bits * i)
-        return byte.contiguous().view(torch.int32)[..., :n_words]
+    if _BYTE_ALIGNED and bits in _BYTE_RUNS:
+        # k codes fill exactly k*bits/8 bytes (k = 8/gcd(8, bits)): assemble each run in an int32,
+        # split it into little-endian bytes, and read the byte stream as int32 words.
+        k, nbytes = _BYTE_RUNS[bits]
+        v = values.unflatten(-1, (values.shape[-1] // k, k))
+        run = v[..., 0].to(torch.int32, copy=True)  # never write into the caller's tensor
+        for i in range(1, k):  # fields of one run (at most 8), not rows or groups
+            run |= v[..., i].to(torch.int32) << (bits * i)
+        if nbytes == 1:
+            stream = run.to(torch.uint8)
+        else:
+            stream = torch.stack([((run >> (8 * j)) & 0xFF).to(torch.uint8) for j in range(nbytes)], dim=-1).flatten(-2)
+        return stream.contiguous().view(torch.int32)[..., :n_words]
     v = values.to(torch.int64).unflatten(-1, (values.shape[-1] // 32, 32))
     start = torch.arange(32, device=values.device) * bits
     words = []
@@ -73,14 +79,25 @@ def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
     return out[..., :n_words]
 
 
+_BYTE_RUNS = {1: (8, 1), 2: (4, 1), 3: (8, 3), 4: (2, 1), 6: (4, 3), 8: (1, 1)}  # bits: (codes, bytes), runs <= 24 bits
+
+
 def unpack_int32(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of pack_int32: int32 words [..., w] -> unsigned codes uint8 [..., n]."""
     if words.dtype != torch.int32:
         raise ValueError("packed codes must be int32, got %s" % words.dtype)
     mask = (1 << bits) - 1
-    if 8 % bits == 0 and _BYTE_ALIGNED:
-        b = words.contiguous().view(torch.uint8)
-        fields = [(b >> (bits * i)) & mask for i in range(8 // bits)]
+    if _BYTE_ALIGNED and bits in _BYTE_RUNS:
+        k, nbytes = _BYTE_RUNS[bits]
+        stream = words.contiguous().view(torch.uint8)
+        pad = -stream.shape[-1] % nbytes
+        if pad:
+            stream = torch.cat([stream, stream.new_zeros(stream.shape[:-1] + (pad,))], dim=-1)
+        b = stream.unflatten(-1, (stream.shape[-1] // nbytes, nbytes)).to(torch.int32)
+        run = b[..., 0]
+        for j in range(1, nbytes):
+            run = run | (b[..., j] << (8 * j))
+        fields = [((run >> (bits * i)) & mask).to(torch.uint8) for i in range(k)]
         return torch.stack(fields, dim=-1).flatten(-2)[..., :n]
     pad = -words.shape[-1] % bits
     if pad:

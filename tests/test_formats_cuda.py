@@ -1,0 +1,55 @@
+"""moequant.formats on CUDA gives bit-identical codes, scales and packed tensors to CPU.
+
+Skipped (with the reason shown by `pytest -ra`) on machines without a CUDA device.
+"""
+
+import pytest
+import torch
+
+from moequant import formats
+from tests.test_formats import make_weight
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _same(a, b):
+    if a is None or b is None:
+        return a is None and b is None
+    a, b = a.cpu(), b.cpu()
+    if a.dtype.itemsize == 1:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("key", formats.all_keys())
+def test_cuda_matches_cpu_bit_for_bit(key):
+    w = make_weight((3, 136, 256), "student_t", seed=101).to(torch.bfloat16)
+    cpu, gpu = formats.quantize(w, key), formats.quantize(w.cuda(), key)
+    for field in ("codes", "scales", "zeros", "global_scale"):
+        assert _same(getattr(cpu, field), getattr(gpu, field)), field
+    assert torch.equal(cpu.dequantize(), gpu.dequantize().cpu())
+    packed_cpu, packed_gpu = formats.pack_compressed_tensors(cpu), formats.pack_compressed_tensors(gpu)
+    assert packed_cpu.keys() == packed_gpu.keys()
+    for name in packed_cpu:
+        assert _same(packed_cpu[name], packed_gpu[name]), name
+    back = formats.unpack_compressed_tensors(packed_gpu, key)
+    assert torch.equal(back.dequantize().cpu(), cpu.dequantize())
+    if cpu.spec.is_int:
+        for name, t in formats.pack_gptq(gpu, version=2).items():
+            assert _same(t, formats.pack_gptq(cpu, version=2)[name]), name
+
+
+@pytest.mark.parametrize("key", ["int4-g128-asym", "fp8-block128", "nvfp4", "mxfp4"])
+def test_cuda_column_quantizer_matches_cpu(key):
+    w = make_weight((2, 64, 256), seed=103)
+    out = []
+    for dev in ("cpu", "cuda"):
+        x = w.to(dev)
+        cq = formats.column_quantizer(key, x)
+        codes, params = [], []
+        for start in range(0, 256, cq.group_width):
+            p = cq.fit(x[..., start : start + cq.group_width])
+            codes.append(cq.quantize(x[..., start : start + cq.group_width], p))
+            params.append(p)
+        out.append(cq.assemble(codes, params).dequantize().cpu())
+    assert torch.equal(out[0], out[1])

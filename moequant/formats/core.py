@@ -178,7 +178,7 @@ class ColumnQuantizer:
         if self.spec.name == "bf16":
             raise UserError("format bf16 keeps weights as they are; there is nothing to quantize column by column")
         x = _prepare(weight, self.spec, name)
-        _check_finite(x.abs().amax(), x, name)  # fail before any column work, as quantize() does
+        _check_finite(_absmax(x.flatten(), 0), x, name)  # fail before any column work, as quantize() does
         self.name = name
         self.shape = tuple(weight.shape)
         self.rows, self.cols = self.shape[-2:]
@@ -255,7 +255,7 @@ def _prepare(weight, spec: FormatSpec, name) -> torch.Tensor:
         raise UserError("%s has shape %s; accepted: [out, in] or [experts, out, in]" % (_label(name), tuple(weight.shape)))
     check_shape(spec, weight.shape, name)
     if spec.name == "bf16":
-        _check_finite(weight.abs().amax() if weight.numel() else torch.zeros(()), weight, name)
+        _check_finite(_absmax(weight.flatten().float(), 0), weight, name)
         return weight
     return weight.to(torch.float32)
 
@@ -283,7 +283,7 @@ def _global_scale(spec: FormatSpec, x: torch.Tensor, given, name):
             raise UserError("nvfp4 global_scale for %s must be positive, finite and of shape %s, got %s"
                             % (_label(name), tuple(lead), tuple(g.shape)))
         return g
-    amax = x.abs().amax(dim=(-2, -1))
+    amax = _absmax(x.flatten(-2), -1)
     _check_finite(amax, x, name)
     g = (FP8_MAX * E2M1_MAX) / amax
     return torch.where(amax > 0, g, torch.ones_like(g))
@@ -323,6 +323,12 @@ def _expand_block(scales: torch.Tensor, b: int, rows: int, cols: int) -> torch.T
     return scales.repeat_interleave(b, dim=-2)[..., :rows, :].repeat_interleave(b, dim=-1)[..., :cols]
 
 
+def _absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """max |x| along `dim` in one pass without a |x| temporary (NaN propagates; +0 for all-zero)."""
+    lo, hi = torch.aminmax(x, dim=dim)
+    return torch.maximum(hi, -lo).abs()
+
+
 def _fp16_scale(s64: torch.Tensor, name) -> torch.Tensor:
     top = float(s64.max()) if s64.numel() else 0.0
     if top > FP16_MAX:
@@ -334,8 +340,7 @@ def _fp16_scale(s64: torch.Tensor, name) -> torch.Tensor:
 def _fit(spec: FormatSpec, xg: torch.Tensor, gs, name):
     """Scales (and zero points) over the last axis of xg -> tensors of shape xg.shape[:-1]."""
     if spec.is_int and not spec.symmetric:
-        lo = xg.amin(-1)
-        hi = xg.amax(-1)
+        lo, hi = torch.aminmax(xg, dim=-1)
         _check_finite(lo + hi, xg, name)
         lo = lo.clamp(max=0.0)
         hi = hi.clamp(min=0.0)
@@ -345,7 +350,7 @@ def _fit(spec: FormatSpec, xg: torch.Tensor, gs, name):
         z = torch.clamp(qmin + torch.round(-lo / torch.where(s > 0, s, 1.0)), qmin, qmax)
         z = torch.where(s > 0, z, torch.zeros_like(z))
         return scale, z.to(torch.int8)
-    amax = xg.abs().amax(-1)
+    amax = _absmax(xg, -1)
     _check_finite(amax, xg, name)
     if spec.name == "fp8":
         return (amax.double() / FP8_MAX).to(torch.float32), None
@@ -369,7 +374,7 @@ def _encode(spec: FormatSpec, x: torch.Tensor, s, z, gs) -> torch.Tensor:
         s = s / gs
     y = x / torch.where(s > 0, s, torch.inf)
     if spec.name == "fp8":
-        return to_e4m3(y)
+        return y.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     if spec.name == "nvfp4":
         return encode_e2m1(y)
     y = y.round_()

@@ -13,7 +13,9 @@ Scale-selection rules (w = dequantized weight, q = code, s = scale, z = zero poi
   multiplier applied at dequantization, w = q * s.
 - int B symmetric: s = fp16(amax / (2^(B-1) - 1/2)), q = clamp(round(w / s), -2^(B-1), 2^(B-1)-1).
   The grid is the 2^B levels -2^(B-1)..2^(B-1)-1 (GPTQ's and compressed-tensors' convention):
-  +amax lands on 2^(B-1) - 1/2 and saturates by half a step to 2^(B-1) - 1, -amax is exact.
+  +-amax land on +-(2^(B-1) - 1/2), half a step from the end levels, so the largest element
+  is off by at most the ordinary rounding error while the step is 2^(B-1)-1/2 : 2^(B-1)-1
+  finer than with amax / (2^(B-1) - 1).
 - int B asymmetric: the range [min(w, 0), max(w, 0)] is spread over 2^B - 1 steps,
   s = fp16((max - min) / (2^B - 1)), z = clamp(-2^(B-1) + round(-min / s)), q = clamp(round(w / s) + z)
   in signed codes -2^(B-1)..2^(B-1)-1, w = (q - z) * s (zero is exactly representable).

@@ -82,5 +82,74 @@ def calibrate(model, dataset, samples, seq_len, seed, batch_size, output, all_ex
     click.echo(f"statistics written to {out} (summary.json, routing.png)")
 
 
+def recipe_options(fn):
+    """--recipe / --model / --output / --set, shared by the commands that take a recipe."""
+    fn = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                      help="Override a recipe key, e.g. --set experts.budget.bits_per_weight=4.5")(fn)
+    fn = click.option("--output", default=None, help="Output directory (recipe key `output`).")(fn)
+    fn = click.option("--model", default=None, help="Checkpoint directory or zoo:NAME (recipe key `model`).")(fn)
+    fn = click.option("--recipe", "recipe_path", default=None, type=click.Path(),
+                      help="Recipe YAML (default: built-in defaults).")(fn)
+    return fn
+
+
+@main.command()
+@recipe_options
+@click.option("--stats", default=None, type=click.Path(), help="Statistics directory (default: OUTPUT/stats).")
+@user_errors
+def plan(recipe_path, model, output, overrides, stats):
+    """Decide a format for every tensor: writes OUTPUT/plan.json and prints a summary."""
+    from pathlib import Path
+
+    from moequant.apply import resolve_recipe
+    from moequant.checkpoint import open_checkpoint
+    from moequant.policy import format_summary, make_plan, write_plan
+
+    recipe = resolve_recipe(recipe_path, model, output, overrides)
+    stats_dir = Path(stats) if stats else Path(recipe.output) / "stats"
+    stats_arg = stats_dir if (stats_dir / "summary.json").exists() else None
+    result = make_plan(recipe, open_checkpoint(recipe.model), stats_arg)
+    path = write_plan(result, Path(recipe.output) / "plan.json")
+    click.echo(format_summary(result))
+    click.echo(f"plan written to {path}")
+
+
+@main.command()
+@recipe_options
+@click.option("--device", default="cpu", show_default=True)
+@user_errors
+def apply(recipe_path, model, output, overrides, device):
+    """Calibrate, plan, quantize, export, evaluate and report — the whole job."""
+    import time
+
+    from moequant.apply import apply as run
+
+    t0 = time.perf_counter()
+    report = run(recipe_path, model, output, overrides, device=device, log=click.echo)
+    click.echo(f"done in {time.perf_counter() - t0:.0f} s; report: {report}")
+
+
+@main.command(name="eval")
+@click.argument("checkpoint")
+@click.option("--reference", required=True, help="The original (unquantized) checkpoint or zoo:NAME.")
+@click.option("--dataset", default="builtin:mix", show_default=True)
+@click.option("--samples", default=32, show_default=True, type=int)
+@click.option("--seq-len", default=256, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print the full result as JSON.")
+@user_errors
+def eval_command(checkpoint, reference, dataset, samples, seq_len, seed, as_json):
+    """Quality of CHECKPOINT against the original: perplexity, KL, top-1 and routing agreement."""
+    from moequant.evaluate import evaluate_checkpoints
+
+    result = evaluate_checkpoints(checkpoint, reference, dataset=dataset, samples=samples, seq_len=seq_len, seed=seed)
+    if as_json:
+        click.echo(json.dumps(result, indent=2, default=str))
+        return
+    for key in ("ppl_original", "ppl_quantized", "kl_mean", "kl_p90", "kl_p99", "top1_agreement", "routing_agreement"):
+        if key in result:
+            click.echo(f"{key:<18} {result[key]:.6g}")
+
+
 if __name__ == "__main__":
     main()

@@ -56,3 +56,34 @@ def build_tiny(model_type: str, directory: Path, seed: int = 0, dtype=torch.bflo
     directory = Path(directory)
     model.save_pretrained(directory)
     return directory
+
+
+def build_tiny_with_tokenizer(model_type: str, directory: Path, seed: int = 0, vocab_size: int = 320) -> Path:
+    """A tiny model plus a byte-level BPE tokenizer trained here on standard-library source,
+    so the whole pipeline (data → calibrate → … → evaluate) can run on it offline."""
+    import inspect
+    import json as _json
+
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    import argparse, textwrap, json  # noqa: E401  (their source is the training text)
+
+    text = [inspect.getsource(m) for m in (argparse, textwrap, json)]
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    directory = Path(directory)
+    config = tiny_config(model_type)
+    config.vocab_size = tok.get_vocab_size()
+    config.eos_token_id = tok.token_to_id("<|endoftext|>")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    fast.save_pretrained(directory)
+    _json.loads((directory / "config.json").read_text())
+    return directory

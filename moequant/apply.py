@@ -1,0 +1,138 @@
+"""`moequant apply`: calibrate → plan → quantize → export → evaluate → report, into one output directory.
+
+output/
+  stats/          calibration statistics (reused when model, data and settings are unchanged)
+  plan.json       the format of every tensor (rewritten only when it changes)
+  work/           the resumable state of the quantize pass (removed once the checkpoint exists)
+  checkpoint/     the exported checkpoint (written atomically)
+  report.json / report.md / report.html
+
+Every stage is resumable or cached, so an interrupted run continues where it stopped and a
+rerun with unchanged inputs does no calibration and no planning again.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from moequant.calibrate import CalibrationSettings, calibrate, load_tokenizer
+from moequant.checkpoint import atomic_write_text, open_checkpoint
+from moequant.errors import UserError
+from moequant.policy import make_plan, plan_to_dict, read_plan, resolve_format, write_plan
+from moequant.recipe import Recipe, load_recipe
+
+
+def sensitivity_formats(recipe: Recipe) -> tuple[str, ...]:
+    """Every format key the plan may give a routed expert, so calibration measures each."""
+    entries = list(recipe.experts.formats)
+    if recipe.experts.format:
+        entries.append(recipe.experts.format)
+    for rule in recipe.experts.rules or []:
+        entries.append(rule.format)
+    keys = []
+    for entry in entries:
+        key = resolve_format(recipe, entry).key
+        if key != "bf16" and key not in keys:
+            keys.append(key)
+    return tuple(keys)
+
+
+def calibration_settings(recipe: Recipe, device: str = "cpu") -> CalibrationSettings:
+    c = recipe.calibration
+    return CalibrationSettings(dataset=c.dataset, samples=c.samples, seq_len=c.seq_len, seed=recipe.seed,
+                               all_experts=c.all_experts, formats=sensitivity_formats(recipe), device=device)
+
+
+def resolve_recipe(recipe_path, model=None, output=None, overrides=()) -> Recipe:
+    overrides = list(overrides)
+    if model:
+        overrides.append(f"model={model}")
+    if output:
+        overrides.append(f"output={output}")
+    return load_recipe(recipe_path, overrides)
+
+
+def plan_stage(recipe: Recipe, stats_dir: Path, plan_path: Path):
+    """Make the plan; rewrite plan.json only when its content changes (so a rerun reuses it)."""
+    plan = make_plan(recipe, open_checkpoint(recipe.model), stats_dir)
+    if plan_path.exists():
+        try:
+            if plan_to_dict(read_plan(plan_path)) == json.loads(json.dumps(plan_to_dict(plan))):
+                return read_plan(plan_path), True
+        except UserError:
+            pass
+    write_plan(plan, plan_path)
+    return plan, False
+
+
+def apply(recipe_path=None, model=None, output=None, overrides=(), device: str = "cpu", progress=True,
+          log=print) -> Path:
+    """Run the whole chain; returns the path of report.html."""
+    from moequant.export import export_checkpoint
+    from moequant.quantize import quantize_model
+
+    recipe = resolve_recipe(recipe_path, model, output, overrides)
+    out = Path(recipe.output)
+    out.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    ckpt = open_checkpoint(recipe.model)
+    tokenizer = load_tokenizer(ckpt.directory)
+    settings = calibration_settings(recipe, device)
+
+    t0 = time.perf_counter()
+    stats_dir = out / "stats"
+    before = (stats_dir / "summary.json").stat().st_mtime_ns if (stats_dir / "summary.json").exists() else None
+    calibrate(recipe.model, stats_dir, settings, overwrite=True, tokenizer=tokenizer, progress=progress)
+    reused_stats = before is not None and (stats_dir / "summary.json").stat().st_mtime_ns == before
+    timings["calibrate"] = time.perf_counter() - t0
+    log(f"calibration statistics: {stats_dir}" + (" (reused)" if reused_stats else ""))
+
+    t0 = time.perf_counter()
+    plan, reused_plan = plan_stage(recipe, stats_dir, out / "plan.json")
+    timings["plan"] = time.perf_counter() - t0
+    log(f"plan: {out / 'plan.json'}" + (" (unchanged, reused)" if reused_plan else ""))
+
+    checkpoint_dir = out / "checkpoint"
+    done_marker = out / "checkpoint.json"
+    plan_digest = json.dumps(plan_to_dict(plan), sort_keys=True)
+    if done_marker.exists() and checkpoint_dir.exists() and json.loads(done_marker.read_text()).get("plan") == plan_digest:
+        log(f"checkpoint: {checkpoint_dir} (up to date, reused)")
+        quant_report = json.loads(done_marker.read_text())["quantize"]
+        timings["quantize"] = timings["export"] = 0.0
+    else:
+        t0 = time.perf_counter()
+        quantized, quant_report = quantize_model(recipe.model, plan, settings, out / "work", progress=progress)
+        timings["quantize"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        export_checkpoint(ckpt.directory, quantized, checkpoint_dir, layout=recipe.export.format, target=recipe.target)
+        timings["export"] = time.perf_counter() - t0
+        quant_report = {str(k): v for k, v in quant_report.items()}
+        atomic_write_text(done_marker, json.dumps({"plan": plan_digest, "quantize": quant_report}))
+        shutil.rmtree(out / "work", ignore_errors=True)
+        log(f"checkpoint: {checkpoint_dir}")
+
+    t0 = time.perf_counter()
+    quality = evaluate_stage(recipe, ckpt, checkpoint_dir, progress)
+    timings["evaluate"] = time.perf_counter() - t0
+
+    from moequant.recipe import recipe_to_dict
+    from moequant.report import build_report
+
+    report = build_report(model=recipe.model, checkpoint=checkpoint_dir, original=ckpt.directory,
+                          recipe=recipe_to_dict(recipe), target=recipe.target, plan=plan_to_dict(plan),
+                          quality=quality, stats=stats_dir, timings=timings, output_dir=out)
+    q = report.get("quality") or {}
+    log(f"KL {q.get('kl_mean', float('nan')):.4g}, top-1 agreement {q.get('top1_agreement', float('nan')):.3f}, "
+        f"{report['memory'].get('bits_per_weight_experts', float('nan')):.2f} bits per routed-expert weight")
+    return out / "report.html"
+
+
+def evaluate_stage(recipe: Recipe, ckpt, checkpoint_dir: Path, progress=True) -> dict:
+    from moequant.evaluate import evaluate_checkpoints
+
+    e = recipe.evaluate
+    return evaluate_checkpoints(checkpoint_dir, ckpt.directory, dataset=e.dataset, samples=e.samples,
+                                seq_len=e.seq_len, seed=recipe.seed, progress=progress)

@@ -37,6 +37,32 @@ def best_time(fn, repeat, device):
     return best
 
 
+def mxfp4_rule_errors(rows=512, cols=4096):
+    """Relative MSE of MXFP4 round-to-nearest under three e8m0 exponent rules (the evidence for
+    the rule moequant uses; see moequant.formats.elements.e8m0_from_amax)."""
+    from moequant.formats.elements import decode_e2m1, encode_e2m1
+
+    def qdq(w, rule):
+        g = w.unflatten(-1, (-1, 32))
+        amax = g.abs().amax(-1, keepdim=True)
+        mant, exp = torch.frexp(amax)
+        if rule == "OCP floor(log2 amax)-2":
+            e = exp - 1 - 2
+        elif rule == "nearest pow2 (moequant, CT)":
+            e = exp - 1 + (mant >= 0.875).to(exp.dtype) - 2
+        else:
+            e = torch.ceil(torch.log2(amax / 6)).to(exp.dtype)
+        s = torch.exp2(e.float())
+        return (decode_e2m1(encode_e2m1(g / s)) * s).flatten(-2)
+
+    torch.manual_seed(1)
+    dists = {"normal": torch.randn(rows, cols), "student-t(3)": torch.distributions.StudentT(3.0).sample((rows, cols))}
+    print("\nMXFP4 relative MSE by e8m0 exponent rule (%dx%d)" % (rows, cols))
+    for rule in ("OCP floor(log2 amax)-2", "nearest pow2 (moequant, CT)", "ceil(log2(amax/6))"):
+        errs = ["%s %.5f" % (k, ((qdq(w, rule) - w) ** 2).mean() / (w ** 2).mean()) for k, w in dists.items()]
+        print("  %-28s %s" % (rule, "   ".join(errs)))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experts", type=int, default=8)
@@ -46,6 +72,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--keys", default=",".join(DEFAULT_KEYS), help="comma-separated format keys, or 'all'")
+    ap.add_argument("--no-mx-rules", action="store_true", help="skip the MXFP4 exponent-rule error table")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -69,6 +96,8 @@ def main():
                     pack = lambda q: formats.pack_gptq(q, version=2)  # noqa: E731
                 tp = best_time(lambda: pack(formats.quantize(w, key)), args.repeat, args.device)
                 print("%-16s %10.2f %10.1f %12s" % ("  +" + layout, gb / tp, tp * 1e3, ""))
+    if not args.no_mx_rules:
+        mxfp4_rule_errors()
 
 
 if __name__ == "__main__":

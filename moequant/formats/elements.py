@@ -64,7 +64,9 @@ def e8m0_from_amax(amax: torch.Tensor) -> torch.Tensor:
     element never exceeds 1 unit, the half-spacing of the top of the e2m1 grid (4 -> 6), while
     every other block keeps the finer OCP scale. The "always round up" rule (ceil(log2(amax/6)),
     used by OpenAI's triton_kernels for gpt-oss) never clips but doubles the step for about half
-    of all blocks. This is also exactly the rule compressed-tensors (0.20) and llm-compressor
+    of all blocks. Measured (benchmarks/bench_formats.py, 512x4096 weights), relative MSE of
+    round-to-nearest: normal 1.250% (this rule) vs 1.322% (OCP) vs 1.330% (ceil); Student-t(3)
+    1.916% vs 1.984% vs 2.256%. This is also exactly the rule compressed-tensors (0.20) and llm-compressor
     use, so our MXFP4 checkpoints are bit-identical to theirs; readers (vLLM, transformers'
     gpt-oss dequantizer, compressed-tensors) decode any e8m0 exponent the same way.
     """

@@ -187,6 +187,22 @@ def test_stacked_experts_get_their_own_scales(key):
     assert q.nbytes == formats.nbytes(key, w.shape) == 3 * formats.nbytes(key, w.shape[1:])
 
 
+def test_large_stacks_are_quantized_in_expert_chunks_with_identical_results(monkeypatch):
+    w = make_weight((5, 32, 128), "student_t", seed=4)
+    whole = {key: formats.quantize(w, key) for key in ("int4-g64-asym", "nvfp4", "fp8-block128")}
+    monkeypatch.setattr(formats.core, "CHUNK_ELEMENTS", 2 * 32 * 128)  # 2 experts per chunk, 3 chunks
+    bad = w.clone()
+    bad[3, 0, 0] = float("nan")
+    with pytest.raises(UserError, match="big.w1"):
+        formats.quantize(bad, "int4-g32-sym", name="big.w1")
+    for key, ref in whole.items():
+        q = formats.quantize(w, key)
+        assert q.shape == ref.shape and torch.equal(q.dequantize(), ref.dequantize()), key
+        assert torch.equal(q.scales.float(), ref.scales.float()), key
+    g = torch.arange(1.0, 6.0) * 100
+    assert torch.equal(formats.quantize(w, "nvfp4", global_scale=g).global_scale, g)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_any_float_dtype_in_is_quantized_from_its_float32_value(dtype):
     w = make_weight((16, 128), seed=5, dtype=dtype)
@@ -259,8 +275,9 @@ def test_e2m1_subnormal_and_ties_hand_derived():
     assert out.tolist() == expect and torch.signbit(out[8])
 
 
-@pytest.mark.parametrize("key", QUANT_KEYS + ["bf16"])
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("key, bad", [(key, float("nan")) for key in QUANT_KEYS + ["bf16"]]
+                         + [(key, float(v)) for key in ("int4-g32-asym", "fp8-block128", "nvfp4", "bf16")
+                            for v in ("inf", "-inf")])
 def test_nan_or_inf_is_a_user_error_naming_the_tensor(key, bad):
     w = make_weight(shape_for(key, experts=2), seed=1)
     w[1, 5, 7] = bad

@@ -56,12 +56,14 @@ def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
         # split it into little-endian bytes, and read the byte stream as int32 words.
         k, nbytes = _BYTE_RUNS[bits]
         v = values.unflatten(-1, (values.shape[-1] // k, k))
-        run = v[..., 0].to(torch.int32, copy=True)  # never write into the caller's tensor
-        for i in range(1, k):  # fields of one run (at most 8), not rows or groups
-            run |= v[..., i].to(torch.int32) << (bits * i)
-        if nbytes == 1:
-            stream = run.to(torch.uint8)
+        if nbytes == 1:  # whole runs fit one byte: stay in uint8
+            stream = v[..., 0].to(torch.uint8, copy=True)  # never write into the caller's tensor
+            for i in range(1, k):  # fields of one byte (at most 8), not rows or groups
+                stream |= v[..., i].to(torch.uint8) << (bits * i)
         else:
+            run = v[..., 0].to(torch.int32, copy=True)
+            for i in range(1, k):
+                run |= v[..., i].to(torch.int32) << (bits * i)
             stream = torch.stack([((run >> (8 * j)) & 0xFF).to(torch.uint8) for j in range(nbytes)], dim=-1).flatten(-2)
         return stream.contiguous().view(torch.int32)[..., :n_words]
     v = values.to(torch.int64).unflatten(-1, (values.shape[-1] // 32, 32))
@@ -123,7 +125,8 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _unsigned(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    return (codes.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
+    """Signed int8 codes -> offset unsigned codes (two's complement wraps to exactly q + 2^(B-1))."""
+    return codes.view(torch.uint8) + (1 << (bits - 1))
 
 
 def _signed(u: torch.Tensor, bits: int) -> torch.Tensor:

@@ -1,0 +1,726 @@
+"""The run report: report.json (a contract), report.md, and a self-contained report.html.
+
+    report = build_report(model="zoo:tiny-mixtral", checkpoint="out/checkpoint", original=None,
+                          recipe=recipe_dict, target="vllm", plan=plan_dict, quality=evaluate_dict,
+                          stats="out/stats", timings={"calibrate": 12.3, ...}, output_dir="out")
+
+report.json (schema "moequant.report/1"; keys may be added, none of these removed or renamed)
+------------------------------------------------------------------------------------------
+{
+  "schema": "moequant.report/1",
+  "model": str,                       # what the user named (path or zoo:NAME)
+  "checkpoint": str,                  # the written checkpoint directory
+  "recipe": dict | null,              # the resolved recipe
+  "target": "vllm" | "sglang" | "transformers" | null,
+  "memory": {
+    "bytes_original": int,            # tensor bytes of the original checkpoint (safetensors headers)
+    "bytes_quantized": int,           # tensor bytes of the written checkpoint (headers; = file sizes
+                                      #   minus the safetensors headers)
+    "compression": float,             # bytes_original / bytes_quantized
+    "weights": int,                   # elements of the original tensors (the "weights" bits are per)
+    "bits_per_weight": float,         # 8 * bytes_quantized / weights
+    "bits_per_weight_experts": float, # the same over routed-expert tensors only
+    "bits_per_weight_original": float, "bits_per_weight_experts_original": float,
+    "by_role": {role: {"weights": int, "bytes_original": int, "bytes_quantized": int}},
+    "bytes_per_token": {"original": int, "quantized": int},
+    "gpus_needed": {"original": {"24GB": int, "80GB": int, "141GB": int}, "quantized": {...}},
+    "gpu_sizes_gb": [24, 80, 141], "kv_headroom": 0.2
+  },
+  "quality": {                        # moequant.evaluate.evaluate() without its per-expert list
+    "ppl_original": float, "ppl_quantized": float, "kl_mean": float, "kl_p90": float,
+    "kl_p99": float, "kl_max": float, "top1_agreement": float, "routing_agreement": float,
+    "moe_output_error": float, "moe_output_error_accumulated": float, "tokens": int,
+    "layers": [{layer, routing_agreement, moe_output_error, moe_output_error_accumulated, tokens}],
+    "by_domain": {domain: {tokens, ppl_original, ppl_quantized, kl_mean, kl_p99, top1_agreement,
+                           routing_agreement}}, ...
+  } | null,
+  "experts": [{                       # one row per routed expert of every MoE layer
+    "layer": int, "expert": int,
+    "share": float | null,            # routing share on the calibration data (stats), else on the
+                                      #   evaluation tokens; a layer's shares sum to 1
+    "share_by_domain": {domain: float},
+    "format": str | null,             # format key the plan / the export gave the expert
+    "predicted_error": float | null,  # calibration's predicted squared output error per routed
+                                      #   token in that format, summed over gate/up/down
+    "predicted_loss": float | null,   # the plan's usage-weighted loss of the expert
+    "error": float | null,            # measured relative output error of the expert on the
+                                      #   tokens routed to it (evaluate), None without tokens
+    "sq_error_per_token": float | null, "eval_tokens": int | null
+  }],
+  "plan": {"method", "bits_per_weight", "predicted_loss", "per_expert_alternative",
+           "uniform_alternatives", "notes"} | null,
+  "timings": {stage: seconds}
+}
+
+Memory conventions are those of moequant.memory: bytes per decoded token = weights read for one
+token at batch size 1 = every tensor except the routed experts and the embedding table (one row
+of it is read; when lm_head is tied to it the table is read in full), plus the routed experts
+weighted by their expected use, top_k * share per layer (top_k / E each when shares are unknown);
+GPUs needed = ceil(bytes * 1.2 / GPU bytes) for 24 / 80 / 141 GB (decimal) GPUs.
+
+Bytes by role come from the safetensors headers of each checkpoint: every stored tensor is
+mapped back to the original tensor it encodes (compressed-tensors `X.weight_packed`,
+`X.weight_scale`, ... -> `X.weight`; GPTQ / AWQ `X.qweight`, `X.scales`, ... -> `X.weight`;
+DeepSeek `X.weight_scale_inv`; gpt-oss `..._blocks` / `..._scales`) and classified by the
+architecture adapter on that original name.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from moequant.errors import UserError
+from moequant.memory import GPU_SIZES_GB, KV_HEADROOM
+
+SCHEMA = "moequant.report/1"
+
+# Suffixes of stored tensors that encode the original tensor `module + ".weight"` (or `module`
+# for gpt-oss's fused expert tensors, which have no ".weight").
+_ENCODING_SUFFIXES = (
+    ".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_global_scale",
+    ".weight_g_idx", ".weight_scale_inv", ".input_scale", ".input_zero_point", ".input_global_scale",
+    ".qweight", ".qzeros", ".scales", ".g_idx", "_blocks", "_scales",
+)
+
+
+# ----------------------------------------------------------------------------- memory account
+
+
+def original_tensor_name(name: str, expected) -> str:
+    """The tensor of the original checkpoint that stored tensor `name` encodes (itself if none)."""
+    if name in expected:
+        return name
+    for suffix in _ENCODING_SUFFIXES:
+        if name.endswith(suffix):
+            module = name[: -len(suffix)]
+            for candidate in (module + ".weight", module):
+                if candidate in expected:
+                    return candidate
+    return name
+
+
+def checkpoint_bytes(path, adapter=None) -> dict:
+    """Bytes of a checkpoint's tensors from its safetensors headers, by role and per routed expert.
+
+    Returns {"by_role": {role: bytes}, "experts": {(layer, expert): bytes}, "fused_experts":
+    {layer: bytes} (tensors holding every expert of a layer), "total": bytes, "weights_by_role":
+    {role: elements} (meaningful for an unquantized checkpoint)}.
+    """
+    from moequant.arch import adapter_for
+    from moequant.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(path)
+    if ckpt.config_only:
+        raise UserError(f"{path} has no safetensors weights to account for.")
+    adapter = adapter or adapter_for(ckpt.config)
+    expected = adapter.expected_tensors()
+    by_role: dict[str, int] = defaultdict(int)
+    weights: dict[str, int] = defaultdict(int)
+    experts: dict[tuple[int, int], int] = defaultdict(int)
+    fused: dict[int, int] = defaultdict(int)
+    for name, entry in ckpt.entries.items():
+        role = adapter.classify(original_tensor_name(name, expected))
+        by_role[role.role] += entry.nbytes
+        weights[role.role] += entry.numel
+        if role.role == "routed_expert":
+            if role.expert is None:
+                fused[role.layer] += entry.nbytes
+            else:
+                experts[(role.layer, role.expert)] += entry.nbytes
+    return {"by_role": dict(by_role), "weights_by_role": dict(weights), "experts": dict(experts),
+            "fused_experts": dict(fused), "total": sum(by_role.values())}
+
+
+def _config_only_bytes(adapter, bytes_per_weight: int = 2) -> dict:
+    """The original's account from its config alone (bf16), when its weights are not on disk."""
+    weights = {r: n for r, n in adapter.params_by_role().items() if n}
+    per_expert = {}
+    for shape, role in adapter.expected_tensors().values():
+        if role.role == "routed_expert" and role.expert is not None:
+            n = math.prod(shape)
+            per_expert[(role.layer, role.expert)] = per_expert.get((role.layer, role.expert), 0) + n * bytes_per_weight
+    fused = {}
+    if not per_expert:
+        routed = weights.get("routed_expert", 0) * bytes_per_weight
+        fused = {L: routed // max(len(adapter.moe_layers), 1) for L in adapter.moe_layers}
+    by_role = {r: n * bytes_per_weight for r, n in weights.items()}
+    return {"by_role": by_role, "weights_by_role": weights, "experts": per_expert, "fused_experts": fused,
+            "total": sum(by_role.values())}
+
+
+def _bytes_per_token(account: dict, adapter, shares: dict | None) -> int:
+    """Weight bytes read per decoded token (module docstring)."""
+    by_role = account["by_role"]
+    fixed = sum(b for r, b in by_role.items() if r != "routed_expert")
+    if not adapter.tie_embeddings:
+        fixed -= by_role.get("embedding", 0)
+    k, E = adapter.top_k, adapter.num_experts
+    routed = 0.0
+    for L in adapter.moe_layers:
+        if L in account["fused_experts"]:
+            routed += account["fused_experts"][L] * k / E
+        for e in range(E):
+            b = account["experts"].get((L, e), 0)
+            use = k * shares[L][e] if shares and L in shares else k / E
+            routed += use * b
+    return int(round(fixed + routed))
+
+
+def gpus_needed(nbytes: int) -> dict:
+    """GPUs of each size needed to hold `nbytes` of weights with KV headroom (moequant.memory convention)."""
+    return {f"{g}GB": math.ceil(nbytes * (1 + KV_HEADROOM) / (g * 1e9)) for g in GPU_SIZES_GB}
+
+
+def memory_account(original, checkpoint, shares: dict | None = None) -> dict:
+    """The `memory` section of report.json: the original vs the written checkpoint, from file headers.
+
+    `shares` maps layer -> [share per expert] (routing shares) for the bytes-per-token estimate.
+    """
+    from moequant.arch import adapter_for
+    from moequant.checkpoint import open_checkpoint
+
+    orig_ckpt = open_checkpoint(original)
+    adapter = adapter_for(orig_ckpt.config)
+    orig = _config_only_bytes(adapter) if orig_ckpt.config_only else checkpoint_bytes(original, adapter)
+    quant = checkpoint_bytes(checkpoint, adapter)
+    weights = orig["weights_by_role"]
+    roles = [r for r in dict.fromkeys([*weights, *quant["by_role"]])]
+    by_role = {r: {"weights": int(weights.get(r, 0)), "bytes_original": int(orig["by_role"].get(r, 0)),
+                   "bytes_quantized": int(quant["by_role"].get(r, 0))} for r in roles}
+    n_weights = sum(weights.values())
+    n_expert = weights.get("routed_expert", 0)
+
+    def bpw(nbytes, n):
+        return 8 * nbytes / n if n else float("nan")
+
+    return {
+        "bytes_original": int(orig["total"]),
+        "bytes_quantized": int(quant["total"]),
+        "compression": orig["total"] / quant["total"] if quant["total"] else float("nan"),
+        "weights": int(n_weights),
+        "bits_per_weight": bpw(quant["total"], n_weights),
+        "bits_per_weight_experts": bpw(quant["by_role"].get("routed_expert", 0), n_expert),
+        "bits_per_weight_original": bpw(orig["total"], n_weights),
+        "bits_per_weight_experts_original": bpw(orig["by_role"].get("routed_expert", 0), n_expert),
+        "by_role": by_role,
+        "bytes_per_token": {"original": _bytes_per_token(orig, adapter, shares),
+                            "quantized": _bytes_per_token(quant, adapter, shares)},
+        "gpus_needed": {"original": gpus_needed(orig["total"]), "quantized": gpus_needed(quant["total"])},
+        "gpu_sizes_gb": list(GPU_SIZES_GB),
+        "kv_headroom": KV_HEADROOM,
+    }
+
+
+# ----------------------------------------------------------------------------- per-expert table
+
+
+def _load_stats(stats):
+    if stats is None or hasattr(stats, "layers"):
+        return stats
+    from moequant.stats import load_stats
+
+    return load_stats(stats, with_hessians=False)
+
+
+def _expert_formats(plan: dict | None, checkpoint, adapter) -> dict[tuple[int, int], str]:
+    """(layer, expert) -> format key, from the plan, else from the export's record in the checkpoint."""
+    per: dict[tuple[int, int], list[str]] = defaultdict(list)
+    if plan:
+        for t in plan.get("tensors", []):
+            if t.get("role") == "routed_expert" and t.get("expert") is not None:
+                per[(t["layer"], t["expert"])].append(t["format"])
+    elif checkpoint is not None:
+        from moequant.export import EXPORT_INFO
+
+        info_path = Path(checkpoint) / EXPORT_INFO
+        if info_path.exists():
+            info = json.loads(info_path.read_text())
+            expected = adapter.expected_tensors()
+            for name, key in info.get("formats", {}).items():
+                role = adapter.classify(original_tensor_name(name, expected))
+                if role.role != "routed_expert":
+                    continue
+                experts = range(adapter.num_experts) if role.expert is None else [role.expert]
+                for e in experts:
+                    per[(role.layer, e)].append(key)
+            for L in adapter.moe_layers:  # experts the export does not list were written in bf16
+                for e in range(adapter.num_experts):
+                    per.setdefault((L, e), ["bf16"])
+    return {k: "/".join(dict.fromkeys(v)) for k, v in per.items()}
+
+
+def expert_rows(adapter, plan: dict | None = None, stats=None, quality: dict | None = None,
+                checkpoint=None) -> list[dict]:
+    """The per-expert table (see the module docstring), one row per (MoE layer, routed expert)."""
+    stats = _load_stats(stats)
+    fmt = _expert_formats(plan, checkpoint, adapter)
+    predicted_loss: dict[tuple[int, int], float] = defaultdict(float)
+    has_loss: set = set()
+    for t in (plan or {}).get("tensors", []):
+        if t.get("role") == "routed_expert" and t.get("expert") is not None and t.get("predicted_loss") is not None:
+            predicted_loss[(t["layer"], t["expert"])] += float(t["predicted_loss"])
+            has_loss.add((t["layer"], t["expert"]))
+    measured = {(r["layer"], r["expert"]): r for r in (quality or {}).get("experts", [])}
+    rows = []
+    for L in adapter.moe_layers:
+        ls = stats.layers.get(L) if stats is not None else None
+        domains = ls.domains if ls is not None else []
+        dshare = {d: ls.domain_share(d) for d in domains}
+        sens = ls.sensitivity if ls is not None else {}
+        for e in range(adapter.num_experts):
+            m = measured.get((L, e), {})
+            key = fmt.get((L, e))
+            predicted = None
+            if key and sens and all(key in sens.get(p, {}) for p in adapter.projections):
+                predicted = float(sum(float(sens[p][key][e]) for p in adapter.projections))
+            elif key == "bf16":
+                predicted = 0.0
+            share = float(ls.share[e]) if ls is not None else m.get("share")
+            rows.append({
+                "layer": L, "expert": e, "share": share,
+                "share_by_domain": {d: float(s[e]) for d, s in dshare.items()},
+                "format": key,
+                "predicted_error": predicted,
+                "predicted_loss": predicted_loss[(L, e)] if (L, e) in has_loss else None,
+                "error": m.get("error"),
+                "sq_error_per_token": m.get("sq_error_per_token"),
+                "eval_tokens": m.get("tokens"),
+            })
+    return rows
+
+
+# ----------------------------------------------------------------------------- report.json
+
+
+def _plan_summary(plan: dict | None) -> dict | None:
+    if not plan:
+        return None
+    s = plan.get("summary", {})
+    return {"method": plan.get("method"), "bits_per_weight": s.get("bits_per_weight"),
+            "predicted_loss": s.get("predicted_loss"), "per_expert_alternative": s.get("per_expert_alternative"),
+            "uniform_alternatives": s.get("uniform_alternatives"), "notes": plan.get("notes", [])}
+
+
+def _finite(obj):
+    """JSON has no NaN / Infinity: write them as null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def build_report(*, model: str, checkpoint, original=None, recipe: dict | None = None, target: str | None = None,
+                 plan: dict | None = None, quality: dict | None = None, stats=None, timings: dict | None = None,
+                 output_dir=None) -> dict:
+    """report.json's dict from plain inputs; also writes report.json / .md / .html when output_dir is given.
+
+    `original` is the original checkpoint (defaults to `model`), `stats` a stats directory or a
+    loaded Stats, `quality` the dict of moequant.evaluate.evaluate().
+    """
+    from moequant.arch import adapter_for
+    from moequant.checkpoint import open_checkpoint
+
+    original = original if original is not None else model
+    adapter = adapter_for(open_checkpoint(original).config)
+    stats = _load_stats(stats)
+    rows = expert_rows(adapter, plan=plan, stats=stats, quality=quality, checkpoint=checkpoint)
+    shares: dict[int, list[float]] = defaultdict(lambda: [0.0] * adapter.num_experts)
+    for r in rows:
+        if r["share"] is not None:
+            shares[r["layer"]][r["expert"]] = r["share"]
+    report = {
+        "schema": SCHEMA,
+        "model": str(model),
+        "checkpoint": str(checkpoint),
+        "recipe": recipe,
+        "target": target if target is not None else (plan or {}).get("target"),
+        "memory": memory_account(original, checkpoint, dict(shares) or None),
+        "quality": {k: v for k, v in quality.items() if k != "experts"} if quality else None,
+        "experts": rows,
+        "plan": _plan_summary(plan),
+        "timings": {k: float(v) for k, v in (timings or {}).items()},
+    }
+    report = _finite(report)
+    if output_dir is not None:
+        write_report(report, output_dir)
+    return report
+
+
+def write_report(report: dict, output_dir) -> dict[str, Path]:
+    """Write report.json, report.md and report.html into output_dir (each atomically)."""
+    from moequant.checkpoint import atomic_write_text
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "report.json", "md": out / "report.md", "html": out / "report.html"}
+    atomic_write_text(paths["json"], json.dumps(report, indent=2) + "\n")
+    runs = sibling_runs(out)
+    atomic_write_text(paths["md"], render_markdown(report))
+    atomic_write_text(paths["html"], render_html(report, runs))
+    return paths
+
+
+def sibling_runs(output_dir) -> list[dict]:
+    """{name, bytes, kl_mean, top1} of every run under output_dir's parent that has a report.json."""
+    runs = []
+    for p in sorted(Path(output_dir).resolve().parent.glob("*/report.json")):
+        try:
+            r = json.loads(p.read_text())
+            runs.append({"name": p.parent.name, "bytes": r["memory"]["bytes_quantized"],
+                         "kl_mean": (r.get("quality") or {}).get("kl_mean"),
+                         "top1": (r.get("quality") or {}).get("top1_agreement"),
+                         "this": p.parent == Path(output_dir).resolve()})
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a moequant report: leave it out of the comparison
+    return [r for r in runs if r["kl_mean"] is not None]
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def _b(n) -> str:
+    if n is None:
+        return "–"
+    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _f(x, digits=4) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def _summary_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) tables shared by the Markdown and HTML renderings."""
+    m = report["memory"]
+    tables = [("Memory", ["", "original", "quantized"], [
+        ["bytes", _b(m["bytes_original"]), _b(m["bytes_quantized"])],
+        ["bits per weight", _f(m["bits_per_weight_original"]), _f(m["bits_per_weight"])],
+        ["bits per weight, routed experts", _f(m["bits_per_weight_experts_original"]), _f(m["bits_per_weight_experts"])],
+        ["bytes read per decoded token", _b(m["bytes_per_token"]["original"]), _b(m["bytes_per_token"]["quantized"])],
+        *[[f"{g} GB GPUs ({int(100 * m['kv_headroom'])}% headroom)", str(m["gpus_needed"]["original"][f"{g}GB"]),
+           str(m["gpus_needed"]["quantized"][f"{g}GB"])] for g in m["gpu_sizes_gb"]],
+    ])]
+    tables.append(("Bytes by role", ["role", "weights", "original", "quantized", "bits/weight"], [
+        [r, f"{v['weights']:,}", _b(v["bytes_original"]), _b(v["bytes_quantized"]),
+         _f(8 * v["bytes_quantized"] / v["weights"]) if v["weights"] else "–"]
+        for r, v in m["by_role"].items()]))
+    q = report.get("quality")
+    if q:
+        tables.append(("Quality", ["metric", "value"], [
+            ["perplexity, original", _f(q.get("ppl_original"))],
+            ["perplexity, quantized", _f(q.get("ppl_quantized"))],
+            ["KL(original ‖ quantized) mean / p90 / p99",
+             " / ".join(_f(q.get(k)) for k in ("kl_mean", "kl_p90", "kl_p99"))],
+            ["top-1 agreement", _f(q.get("top1_agreement"))],
+            ["routing agreement (mean over MoE layers)", _f(q.get("routing_agreement"))],
+            ["MoE-block relative error (reference input / own input)",
+             f"{_f(q.get('moe_output_error'))} / {_f(q.get('moe_output_error_accumulated'))}"],
+            ["evaluation tokens", _f(q.get("tokens"))],
+        ]))
+        if q.get("layers"):
+            tables.append(("Per MoE layer", ["layer", "routing agreement", "block error (ref. input)",
+                                             "block error (own input)"],
+                           [[str(r["layer"]), _f(r["routing_agreement"]), _f(r["moe_output_error"]),
+                             _f(r["moe_output_error_accumulated"])] for r in q["layers"]]))
+        if q.get("by_domain"):
+            tables.append(("Per domain", ["domain", "tokens", "ppl original", "ppl quantized", "KL mean", "KL p99",
+                                          "top-1", "routing"],
+                           [[d, str(v["tokens"]), _f(v["ppl_original"]), _f(v["ppl_quantized"]), _f(v["kl_mean"]),
+                             _f(v["kl_p99"]), _f(v["top1_agreement"]), _f(v["routing_agreement"])]
+                            for d, v in q["by_domain"].items()]))
+    plan = report.get("plan") or {}
+    if plan.get("predicted_loss") is not None or plan.get("uniform_alternatives"):
+        bpw = plan.get("bits_per_weight") or {}
+        rows = [["this plan (" + str(plan.get("method") or "?") + ")", _b(m["by_role"].get("routed_expert", {}).get(
+            "bytes_quantized")), _f(bpw.get("routed_experts")), _f(plan.get("predicted_loss"))]]
+        alt = plan.get("per_expert_alternative")
+        if alt:
+            rows.append(["per-expert plan (transformers target)", _b(alt.get("routed_bytes")), "–",
+                         _f(alt.get("predicted_loss"))])
+        for u in plan.get("uniform_alternatives") or []:
+            rows.append([f"uniform {u.get('format')}", _b(u.get("routed_bytes")), "–", _f(u.get("predicted_loss"))])
+        tables.append(("Plan vs alternatives (routed experts, predicted)",
+                       ["plan", "routed-expert bytes", "bits/weight", "predicted loss"], rows))
+    if report.get("timings"):
+        tables.append(("Timings", ["stage", "seconds"],
+                       [[k, f"{v:.1f}"] for k, v in report["timings"].items()] +
+                       [["total", f"{sum(report['timings'].values()):.1f}"]]))
+    return tables
+
+
+def _expert_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    domains = sorted({d for r in rows for d in r["share_by_domain"]})
+    header = ["layer", "expert", "share", *[f"share {d}" for d in domains], "format", "predicted error",
+              "measured error"]
+    body = [[str(r["layer"]), str(r["expert"]), _f(r["share"], 3),
+             *[_f(r["share_by_domain"].get(d), 3) for d in domains], r["format"] or "–",
+             _f(r["predicted_error"], 3), _f(r["error"], 3)] for r in rows]
+    return header, body
+
+
+def _md_table(header, rows) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def _headline(report: dict) -> str:
+    m, q = report["memory"], report.get("quality") or {}
+    s = (f"{_b(m['bytes_original'])} → {_b(m['bytes_quantized'])} ({_f(m['compression'], 3)}× smaller, "
+         f"{_f(m['bits_per_weight'], 3)} bits/weight overall, {_f(m['bits_per_weight_experts'], 3)} in routed experts)")
+    if q.get("kl_mean") is not None:
+        s += (f"; perplexity {_f(q.get('ppl_original'))} → {_f(q.get('ppl_quantized'))}, KL mean "
+              f"{_f(q.get('kl_mean'))}, top-1 agreement {_f(q.get('top1_agreement'))}")
+    return s + "."
+
+
+def render_markdown(report: dict, top_experts: int = 20) -> str:
+    lines = [f"# moequant report: {report['model']}", "",
+             f"target: {report.get('target') or '–'} · checkpoint: `{report['checkpoint']}`", "",
+             _headline(report), ""]
+    for title, header, rows in _summary_tables(report):
+        lines += [f"## {title}", "", _md_table(header, rows), ""]
+    rows = report["experts"]
+    measured = [r for r in rows if r["error"] is not None]
+    if measured:
+        worst = sorted(measured, key=lambda r: -r["error"])[:top_experts]
+        header, body = _expert_table(worst)
+        lines += [f"## The {len(worst)} experts with the largest measured error", "", _md_table(header, body), ""]
+    lines += [f"The full per-expert table ({len(rows)} experts) is in report.json and report.html.", ""]
+    plan = report.get("plan") or {}
+    if plan.get("notes"):
+        lines += ["## Plan notes", ""] + [f"- {n}" for n in plan["notes"]] + [""]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _grid(rows, key):
+    layers = sorted({r["layer"] for r in rows})
+    E = max(r["expert"] for r in rows) + 1
+    grid = [[None] * E for _ in layers]
+    for r in rows:
+        grid[layers.index(r["layer"])][r["expert"]] = r[key]
+    return layers, E, grid
+
+
+def plot_routing_heatmap(rows) -> str | None:
+    if not rows or all(r["share"] is None for r in rows):
+        return None
+    import numpy as np
+
+    plt = _plt()
+    layers, E, grid = _grid(rows, "share")
+    data = np.array([[np.nan if v is None else v * E for v in row] for row in grid])
+    fig, ax = plt.subplots(figsize=(min(14, 3 + 0.12 * E + 3), 1.5 + 0.25 * len(layers)))
+    im = ax.imshow(data, aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_yticks(range(len(layers)), [str(L) for L in layers])
+    ax.set_title("routing share × experts (1 = uniform use)")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def plot_format_map(rows) -> str | None:
+    if not rows or all(r["format"] is None for r in rows):
+        return None
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    plt = _plt()
+    keys = sorted({r["format"] or "unknown" for r in rows}, key=_format_order)
+    layers, E, grid = _grid(rows, "format")
+    data = np.array([[keys.index(v or "unknown") for v in row] for row in grid])
+    colors = plt.get_cmap("tab10").colors
+    fig, ax = plt.subplots(figsize=(min(14, 3 + 0.12 * E + 3), 1.8 + 0.25 * len(layers)))
+    ax.imshow(data, aspect="auto", cmap=ListedColormap([colors[i % 10] for i in range(len(keys))]),
+              vmin=-0.5, vmax=len(keys) - 0.5, interpolation="nearest")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_yticks(range(len(layers)), [str(L) for L in layers])
+    ax.set_title("format of each routed expert")
+    ax.legend(handles=[Patch(color=colors[i % 10], label=k) for i, k in enumerate(keys)], loc="upper left",
+              bbox_to_anchor=(1.01, 1), fontsize=8)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def _format_order(key: str):
+    from moequant import formats
+
+    try:
+        return -formats.parse_key(key).bits_per_weight((128, 128)), key
+    except Exception:  # a joined or foreign key: after the known ones
+        return 0.0, key
+
+
+def plot_error_vs_share(rows) -> str | None:
+    pts = [r for r in rows if r["error"] is not None and r["share"] is not None]
+    if not pts:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = plt.get_cmap("tab10").colors
+    keys = sorted({r["format"] or "unknown" for r in pts}, key=_format_order)
+    for i, k in enumerate(keys):
+        sel = [r for r in pts if (r["format"] or "unknown") == k]
+        ax.scatter([r["share"] for r in sel], [r["error"] for r in sel], s=14, color=colors[i % 10], label=k, alpha=0.8)
+    ax.set_xlabel("routing share of the expert in its layer")
+    ax.set_ylabel("measured relative output error")
+    if all(r["error"] > 0 for r in pts):
+        ax.set_yscale("log")
+    ax.set_title("expert error vs how much the expert is used")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def plot_memory_by_role(memory: dict) -> str:
+    import numpy as np
+
+    plt = _plt()
+    roles = [r for r, v in memory["by_role"].items() if v["bytes_original"] or v["bytes_quantized"]]
+    y = np.arange(len(roles))
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.45 * len(roles)))
+    ax.barh(y - 0.2, [memory["by_role"][r]["bytes_original"] / 1e6 for r in roles], height=0.4, label="original")
+    ax.barh(y + 0.2, [memory["by_role"][r]["bytes_quantized"] / 1e6 for r in roles], height=0.4, label="quantized")
+    ax.set_yticks(y, roles)
+    ax.invert_yaxis()
+    ax.set_xlabel("MB on disk")
+    ax.set_title("memory by role")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def plot_pareto(runs: list[dict]) -> str | None:
+    """KL vs bytes of every run sharing the output's parent; the Pareto front joined by a line."""
+    if len(runs) < 2:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in runs:
+        ax.scatter(r["bytes"] / 1e6, r["kl_mean"], s=40 if r["this"] else 20,
+                   color="tab:red" if r["this"] else "tab:blue", zorder=3)
+        ax.annotate(r["name"], (r["bytes"] / 1e6, r["kl_mean"]), fontsize=8, xytext=(4, 4), textcoords="offset points")
+    front, best = [], float("inf")
+    for r in sorted(runs, key=lambda r: (r["bytes"], r["kl_mean"])):
+        if r["kl_mean"] < best:
+            front.append(r)
+            best = r["kl_mean"]
+    ax.plot([r["bytes"] / 1e6 for r in front], [r["kl_mean"] for r in front], color="gray", lw=1, zorder=2,
+            label="Pareto front")
+    ax.set_xlabel("checkpoint MB")
+    ax.set_ylabel("KL(original ‖ quantized), mean per token")
+    if all(r["kl_mean"] > 0 for r in runs):
+        ax.set_yscale("log")
+    ax.set_title("runs in this directory: quality vs size")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def report_plots(report: dict, runs: list[dict] | None = None) -> dict[str, tuple[str, str]]:
+    """id -> (title, base64 PNG) of every plot the data allows."""
+    rows = report["experts"]
+    candidates = [
+        ("routing-share", "Routing share per expert", lambda: plot_routing_heatmap(rows)),
+        ("format-map", "Format map", lambda: plot_format_map(rows)),
+        ("error-vs-share", "Measured error vs routing share", lambda: plot_error_vs_share(rows)),
+        ("memory-by-role", "Memory by role", lambda: plot_memory_by_role(report["memory"])),
+        ("pareto", "KL vs bytes of the runs next to this one", lambda: plot_pareto(runs or [])),
+    ]
+    out = {}
+    for pid, title, make in candidates:
+        png = make()
+        if png is not None:
+            out[pid] = (title, png)
+    return out
+
+
+# ----------------------------------------------------------------------------- HTML
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; padding: 0 1em; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0; }
+th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: right; }
+th:first-child, td:first-child { text-align: left; }
+th { background: #f3f3f3; position: sticky; top: 0; }
+.headline { font-size: 1.05em; background: #f6f8fa; padding: 0.7em 1em; border-left: 4px solid #4a7; }
+figure { margin: 1em 0; } figcaption { font-size: 0.9em; color: #555; }
+img { max-width: 100%; height: auto; }
+.scroll { max-height: 32em; overflow: auto; display: inline-block; }
+"""
+
+
+def _html_table(header, rows) -> str:
+    e = html.escape
+    head = "".join(f"<th>{e(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def render_html(report: dict, runs: list[dict] | None = None) -> str:
+    """One self-contained page: tables, and every plot as an embedded PNG (no scripts, no links)."""
+    e = html.escape
+    parts = [
+        "<!DOCTYPE html>", "<html lang=\"en\"><head><meta charset=\"utf-8\">",
+        "<link rel=\"icon\" href=\"data:,\">",
+        f"<title>moequant report: {e(report['model'])}</title><style>{_CSS}</style></head><body>",
+        f"<h1>moequant report: {e(report['model'])}</h1>",
+        f"<p>target: <b>{e(str(report.get('target') or '–'))}</b> · checkpoint: <code>{e(report['checkpoint'])}</code></p>",
+        f"<p class=\"headline\">{e(_headline(report))}</p>",
+    ]
+    for title, header, rows in _summary_tables(report):
+        parts += [f"<h2>{e(title)}</h2>", _html_table(header, rows)]
+    plots = report_plots(report, runs)
+    parts.append("<h2>Plots</h2>")
+    for pid, (title, png) in plots.items():
+        parts.append(f"<figure id=\"plot-{pid}\"><img class=\"plot\" alt=\"{e(title)}\" "
+                     f"src=\"data:image/png;base64,{png}\"><figcaption>{e(title)}</figcaption></figure>")
+    plan = report.get("plan") or {}
+    if plan.get("notes"):
+        parts += ["<h2>Plan notes</h2><ul>"] + [f"<li>{e(n)}</li>" for n in plan["notes"]] + ["</ul>"]
+    if report["experts"]:
+        header, body = _expert_table(report["experts"])
+        parts += [f"<h2>Per expert ({len(body)})</h2>", "<div class=\"scroll\">", _html_table(header, body), "</div>"]
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"

@@ -118,12 +118,13 @@ def _reference(w64: np.ndarray, key: str):
     elif spec.is_int:
         half = 2 ** (spec.bits - 1)
         if spec.symmetric:
-            s = (amax / (half - 0.5)).astype(np.float16).astype(np.float64)
+            s = (amax.astype(np.float32) / np.float32(half - 0.5)).astype(ml_dtypes.bfloat16).astype(np.float64)
             z = np.zeros_like(s)
         else:
             lo = np.minimum(blocks.min(-1, keepdims=True), 0)
             hi = np.maximum(blocks.max(-1, keepdims=True), 0)
-            s = ((hi - lo) / (2 * half - 1)).astype(np.float16).astype(np.float64)
+            span = hi.astype(np.float32) - lo.astype(np.float32)
+            s = (span / np.float32(2 * half - 1)).astype(ml_dtypes.bfloat16).astype(np.float64)
             z = np.where(s > 0, np.clip(-half + np.round(-lo / np.where(s > 0, s, 1)), -half, half - 1), 0)
         q = np.where(s > 0, np.clip(np.round(blocks / np.where(s > 0, s, 1)) + z, -half, half - 1), z)
         vals, deq = q, (q - z) * s
@@ -247,10 +248,11 @@ def test_e2m1_saturates_at_six_and_int_codes_clamp():
     assert p.scales.item() == 127
     assert cq.qdq(torch.tensor([[7.0, 100.0, -9.0]]), p).tolist() == [[6.0, 6.0, -6.0]]
     cq = formats.column_quantizer("int4-g32-sym", w)
-    p = cq.fit(w)  # s = fp16(6 / 7.5) = 0.7998...
-    s = float(torch.tensor(6 / 7.5).half())
+    p = cq.fit(w)  # s = bf16(6 / 7.5) = 0.80078125
+    s = 0.80078125
+    assert p.scales.item() == s
     assert cq.quantize(torch.tensor([[6.0, 60.0, -60.0]]), p).tolist() == [[7, 7, -8]]
-    assert cq.qdq(torch.tensor([[-6.0]]), p).item() == pytest.approx(-8 * s)
+    assert cq.qdq(torch.tensor([[-6.0]]), p).item() == -7 * s  # -6 / s = -7.49: the rounded-up scale keeps -amax at -7
 
 
 def test_fp8_subnormal_codes_and_ties_hand_derived():
@@ -311,8 +313,12 @@ def test_bad_weights_are_user_errors():
         formats.quantize(torch.ones(4, 4, 4, 4), "fp8")
     with pytest.raises(UserError, match="floating"):
         formats.quantize(torch.ones(4, 32, dtype=torch.int32), "int4-g32-sym")
-    with pytest.raises(UserError, match="fp16 scales"):
-        formats.quantize(torch.full((2, 32), 1e6), "int4-g32-sym")
+    with pytest.raises(UserError, match="too wide"):
+        formats.quantize(torch.tensor([[3e38, -3e38] * 16]), "int4-g32-asym")
+    big = formats.quantize(torch.full((8, 32), 1e6), "int4-g32-sym")  # scale 1.3e5: fine in bf16 ...
+    assert big.dequantize()[0, 0].item() == pytest.approx(1e6, rel=0.1)
+    with pytest.raises(UserError, match="fp16"):  # ... but GPTQ's fp16 scales cannot hold it
+        formats.pack_gptq(big)
     with pytest.raises(UserError, match="nvfp4"):
         formats.quantize(torch.ones(2, 32), "mxfp4", global_scale=1.0)
 

@@ -42,7 +42,7 @@ INT_CASES = [  # key, preset, overrides
     ("int4-g64-asym", "W4A16_ASYM", {"group_size": 64}), ("int3-g128-sym", "W3A16", {}),
     ("int3-g32-asym", "W3A16", {"group_size": 32, "symmetric": False}),
     ("int2-g64-sym", "W2A16", {"group_size": 64}), ("int2-g128-asym", "W2A16", {"symmetric": False}),
-    ("int8-channel", "W8A16", {}),
+    ("int8-channel", "W8A16", {"strategy": "channel", "group_size": None}),
 ]
 
 
@@ -63,13 +63,13 @@ def test_compressed_tensors_int_layout_is_bit_exact(key, preset, overrides, kind
     assert torch.equal(theirs["weight_packed"], ours["weight_packed"])
     if q.zeros is not None:
         assert torch.equal(theirs["weight_zero_point"], ours["weight_zero_point"])
-    # and decompresses our tensors to our dequantized weight (fp16, the scale dtype)
+    # and decompresses our tensors to our dequantized weight (bf16, the scale dtype)
     out = PackedQuantizationCompressor.decompress(dict(ours), scheme)["weight"]
-    assert out.dtype == torch.float16 and torch.equal(out, q.dequantize(torch.float16))
-    # its own observer math picks our scales (ours are stored in fp16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, q.dequantize(torch.bfloat16))
+    # its own observer math picks our scales (ours are rounded to bf16)
     view = w.unflatten(-1, (-1, spec.group_size)) if spec.group_size else w.unsqueeze(-2)
     scale, zp = calculate_qparams(view.amin(-1), view.amax(-1), scheme.weights)
-    assert torch.equal(scale.reshape(q.scales.shape).half(), q.scales)
+    assert torch.equal(scale.reshape(q.scales.shape).bfloat16(), q.scales)
     if q.zeros is not None:  # their zero point comes from the unrounded scale: equal almost everywhere
         assert (zp.reshape(q.zeros.shape).to(torch.int8) != q.zeros).float().mean() < 0.02
 
@@ -79,7 +79,7 @@ def test_compressed_tensors_reads_stacked_experts():
     q = formats.quantize(w, "int4-g32-asym")
     out = PackedQuantizationCompressor.decompress(dict(formats.pack_compressed_tensors(q)),
                                                   ct_scheme("W4A16_ASYM", group_size=32))["weight"]
-    assert torch.equal(out, q.dequantize(torch.float16))
+    assert torch.equal(out, q.dequantize(torch.bfloat16))
 
 
 # ---------------------------------------------------------------- compressed-tensors: floats
@@ -162,7 +162,7 @@ def test_gptq_bit_streams_are_the_ones_compressed_tensors_reads(key):
         state["weight_zero_point"] = gptq["qzeros"].T.contiguous()
         scheme = ct_scheme("W4A16_ASYM", num_bits=q.spec.bits, group_size=q.spec.group_size)
     else:
-        scheme = ct_scheme("W8A16")
+        scheme = ct_scheme("W8A16", strategy="channel", group_size=None)
     out = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
     assert torch.equal(out, q.dequantize(torch.float16))
     assert torch.equal(gptq["g_idx"], torch.arange(256, dtype=torch.int32) // (q.spec.group_size or 256))

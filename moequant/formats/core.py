@@ -1,8 +1,7 @@
 """Quantize / dequantize for every format, on [out, in] or stacked [E, out, in] weights.
 
 Plain tensor math, vectorised over experts, rows and groups; CPU or CUDA, any float dtype in
-(the arithmetic is float32; scales are derived in float64 and rounded once to their storage
-dtype). Scales are per expert always: a [E, out, in] weight gets exactly the scales that E
+(the arithmetic is float32; every scale is rounded once to its storage dtype). Scales are per expert always: a [E, out, in] weight gets exactly the scales that E
 separate [out, in] calls would give.
 
 Scale-selection rules (w = dequantized weight, q = code, s = scale, z = zero point):
@@ -11,13 +10,13 @@ Scale-selection rules (w = dequantized weight, q = code, s = scale, z = zero poi
   128x128 blocks follow DeepSeek-V3: ceil(out/128) x ceil(in/128) scales, the last block row and
   column cover what is left (ragged). `scales` is what DeepSeek calls weight_scale_inv: the
   multiplier applied at dequantization, w = q * s.
-- int B symmetric: s = fp16(amax / (2^(B-1) - 1/2)), q = clamp(round(w / s), -2^(B-1), 2^(B-1)-1).
+- int B symmetric: s = bf16(amax / (2^(B-1) - 1/2)), q = clamp(round(w / s), -2^(B-1), 2^(B-1)-1).
   The grid is the 2^B levels -2^(B-1)..2^(B-1)-1 (GPTQ's and compressed-tensors' convention):
   +-amax land on +-(2^(B-1) - 1/2), half a step from the end levels, so the largest element
   is off by at most the ordinary rounding error while the step is 2^(B-1)-1/2 : 2^(B-1)-1
   finer than with amax / (2^(B-1) - 1).
 - int B asymmetric: the range [min(w, 0), max(w, 0)] is spread over 2^B - 1 steps,
-  s = fp16((max - min) / (2^B - 1)), z = clamp(-2^(B-1) + round(-min / s)), q = clamp(round(w / s) + z)
+  s = bf16((max - min) / (2^B - 1)), z = clamp(-2^(B-1) + round(-min / s)), q = clamp(round(w / s) + z)
   in signed codes -2^(B-1)..2^(B-1)-1, w = (q - z) * s (zero is exactly representable).
 - mxfp4: e8m0 scale per 32 inputs, rule documented in `elements.e8m0_from_amax`; q = e2m1(w / s).
 - nvfp4 (compressed-tensors / ModelOpt convention): per expert a global scale
@@ -27,7 +26,10 @@ Scale-selection rules (w = dequantized weight, q = code, s = scale, z = zero poi
 Codes are signed int8 for integer formats, float8_e4m3fn for fp8, uint8 e2m1 codes (0..15,
 one per byte, unpacked) for mxfp4 / nvfp4. Rounding is half-to-even everywhere. Values beyond
 a format's range saturate to its largest code (fp8 +-448, e2m1 +-6, int clamps). Integer
-formats compute codes with the stored fp16 scale, so dequantization matches them exactly.
+scales are computed in float32 and rounded once to bfloat16, and codes are computed with that
+stored scale. A bf16 scale is exactly representable in fp16 (when within fp16's normal range,
+which the GPTQ / AWQ packers check) and fp32, so whatever dtype a serving engine casts the
+scales to (vLLM casts them to the model's dtype), it multiplies by exactly the scale we used.
 All-zero groups get scale 0 (fp8, int; e8m0 2^-127 for mxfp4), codes equal to the zero point,
 and exact zeros back.
 """
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 
 from moequant.errors import UserError
 from moequant.formats.elements import (
-    E2M1_MAX, FP8_MAX, FP16_MAX, decode_e2m1, e8m0_from_amax, e8m0_to_float, encode_e2m1, to_e4m3,
+    E2M1_MAX, FP8_MAX, decode_e2m1, e8m0_from_amax, e8m0_to_float, encode_e2m1, to_e4m3,
 )
 from moequant.formats.specs import FormatSpec, _label, check_shape, get_format, nbytes as _nbytes
 
@@ -54,7 +56,7 @@ class QuantizedTensor:
     codes:        int8 (int formats, signed), float8_e4m3fn (fp8), uint8 e2m1 codes (mxfp4/nvfp4),
                   bfloat16 (bf16); same shape as the weight
     scales:       fp32 [..., out, 1] (fp8-channel) | [..., ceil(out/128), ceil(in/128)] (fp8-block)
-                  | [..., 1, 1] (fp8-tensor); fp16 [..., out, 1] (int8) | [..., out, in/g] (intB);
+                  | [..., 1, 1] (fp8-tensor); bf16 [..., out, 1] (int8) | [..., out, in/g] (intB);
                   uint8 e8m0 [..., out, in/32] (mxfp4); float8_e4m3fn [..., out, in/16] (nvfp4)
     zeros:        int8 [..., out, in/g] signed zero points (asymmetric int), else None
     global_scale: nvfp4 only: fp32 [] (2-D) or [E], the divisor g of the block scales
@@ -353,12 +355,12 @@ def _absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.maximum(hi, -lo).abs()
 
 
-def _fp16_scale(s64: torch.Tensor, name) -> torch.Tensor:
-    top = float(s64.max()) if s64.numel() else 0.0
-    if top > FP16_MAX:
-        raise UserError("%s has values too large for fp16 scales (a scale of %.4g exceeds %g); "
-                        "use fp8, bf16 or rescale the weight" % (_label(name), top, FP16_MAX))
-    return s64.to(torch.float16)
+def _int_scale(s32: torch.Tensor, name) -> torch.Tensor:
+    """float32 scales -> bf16 (one rounding); overflowing ranges are a user error."""
+    if not bool(torch.isfinite(s32).all()):
+        raise UserError("%s spans a range too wide for integer scales (max - min overflows float32); "
+                        "rescale the weight or keep it in bf16" % _label(name))
+    return s32.to(torch.bfloat16)
 
 
 def _fit(spec: FormatSpec, xg: torch.Tensor, gs, name):
@@ -368,7 +370,7 @@ def _fit(spec: FormatSpec, xg: torch.Tensor, gs, name):
         _check_finite(lo + hi, xg, name)
         lo = lo.clamp(max=0.0)
         hi = hi.clamp(min=0.0)
-        scale = _fp16_scale((hi.double() - lo.double()) / (2 ** spec.bits - 1), name)
+        scale = _int_scale((hi - lo) / float(2 ** spec.bits - 1), name)
         s = scale.to(torch.float32)
         qmin, qmax = -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1
         z = torch.clamp(qmin + torch.round(-lo / torch.where(s > 0, s, 1.0)), qmin, qmax)
@@ -379,7 +381,7 @@ def _fit(spec: FormatSpec, xg: torch.Tensor, gs, name):
     if spec.name == "fp8":
         return (amax.double() / FP8_MAX).to(torch.float32), None
     if spec.is_int:
-        return _fp16_scale(amax.double() / (2 ** (spec.bits - 1) - 0.5), name), None
+        return _int_scale(amax / (2 ** (spec.bits - 1) - 0.5), name), None
     if spec.name == "mxfp4":
         return e8m0_from_amax(amax), None
     # nvfp4, in compressed-tensors' float32 operation order: e4m3(g * (amax / 6))

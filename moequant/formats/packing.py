@@ -155,7 +155,7 @@ def compressed_tensors_format(spec) -> str:
 def pack_compressed_tensors(q: QuantizedTensor) -> dict:
     """Tensors of one module in compressed-tensors layout (names without the module prefix).
 
-    int:   weight_packed int32, weight_scale fp16, [weight_zero_point int32 (asym)], weight_shape int64
+    int:   weight_packed int32, weight_scale bf16, [weight_zero_point int32 (asym)], weight_shape int64
     fp8:   weight float8_e4m3fn, weight_scale fp32 ([out,1] | [ceil(out/128), ceil(in/128)] | [1])
     mxfp4: weight_packed uint8 [out, in/2], weight_scale uint8 e8m0 [out, in/32]
     nvfp4: weight_packed uint8 [out, in/2], weight_scale float8_e4m3fn [out, in/16], weight_global_scale fp32 [1]
@@ -214,6 +214,17 @@ def _int_spec_for(spec: FormatSpec, layout: str, bits_ok) -> None:
                         % (layout, "/".join("int%d" % b for b in bits_ok), spec.key))
 
 
+def _fp16_scales(q: QuantizedTensor, layout: str) -> torch.Tensor:
+    """GPTQ / AWQ store fp16 scales: convert, refusing any scale that fp16 cannot hold exactly."""
+    s16 = q.scales.to(torch.float16)
+    bad = s16.to(torch.float32) != q.scales.to(torch.float32)
+    if bool(bad.any()):
+        raise UserError("the %s layout stores fp16 scales, and %d scales of this %s tensor (largest %.4g) are not "
+                        "exactly representable in fp16 (normal range 6.1e-05..65504); use compressed-tensors"
+                        % (layout, int(bad.sum()), q.spec.key, float(q.scales.float().abs().max())))
+    return s16.transpose(-2, -1).contiguous()
+
+
 def _group_size(spec: FormatSpec, cols: int) -> int:
     return cols if spec.granularity == "channel" else spec.group_size
 
@@ -239,7 +250,7 @@ def pack_gptq(q: QuantizedTensor, version: int = 1) -> dict:
         raise ValueError("GPTQ version must be 1 or 2")
     qzeros = pack_int32(zeros.transpose(-2, -1).contiguous(), bits)  # [..., groups, words over out]
     g = _group_size(spec, cols)
-    return {"qweight": qweight, "qzeros": qzeros, "scales": q.scales.transpose(-2, -1).contiguous(),
+    return {"qweight": qweight, "qzeros": qzeros, "scales": _fp16_scales(q, "GPTQ"),
             "g_idx": torch.arange(cols, dtype=torch.int32, device=u.device) // g}
 
 
@@ -280,7 +291,7 @@ def pack_awq(q: QuantizedTensor) -> dict:
     else:
         z = _unsigned(q.zeros, 4)
     return {"qweight": interleave(u), "qzeros": interleave(z.transpose(-2, -1).contiguous()),
-            "scales": q.scales.transpose(-2, -1).contiguous()}
+            "scales": _fp16_scales(q, "AWQ")}
 
 
 def unpack_awq(tensors: dict, spec, shape) -> QuantizedTensor:

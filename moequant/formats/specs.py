@@ -12,8 +12,8 @@ Storage (what the packers in `moequant.formats.packing` write, and what `nbytes`
 | fp8-channel          | float8_e4m3fn                 | fp32 per output row                     | -     |
 | fp8-block128         | float8_e4m3fn                 | fp32 per 128x128 block (ragged edges)   | -     |
 | fp8-tensor           | float8_e4m3fn                 | one fp32                                | -     |
-| int8-channel         | int8 packed 4 per int32       | fp16 per output row                     | -     |
-| intB-gG-sym/asym     | B bits packed densely in int32| fp16 per G inputs                       | B-bit packed in int32 (asym) |
+| int8-channel         | int8 packed 4 per int32       | bf16 per output row                     | -     |
+| intB-gG-sym/asym     | B bits packed densely in int32| bf16 per G inputs (fp16 in GPTQ / AWQ)  | B-bit packed in int32 (asym) |
 | mxfp4                | e2m1, two per byte            | e8m0 (uint8) per 32 inputs              | -     |
 | nvfp4                | e2m1, two per byte            | float8_e4m3fn per 16 inputs + one fp32  | -     |
 

@@ -134,6 +134,29 @@ def test_compressed_tensors_mxfp4_is_bit_exact_and_picks_our_scales(kind):
     assert torch.equal(out, q.dequantize(out.dtype))
 
 
+@pytest.mark.parametrize("key, preset, overrides", [
+    ("int4-g128-sym", "W4A16", {}), ("int4-g64-asym", "W4A16_ASYM", {"group_size": 64}),
+    ("int8-channel", "W8A16", {"strategy": "channel", "group_size": None}),
+    ("fp8-block128", "FP8_BLOCK", {}), ("fp8-channel", "FP8_DYNAMIC", {}), ("fp8-tensor", "FP8", {}),
+    ("mxfp4", "MXFP4A16", {}), ("nvfp4", "NVFP4A16", {})])
+def test_our_config_args_are_compressed_tensors_presets_and_decode_our_tensors(key, preset, overrides):
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs
+
+    ours = QuantizationArgs(**formats.compressed_tensors_weight_args(key))
+    theirs = ct_scheme(preset, **overrides).weights
+    fields = ("num_bits", "type", "symmetric", "strategy", "group_size", "block_structure", "scale_dtype", "dynamic")
+    assert {f: getattr(ours, f) for f in fields} == {f: getattr(theirs, f) for f in fields}
+    # the compressor that compressed-tensors registers under our format name decodes our tensors
+    q = formats.quantize(make_weight((2, 16, 256), seed=37), key)
+    compressor = BaseCompressor.get_value_from_registry(formats.compressed_tensors_format(key))
+    scheme = QuantizationScheme(targets=["Linear"], weights=ours)
+    for e in range(2):
+        out = compressor.decompress(dict(formats.pack_compressed_tensors(q.expert(e))), scheme)["weight"]
+        assert torch.equal(out, q.expert(e).dequantize(out.dtype))
+    assert formats.compressed_tensors_weight_args("bf16") is None
+
+
 # ---------------------------------------------------------------- AWQ and GPTQ through compressed-tensors
 
 @pytest.mark.parametrize("key", ["int4-g128-asym", "int4-g32-sym"])

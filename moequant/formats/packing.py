@@ -152,6 +152,29 @@ def compressed_tensors_format(spec) -> str:
             "nvfp4": "nvfp4-pack-quantized"}.get(spec.name, "pack-quantized")
 
 
+def compressed_tensors_weight_args(spec) -> dict | None:
+    """The `weights` quantization args of a compressed-tensors config group for `spec`, as
+    plain JSON data (None for bf16, which stays unquantized)."""
+    spec = get_format(spec)
+    if spec.name == "bf16":
+        return None
+    args = {"num_bits": spec.bits, "type": "int" if spec.is_int else "float", "symmetric": spec.symmetric,
+            "dynamic": False}
+    if spec.name == "fp8":
+        args["strategy"] = spec.granularity
+        if spec.granularity == "block":
+            args["block_structure"] = [spec.group_size, spec.group_size]
+    elif spec.name == "int8":
+        args["strategy"] = "channel"
+    elif spec.name == "mxfp4":
+        args.update(strategy="group", group_size=32, scale_dtype="torch.uint8")
+    elif spec.name == "nvfp4":
+        args.update(strategy="tensor_group", group_size=16, scale_dtype="torch.float8_e4m3fn")
+    else:
+        args.update(strategy="group", group_size=spec.group_size)
+    return args
+
+
 def pack_compressed_tensors(q: QuantizedTensor) -> dict:
     """Tensors of one module in compressed-tensors layout (names without the module prefix).
 

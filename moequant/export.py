@@ -1,0 +1,534 @@
+"""Write quantized checkpoints that serving engines load.
+
+    export_checkpoint(source_dir, quantized, out_dir, kept=None,
+                      layout="compressed-tensors", target="vllm")
+
+`quantized` maps a tensor to its QuantizedTensor. Keys are either on-disk tensor names of the
+source checkpoint ("model.layers.3.mlp.experts.7.down_proj.weight", "...self_attn.q_proj.weight")
+or (layer, expert, proj) tuples for routed experts, resolved through the architecture adapter
+(the only way to address gpt-oss's fused experts one by one). A QuantizedTensor in format bf16
+is written as a plain bf16 weight. `kept` maps on-disk names to tensors written instead of the
+source's (e.g. weights an algorithm changed); everything else is copied from the source as is.
+
+Layouts (each refuses, before any work, a plan it cannot hold — one sentence, UserError):
+
+- "compressed-tensors" (default): one 2-D tensor set per module under the checkpoint's own names,
+  `quantization_config` with one config group per distinct scheme (exact module names as
+  targets, disjoint), `ignore` for every Linear left in bf16, per-group `format`, global
+  `format` = the single group format or `mixed-precision` (SGLang: `pack-quantized` when any
+  group is integer), `quantization_status: compressed`. int8 is W8A16 `pack-quantized`, or W8A8
+  `int-quantized` with dynamic per-token int8 activations when int8_activations="dynamic".
+  target "vllm"/"sglang" needs one format per MoE layer's routed experts, one format per fused
+  module group (q/k/v, gate/up) and int formats of 4 or 8 bits; target "transformers" takes any
+  per-expert mix (loaded by moequant.load()).
+- "gptq": GPTQ v1 symmetric int4 / int8 (qweight, qzeros, scales fp16, g_idx), quantize_config.json,
+  per-module `dynamic` overrides: "+:" for modules whose bits / group differ from the base,
+  "-:" for Linear modules kept in bf16.
+- "awq": AutoAWQ GEMM int4 (asymmetric or symmetric, one group size).
+- "deepseek-fp8": weight float8_e4m3fn + weight_scale_inv per 128x128 block, `weight_block_size`.
+- "gpt-oss-mxfp4": gpt-oss experts as `*_blocks` / `*_scales` (gate/up interleaved as on disk),
+  biases and every other tensor kept.
+
+The output directory is built in a temporary sibling and renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from moequant import formats
+from moequant.arch import adapter_for
+from moequant.checkpoint import ShardWriter, atomic_directory, copy_aux_files, open_checkpoint
+from moequant.errors import UserError
+from moequant.formats import QuantizedTensor
+
+LAYOUTS = ("compressed-tensors", "gptq", "awq", "deepseek-fp8", "gpt-oss-mxfp4")
+TARGETS = ("vllm", "sglang", "transformers")
+EXPORT_INFO = "moequant_export.json"  # what was written, for moequant.load and reports
+
+# Linear modules a serving engine fuses into one: they must share one scheme.
+_FUSED_SIBLINGS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"w1", "w3"},
+                   {"q_a_proj", "kv_a_proj_with_mqa"})
+_NOT_LINEAR_ROLES = ("norm", "embedding")
+# vLLM's names for those fused modules (GPTQ `dynamic` rules are matched against them)
+_FUSED_NAMES = {("k_proj", "q_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_proj"): "gate_up_proj",
+                ("kv_a_proj_with_mqa", "q_a_proj"): "fused_qkv_a_proj"}
+
+
+def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[str, torch.Tensor] | None = None,
+                      layout: str = "compressed-tensors", target: str = "vllm", int8_activations: str = "none",
+                      max_shard_bytes: int = 2 * 1024**3) -> Path:
+    """Write `out_dir`: the source checkpoint with `quantized` tensors in `layout`. Returns the path."""
+    if layout not in LAYOUTS:
+        raise UserError(f"export layout {layout!r} is not supported; accepted: {', '.join(LAYOUTS)}.")
+    if target not in TARGETS:
+        raise UserError(f"export target {target!r} is not supported; accepted: {', '.join(TARGETS)}.")
+    if int8_activations not in ("none", "dynamic"):
+        raise UserError(f"int8_activations {int8_activations!r} is not supported; accepted: none, dynamic.")
+    ckpt = open_checkpoint(source_dir)
+    if ckpt.config_only:
+        raise UserError(f"{source_dir} has no safetensors weights to export.")
+    if ckpt.config.get("quantization_config"):
+        raise UserError(f"{source_dir}/config.json already has a quantization_config; export from the bf16 checkpoint.")
+    adapter = adapter_for(ckpt.config)
+    kept = dict(kept or {})
+    for name in kept:
+        if name not in ckpt:
+            raise UserError(f"kept tensor {name!r} is not a tensor of {source_dir}.")
+    items = _resolve(quantized, ckpt, adapter)
+    plain = {n: q for n, q in items.items() if q.spec.name == "bf16"}
+    items = {n: q for n, q in items.items() if q.spec.name != "bf16"}
+    for n, q in plain.items():
+        kept.setdefault(n, _from_linear(adapter, n, q.codes))
+    roles = {n: adapter.classify(n) for n in ckpt.keys()}
+
+    writer_for = {"compressed-tensors": _CompressedTensors, "gptq": _Gptq, "awq": _Awq,
+                  "deepseek-fp8": _DeepseekFp8, "gpt-oss-mxfp4": _GptOssMxfp4}[layout]
+    writer = writer_for(ckpt, adapter, items, roles, target, int8_activations)
+    writer.check()  # refuse before any work
+
+    out_dir = Path(out_dir)
+    with atomic_directory(out_dir) as tmp:
+        shards = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
+        for name in ckpt.keys():
+            if name in items:
+                for suffix, tensor in writer.pack(name, items[name]).items():
+                    shards.add(suffix, tensor)
+            else:
+                shards.add(name, kept[name] if name in kept else ckpt.get(name))
+        shards.finish()
+        config = dict(ckpt.config)
+        config["quantization_config"] = writer.quantization_config()
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for fname, content in writer.extra_files().items():
+            (tmp / fname).write_text(json.dumps(content, indent=2) + "\n")
+        info = {"layout": layout, "target": target, "formats": {n: q.spec.key for n, q in sorted(items.items())}}
+        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
+        copy_aux_files(ckpt.directory, tmp)
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def _resolve(quantized: Mapping, ckpt, adapter) -> dict[str, QuantizedTensor]:
+    """Keys → on-disk names; per-expert tuples of fused architectures are stacked per tensor."""
+    out: dict[str, QuantizedTensor] = {}
+    fused_parts: dict[str, dict[tuple[int, str], QuantizedTensor]] = defaultdict(dict)
+    for key, q in quantized.items():
+        if not isinstance(q, QuantizedTensor):
+            raise UserError(f"quantized[{key!r}] is a {type(q).__name__}, not a QuantizedTensor.")
+        if isinstance(key, tuple):
+            if len(key) != 3:
+                raise UserError(f"quantized key {key!r} must be a tensor name or (layer, expert, proj).")
+            layer, expert, proj = key
+            adapter._check_expert(layer, expert, proj)
+            name = adapter.expert_tensor_name(layer, expert, proj)
+            if adapter.fused_experts:
+                fused_parts[name][(expert, proj)] = q
+                continue
+        else:
+            name = key
+        if name not in ckpt:
+            raise UserError(f"quantized tensor {name!r} is not a tensor of {ckpt.path}.")
+        if name in out:
+            raise UserError(f"tensor {name!r} is given twice in the quantized mapping.")
+        expected = _linear_shape(adapter, name, ckpt.shape(name))
+        if tuple(q.shape) != expected:
+            raise UserError(f"quantized tensor {name!r} has shape {list(q.shape)}, but the checkpoint's weight is "
+                            f"{list(expected)} (in the [out, in] convention).")
+        out[name] = q
+    for name, parts in fused_parts.items():
+        if name in out:
+            raise UserError(f"tensor {name!r} is given both whole and per expert.")
+        out[name] = _fuse_experts(adapter, name, parts, ckpt.shape(name))
+    return out
+
+
+def _linear_shape(adapter, name: str, disk_shape) -> tuple:
+    """[out, in] (or [E, out, in]) shape of an on-disk weight: fused gpt-oss tensors are [E, in, out]."""
+    if adapter.fused_experts and len(disk_shape) == 3:
+        return (disk_shape[0], disk_shape[2], disk_shape[1])
+    return tuple(disk_shape)
+
+
+def _from_linear(adapter, name: str, weight: torch.Tensor) -> torch.Tensor:
+    """Inverse of _linear_shape for a dense tensor."""
+    if adapter.fused_experts and weight.dim() == 3:
+        return weight.transpose(1, 2).contiguous()
+    return weight
+
+
+def _fuse_experts(adapter, name: str, parts: dict, disk_shape) -> QuantizedTensor:
+    """Per-expert gpt-oss pieces → one [E, out, in] QuantizedTensor, gate / up rows interleaved."""
+    E = adapter.num_experts
+    projs = ("down",) if name.endswith("down_proj") else ("gate", "up")
+    missing = [(e, p) for e in range(E) for p in projs if (e, p) not in parts]
+    if missing:
+        raise UserError(f"{name} is fused on disk: every expert's {'/'.join(projs)} must be given; missing "
+                        f"(expert, proj) {missing[0]} and {len(missing) - 1} more.")
+    specs = {q.spec for q in parts.values()}
+    if len(specs) > 1:
+        raise UserError(f"{name} is fused on disk and holds one format; got {', '.join(sorted(s.key for s in specs))}.")
+    if projs == ("down",):
+        return formats.stack_experts([parts[(e, "down")] for e in range(E)])
+    per_expert = []
+    for e in range(E):
+        g, u = parts[(e, "gate")], parts[(e, "up")]
+        per_expert.append(QuantizedTensor(g.spec, (2 * g.shape[0], g.shape[1]), _interleave(g.codes, u.codes),
+                                          _interleave(g.scales, u.scales), _interleave(g.zeros, u.zeros),
+                                          g.global_scale))
+    q = formats.stack_experts(per_expert)
+    expected = _linear_shape(adapter, name, disk_shape)
+    if tuple(q.shape) != expected:
+        raise UserError(f"experts of {name} stack to {list(q.shape)}, expected {list(expected)}.")
+    return q
+
+
+def _interleave(a, b):
+    if a is None:
+        return None
+    if a.shape[0] == 1 and a.dim() >= 1 and b.shape[0] == 1:  # per-tensor scale: cannot interleave
+        raise UserError("gate and up of a fused gpt-oss expert cannot have per-tensor scales.")
+    out = torch.empty((a.shape[0] * 2,) + tuple(a.shape[1:]), dtype=a.dtype)
+    out[0::2], out[1::2] = a, b
+    return out
+
+
+def _module(name: str) -> str:
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
+def _layer_of_experts(roles, name):
+    r = roles.get(name)
+    return r.layer if r is not None and r.role == "routed_expert" else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout writers: check() refuses, pack() gives the tensors of one weight, then the config.
+
+
+class _Layout:
+    name = ""
+
+    def __init__(self, ckpt, adapter, items, roles, target, int8_activations):
+        self.ckpt, self.adapter, self.items, self.roles = ckpt, adapter, items, roles
+        self.target, self.int8_activations = target, int8_activations
+
+    def check(self) -> None:
+        pass
+
+    def pack(self, name: str, q: QuantizedTensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def quantization_config(self) -> dict:
+        raise NotImplementedError
+
+    def extra_files(self) -> dict:
+        return {}
+
+    # shared checks
+    def _refuse_unless(self, allowed, what: str) -> None:
+        for name, q in self.items.items():
+            if not allowed(q.spec):
+                raise UserError(f"the {self.name} layout holds {what}; tensor {name} is planned as {q.spec.key}.")
+
+    def _require_unfused(self) -> None:
+        if self.adapter.fused_experts:
+            raise UserError(f"the {self.name} layout needs one tensor per expert on disk; "
+                            f"{self.adapter.model_type} stores its experts fused (use layout gpt-oss-mxfp4).")
+
+    def _linear_modules_kept(self) -> list[str]:
+        """2-D weights left in bf16 whose module is a Linear (not a norm or an embedding)."""
+        out = []
+        for name in self.ckpt.keys():
+            if name in self.items or not name.endswith(".weight") or len(self.ckpt.shape(name)) != 2:
+                continue
+            if self.roles[name].role in _NOT_LINEAR_ROLES:
+                continue
+            out.append(_module(name))
+        return out
+
+    def _one_format_per_moe_layer(self) -> None:
+        per_layer: dict[int, set] = defaultdict(set)
+        for name in self.ckpt.keys():
+            layer = _layer_of_experts(self.roles, name)
+            if layer is None or not name.endswith("weight"):
+                continue
+            q = self.items.get(name)
+            per_layer[layer].add(self._scheme_key(q) if q is not None else "bf16")
+        for layer, keys in sorted(per_layer.items()):
+            if len(keys) > 1:
+                raise UserError(
+                    f"target {self.target} needs one format for all routed experts of an MoE layer, but layer {layer} "
+                    f"has {', '.join(sorted(keys))}; use target transformers for per-expert mixes.")
+
+    def _one_format_per_fused_group(self) -> None:
+        groups: dict[tuple, dict[str, str]] = defaultdict(dict)
+        for name in self.ckpt.keys():
+            if not name.endswith(".weight") or self.roles[name].role in _NOT_LINEAR_ROLES:
+                continue
+            parent, _, leaf = _module(name).rpartition(".")
+            for i, siblings in enumerate(_FUSED_SIBLINGS):
+                if leaf in siblings:
+                    q = self.items.get(name)
+                    groups[(parent, i)][name] = self._scheme_key(q) if q is not None else "bf16"
+        for (parent, _), members in groups.items():
+            if len(set(members.values())) > 1:
+                desc = ", ".join(f"{n.rsplit('.', 2)[-2]}={k}" for n, k in sorted(members.items()))
+                raise UserError(f"target {self.target} fuses the projections of {parent} into one module, so they need "
+                                f"one format; the plan gives {desc}.")
+
+    def _scheme_key(self, q) -> str:
+        return q.spec.key
+
+
+# ---- compressed-tensors -----------------------------------------------------------------------
+
+def _ct_scheme(spec, int8_activations: str) -> dict:
+    """compressed-tensors QuantizationScheme (without targets) for one format."""
+    weights = {"num_bits": spec.bits, "symmetric": spec.symmetric, "dynamic": False, "actorder": None,
+               "block_structure": None, "group_size": None, "observer": "minmax", "observer_kwargs": {}}
+    inputs = None
+    fmt = formats.compressed_tensors_format(spec)
+    if spec.is_int:
+        weights["type"] = "int"
+        if spec.granularity == "channel":
+            weights["strategy"] = "channel"
+        else:
+            weights.update(strategy="group", group_size=spec.group_size)
+        if spec.name == "int8" and int8_activations == "dynamic":
+            fmt = "int-quantized"
+            inputs = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True,
+                      "group_size": None, "block_structure": None, "actorder": None, "observer": None,
+                      "observer_kwargs": {}}
+    elif spec.name == "fp8":
+        weights["type"] = "float"
+        if spec.granularity == "block":
+            weights.update(strategy="block", block_structure=[spec.group_size, spec.group_size])
+            act_strategy, act_group = "group", spec.group_size
+        else:
+            weights["strategy"] = spec.granularity
+            act_strategy, act_group = "token", None
+        inputs = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": act_strategy,
+                  "group_size": act_group, "dynamic": True, "block_structure": None, "actorder": None,
+                  "observer": None, "observer_kwargs": {}}
+    elif spec.name == "mxfp4":
+        weights.update(type="float", strategy="group", group_size=32, scale_dtype="torch.uint8")
+    elif spec.name == "nvfp4":
+        weights.update(type="float", strategy="tensor_group", group_size=16)
+    else:
+        raise UserError(f"format {spec.key} has no compressed-tensors scheme.")
+    return {"weights": weights, "input_activations": inputs, "output_activations": None, "format": fmt}
+
+
+class _CompressedTensors(_Layout):
+    name = "compressed-tensors"
+
+    def _scheme_key(self, q) -> str:
+        return json.dumps(_ct_scheme(q.spec, self.int8_activations), sort_keys=True)
+
+    def check(self) -> None:
+        self._require_unfused()
+        for name, q in self.items.items():
+            if len(q.shape) != 2 or not name.endswith(".weight"):
+                raise UserError(f"the compressed-tensors layout writes 2-D Linear weights; {name} is not one.")
+        if self.target in ("vllm", "sglang"):
+            self._refuse_unless(lambda s: not s.is_int or s.bits in (4, 8),
+                                f"only 4- and 8-bit integer formats for target {self.target} (its kernels)")
+            self._one_format_per_moe_layer()
+            self._one_format_per_fused_group()
+
+    def pack(self, name, q):
+        module = _module(name)
+        tensors = formats.pack_compressed_tensors(q)
+        if q.spec.name == "int8" and self.int8_activations == "dynamic":
+            # W8A8 int-quantized stores the int8 codes unpacked, with an fp32 per-channel scale
+            tensors = {"weight": q.codes.to(torch.int8), "weight_scale": q.scales.to(torch.float32)}
+        return {f"{module}.{k}": v for k, v in tensors.items()}
+
+    def groups(self) -> list[tuple[dict, list[str]]]:
+        by_scheme: dict[str, list[str]] = defaultdict(list)
+        for name, q in sorted(self.items.items()):
+            by_scheme[self._scheme_key(q)].append(_module(name))
+        return [(json.loads(k), sorted(v)) for k, v in sorted(by_scheme.items())]
+
+    def quantization_config(self) -> dict:
+        config_groups = {}
+        group_formats = set()
+        for i, (scheme, targets) in enumerate(self.groups()):
+            config_groups[f"group_{i}"] = {"targets": targets, **scheme}
+            group_formats.add(scheme["format"])
+        if len(group_formats) == 1:
+            global_format = group_formats.pop()
+        else:
+            global_format = "mixed-precision"
+        if self.target == "sglang" and any(f in ("pack-quantized", "int-quantized") for f in group_formats | {global_format}):
+            global_format = "pack-quantized"
+        return {"quant_method": "compressed-tensors", "format": global_format, "quantization_status": "compressed",
+                "config_groups": config_groups, "ignore": sorted(self._linear_modules_kept()),
+                "kv_cache_scheme": None, "global_compression_ratio": None}
+
+
+# ---- GPTQ v1 --------------------------------------------------------------------------------------
+
+def _gptq_group(spec) -> int:
+    return -1 if spec.granularity == "channel" else spec.group_size
+
+
+class _Gptq(_Layout):
+    name = "gptq"
+
+    def check(self) -> None:
+        self._require_unfused()
+        self._refuse_unless(lambda s: s.is_int and s.symmetric and s.bits in (4, 8),
+                            "symmetric int4 / int8 only (GPTQ v1 as vLLM and GPTQModel read it)")
+        if not self.items:
+            raise UserError("the gptq layout needs at least one quantized tensor.")
+        if self.target in ("vllm", "sglang"):
+            self._one_format_per_moe_layer()
+            self._one_format_per_fused_group()
+        counts = Counter((q.spec.bits, _gptq_group(q.spec)) for q in self.items.values())
+        self.base_bits, self.base_group = counts.most_common(1)[0][0]
+
+    def pack(self, name, q):
+        module = _module(name)
+        return {f"{module}.{k}": v for k, v in formats.pack_gptq(q, version=1).items()}
+
+    def _dynamic(self) -> dict:
+        dynamic = {}
+        overrides: dict[tuple, list[str]] = defaultdict(list)
+        for name, q in sorted(self.items.items()):
+            key = (q.spec.bits, _gptq_group(q.spec))
+            if key != (self.base_bits, self.base_group):
+                overrides[key].append(_module(name))
+        for (bits, group), modules in sorted(overrides.items()):
+            for pattern in _module_patterns(modules, self.roles):
+                dynamic["+:" + pattern] = {"bits": bits, "group_size": group}
+        for pattern in _module_patterns(self._linear_modules_kept(), self.roles):
+            dynamic["-:" + pattern] = {}
+        return dynamic
+
+    def _base(self) -> dict:
+        return {"bits": self.base_bits, "group_size": self.base_group, "desc_act": False, "sym": True,
+                "static_groups": False, "true_sequential": True, "damp_percent": 0.01,
+                "checkpoint_format": "gptq", "quant_method": "gptq", "pack_dtype": "int32",
+                "lm_head": False}
+
+    def quantization_config(self) -> dict:
+        config = self._base()
+        dynamic = self._dynamic()
+        if dynamic:
+            config["dynamic"] = dynamic
+        return config
+
+    def extra_files(self) -> dict:
+        return {"quantize_config.json": self.quantization_config()}
+
+
+def _module_patterns(modules: list[str], roles) -> list[str]:
+    """Anchored regexes (re.match, as vLLM and GPTQModel use) that select exactly `modules`.
+
+    Whole MoE layers collapse to one pattern for their experts prefix, because vLLM asks about
+    the fused `...experts` module while GPTQModel asks about each `...experts.N.proj`.
+    """
+    patterns = []
+    modules = list(modules)
+    leaves: dict[str, set] = defaultdict(set)
+    for m in modules:
+        parent, _, leaf = m.rpartition(".")
+        leaves[parent].add(leaf)
+    for parent, present in leaves.items():
+        for members, fused in _FUSED_NAMES.items():
+            if set(members) <= present:
+                modules.append(f"{parent}.{fused}")
+    by_prefix: dict[str, list[str]] = defaultdict(list)
+    for m in modules:
+        head, sep, _ = m.partition(".experts.")
+        by_prefix[head + ".experts" if sep else m].append(m)
+    for prefix, members in sorted(by_prefix.items()):
+        if prefix.endswith(".experts"):
+            patterns.append(re.escape(prefix) + r"(\.|$)")
+        else:
+            patterns += [re.escape(m) + "$" for m in members]
+    return patterns
+
+
+# ---- AWQ GEMM ----------------------------------------------------------------------------------------
+
+class _Awq(_Layout):
+    name = "awq"
+
+    def check(self) -> None:
+        self._require_unfused()
+        self._refuse_unless(lambda s: s.name == "int4" and s.granularity == "group",
+                            "int4 with groups only (AutoAWQ GEMM)")
+        if not self.items:
+            raise UserError("the awq layout needs at least one quantized tensor.")
+        specs = {(q.spec.group_size, q.spec.symmetric) for q in self.items.values()}
+        if len(specs) > 1:
+            raise UserError(f"the awq layout holds one group size and one zero-point mode for the whole model; "
+                            f"the plan has {len(specs)} int4 variants ({', '.join(sorted({q.spec.key for q in self.items.values()}))}).")
+        self.group, self.symmetric = specs.pop()
+
+    def pack(self, name, q):
+        module = _module(name)
+        return {f"{module}.{k}": v for k, v in formats.pack_awq(q).items()}
+
+    def quantization_config(self) -> dict:
+        return {"quant_method": "awq", "bits": 4, "group_size": self.group, "zero_point": not self.symmetric,
+                "version": "gemm", "modules_to_not_convert": sorted(self._linear_modules_kept())}
+
+
+# ---- DeepSeek FP8 block ------------------------------------------------------------------------------
+
+class _DeepseekFp8(_Layout):
+    name = "deepseek-fp8"
+
+    def check(self) -> None:
+        self._require_unfused()
+        self._refuse_unless(lambda s: s.key == "fp8-block128", "fp8-block128 only (DeepSeek-V3's FP8 layout)")
+
+    def pack(self, name, q):
+        module = _module(name)
+        return {f"{module}.{k}": v for k, v in formats.pack_deepseek_fp8(q).items()}
+
+    def quantization_config(self) -> dict:
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128], "modules_to_not_convert": sorted(self._linear_modules_kept())}
+
+
+# ---- gpt-oss MXFP4 -----------------------------------------------------------------------------------
+
+class _GptOssMxfp4(_Layout):
+    name = "gpt-oss-mxfp4"
+
+    def check(self) -> None:
+        if self.adapter.model_type != "gpt_oss":
+            raise UserError(f"the gpt-oss-mxfp4 layout is gpt-oss's own; this checkpoint is {self.adapter.model_type}.")
+        self._refuse_unless(lambda s: s.name == "mxfp4", "mxfp4 only (gpt-oss's own layout)")
+        for name in self.items:
+            if self.roles[name].role != "routed_expert":
+                raise UserError(f"the gpt-oss-mxfp4 layout quantizes routed experts only; {name} is "
+                                f"{self.roles[name].role}.")
+        for layer in self.adapter.moe_layers:
+            for name in (self.adapter.fused_names(layer)[k] for k in ("gate_up", "down")):
+                if name not in self.items:
+                    raise UserError(f"the gpt-oss-mxfp4 layout (as transformers and vLLM read it) needs every "
+                                    f"expert in mxfp4; {name} is planned as bf16.")
+
+    def pack(self, name, q):
+        packed = formats.pack_gpt_oss_mxfp4(q)
+        return {f"{name}_blocks": packed["blocks"], f"{name}_scales": packed["scales"]}
+
+    def quantization_config(self) -> dict:
+        # gpt-oss's own spelling: everything but the experts stays in bf16
+        return {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}

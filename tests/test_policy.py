@@ -143,6 +143,55 @@ def test_solver_matches_brute_force(seed):
         assert got == pytest.approx(expected, rel=1e-9, abs=1e-12 * max(map(max, option_loss)))
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_solver_with_ties_matches_brute_force(seed):
+    """Identical groups and repeated byte / loss values: the worst case for the core DP."""
+    rng = np.random.default_rng(1000 + seed)
+    template_bytes = [int(b) for b in rng.choice([2688, 3456, 6400, 12288], int(rng.integers(2, 5)), replace=False)]
+    template_loss = [float(x) for x in rng.integers(0, 4, len(template_bytes))]
+    groups = int(rng.integers(2, 8))
+    option_bytes = [template_bytes] * groups
+    option_loss = [template_loss] * groups
+    limit = int(rng.integers(min(template_bytes) * groups, max(template_bytes) * groups + 1))
+    choice = solve_choices(option_bytes, option_loss, limit)
+    assert sum(option_bytes[g][i] for g, i in enumerate(choice)) <= limit
+    assert sum(option_loss[g][i] for g, i in enumerate(choice)) == brute_force(option_bytes, option_loss, limit)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_milp_fallback_matches_brute_force(seed, monkeypatch):
+    import moequant.policy as policy
+
+    monkeypatch.setattr(policy, "MAX_DP_STATES", 0)  # every core goes to HiGHS
+    rng = np.random.default_rng(2000 + seed)
+    option_bytes = [[int(b) * 4096 for b in rng.integers(1, 40, 3)] for _ in range(int(rng.integers(2, 7)))]
+    option_loss = [list(rng.exponential(1.0, 3)) for _ in option_bytes]
+    limit = (sum(min(b) for b in option_bytes) + sum(max(b) for b in option_bytes)) // 2
+    choice = solve_choices(option_bytes, option_loss, limit)
+    assert sum(option_bytes[g][i] for g, i in enumerate(choice)) <= limit
+    assert sum(option_loss[g][i] for g, i in enumerate(choice)) == pytest.approx(
+        brute_force(option_bytes, option_loss, limit), rel=1e-9)
+
+
+def test_solver_agrees_with_highs_on_medium_instances():
+    """Too large for brute force: HiGHS' proven optimum is the reference."""
+    from moequant.policy import _milp_choice, _pareto_front
+
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        option_bytes = [[int(b) * 1000 for b in rng.integers(1, 200, 4)] for _ in range(150)]
+        option_loss = [list(rng.exponential(1.0, 4)) for _ in range(150)]
+        limit = int(sum(np.mean(b) for b in option_bytes))
+        choice = solve_choices(option_bytes, option_loss, limit)
+        fronts = [_pareto_front(b, l) for b, l in zip(option_bytes, option_loss)]
+        notes = []
+        reference = _milp_choice(fronts, option_bytes, option_loss, limit, notes)
+        assert notes == []  # HiGHS proved its optimum
+        assert sum(option_bytes[g][i] for g, i in enumerate(choice)) <= limit
+        assert sum(option_loss[g][i] for g, i in enumerate(choice)) == pytest.approx(
+            sum(option_loss[g][i] for g, i in enumerate(reference)), rel=1e-9)
+
+
 def test_solver_large_instance_is_feasible_and_no_worse_than_greedy():
     rng = np.random.default_rng(1)
     option_bytes = [[4608, 6400, 12288]] * 600
@@ -497,3 +546,29 @@ def test_fused_experts_are_planned_per_expert():
     assert any("matches only some projections" in n for n in plan.notes)
     biases = [t for t in plan.tensors if t.name.endswith("_bias")]
     assert biases and all(t.format == "bf16" for t in biases)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "gpt_oss", "deepseek_v3"])
+def test_plan_from_a_real_checkpoint_covers_every_tensor(tmp_path, model_type):
+    from moequant.arch import adapter_for
+    from moequant.checkpoint import open_checkpoint
+
+    from tiny import build_tiny
+
+    ckpt = open_checkpoint(build_tiny(model_type, tmp_path / model_type))
+    adapter = adapter_for(ckpt.config)
+    r = recipe("vllm", {"method": "uniform", "format": "int8"}, keep=["lm_head"], non_experts={"format": "int8"})
+    plan = make_plan(r, ckpt, None)
+    assert {t.name for t in plan.tensors} == set(ckpt.keys())
+    experts = plan.expert_formats()
+    assert set(experts) == {(L, e) for L in adapter.moe_layers for e in range(adapter.num_experts)}
+    assert set(experts.values()) == {"int8-channel"}
+    for t in plan.tensors:
+        if t.role in ("router", "shared_expert_gate", "norm", "embedding", "lm_head"):
+            assert t.format == "bf16", t.name
+        if t.role in ("attention", "shared_expert", "dense_mlp") and len(t.shape) == 2 and not t.name.endswith("bias"):
+            assert t.format == "int8-channel", t.name
+    # bytes: routed experts by hand (int8: one byte per weight + fp16 scale per row), the rest bf16
+    routed = [t for t in plan.tensors if t.role == "routed_expert" and t.expert is not None]
+    assert sum(t.bytes for t in routed) == sum(math.prod(t.shape) + 2 * t.shape[0] for t in routed)
+    assert len(routed) == 3 * len(experts)

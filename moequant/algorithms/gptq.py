@@ -255,62 +255,124 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     out_rows = [w.shape[1] for w in ws]
     w_all = torch.cat(ws, dim=1) if len(ws) > 1 else ws[0]  # [c, sum(out), in]
     del ws
-    codes: list[torch.Tensor | None] = [None] * len(cqs)  # per weight [c, out_k, in], allocated on first use
     losses = torch.zeros(c, device=w_all.device, dtype=torch.float64)
+    fixed = fixed_params is not None
+    # Fixed params of all groups side by side (leaves [c, X, groups]), gathered per block into
+    # per-column params (leaves [c, X, block]) so every column's params are a view.
+    stacked = [_tree_map(lambda *leaves: torch.cat(leaves, dim=-1), *ps) for ps in fixed_params] if fixed else None
     dynamic_params: list[list[Any]] = [[] for _ in cqs]
-    group_of = None if perm is None else perm // group_width  # [c, in]: original group of each column
 
-    def params_for(k, col):
+    def block_params(i1, i2):
+        if not fixed:
+            return None
         if per_row:
-            return fixed_params[k][0]
-        if perm is not None:
-            return _gather_groups(fixed_params[k], group_of[:, col])
-        if static_groups:
-            return fixed_params[k][col // group_width]
-        return dynamic_params[k][-1]
+            group = torch.zeros(c, i2 - i1, dtype=torch.long, device=w_all.device)
+        elif perm is not None:
+            group = perm[:, i1:i2] // group_width  # each expert's own column order
+        else:
+            group = (torch.arange(i1, i2, device=w_all.device) // group_width).expand(c, -1)
+        return [_tree_map(lambda t: _gather_last(t, group[:, None, :].expand(-1, t.shape[1], -1)), st)
+                for st in stacked]
 
-    def quantize_column(col, w):
-        """Codes of column `col` (permuted index) for every weight, and its dequantized values."""
-        values = []
-        for k, (cq, piece) in enumerate(zip(cqs, w.split(out_rows, dim=1))):
-            params = params_for(k, col)
-            column_codes = cq_call(cq.quantize, piece, params, squeeze)
-            if codes[k] is None:
-                codes[k] = torch.zeros(piece.shape[:-1] + (num_in,), dtype=column_codes.dtype, device=piece.device)
-            codes[k][..., col:col + 1] = column_codes
-            values.append(cq_call(cq.dequantize, column_codes, params, squeeze).to(w.dtype))
-        return torch.cat(values, dim=1) if len(values) > 1 else values[0]
-
-    for i1 in range(0, num_in, block_size):
-        i2 = min(i1 + block_size, num_in)
-        w1 = w_all[..., i1:i2].clone()
-        err1 = torch.zeros_like(w1)
-        u1 = u[:, i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = i1 + i
-            if not per_row and not static_groups and col % group_width == 0:
+    def sweep_block(w1, u1, err1, codes1, params1):
+        """GPTQ's inner loop over the columns of one block, in place on w1 / err1 / codes1."""
+        for i in range(w1.shape[-1]):
+            if not fixed and i % group_width == 0:  # dynamic groups: fit on the updated columns
+                params1 = []
                 for k, (cq, piece) in enumerate(zip(cqs, w1[..., i:i + group_width].split(out_rows, dim=1))):
                     dynamic_params[k].append(cq_fit(cq, piece, squeeze))
+                    params1.append(_tree_map(lambda t: t.expand(*t.shape[:-1], group_width), dynamic_params[k][-1]))
+                offset = i
+            else:
+                offset = 0 if fixed else offset
             w = w1[..., i:i + 1]  # [c, rows, 1]
-            q = quantize_column(col, w)
+            values = []
+            for k, (cq, piece) in enumerate(zip(cqs, w.split(out_rows, dim=1))):
+                p = _tree_map(lambda t: t[..., i - offset:i - offset + 1], params1[k])
+                column_codes = cq_call(cq.quantize, piece, p, squeeze)
+                codes1[k][..., i:i + 1] = column_codes
+                values.append(cq_call(cq.dequantize, column_codes, p, squeeze).to(w.dtype))
+            q = torch.cat(values, dim=1) if len(values) > 1 else values[0]
             err = (w - q) / u1[:, i, i][:, None, None]
             w1[..., i + 1:] -= err * u1[:, None, i, i + 1:]
             err1[..., i:i + 1] = err
+
+    # Codes dtype of the format, from one column (cheap).
+    probe = [cq_call(cq.quantize, piece[..., :1], _tree_map(lambda t: t[..., :1], bp), squeeze)
+             for cq, piece, bp in zip(cqs, w_all[..., :1].split(out_rows, dim=1), block_params(0, 1))] if fixed else \
+        [cq_call(cq.quantize, piece[..., :1], cq_fit(cq, piece[..., :1], squeeze), squeeze)
+         for cq, piece in zip(cqs, w_all[..., :1].split(out_rows, dim=1))]
+    codes = [torch.zeros(w_all.shape[0], r, num_in, dtype=pr.dtype, device=w_all.device)
+             for r, pr in zip(out_rows, probe)]
+
+    graph = None
+    use_graph = fixed and w_all.is_cuda and _cuda_graphs_enabled()
+    for i1 in range(0, num_in, block_size):
+        i2 = min(i1 + block_size, num_in)
+        if use_graph and i1 > 0 and i2 - i1 == block_size:
+            # Replaying a captured block removes the launch overhead of thousands of tiny kernels.
+            if graph is None:
+                static = _BlockBuffers(w_all, u, codes, block_params(i1, i2), block_size)
+                graph = torch.cuda.CUDAGraph()
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph):
+                    sweep_block(static.w1, static.u1, static.err1, static.codes1, static.params1)
+            static.load(w_all, u, block_params(i1, i2), i1, i2)
+            graph.replay()
+            w1, err1, codes1 = static.w1, static.err1, static.codes1
+        else:
+            w1 = w_all[..., i1:i2].clone()
+            err1 = torch.zeros_like(w1)
+            codes1 = [torch.zeros_like(t[..., i1:i2]) for t in codes]
+            sweep_block(w1, u[:, i1:i2, i1:i2], err1, codes1, block_params(i1, i2))
+        for t, t1 in zip(codes, codes1):
+            t[..., i1:i2] = t1
         losses += err1.double().square().sum(dim=(1, 2)) / 2
         if i2 < num_in:
             w_all[..., i2:] -= torch.bmm(err1, u[:, i1:i2, i2:])
-    del u, w_all
+    del u, w_all, graph
 
     if perm is not None:
         inv = torch.argsort(perm, dim=-1)
-        codes = [torch.gather(t, 2, inv[:, None, :].expand(-1, t.shape[1], -1)) for t in codes]
+        codes = [_gather_last(t, inv[:, None, :].expand(-1, t.shape[1], -1)) for t in codes]
     for j, e in enumerate(idx):
         if report.method[e] != RTN:
             report.proxy_loss[e] = float(losses[j])
 
-    params = fixed_params if (per_row or static_groups) else dynamic_params
+    params = fixed_params if fixed else dynamic_params
     return [cq.assemble(t[0] if squeeze else t, [_squeeze_params(p, squeeze) for p in ps])
             for cq, t, ps in zip(cqs, codes, params)]
+
+
+def _gather_last(t, index):
+    """torch.gather on the last axis, also for float8 tensors (gathered as their bytes)."""
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return torch.gather(t.view(torch.uint8), -1, index).view(t.dtype)
+    return torch.gather(t, -1, index)
+
+
+class _BlockBuffers:
+    """Fixed-address tensors a captured block sweep reads and writes."""
+
+    def __init__(self, w_all, u, codes, params1, width):
+        c, rows, _ = w_all.shape
+        self.w1 = torch.empty(c, rows, width, dtype=w_all.dtype, device=w_all.device)
+        self.u1 = torch.empty(c, width, width, dtype=u.dtype, device=u.device)
+        self.err1 = torch.zeros_like(self.w1)
+        self.codes1 = [torch.zeros(t.shape[0], t.shape[1], width, dtype=t.dtype, device=t.device) for t in codes]
+        self.params1 = [_tree_map(torch.empty_like, p) for p in params1]
+
+    def load(self, w_all, u, params1, i1, i2):
+        self.w1.copy_(w_all[..., i1:i2])
+        self.u1.copy_(u[:, i1:i2, i1:i2])
+        for dst, src in zip(self.params1, params1):
+            _tree_map(lambda d, s_: d.copy_(s_), dst, src)
+
+
+def _cuda_graphs_enabled() -> bool:
+    import os
+
+    return os.environ.get("MOEQUANT_CUDA_GRAPHS", "1") != "0"
 
 
 def _inverse_cholesky(h, damp, max_tries, skip):
@@ -388,16 +450,6 @@ def _squeeze_params(params, squeeze):
     return _tree_map(lambda t: t[0], params) if squeeze else params
 
 
-def _gather_groups(group_params: list[Any], group_index: torch.Tensor):
-    """Per expert j, the params of group group_index[j] (act_order: each expert its own order)."""
-    return _tree_map(lambda *leaves: _pick(leaves, group_index), *group_params)
-
-
-def _pick(leaves, group_index):
-    stacked = torch.stack(leaves)  # [G, c, ...]
-    return stacked[group_index, torch.arange(stacked.shape[1], device=stacked.device)]
-
-
 def _tree_map(fn: Callable, *trees):
     first = trees[0]
     if isinstance(first, torch.Tensor):
@@ -456,10 +508,11 @@ def _token_counts(tokens, num_experts):
 
 def _default_chunk(num_experts, rows, num_in, device):
     """Experts per batch so the working set (H, its factors, W, Q, updates) fits the device."""
-    per_expert = 4 * (4 * num_in * num_in + 4 * rows * num_in)  # float32, generous
+    # float32: H, its damped copy, Cholesky factor, inverse, U (and act-order gathers); W, Q, updates
+    per_expert = 4 * (7 * num_in * num_in + 6 * rows * num_in)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = 0.6 * free
+        budget = 0.7 * free
     else:
         budget = 4 * 2**30
     return max(1, min(num_experts, int(budget // per_expert)))

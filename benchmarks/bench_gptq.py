@@ -1,0 +1,400 @@
+"""GPTQ of all routed experts of one MoE layer: moequant (batched) vs llm-compressor.
+
+Random expert weights at real shapes, one set of calibration tokens and held-out tokens, a
+random top-k router. Both tools get the same tokens: each expert's Hessians come from the
+tokens routed to it (gate/up read the layer input, down reads act(gate) * up computed with
+the original weights). Printed per tool: time (Hessians and the GPTQ solve separately), peak GPU
+memory, and the held-out relative output error ||X (W - W_q)^T||^2 / ||X W^T||^2 per projection.
+
+Tools:
+  moequant            moequant.algorithms.gptq, all experts of a projection as one batch
+                      (gate and up share one factorization), act_order as llm-compressor's default
+  moequant-noact      the same without activation ordering (moequant's default)
+  rtn                 round-to-nearest, for scale
+  llmc-batched        llm-compressor's GPTQModifier, its default batched_quantization="auto"
+  llmc-single         llm-compressor's GPTQModifier with batched_quantization=None: one nn.Linear
+                      at a time, as llm-compressor did before 0.14 and as the issue describes
+llm-compressor runs through its own modifier lifecycle on a module tree of nn.Linear experts
+(on_initialize -> on_calibration_start -> forward hooks accumulate Hessians ->
+on_sequential_epoch_end, which observes the weights and quantizes). `--llmc-experts N` runs
+llm-compressor on the first N experts only (its time is then scaled by E / N and marked "~");
+errors are always compared on the experts each tool actually ran.
+
+Usage (CPU, small):  python benchmarks/bench_gptq.py --shape small --llmc-python .dev/llmc-venv/bin/python
+GPU, real shapes:    python benchmarks/bench_gptq.py --shape qwen3-30b-a3b deepseek-v3 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# experts, hidden, expert width, top_k, calibration tokens, held-out tokens
+SHAPES = {
+    "small": (8, 256, 128, 2, 2048, 1024),
+    "medium": (32, 512, 256, 4, 8192, 2048),
+    "qwen3-30b-a3b": (128, 2048, 768, 8, 65536, 16384),
+    "deepseek-v3": (256, 7168, 2048, 8, 65536, 16384),
+}
+
+
+@dataclass
+class Layer:
+    gate: torch.Tensor  # [E, I, H] bf16
+    up: torch.Tensor  # [E, I, H]
+    down: torch.Tensor  # [E, H, I]
+    calib: torch.Tensor  # [N, H] bf16
+    calib_routes: list  # per expert: token indices
+    held: torch.Tensor
+    held_routes: list
+
+
+def make_layer(shape: str, device: str, seed: int = 0) -> Layer:
+    """Deterministic layer: same numbers in every process for one (shape, device, torch version)."""
+    experts, hidden, width, top_k, n_calib, n_held = SHAPES[shape]
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*size):
+        return torch.randn(*size, generator=g, device=device, dtype=torch.float32)
+
+    def weights(e, out, n_in):
+        return (randn(e, out, n_in) * 0.02).to(torch.bfloat16)
+
+    gate, up, down = weights(experts, width, hidden), weights(experts, width, hidden), weights(experts, hidden, width)
+    # Activations: low-rank correlated part + noise, uneven channel scales, a few outlier channels.
+    rank = 64
+    basis = randn(rank, hidden) / rank**0.5
+    channel = torch.exp(0.5 * randn(hidden))
+    channel[:: max(1, hidden // 8)] *= 8.0
+    router = randn(hidden, experts) / hidden**0.5
+    bias = 0.5 * randn(experts)  # uneven expert popularity, as real routers have
+
+    def tokens(n):
+        x = (randn(n, rank) @ basis + 0.3 * randn(n, hidden)) * channel
+        top = torch.topk(x @ router + bias, top_k, dim=-1).indices
+        routes = [torch.nonzero((top == e).any(dim=-1)).flatten() for e in range(experts)]
+        return x.to(torch.bfloat16), routes
+
+    calib, calib_routes = tokens(n_calib)
+    held, held_routes = tokens(n_held)
+    return Layer(gate, up, down, calib, calib_routes, held, held_routes)
+
+
+def down_input(layer: Layer, x: torch.Tensor, e: int) -> torch.Tensor:
+    """The down projection's input for tokens x of expert e, from the original weights (fp32)."""
+    xf = x.float()
+    return F.silu(xf @ layer.gate[e].float().T) * (xf @ layer.up[e].float().T)
+
+
+def relative_errors(layer: Layer, quantized: dict, experts: int) -> dict:
+    """Held-out relative output error per projection, over the first `experts` experts."""
+    out = {}
+    for proj in ("gate", "up", "down"):
+        num = den = 0.0
+        for e in range(experts):
+            x = layer.held[layer.held_routes[e]].float()
+            if x.shape[0] == 0:
+                continue
+            if proj == "down":
+                x = down_input(layer, x, e)
+            w = getattr(layer, proj)[e].float()
+            ref = x @ w.T
+            num += float(((x @ quantized[proj][e].float().T - ref) ** 2).sum())
+            den += float((ref**2).sum())
+        out[proj] = num / den
+    return out
+
+
+def sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def peak_reset(device):
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    return 0
+
+
+def peak_gib(device, base):
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**30, (torch.cuda.max_memory_allocated() - base) / 2**30
+    return None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# moequant
+
+
+def expert_hessians(x: torch.Tensor, routes: list, fn=None) -> tuple[torch.Tensor, list]:
+    """[E, d, d] fp32 Hessians X_e^T X_e / n_e (fn maps an expert's tokens to its projection input)."""
+    hs, counts = None, []
+    for e, idx in enumerate(routes):
+        xe = x[idx].float() if fn is None else fn(x[idx], e)
+        if hs is None:
+            hs = torch.empty(len(routes), xe.shape[1], xe.shape[1], device=x.device)
+        torch.matmul(xe.T, xe, out=hs[e])
+        hs[e] /= max(1, xe.shape[0])
+        counts.append(int(xe.shape[0]))
+    return hs, counts
+
+
+def run_moequant(layer: Layer, args, act_order: bool) -> dict:
+    from moequant.algorithms import gptq
+
+    device = args.device
+    experts = layer.gate.shape[0]
+    base = peak_reset(device)
+    sync(device)
+    t0 = time.perf_counter()
+    h_in, counts = expert_hessians(layer.calib, layer.calib_routes)
+    sync(device)
+    t1 = time.perf_counter()
+    (q_gate, q_up), report_in = gptq.gptq_shared_hessian(
+        [layer.gate, layer.up], h_in, args.format, act_order=act_order, tokens=counts, min_tokens=1,
+        chunk_experts=args.chunk_experts,
+    )
+    del h_in
+    sync(device)
+    t2 = time.perf_counter()
+    h_down, _ = expert_hessians(layer.calib, layer.calib_routes, lambda x, e: down_input(layer, x, e))
+    sync(device)
+    t3 = time.perf_counter()
+    q_down, report_down = gptq.gptq(layer.down, h_down, args.format, act_order=act_order, tokens=counts,
+                                    chunk_experts=args.chunk_experts)
+    del h_down
+    sync(device)
+    t4 = time.perf_counter()
+    peak, extra = peak_gib(device, base)
+    quantized = {"gate": q_gate.dequantize(torch.bfloat16), "up": q_up.dequantize(torch.bfloat16),
+                 "down": q_down.dequantize(torch.bfloat16)}
+    fallbacks = len(report_in.fallbacks()) + len(report_down.fallbacks())
+    return dict(experts_run=experts, hessian_s=(t1 - t0) + (t3 - t2), gptq_s=(t2 - t1) + (t4 - t3),
+                peak_gib=peak, extra_gib=extra, errors=relative_errors(layer, quantized, experts),
+                note=f"{fallbacks} expert fallbacks")
+
+
+def run_rtn(layer: Layer, args) -> dict:
+    from moequant.algorithms import rtn
+
+    device = args.device
+    base = peak_reset(device)
+    sync(device)
+    t0 = time.perf_counter()
+    quantized = {p: rtn.rtn(getattr(layer, p), args.format).dequantize(torch.bfloat16) for p in ("gate", "up", "down")}
+    sync(device)
+    peak, extra = peak_gib(device, base)
+    return dict(experts_run=layer.gate.shape[0], hessian_s=0.0, gptq_s=time.perf_counter() - t0, peak_gib=peak,
+                extra_gib=extra, errors=relative_errors(layer, quantized, layer.gate.shape[0]), note="")
+
+
+# ---------------------------------------------------------------------------------------------
+# llm-compressor
+
+
+LLMC_SCHEMES = {"int4-g128-sym": "W4A16", "mxfp4": "MXFP4A16", "nvfp4": "NVFP4A16", "int8-channel": "W8A16",
+                "fp8-channel": "FP8_DYNAMIC"}
+
+
+def run_llmc(layer: Layer, args, batched: bool) -> dict:
+    from llmcompressor.core import State
+    from llmcompressor.modifiers.gptq import GPTQModifier
+
+    device = args.device
+    experts = min(args.llmc_experts or layer.gate.shape[0], layer.gate.shape[0])
+    hidden, width = layer.gate.shape[2], layer.gate.shape[1]
+
+    class Expert(torch.nn.Module):
+        def __init__(self, e):
+            super().__init__()
+            self.gate_proj = torch.nn.Linear(hidden, width, bias=False, device=device, dtype=torch.bfloat16)
+            self.up_proj = torch.nn.Linear(hidden, width, bias=False, device=device, dtype=torch.bfloat16)
+            self.down_proj = torch.nn.Linear(width, hidden, bias=False, device=device, dtype=torch.bfloat16)
+            with torch.no_grad():
+                self.gate_proj.weight.copy_(layer.gate[e])
+                self.up_proj.weight.copy_(layer.up[e])
+                self.down_proj.weight.copy_(layer.down[e])
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.ModuleList(Expert(e) for e in range(experts))
+
+    model = Experts()
+    modifier = GPTQModifier(targets="Linear", scheme=LLMC_SCHEMES[args.format], ignore=[],
+                            batched_quantization="auto" if batched else None, block_size=128, dampening_frac=0.01)
+    state = State(model=model)
+    base = peak_reset(device)
+    sync(device)
+    t0 = time.perf_counter()
+    modifier.on_initialize(state)
+    modifier.on_calibration_start(state, None)
+    with torch.no_grad():
+        for e in range(experts):
+            x = layer.calib[layer.calib_routes[e]]
+            if x.shape[0] == 0:
+                continue
+            m = model.experts[e]
+            m.gate_proj(x)
+            m.up_proj(x)
+            m.down_proj(down_input(layer, x, e).to(torch.bfloat16))
+    sync(device)
+    t1 = time.perf_counter()
+    modifier.on_sequential_epoch_end(state, None, modules=list(model.modules()))
+    sync(device)
+    t2 = time.perf_counter()
+    peak, extra = peak_gib(device, base)
+    modifier.on_calibration_end(state, None)
+    quantized = {
+        "gate": torch.stack([model.experts[e].gate_proj.weight.detach() for e in range(experts)]),
+        "up": torch.stack([model.experts[e].up_proj.weight.detach() for e in range(experts)]),
+        "down": torch.stack([model.experts[e].down_proj.weight.detach() for e in range(experts)]),
+    }
+    return dict(experts_run=experts, hessian_s=t1 - t0, gptq_s=t2 - t1, peak_gib=peak, extra_gib=extra,
+                errors=relative_errors(layer, quantized, experts), note="")
+
+
+def run_tool(tool: str, layer: Layer, args) -> dict:
+    if tool == "moequant":
+        return run_moequant(layer, args, act_order=True)
+    if tool == "moequant-noact":
+        return run_moequant(layer, args, act_order=False)
+    if tool == "rtn":
+        return run_rtn(layer, args)
+    if tool in ("llmc-batched", "llmc-single"):
+        return run_llmc(layer, args, batched=tool == "llmc-batched")
+    raise SystemExit(f"unknown tool {tool}")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", nargs="+", default=["small"], choices=sorted(SHAPES))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--format", default="int4-g128-sym", choices=sorted(LLMC_SCHEMES))
+    ap.add_argument("--tools", nargs="+", default=["rtn", "moequant", "moequant-noact", "llmc-batched", "llmc-single"])
+    ap.add_argument("--llmc-experts", type=int, default=None, help="run llm-compressor on the first N experts only")
+    ap.add_argument("--llmc-single-experts", type=int, default=None, help="same, for llmc-single")
+    ap.add_argument("--llmc-python", default=None, help="python of a venv with llm-compressor (else in-process)")
+    ap.add_argument("--chunk-experts", type=int, default=None)
+    ap.add_argument("--json-out", default=None, help="also write all results as JSON here")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one tool, JSON to stdout
+    ap.add_argument("--verify", action="store_true", help="first check on the device: CUDA-graph sweep == eager, "
+                    "batched == one expert at a time (same codes)")
+    args = ap.parse_args()
+    if args.verify:
+        verify(args.device)
+
+    if args.one:
+        layer = make_layer(args.shape[0], args.device)
+        print("RESULT " + json.dumps(run_tool(args.one, layer, args)), flush=True)
+        return
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    all_rows = []
+    for shape in args.shape:
+        experts, hidden, width, top_k, n_calib, n_held = SHAPES[shape]
+        print(f"\n== {shape}: {experts} experts, hidden {hidden}, width {width}, top-{top_k}, "
+              f"{n_calib} calibration / {n_held} held-out tokens, {args.format}, device {args.device}", flush=True)
+        layer = None
+        for tool in args.tools:
+            sub = tool.startswith("llmc") and args.llmc_python
+            n_sub = args.llmc_single_experts if tool == "llmc-single" and args.llmc_single_experts else args.llmc_experts
+            if sub:
+                cmd = [args.llmc_python, __file__, "--one", tool, "--shape", shape, "--device", args.device,
+                       "--format", args.format] + (["--llmc-experts", str(n_sub)] if n_sub else [])
+                proc = subprocess.run(cmd, capture_output=True, text=True,
+                                      env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                if not lines:
+                    print(f"{tool} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}", flush=True)
+                    continue
+                res = json.loads(lines[-1][7:])
+            else:
+                if layer is None:
+                    layer = make_layer(shape, args.device)
+                args.llmc_experts, keep = n_sub, args.llmc_experts
+                try:
+                    res = run_tool(tool, layer, args)
+                finally:
+                    args.llmc_experts = keep
+            res["tool"], res["shape"] = tool, shape
+            scale = experts / res["experts_run"]
+            res["layer_s"] = (res["hessian_s"] + res["gptq_s"]) * scale
+            res["layer_gptq_s"] = res["gptq_s"] * scale
+            res["extrapolated"] = scale != 1
+            all_rows.append(res)
+            print_row(res, header=len([r for r in all_rows if r["shape"] == shape]) == 1)
+        del layer
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    print_summary(all_rows)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(all_rows, f, indent=1)
+
+
+def verify(device):
+    """Same codes with and without CUDA graphs, batched and one by one, on this device."""
+    from moequant.algorithms import gptq
+
+    layer = make_layer("medium" if device.startswith("cuda") else "small", device, seed=1)
+    h, counts = expert_hessians(layer.calib, layer.calib_routes)
+    for key in ("int4-g128-sym", "int4-g32-asym", "mxfp4", "nvfp4", "fp8-block128", "int8-channel"):
+        for act in (False, True):
+            os.environ["MOEQUANT_CUDA_GRAPHS"] = "1"
+            t0 = time.perf_counter()
+            (a_gate, a_up), _ = gptq.gptq_shared_hessian([layer.gate, layer.up], h, key, act_order=act)
+            sync(device)
+            t1 = time.perf_counter()
+            os.environ["MOEQUANT_CUDA_GRAPHS"] = "0"
+            (b_gate, b_up), _ = gptq.gptq_shared_hessian([layer.gate, layer.up], h, key, act_order=act)
+            sync(device)
+            t2 = time.perf_counter()
+            one = gptq.gptq(layer.gate[3], h[3], key, act_order=act)[0]
+            same_graph = torch.equal(a_gate.codes, b_gate.codes) and torch.equal(a_up.codes, b_up.codes)
+            same_one = torch.equal(one.codes, a_gate.codes[3])
+            frac = (a_gate.codes != b_gate.codes).float().mean().item()
+            print(f"verify {key:14} act_order={act!s:5} graph==eager {same_graph} ({frac:.2e} differ) "
+                  f"batched==single {same_one}  graph {t1 - t0:.2f}s eager {t2 - t1:.2f}s", flush=True)
+    os.environ["MOEQUANT_CUDA_GRAPHS"] = "1"
+    del layer, h
+
+
+def print_row(r, header):
+    if header:
+        print(f"{'tool':15} {'experts':>7} {'hessian s':>9} {'gptq s':>9} {'layer gptq s':>13} {'peak GiB':>8} "
+              f"{'extra GiB':>9} {'err gate':>9} {'err up':>9} {'err down':>9}  note")
+    mark = "~" if r["extrapolated"] else " "
+    peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+    extra = "-" if r["extra_gib"] is None else f"{r['extra_gib']:.1f}"
+    e = r["errors"]
+    print(f"{r['tool']:15} {r['experts_run']:>7} {r['hessian_s']:9.2f} {r['gptq_s']:9.2f} {mark}{r['layer_gptq_s']:12.2f} "
+          f"{peak:>8} {extra:>9} {e['gate']:9.5f} {e['up']:9.5f} {e['down']:9.5f}  {r['note']}", flush=True)
+
+
+def print_summary(rows):
+    print("\nspeed-up of moequant's GPTQ solve over llm-compressor's (per whole layer, '~' = extrapolated):")
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        mq = [r for r in rows if r["shape"] == shape and r["tool"] == "moequant"]
+        for r in rows:
+            if r["shape"] == shape and r["tool"].startswith("llmc") and mq:
+                mark = "~" if r["extrapolated"] else ""
+                print(f"  {shape:15} vs {r['tool']:13} {mark}{r['layer_gptq_s'] / mq[0]['layer_gptq_s']:.1f}x "
+                      f"(with Hessians {mark}{r['layer_s'] / mq[0]['layer_s']:.1f}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -520,11 +520,16 @@ class _Context:
         self._nbytes: dict[tuple, int] = {}
         self._loss: dict[tuple, float | None] = {}
         self._sensitivity: dict[tuple, np.ndarray] = {}
+        self.unfit: dict[str, tuple[set[int], str]] = {}  # format key -> (layers it cannot hold, why)
 
-    def nbytes(self, spec, shape) -> int:
+    def nbytes(self, spec, shape, name: str | None = None) -> int:
         key = (spec.key, tuple(shape))
         if key not in self._nbytes:
-            self._nbytes[key] = self.formats.nbytes(spec, tuple(shape))
+            try:
+                self._nbytes[key] = self.formats.nbytes(spec, tuple(shape))
+            except UserError:
+                self.formats.check_shape(spec, tuple(shape), name)  # the same refusal, naming the tensor
+                raise
         return self._nbytes[key]
 
     def usage(self, layer: int) -> np.ndarray | None:
@@ -554,7 +559,7 @@ class _Context:
         return self._loss[cache_key]
 
     def expert_bytes(self, expert: tuple[int, int], spec) -> int:
-        return sum(self.nbytes(spec, t.shape) for t in self.experts[expert])
+        return sum(self.nbytes(spec, t.shape, t.name) for t in self.experts[expert])
 
 
 def _keep_match(recipe: Recipe, t: TensorInfo) -> str | None:
@@ -586,8 +591,9 @@ def _group_options(ctx: _Context, group, specs, notes: list[str] | None):
         try:
             total = sum(ctx.expert_bytes(e, spec) for e in group)
         except UserError as error:
-            if notes is not None:
-                notes.append(f"{spec.key} is not offered to layer(s) {_layer_text(group)}: {str(error).rstrip('.')}.")
+            if notes is not None:  # one note per format: the layers it skips and the first reason
+                layers, _ = ctx.unfit.setdefault(spec.key, (set(), str(error).rstrip(".")))
+                layers.update(L for L, _ in group)
             continue
         losses = [ctx.expert_loss(e, spec.key) for e in group]
         loss = None if any(x is None for x in losses) else float(sum(losses))
@@ -596,8 +602,15 @@ def _group_options(ctx: _Context, group, specs, notes: list[str] | None):
 
 
 def _layer_text(group) -> str:
+    """Layers of a group of (layer, expert) as compact ranges: '0-3, 7'."""
     layers = sorted({L for L, _ in group})
-    return ", ".join(map(str, layers)) if len(layers) <= 6 else f"{layers[0]}-{layers[-1]}"
+    runs: list[list[int]] = []
+    for L in layers:
+        if runs and L == runs[-1][1] + 1:
+            runs[-1][1] = L
+        else:
+            runs.append([L, L])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _dedupe(specs) -> list:
@@ -755,7 +768,7 @@ def make_plan(recipe: Recipe, checkpoint_or_tensors, stats=None) -> Plan:
         if spec.name == "bf16" and not why:
             why = "non_experts.format is bf16"
         try:
-            nbytes = 2 * t.numel if spec.name == "bf16" else ctx.nbytes(spec, t.shape)
+            nbytes = 2 * t.numel if spec.name == "bf16" else ctx.nbytes(spec, t.shape, t.name)
         except UserError as error:
             raise UserError(f"non_experts.format {spec.key} cannot hold tensor {t.name}: {str(error).rstrip('.')}.") from None
         plans.append(TensorPlan(t.name, t.role, t.layer, t.expert, t.proj, t.shape, spec.key, spec_params(spec),
@@ -803,6 +816,8 @@ def make_plan(recipe: Recipe, checkpoint_or_tensors, stats=None) -> Plan:
                             f"symmetric int4, mxfp4, nvfp4, bf16.")
         limit = _budget_limit(recipe, routed_numel, other_bytes, fixed_routed)
         solved = _solve(ctx, target, free, specs, limit, notes) if free else ({}, 0)
+        for key, (layers, why) in ctx.unfit.items():
+            notes.append(f"{key} is not offered to layer(s) {_layer_text([(L, 0) for L in layers])}: {why}.")
         if solved is None:
             raise _infeasible_budget(recipe, _min_bytes(ctx, target, free, specs), routed_numel, other_bytes,
                                      fixed_routed, [s.key for s in specs])

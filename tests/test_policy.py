@@ -455,7 +455,12 @@ def test_candidates_that_cannot_hold_a_shape_are_not_offered():
                                                        "formats": ["int8", "int4-g64-sym"]}})
     plan = make_plan(r, model_tensors(), stats)
     assert set(plan.expert_formats().values()) == {"int8-channel"}
-    assert any("int4-g64-sym is not offered to layer(s) 0" in n for n in plan.notes)
+    for target in ("vllm", "transformers"):  # one note per format, whatever the decision unit
+        notes = make_plan(r.model_copy(update={"target": target}), model_tensors(), stats).notes
+        mentions = [n for n in notes if "int4-g64-sym" in n]
+        assert len(mentions) == 1
+        assert mentions[0].startswith("int4-g64-sym is not offered to layer(s) 0-2: tensor "
+                                      "'model.layers.0.mlp.experts.0.down_proj.weight' has 32 input columns")
     with pytest.raises(UserError) as info:
         make_plan(recipe_from_dict({"experts": {"method": "uniform", "format": "int4-g64-sym"}}), model_tensors(), None)
     assert str(info.value).startswith("format int4-g64-sym cannot hold layer 0 expert 0:")

@@ -28,10 +28,10 @@ def int4_sym_codes(w: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 def int4_sym_scale(w_group: np.ndarray) -> np.ndarray:
-    """Per-row fp16 scale of a group: amax / 7.5, so +amax saturates by half a step to code 7 and
-    -amax is exact (the int4 symmetric format's documented rule)."""
-    amax = np.abs(w_group).max(axis=-1, keepdims=True)
-    return (amax / 7.5).astype(np.float16).astype(np.float64)
+    """Per-row scale of a group, the int4 symmetric format's documented rule: amax / 7.5 in
+    float32, stored as bfloat16 (+amax saturates by half a step to code 7, -amax is exact)."""
+    amax = np.abs(w_group).max(axis=-1, keepdims=True).astype(np.float32)
+    return torch.from_numpy(amax / np.float32(7.5)).to(torch.bfloat16).double().numpy()
 
 
 def reference_gptq(w, h, group, damp=0.01, static_groups=True, act_order=False):

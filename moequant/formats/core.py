@@ -355,9 +355,9 @@ def _expand_block(scales: torch.Tensor, b: int, rows: int, cols: int) -> torch.T
 
 
 def _absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """max |x| along `dim` in one pass without a |x| temporary (NaN propagates; +0 for all-zero)."""
-    lo, hi = torch.aminmax(x, dim=dim)
-    return torch.maximum(hi, -lo).abs()
+    """max |x| along `dim` without a |x| temporary (NaN propagates; +0 for all-zero groups).
+    Two plain reductions measured faster than torch.aminmax or abs().amax on CPU."""
+    return torch.maximum(x.amax(dim), -x.amin(dim)).abs()
 
 
 def _int_scale(s32: torch.Tensor, name) -> torch.Tensor:
@@ -371,7 +371,7 @@ def _int_scale(s32: torch.Tensor, name) -> torch.Tensor:
 def _fit(spec: FormatSpec, xg: torch.Tensor, gs, name):
     """Scales (and zero points) over the last axis of xg -> tensors of shape xg.shape[:-1]."""
     if spec.is_int and not spec.symmetric:
-        lo, hi = torch.aminmax(xg, dim=-1)
+        lo, hi = xg.amin(-1), xg.amax(-1)
         _check_finite(lo + hi, xg, name)
         lo = lo.clamp(max=0.0)
         hi = hi.clamp(min=0.0)

@@ -577,3 +577,28 @@ def test_plan_from_a_real_checkpoint_covers_every_tensor(tmp_path, model_type):
     routed = [t for t in plan.tensors if t.role == "routed_expert" and t.expert is not None]
     assert sum(t.bytes for t in routed) == sum(math.prod(t.shape) + 2 * t.shape[0] for t in routed)
     assert len(routed) == 3 * len(experts)
+
+
+def test_budget_frontier_is_monotone_and_below_uniform_points():
+    from moequant.policy import budget_frontier
+
+    stats = make_stats(seed=4)
+    r = budget("vllm", ["int8", "int4", "int3", "bf16"], bits_per_weight=5)
+    frontier = budget_frontier(r, model_tensors(), stats, [3.5, 4.5, 6.0, 8.0, 10.0])
+    # int3-g32 (3.5 bits) is dropped for vllm, whose smallest plan is then int4 (4.5 bits)
+    assert frontier["serving"][0]["error"].startswith("experts.budget.bits_per_weight 3.5 is below")
+    assert frontier["per_expert"][0]["counts"] == {"int3-g32-sym": 12}
+    serving = [p for p in frontier["serving"] if "error" not in p]
+    per_expert = [p for p in frontier["per_expert"] if "error" not in p]
+    for points in (serving, per_expert):
+        losses = [p["predicted_loss"] for p in points]
+        assert losses == sorted(losses, reverse=True)  # more bytes never predict more loss
+        assert all(p["routed_bits_per_weight"] <= p["bits_per_weight"] for p in points)
+    for s_point, e_point in zip(frontier["serving"], frontier["per_expert"]):
+        if "error" not in s_point:
+            assert e_point["predicted_loss"] <= s_point["predicted_loss"] + 1e-12
+    uniform = {u["format"]: u for u in frontier["uniform"]}
+    assert set(uniform) == {"int8-channel", "int4-g32-sym", "int3-g32-sym", "bf16"}
+    for u in uniform.values():  # at a uniform plan's own bytes, the per-expert optimum is no worse
+        at = budget_frontier(r, model_tensors(), stats, [u["routed_bits_per_weight"]])["per_expert"][0]
+        assert at["predicted_loss"] <= u["predicted_loss"] + 1e-12

@@ -448,6 +448,12 @@ def test_gptq_v1_refuses_a_zero_point_of_zero():
     assert (q.zeros == -8).all()
     with pytest.raises(UserError, match="zero point of 0"):
         formats.pack_gptq(q)
+    # v1 can store an unsigned zero point of 16 (written as 15), which readers add back to 16
+    q16 = formats.QuantizedTensor(q.spec, q.shape, q.codes, q.scales, torch.full_like(q.zeros, 8))
+    t = formats.pack_gptq(q16)
+    assert (formats.unpack_int32(t["qzeros"], 4, 8) == 15).all()
+    back = formats.unpack_gptq(t, q.spec, q.shape)
+    assert (back.zeros == 8).all() and torch.equal(back.dequantize(), q16.dequantize())
     assert torch.equal(formats.unpack_gptq(formats.pack_gptq(q, version=2), q.spec, q.shape, version=2).dequantize(),
                        q.dequantize())
 

@@ -13,8 +13,9 @@ readers in the tests):
   layout both do. compressed-tensors packs along the input axis ([out, ceil(in*B/32)]) and
   packs asymmetric zero points the same way along the *output* axis ([ceil(out*B/32), groups]).
 - GPTQ v1: qweight = the same stream along the input axis, stored transposed [ceil(in*B/32), out];
-  qzeros [groups, ceil(out*B/32)] hold (zero - 1) (the v1 off-by-one that readers add back;
-  symmetric tensors store 2^(B-1) - 1, which vLLM ignores); scales fp16 [groups, out];
+  qzeros [groups, ceil(out*B/32)] hold (zero - 1) (the v1 off-by-one that readers add back, so
+  unsigned zero points 1..2^B are storable and 0 is not; symmetric tensors store 2^(B-1) - 1,
+  which vLLM ignores); scales fp16 [groups, out];
   g_idx int32 [in] (no activation reordering). version=2 (GPTQModel's gptq_v2) stores zero as is.
 - AWQ GEMM (4-bit): qweight [in, out/8] and qzeros [groups, out/8], packing along the output
   axis, nibble p of each word holding column 8j + (0, 2, 4, 6, 1, 3, 5, 7)[p]; zeros unsigned
@@ -288,7 +289,7 @@ def unpack_gptq(tensors: dict, spec, shape, version: int = 1) -> QuantizedTensor
     zeros = None
     if not spec.symmetric:
         z = unpack_int32(tensors["qzeros"], bits, rows).to(torch.int16)
-        z = (z + 1) & ((1 << bits) - 1) if version == 1 else z
+        z = z + 1 if version == 1 else z  # v1 readers add 1 after unpacking: a stored 2^B - 1 means 2^B
         zeros = _signed(z, bits).transpose(-2, -1).contiguous()
     return QuantizedTensor(spec, shape, codes, scales, zeros)
 

@@ -204,6 +204,16 @@ def test_large_stacks_are_quantized_in_expert_chunks_with_identical_results(monk
     assert torch.equal(formats.quantize(w, "nvfp4", global_scale=g).global_scale, g)
 
 
+def test_non_contiguous_weights_quantize_like_their_contiguous_copies():
+    w = make_weight((2, 256, 192), seed=6)
+    for view in (w.transpose(1, 2), w[..., 0::2].transpose(1, 2)[:, :, :128]):  # e.g. gpt-oss gate = [..., 0::2]
+        for key in ("int4-g64-asym", "fp8-block128", "mxfp4", "nvfp4", "fp8-tensor"):
+            a, b = formats.quantize(view, key), formats.quantize(view.contiguous(), key)
+            assert torch.equal(a.dequantize(), b.dequantize()), key
+            pa, pb = formats.pack_compressed_tensors(a), formats.pack_compressed_tensors(b)
+            assert all(torch.equal(pa[k].view(torch.uint8), pb[k].view(torch.uint8)) for k in pa if pa[k].dtype.itemsize == 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_any_float_dtype_in_is_quantized_from_its_float32_value(dtype):
     w = make_weight((16, 128), seed=5, dtype=dtype)

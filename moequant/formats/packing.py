@@ -8,9 +8,11 @@ readers in the tests):
 - Integer bit packing (compressed-tensors pack-quantized, GPTQ): codes are offset to unsigned
   (q + 2^(B-1)) and written as one little-endian bit stream per row, element i at bits
   [i*B, i*B + B) of the stream, 32 bits per int32 word; ceil(n*B/32) words per row, no padding
-  between elements. For B = 4 / 8 that is 8 / 4 codes per word, lowest bits first; for B = 3
-  codes straddle words (32 codes in 3 words), as compressed-tensors >= 0.12 and GPTQ's 3-bit
-  layout both do. compressed-tensors packs along the input axis ([out, ceil(in*B/32)]) and
+  between elements. For B = 2 / 4 / 8 that is 16 / 8 / 4 codes per word, lowest bits first; for
+  B = 3 codes straddle words (32 codes in 3 words), as GPTQ's 3-bit layout and compressed-tensors
+  0.20 (the version we test against) do. Older compressed-tensors releases packed floor(32/B)
+  codes per word (10 per word, 2 bits unused, for B = 3; identical for 2 / 4 / 8 bits), so int3
+  pack-quantized checkpoints need a reader of the dense layout. compressed-tensors packs along the input axis ([out, ceil(in*B/32)]) and
   packs asymmetric zero points the same way along the *output* axis ([ceil(out*B/32), groups]).
 - GPTQ v1: qweight = the same stream along the input axis, stored transposed [ceil(in*B/32), out];
   qzeros [groups, ceil(out*B/32)] hold (zero - 1) (the v1 off-by-one that readers add back, so

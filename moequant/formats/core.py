@@ -121,6 +121,8 @@ def quantize(weight: torch.Tensor, spec, *, name: str | None = None, global_scal
     default 448 * 6 / amax of each expert.
     """
     spec = get_format(spec, **params)
+    if global_scale is not None and spec.name != "nvfp4":
+        raise UserError("global_scale applies to nvfp4 only, not %s" % spec.key)
     if (spec.name != "bf16" and isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.shape[0] > 1
             and weight.numel() > _chunk_elements(weight.device)):
         return _quantize_in_expert_chunks(weight, spec, name, global_scale)

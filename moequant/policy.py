@@ -80,8 +80,9 @@ plan.json (schema "moequant.plan/1")
      "bytes_by_role": {role: int}, "weights_by_role": {role: int}, "total_bytes": int,
      "bits_per_weight": {"overall": float, "routed_experts": float},
      "routed_bytes": int, "predicted_loss": float|null,
-     "per_expert_alternative": null | {"predicted_loss": float, "routed_bytes": int,
-                                       "candidates": [...], "counts": {format key: experts}},
+     "per_expert_alternative": null | {"predicted_loss": float, "routed_bytes": int,  # target
+                                       "candidates": [...], "counts": {format key: experts}},  # transformers
+     "budget_alternative": null | {same keys},       # rules / uniform plans: the solver at their bytes
      "uniform_alternatives": [{"format": key, "routed_bytes": int, "predicted_loss": float|null}]},
   "notes": [str, ...],
   "recipe": {...}                                    # the resolved recipe
@@ -901,30 +902,17 @@ def _summary(plan: Plan, ctx: _Context, free, budget_info) -> dict:
     loss = float(sum(t.predicted_loss for t in routed)) if has_loss else None
 
     # What the same bytes buy per expert (target transformers), and what uniform formats cost.
-    alternative = None
+    alternative = budget_alternative = None
     uniform = []
     if ctx.stats is not None and free:
         free_set = set(free)
         fixed_bytes = sum(t.bytes for t in routed if (t.layer, t.expert) not in free_set)
+        entries = list(recipe.experts.formats) + list(plan.formats)
+        limit = (budget_info["routed_bytes_limit"] if budget_info else routed_bytes) - fixed_bytes
         if plan.target != "transformers":
-            entries = list(recipe.experts.formats) + [k for k in plan.formats]
-            specs = []
-            for spec in _dedupe(resolve_format(recipe, f) for f in entries):
-                try:
-                    ctx.expert_loss(free[0], spec.key)
-                    for e in free:
-                        ctx.expert_loss(e, spec.key)
-                    specs.append(spec)
-                except UserError:
-                    continue
-            limit = (budget_info["routed_bytes_limit"] if budget_info else routed_bytes) - fixed_bytes
-            solved = _solve(ctx, "transformers", free, specs, limit, None) if specs else None
-            if solved is not None:
-                assignment, used = solved
-                alternative = {"predicted_loss": _predicted_loss(ctx, assignment),  # kept experts: bf16, 0
-                               "routed_bytes": used + fixed_bytes,
-                               "candidates": [s.key for s in specs],
-                               "counts": dict(Counter(s.key for s in assignment.values()))}
+            alternative = _alternative(ctx, "transformers", free, entries, limit, fixed_bytes)
+        if plan.method != "budget":
+            budget_alternative = _alternative(ctx, plan.target, free, entries, limit, fixed_bytes)
         for key in plan.candidates:
             spec = _formats().parse_key(key)
             try:
@@ -944,8 +932,34 @@ def _summary(plan: Plan, ctx: _Context, free, budget_info) -> dict:
         "routed_bytes": routed_bytes,
         "predicted_loss": loss,
         "per_expert_alternative": alternative,
+        "budget_alternative": budget_alternative,
         "uniform_alternatives": uniform,
     }
+
+
+def _alternative(ctx: _Context, target: str, free, entries, limit: int, fixed_bytes: int) -> dict | None:
+    """The budget plan for `target` over `entries` (servable, with sensitivities) within `limit`."""
+    specs = []
+    for spec in _dedupe(resolve_format(ctx.recipe, f) for f in entries):
+        if unservable_reason(target, spec, routed=True):
+            continue
+        try:
+            for e in free:
+                ctx.expert_loss(e, spec.key)
+        except UserError:
+            continue
+        specs.append(spec)
+    try:
+        solved = _solve(ctx, target, free, specs, limit, None) if specs else None
+    except UserError:
+        return None
+    if solved is None:
+        return None
+    assignment, used = solved
+    return {"predicted_loss": _predicted_loss(ctx, assignment),  # kept experts are bf16: loss 0
+            "routed_bytes": used + fixed_bytes,
+            "candidates": [s.key for s in specs],
+            "counts": dict(Counter(s.key for s in assignment.values()))}
 
 
 def _legend(keys: list[str]) -> dict[str, str]:
@@ -1113,6 +1127,10 @@ def format_summary(plan: Plan) -> str:
                  if alt["predicted_loss"] and s["predicted_loss"] is not None else "")
         lines.append(f"per-expert plan (target transformers) at the same budget: predicted loss "
                      f"{alt['predicted_loss']:.6g}, {_size(alt['routed_bytes'])} routed{extra}")
+    alt = s.get("budget_alternative")
+    if alt:
+        lines.append(f"budget plan (target {plan.target}) at the same bytes: predicted loss "
+                     f"{alt['predicted_loss']:.6g}, {_size(alt['routed_bytes'])} routed")
     for u in s.get("uniform_alternatives", []):
         loss = f"{u['predicted_loss']:.6g}" if u["predicted_loss"] is not None else "n/a"
         lines.append(f"uniform {u['format']}: {_size(u['routed_bytes'])} routed, predicted loss {loss}")

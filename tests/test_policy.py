@@ -602,3 +602,18 @@ def test_budget_frontier_is_monotone_and_below_uniform_points():
     for u in uniform.values():  # at a uniform plan's own bytes, the per-expert optimum is no worse
         at = budget_frontier(r, model_tensors(), stats, [u["routed_bits_per_weight"]])["per_expert"][0]
         assert at["predicted_loss"] <= u["predicted_loss"] + 1e-12
+
+
+def test_rules_and_uniform_plans_show_the_budget_plan_at_their_bytes():
+    stats = make_stats(seed=6)
+    rules = {"method": "rules", "rules": [{"share_at_least": 1.2, "format": "int8"}, {"format": "int4"}],
+             "formats": ["int8", "int4", "int3"]}
+    plan = make_plan(recipe("transformers", rules), model_tensors(), stats)
+    alt = plan.summary["budget_alternative"]
+    assert alt["routed_bytes"] <= plan.summary["routed_bytes"]
+    assert alt["predicted_loss"] <= plan.summary["predicted_loss"] + 1e-12
+    assert "budget plan (target transformers) at the same bytes" in format_summary(plan)
+    solved = make_plan(budget("transformers", ["int8", "int4", "int3"],
+                              bits_per_weight=plan.summary["bits_per_weight"]["routed_experts"]), model_tensors(), stats)
+    assert alt["predicted_loss"] == pytest.approx(solved.summary["predicted_loss"], rel=1e-9)
+    assert solved.summary["budget_alternative"] is None

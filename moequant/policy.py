@@ -15,7 +15,8 @@ decision unit depends on the serving target:
 
 Both engines load fused-MoE integer weights only at 4 or 8 bits (WNA16 kernels) and only
 symmetric ones, so for `vllm` / `sglang` the candidates int3 / int2 and asymmetric int4 are
-dropped from a budget (with a note saying why) and refused in `uniform` / `rules` plans.
+dropped from a budget (`dropped_candidates` in the plan says why) and refused in `uniform` /
+`rules` plans. Non-expert tensors for those targets may be int4 asymmetric, not int3 / int2.
 
 Everything else follows the recipe: the router and the shared-expert gate always stay bf16;
 norms, embeddings, biases and unknown tensors are never quantized; attention, shared experts,
@@ -46,7 +47,7 @@ Budget
 scales, zero points, from `formats.nbytes`) * 8 / their element count, so it reads like the
 usual "4.25 bits" of an int4 model and does not depend on how much of the model is attention.
 `experts.budget.gigabytes` counts the whole model (10^9 bytes): every tensor of the plan, kept
-ones included; the routed experts get what the other tensors leave. The solver minimises the
+ones included (at 2 bytes per element, as bf16); the routed experts get what the others leave. The solver minimises the
 predicted loss subject to the byte limit exactly (bytes in Python integers, the decimal budget
 read exactly): a multiple-choice knapsack, solved by LP relaxation, reduced-cost fixing and a
 dynamic program over the few groups left open (see `solve_choices`; a DeepSeek-V3-sized

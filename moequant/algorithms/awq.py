@@ -1,0 +1,260 @@
+"""Activation-aware weight quantization (AWQ, Lin et al. 2023) for the experts of one MoE layer.
+
+AWQ scales input channel j of a weight by s_j before quantizing and divides the input by s_j,
+so channels that see large activations get finer quantization:
+    y = x W^T = (x / s) (W * s)^T  ~  (x / s) Q(W * s)^T.
+s = m^alpha, m = mean |x_j| over the calibration tokens, normalised by sqrt(max(s) * min(s));
+alpha is picked from a grid (0, 1/grid, ..., 1 - 1/grid) by the calibration output error
+    sum over weights of tr((Q(W s)/s - W) H (Q(W s)/s - W)^T),  H = X^T X / n,
+computed for all experts at once from their Hessians. alpha = 0 is plain round-to-nearest, so
+on the calibration tokens AWQ is never worse than RTN.
+
+Where 1/s can go (the caller applies it; every function returns it as plain data):
+- down_proj: its input act(gate x) * (up x) is divided by s when the same expert's up_proj
+  output rows are divided by s: per-expert scales, folded exactly (`awq_down`).
+- gate_proj / up_proj: they read the layer's normalised hidden state, which every expert, the
+  router and the shared experts share. A per-expert scale cannot be folded there, so this is
+  the shared variant: one scale per layer for all experts' gate and up, searched on the token-
+  weighted error of all experts together (`awq_gate_up`). The caller divides the post-attention
+  norm weight by it and multiplies the input columns of the router and of the shared experts'
+  gate / up by it (the routed experts' scaled weights are returned).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from moequant.errors import UserError
+
+
+@dataclass
+class AWQReport:
+    """Per expert (lists indexed by expert); plain data, `to_dict()` is JSON."""
+
+    method: list[str]  # "awq"; "rtn" where the expert had no calibration tokens; "awq-shared" (layer scale)
+    reason: list[str]
+    alpha: list[float]  # chosen exponent (shared variant: the layer's one alpha for every expert)
+    error_rtn: list[float]  # calibration output error with s = 1, relative to ||X W^T||^2
+    error_awq: list[float]  # the same with the chosen scales
+    tokens: list[int] | None = None
+    settings: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class AWQDown:
+    """Result of `awq_down`: quantize `down_scaled`, use `up_folded` in place of up_proj."""
+
+    quantized: object  # QuantizedTensor of down * s (round-to-nearest)
+    down_scaled: torch.Tensor  # [E, H, I] down * s (for GPTQ after AWQ)
+    up_folded: torch.Tensor  # [E, I, H] up / s on its output rows; the layer's output is unchanged
+    scales: torch.Tensor  # [E, I]
+    report: AWQReport
+
+
+@dataclass
+class AWQGateUp:
+    """Result of `awq_gate_up` (shared variant): one input scale for the whole layer."""
+
+    quantized_gate: object  # QuantizedTensor of gate * s
+    quantized_up: object  # QuantizedTensor of up * s
+    gate_scaled: torch.Tensor  # [E, I, H]
+    up_scaled: torch.Tensor  # [E, I, H]
+    input_scale: torch.Tensor  # [H]: divide the post-attention norm weight by it, multiply the
+    #                            router's and shared experts' gate/up input columns by it
+    report: AWQReport
+
+
+def input_stats(inputs: Sequence[torch.Tensor], device=None):
+    """Per-expert statistics AWQ needs from per-expert token lists [n_e, in]:
+    (hessian [E, in, in] = X^T X / n, mean_abs [E, in] = mean |x|, tokens [E])."""
+    n_in = inputs[0].shape[-1]
+    device = torch.device(device) if device is not None else inputs[0].device
+    h = torch.zeros(len(inputs), n_in, n_in, dtype=torch.float32, device=device)
+    m = torch.zeros(len(inputs), n_in, dtype=torch.float32, device=device)
+    counts = []
+    for e, x in enumerate(inputs):
+        x = x.reshape(-1, n_in).to(device, torch.float32)
+        counts.append(int(x.shape[0]))
+        if x.shape[0]:
+            h[e] = x.T @ x / x.shape[0]
+            m[e] = x.abs().mean(dim=0)
+    return h, m, counts
+
+
+def awq_scales(
+    weights: Sequence[torch.Tensor],
+    spec,
+    *,
+    hessian: torch.Tensor,
+    mean_abs: torch.Tensor,
+    tokens: Sequence[int] | None = None,
+    shared: bool = False,
+    grid: int = 20,
+    device=None,
+):
+    """Search the AWQ scales of weights [E, out_k, in] that read one input -> (scales, AWQReport).
+
+    hessian [E, in, in] and mean_abs [E, in]: each expert's X^T X / n and mean |x| (`input_stats`).
+    shared=False: one scale vector per expert, scales [E, in]. shared=True: one for the layer,
+    scales [in], from the token-weighted mean |x| and error of all experts (`tokens` required).
+    """
+    from moequant import formats
+
+    spec = formats.get_format(spec)
+    num_experts, n_in = weights[0].shape[0], weights[0].shape[-1]
+    _check(weights, hessian, mean_abs)
+    if grid < 1:
+        raise UserError(f"AWQ grid must be a positive number of alpha steps, got {grid}.")
+    counts = None if tokens is None else [int(t) for t in torch.as_tensor(tokens).flatten().tolist()]
+    if counts is not None and len(counts) != num_experts:
+        raise UserError(f"tokens has {len(counts)} entries; expected one per expert ({num_experts}).")
+    if shared and counts is None:
+        raise UserError("AWQ with a shared (per-layer) scale needs the per-expert token counts (tokens=...).")
+    device = torch.device(device) if device is not None else weights[0].device
+    ws = [w.to(device, torch.float32) for w in weights]
+    h = hessian.to(device, torch.float32)
+    no_data = h.diagonal(dim1=-2, dim2=-1).sum(-1) <= 0
+    if counts is not None:
+        no_data |= torch.tensor(counts, device=device) == 0
+
+    if shared:
+        weight = torch.tensor(counts, dtype=torch.float32, device=device)
+        magnitude = (mean_abs.to(device, torch.float32) * weight[:, None]).sum(0) / weight.sum().clamp(min=1)
+    else:
+        weight = None
+        magnitude = mean_abs.to(device, torch.float32)
+
+    reference = sum(_quadratic(w, h) for w in ws)  # [E] ||X W^T||^2 / n
+    alphas = [i / grid for i in range(grid)]
+    errors = []
+    for alpha in alphas:
+        s = _scales(magnitude, alpha)
+        s_cols = s[None, None, :] if shared else s[:, None, :]
+        err = torch.zeros(num_experts, dtype=torch.float64, device=device)
+        for w in ws:
+            w_hat = formats.quantize(w * s_cols, spec).dequantize(torch.float32) / s_cols
+            err += _quadratic(w_hat - w, h)
+        errors.append(err)
+    errors = torch.stack(errors)  # [alphas, E]
+    if shared:
+        best = int(torch.argmin((errors * weight[None, :].double()).sum(1)))
+        best_per_expert = torch.full((num_experts,), best, device=device)
+        scales = _scales(magnitude, alphas[best])
+    else:
+        best_per_expert = torch.argmin(errors, dim=0)  # ties (e.g. no data) pick alpha = 0
+        best_per_expert = torch.where(no_data, torch.zeros_like(best_per_expert), best_per_expert)
+        scales = torch.stack([_scales(magnitude[e], alphas[int(b)]) for e, b in enumerate(best_per_expert)])
+
+    ref = reference.clamp(min=1e-30)
+    chosen = errors.gather(0, best_per_expert[None, :]).squeeze(0)
+    if shared:
+        method = ["awq-shared"] * num_experts
+        reason = ["no calibration tokens: gets the layer's shared scale" if bool(nd) else "" for nd in no_data]
+    else:
+        method = ["rtn" if bool(nd) else "awq" for nd in no_data]
+        reason = ["no calibration tokens: alpha = 0 (round-to-nearest)" if bool(nd) else "" for nd in no_data]
+    report = AWQReport(
+        method=method,
+        reason=reason,
+        alpha=[alphas[int(b)] for b in best_per_expert],
+        error_rtn=[float(x) for x in errors[0] / ref],
+        error_awq=[float(x) for x in chosen / ref],
+        tokens=counts,
+        settings=dict(spec=spec.key, grid=grid, shared=shared),
+    )
+    return scales, report
+
+
+def awq(weight: torch.Tensor, spec, *, inputs=None, hessian=None, mean_abs=None, tokens=None, grid=20, device=None):
+    """Per-expert AWQ of one projection -> (QuantizedTensor of weight * s, scales [E, in], AWQReport).
+
+    Give either `inputs` (per-expert token tensors [n_e, in]) or `hessian` + `mean_abs`.
+    The caller must divide the projection's input by `scales` upstream (see `awq_down` for the
+    case where that fold is exact).
+    """
+    from moequant import formats
+
+    h, m, counts = _stats(inputs, hessian, mean_abs, tokens, device or weight.device)
+    scales, report = awq_scales([weight], spec, hessian=h, mean_abs=m, tokens=counts, grid=grid, device=device)
+    scaled = weight.to(scales.device, torch.float32) * scales[:, None, :]
+    return formats.quantize(scaled, spec), scales, report
+
+
+def awq_down(down: torch.Tensor, up: torch.Tensor, spec, *, inputs=None, hessian=None, mean_abs=None,
+             tokens=None, grid=20, device=None) -> AWQDown:
+    """Per-expert AWQ of down_proj [E, H, I], its scales folded into the same expert's up_proj [E, I, H].
+
+    inputs / hessian + mean_abs describe down_proj's input act(gate x) * (up x) per expert.
+    down * s (columns) and up / s (output rows) compute the same layer as before in exact arithmetic.
+    """
+    from moequant import formats
+
+    if up.shape[0] != down.shape[0] or up.shape[1] != down.shape[2]:
+        raise UserError(f"awq_down: up_proj shape {tuple(up.shape)} does not match down_proj {tuple(down.shape)} "
+                        "(expected up [E, I, H] for down [E, H, I]).")
+    h, m, counts = _stats(inputs, hessian, mean_abs, tokens, device or down.device)
+    scales, report = awq_scales([down], spec, hessian=h, mean_abs=m, tokens=counts, grid=grid, device=device)
+    down_scaled = down.to(scales.device, torch.float32) * scales[:, None, :]
+    up_folded = up.to(scales.device, torch.float32) / scales[:, :, None]
+    return AWQDown(formats.quantize(down_scaled, spec), down_scaled, up_folded, scales, report)
+
+
+def awq_gate_up(gate: torch.Tensor, up: torch.Tensor, spec, *, inputs=None, hessian=None, mean_abs=None,
+                tokens=None, grid=20, device=None) -> AWQGateUp:
+    """Shared-variant AWQ of all experts' gate_proj and up_proj [E, I, H]: one input scale [H] per layer.
+
+    Per-expert scales cannot be folded into the post-attention norm, which all experts share, so
+    one scale is searched on the token-weighted error of every expert's gate and up together.
+    inputs / hessian + mean_abs: each expert's routed tokens of the normalised hidden state.
+    """
+    from moequant import formats
+
+    h, m, counts = _stats(inputs, hessian, mean_abs, tokens, device or gate.device)
+    scale, report = awq_scales([gate, up], spec, hessian=h, mean_abs=m, tokens=counts, shared=True, grid=grid,
+                               device=device)
+    gate_scaled = gate.to(scale.device, torch.float32) * scale
+    up_scaled = up.to(scale.device, torch.float32) * scale
+    return AWQGateUp(formats.quantize(gate_scaled, spec), formats.quantize(up_scaled, spec), gate_scaled,
+                     up_scaled, scale, report)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _scales(magnitude: torch.Tensor, alpha: float) -> torch.Tensor:
+    """s = m^alpha, kept away from 0 and normalised so that max(s) * min(s) = 1 (AWQ's rule)."""
+    s = magnitude.clamp(min=1e-8).pow(alpha).clamp(min=1e-4)
+    return s / (s.amax(-1, keepdim=True) * s.amin(-1, keepdim=True)).sqrt()
+
+
+def _quadratic(delta: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Per expert tr(delta H delta^T) in float64: the mean squared output error over the tokens of H."""
+    return ((delta @ h) * delta).sum(dim=(1, 2)).double()
+
+
+def _stats(inputs, hessian, mean_abs, tokens, device):
+    if inputs is not None:
+        if hessian is not None or mean_abs is not None:
+            raise UserError("AWQ takes either inputs or hessian + mean_abs, not both.")
+        return input_stats(inputs, device)
+    if hessian is None or mean_abs is None:
+        raise UserError("AWQ needs calibration data: inputs (per-expert tokens) or hessian + mean_abs.")
+    return hessian, mean_abs, tokens
+
+
+def _check(weights, hessian, mean_abs):
+    e, _, n = weights[0].shape
+    for w in weights:
+        if w.dim() != 3 or w.shape[0] != e or w.shape[2] != n:
+            raise UserError(f"AWQ weights must all be [E, out, in] with E={e}, in={n}; got {tuple(w.shape)}.")
+    if tuple(hessian.shape) != (e, n, n):
+        raise UserError(f"AWQ hessian has shape {tuple(hessian.shape)}; expected ({e}, {n}, {n}).")
+    if tuple(mean_abs.shape) != (e, n):
+        raise UserError(f"AWQ mean_abs has shape {tuple(mean_abs.shape)}; expected ({e}, {n}).")

@@ -179,9 +179,12 @@ def run_moequant(layer: Layer, args, act_order: bool) -> dict:
     quantized = {"gate": q_gate.dequantize(torch.bfloat16), "up": q_up.dequantize(torch.bfloat16),
                  "down": q_down.dequantize(torch.bfloat16)}
     fallbacks = len(report_in.fallbacks()) + len(report_down.fallbacks())
+    factor = report_in.seconds["factorize"] + report_down.seconds["factorize"]
+    sweep = report_in.seconds["sweep"] + report_down.seconds["sweep"]
     return dict(experts_run=experts, hessian_s=(t1 - t0) + (t3 - t2), gptq_s=(t2 - t1) + (t4 - t3),
                 peak_gib=peak, extra_gib=extra, errors=relative_errors(layer, quantized, experts),
-                note=f"{fallbacks} expert fallbacks")
+                note=f"{fallbacks} expert fallbacks; factorize {factor:.2f}s sweep {sweep:.2f}s"
+                + subset_note(layer, quantized, args))
 
 
 def run_rtn(layer: Layer, args) -> dict:
@@ -195,7 +198,17 @@ def run_rtn(layer: Layer, args) -> dict:
     sync(device)
     peak, extra = peak_gib(device, base)
     return dict(experts_run=layer.gate.shape[0], hessian_s=0.0, gptq_s=time.perf_counter() - t0, peak_gib=peak,
-                extra_gib=extra, errors=relative_errors(layer, quantized, layer.gate.shape[0]), note="")
+                extra_gib=extra, errors=relative_errors(layer, quantized, layer.gate.shape[0]),
+                note=subset_note(layer, quantized, args).lstrip("; "))
+
+
+def subset_note(layer, quantized, args) -> str:
+    """Errors over the first N experts, to compare with a tool that ran only those."""
+    n = args.compare_experts
+    if not n or n >= layer.gate.shape[0]:
+        return ""
+    e = relative_errors(layer, quantized, n)
+    return f"; first {n} experts: {e['gate']:.5f} {e['up']:.5f} {e['down']:.5f}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,6 +302,7 @@ def main():
     ap.add_argument("--llmc-single-experts", type=int, default=None, help="same, for llmc-single")
     ap.add_argument("--llmc-python", default=None, help="python of a venv with llm-compressor (else in-process)")
     ap.add_argument("--chunk-experts", type=int, default=None)
+    ap.add_argument("--compare-experts", type=int, default=None, help="also print errors over the first N experts")
     ap.add_argument("--json-out", default=None, help="also write all results as JSON here")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one tool, JSON to stdout
     ap.add_argument("--verify", action="store_true", help="first check on the device: CUDA-graph sweep == eager, "
@@ -366,9 +380,10 @@ def verify(device):
             one = gptq.gptq(layer.gate[3], h[3], key, act_order=act)[0]
             same_graph = torch.equal(a_gate.codes, b_gate.codes) and torch.equal(a_up.codes, b_up.codes)
             same_one = torch.equal(one.codes, a_gate.codes[3])
+            frac_one = (one.codes != a_gate.codes[3]).float().mean().item()
             frac = (a_gate.codes != b_gate.codes).float().mean().item()
             print(f"verify {key:14} act_order={act!s:5} graph==eager {same_graph} ({frac:.2e} differ) "
-                  f"batched==single {same_one}  graph {t1 - t0:.2f}s eager {t2 - t1:.2f}s", flush=True)
+                  f"batched==single {same_one} ({frac_one:.2e} differ)  graph {t1 - t0:.2f}s eager {t2 - t1:.2f}s", flush=True)
     os.environ["MOEQUANT_CUDA_GRAPHS"] = "1"
     del layer, h
 

@@ -52,6 +52,7 @@ class GPTQReport:
     proxy_loss: list[float | None]  # GPTQ's own objective sum((w-q)^2 / U_jj^2) / 2; None for RTN
     tokens: list[int] | None = None  # calibration tokens per expert, as the caller gave them
     settings: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=lambda: {"factorize": 0.0, "sweep": 0.0})  # wall time per phase
 
     def fallbacks(self) -> dict[int, str]:
         """Experts that did not get GPTQ on their own Hessian: {expert: "method: reason"}."""
@@ -239,7 +240,9 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     if perm is not None:
         ws = [torch.gather(w, 2, perm[:, None, :].expand(-1, w.shape[1], -1)) for w in ws]
 
+    t0 = _clock(h)
     u, used_damp = _inverse_cholesky(h, damp, max_damp_tries, [report.method[e] == RTN for e in idx])
+    report.seconds["factorize"] += _clock(u) - t0
     for j, e in enumerate(idx):
         if report.method[e] == RTN:
             continue
@@ -271,7 +274,7 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
             group = perm[:, i1:i2] // group_width  # each expert's own column order
         else:
             group = (torch.arange(i1, i2, device=w_all.device) // group_width).expand(c, -1)
-        return [_tree_map(lambda t: _gather_last(t, group[:, None, :].expand(-1, t.shape[1], -1)), st)
+        return [_tree_map(lambda t: _widen(_gather_last(t, group[:, None, :].expand(-1, t.shape[1], -1))), st)
                 for st in stacked]
 
     def sweep_block(w1, u1, err1, codes1, params1):
@@ -305,6 +308,7 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     codes = [torch.zeros(w_all.shape[0], r, num_in, dtype=pr.dtype, device=w_all.device)
              for r, pr in zip(out_rows, probe)]
 
+    t0 = _clock(w_all)
     graph = None
     use_graph = fixed and w_all.is_cuda and _cuda_graphs_enabled()
     for i1 in range(0, num_in, block_size):
@@ -330,6 +334,7 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
         losses += err1.double().square().sum(dim=(1, 2)) / 2
         if i2 < num_in:
             w_all[..., i2:] -= torch.bmm(err1, u[:, i1:i2, i2:])
+    report.seconds["sweep"] += _clock(w_all) - t0
     del u, w_all, graph
 
     if perm is not None:
@@ -342,6 +347,15 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     params = fixed_params if fixed else dynamic_params
     return [cq.assemble(t[0] if squeeze else t, [_squeeze_params(p, squeeze) for p in ps])
             for cq, t, ps in zip(cqs, codes, params)]
+
+
+def _widen(t):
+    """bf16 / fp16 / fp8 scales and int8 zero points as float32 (exact): the column quantizer
+    converts them to float32 anyway, so converting once per block saves kernels per column.
+    Other dtypes (e8m0 exponents stored as uint8) stay as they are."""
+    if t.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8):
+        return t.to(torch.float32)
+    return t
 
 
 def _gather_last(t, index):
@@ -369,6 +383,15 @@ class _BlockBuffers:
             _tree_map(lambda d, s_: d.copy_(s_), dst, src)
 
 
+def _clock(t: torch.Tensor) -> float:
+    """Wall time after the device finished the work queued so far (for the report's phase times)."""
+    import time
+
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+    return time.perf_counter()
+
+
 def _cuda_graphs_enabled() -> bool:
     import os
 
@@ -392,14 +415,18 @@ def _inverse_cholesky(h, damp, max_tries, skip):
         if not bool(todo.any()):
             break
         rows = todo.nonzero().flatten()
-        damped = h[rows]  # a copy (advanced indexing)
+        # U without forming H^-1: with J the order-reversing permutation and J H J = L L^T,
+        # H^-1 = (J L^-1 J)^T (J L^-1 J) and J L^-1 J is upper triangular. One Cholesky and one
+        # triangular solve, half the work of inverse-then-Cholesky.
+        damped = torch.flip(h[rows], dims=(-2, -1))
         damped.diagonal(dim1=-2, dim2=-1).add_((factor * mean_diag[rows])[:, None])
         chol, info = torch.linalg.cholesky_ex(damped)
         del damped
-        ok = info == 0
-        upper, info2 = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
+        eye = torch.eye(n, device=h.device, dtype=h.dtype).expand(len(rows), n, n)
+        upper = torch.flip(torch.linalg.solve_triangular(chol, eye, upper=False), dims=(-2, -1))
         del chol
-        ok &= (info2 == 0) & torch.isfinite(upper).flatten(1).all(dim=1)
+        ok = (info == 0) & torch.isfinite(upper).flatten(1).all(dim=1)
+        ok &= (upper.diagonal(dim1=-2, dim2=-1) > 0).all(dim=1)
         done = rows[ok]
         u[done] = upper[ok]
         del upper

@@ -197,6 +197,11 @@ def _has_fused_experts(model, adapter, layer) -> bool:
 # ----------------------------------------------------------------------------- evaluate
 
 
+def _sq(x: torch.Tensor) -> float:
+    """Sum of squares, accumulated in float64 without a float64 copy of x."""
+    return float(torch.linalg.vector_norm(x, dtype=torch.float64) ** 2)
+
+
 def _quantile(values: np.ndarray, q: float) -> float:
     return float(np.quantile(values, q)) if values.size else float("nan")
 
@@ -313,9 +318,9 @@ def evaluate(reference_model, quantized_model, samples, batch_size: int = 4, per
                     finally:
                         q_cap.active = True
                     y_q = (y_q[0] if isinstance(y_q, tuple) else y_q).reshape(-1, y_ref.shape[-1]).to(y_ref.device).float()
-                    block_sq[L][0] += float((y_q - y_ref).double().pow(2).sum())
-                    block_sq[L][1] += float((y_own - y_ref).double().pow(2).sum())
-                    block_sq[L][2] += float(y_ref.double().pow(2).sum())
+                    block_sq[L][0] += _sq(y_q - y_ref)
+                    block_sq[L][1] += _sq(y_own - y_ref)
+                    block_sq[L][2] += _sq(y_ref)
 
                     if expert_errors:
                         x = x_ref.reshape(-1, x_ref.shape[-1])
@@ -328,8 +333,8 @@ def evaluate(reference_model, quantized_model, samples, batch_size: int = 4, per
                             xe = x[tok]
                             ye_ref = _expert_output(adapter, ref_experts, xe, e)
                             ye_q = _expert_output(adapter, q_experts, xe.to(next(q_block.parameters()).device), e)
-                            exp_sq[li, e] += float((ye_q.to(ye_ref.device) - ye_ref).double().pow(2).sum())
-                            exp_ref_sq[li, e] += float(ye_ref.double().pow(2).sum())
+                            exp_sq[li, e] += _sq(ye_q.to(ye_ref.device) - ye_ref)
+                            exp_ref_sq[li, e] += _sq(ye_ref)
                 ref_cap.clear()
                 q_cap.clear()
     finally:

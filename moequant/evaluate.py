@@ -468,6 +468,28 @@ def evaluate_checkpoints(checkpoint, reference, dataset: str = "builtin:mix", sa
     return result
 
 
+def format_quality(q: dict) -> str:
+    """Human-readable text of evaluate()'s dict (what `moequant eval` prints)."""
+    lines = [
+        f"{q['samples']} samples, {q['tokens']} tokens"
+        + (f" of {q['dataset']} (evaluation split)" if q.get("dataset") else ""),
+        f"perplexity        {q['ppl_original']:.4f} -> {q['ppl_quantized']:.4f}"
+        f" ({100 * (q['ppl_quantized'] / q['ppl_original'] - 1):+.2f}%)",
+        f"KL per token      mean {q['kl_mean']:.4g}  p90 {q['kl_p90']:.4g}  p99 {q['kl_p99']:.4g}  max {q['kl_max']:.4g}",
+        f"top-1 agreement   {q['top1_agreement']:.4f}",
+        f"routing agreement {q['routing_agreement']:.4f} (mean over MoE layers; lowest "
+        + (f"{min(r['routing_agreement'] for r in q['layers']):.4f}" if q["layers"] else "-") + ")",
+        f"MoE-block error   {q['moe_output_error']:.4g} on the reference input, "
+        f"{q['moe_output_error_accumulated']:.4g} on its own",
+    ]
+    for d, v in q.get("by_domain", {}).items():
+        lines.append(f"  {d:<14} ppl {v['ppl_original']:.3f} -> {v['ppl_quantized']:.3f}  KL {v['kl_mean']:.4g}"
+                     f"  top-1 {v['top1_agreement']:.4f}  routing {v['routing_agreement']:.4f}")
+    for name, scores in (q.get("lm_eval") or {}).items():
+        lines.append(f"lm-eval {name}: " + ", ".join(f"{t} {s}" for t, s in scores.items()))
+    return "\n".join(lines)
+
+
 def _require_lm_eval():
     try:
         import lm_eval  # noqa: F401

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moequant.errors import UserError
-from moequant.evaluate import evaluate, evaluate_checkpoints, load_quantized
+from moequant.evaluate import evaluate, evaluate_checkpoints, format_quality, load_quantized
 from tiny import build_tiny
 
 
@@ -280,6 +280,8 @@ def test_evaluate_checkpoints_moequant_and_foreign_compressed_tensors(tmp_path):
     assert torch.equal(load_quantized(foreign, dtype=torch.float32).model.layers[0].mlp.experts.down_proj[1],
                        expected.to(torch.bfloat16).float())
     assert b["ppl_quantized"] == pytest.approx(a["ppl_quantized"], rel=1e-3)
+    text = format_quality(a)
+    assert "3 samples, 72 tokens of builtin:stdlib-code" in text and f"{a['ppl_original']:.4f}" in text
 
 
 

@@ -107,6 +107,22 @@ def test_bytes_by_role_from_file_headers(qwen):
         assert b == sum(n for name, (n, _) in files.items() if f"layers.{L}.mlp.experts.{e}." in name)
 
 
+@pytest.mark.parametrize("layout,key", [("gptq", "int8-channel"), ("awq", "int4-g32-asym"),
+                                        ("deepseek-fp8", "fp8-block128")])
+def test_other_layouts_bytes_by_role(qwen, tmp_path, layout, key):
+    ad, src = qwen["adapter"], qwen["src"]
+    ckpt = open_checkpoint(src)
+    spec = formats.parse_key(key)
+    projs = ("gate", "up") if layout == "awq" else ad.projections  # down has 16 columns: no int4 group fits
+    quantized = {(L, e, p): formats.quantize(ad.read_expert(ckpt, L, e, p).float(), spec)
+                 for L in ad.moe_layers for e in range(ad.num_experts) for p in projs}
+    out = export_checkpoint(src, quantized, tmp_path / layout, layout=layout, target="transformers")
+    got = checkpoint_bytes(out)
+    assert got["by_role"] == _bytes_by_role(out)
+    assert "other" not in got["by_role"]
+    assert got["by_role"]["routed_expert"] < _bytes_by_role(src)["routed_expert"]
+
+
 def test_fused_gpt_oss_mxfp4_bytes_by_role(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -161,7 +161,9 @@ def token_statistics(ref_logits: torch.Tensor, q_logits: torch.Tensor, targets: 
     for s in range(0, n, chunk):
         lp = torch.log_softmax(ref_logits[s:s + chunk].double(), dim=-1)
         lq = torch.log_softmax(q_logits[s:s + chunk].to(lp.device).double(), dim=-1)
-        kl.append((lp.exp() * (lp - lq)).sum(-1).clamp_min(0).cpu())
+        p = lp.exp()
+        # tokens the original gives probability 0 (masked logits, -inf) add nothing, not NaN
+        kl.append(torch.where(p > 0, p * (lp - lq), 0.0).sum(-1).clamp_min(0).cpu())
         same.append((ref_logits[s:s + chunk].argmax(-1).cpu() == q_logits[s:s + chunk].argmax(-1).cpu()))
         if targets is not None:
             t = targets[s:s + chunk].to(lp.device)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moequant.errors import UserError
-from moequant.evaluate import evaluate, evaluate_checkpoints, format_quality, load_quantized
+from moequant.evaluate import evaluate, evaluate_checkpoints, format_quality, load_quantized, token_statistics
 from tiny import build_tiny
 
 
@@ -291,3 +291,16 @@ def test_lm_eval_tasks_need_lm_eval(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as when it is not installed
     with pytest.raises(UserError, match="lm_eval is not installed"):
         evaluate_checkpoints(tmp_path, tmp_path, lm_eval_tasks=["hellaswag"])
+
+
+def test_token_statistics_with_masked_logits():
+    """Vocabulary entries masked to -inf in both models (padding) contribute nothing to KL."""
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(5, 11, generator=g), torch.randn(5, 11, generator=g)
+    a[:, 8:] = b[:, 8:] = float("-inf")
+    kl, same, nll_a, nll_b = token_statistics(a, b, torch.tensor([0, 3, -100, 7, 1]))
+    pa, pb = torch.softmax(a[:, :8].double(), -1), torch.softmax(b[:, :8].double(), -1)
+    assert torch.allclose(kl, (pa * (pa.log() - pb.log())).sum(-1), rtol=1e-12, atol=0)
+    assert torch.equal(same, a.argmax(-1) == b.argmax(-1))
+    assert torch.isnan(nll_a[2]) and nll_a[1].item() == pytest.approx(-pa[1, 3].log().item(), rel=1e-12)
+    assert nll_b[3].item() == pytest.approx(-pb[3, 7].log().item(), rel=1e-12)

@@ -194,3 +194,19 @@ def test_bad_arguments_are_user_errors():
         gptq.gptq(w, h[:, :32, :32], INT4)
     with pytest.raises(UserError, match="tokens has 3 entries"):
         gptq.gptq(w, h, INT4, tokens=[1, 2, 3])
+
+
+def test_chunk_that_runs_out_of_memory_is_retried_smaller(monkeypatch):
+    w, h, _ = make_layer(experts=4, out=16, n_in=64, tokens=200, seed=9)
+    want, _ = gptq.gptq(w, h, INT4, chunk_experts=1)
+    real = gptq._gptq_chunk
+
+    def fails_on_big_chunks(ws, *args, **kwargs):
+        if ws[0].shape[0] > 1:
+            raise torch.OutOfMemoryError("simulated")
+        return real(ws, *args, **kwargs)
+
+    monkeypatch.setattr(gptq, "_gptq_chunk", fails_on_big_chunks)
+    got, report = gptq.gptq(w, h, INT4, chunk_experts=4)
+    assert report.settings["chunk_experts"] == 1
+    assert torch.equal(got.codes, want.codes) and report.method == ["gptq"] * 4

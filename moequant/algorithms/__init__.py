@@ -1,1 +1,9 @@
-"""Quantization algorithms for the experts of one MoE layer: RTN, GPTQ (batched), AWQ."""
+"""Quantization algorithms for the routed experts of one MoE layer.
+
+- `rtn.rtn`: round-to-nearest with the format's own per-expert scales.
+- `gptq.gptq` / `gptq.gptq_shared_hessian`: GPTQ batched over experts (CPU or CUDA).
+- `awq.awq_down` (per expert, folded into up_proj), `awq.awq_gate_up` (one scale per layer,
+  folded into the post-attention norm), `awq.awq` / `awq.awq_scales` (the search alone).
+"""
+
+from moequant.algorithms import awq, gptq, rtn  # noqa: F401

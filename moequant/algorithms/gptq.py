@@ -1,24 +1,32 @@
 """GPTQ for all routed experts of one MoE layer at once.
 
 Every routed expert of a layer has the same shapes, so their GPTQ problems are solved as one
-batch: the Hessians `[E, in, in]` are damped, factored and inverted with batched Cholesky, and
-the column sweep quantizes column j of every expert in the same tensor operation. The experts
-are processed in chunks (`chunk_experts`) so the batch fits the device. The numbers are the
-ones a one-expert-at-a-time GPTQ gives (tests/test_gptq.py checks both against a float64
-reference written independently).
+batch: the Hessians `[E, in, in]` are damped and factored with batched Cholesky, and the column
+sweep quantizes column j of every expert in the same tensor operation. Experts are processed
+in chunks (`chunk_experts`, sized to the device's free memory, halved and retried if a chunk
+runs out of memory). Projections that read the same input (gate and up) share one
+factorization (`gptq_shared_hessian`). On CUDA the block sweep is captured once as a CUDA
+graph and replayed for every block, which removes the launch cost of its thousands of small
+kernels (MOEQUANT_CUDA_GRAPHS=0 turns that off; the codes are the same).
+
+Same numbers as one expert at a time: tests/test_gptq.py checks batched against one-by-one
+and both against an independent float64 GPTQ, code for code, on the CPU. On a GPU, batched
+and single solves run different cuBLAS / cuSOLVER kernels, whose float32 rounding differs, and
+about 1e-4 to 2e-3 of the codes flip (measured on an H200, benchmarks/bench_gptq.py --verify).
 
 The algorithm is GPTQ (Frantar et al., 2022) with lazy block updates: for column j,
     q_j = quantize(w_j);  e_j = (w_j - q_j) / U_jj;  w_{k>j} -= e_j * U_{j,k}
 where U is the upper Cholesky factor of H^-1. Element quantization goes through the format's
-column quantizer (`moequant.formats.column_quantizer`), so any format with per-group or
-per-channel scales works (int4/int3/int2, int8, fp8, mxfp4, nvfp4).
+column quantizer (`moequant.formats.column_quantizer`), so every format with per-group,
+per-block or per-channel scales works (int4/int3/int2, int8, fp8, mxfp4, nvfp4).
 
-Per-expert fallbacks, always recorded in the report:
+Per-expert fallbacks, always recorded in the report (`GPTQReport.fallbacks()`):
 - an expert with fewer than `min_tokens` calibration tokens, or whose Hessian is all zeros or
   not finite, uses `shared_hessian` (the Hessian of all the layer's tokens, when the caller
-  gives one), else plain round-to-nearest;
+  gives one), else round-to-nearest with the format's own scales;
 - when a Cholesky fails, that expert's damping grows tenfold and it is factored again, up to
-  `max_damp_tries` times; an expert that still fails falls back as above.
+  `max_damp_tries` times (the damping used is in the report); an expert that still fails gets
+  round-to-nearest.
 Dead input columns (H_ii == 0: an input channel that was always zero) get H_ii = 1 and their
 weights are set to 0, as in the GPTQ reference; their value cannot change the layer's output
 on the calibration data.
@@ -27,7 +35,6 @@ on the calibration data.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -264,7 +271,7 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
             continue
         if used_damp[j] is None:  # every damping failed: round-to-nearest for this expert
             report.method[e], report.reason[e] = RTN, (
-                f"Cholesky of the damped Hessian failed up to damp={damp * 10 ** (max_damp_tries - 1):g}"
+                f"Cholesky of the damped Hessian failed {max_damp_tries} times (damp grown tenfold from {damp:g})"
             )
             u[j] = torch.eye(num_in, device=u.device, dtype=u.dtype)
         else:

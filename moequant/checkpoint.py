@@ -98,11 +98,15 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
         if name == "__metadata__":
             continue
         try:
-            dtype = info["dtype"]
-            shape = tuple(int(d) for d in info["shape"])
-            start, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
+            dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        except (KeyError, TypeError):
             raise UserError(f"{path} has a corrupt safetensors header: tensor {name!r} lacks dtype/shape/offsets.") from None
+        # exact JSON types (no int("12") or int(1.5) coercion): what the safetensors library accepts
+        if not (isinstance(dtype, str) and _int_list(shape) and _int_list(offsets) and len(offsets) == 2):
+            raise UserError(f"{path} has a corrupt safetensors header: tensor {name!r} needs a dtype string, "
+                            "a shape list of integers and two integer data offsets.")
+        shape = tuple(shape)
+        start, end = offsets
         if dtype not in DTYPE_SIZES:
             raise UserError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}.")
         if any(d < 0 for d in shape):
@@ -123,12 +127,33 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
     return entries
 
 
+def _int_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+
+
 def _inside(root: Path, candidate: Path) -> bool:
     try:
         candidate.resolve().relative_to(root.resolve())
         return True
     except ValueError:
         return False
+
+
+def _confined(directory: Path, name: str, what: str) -> Path:
+    """`directory / name` if it is a regular file that stays inside `directory` once symlinks are
+    followed (a hub cache snapshot may also point into its repository's `blobs/`); else UserError.
+
+    A downloaded checkpoint must not make us read (or copy into the output) files elsewhere on the
+    machine, nor block on a FIFO or device node."""
+    path = directory / name
+    roots = [directory]
+    if directory.resolve().parent.name == "snapshots":  # huggingface_hub cache layout
+        roots.append(directory.resolve().parent.parent / "blobs")
+    if os.path.isabs(name) or not any(_inside(root, path) for root in roots):
+        raise UserError(f"{what} {name!r} points outside {directory}; refusing to read it.")
+    if path.exists() and not path.is_file():
+        raise UserError(f"{what} {name!r} in {directory} is not a regular file.")
+    return path
 
 
 def resolve_model_path(spec: str | os.PathLike) -> Path:
@@ -218,6 +243,7 @@ def open_checkpoint(spec: str | os.PathLike) -> Checkpoint:
     config_path = path / "config.json"
     if not config_path.exists():
         raise UserError(f"{path} has no config.json; a checkpoint directory needs config.json next to its safetensors.")
+    config_path = _confined(path, "config.json", "config file")
     config = _read_config(config_path)
     entries = _read_entries(path)
     return Checkpoint(path, config, entries, config_only=not entries)
@@ -253,9 +279,9 @@ def _read_entries(directory: Path) -> dict[str, TensorEntry]:
             shards.setdefault(shard, []).append(tensor)
         entries: dict[str, TensorEntry] = {}
         for shard, tensors in shards.items():
-            shard_path = directory / shard
-            if os.path.isabs(shard) or not _inside(directory, shard_path) or not shard.endswith(".safetensors"):
+            if os.path.isabs(shard) or not shard.endswith(".safetensors"):
                 raise UserError(f"{index_path} names shard {shard!r}, which is not a .safetensors file inside {directory}.")
+            shard_path = _confined(directory, shard, f"{index_path} shard")
             if not shard_path.exists():
                 raise UserError(f"{index_path} names shard {shard}, which is missing from {directory}.")
             header = read_safetensors_header(shard_path)
@@ -265,12 +291,12 @@ def _read_entries(directory: Path) -> dict[str, TensorEntry]:
                 entries[t] = header[t]
         return entries
     if single_path.exists():
-        return read_safetensors_header(single_path)
+        return read_safetensors_header(_confined(directory, SINGLE_NAME, "weights file"))
     loose = sorted(directory.glob("*.safetensors"))
     if loose:
         entries = {}
         for shard_path in loose:
-            entries.update(read_safetensors_header(shard_path))
+            entries.update(read_safetensors_header(_confined(directory, shard_path.name, "weights file")))
         return entries
     pickles = [p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl")]
     if pickles:
@@ -304,9 +330,21 @@ def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(error):
+            raise UserError(f"the disk holding {final.parent} is full (no space left while writing {final.name}); "
+                            f"nothing was written to {final} — free space and run again.") from None
         raise
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """ENOSPC / EDQUOT, also when the safetensors library reports it (its error carries only text)."""
+    import errno
+
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return type(error).__name__ == "SafetensorError" and ("os error 28" in str(error) or "os error 122" in str(error))
 
 
 def _fsync_dir_tree(root: Path) -> None:
@@ -326,6 +364,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; outputs are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -401,4 +440,4 @@ def copy_aux_files(source: Path, destination: Path) -> None:
     for name in AUX_FILES:
         src = Path(source) / name
         if src.is_file():
-            shutil.copyfile(src, Path(destination) / name)
+            shutil.copyfile(_confined(Path(source), name, "file"), Path(destination) / name)

@@ -139,16 +139,13 @@ def apply(recipe_path, model, output, overrides, device):
 @click.option("--json", "as_json", is_flag=True, help="Print the full result as JSON.")
 @user_errors
 def eval_command(checkpoint, reference, dataset, samples, seq_len, seed, as_json):
-    """Quality of CHECKPOINT against the original: perplexity, KL, top-1 and routing agreement."""
-    from moequant.evaluate import evaluate_checkpoints
+    """Quality of CHECKPOINT against the original: perplexity, KL, top-1 and routing agreement.
+
+    Works on any compressed-tensors checkpoint, including one made by another tool."""
+    from moequant.evaluate import evaluate_checkpoints, format_quality
 
     result = evaluate_checkpoints(checkpoint, reference, dataset=dataset, samples=samples, seq_len=seq_len, seed=seed)
-    if as_json:
-        click.echo(json.dumps(result, indent=2, default=str))
-        return
-    for key in ("ppl_original", "ppl_quantized", "kl_mean", "kl_p90", "kl_p99", "top1_agreement", "routing_agreement"):
-        if key in result:
-            click.echo(f"{key:<18} {result[key]:.6g}")
+    click.echo(json.dumps(result, indent=2, default=str) if as_json else format_quality(result))
 
 
 if __name__ == "__main__":

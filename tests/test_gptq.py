@@ -120,12 +120,13 @@ def test_batched_equals_one_by_one():
     assert all(d == 0.01 for d in report.damp)
 
 
-def test_shared_hessian_rows_equal_separate_calls():
+@pytest.mark.parametrize("key", [INT4, "int4-g32-asym", "mxfp4", "nvfp4", "fp8-block128"])
+def test_shared_hessian_rows_equal_separate_calls(key):
     w, h, _ = make_layer(experts=2, out=24, n_in=64, tokens=200, seed=2)
     gate, up = w[:, :8], w[:, 8:]
-    (q_gate, q_up), _ = gptq.gptq_shared_hessian([gate, up], h, INT4)
-    assert torch.equal(q_gate.dequantize(torch.float32), gptq.gptq(gate, h, INT4)[0].dequantize(torch.float32))
-    assert torch.equal(q_up.dequantize(torch.float32), gptq.gptq(up, h, INT4)[0].dequantize(torch.float32))
+    (q_gate, q_up), _ = gptq.gptq_shared_hessian([gate, up], h, key, act_order=True)
+    assert torch.equal(q_gate.dequantize(torch.float32), gptq.gptq(gate, h, key, act_order=True)[0].dequantize(torch.float32))
+    assert torch.equal(q_up.dequantize(torch.float32), gptq.gptq(up, h, key, act_order=True)[0].dequantize(torch.float32))
 
 
 @pytest.mark.parametrize("key", [INT4, "mxfp4"])

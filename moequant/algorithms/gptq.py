@@ -288,9 +288,20 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     stacked = [_tree_map(lambda *leaves: torch.cat(leaves, dim=-1), *ps) for ps in fixed_params] if fixed else None
     dynamic_params: list[list[Any]] = [[] for _ in cqs]
 
+    # Rows of projections with per-row scales and nothing per tensor (not nvfp4's global scale,
+    # fp8's tensor scale or 128-row blocks) are quantized by one call: fewer kernels per column.
+    merge = fixed and len(cqs) > 1 and spec.granularity in ("group", "channel") and spec.name != "nvfp4"
+    sweep_cqs, sweep_rows = ([cqs[0]], [sum(out_rows)]) if merge else (cqs, out_rows)
+
     def block_params(i1, i2):
         if not fixed:
             return None
+        if merge:
+            per_weight = _block_params_per_weight(i1, i2)
+            return [_tree_map(lambda *leaves: torch.cat(leaves, dim=1), *per_weight)]
+        return _block_params_per_weight(i1, i2)
+
+    def _block_params_per_weight(i1, i2):
         if per_row:
             group = torch.zeros(c, i2 - i1, dtype=torch.long, device=w_all.device)
         elif perm is not None:
@@ -313,7 +324,7 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
                 offset = 0 if fixed else offset
             w = w1[..., i:i + 1]  # [c, rows, 1]
             values = []
-            for k, (cq, piece) in enumerate(zip(cqs, w.split(out_rows, dim=1))):
+            for k, (cq, piece) in enumerate(zip(sweep_cqs, w.split(sweep_rows, dim=1))):
                 p = _tree_map(lambda t: t[..., i - offset:i - offset + 1], params1[k])
                 column_codes = cq_call(cq.quantize, piece, p, squeeze)
                 codes1[k][..., i:i + 1] = column_codes
@@ -325,11 +336,11 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
 
     # Codes dtype of the format, from one column (cheap).
     probe = [cq_call(cq.quantize, piece[..., :1], _tree_map(lambda t: t[..., :1], bp), squeeze)
-             for cq, piece, bp in zip(cqs, w_all[..., :1].split(out_rows, dim=1), block_params(0, 1))] if fixed else \
-        [cq_call(cq.quantize, piece[..., :1], cq_fit(cq, piece[..., :1], squeeze), squeeze)
-         for cq, piece in zip(cqs, w_all[..., :1].split(out_rows, dim=1))]
+             for cq, piece, bp in zip(sweep_cqs, w_all[..., :1].split(sweep_rows, dim=1), block_params(0, 1))] \
+        if fixed else [cq_call(cq.quantize, piece[..., :1], cq_fit(cq, piece[..., :1], squeeze), squeeze)
+                       for cq, piece in zip(cqs, w_all[..., :1].split(out_rows, dim=1))]
     codes = [torch.zeros(w_all.shape[0], r, num_in, dtype=pr.dtype, device=w_all.device)
-             for r, pr in zip(out_rows, probe)]
+             for r, pr in zip(sweep_rows, probe)]
 
     t0 = _clock(w_all)
     graph = None
@@ -360,6 +371,8 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     report.seconds["sweep"] += _clock(w_all) - t0
     del u, w_all, graph
 
+    if merge:
+        codes = list(codes[0].split(out_rows, dim=1))
     if perm is not None:
         inv = torch.argsort(perm, dim=-1)
         codes = [_gather_last(t, inv[:, None, :].expand(-1, t.shape[1], -1)) for t in codes]

@@ -20,6 +20,20 @@ on_sequential_epoch_end, which observes the weights and quantizes). `--llmc-expe
 llm-compressor on the first N experts only (its time is then scaled by E / N and marked "~");
 errors are always compared on the experts each tool actually ran.
 
+Measured 2026-11-29 on one H200 (torch 2.11, llm-compressor 0.14.0.1 with compressed-tensors
+0.19.0 from wheels), int4-g128-sym, act order as llm-compressor's default, GPTQ solve of gate +
+up + down of the whole layer ("~": llm-compressor ran on the first N experts, time scaled by E/N;
+errors compared on the same experts):
+  shape          tool           experts  solve s   Hessians s  peak GiB  held-out err gate/up/down
+  qwen3-30b-a3b  moequant        128      0.81      0.20        18.5     0.00132 0.00132 0.01030
+                 llmc-batched    128      2.81      0.68        16.4     0.00132 0.00132 0.01030
+                 llmc-single      16     ~4.21     ~0.48         3.4     0.00136 0.00135 0.01053 (moequant, same 16: 0.00136 0.00136 0.01053)
+  deepseek-v3    moequant        256     19.28      1.84       116.6     0.00154 0.00154 0.01369 (first 32: 0.00155 0.00155 0.01431)
+                 llmc-batched     32    ~35.4      ~5.1         65.6     0.00155 0.00155 0.01431
+                 llmc-single       4    ~46.4      ~3.2         27.2     0.00158 0.00157 0.01535
+  moequant's DeepSeek peak includes the benchmark's own [256, 7168, 7168] fp32 Hessian (52.6 GiB)
+  kept on the GPU; its solve is 5.2 s factorization + 13.2 s column sweep. RTN error: 0.0123.
+
 Usage (CPU, small):  python benchmarks/bench_gptq.py --shape small --llmc-python .dev/llmc-venv/bin/python
 GPU, real shapes:    python benchmarks/bench_gptq.py --shape qwen3-30b-a3b deepseek-v3 --device cuda
 """

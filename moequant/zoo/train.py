@@ -18,6 +18,7 @@ Three steps, each a sub-command, so the GPU step needs nothing but torch, transf
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -76,6 +77,16 @@ def model_config(arch: str, vocab_size: int, eos_id: int):
             router_aux_loss_coef=0.002, head_dim=32,
         )
     raise SystemExit(f"unknown arch {arch!r}: qwen2moe or mixtral")
+
+
+def _swap_in(tmp: Path, target: Path) -> None:
+    """Replace folder `target` by the finished `tmp` with renames only, never a half-written folder."""
+    old = target.with_name(f".{target.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- step 1: corpus + tokenizer
@@ -258,8 +269,7 @@ def train(corpus: Path, arch: str, seconds: float, out: Path, batch: int, lr: fl
         "source_weights": {n: round(float(w), 4) for n, w in zip(names, weights)},
         "log": log,
     }, indent=1))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    _swap_in(tmp, out)
 
 
 # ---------------------------------------------------------------- step 3: zoo folder + card
@@ -293,12 +303,12 @@ def evaluate_model(model, samples) -> dict:
 
     handles = [m.register_forward_hook(hook(layer)) for layer, m in routers.items()]
     try:
-        for sample in samples:
-            current["domain"] = sample.domain
-            x = sample.input_ids[None]
+        for domain in sorted({s.domain for s in samples}):
+            current["domain"] = domain
+            x = torch.stack([s.input_ids for s in samples if s.domain == domain])
             logits = model(input_ids=x).logits.float()
-            loss = torch.nn.functional.cross_entropy(logits[0, :-1], x[0, 1:], reduction="sum")
-            nll.setdefault(sample.domain, []).append(float(loss) / (x.shape[1] - 1))
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), x[:, 1:], reduction="none")
+            nll.setdefault(domain, []).extend(loss.mean(dim=1).tolist())
     finally:
         for h in handles:
             h.remove()
@@ -335,7 +345,9 @@ def make_card(model_dir: Path, tokenizer_dir: Path, name: str, zoo_dir: Path) ->
         samples = data.load_samples(f"builtin:{source}", tokenizer, split="evaluation", **CARD_EVAL)
         result = evaluate_model(model, samples)
         domain = samples[0].domain
-        evaluation[source] = {"domain": domain, "perplexity": result["perplexity"][domain], **CARD_EVAL}
+        ids = torch.stack([s.input_ids for s in samples]).numpy().astype("<i8").tobytes()
+        evaluation[source] = {"domain": domain, "perplexity": result["perplexity"][domain], **CARD_EVAL,
+                              "samples_sha256": hashlib.sha256(ids).hexdigest()}
         routing[source] = result["routing_share"][domain]
         print(f"{name} {source}: perplexity {evaluation[source]['perplexity']:.2f}", flush=True)
 
@@ -369,8 +381,7 @@ def make_card(model_dir: Path, tokenizer_dir: Path, name: str, zoo_dir: Path) ->
     }
     (tmp / "card.json").write_text(json.dumps(card, indent=1))
     (tmp / "README.md").write_text(render_card(card))
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+    _swap_in(tmp, target)
 
 
 def render_card(card: dict) -> str:

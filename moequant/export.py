@@ -78,10 +78,16 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
         raise UserError(f"{source_dir}/config.json already has a quantization_config; export from the bf16 checkpoint.")
     adapter = adapter_for(ckpt.config)
     kept = dict(kept or {})
-    for name in kept:
+    for name, tensor in kept.items():
         if name not in ckpt:
             raise UserError(f"kept tensor {name!r} is not a tensor of {source_dir}.")
+        if tuple(tensor.shape) != tuple(ckpt.shape(name)):
+            raise UserError(f"kept tensor {name!r} has shape {list(tensor.shape)}, but the checkpoint's is "
+                            f"{list(ckpt.shape(name))}.")
     items = _resolve(quantized, ckpt, adapter)
+    both = sorted(set(items) & set(kept))
+    if both:
+        raise UserError(f"tensor {both[0]!r} is given both quantized and kept; give it once.")
     plain = {n: q for n, q in items.items() if q.spec.name == "bf16"}
     items = {n: q for n, q in items.items() if q.spec.name != "bf16"}
     for n, q in plain.items():
@@ -98,8 +104,8 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
         shards = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
         for name in ckpt.keys():
             if name in items:
-                for suffix, tensor in writer.pack(name, items[name]).items():
-                    shards.add(suffix, tensor)
+                for packed_name, tensor in writer.pack(name, items[name]).items():
+                    shards.add(packed_name, tensor)
             else:
                 shards.add(name, kept[name] if name in kept else ckpt.get(name))
         shards.finish()

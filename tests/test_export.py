@@ -412,3 +412,22 @@ def test_gptq_per_expert_mix_overrides_exactly_the_listed_experts(mixtral, tmp_p
         hits = [p for p in dyn if re.match(p[2:], name[: -len(".weight")])]
         assert hits == (["+:" + re.escape(name[: -len(".weight")]) + "$"] if q.spec.bits == 8 else []), key
         assert torch.equal(ours[name], q.dequantize(torch.float32))
+
+
+def test_kept_tensors_and_bf16_plans_are_written_as_given(mixtral, tmp_path):
+    norm = torch.full((256,), 2.0, dtype=torch.bfloat16)
+    router = torch.randn(4, 256).to(torch.bfloat16)
+    attn = formats.quantize(torch.randn(256, 256), "bf16")
+    q = {"model.layers.0.self_attn.o_proj.weight": attn}
+    out = export_checkpoint(mixtral, q, tmp_path / "o", target="transformers",
+                            kept={"model.norm.weight": norm, "model.layers.1.block_sparse_moe.gate.weight": router})
+    got = _all_tensors(out)
+    assert torch.equal(got["model.norm.weight"], norm)
+    assert torch.equal(got["model.layers.1.block_sparse_moe.gate.weight"], router)
+    assert torch.equal(got["model.layers.0.self_attn.o_proj.weight"], attn.codes)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"] == {} and "model.layers.0.self_attn.o_proj" in qc["ignore"]
+    with pytest.raises(UserError, match="given both quantized and kept"):
+        export_checkpoint(mixtral, q, tmp_path / "p", kept={"model.layers.0.self_attn.o_proj.weight": attn.codes})
+    with pytest.raises(UserError, match=r"kept tensor 'model.norm.weight' has shape \[4, 256\]"):
+        export_checkpoint(mixtral, {}, tmp_path / "p", kept={"model.norm.weight": router})

@@ -102,7 +102,7 @@ _STDLIB_SKIP = {
     "test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
     "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "distutils",
 }
-_STDLIB_SKIP_FILES = {"sitecustomize.py", "_sysconfigdata__linux_x86_64-linux-gnu.py"}
+_STDLIB_SKIP_FILES = {"sitecustomize.py"}  # a distribution's hook, not the library
 
 
 @functools.lru_cache(maxsize=None)  # the walk over ~800 files is the slow part of every stdlib source
@@ -111,7 +111,8 @@ def _stdlib_files() -> tuple[tuple[str, Path], ...]:
     files = []
     for path in root.rglob("*.py"):
         rel = path.relative_to(root)
-        if _STDLIB_SKIP.intersection(rel.parts[:-1]) or rel.name in _STDLIB_SKIP_FILES or rel.name.startswith("_sysconfigdata"):
+        generated = rel.name.startswith("_sysconfigdata")  # build-machine paths, differs per install
+        if _STDLIB_SKIP.intersection(rel.parts[:-1]) or rel.name in _STDLIB_SKIP_FILES or generated:
             continue
         files.append((rel.as_posix(), path))
     files.sort()

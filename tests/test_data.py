@@ -86,6 +86,17 @@ def test_same_seed_same_samples_other_seed_other_samples(tokenizer):
     assert not all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, c))
 
 
+def test_a_plain_tokenizers_tokenizer_gives_the_same_ids(tokenizer):
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(zoo.path(zoo.DEFAULT_MODEL) / "tokenizer.json"))
+    # the first window lies inside the first document (no EOS joins it), so both agree
+    a = data.load_samples("builtin:stdlib-code", raw, n_samples=1, seq_len=16)
+    b = data.load_samples("builtin:stdlib-code", tokenizer, n_samples=1, seq_len=16)
+    assert torch.equal(a[0].input_ids, b[0].input_ids)
+    assert a[0].input_ids.tolist() == raw.encode(tokenizer.decode(b[0].input_ids), add_special_tokens=False).ids
+
+
 def test_mix_spreads_samples_over_domains_with_labels(tokenizer):
     samples = data.load_samples("builtin:mix", tokenizer, n_samples=7, seq_len=32, split="evaluation")
     domains = sorted({c.domain for c in data.load_documents("builtin:mix", "evaluation")})

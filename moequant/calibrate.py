@@ -24,6 +24,7 @@ import hashlib
 import json
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,54 +124,63 @@ class _LayerCollector:
         self.t[key] = torch.maximum(self.t[key], value) if key in self.t else value.clone()
 
     def on_experts(self, module, args, kwargs):
+        """Accumulate the experts' input statistics for one batch, all experts at once (chunked).
+
+        Routed-token statistics use the routing mask as 0/1 token weights, so one batched
+        matmul per chunk replaces a Python loop over experts."""
         x = (args[0] if args else kwargs["hidden_states"]).detach().reshape(-1, module_hidden(args, kwargs))
         x = x.to(torch.float32)
         indices, _ = self._routing
-        E = self.num_experts
-        routed_mask = torch.zeros(x.shape[0], E, dtype=torch.bool)
-        routed_mask.scatter_(1, indices, True)
-        routed_mask = routed_mask.to(x.device)
+        E, n, d = self.num_experts, x.shape[0], x.shape[1]
+        mask = torch.zeros(n, E, dtype=torch.float32)
+        mask.scatter_(1, indices, 1.0)
+        mask = mask.to(x.device)
+        routed_n = mask.sum(0).round().to(torch.int64).cpu()
         # gate/up input: the layer's normalised hidden state, identical for every expert
         if self.all_experts:
-            self._acc("input.gate_up.tokens_all", torch.tensor(x.shape[0], dtype=torch.int64))
+            self._acc("input.gate_up.tokens_all", torch.tensor(n, dtype=torch.int64))
             self._acc("input.gate_up.sqsum_all", (x.double() ** 2).sum(0).cpu())
             self._acc_max("input.gate_up.absmax_all", x.abs().amax(0).cpu())
             if self.hessians:
                 self._acc("hessian_sum.gate_up_all", (x.T @ x).cpu())
-        for e in range(E):
-            sel = routed_mask[:, e]
-            xe = x[sel]
-            n_e = xe.shape[0]
-            self._acc_e("input_routed.gate_up.tokens", e, torch.tensor(n_e))
-            self._acc_e("input_routed.gate_up.sqsum", e, (xe.double() ** 2).sum(0).cpu())
-            self._acc_max_e("input_routed.gate_up.absmax", e, xe.abs().amax(0).cpu() if n_e else torch.zeros(x.shape[1]))
-            if self.hessians:
-                self._acc_e("hessian_sum_routed.gate_up", e, (xe.T @ xe).cpu())
-            # down input: the expert's own intermediate activation
+        self._acc("input_routed.gate_up.tokens", routed_n)
+        self._acc("input_routed.down.tokens", routed_n)
+        self._acc("input_routed.gate_up.sqsum", (mask.T.double() @ (x.double() ** 2)).cpu())
+        self._acc_max("input_routed.gate_up.absmax", (x.abs()[None] * mask.T[:, :, None]).amax(1).cpu())
+        if self.hessians:
+            # Σ_t m_te x_t x_tᵀ for every expert e: [E, d, d]
+            self._acc("hessian_sum_routed.gate_up", torch.einsum("ne,ni,nj->eij", mask, x, x).cpu())
+        if self.all_experts:
+            self._acc("input.down.tokens", torch.full((E,), n, dtype=torch.int64))
+        # down input: each expert's own intermediate activation, over every token
+        width = None
+        chunk = max(1, (64 * 2**20) // max(n * d, 1))
+        for lo in range(0, E, chunk):
+            ids = list(range(lo, min(E, lo + chunk)))
             with torch.no_grad():
-                h_all = self.adapter.expert_hidden(self.experts_module, x if self.all_experts else xe, e).float()
-            h_routed = h_all[sel] if self.all_experts else h_all
-            self._acc_e("input_routed.down.tokens", e, torch.tensor(n_e))
-            self._acc_e("input_routed.down.sqsum", e, (h_routed.double() ** 2).sum(0).cpu())
-            self._acc_max_e("input_routed.down.absmax", e, h_routed.abs().amax(0).cpu() if n_e else torch.zeros(h_all.shape[1]))
+                h = torch.stack([self.adapter.expert_hidden(self.experts_module, x, e).float() for e in ids])  # [c, n, I]
+            width = h.shape[-1]
+            m = mask[:, ids].T[:, :, None]  # [c, n, 1]
+            hm = h * m
+            part = {
+                "input_routed.down.sqsum": (hm.double() ** 2).sum(1),
+                "input_routed.down.absmax": hm.abs().amax(1),
+            }
             if self.hessians:
-                self._acc_e("hessian_sum_routed.down", e, (h_routed.T @ h_routed).cpu())
+                part["hessian_sum_routed.down"] = hm.transpose(1, 2) @ hm
             if self.all_experts:
-                self._acc_e("input.down.tokens", e, torch.tensor(h_all.shape[0]))
-                self._acc_e("input.down.sqsum", e, (h_all.double() ** 2).sum(0).cpu())
-                self._acc_max_e("input.down.absmax", e, h_all.abs().amax(0).cpu())
+                part["input.down.sqsum"] = (h.double() ** 2).sum(1)
+                part["input.down.absmax"] = h.abs().amax(1)
                 if self.hessians:
-                    self._acc_e("hessian_sum.down", e, (h_all.T @ h_all).cpu())
-
-    def _acc_e(self, key, e, value):
-        if key not in self.t:
-            self.t[key] = torch.zeros((self.num_experts,) + tuple(value.shape), dtype=value.dtype)
-        self.t[key][e] += value
-
-    def _acc_max_e(self, key, e, value):
-        if key not in self.t:
-            self.t[key] = torch.zeros((self.num_experts,) + tuple(value.shape), dtype=value.dtype)
-        self.t[key][e] = torch.maximum(self.t[key][e], value)
+                    part["hessian_sum.down"] = h.transpose(1, 2) @ h
+            for key, value in part.items():
+                value = value.cpu()
+                if key not in self.t:
+                    self.t[key] = torch.zeros((E,) + tuple(value.shape[1:]), dtype=value.dtype)
+                if key.endswith("absmax"):
+                    self.t[key][ids] = torch.maximum(self.t[key][ids], value)
+                else:
+                    self.t[key][ids] += value
 
     def finish(self) -> dict[str, torch.Tensor]:
         """Turn sums into the documented per-expert statistics (means, normalised Hessians)."""
@@ -288,19 +298,18 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
     progress_path = work / "progress.json"
     runner = LayerRunner(ckpt, adapter, input_ids, batch_size=settings.batch_size, device=settings.device)
     start_layer, hidden = 0, runner.embedded
-    if progress_path.exists():
-        state = json.loads(progress_path.read_text())
-        if state.get("fingerprint") == fingerprint and (work / "hidden.safetensors").exists():
-            start_layer = int(state["next_layer"])
-            saved = load_file(str(work / "hidden.safetensors"))
-            hidden = [saved[f"batch_{b}"] for b in range(len(runner.batches))]
+    resume = resume_layer(work, fingerprint)
+    if resume is not None:
+        start_layer = resume
+        saved = load_file(str(work / "hidden.safetensors"))
+        hidden = [saved[f"batch_{b}"] for b in range(len(runner.batches))]
     atomic_write_text(work / "fingerprint.json", json.dumps(fingerprint))
 
     timings = {}
     bs = settings.batch_size
     for L in _progress(range(start_layer, adapter.num_layers), progress, "calibrating", adapter.num_layers, start_layer):
         t0 = time.perf_counter()
-        with runner.materialized(L) as module:
+        with _naming_damaged_weights(ckpt, adapter, L), runner.materialized(L) as module:
             if L in adapter.moe_layers:
                 mlp = module.mlp
                 experts = mlp.experts
@@ -326,7 +335,8 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
                 (work / f"skipped_{L:03d}.json").write_text(json.dumps(skipped))
             else:
                 hidden = runner.forward(module, L, hidden)
-        _save_atomic({f"batch_{b}": h for b, h in enumerate(hidden)}, work / "hidden.safetensors", {})
+        _save_atomic({f"batch_{b}": h for b, h in enumerate(hidden)}, work / "hidden.safetensors",
+                     hidden_record(fingerprint, L + 1))
         atomic_write_text(progress_path, json.dumps({"fingerprint": fingerprint, "next_layer": L + 1}))
         timings[L] = time.perf_counter() - t0
 
@@ -376,10 +386,60 @@ def _summary(ckpt, adapter, output, fingerprint, settings, domains, n_samples, w
     }
 
 
+@contextmanager
+def _naming_damaged_weights(ckpt, adapter, layer: int):
+    """A non-finite activation or statistic in `layer` is re-raised naming the checkpoint tensor
+    (and expert) that holds NaN/Inf, when there is one; only read on that failure path."""
+    try:
+        yield
+    except UserError as error:
+        prefix = f"model.layers.{layer}."
+        names = [n for n in ckpt.keys() if n.startswith(prefix)] + (["model.embed_tokens.weight"] if layer == 0 else [])
+        for name in names:
+            t = ckpt.get(name) if name in ckpt else None
+            if t is None or not t.is_floating_point():
+                continue
+            bad = ~torch.isfinite(t)
+            if not bad.any():
+                continue
+            role = adapter.classify(name)
+            expert = role.expert
+            if expert is None and role.role == "routed_expert" and t.dim() == 3:  # fused [E, ...]
+                expert = int(bad.flatten(1).any(1).nonzero()[0])
+            where = f"layer {layer}" + (f", expert {expert}" if expert is not None else "") + f", {role.role}"
+            raise UserError(f"checkpoint tensor {name} ({where}) holds {int(torch.isnan(t).sum())} NaN and "
+                            f"{int(torch.isinf(t).sum())} infinite values; the checkpoint is damaged.") from None
+        raise error
+
+
 def _check_finite(tensors: dict, layer: int) -> None:
     for k, v in tensors.items():
         if v.is_floating_point() and not torch.isfinite(v).all():
             raise UserError(f"calibration statistic {k} of layer {layer} is not finite; the model produced NaN/Inf.")
+
+
+def hidden_record(fingerprint, next_layer: int) -> dict:
+    """Metadata of `work/hidden.safetensors`: the run (fingerprint digest) and layer they feed."""
+    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()
+    return {"fingerprint": digest, "next_layer": str(next_layer)}
+
+
+def resume_layer(work: Path, fingerprint) -> int | None:
+    """The layer to continue at from the carried hidden states in `work/`, or None to start over.
+
+    The hidden states say themselves which run and layer they belong to: they are written
+    before progress.json, so after a kill between the two writes they are one layer ahead of it
+    (trusting progress.json would run that layer twice)."""
+    from safetensors import safe_open
+
+    path = work / "hidden.safetensors"
+    if not path.exists():
+        return None
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("fingerprint") != hidden_record(fingerprint, 0)["fingerprint"]:
+        return None
+    return int(meta["next_layer"])
 
 
 def _save_atomic(tensors: dict, path: Path, metadata: dict) -> None:

@@ -13,16 +13,21 @@ rerun with unchanged inputs does no calibration and no planning again.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import time
 from pathlib import Path
 
 from moequant.calibrate import CalibrationSettings, calibrate, load_tokenizer
-from moequant.checkpoint import atomic_write_text, open_checkpoint
+from moequant.checkpoint import atomic_write_text, is_disk_full, open_checkpoint
 from moequant.errors import UserError
 from moequant.policy import make_plan, plan_to_dict, read_plan, resolve_format, write_plan
 from moequant.recipe import Recipe, load_recipe
+
+
+# recipe name of an export format → export layout name
+EXPORT_LAYOUTS = {"fp8-block": "deepseek-fp8"}
 
 
 def sensitivity_formats(recipe: Recipe) -> tuple[str, ...]:
@@ -68,6 +73,25 @@ def plan_stage(recipe: Recipe, stats_dir: Path, plan_path: Path):
     return plan, False
 
 
+def _disk_full_is_a_user_error(fn):
+    """A full disk at any stage is one sentence (exit code 2), not a traceback; the finished
+    stages stay on disk, so the same command continues once there is space."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as error:
+            if not is_disk_full(error):
+                raise
+            where = getattr(error, "filename", None) or "the output directory"
+            raise UserError(f"the disk is full (no space left while writing {where}); free space and run the "
+                            "same command again to continue where it stopped.") from None
+
+    return wrapper
+
+
+@_disk_full_is_a_user_error
 def apply(recipe_path=None, model=None, output=None, overrides=(), device: str = "cpu", progress=True,
           log=print) -> Path:
     """Run the whole chain; returns the path of report.html."""
@@ -107,7 +131,8 @@ def apply(recipe_path=None, model=None, output=None, overrides=(), device: str =
         quantized, quant_report = quantize_model(recipe.model, plan, settings, out / "work", progress=progress)
         timings["quantize"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        export_checkpoint(ckpt.directory, quantized, checkpoint_dir, layout=recipe.export.format, target=recipe.target)
+        export_checkpoint(ckpt.directory, quantized, checkpoint_dir, layout=EXPORT_LAYOUTS.get(recipe.export.format,
+                          recipe.export.format), target=recipe.target)
         timings["export"] = time.perf_counter() - t0
         quant_report = {str(k): v for k, v in quant_report.items()}
         atomic_write_text(done_marker, json.dumps({"plan": plan_digest, "quantize": quant_report}))

@@ -1,0 +1,384 @@
+"""The quality–memory frontier: several plans against one set of calibration statistics.
+
+    result = pareto("recipes/per-expert.yaml", budgets=["int3", "int4", "int4..int8", 6.0],
+                    output="runs/pareto")
+
+Calibrates once (`OUTPUT/stats`, every candidate's sensitivity measured), then for every budget
+and target makes the budget plan, quantizes, exports and evaluates it into `OUTPUT/<name>/`
+(plan.json, checkpoint/, report.json, report.md, report.html), and the same for each uniform
+format. Every run is evaluated on the same evaluation-split tokens (disjoint from calibration,
+see data.py). Writes `OUTPUT/pareto.json` and `OUTPUT/pareto.png` (KL vs bytes); each run's
+report.html shows the frontier of its sibling runs.
+
+A budget is bits per routed-expert weight (scales included), given as
+- a number, e.g. 4.5;
+- a format entry, e.g. `int4`: exactly the routed-expert bytes of that format as a uniform plan;
+- `A..B`, e.g. `int4..int8`: half way between the bytes of uniform A and uniform B.
+
+Candidates are the recipe's `experts.formats` (e.g. bf16, int8, int4, int3, int2); for targets
+vllm / sglang the policy drops what those engines cannot load for MoE layers (int3, int2,
+asymmetric int4) and offers bf16 only for whole layers. Uniform baselines use target vllm when
+vLLM can serve them, else transformers.
+
+Reruns reuse the statistics and every run whose plan and evaluation settings are unchanged.
+
+pareto.json (schema "moequant.pareto/1")
+----------------------------------------
+{"schema", "model", "recipe": {...}, "evaluate": {dataset, samples, seq_len, seed},
+ "calibration": {dataset, samples, seq_len, seed}, "routed_weights": int,
+ "points": [{"name", "kind": "uniform" | "plan" | "outside", "target", "format" (uniform) | null,
+             "budget": str | null (as given), "budget_bits": float | null,
+             "routed_bytes": int | null, "bits_per_weight_experts": float, "bytes_quantized": int,
+             "kl_mean", "kl_p99", "top1_agreement", "routing_agreement", "ppl_quantized",
+             "predicted_loss": float | null, "counts": {format key: experts} | null,
+             "report": path of the run's report.json | the outside JSON}],
+ "ppl_original": float,
+ "skipped": [{"name", "target", "budget", "budget_bits", "error"}]}   # infeasible budget / target pairs
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from fractions import Fraction
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from moequant.errors import UserError
+
+SCHEMA = "moequant.pareto/1"
+DEFAULT_TARGETS = ("vllm", "transformers")
+DEFAULT_UNIFORM = ("int8", "int4", "int3")
+RUN_MARKER = "pareto_run.json"  # in each run directory: what produced its report (for reuse)
+
+
+# ----------------------------------------------------------------------------- recipes
+
+
+def _variant(recipe, **experts_update):
+    """The recipe with some `experts` fields replaced (target given separately as `target=`)."""
+    target = experts_update.pop("target", recipe.target)
+    experts = recipe.experts.model_copy(update=experts_update)
+    return recipe.model_copy(update={"target": target, "experts": experts})
+
+
+def _budget_recipe(recipe, target: str, bits: float):
+    from moequant.recipe import Budget
+
+    return _variant(recipe, target=target, method="budget", budget=Budget(bits_per_weight=bits))
+
+
+def _uniform_recipe(recipe, entry: str):
+    from moequant.policy import resolve_format, unservable_reason
+
+    spec = resolve_format(recipe, entry)
+    target = "vllm" if unservable_reason("vllm", spec, routed=True) is None else "transformers"
+    return _variant(recipe, target=target, method="uniform", format=entry), spec
+
+
+def _routed(plan) -> tuple[int, int]:
+    """(routed-expert bytes, routed-expert weights) of a plan."""
+    rows = [t for t in plan.tensors if t.role == "routed_expert" and t.expert is not None
+            and t.proj in ("gate", "up", "down")]
+    return sum(t.bytes for t in rows), sum(math.prod(t.shape) for t in rows)
+
+
+def bits_for_bytes(nbytes: int, numel: int) -> float:
+    """The float budget whose byte limit (policy: floor(Fraction(str(bits)) * numel / 8)) is
+    exactly `nbytes`: the nearest float at or above nbytes * 8 / numel."""
+    exact = Fraction(nbytes * 8, numel)
+    bits = float(exact)
+    while Fraction(str(bits)) < exact:
+        bits = math.nextafter(bits, math.inf)
+    return bits
+
+
+def resolve_budget(recipe, ckpt, entry, cache: dict | None = None) -> float:
+    """A budget entry (number, format entry, or 'A..B') -> bits per routed-expert weight."""
+    from moequant.policy import make_plan
+
+    cache = {} if cache is None else cache
+
+    def uniform_bytes(name: str) -> tuple[int, int]:
+        name = name.strip()
+        if name not in cache:
+            try:
+                variant, _ = _uniform_recipe(recipe, name)
+            except UserError as error:
+                raise UserError(f"budget {entry!r}: {str(error).rstrip('.')}; accepted: a number of bits per "
+                                "routed-expert weight, a format such as int4, or A..B such as int4..int8.") from None
+            cache[name] = _routed(make_plan(variant, ckpt, None))
+        return cache[name]
+
+    if isinstance(entry, (int, float)) and not isinstance(entry, bool):
+        bits = float(entry)
+    else:
+        text = str(entry).strip()
+        try:
+            bits = float(text)
+        except ValueError:
+            if ".." in text:
+                a, b = text.split("..", 1)
+                (bytes_a, numel), (bytes_b, _) = uniform_bytes(a), uniform_bytes(b)
+                return bits_for_bytes((bytes_a + bytes_b) // 2, numel)
+            nbytes, numel = uniform_bytes(text)
+            return bits_for_bytes(nbytes, numel)
+    if not (bits > 0 and math.isfinite(bits)):
+        raise UserError(f"budget {entry!r} is not a positive number of bits per routed-expert weight; "
+                        "accepted: e.g. 4.5, a format such as int4, or A..B such as int4..int8.")
+    return bits
+
+
+def _label(bits: float) -> str:
+    return f"{bits:.4f}".rstrip("0").rstrip(".")
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, settings, progress, log) -> dict:
+    """Quantize, export, evaluate and report one plan into run_dir (reused when unchanged)."""
+    from moequant.evaluate import evaluate_checkpoints
+    from moequant.export import export_checkpoint
+    from moequant.policy import plan_to_dict, write_plan
+    from moequant.quantize import quantize_model
+    from moequant.recipe import recipe_to_dict
+    from moequant.report import build_report
+
+    plan_dict = json.loads(json.dumps(plan_to_dict(plan)))
+    e = recipe.evaluate
+    marker = {"plan": json.dumps(plan_dict, sort_keys=True),
+              "evaluate": {"dataset": e.dataset, "samples": e.samples, "seq_len": e.seq_len, "seed": recipe.seed},
+              "calibration": settings.fingerprint_fields() | {"formats": list(settings.formats)}}
+    marker_path = run_dir / RUN_MARKER
+    if (marker_path.exists() and (run_dir / "report.json").exists()
+            and json.loads(marker_path.read_text()) == marker):
+        log(f"{name}: unchanged, reused")
+        return json.loads((run_dir / "report.json").read_text())
+    from moequant.checkpoint import atomic_write_text
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    marker_path.unlink(missing_ok=True)
+    write_plan(plan, run_dir / "plan.json")
+    quantized, _ = quantize_model(recipe.model, plan, settings, run_dir / "work", progress=progress)
+    checkpoint_dir = run_dir / "checkpoint"
+    if checkpoint_dir.exists():
+        shutil.rmtree(checkpoint_dir)
+    export_checkpoint(ckpt.directory, quantized, checkpoint_dir, layout=recipe.export.format, target=recipe.target)
+    shutil.rmtree(run_dir / "work", ignore_errors=True)
+    quality = evaluate_checkpoints(checkpoint_dir, ckpt.directory, dataset=e.dataset, samples=e.samples,
+                                   seq_len=e.seq_len, seed=recipe.seed, progress=progress)
+    report = build_report(model=recipe.model, checkpoint=checkpoint_dir, original=ckpt.directory,
+                          recipe=recipe_to_dict(recipe), target=recipe.target, plan=plan_dict, quality=quality,
+                          stats=stats_dir, output_dir=run_dir)
+    atomic_write_text(marker_path, json.dumps(marker))
+    q = report["quality"] or {}
+    log(f"{name}: KL {q.get('kl_mean', float('nan')):.4g}, top-1 {q.get('top1_agreement', float('nan')):.4f}, "
+        f"{report['memory']['bits_per_weight_experts']:.3f} bits per routed-expert weight")
+    return report
+
+
+def _point(name: str, kind: str, report: dict, report_path: Path, *, target=None, format=None,
+           budget=None, budget_bits=None, plan=None) -> dict:
+    q = report.get("quality") or {}
+    point = {"name": name, "kind": kind, "target": target, "format": format,
+             "budget": None if budget is None else str(budget), "budget_bits": budget_bits,
+             "routed_bytes": None, "bits_per_weight_experts": report["memory"]["bits_per_weight_experts"],
+             "bytes_quantized": report["memory"]["bytes_quantized"],
+             "kl_mean": q.get("kl_mean"), "kl_p99": q.get("kl_p99"), "top1_agreement": q.get("top1_agreement"),
+             "routing_agreement": q.get("routing_agreement"), "ppl_quantized": q.get("ppl_quantized"),
+             "predicted_loss": None, "counts": None, "report": str(report_path)}
+    if plan is not None:
+        from collections import Counter
+
+        point["routed_bytes"] = _routed(plan)[0]
+        point["predicted_loss"] = plan.summary.get("predicted_loss")
+        point["counts"] = dict(Counter(plan.expert_formats().values()))
+    return point
+
+
+def outside_point(path, reference_dir, evaluate_settings: dict) -> dict:
+    """A point for a checkpoint evaluated by `moequant eval --json` (its JSON file at `path`),
+    with bytes from the checkpoint's safetensors headers. The evaluation must have used the
+    same dataset, samples, seq_len and seed, so that its KL is over the same tokens."""
+    from moequant.report import memory_account
+
+    path = Path(path)
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise UserError(f"outside evaluation {path} is not a readable JSON file; accepted: the output of "
+                        "`moequant eval CHECKPOINT --reference ORIGINAL --json`.") from None
+    if not isinstance(result, dict) or "kl_mean" not in result or "checkpoint" not in result:
+        raise UserError(f"outside evaluation {path} has no kl_mean / checkpoint; accepted: the output of "
+                        "`moequant eval CHECKPOINT --reference ORIGINAL --json`.")
+    used = {"dataset": result.get("dataset"), "samples": result.get("samples"), "seq_len": result.get("seq_len"),
+            "seed": result.get("seed")}
+    if used != evaluate_settings:
+        raise UserError(f"outside evaluation {path} was made with {used}, not on the frontier's evaluation tokens "
+                        f"{evaluate_settings}; rerun `moequant eval` with --dataset, --samples, --seq-len and --seed "
+                        "set to those.")
+    checkpoint = Path(result["checkpoint"])
+    if not checkpoint.is_absolute() and not checkpoint.exists():
+        checkpoint = path.parent / checkpoint
+    memory = memory_account(reference_dir, checkpoint)
+    report = {"memory": memory, "quality": result}
+    return _point(path.stem, "outside", report, path)
+
+
+# ----------------------------------------------------------------------------- the frontier
+
+
+def pareto(recipe_path=None, budgets: Sequence = ("int3", "int4", "int4..int8"), model=None, output=None,
+           overrides: Iterable[str] = (), targets: Sequence[str] = DEFAULT_TARGETS,
+           uniform: Sequence[str] = DEFAULT_UNIFORM, extra_reports: Sequence = (), device: str = "cpu",
+           progress: bool = True, log=print) -> dict:
+    """Run the budget plans (each budget x each target) and the uniform baselines against one set
+    of statistics; write OUTPUT/pareto.json and OUTPUT/pareto.png. Returns pareto.json's dict."""
+    from moequant.apply import resolve_recipe
+    from moequant.calibrate import CalibrationSettings, calibrate, load_tokenizer
+    from moequant.checkpoint import atomic_write_text, open_checkpoint
+    from moequant.policy import make_plan, resolve_format
+    from moequant.recipe import TARGETS, recipe_to_dict
+
+    recipe = resolve_recipe(recipe_path, model, output, overrides)
+    for target in targets:
+        if target not in TARGETS:
+            raise UserError(f"target {target!r} is not a target; accepted: {', '.join(TARGETS)}.")
+    if not budgets and not uniform:
+        raise UserError("pareto needs at least one budget or one uniform format.")
+    out = Path(recipe.output)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = open_checkpoint(recipe.model)
+
+    # Every format any run may give a routed expert: calibration measures each one's sensitivity.
+    uniform_variants = [_uniform_recipe(recipe, entry) for entry in uniform]
+    keys: list[str] = []
+    for entry in [*recipe.experts.formats, *uniform]:
+        key = resolve_format(recipe, entry).key
+        if key != "bf16" and key not in keys:
+            keys.append(key)
+    c = recipe.calibration
+    settings = CalibrationSettings(dataset=c.dataset, samples=c.samples, seq_len=c.seq_len, seed=recipe.seed,
+                                   all_experts=c.all_experts, formats=tuple(keys), device=device)
+    stats_dir = out / "stats"
+    calibrate(recipe.model, stats_dir, settings, overwrite=True, tokenizer=load_tokenizer(ckpt.directory),
+              progress=progress)
+    log(f"calibration statistics: {stats_dir}")
+
+    cache: dict = {}
+    resolved = [(entry, resolve_budget(recipe, ckpt, entry, cache)) for entry in budgets]
+    runs = []  # (name, kind, variant, plan, extra point fields)
+    skipped: list[dict] = []
+    for variant, spec in uniform_variants:
+        plan = make_plan(variant, ckpt, stats_dir)
+        runs.append((f"uniform-{spec.key}", "uniform", variant, plan,
+                     {"target": variant.target, "format": spec.key}))
+    for entry, bits in resolved:
+        for target in targets:
+            variant = _budget_recipe(recipe, target, bits)
+            try:
+                plan = make_plan(variant, ckpt, stats_dir)
+            except UserError as error:  # e.g. a budget below the target's smallest plan: say so, go on
+                skipped.append({"name": f"{target}-{_label(bits)}bpw", "target": target, "budget": str(entry),
+                                "budget_bits": bits, "error": str(error)})
+                log(f"{target} at {entry!r}: {error}")
+                continue
+            runs.append((f"{target}-{_label(bits)}bpw", "plan", variant, plan,
+                         {"target": target, "budget": entry, "budget_bits": bits}))
+    if not runs:
+        raise UserError("no budget is feasible for any target: " + " ".join(s["error"] for s in skipped))
+    names = [r[0] for r in runs]
+    if len(set(names)) != len(names):
+        raise UserError(f"two budgets name the same run ({', '.join(sorted({n for n in names if names.count(n) > 1}))}); "
+                        "give each budget once.")
+
+    points = []
+    for name, kind, variant, plan, fields in runs:
+        report = _run_one(name, variant, plan, out / name, ckpt, stats_dir, settings, progress, log)
+        points.append(_point(name, kind, report, out / name / "report.json", plan=plan, **fields))
+    e = recipe.evaluate
+    evaluate_settings = {"dataset": e.dataset, "samples": e.samples, "seq_len": e.seq_len, "seed": recipe.seed}
+    for path in extra_reports:
+        points.append(outside_point(path, ckpt.directory, evaluate_settings))
+
+    # Re-render every run's report so that each one's frontier plot shows all its siblings.
+    from moequant.report import write_report
+
+    for name, *_ in runs:
+        write_report(json.loads((out / name / "report.json").read_text()), out / name)
+
+    result = {"schema": SCHEMA, "model": recipe.model, "recipe": recipe_to_dict(recipe),
+              "evaluate": evaluate_settings,
+              "calibration": {"dataset": c.dataset, "samples": c.samples, "seq_len": c.seq_len, "seed": recipe.seed},
+              "routed_weights": _routed(runs[0][3])[1] if runs else None,
+              "ppl_original": next((json.loads(Path(p["report"]).read_text())["quality"]["ppl_original"]
+                                    for p in points if p["kind"] != "outside"), None),
+              "points": points, "skipped": skipped}
+    atomic_write_text(out / "pareto.json", json.dumps(result, indent=2) + "\n")
+    (out / "pareto.png").write_bytes(plot_frontier(points, title=f"{recipe.model}: KL vs routed-expert bits"))
+    log(f"frontier: {out / 'pareto.json'}, {out / 'pareto.png'}")
+    return result
+
+
+def find(points: list[dict], name: str) -> dict:
+    """The point called `name` (KeyError naming the ones there are)."""
+    for p in points:
+        if p["name"] == name:
+            return p
+    raise KeyError(f"no point {name!r}; there are: {', '.join(p['name'] for p in points)}")
+
+
+def plot_frontier(points: list[dict], title: str = "KL vs bytes") -> bytes:
+    """PNG: KL(original ‖ quantized) against bits per routed-expert weight, one series per kind /
+    target; the uniform points joined by a dashed line (what mixing them at random gives)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    series: dict[str, list[dict]] = {}
+    for p in points:
+        if p.get("kl_mean") is None:
+            continue
+        label = {"uniform": "uniform", "outside": "outside checkpoints"}.get(p["kind"], f"budget plan, target {p['target']}")
+        series.setdefault(label, []).append(p)
+    style = {"uniform": ("s", "tab:gray", "--")}
+    colors = iter(["tab:blue", "tab:red", "tab:green", "tab:purple", "tab:orange"])
+    for label, pts in series.items():
+        pts = sorted(pts, key=lambda p: p["bits_per_weight_experts"])
+        marker, color, line = style.get(label, ("o", next(colors), "-"))
+        if label == "outside checkpoints":
+            marker, line = "^", ""
+        ax.plot([p["bits_per_weight_experts"] for p in pts], [p["kl_mean"] for p in pts], marker=marker,
+                color=color, linestyle=line or "none", label=label)
+        for p in pts:
+            text = p["format"] if p["kind"] == "uniform" else (p["name"] if p["kind"] == "outside" else None)
+            if text:
+                ax.annotate(text, (p["bits_per_weight_experts"], p["kl_mean"]), fontsize=7, xytext=(4, 4),
+                            textcoords="offset points")
+    if points and all((p.get("kl_mean") or 0) > 0 for p in points if p.get("kl_mean") is not None):
+        ax.set_yscale("log")
+    ax.set_xlabel("bits per routed-expert weight (scales included)")
+    ax.set_ylabel("KL(original ‖ quantized), mean per token")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def interpolate_uniform(points: list[dict], bits: float, low: str, high: str) -> float:
+    """KL of the straight line between two uniform points (by name) at `bits` per routed weight:
+    what mixing the two formats at random over the layers gives, to first order."""
+    a, b = find(points, low), find(points, high)
+    x0, x1 = a["bits_per_weight_experts"], b["bits_per_weight_experts"]
+    t = (bits - x0) / (x1 - x0)
+    return a["kl_mean"] + t * (b["kl_mean"] - a["kl_mean"])

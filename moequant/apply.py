@@ -99,6 +99,10 @@ def apply(recipe_path=None, model=None, output=None, overrides=(), device: str =
     from moequant.quantize import quantize_model
 
     recipe = resolve_recipe(recipe_path, model, output, overrides)
+    awq = sorted(f for f, a in recipe.algorithms.items() if a == "awq")
+    if awq:  # refused before any work
+        raise UserError(f"algorithms: awq (for {', '.join(awq)}) is not wired into the quantize pass yet; "
+                        "accepted: gptq or rtn.")
     out = Path(recipe.output)
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}

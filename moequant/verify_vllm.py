@@ -283,6 +283,87 @@ def verify(checkpoints: list[str | os.PathLike], *, prompts: list[list[int]] | N
     return [compare_with_moequant(c, prompts, outs[str(c.resolve())], tolerance=tolerance) for c in checkpoints]
 
 
+# ---- GPTQModel (a second, independent GPTQ reader) ------------------------------------------------
+
+GPTQMODEL_DEFAULT_VENV = Path("~/.cache/moequant/gptqmodel").expanduser()
+GPTQMODEL_PACKAGES = ("torch==2.13.0", "gptqmodel==7.6.0")
+
+
+def ensure_gptqmodel_env(venv: str | os.PathLike | None = None, log=print) -> Path:
+    """The python of a GPTQModel 7.6 venv (CPU torch kernels), built first when missing."""
+    venv = Path(venv or os.environ.get("MOEQUANT_GPTQMODEL_VENV", GPTQMODEL_DEFAULT_VENV)).expanduser()
+    python = _venv_python(venv)
+    probe = [str(python), "-c", "import gptqmodel"]
+    if (venv / READY_MARKER).exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return python
+    if venv.exists():
+        shutil.rmtree(venv)
+    started = time.time()
+    log(f"building the GPTQModel environment in {venv} (several minutes, once)")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    env = {**os.environ, "BUILD_CUDA_EXT": "0"}
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", *GPTQMODEL_PACKAGES], check=True, env=env)
+    subprocess.run(probe, check=True)
+    (venv / READY_MARKER).write_text(json.dumps({"seconds": round(time.time() - started)}) + "\n")
+    return python
+
+
+_GPTQMODEL_WORKER = r"""
+import json, sys
+import torch
+from gptqmodel import BACKEND, GPTQModel
+
+job = json.loads(open(sys.argv[1]).read())
+model = GPTQModel.load(job["checkpoint"], device="cpu", backend=BACKEND.TORCH, dtype=torch.float16)
+out = []
+with torch.no_grad():
+    for p in job["prompts"]:
+        logits = model.model(torch.tensor([p])).logits[0].float()
+        out.append(torch.log_softmax(logits, dim=-1).tolist())
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+
+def run_gptqmodel(checkpoint: str | os.PathLike, prompts: list[list[int]], *, python: Path | None = None,
+                  timeout: float = 1200) -> list[list[list[float]]]:
+    """Log-probabilities [prompt][position][vocab] of GPTQModel's own load of a GPTQ checkpoint."""
+    python = python or ensure_gptqmodel_env()
+    with tempfile.TemporaryDirectory(prefix="moequant-gptqmodel-") as tmp:
+        job, result, script = Path(tmp) / "job.json", Path(tmp) / "result.json", Path(tmp) / "worker.py"
+        script.write_text(_GPTQMODEL_WORKER)
+        job.write_text(json.dumps({"checkpoint": str(Path(checkpoint).resolve()), "prompts": prompts}))
+        env = {**os.environ, "GPTQMODEL_CPU_WORKERS": os.environ.get("GPTQMODEL_CPU_WORKERS", "2")}
+        env.pop("PYTHONPATH", None)
+        proc = subprocess.run([str(python), str(script), str(job), str(result)], env=env, capture_output=True,
+                              text=True, timeout=timeout, cwd=tmp)
+        if proc.returncode != 0 or not result.exists():
+            raise RuntimeError(f"GPTQModel failed on {checkpoint}:\n{_error_summary(proc.stdout + proc.stderr)}")
+        return json.loads(result.read_text())
+
+
+def compare_logprobs(checkpoint, prompts: list[list[int]], theirs: list, *, top_k: int = 5, model=None) -> dict:
+    """moequant.load() vs another reader's log-probabilities on the same prompts (teacher forced):
+    argmax agreement and |Δ logprob| over the other reader's top-k tokens."""
+    import torch
+
+    from moequant.loader import load
+
+    model = model if model is not None else load(checkpoint, dtype=torch.float32)
+    same = total = 0
+    diffs = []
+    for prompt, other in zip(prompts, theirs):
+        with torch.no_grad():
+            ours = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), dim=-1)
+        other = torch.tensor(other, dtype=torch.float64)
+        same += int((ours.argmax(-1) == other.argmax(-1)).sum())
+        total += len(prompt)
+        top = other.topk(top_k, dim=-1).indices
+        diffs.append((ours.gather(-1, top) - other.gather(-1, top)).abs().amax(-1))
+    d = torch.cat(diffs)
+    return {"argmax_agree": same / total, "median": float(d.median()), "p95": float(d.quantile(0.95)),
+            "max": float(d.max())}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moequant.verify_vllm", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoints", nargs="*", help="exported checkpoint directories")

@@ -8,7 +8,6 @@ are multiples of 128 (int groups, fp8 blocks), head_dim 64 (vLLM's CPU attention
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -36,7 +35,7 @@ ARCH = {
 
 
 def build_model(model_type: str, directory: Path, seed: int = 0) -> Path:
-    """Save a tiny bf16 `model_type` checkpoint (plus a tokenizer.json stand-in) in `directory`."""
+    """Save a tiny bf16 `model_type` checkpoint (plus a word-level tokenizer) in `directory`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -56,9 +55,19 @@ def build_model(model_type: str, directory: Path, seed: int = 0) -> Path:
                 p.normal_(0, 0.02)
     directory = Path(directory)
     model.to(torch.bfloat16).save_pretrained(directory)
-    # export must copy tokenizer files byte for byte; the tests feed token ids directly
-    (directory / "tokenizer.json").write_text(json.dumps({"version": "1.0", "stand_in": model_type}))
+    save_word_tokenizer(directory)
     return directory
+
+
+def save_word_tokenizer(directory: Path) -> None:
+    """A word-level tokenizer "t0 t1 ..." over the whole vocabulary: export must copy it, and
+    GPTQModel refuses a checkpoint without one (the engines are fed token ids directly)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1").save_pretrained(directory)
 
 
 def quantize_experts(source, format_of) -> dict:

@@ -1,0 +1,358 @@
+"""Faults: `apply` killed at random points, interrupted between two of its writes, a full disk,
+numerical damage in the checkpoint, unused experts, a budget at the feasibility edge — and
+determinism: the same recipe, data and seed give byte-identical checkpoints and report numbers.
+
+Everything runs on a tiny Qwen2-MoE with its own tokenizer and the smallest settings.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from moequant.cli import main
+from moequant.errors import UserError
+from tiny import build_tiny_with_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["calibration.samples=2", "calibration.seq_len=32", "calibration.dataset=builtin:stdlib-prose",
+        "evaluate.samples=2", "evaluate.seq_len=32", "evaluate.dataset=builtin:stdlib-prose"]
+
+
+def apply_args(model_dir, out, *extra):
+    args = ["apply", "--recipe", str(ROOT / "recipes/selective.yaml"), "--model", str(model_dir), "--output", str(out)]
+    for s in TINY + list(extra):
+        args += ["--set", s]
+    return args
+
+
+def run_apply(model_dir, out, *extra, expect=0):
+    result = CliRunner().invoke(main, apply_args(model_dir, out, *extra), catch_exceptions=False)
+    assert result.exit_code == expect, result.output
+    return result.output
+
+
+def digest(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def same_safetensors(a: Path, b: Path) -> bool:
+    """Same tensors (bit for bit) and metadata. Not bytes: the safetensors library writes a
+    metadata map of more than one key in a per-process hash order."""
+    from safetensors import safe_open
+
+    ta, tb = load_file(str(a)), load_file(str(b))
+    with safe_open(str(a), "pt") as fa, safe_open(str(b), "pt") as fb:
+        same_meta = fa.metadata() == fb.metadata()
+    return same_meta and ta.keys() == tb.keys() and all(
+        ta[k].dtype == tb[k].dtype and torch.equal(ta[k].reshape(-1).view(torch.uint8), tb[k].reshape(-1).view(torch.uint8)) for k in ta)
+
+
+def report_numbers(out: Path) -> dict:
+    """report.json without timings, with the output directory's path replaced (it differs per run)."""
+    text = (out / "report.json").read_text().replace(str(out), "OUT")
+    report = json.loads(text)
+    report.pop("timings", None)
+    for key in list(report.get("quality") or {}):
+        if "seconds" in key or "time" in key:
+            report["quality"].pop(key)
+    return report
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_with_tokenizer("qwen2_moe", tmp_path_factory.mktemp("m") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "run"
+    t0 = time.perf_counter()
+    run_apply(model_dir, out)
+    return out, time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------- determinism
+
+
+def test_same_recipe_data_and_seed_give_identical_checkpoint_and_report(model_dir, reference, tmp_path):
+    ref, _ = reference
+    again = tmp_path / "again"
+    run_apply(model_dir, again)
+    assert digest(again / "checkpoint") == digest(ref / "checkpoint")
+    # plan.json records the recipe, whose `output` is the run's own directory
+    assert ((again / "plan.json").read_text().replace(str(again), "OUT")
+            == (ref / "plan.json").read_text().replace(str(ref), "OUT"))
+    layer_stats = sorted(p.name for p in (ref / "stats").glob("layer_*.safetensors"))
+    assert layer_stats and all(same_safetensors(again / "stats" / n, ref / "stats" / n) for n in layer_stats)
+    assert report_numbers(again) == report_numbers(ref)
+    # the report is not trivially equal: it holds measured quality numbers
+    assert report_numbers(ref)["quality"]["kl_mean"] > 0
+
+
+# ----------------------------------------------------------------------------- crash safety
+
+
+def _check_consistent(out: Path, ref: Path) -> str:
+    """After a kill: checkpoint/ is absent or byte-identical to the uninterrupted run's; files that
+    say a stage is complete are readable. Returns which stage the run had reached."""
+    if (out / "checkpoint").exists():
+        assert digest(out / "checkpoint") == digest(ref / "checkpoint")
+        stage = "exported"
+    elif (out / "work").exists():
+        stage = "quantizing"
+    elif (out / "stats" / "summary.json").exists():
+        stage = "calibrated"
+    else:
+        stage = "calibrating"
+    for name in ("report.json", "checkpoint.json", "plan.json", "stats/summary.json"):
+        if (out / name).exists():
+            json.loads((out / name).read_text())
+    if (out / "report.json").exists():
+        stage = "reported"
+    return stage
+
+
+STAGES = {  # what is on disk once a stage has begun
+    "calibrating": lambda out: (out / "stats" / ".work").exists(),
+    "quantizing": lambda out: (out / "work" / "hidden.safetensors").exists(),
+    "exporting": lambda out: any(out.glob(".checkpoint.tmp-*")),
+    "evaluating": lambda out: (out / "checkpoint.json").exists(),
+}
+
+
+def test_sigkill_at_random_points_leaves_no_half_checkpoint_and_resumes_identically(model_dir, reference, tmp_path):
+    """SIGKILL `moequant apply` (a real process) at a random moment after each stage has begun,
+    resuming in the same output directory each time, then let it finish."""
+    ref, _ = reference
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "moequant.cli", *apply_args(model_dir, out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    rng = random.Random(20261129)
+    kills = []
+    for target in STAGES:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while proc.poll() is None and not STAGES[target](out):
+            time.sleep(0.002)
+        delay = rng.uniform(0.0, 0.5)
+        time.sleep(delay)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert proc.returncode in (0, -signal.SIGKILL)
+        kills.append((target, round(delay, 3), proc.returncode, _check_consistent(out, ref)))
+    final = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert final.returncode == 0, final.stderr[-2000:]
+    print("kills (stage begun, extra delay s, return code, stage reached):", kills)
+    assert sum(k[2] == -signal.SIGKILL for k in kills) >= 3, kills  # the kills did land mid-run
+    assert digest(out / "checkpoint") == digest(ref / "checkpoint")
+    assert report_numbers(out) == report_numbers(ref)
+    assert not (out / "work").exists()
+
+
+def test_interrupt_between_hidden_states_and_progress_marker_resumes_identically(model_dir, reference, tmp_path,
+                                                                                 monkeypatch):
+    """The narrowest windows of the resumable stages: killed after a layer's carried hidden states
+    were written but before the progress marker saying so (calibration, then the quantize pass)."""
+    from moequant import calibrate, checkpoint, quantize
+
+    ref, _ = reference
+    out = tmp_path / "windows"
+    real_write = checkpoint.atomic_write_text
+
+    def dying_at(where: str, layer: int):
+        def write(path, text):
+            path = Path(path)
+            if path.name == "progress.json" and path.parent.name == where and json.loads(text)["next_layer"] == layer + 1:
+                raise KeyboardInterrupt  # the process dies here: hidden states of `layer` are on disk
+            return real_write(path, text)
+        return write
+
+    monkeypatch.setattr(calibrate, "atomic_write_text", dying_at(".work", 1))
+    assert "Aborted" in run_apply(model_dir, out, expect=1)
+    monkeypatch.setattr(calibrate, "atomic_write_text", real_write)
+    assert json.loads((out / "stats/.work/progress.json").read_text())["next_layer"] == 1
+    monkeypatch.setattr(quantize, "atomic_write_text", dying_at("work", 1))
+    assert "Aborted" in run_apply(model_dir, out, expect=1)
+    monkeypatch.setattr(quantize, "atomic_write_text", real_write)
+    assert json.loads((out / "work/progress.json").read_text())["next_layer"] == 1
+    run_apply(model_dir, out)
+    for name in sorted(p.name for p in (ref / "stats").glob("layer_*.safetensors")):
+        assert same_safetensors(out / "stats" / name, ref / "stats" / name), name
+    assert digest(out / "checkpoint") == digest(ref / "checkpoint")
+
+
+# ----------------------------------------------------------------------------- full disk
+
+
+def _small_filesystem(directory: Path, size: str):
+    """A size-limited tmpfs at `directory` (needs root); None when it cannot be mounted."""
+    directory.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+                          capture_output=True)
+    return directory if done.returncode == 0 else None
+
+
+def _quantized_experts(model_dir):
+    from moequant import formats
+    from moequant.arch import adapter_for
+    from moequant.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(model_dir)
+    ad = adapter_for(ckpt.config)
+    return {(L, e, p): formats.quantize(ad.read_expert(ckpt, L, e, p).float(), "int8")
+            for L in ad.moe_layers for e in range(ad.num_experts) for p in ad.projections}
+
+
+def test_full_disk_during_export_fails_in_one_sentence_and_leaves_no_checkpoint(model_dir, tmp_path, monkeypatch):
+    from moequant import checkpoint
+    from moequant.export import export_checkpoint
+
+    quantized = _quantized_experts(model_dir)
+    disk = _small_filesystem(tmp_path / "disk", "64k")  # the checkpoint needs ~130 kB
+    try:
+        if disk is None:  # not root: simulate the full disk at the shard write instead
+            print("tmpfs not mountable here: ENOSPC simulated in the shard writer")
+            disk = tmp_path / "disk"
+
+            def no_space(*args, **kwargs):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            monkeypatch.setattr(checkpoint, "save_file", no_space)
+        with pytest.raises(UserError) as error:
+            export_checkpoint(model_dir, quantized, disk / "checkpoint")
+        message = str(error.value)
+        assert "full" in message and str(disk / "checkpoint") in message and message.count(". ") == 0
+        assert list(disk.iterdir()) == []  # no checkpoint, no temporary sibling left behind
+    finally:
+        if disk is not None and os.path.ismount(disk):
+            subprocess.run(["umount", "--lazy", str(disk)], check=True)  # lazy: the test process may hold a file
+
+
+def test_full_disk_during_apply_is_one_line_and_the_run_continues_once_there_is_space(model_dir, reference,
+                                                                                     tmp_path):
+    ref, _ = reference
+    disk = _small_filesystem(tmp_path / "disk", "400k")  # statistics and plan fit; the quantize pass does not
+    if disk is None:
+        print("tmpfs not mountable here (needs root): only the export-level simulation runs")
+        return
+    try:
+        result = CliRunner().invoke(main, apply_args(model_dir, disk / "run"))
+        assert result.exit_code == 2, result.output
+        lines = result.output.strip().splitlines()
+        assert lines[-1].startswith("error: the disk is full") and lines[-1].count(". ") == 0, result.output
+        assert not (disk / "run" / "checkpoint").exists()
+        assert (disk / "run" / "stats" / "summary.json").exists()
+        subprocess.run(["mount", "-o", "remount,size=8m", str(disk)], check=True)
+        assert "(reused)" in run_apply(model_dir, disk / "run")  # the statistics were kept
+        assert digest(disk / "run" / "checkpoint") == digest(ref / "checkpoint")
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)  # lazy: the test process may hold a file
+
+
+# ----------------------------------------------------------------------------- numerical faults
+
+
+def _damaged_copy(model_dir: Path, directory: Path, name: str, index, value) -> Path:
+    shutil.copytree(model_dir, directory)
+    tensors = load_file(str(directory / "model.safetensors"))
+    t = tensors[name].clone()
+    t[index] = value
+    tensors[name] = t
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def _calibrate(model, out, **kw):
+    from moequant.calibrate import CalibrationSettings, calibrate
+
+    settings = CalibrationSettings(dataset="builtin:stdlib-prose", samples=2, seq_len=32, formats=("int4-g32-sym",),
+                                   **kw)
+    return calibrate(str(model), out, settings, progress=False)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_expert_weight_is_named_with_layer_and_expert(model_dir, tmp_path, value):
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    bad = _damaged_copy(model_dir, tmp_path / "bad", name, (0, 0), value)
+    with pytest.raises(UserError) as error:
+        _calibrate(bad, tmp_path / "stats")
+    message = str(error.value)
+    assert name in message and "layer 1" in message and "expert 3" in message, message
+    assert ("1 NaN" in message) if value != value else ("1 infinite" in message), message
+
+
+def test_non_finite_attention_weight_and_overflowing_activations_are_named(model_dir, tmp_path):
+    name = "model.layers.2.self_attn.q_proj.weight"
+    bad = _damaged_copy(model_dir, tmp_path / "attn", name, (1, 2), float("nan"))
+    with pytest.raises(UserError, match=rf"{name} \(layer 2, attention\) holds 1 NaN"):
+        _calibrate(bad, tmp_path / "s1")
+    # finite weights whose activations overflow float32: the layer and batch are named
+    huge = _damaged_copy(model_dir, tmp_path / "huge", "model.layers.0.input_layernorm.weight",
+                         slice(None), 3e38)  # near the largest bf16: finite, but attention scores overflow
+    with pytest.raises(UserError, match=r"layer 0 produced NaN or Inf activations on calibration batch 0"):
+        _calibrate(huge, tmp_path / "s2")
+
+
+def test_quantizing_a_non_finite_weight_names_the_tensor():
+    from moequant import formats
+
+    w = torch.randn(8, 32)
+    w[3, 5] = float("nan")
+    with pytest.raises(UserError, match="layer 4 expert 2 up.*1 NaN"):
+        formats.quantize(w, "int4", group_size=32, name="layer 4 expert 2 up")
+
+
+def test_unused_experts_and_singular_hessians_still_quantize(model_dir, tmp_path):
+    """In layer 1 the router can only ever pick experts 0 and 1 (top-2 of 6), and calibration keeps
+    only routed tokens: experts 2..5 see no token and their Hessians are all zero (singular).
+    GPTQ must fall back to round-to-nearest for them, say why per expert, and write exactly the
+    RTN weights; the statistics must count 0 routed tokens for them."""
+    from moequant import formats
+    from moequant.loader import dequantized_state_dict
+    from moequant.stats import load_stats
+
+    directory = tmp_path / "unused"
+    shutil.copytree(model_dir, directory)
+    tensors = load_file(str(directory / "model.safetensors"))
+    # channel 0 of the residual stream is a large positive constant for every token, so after
+    # the (positive-weight) norm it stays positive; the router reads only that channel:
+    # logit +100·x0 for experts 0 and 1, −100·x0 for the others.
+    tensors["model.embed_tokens.weight"][:, 0] = 4.0
+    router = torch.zeros_like(tensors["model.layers.1.mlp.gate.weight"])
+    router[:2, 0], router[2:, 0] = 100.0, -100.0
+    tensors["model.layers.1.mlp.gate.weight"] = router
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+    out = tmp_path / "run"
+    run_apply(directory, out, "calibration.all_experts=false", "experts.method=uniform", "experts.format=int4",
+              "algorithms.int4=gptq")
+    counts = load_stats(out / "stats", with_hessians=False).layers[1].routed_count
+    assert counts.tolist() == [64, 64, 0, 0, 0, 0]  # 2 samples x 32 tokens, each to experts 0 and 1
+    report = json.loads((out / "checkpoint.json").read_text())["quantize"]["1"]
+    weights = dequantized_state_dict(out / "checkpoint", torch.float32)
+    spec = formats.get_format("int4", group_size=32, symmetric=True)
+    for proj, name in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+        fallbacks = report[f"{proj}:{spec.key}"]["gptq"]["fallbacks"]
+        for e in range(2, 6):
+            assert "all zeros" in fallbacks[str(e)], fallbacks
+            key = f"model.layers.1.mlp.experts.{e}.{name}.weight"
+            rtn = formats.quantize(tensors[key].float(), spec).dequantize(torch.float32)
+            assert torch.equal(weights[key], rtn), key
+        used = f"model.layers.1.mlp.experts.0.{name}.weight"
+        assert torch.isfinite(weights[used]).all()

@@ -53,6 +53,7 @@ def reference_pass(directory, samples):
         hooks.append(mlp.experts.register_forward_pre_hook(
             lambda m, a, L=L: seen[L]["x"].append(a[0].reshape(-1, a[0].shape[-1]).double())))
     ids = torch.stack([s.input_ids for s in samples])
+    model = model.float()
     with torch.no_grad():
         for batch in torch.split(ids, BS):
             model(input_ids=batch)
@@ -156,3 +157,20 @@ def test_bad_input(tiny_dirs, tmp_path):
     result = CliRunner().invoke(main, ["calibrate", "--model", d, "--output", str(tmp_path / "c"), "--samples", "2",
                                        "--seq-len", "8"])
     assert result.exit_code == 2 and "tokenizer" in result.output
+
+
+@pytest.mark.parametrize("zoo_name", ["tiny-mixtral", "tiny-qwen2moe"])
+def test_zoo_routing_counts_match_an_independent_hook(tmp_path, zoo_name):
+    """Real data through a trained zoo model: exact counts, and experts specialise by domain."""
+    from moequant import zoo
+    from moequant.calibrate import load_tokenizer
+    from moequant.data import load_samples
+
+    directory = zoo.path(zoo_name)
+    samples = load_samples("builtin:stdlib-code", load_tokenizer(directory), N, 64, seed=3)
+    out = calibrate(f"zoo:{zoo_name}", tmp_path / "s", settings(seq_len=64), samples=samples, progress=False)
+    stats = load_stats(out)
+    _, _, ref = reference_pass(directory, samples)
+    for L, (indices, _) in ref.items():
+        E = stats.layers[L].num_experts
+        assert torch.equal(stats.layers[L].routed_count, torch.bincount(indices.reshape(-1), minlength=E))

@@ -29,7 +29,15 @@ Layouts (each refuses, before any work, a plan it cannot hold — one sentence, 
 - "gpt-oss-mxfp4": gpt-oss experts as `*_blocks` / `*_scales` (gate/up interleaved as on disk),
   biases and every other tensor kept.
 
-The output directory is built in a temporary sibling and renamed into place at the end.
+The output directory is built in a temporary sibling and renamed into place at the end; a
+`moequant_export.json` beside the weights records the layout, target and every tensor's format.
+
+What reads these (tests/test_export*.py, tests/test_vllm.py): compressed-tensors' decompression
+equals moequant.load() bit for bit for every format; vLLM 0.32 CPU runs W4A16 (CT), W8A8 int8
+(CT), their per-layer mix and GPTQ v1 int4 of Mixtral / Qwen2-MoE; vLLM's CPU MoE has no kernel
+for W8A16 int8 (pack-quantized, a GPU/Marlin format) and runs int8 W8A8 only in bfloat16;
+GPTQModel 7.6 reads GPTQ exports of Qwen2/3-MoE (it expects Mixtral experts under
+transformers-5 module names, `mlp.experts.N.gate_proj`, not the on-disk `block_sparse_moe.experts.N.w1`).
 """
 
 from __future__ import annotations
@@ -109,7 +117,7 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
             else:
                 shards.add(name, kept[name] if name in kept else ckpt.get(name))
         shards.finish()
-        config = dict(ckpt.config)
+        config = {k: v for k, v in ckpt.config.items() if k != "auto_map"}  # code we neither copy nor run
         config["quantization_config"] = writer.quantization_config()
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for fname, content in writer.extra_files().items():

@@ -130,6 +130,7 @@ def apply(recipe_path=None, model=None, output=None, overrides=(), device: str =
         log(f"checkpoint: {checkpoint_dir} (up to date, reused)")
         quant_report = json.loads(done_marker.read_text())["quantize"]
         timings["quantize"] = timings["export"] = 0.0
+        shutil.rmtree(out / "work", ignore_errors=True)  # left when killed right after the marker was written
     else:
         t0 = time.perf_counter()
         quantized, quant_report = quantize_model(recipe.model, plan, settings, out / "work", progress=progress)

@@ -124,6 +124,16 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
     for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
         if s1 < e0:
             raise UserError(f"{path}: tensors {n0!r} and {n1!r} overlap in the file.")
+    # like the safetensors library (what serving engines read with): the tensors tile the data
+    # section exactly, with no gap and nothing after the last one
+    covered = 0
+    for start, end, name in spans:
+        if start != covered:
+            raise UserError(f"{path}: tensor {name!r} starts at data byte {start}, leaving bytes {covered}..{start} "
+                            "that no tensor covers.")
+        covered = end
+    if covered != data_size:
+        raise UserError(f"{path} has {data_size - covered} bytes after its last tensor that no tensor covers.")
     return entries
 
 

@@ -434,7 +434,8 @@ def load_quantized(path, dtype=None, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or "auto").to(device)
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or "auto",
+                                                     trust_remote_code=False).to(device)
     except Exception as e:
         raise UserError(f"cannot load {path} as a quantized model: moequant's loader said "
                         f"\"{first_error}\" and transformers failed with {type(e).__name__}: {e}") from None
@@ -459,7 +460,8 @@ def evaluate_checkpoints(checkpoint, reference, dataset: str = "builtin:mix", sa
     ref_dir = open_checkpoint(reference).directory
     tokenizer = load_tokenizer(ref_dir)
     windows = load_samples(dataset, tokenizer, samples, seq_len, split="evaluation", seed=seed)
-    ref_model = AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=dtype or "auto").to(device).eval()
+    ref_model = AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=dtype or "auto",
+                                                     trust_remote_code=False).to(device).eval()
     q_model = load_quantized(checkpoint, dtype=dtype, device=device)
     result = evaluate(ref_model, q_model, windows, batch_size=batch_size, progress=progress)
     result.update({"checkpoint": str(checkpoint), "reference": str(reference), "dataset": dataset,

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from moequant import formats
+from moequant.arch import adapter_for
 from moequant.checkpoint import ShardWriter, open_checkpoint
 from moequant.errors import UserError
 from moequant.formats import QuantizedTensor
@@ -32,6 +33,7 @@ def load(path, dtype: torch.dtype | None = None, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     ckpt = open_checkpoint(path)
+    adapter_for(ckpt.config)  # a known architecture (else one UserError), so transformers needs no custom code
     dtype = dtype or _config_dtype(ckpt.config)
     weights = dequantized_state_dict(ckpt, dtype)
     config = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
@@ -41,7 +43,7 @@ def load(path, dtype: torch.dtype | None = None, device: str = "cpu"):
             writer.add(name, tensor)
         writer.finish()
         (Path(tmp) / "config.json").write_text(json.dumps(config))
-        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device)
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, trust_remote_code=False).to(device)
     return model.eval()
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import re
+import reprlib
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -234,8 +235,15 @@ def _dotted(loc: tuple) -> str:
     return "".join(parts)
 
 
+_SHORT = reprlib.Repr()  # attributes, not keywords: Python 3.10 / 3.11
+_SHORT.maxstring = _SHORT.maxother = 60
+_SHORT.maxlist = _SHORT.maxdict = 4
+_SHORT.maxlevel = 2
+
+
 def _show(value: Any) -> str:
-    return f"'{value}'" if isinstance(value, str) else repr(value)
+    """The bad value, shortened: a YAML alias bomb or a huge list must not become a huge sentence."""
+    return f"'{value}'" if isinstance(value, str) and len(value) <= 60 else _SHORT.repr(value)
 
 
 def _accepted_keys(model: type[BaseModel], loc: tuple) -> list[str]:
@@ -340,10 +348,19 @@ def recipe_from_dict(data: Any, source: str = "<recipe>") -> Recipe:
     return recipe
 
 
+def _scalar(value) -> bool:
+    return value is None or isinstance(value, (bool, int, float)) or (isinstance(value, str) and len(value) <= 100)
+
+
 def check_format_params(recipe: Recipe, source: str) -> None:
     """Build every format the recipe names, so bad `formats` params fail at load time."""
     from moequant.policy import resolve_format  # policy owns name/params -> spec resolution
 
+    for name, params in recipe.formats.items():  # plain values only: they reach error sentences and plan.json
+        for key, value in params.items():
+            if not (_scalar(value) or (isinstance(value, list) and len(value) <= 4 and all(map(_scalar, value)))):
+                raise UserError(f"recipe {source}: key 'formats.{name}.{key}' has value {_show(value)}; accepted: "
+                                "a number, true/false, a short text or a list of up to 4 of them.")
     entries = [(f"formats.{name}", name) for name in recipe.formats]
     entries.append(("non_experts.format", recipe.non_experts.format))
     entries += [(f"experts.formats[{i}]", f) for i, f in enumerate(recipe.experts.formats)]

@@ -1,0 +1,120 @@
+"""The long fuzz run: the properties of tests/test_fuzz.py with many random cases.
+
+    python benchmarks/fuzz_long.py                 # 5000 cases per property (about 10 minutes on 2 cores)
+    python benchmarks/fuzz_long.py --cases 500     # quicker
+    python benchmarks/fuzz_long.py --seed 7        # reproducible
+
+Every input must end in success or one `UserError` sentence, and accepted inputs must agree with
+an independent reader (see tests/test_fuzz.py). Prints, per property, the cases run, the
+findings (shrunk failing inputs) and the time taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import test_fuzz as fz  # noqa: E402  (the strategies and checks live with the tests)
+
+
+def properties(workdir: Path):
+    """name -> (strategy of one case, check(case))."""
+    counter = iter(range(10**9))
+
+    def fresh() -> Path:
+        d = workdir / str(next(counter))
+        d.mkdir()
+        return d
+
+    def yaml_text(case):
+        data, edits = case
+        return fz.corrupt(fz.yaml.safe_dump(data, allow_unicode=True), edits), edits.draw(fz.overrides)
+
+    def header_case(data):
+        raw, header = fz.honest_file(data)
+        return fz.lie_about(raw, header, data) if data.draw(st.booleans()) else raw
+
+    def write_header(raw):
+        path = fresh() / "x.safetensors"
+        path.write_bytes(raw)
+        fz.check_header_file(path)
+
+    def checkpoint_case(case):
+        config, index, mangle, data = case
+        config_text = json.dumps(config).encode()
+        if mangle:
+            config_text = config_text[:data.draw(st.integers(0, len(config_text)))] + data.draw(st.binary(max_size=4))
+        index_text = None if index is None else json.dumps(index).encode()
+        fz.check_checkpoint_dir(fresh(), config_text, index_text)
+
+    return {
+        "recipe dict + overrides": (st.tuples(fz.recipes, fz.overrides), lambda c: fz.check_recipe_dict(*c)),
+        "recipe YAML text (edited)": (st.tuples(fz.recipes, st.data()),
+                                      lambda c: fz.check_recipe_text(fresh(), *yaml_text(c))),
+        "recipe arbitrary bytes": (st.binary(max_size=400) | st.text(max_size=400).map(str.encode),
+                                   lambda raw: fz.check_recipe_text(fresh(), raw)),
+        "safetensors header (honest / lying)": (st.data(), lambda d: write_header(header_case(d))),
+        "safetensors arbitrary bytes": (st.binary(max_size=300), write_header),
+        "checkpoint dir (config + index)": (st.tuples(fz.configs, st.none() | fz.index_docs, st.booleans(), st.data()),
+                                            checkpoint_case),
+    }
+
+
+def counted(check, tally):
+    def one(case):
+        tally["cases"] += 1
+        check(case)  # success or a swallowed UserError; anything else is a finding
+    return one
+
+
+def run(cases: int, seed: int | None) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="moequant-fuzz-") as tmp:
+        for name, (strategy, check) in properties(Path(tmp)).items():
+            tally = {"cases": 0}
+            one = counted(check, tally)
+            test = settings(max_examples=cases, deadline=None, database=None, derandomize=False,
+                            suppress_health_check=list(HealthCheck), print_blob=True)(given(strategy)(one))
+            if seed is not None:
+                from hypothesis import seed as hseed
+
+                test = hseed(seed)(test)
+            t0 = time.perf_counter()
+            findings = []
+            try:
+                test()
+            except Exception as error:  # a shrunk failing example: a finding
+                findings.append("".join(traceback.format_exception_only(type(error), error)).strip()[:2000])
+            rows.append({"property": name, **tally, "findings": findings, "seconds": round(time.perf_counter() - t0, 1)})
+            print(f"{name:<38} {tally['cases']:>7} cases  {len(findings)} findings  {rows[-1]['seconds']:>7.1f} s",
+                  flush=True)
+            for f in findings:
+                print("   ", f.replace("\n", "\n    "))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", type=int, default=5000, help="examples per property")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = parser.parse_args()
+    rows = run(args.cases, args.seed)
+    total = sum(r["cases"] for r in rows)
+    found = sum(len(r["findings"]) for r in rows)
+    print(f"total: {total} cases, {found} findings")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    sys.exit(1 if found else 0)
+
+
+if __name__ == "__main__":
+    main()

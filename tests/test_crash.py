@@ -356,3 +356,46 @@ def test_unused_experts_and_singular_hessians_still_quantize(model_dir, tmp_path
             assert torch.equal(weights[key], rtn), key
         used = f"model.layers.1.mlp.experts.0.{name}.weight"
         assert torch.isfinite(weights[used]).all()
+
+
+def test_budget_exactly_at_the_feasibility_edge(model_dir, reference):
+    """The smallest plan puts every routed expert in int4 (group 32): B bytes by formats.nbytes over
+    the on-disk expert shapes. A bits-per-weight budget worth B bytes is feasible, one worth B - 1
+    is not and its refusal states a minimum that is itself accepted. Same with whole-model bytes."""
+    from fractions import Fraction
+
+    from moequant import formats
+    from moequant.arch import adapter_for
+    from moequant.checkpoint import open_checkpoint
+    from moequant.policy import make_plan
+    from moequant.recipe import load_recipe
+
+    ref, _ = reference
+    ckpt = open_checkpoint(model_dir)
+    ad = adapter_for(ckpt.config)
+    spec = formats.get_format("int4", group_size=32, symmetric=True)
+    shapes = [ckpt.shape(n) for L in ad.moe_layers for n in ad.expert_tensor_names(L)]
+    numel = sum(a * b for a, b in shapes)
+    smallest = sum(formats.nbytes(spec, s) for s in shapes)
+
+    def decimal_at_least(x: Fraction) -> str:  # the smallest 12-digit decimal >= x, exact in YAML
+        return str(Fraction(-(-x.numerator * 10**12 // x.denominator), 10**12).__float__())
+
+    def plan(budget: str):
+        recipe = load_recipe(ROOT / "recipes/selective.yaml", [f"model={model_dir}", f"experts.budget={budget}"])
+        return make_plan(recipe, ckpt, ref / "stats")
+
+    def all_int4(p) -> bool:
+        return {t.format for t in p.tensors if t.role == "routed_expert"} == {spec.key}
+
+    at_edge = plan(f"{{bits_per_weight: {decimal_at_least(Fraction(8 * smallest, numel))}}}")
+    assert all_int4(at_edge) and at_edge.summary["routed_bytes"] == smallest
+    with pytest.raises(UserError) as error:
+        plan(f"{{bits_per_weight: {decimal_at_least(Fraction(8 * (smallest - 1), numel))}}}")
+    shown = str(error.value).split(">= ")[-1].rstrip(".")
+    assert all_int4(plan(f"{{bits_per_weight: {shown}}}"))
+    # the whole model in bytes: exactly the smallest plan's total is feasible, one byte less is not
+    total = at_edge.summary["total_bytes"]
+    assert all_int4(plan(f"{{gigabytes: {total // 10**9}.{total % 10**9:09d}}}"))
+    with pytest.raises(UserError, match="gigabytes"):
+        plan(f"{{gigabytes: {(total - 1) // 10**9}.{(total - 1) % 10**9:09d}}}")

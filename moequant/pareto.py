@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import time
 from fractions import Fraction
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -137,8 +139,19 @@ def _label(bits: float) -> str:
 # ----------------------------------------------------------------------------- one run
 
 
-def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, settings, progress, log) -> dict:
-    """Quantize, export, evaluate and report one plan into run_dir (reused when unchanged)."""
+def tensor_formats(plan) -> str:
+    """What the quantize pass does with a plan: every tensor's format, params and algorithm.
+    Two plans with the same text give the same checkpoint (e.g. uniform int4 and the vLLM plan at
+    its bytes, when no other format fits), so the second run reuses the first one's."""
+    return json.dumps([[t.name, t.expert, t.proj, t.format, t.params, t.algorithm] for t in plan.tensors],
+                      sort_keys=True, default=str)
+
+
+def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, settings, progress, log,
+             same_as: Path | None = None) -> dict:
+    """Quantize, export, evaluate and report one plan into run_dir (reused when unchanged).
+    `same_as`: a finished run directory whose plan quantizes every tensor the same way: its
+    checkpoint (hard links where possible) and its evaluation are reused."""
     from moequant.evaluate import evaluate_checkpoints
     from moequant.export import export_checkpoint
     from moequant.policy import plan_to_dict, write_plan
@@ -150,7 +163,8 @@ def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, sett
     e = recipe.evaluate
     marker = {"plan": json.dumps(plan_dict, sort_keys=True),
               "evaluate": {"dataset": e.dataset, "samples": e.samples, "seq_len": e.seq_len, "seed": recipe.seed},
-              "calibration": settings.fingerprint_fields() | {"formats": list(settings.formats)}}
+              "calibration": settings.fingerprint_fields() | {"formats": list(settings.formats)},
+              "export": [recipe.export.format, recipe.target]}
     marker_path = run_dir / RUN_MARKER
     if (marker_path.exists() and (run_dir / "report.json").exists()
             and json.loads(marker_path.read_text()) == marker):
@@ -161,22 +175,43 @@ def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, sett
     run_dir.mkdir(parents=True, exist_ok=True)
     marker_path.unlink(missing_ok=True)
     write_plan(plan, run_dir / "plan.json")
-    quantized, _ = quantize_model(recipe.model, plan, settings, run_dir / "work", progress=progress)
     checkpoint_dir = run_dir / "checkpoint"
     if checkpoint_dir.exists():
         shutil.rmtree(checkpoint_dir)
-    export_checkpoint(ckpt.directory, quantized, checkpoint_dir, layout=recipe.export.format, target=recipe.target)
-    shutil.rmtree(run_dir / "work", ignore_errors=True)
-    quality = evaluate_checkpoints(checkpoint_dir, ckpt.directory, dataset=e.dataset, samples=e.samples,
-                                   seq_len=e.seq_len, seed=recipe.seed, progress=progress)
+    if same_as is not None and (same_as / "quality.json").exists() and \
+            json.loads((same_as / RUN_MARKER).read_text()).get("export") == marker["export"]:
+        shutil.copytree(same_as / "checkpoint", checkpoint_dir, copy_function=_link_or_copy)
+        quality = json.loads((same_as / "quality.json").read_text())
+        quality["checkpoint"] = str(checkpoint_dir)
+        log(f"{name}: quantizes every tensor as {same_as.name} does; its checkpoint and evaluation are reused")
+        timings = json.loads((same_as / "report.json").read_text()).get("timings", {})
+    else:
+        t0 = time.perf_counter()
+        quantized, _ = quantize_model(recipe.model, plan, settings, run_dir / "work", progress=progress)
+        t1 = time.perf_counter()
+        export_checkpoint(ckpt.directory, quantized, checkpoint_dir, layout=recipe.export.format, target=recipe.target)
+        shutil.rmtree(run_dir / "work", ignore_errors=True)
+        t2 = time.perf_counter()
+        quality = evaluate_checkpoints(checkpoint_dir, ckpt.directory, dataset=e.dataset, samples=e.samples,
+                                       seq_len=e.seq_len, seed=recipe.seed, progress=progress)
+        timings = {"quantize": t1 - t0, "export": t2 - t1, "evaluate": time.perf_counter() - t2}
+    atomic_write_text(run_dir / "quality.json", json.dumps(quality, default=str))
     report = build_report(model=recipe.model, checkpoint=checkpoint_dir, original=ckpt.directory,
                           recipe=recipe_to_dict(recipe), target=recipe.target, plan=plan_dict, quality=quality,
-                          stats=stats_dir, output_dir=run_dir)
+                          stats=stats_dir, timings=timings, output_dir=run_dir)
     atomic_write_text(marker_path, json.dumps(marker))
     q = report["quality"] or {}
     log(f"{name}: KL {q.get('kl_mean', float('nan')):.4g}, top-1 {q.get('top1_agreement', float('nan')):.4f}, "
         f"{report['memory']['bits_per_weight_experts']:.3f} bits per routed-expert weight")
     return report
+
+
+def _link_or_copy(src, dst):
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+    return dst
 
 
 def _point(name: str, kind: str, report: dict, report_path: Path, *, target=None, format=None,
@@ -295,8 +330,12 @@ def pareto(recipe_path=None, budgets: Sequence = ("int3", "int4", "int4..int8"),
                         "give each budget once.")
 
     points = []
+    done: dict[str, Path] = {}  # tensor_formats(plan) -> the run directory that made that checkpoint
     for name, kind, variant, plan, fields in runs:
-        report = _run_one(name, variant, plan, out / name, ckpt, stats_dir, settings, progress, log)
+        same = tensor_formats(plan)
+        report = _run_one(name, variant, plan, out / name, ckpt, stats_dir, settings, progress, log,
+                          same_as=done.get(same))
+        done.setdefault(same, out / name)
         points.append(_point(name, kind, report, out / name / "report.json", plan=plan, **fields))
     e = recipe.evaluate
     evaluate_settings = {"dataset": e.dataset, "samples": e.samples, "seq_len": e.seq_len, "seed": recipe.seed}
@@ -335,12 +374,10 @@ def plot_frontier(points: list[dict], title: str = "KL vs bytes") -> bytes:
     target; the uniform points joined by a dashed line (what mixing them at random gives)."""
     import io
 
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend (e.g. a notebook's) alone
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig = Figure(figsize=(7.5, 4.8))
+    ax = fig.subplots()
     series: dict[str, list[dict]] = {}
     for p in points:
         if p.get("kl_mean") is None:
@@ -371,7 +408,6 @@ def plot_frontier(points: list[dict], title: str = "KL vs bytes") -> bytes:
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
     return buf.getvalue()
 
 

@@ -1,4 +1,4 @@
-"""vLLM's CPU build loads moequant's exports and agrees with moequant.load().
+"""vLLM's CPU build loads moequant's exports of both zoo models and agrees with moequant.load().
 
 This test RUNS in CI: it builds the cached vLLM venv when it is missing (~3 min, ~3.5 GB, once;
 `python -m moequant.verify_vllm --install-only` does the same ahead of time) and fails loudly
@@ -18,9 +18,17 @@ from moequant.arch import adapter_for
 from moequant.checkpoint import open_checkpoint
 from moequant.export import export_checkpoint
 from moequant.verify_vllm import compare_with_moequant, default_prompts, engine_dtype, ensure_vllm_env, run_vllm
+from moequant.zoo import path as zoo_path
 from test_export_models import VOCAB, build_model, quantize_experts
 
-MODELS = ("mixtral", "qwen2_moe")
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "def main(argv):", "In the beginning God created"]
+
+
+def prompts_for(model: str) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(zoo_path(model) / "tokenizer.json"))
+    return [tok.encode(t).ids for t in TEXTS]
 
 
 def gptq_experts(source, key: str, seed: int = 0) -> dict:
@@ -43,42 +51,56 @@ def gptq_experts(source, key: str, seed: int = 0) -> dict:
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
+    """(checkpoint, control) pairs: exports vLLM must agree on, and for one of them a misread.
+
+    vLLM 0.32's CPU kernel for compressed-tensors int4 MoE takes groups of 64 or 128, not 32
+    (GPTQ int4 takes 32): tiny-mixtral's 160-wide experts only fit groups of 32, so its
+    compressed-tensors W4A16 and mix run on a random tiny Mixtral with 128-wide experts.
+    """
     root = tmp_path_factory.mktemp("vllm")
-    good, broken = [], []
-    for kind in MODELS:
-        src = build_model(kind, root / kind)
-        int4 = gptq_experts(src, "int4-g128-sym")
-        int8 = quantize_experts(src, lambda L, e, p: "int8-channel")
-        mix = {k: (int4 if k[0] == 0 else int8)[k] for k in int4}
-        good += [
-            export_checkpoint(src, int4, root / f"{kind}-w4a16"),
-            export_checkpoint(src, int8, root / f"{kind}-w8a8", int8_activations="dynamic"),
-            export_checkpoint(src, mix, root / f"{kind}-mix", int8_activations="dynamic"),
-            export_checkpoint(src, int4, root / f"{kind}-gptq", layout="gptq"),
-        ]
-        rotated = {(L, (e + 1) % 4, p): q for (L, e, p), q in int4.items()}  # a name-mapping bug
-        broken.append(export_checkpoint(src, rotated, root / f"{kind}-broken"))
-    return good, broken
+    good = []
+    qwen = zoo_path("tiny-qwen2moe")
+    int4 = gptq_experts(qwen, "int4-g64-sym")
+    int8 = quantize_experts(qwen, lambda L, e, p: "int8-channel")
+    mix = {k: (int4 if k[0] % 2 == 0 else int8)[k] for k in int4}
+    good += [export_checkpoint(qwen, int4, root / "tiny-qwen2moe-w4a16"),
+             export_checkpoint(qwen, int8, root / "tiny-qwen2moe-w8a8", int8_activations="dynamic"),
+             export_checkpoint(qwen, mix, root / "tiny-qwen2moe-mix", int8_activations="dynamic"),
+             export_checkpoint(qwen, int4, root / "tiny-qwen2moe-gptq", layout="gptq")]
+    n = adapter_for(open_checkpoint(qwen).config).num_experts
+    rotated = {(L, (e + 1) % n, p): q for (L, e, p), q in int4.items()}  # a name-mapping bug
+    control = (good[0], export_checkpoint(qwen, rotated, root / "tiny-qwen2moe-misread"))
+
+    mixtral = zoo_path("tiny-mixtral")
+    good += [export_checkpoint(mixtral, gptq_experts(mixtral, "int4-g32-sym"), root / "tiny-mixtral-gptq", layout="gptq"),
+             export_checkpoint(mixtral, quantize_experts(mixtral, lambda L, e, p: "int8-channel"),
+                               root / "tiny-mixtral-w8a8", int8_activations="dynamic")]
+    wide = build_model("mixtral", root / "random-mixtral")
+    int4 = gptq_experts(wide, "int4-g128-sym")
+    int8 = quantize_experts(wide, lambda L, e, p: "int8-channel")
+    good += [export_checkpoint(wide, int4, root / "random-mixtral-w4a16"),
+             export_checkpoint(wide, {k: (int4 if k[0] == 0 else int8)[k] for k in int4}, root / "random-mixtral-mix",
+                               int8_activations="dynamic")]
+    return good, control
 
 
 def test_vllm_cpu_loads_our_exports_and_agrees_with_moequant_load(exports):
-    good, broken = exports
+    good, (served, misread) = exports
     ensure_vllm_env()  # builds it when missing; raises (never skips) when it cannot
-    prompts = default_prompts(VOCAB, n=3, length=8)
-    checkpoints = good
-    outs = run_vllm(checkpoints, prompts, steps=32, dtype=[engine_dtype(c) for c in checkpoints],
-                    max_model_len=64)
+    text = prompts_for("tiny-qwen2moe")
+    assert text == prompts_for("tiny-mixtral")  # the zoo models share one tokenizer
+    prompts = {c: text if c.name.startswith("tiny-") else default_prompts(VOCAB, n=3, length=8) for c in good}
+    outs = run_vllm(good, prompts, steps=32, dtype=[engine_dtype(c) for c in good], max_model_len=64)
     lines, failed = [], []
     for c in good:
-        report = compare_with_moequant(c, prompts, outs[str(c.resolve())])
+        report = compare_with_moequant(c, prompts[c], outs[str(c.resolve())])
         lines.append(report.summary())
         if not report.ok:
             failed.append(f"{report.summary()}\n  " + "\n  ".join(report.failures[:5]))
-        assert report.steps == 3 * 32
+        else:
+            assert report.steps == 3 * 32
     print("\n".join(lines))
     assert not failed, "\n".join(failed)
-    for kind, misread in zip(MODELS, broken):
-        w4a16 = next(c for c in good if c.name == f"{kind}-w4a16")
-        report = compare_with_moequant(misread, prompts, outs[str(w4a16.resolve())])
-        print("control:", report.summary())
-        assert not report.ok, f"a misread of the experts passed the vLLM check: {report.summary()}"
+    report = compare_with_moequant(misread, text, outs[str(served.resolve())])
+    print("control:", report.summary())
+    assert not report.ok, f"a misread of the experts passed the vLLM check: {report.summary()}"

@@ -118,6 +118,9 @@ class Evaluate(Strict):
 
 class Export(Strict):
     format: Literal[EXPORT_FORMATS] = "compressed-tensors"
+    # int8 weights export as W8A16 (vLLM GPU Marlin) by default; "dynamic" writes W8A8 with dynamic
+    # per-token int8 activations, which vLLM's CPU build needs
+    int8_activations: Literal["none", "dynamic"] = "none"
 
 
 class Budget(Strict):

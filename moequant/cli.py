@@ -129,6 +129,28 @@ def apply(recipe_path, model, output, overrides, device):
     click.echo(f"done in {time.perf_counter() - t0:.0f} s; report: {report}")
 
 
+@main.command()
+@recipe_options
+@click.option("--budgets", default="int3,int4,int4..int8", show_default=True,
+              help="Comma-separated budgets: bits per routed-expert weight (e.g. 3.5), a format's bytes (int4), "
+                   "or half-way between two formats (int4..int8).")
+@click.option("--targets", default="vllm,transformers", show_default=True)
+@click.option("--uniform", default=None, help="Comma-separated uniform baselines (default: the module's list).")
+@click.option("--add", "extra", multiple=True, type=click.Path(), help="An outside checkpoint to evaluate and place "
+              "on the frontier (e.g. one made by another tool), or the JSON of `moequant eval --json`.")
+@click.option("--device", default="cpu", show_default=True)
+@user_errors
+def pareto(recipe_path, model, output, overrides, budgets, targets, uniform, extra, device):
+    """KL vs bytes for several budgets and targets against one calibration: OUTPUT/pareto.json + .png."""
+    from moequant.pareto import DEFAULT_UNIFORM, pareto as run
+
+    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    result = run(recipe_path, budgets=split(budgets), model=model, output=output, overrides=overrides,
+                 targets=split(targets), uniform=split(uniform) if uniform else DEFAULT_UNIFORM,
+                 extra_reports=list(extra), device=device, log=click.echo)
+    click.echo(f"{len(result['points'])} points on the frontier")
+
+
 @main.command(name="eval")
 @click.argument("checkpoint")
 @click.option("--reference", required=True, help="The original (unquantized) checkpoint or zoo:NAME.")

@@ -391,8 +391,13 @@ def plot_frontier(points: list[dict], title: str = "KL vs bytes") -> bytes:
         marker, color, line = style.get(label, ("o", next(colors), "-"))
         if label == "outside checkpoints":
             marker, line = "^", ""
-        ax.plot([p["bits_per_weight_experts"] for p in pts], [p["kl_mean"] for p in pts], marker=marker,
-                color=color, linestyle=line or "none", label=label)
+        xs, ys = [p["bits_per_weight_experts"] for p in pts], [p["kl_mean"] for p in pts]
+        if label == "uniform" and len(pts) > 1:  # the straight line in KL (a curve on the log axis)
+            fine = [x0 + (x1 - x0) * i / 50 for x0, x1 in zip(xs, xs[1:]) for i in range(50)] + [xs[-1]]
+            ax.plot(fine, [_interpolate(xs, ys, x) for x in fine], color=color, linestyle=line, lw=1,
+                    label="uniform, mixed at random (straight line in KL)")
+            line = ""
+        ax.plot(xs, ys, marker=marker, color=color, linestyle=line or "none", label=label)
         for p in pts:
             text = p["format"] if p["kind"] == "uniform" else (p["name"] if p["kind"] == "outside" else None)
             if text:
@@ -409,6 +414,13 @@ def plot_frontier(points: list[dict], title: str = "KL vs bytes") -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     return buf.getvalue()
+
+
+def _interpolate(xs: list[float], ys: list[float], x: float) -> float:
+    for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:]):
+        if x0 <= x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y0
+    return ys[-1]
 
 
 def interpolate_uniform(points: list[dict], bits: float, low: str, high: str) -> float:

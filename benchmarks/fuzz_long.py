@@ -55,7 +55,11 @@ def properties(workdir: Path):
         index_text = None if index is None else json.dumps(index).encode()
         fz.check_checkpoint_dir(fresh(), config_text, index_text)
 
+    def config_case(data):
+        fz.check_config(fresh(), fz.mutated_config(data, fz.config_junk | fz.huge_sizes))
+
     return {
+        "model config.json (inspect)": (st.data(), config_case),
         "recipe dict + overrides": (st.tuples(fz.recipes, fz.overrides), lambda c: fz.check_recipe_dict(*c)),
         "recipe YAML text (edited)": (st.tuples(fz.recipes, st.data()),
                                       lambda c: fz.check_recipe_text(fresh(), *yaml_text(c))),
@@ -102,6 +106,10 @@ def run(cases: int, seed: int | None) -> list[dict]:
 
 
 def main() -> None:
+    import resource
+
+    # a reader that believes a config's sizes must fail, not swap: 8 GB of address space at most
+    resource.setrlimit(resource.RLIMIT_AS, (8 * 1024**3, resource.getrlimit(resource.RLIMIT_AS)[1]))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=int, default=5000, help="examples per property")
     parser.add_argument("--seed", type=int, default=None)

@@ -112,7 +112,9 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
         if any(d < 0 for d in shape):
             raise UserError(f"{path}: tensor {name!r} has a negative dimension in {shape}.")
         entry = TensorEntry(path, dtype, shape, 8 + header_len + start)
-        expected = entry.nbytes if dtype != "F4" else (entry.numel + 1) // 2
+        if dtype == "F4" and (not shape or shape[-1] % 2):  # two per byte along the last axis
+            raise UserError(f"{path}: tensor {name!r} is F4 with shape {list(shape)}; F4 needs an even last dimension.")
+        expected = entry.nbytes if dtype != "F4" else entry.numel // 2
         if not (0 <= start <= end <= data_size) or end - start != expected:
             raise UserError(
                 f"{path}: tensor {name!r} has data offsets {start}..{end} that do not match its "

@@ -270,7 +270,7 @@ def _accepted_keys(model: type[BaseModel], loc: tuple) -> list[str]:
 
 def _sentence(source: str, error: dict) -> str:
     """One sentence for the first pydantic error: key, bad value, what is accepted."""
-    key = _dotted(error["loc"])
+    key = re.sub(r"[\x00-\x1f\x7f]", lambda m: repr(m.group())[1:-1], _dotted(error["loc"]))  # one line
     kind = error["type"]
     value = error.get("input")
     ctx = error.get("ctx") or {}
@@ -315,7 +315,7 @@ def _parse_override(source: str, text: str) -> tuple[list[str], Any]:
         raise UserError(f"override {text!r} has key {key!r}, which is not a dotted key such as experts.method.")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, RecursionError):  # PyYAML: chr() of a bad \U escape; deep nesting
         raise UserError(f"override {text!r}: value {raw!r} is not valid YAML.") from None
     return key.split("."), value
 
@@ -389,12 +389,14 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise UserError(f"recipe {source} does not exist or is not a file.")
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise UserError(f"recipe {source} is not UTF-8 text.") from None
         except yaml.YAMLError as error:
             mark = getattr(error, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark is not None else ""
             raise UserError(f"recipe {source} is not valid YAML{where}.") from None
-        except UnicodeDecodeError:
-            raise UserError(f"recipe {source} is not UTF-8 text.") from None
+        except (ValueError, RecursionError):  # PyYAML: chr() of a bad \U escape; nesting deeper than Python's stack
+            raise UserError(f"recipe {source} is not valid YAML (a bad escape or nesting too deep).") from None
         if data is None:
             data = {}
         if not isinstance(data, dict):

@@ -17,9 +17,10 @@ import os
 import struct
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -31,9 +32,10 @@ from moequant.recipe import (ALGORITHMS, EXPORT_FORMATS, FORMAT_NAMES, KEEP_GROU
 CASES = int(os.environ.get("MOEQUANT_FUZZ_CASES", "40"))
 
 
-def fuzz_settings(cases: int = CASES):
+def fuzz_settings(cases: int = CASES, shrink: bool = True):
+    phases = (Phase.explicit, Phase.generate, Phase.shrink) if shrink else (Phase.explicit, Phase.generate)
     return settings(max_examples=cases, deadline=None, derandomize=os.environ.get("MOEQUANT_FUZZ_RANDOM") != "1",
-                    database=None, suppress_health_check=list(HealthCheck))
+                    database=None, suppress_health_check=list(HealthCheck), phases=phases, report_multiple_bugs=False)
 
 
 def ends_well(fn, *args):
@@ -293,3 +295,45 @@ def test_checkpoint_directories(tmp_path_factory, config, index, mangle, data):
     if mangle:
         config_text = config_text[:data.draw(st.integers(0, len(config_text)))] + data.draw(st.binary(max_size=4))
     check_checkpoint_dir(tmp_path_factory.mktemp("c"), config_text, index_text)
+
+
+# ----------------------------------------------------------------------------- model configs
+
+def _tiny_configs() -> dict[str, dict]:
+    from tiny import TINY_CONFIGS, tiny_config
+
+    return {m: tiny_config(m).to_dict() for m in TINY_CONFIGS}
+
+
+config_junk = (st.none() | st.booleans() | st.integers(-3, 10) | st.sampled_from([0, -1])
+               | st.floats(-1e3, 1e3) | st.text(max_size=4) | st.lists(st.integers(0, 3), max_size=2))
+# benchmarks/fuzz_long.py adds sizes like these (under a memory limit): today 2**40 layers exhausts memory
+huge_sizes = st.sampled_from([2**31, 2**40, 10**30])
+
+
+def mutated_config(data, junk=config_junk) -> dict:
+    """A real tiny config of a supported architecture with 1-3 numeric fields set to junk."""
+    bases = _tiny_configs()
+    config = dict(bases[data.draw(st.sampled_from(sorted(bases)))])
+    keys = sorted(k for k, v in config.items() if isinstance(v, (int, float, list, type(None))) and not isinstance(v, bool))
+    for _ in range(data.draw(st.integers(1, 3))):
+        config[data.draw(st.sampled_from(keys))] = data.draw(junk)
+    return config
+
+
+def check_config(directory: Path, config: dict) -> None:
+    from moequant.inspect import inspect_model
+
+    (directory / "config.json").write_text(json.dumps(config, default=str))
+    ends_well(inspect_model, str(directory / "config.json"))
+
+
+@pytest.mark.xfail(strict=True, raises=(TypeError, ValueError, ZeroDivisionError, OverflowError),
+                   reason="open: the architecture adapters (moequant/arch, owned by the lead) turn config.json "
+                          "values of the wrong type or zero (num_attention_heads: [1, 0], num_experts: false, "
+                          "vocab_size: '') into TypeError / ZeroDivisionError tracebacks instead of a UserError, "
+                          "and num_hidden_layers: 2**40 into a MemoryError")
+@fuzz_settings(shrink=False)
+@given(data=st.data())
+def test_model_configs_with_wrong_values(tmp_path_factory, data):
+    check_config(tmp_path_factory.mktemp("cfg"), mutated_config(data))

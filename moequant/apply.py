@@ -19,6 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
+from moequant.arch import adapter_for
 from moequant.calibrate import CalibrationSettings, calibrate, load_tokenizer
 from moequant.checkpoint import atomic_write_text, is_disk_full, open_checkpoint
 from moequant.errors import UserError
@@ -107,6 +108,7 @@ def apply(recipe_path=None, model=None, output=None, overrides=(), device: str =
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
     ckpt = open_checkpoint(recipe.model)
+    adapter_for(ckpt.config)  # an unsupported architecture is the first thing to say, before its tokenizer
     tokenizer = load_tokenizer(ckpt.directory)
     settings = calibration_settings(recipe, device)
 

@@ -318,12 +318,10 @@ def test_quantizing_a_non_finite_weight_names_the_tensor():
         formats.quantize(w, "int4", group_size=32, name="layer 4 expert 2 up")
 
 
-def test_unused_experts_and_singular_hessians_still_quantize(model_dir, tmp_path):
-    """In layer 1 the router can only ever pick experts 0 and 1 (top-2 of 6), and calibration keeps
-    only routed tokens: experts 2..5 see no token and their Hessians are all zero (singular).
-    GPTQ must fall back to round-to-nearest for them, say why per expert, and write exactly the
-    RTN weights; the statistics must count 0 routed tokens for them."""
-    from moequant import formats
+def test_experts_no_token_reaches_are_counted_as_unused_and_still_quantized(model_dir, tmp_path):
+    """In layer 1 the router can only ever pick experts 0 and 1 (top-2 of 6): experts 2..5 see no
+    calibration token. The statistics must count 0 routed tokens for them, the quantize pass must
+    say which Hessian it used instead of their own (empty) one, and write finite weights."""
     from moequant.loader import dequantized_state_dict
     from moequant.stats import load_stats
 
@@ -346,16 +344,40 @@ def test_unused_experts_and_singular_hessians_still_quantize(model_dir, tmp_path
     assert counts.tolist() == [64, 64, 0, 0, 0, 0]  # 2 samples x 32 tokens, each to experts 0 and 1
     report = json.loads((out / "checkpoint.json").read_text())["quantize"]["1"]
     weights = dequantized_state_dict(out / "checkpoint", torch.float32)
+    for proj in ("gate", "up", "down"):
+        fallbacks = report[f"{proj}:int4-g32-sym"]["gptq"]["fallbacks"]
+        assert all("0 routed tokens" in fallbacks[str(e)] or "all zeros" in fallbacks[str(e)] for e in range(2, 6))
+        for e in range(6):
+            assert torch.isfinite(weights[f"model.layers.1.mlp.experts.{e}.{proj}_proj.weight"]).all()
+
+
+def test_singular_hessians_fall_back_and_stay_finite():
+    """GPTQ on an all-zero Hessian (an expert no token reached) gives exactly round-to-nearest and
+    says so; on a rank-1 Hessian (one token) and one with a dead input column it still gives finite
+    weights that are no worse than RTN on that Hessian's own objective."""
+    from moequant import formats
+    from moequant.algorithms.gptq import gptq
+
+    torch.manual_seed(0)
     spec = formats.get_format("int4", group_size=32, symmetric=True)
-    for proj, name in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-        fallbacks = report[f"{proj}:{spec.key}"]["gptq"]["fallbacks"]
-        for e in range(2, 6):
-            assert "all zeros" in fallbacks[str(e)], fallbacks
-            key = f"model.layers.1.mlp.experts.{e}.{name}.weight"
-            rtn = formats.quantize(tensors[key].float(), spec).dequantize(torch.float32)
-            assert torch.equal(weights[key], rtn), key
-        used = f"model.layers.1.mlp.experts.0.{name}.weight"
-        assert torch.isfinite(weights[used]).all()
+    W = torch.randn(3, 16, 64)
+    x = torch.randn(64)
+    rank_one = torch.outer(x, x)
+    dead = torch.randn(200, 64)
+    dead[:, 5] = 0.0
+    H = torch.stack([torch.zeros(64, 64), rank_one, dead.T @ dead / 200])
+    q, rep = gptq(W, H, spec)
+    out = q.dequantize(torch.float32)
+    rtn = formats.quantize(W, spec).dequantize(torch.float32)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[0], rtn[0]) and "all zeros" in rep.fallbacks()[0]
+
+    def loss(w_hat, h):
+        d = (W - w_hat).double()
+        return torch.einsum("eoi,eij,eoj->e", d, h.double(), d)
+
+    assert (loss(out, H)[1:] <= loss(rtn, H)[1:] * (1 + 1e-6)).all(), (loss(out, H), loss(rtn, H))
+    assert rep.dead_columns[2] == 1
 
 
 def test_budget_exactly_at_the_feasibility_edge(model_dir, reference):

@@ -1,12 +1,13 @@
 """The long fuzz run: the properties of tests/test_fuzz.py with many random cases.
 
-    python benchmarks/fuzz_long.py                 # 5000 cases per property (about 10 minutes on 2 cores)
+    python benchmarks/fuzz_long.py                 # 5000 cases per property (a few minutes on 2 cores)
     python benchmarks/fuzz_long.py --cases 500     # quicker
     python benchmarks/fuzz_long.py --seed 7        # reproducible
 
 Every input must end in success or one `UserError` sentence, and accepted inputs must agree with
 an independent reader (see tests/test_fuzz.py). Prints, per property, the cases run, the
-findings (shrunk failing inputs) and the time taken.
+distinct findings (exception type and the line that raised it, with a count and one input)
+and the time taken.
 """
 
 from __future__ import annotations
@@ -72,10 +73,18 @@ def properties(workdir: Path):
     }
 
 
-def counted(check, tally):
+def counted(check, tally, findings: dict):
+    """Run one case; anything but success or a UserError (which the checks swallow) is a finding,
+    recorded by exception type and the line that raised it, and the run goes on."""
     def one(case):
         tally["cases"] += 1
-        check(case)  # success or a swallowed UserError; anything else is a finding
+        try:
+            check(case)
+        except Exception as error:
+            where = traceback.extract_tb(error.__traceback__)[-1]
+            key = f"{type(error).__name__} at {Path(where.filename).name}:{where.lineno}"
+            entry = findings.setdefault(key, {"count": 0, "message": str(error)[:300], "case": repr(case)[:300]})
+            entry["count"] += 1
     return one
 
 
@@ -83,25 +92,22 @@ def run(cases: int, seed: int | None) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="moequant-fuzz-") as tmp:
         for name, (strategy, check) in properties(Path(tmp)).items():
-            tally = {"cases": 0}
-            one = counted(check, tally)
+            tally, findings = {"cases": 0}, {}
+            one = counted(check, tally, findings)
             test = settings(max_examples=cases, deadline=None, database=None, derandomize=False,
-                            suppress_health_check=list(HealthCheck), print_blob=True)(given(strategy)(one))
+                            suppress_health_check=list(HealthCheck))(given(strategy)(one))
             if seed is not None:
                 from hypothesis import seed as hseed
 
                 test = hseed(seed)(test)
             t0 = time.perf_counter()
-            findings = []
-            try:
-                test()
-            except Exception as error:  # a shrunk failing example: a finding
-                findings.append("".join(traceback.format_exception_only(type(error), error)).strip()[:2000])
+            test()
             rows.append({"property": name, **tally, "findings": findings, "seconds": round(time.perf_counter() - t0, 1)})
-            print(f"{name:<38} {tally['cases']:>7} cases  {len(findings)} findings  {rows[-1]['seconds']:>7.1f} s",
-                  flush=True)
-            for f in findings:
-                print("   ", f.replace("\n", "\n    "))
+            hits = sum(f["count"] for f in findings.values())
+            print(f"{name:<36} {tally['cases']:>7} cases  {len(findings):>3} distinct findings in {hits:>5} cases"
+                  f"  {rows[-1]['seconds']:>7.1f} s", flush=True)
+            for key, f in sorted(findings.items(), key=lambda kv: -kv[1]["count"]):
+                print(f"    {f['count']:>5} x {key}: {f['message'][:150]!r}")
     return rows
 
 
@@ -118,7 +124,7 @@ def main() -> None:
     rows = run(args.cases, args.seed)
     total = sum(r["cases"] for r in rows)
     found = sum(len(r["findings"]) for r in rows)
-    print(f"total: {total} cases, {found} findings")
+    print(f"total: {total} cases, {found} distinct findings")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     sys.exit(1 if found else 0)

@@ -331,7 +331,8 @@ def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    _remove_leftovers(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
     try:
         yield tmp
         _fsync_dir_tree(tmp)
@@ -346,8 +347,29 @@ def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_disk_full(error):
             raise UserError(f"the disk holding {final.parent} is full (no space left while writing {final.name}); "
-                            f"nothing was written to {final} — free space and run again.") from None
+                            f"{final} was left as it was — free space and run again.") from None
         raise
+
+
+def _remove_leftovers(final: Path) -> None:
+    """Temporary siblings of `final` (`.NAME.tmp-PID-…`, `.NAME.old-PID`) whose process is gone:
+    what a killed run leaves (a whole checkpoint's worth of disk). Live runs' are kept."""
+    prefix = f".{final.name}."
+    for p in final.parent.iterdir():
+        kind, _, rest = p.name[len(prefix):].partition("-") if p.name.startswith(prefix) else ("", "", "")
+        pid = rest.split("-")[0]
+        if kind in ("tmp", "old") and pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def is_disk_full(error: BaseException) -> bool:

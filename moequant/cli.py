@@ -166,7 +166,8 @@ def eval_command(checkpoint, reference, dataset, samples, seq_len, seed, as_json
     Works on any compressed-tensors checkpoint, including one made by another tool."""
     from moequant.evaluate import evaluate_checkpoints, format_quality
 
-    result = evaluate_checkpoints(checkpoint, reference, dataset=dataset, samples=samples, seq_len=seq_len, seed=seed)
+    result = evaluate_checkpoints(checkpoint, reference, dataset=dataset, samples=samples, seq_len=seq_len, seed=seed,
+                                  progress=not as_json)  # --json: stdout holds the JSON alone
     click.echo(json.dumps(result, indent=2, default=str) if as_json else format_quality(result))
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+CASE_SECONDS = 5
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import test_fuzz as fz  # noqa: E402  (the strategies and checks live with the tests)
 
@@ -78,6 +80,7 @@ def counted(check, tally, findings: dict):
     recorded by exception type and the line that raised it, and the run goes on."""
     def one(case):
         tally["cases"] += 1
+        signal.alarm(CASE_SECONDS)  # a case that runs longer is a hang: a finding, not a stall
         try:
             check(case)
         except Exception as error:
@@ -85,7 +88,17 @@ def counted(check, tally, findings: dict):
             key = f"{type(error).__name__} at {Path(where.filename).name}:{where.lineno}"
             entry = findings.setdefault(key, {"count": 0, "message": str(error)[:300], "case": repr(case)[:300]})
             entry["count"] += 1
+        finally:
+            signal.alarm(0)
     return one
+
+
+class Hang(Exception):
+    pass
+
+
+def _hang(*_):
+    raise Hang(f"one case ran longer than {CASE_SECONDS} s")
 
 
 def run(cases: int, seed: int | None) -> list[dict]:
@@ -116,6 +129,7 @@ def main() -> None:
 
     # a reader that believes a config's sizes must fail, not swap: 8 GB of address space at most
     resource.setrlimit(resource.RLIMIT_AS, (8 * 1024**3, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    signal.signal(signal.SIGALRM, _hang)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=int, default=5000, help="examples per property")
     parser.add_argument("--seed", type=int, default=None)

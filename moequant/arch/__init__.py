@@ -32,7 +32,32 @@ def adapter_for(config: dict) -> Adapter:
         raise UserError(
             f"model_type {model_type!r} is not supported; moequant supports: {', '.join(supported_model_types())}."
         )
-    return ADAPTERS[model_type](with_defaults(config))
+    try:
+        adapter = ADAPTERS[model_type](with_defaults(config))
+        _check_sizes(adapter)
+        adapter.expected_tensors()
+        adapter.routing  # noqa: B018  (reads the routing fields: bad values fail here, as one sentence)
+    except (TypeError, ValueError, ZeroDivisionError, KeyError, OverflowError, AttributeError) as e:
+        raise UserError(f"config.json of this {model_type} model has a value moequant cannot use "
+                        f"({type(e).__name__}: {str(e)[:120]}); sizes must be positive integers.") from None
+    return adapter
+
+
+# Generous bounds: DeepSeek-V3 has 61 layers × 256 experts; these only stop absurd configs
+# (num_hidden_layers: 2**40) from exhausting memory while the tensor list is built.
+LIMITS = {"num_layers": 10_000, "num_experts": 100_000, "top_k": 100_000, "hidden": 1_000_000,
+          "vocab": 100_000_000, "expert_intermediate": 10_000_000}
+
+
+def _check_sizes(adapter: Adapter) -> None:
+    for field, limit in LIMITS.items():
+        value = getattr(adapter, field)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+            raise ValueError(f"{field} is {value!r}, accepted: an integer from 1 to {limit}")
+    if adapter.top_k > adapter.num_experts:
+        raise ValueError(f"top_k {adapter.top_k} exceeds the {adapter.num_experts} experts")
+    if adapter.num_layers * adapter.num_experts > 2_000_000:
+        raise ValueError(f"{adapter.num_layers} layers × {adapter.num_experts} experts is beyond any real model")
 
 
 def with_defaults(config: dict) -> dict:

@@ -6,7 +6,8 @@ Conventions (stated because published figures differ):
 - `active_params`: parameters used for one token = everything except the routed experts, plus
   top_k of the routed experts, embedding table included (Mistral, Qwen and OLMoE count so).
 - `active_params_excluding_embedding`: the same without the input embedding table, which a
-  token only looks one row up in (DeepSeek and OpenAI count so; it is also what decoding reads).
+  token only looks one row up in (DeepSeek and OpenAI count so; it is also what decoding reads),
+  unless the table is tied to the output projection, which reads all of it.
 - Bytes per decoded token: weight bytes read to produce one token at batch size 1 = the active
   weights without the embedding table (one row of it is negligible).
 - GPUs needed: weights × 1.2 (20 % headroom for KV cache and activations) over the GPU's memory
@@ -76,7 +77,8 @@ def account(adapter: Adapter) -> dict:
     routed = by_role["routed_expert"]
     k, E = adapter.top_k, adapter.num_experts
     active = total - routed + routed * k // E
-    embedding = by_role["embedding"]
+    # a tied embedding is also the output projection, read whole for every token
+    embedding = 0 if adapter.tie_embeddings else by_role["embedding"]
     non_routed_bf16 = 2 * (total - routed)
     variants = {}
     for label, key in EXPERT_VARIANTS.items():

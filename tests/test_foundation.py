@@ -168,6 +168,19 @@ def test_memory_account_identities():
     assert v["bf16"]["gpus_needed"]["80GB"] == math.ceil(v["bf16"]["bytes"] * 1.2 / 80e9)
 
 
+def test_tied_embedding_counts_as_read_per_token():
+    cfg = json.loads((CONFIGS / "mixtral-8x7b.json").read_text())
+    untied = json.loads(run_cli("inspect", "--json", str(CONFIGS / "mixtral-8x7b.json"))[1])
+    cfg["tie_word_embeddings"] = True
+    from moequant.memory import account
+
+    tied = account(adapter_for(cfg))
+    emb = untied["params_by_role"]["embedding"]
+    assert tied["total_params"] == untied["total_params"] - emb  # no separate lm_head
+    assert tied["active_params_excluding_embedding"] == tied["active_params"]
+    assert tied["variants"]["bf16"]["bytes_per_token"] == untied["variants"]["bf16"]["bytes_per_token"]
+
+
 def test_inspect_on_a_checkpoint_cross_checks_headers(tiny_dirs):
     code, out = run_cli("inspect", "--json", str(tiny_dirs["qwen2_moe"]))
     assert code == 0, out

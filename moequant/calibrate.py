@@ -153,13 +153,11 @@ class _LayerCollector:
         if self.all_experts:
             self._acc("input.down.tokens", torch.full((E,), n, dtype=torch.int64))
         # down input: each expert's own intermediate activation, over every token
-        width = None
         chunk = max(1, (64 * 2**20) // max(n * d, 1))
         for lo in range(0, E, chunk):
             ids = list(range(lo, min(E, lo + chunk)))
             with torch.no_grad():
                 h = torch.stack([self.adapter.expert_hidden(self.experts_module, x, e).float() for e in ids])  # [c, n, I]
-            width = h.shape[-1]
             m = mask[:, ids].T[:, :, None]  # [c, n, 1]
             hm = h * m
             part = {
@@ -295,14 +293,9 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
 
     work = output / ".work"
     work.mkdir(parents=True, exist_ok=True)
-    progress_path = work / "progress.json"
     runner = LayerRunner(ckpt, adapter, input_ids, batch_size=settings.batch_size, device=settings.device)
-    start_layer, hidden = 0, runner.embedded
-    resume = resume_layer(work, fingerprint)
-    if resume is not None:
-        start_layer = resume
-        saved = load_file(str(work / "hidden.safetensors"))
-        hidden = [saved[f"batch_{b}"] for b in range(len(runner.batches))]
+    start_layer, hidden = load_carried(work, fingerprint, len(runner.batches))
+    hidden = runner.embedded if hidden is None else hidden
     atomic_write_text(work / "fingerprint.json", json.dumps(fingerprint))
 
     timings = {}
@@ -311,21 +304,13 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
         t0 = time.perf_counter()
         with _naming_damaged_weights(ckpt, adapter, L), runner.materialized(L) as module:
             if L in adapter.moe_layers:
-                mlp = module.mlp
-                experts = mlp.experts
-                col = _LayerCollector(adapter, experts, adapter.num_experts, adapter.top_k, domains,
+                col = _LayerCollector(adapter, module.mlp.experts, adapter.num_experts, adapter.top_k, domains,
                                       settings.all_experts, settings.hessians)
-                hooks = [adapter.router_module(mlp).register_forward_hook(col.on_router),
-                         experts.register_forward_pre_hook(col.on_experts, with_kwargs=True)]
 
                 def set_domains(b, col=col):
                     col.token_domains = token_domain[b * bs * settings.seq_len:(b + 1) * bs * settings.seq_len]
 
-                try:
-                    hidden = runner.forward(module, L, hidden, before_batch=set_domains)
-                finally:
-                    for h in hooks:
-                        h.remove()
+                hidden = collect_moe_stats(runner, module, L, col, hidden, before_batch=set_domains)
                 tensors = col.finish()
                 weights = {p: adapter.read_experts(ckpt, L, p).float() for p in adapter.projections}
                 sens, skipped = sensitivity(weights, tensors, settings.formats, settings.min_tokens)
@@ -335,9 +320,7 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
                 (work / f"skipped_{L:03d}.json").write_text(json.dumps(skipped))
             else:
                 hidden = runner.forward(module, L, hidden)
-        _save_atomic({f"batch_{b}": h for b, h in enumerate(hidden)}, work / "hidden.safetensors",
-                     hidden_record(fingerprint, L + 1))
-        atomic_write_text(progress_path, json.dumps({"fingerprint": fingerprint, "next_layer": L + 1}))
+        save_carried(work, fingerprint, L + 1, hidden)
         timings[L] = time.perf_counter() - t0
 
     summary = _summary(ckpt, adapter, output, fingerprint, settings, domains, input_ids.shape[0], work)
@@ -351,8 +334,6 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
 
 
 def _summary(ckpt, adapter, output, fingerprint, settings, domains, n_samples, work) -> dict:
-    from moequant.stats import load_stats  # noqa: F401  (the format the summary describes)
-
     layers, underused = [], []
     for L in adapter.moe_layers:
         t = load_file(str(layer_file(output, L)))
@@ -440,6 +421,34 @@ def resume_layer(work: Path, fingerprint) -> int | None:
     if meta.get("fingerprint") != hidden_record(fingerprint, 0)["fingerprint"]:
         return None
     return int(meta["next_layer"])
+
+
+def load_carried(work: Path, fingerprint, num_batches: int):
+    """(layer to continue at, carried hidden states per batch) from `work/`, or (0, None)."""
+    start = resume_layer(work, fingerprint)
+    if start is None:
+        return 0, None
+    saved = load_file(str(work / "hidden.safetensors"))
+    return start, [saved[f"batch_{b}"] for b in range(num_batches)]
+
+
+def save_carried(work: Path, fingerprint, next_layer: int, hidden: list) -> None:
+    """The hidden states feeding `next_layer` (they record their run and layer), then progress.json."""
+    _save_atomic({f"batch_{b}": h for b, h in enumerate(hidden)}, work / "hidden.safetensors",
+                 hidden_record(fingerprint, next_layer))
+    atomic_write_text(work / "progress.json", json.dumps({"fingerprint": fingerprint, "next_layer": next_layer}))
+
+
+def collect_moe_stats(runner, module, layer: int, collector: "_LayerCollector", hidden, before_batch=None):
+    """Run one MoE layer with the collector hooked to its router and experts; returns the outputs."""
+    adapter, mlp = runner.adapter, module.mlp
+    hooks = [adapter.router_module(mlp).register_forward_hook(collector.on_router),
+             mlp.experts.register_forward_pre_hook(collector.on_experts, with_kwargs=True)]
+    try:
+        return runner.forward(module, layer, hidden, before_batch=before_batch)
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def _save_atomic(tensors: dict, path: Path, metadata: dict) -> None:

@@ -29,7 +29,8 @@ from safetensors.torch import load_file, save_file
 
 from moequant import formats
 from moequant.arch import adapter_for
-from moequant.calibrate import CalibrationSettings, _LayerCollector, hidden_record, load_tokenizer, resume_layer
+from moequant.calibrate import (CalibrationSettings, _LayerCollector, collect_moe_stats, load_carried, load_tokenizer,
+                                save_carried)
 from moequant.checkpoint import atomic_write_text, open_checkpoint
 from moequant.errors import UserError
 from moequant.layers import LayerRunner
@@ -177,15 +178,10 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
     for t in plan.tensors:
         rows_by_layer.setdefault(t.layer, []).append(t)
 
-    progress_path = work / "progress.json"
     runner = LayerRunner(ckpt, adapter, input_ids, batch_size=settings.batch_size, device=settings.device)
-    start, hidden = 0, runner.embedded
-    resume = resume_layer(work, fingerprint)
-    if resume is not None:
-        start = resume
-        saved = load_file(str(work / "hidden.safetensors"))
-        hidden = [saved[f"batch_{b}"] for b in range(len(runner.batches))]
-    else:
+    start, hidden = load_carried(work, fingerprint, len(runner.batches))
+    if hidden is None:
+        hidden = runner.embedded
         for p in work.glob("layer_*"):
             p.unlink()
 
@@ -203,16 +199,9 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
         needs_hessians = any(t.algorithm == "gptq" and t.format != "bf16" for t in expert_rows)
         if L in adapter.moe_layers and needs_hessians:
             with runner.materialized(L) as module:
-                mlp = module.mlp
-                col = _LayerCollector(adapter, mlp.experts, adapter.num_experts, adapter.top_k, [], True, True)
+                col = _LayerCollector(adapter, module.mlp.experts, adapter.num_experts, adapter.top_k, [], True, True)
                 col.token_domains = torch.zeros(0, dtype=torch.long)
-                hooks = [adapter.router_module(mlp).register_forward_hook(col.on_router),
-                         mlp.experts.register_forward_pre_hook(col.on_experts, with_kwargs=True)]
-                try:
-                    runner.forward(module, L, hidden)
-                finally:
-                    for h in hooks:
-                        h.remove()
+                collect_moe_stats(runner, module, L, col, hidden)
                 collected = col.finish()
         quantized, report, experts_dq = ({}, {}, None)
         if expert_rows:
@@ -225,11 +214,7 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
         save_quantized(quantized, work / f"layer_{L:03d}.safetensors")
         report["seconds"] = time.perf_counter() - t0
         atomic_write_text(work / f"layer_{L:03d}.json", json.dumps(report, indent=2))
-        tmp = work / ".hidden.safetensors.tmp"
-        save_file({f"batch_{b}": h.contiguous() for b, h in enumerate(hidden)}, str(tmp),
-                  metadata=hidden_record(fingerprint, L + 1))
-        tmp.replace(work / "hidden.safetensors")
-        atomic_write_text(progress_path, json.dumps({"fingerprint": fingerprint, "next_layer": L + 1}))
+        save_carried(work, fingerprint, L + 1, hidden)
 
     # tensors outside the decoder layers (lm_head when the plan quantizes it)
     q_top, _ = _quantize_other(ckpt, rows_by_layer.get(None, []))

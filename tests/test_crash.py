@@ -170,7 +170,7 @@ def test_interrupt_between_hidden_states_and_progress_marker_resumes_identically
                                                                                  monkeypatch):
     """The narrowest windows of the resumable stages: killed after a layer's carried hidden states
     were written but before the progress marker saying so (calibration, then the quantize pass)."""
-    from moequant import calibrate, checkpoint, quantize
+    from moequant import calibrate, checkpoint
 
     ref, _ = reference
     out = tmp_path / "windows"
@@ -188,9 +188,10 @@ def test_interrupt_between_hidden_states_and_progress_marker_resumes_identically
     assert "Aborted" in run_apply(model_dir, out, expect=1)
     monkeypatch.setattr(calibrate, "atomic_write_text", real_write)
     assert json.loads((out / "stats/.work/progress.json").read_text())["next_layer"] == 1
-    monkeypatch.setattr(quantize, "atomic_write_text", dying_at("work", 1))
+    # the quantize pass writes its progress marker through the same calibrate.save_carried
+    monkeypatch.setattr(calibrate, "atomic_write_text", dying_at("work", 1))
     assert "Aborted" in run_apply(model_dir, out, expect=1)
-    monkeypatch.setattr(quantize, "atomic_write_text", real_write)
+    monkeypatch.setattr(calibrate, "atomic_write_text", real_write)
     assert json.loads((out / "work/progress.json").read_text())["next_layer"] == 1
     run_apply(model_dir, out)
     for name in sorted(p.name for p in (ref / "stats").glob("layer_*.safetensors")):

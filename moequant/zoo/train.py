@@ -73,7 +73,7 @@ def model_config(arch: str, vocab_size: int, eos_id: int):
         from transformers import MixtralConfig
 
         return MixtralConfig(
-            **common, intermediate_size=160, num_local_experts=8, num_experts_per_tok=2,
+            **common, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2,
             router_aux_loss_coef=0.002, head_dim=32,
         )
     raise SystemExit(f"unknown arch {arch!r}: qwen2moe or mixtral")

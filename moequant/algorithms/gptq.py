@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from moequant.algorithms import gptq_triton
 from moequant.errors import UserError
 
 # GPTQ report's names for what each expert got.
@@ -263,8 +264,13 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     if perm is not None:
         ws = [torch.gather(w, 2, perm[:, None, :].expand(-1, w.shape[1], -1)) for w in ws]
 
+    # Integer formats with fixed scales on CUDA: the fused Triton sweep, which works with the
+    # reversed Cholesky factor V of H itself (no inverse; see gptq_triton's module doc).
+    fused = fixed_params is not None and gptq_triton.usable(spec, h.device, h.dtype)
+    report.settings["sweep"] = "triton" if fused else "torch"
     t0 = _clock(h)
-    u, used_damp = _inverse_cholesky(h, damp, max_damp_tries, [report.method[e] == RTN for e in idx])
+    u, used_damp = _inverse_cholesky(h, damp, max_damp_tries, [report.method[e] == RTN for e in idx],
+                                     inverse=not fused)
     report.seconds["factorize"] += _clock(u) - t0
     for j, e in enumerate(idx):
         if report.method[e] == RTN:
@@ -281,6 +287,12 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     out_rows = [w.shape[1] for w in ws]
     w_all = torch.cat(ws, dim=1) if len(ws) > 1 else ws[0]  # [c, sum(out), in]
     del ws
+    if fused:
+        t0 = _clock(w_all)
+        codes, losses = _sweep_fused(w_all, u, fixed_params, perm, group_width, per_row, block_size, spec)
+        report.seconds["sweep"] += _clock(w_all) - t0
+        del u, w_all
+        return _finish(cqs, [codes], out_rows, True, perm, idx, report, losses, fixed_params, squeeze)
     losses = torch.zeros(c, device=w_all.device, dtype=torch.float64)
     fixed = fixed_params is not None
     # Fixed params of all groups side by side (leaves [c, X, groups]), gathered per block into
@@ -370,7 +382,12 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
             w_all[..., i2:] -= torch.bmm(err1, u[:, i1:i2, i2:])
     report.seconds["sweep"] += _clock(w_all) - t0
     del u, w_all, graph
+    return _finish(cqs, codes, out_rows, merge, perm, idx, report, losses,
+                   fixed_params if fixed else dynamic_params, squeeze)
 
+
+def _finish(cqs, codes, out_rows, merge, perm, idx, report, losses, params, squeeze):
+    """Codes in the sweep's layout -> one QuantizedTensor per weight (original column order)."""
     if merge:
         codes = list(codes[0].split(out_rows, dim=1))
     if perm is not None:
@@ -379,10 +396,45 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     for j, e in enumerate(idx):
         if report.method[e] != RTN:
             report.proxy_loss[e] = float(losses[j])
-
-    params = fixed_params if fixed else dynamic_params
     return [cq.assemble(t[0] if squeeze else t, [_squeeze_params(p, squeeze) for p in ps])
             for cq, t, ps in zip(cqs, codes, params)]
+
+
+def _sweep_fused(w_all, v, fixed_params, perm, group_width, per_row, block_size, spec):
+    """GPTQ of integer formats with fixed scales through gptq_triton's fused block sweep.
+
+    w_all: [c, rows, n] (all weights' rows; consumed); v: [c, n, n] reversed Cholesky factor of
+    H (consumed). Returns (int8 codes [c, rows, n], proxy loss [c] float64)."""
+    c, rows, n = w_all.shape
+    scales = torch.cat([_widen(_tree_map(lambda *t: torch.cat(t, dim=-1), *ps).scales) for ps in fixed_params], dim=1)
+    zeros = None
+    if fixed_params[0][0].zeros is not None:
+        zeros = torch.cat([_widen(_tree_map(lambda *t: torch.cat(t, dim=-1), *ps).zeros) for ps in fixed_params], dim=1)
+    scales = scales.contiguous()
+    zeros = None if zeros is None else zeros.contiguous()
+    if per_row:
+        group_idx = torch.zeros(c, n, dtype=torch.int32, device=w_all.device)
+    elif perm is not None:
+        group_idx = (perm // group_width).to(torch.int32)
+    else:
+        group_idx = (torch.arange(n, device=w_all.device) // group_width).to(torch.int32).expand(c, -1)
+    group_idx = group_idx.contiguous()
+    vd = v.diagonal(dim1=-2, dim2=-1).clone()
+    # V'_ik = V_ik / V_kk, row-major (the kernel reads rows of it; Cholesky factors come column-major)
+    vn = torch.div(v, vd[:, None, :], out=torch.empty(v.shape, dtype=v.dtype, device=v.device))
+    del v
+    x = w_all.clone()  # current weights; w_all keeps the originals and becomes d = w - q block by block
+    codes = torch.empty(c, rows, n, dtype=torch.int8, device=w_all.device)
+    losses = torch.zeros(c, dtype=torch.float64, device=w_all.device)
+    qmin, qmax = gptq_triton.code_range(spec)
+    scratch = None
+    for i1 in range(0, n, block_size):
+        i2 = min(i1 + block_size, n)
+        scratch = gptq_triton.sweep_block(x, w_all, vn, vd, scales, zeros, group_idx, codes, losses,
+                                          i1, i2, qmin, qmax, scratch)
+        if i2 < n:
+            x[..., i2:].baddbmm_(w_all[..., i1:i2], vn[:, i1:i2, i2:])
+    return codes, losses
 
 
 def _widen(t):
@@ -434,16 +486,18 @@ def _cuda_graphs_enabled() -> bool:
     return os.environ.get("MOEQUANT_CUDA_GRAPHS", "1") != "0"
 
 
-def _inverse_cholesky(h, damp, max_tries, skip):
+def _inverse_cholesky(h, damp, max_tries, skip, inverse=True):
     """U = upper Cholesky factor of (H + lambda I)^-1 per expert, lambda = f * mean(diag(H)).
 
     f starts at `damp` and grows tenfold for the experts whose factorization failed, up to
     `max_tries` tries. Experts flagged in `skip` (round-to-nearest) get U = I.
-    Returns (U [c, in, in], f used per expert, None where skipped or every try failed).
+    With inverse=False, V = U^-1 instead (upper triangular, H + lambda I = V V^T), which the
+    fused sweep uses.
+    Returns (U or V [c, in, in], f used per expert, None where skipped or every try failed).
     """
     c, n = h.shape[0], h.shape[-1]
     mean_diag = h.diagonal(dim1=-2, dim2=-1).mean(dim=-1)
-    u = torch.eye(n, device=h.device, dtype=h.dtype).repeat(c, 1, 1)
+    u = None  # allocated (as identities) only when some expert is skipped or fails
     used: list[float | None] = [None] * c
     todo = torch.tensor([not s for s in skip], device=h.device)
     factor = damp
@@ -451,18 +505,29 @@ def _inverse_cholesky(h, damp, max_tries, skip):
         if not bool(todo.any()):
             break
         rows = todo.nonzero().flatten()
+        every = len(rows) == c
         # U without forming H^-1: with J the order-reversing permutation and J H J = L L^T,
         # H^-1 = (J L^-1 J)^T (J L^-1 J) and J L^-1 J is upper triangular. One Cholesky and one
-        # triangular solve, half the work of inverse-then-Cholesky.
-        damped = torch.flip(h[rows], dims=(-2, -1))
+        # triangular solve, half the work of inverse-then-Cholesky. V = J L J.
+        damped = torch.flip(h if every else h[rows], dims=(-2, -1))
         damped.diagonal(dim1=-2, dim2=-1).add_((factor * mean_diag[rows])[:, None])
         chol, info = torch.linalg.cholesky_ex(damped)
         del damped
-        eye = torch.eye(n, device=h.device, dtype=h.dtype).expand(len(rows), n, n)
-        upper = torch.flip(torch.linalg.solve_triangular(chol, eye, upper=False), dims=(-2, -1))
+        if inverse:
+            eye = torch.eye(n, device=h.device, dtype=h.dtype).expand(len(rows), n, n)
+            upper = torch.flip(torch.linalg.solve_triangular(chol, eye, upper=False), dims=(-2, -1))
+            ok = (info == 0) & torch.isfinite(upper).flatten(1).all(dim=1)
+        else:
+            upper = torch.flip(chol, dims=(-2, -1))
+            ok = (info == 0) & torch.isfinite(upper.diagonal(dim1=-2, dim2=-1)).all(dim=1)
         del chol
-        ok = (info == 0) & torch.isfinite(upper).flatten(1).all(dim=1)
         ok &= (upper.diagonal(dim1=-2, dim2=-1) > 0).all(dim=1)
+        if every and u is None and bool(ok.all()):  # the usual case: no copy into identities
+            u = upper
+            used = [factor] * c
+            break
+        if u is None:
+            u = torch.eye(n, device=h.device, dtype=h.dtype).repeat(c, 1, 1)
         done = rows[ok]
         u[done] = upper[ok]
         del upper
@@ -470,6 +535,8 @@ def _inverse_cholesky(h, damp, max_tries, skip):
             used[j] = factor
         todo[done] = False
         factor = factor * 10 if factor > 0 else 1e-4
+    if u is None:
+        u = torch.eye(n, device=h.device, dtype=h.dtype).repeat(c, 1, 1)
     return u, used
 
 

@@ -318,11 +318,17 @@ def main():
     ap.add_argument("--compare-experts", type=int, default=None, help="also print errors over the first N experts")
     ap.add_argument("--json-out", default=None, help="also write all results as JSON here")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one tool, JSON to stdout
+    ap.add_argument("--profile", type=int, default=None, metavar="E",
+                    help="time the phases of GPTQ on the first E experts of each --shape (torch vs fused sweep)")
     ap.add_argument("--verify", action="store_true", help="first check on the device: CUDA-graph sweep == eager, "
                     "batched == one expert at a time (same codes)")
     args = ap.parse_args()
     if args.verify:
         verify(args.device)
+    if args.profile:
+        for shape in args.shape:
+            profile(args.device, shape, args.profile)
+        return
 
     if args.one:
         layer = make_layer(args.shape[0], args.device)
@@ -399,6 +405,84 @@ def verify(device):
                   f"batched==single {same_one} ({frac_one:.2e} differ)  graph {t1 - t0:.2f}s eager {t2 - t1:.2f}s", flush=True)
     os.environ["MOEQUANT_CUDA_GRAPHS"] = "1"
     del layer, h
+
+
+def profile(device, shape, experts, out_dir=None):
+    """Where a GPTQ solve's time goes, for the first `experts` experts of one layer shape: the
+    factorization variants alone, then gate+up and down with the torch sweep and with the fused
+    Triton sweep (phase times from the report, plus the top CUDA kernels from torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from moequant.algorithms import gptq
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    layer = make_layer(shape, device)
+    routes = layer.calib_routes[:experts]
+    h_in, counts = expert_hessians(layer.calib, routes)
+    h_down, _ = expert_hessians(layer.calib, routes, lambda x, e: down_input(layer, x, e))
+    gate, up, down = layer.gate[:experts], layer.up[:experts], layer.down[:experts]
+    n = h_in.shape[-1]
+
+    def timed(fn, repeat=1, warm=True):
+        if warm:
+            fn()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        sync(device)
+        return (time.perf_counter() - t0) / repeat
+
+    print(f"\n== profile {shape}, first {experts} experts, n={n}", flush=True)
+    damped = h_in.clone()
+    damped.diagonal(dim1=-2, dim2=-1).add_(0.01 * damped.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True))
+    rows = []
+    small = damped[:2, :256, :256]  # library handles and kernels loaded outside the timings
+    torch.linalg.cholesky_ex(small), torch.linalg.cholesky_ex(small[0]), gptq._blocked_cholesky(small.clone(), 128)
+    torch.linalg.solve_triangular(small, small, upper=False)
+    rows.append(("cholesky_ex batched (cusolver)", timed(lambda: torch.linalg.cholesky_ex(damped), warm=False)))
+    rows.append(("cholesky_ex one matrix at a time", timed(lambda: [torch.linalg.cholesky_ex(m) for m in damped], warm=False)))
+    for nb in (256, 512, 1024):
+        rows.append((f"blocked cholesky nb={nb} (bmm)", timed(lambda: gptq._blocked_cholesky(damped.clone(), nb), warm=False)))
+    chol = torch.linalg.cholesky_ex(damped)[0]
+    eye = torch.eye(n, device=device).expand(experts, n, n)
+    rows.append(("solve_triangular(L, I) (old U path)",
+                 timed(lambda: torch.linalg.solve_triangular(chol, eye, upper=False), warm=False)))
+    rows.append(("flip [E,n,n] copy", timed(lambda: torch.flip(chol, dims=(-2, -1)))))
+    w = torch.cat([gate, up], dim=1).float()
+    e_blk = torch.randn(experts, w.shape[1], 128, device=device)
+    t_mm = timed(lambda: torch.baddbmm(w[..., 128:], e_blk, chol[:, :128, 128:]))
+    flops = 2 * experts * w.shape[1] * 128 * (n - 128)
+    rows.append((f"one lazy-update bmm ({flops / t_mm / 1e12:.1f} TFLOP/s fp32)", t_mm))
+    for name, t in rows:
+        print(f"  {name:48} {t * 1e3:9.1f} ms", flush=True)
+    del damped, chol, eye, w, e_blk
+
+    for sweep in ("0", "1"):
+        os.environ["MOEQUANT_TRITON"] = sweep
+        for label, run in (("gate+up", lambda: gptq.gptq_shared_hessian([gate, up], h_in, "int4-g128-sym", act_order=True,
+                                                                        tokens=counts)),
+                           ("down", lambda: gptq.gptq(down, h_down, "int4-g128-sym", act_order=True, tokens=counts))):
+            run()  # warm-up (Triton compile, cuBLAS handles)
+            sync(device)
+            t0 = time.perf_counter()
+            _, report = run()
+            sync(device)
+            total = time.perf_counter() - t0
+            sec = report.seconds
+            print(f"  {report.settings['sweep']:6} {label:8} total {total:7.3f} s  factorize {sec['factorize']:7.3f} s  "
+                  f"sweep {sec['sweep']:7.3f} s  other {total - sec['factorize'] - sec['sweep']:7.3f} s  "
+                  f"chunk {report.settings['chunk_experts']}", flush=True)
+            if label == "gate+up" and device.startswith("cuda"):
+                with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    run()
+                    sync(device)
+                try:
+                    table = prof.key_averages().table(sort_by="device_time_total", row_limit=14, max_name_column_width=70)
+                except Exception:  # noqa: BLE001 - older torch names the column cuda_time_total
+                    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70)
+                print(table, flush=True)
+    os.environ["MOEQUANT_TRITON"] = "1"
 
 
 def print_row(r, header):

@@ -211,3 +211,32 @@ def test_chunk_that_runs_out_of_memory_is_retried_smaller(monkeypatch):
     got, report = gptq.gptq(w, h, INT4, chunk_experts=4)
     assert report.settings["chunk_experts"] == 1
     assert torch.equal(got.codes, want.codes) and report.method == ["gptq"] * 4
+
+
+@pytest.mark.parametrize("key,act_order", [(INT4, False), ("int4-g32-asym", True), ("int8-channel", True)])
+def test_reversed_factor_sweep_gives_the_same_codes(monkeypatch, key, act_order):
+    """The fused sweep's formulation (GPTQ on V with H = V V^T instead of U = V^-1; see
+    gptq_triton), run here through its torch definition in float64, equals the torch sweep and
+    therefore the float64 reference. CUDA tests check the Triton kernel against that definition."""
+    w, h, _ = make_layer(experts=3, out=16, n_in=128, tokens=400, seed=10, dtype=torch.float64)
+    h[1, 5, :] = 0  # a dead input column
+    h[1, :, 5] = 0
+    want, want_report = gptq.gptq(w, h, key, block_size=64, act_order=act_order)
+    assert want_report.settings["sweep"] == "torch"
+    monkeypatch.setattr(gptq.gptq_triton, "usable", lambda *args: True)
+    monkeypatch.setattr(gptq.gptq_triton, "sweep_block", gptq.gptq_triton.sweep_block_reference)
+    got, report = gptq.gptq(w, h, key, block_size=64, act_order=act_order)
+    assert report.settings["sweep"] == "triton" and report.dead_columns == [0, 1, 0]
+    assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
+    np.testing.assert_allclose(report.proxy_loss, want_report.proxy_loss, rtol=1e-9)
+
+
+def test_blocked_cholesky_equals_lapack():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 300, 200, generator=g, dtype=torch.float64)
+    a = x.mT @ x / 300
+    a[2, 150, 150] = -1.0  # not positive definite from column 151 on
+    want, want_info = torch.linalg.cholesky_ex(a)
+    got, info = gptq._blocked_cholesky(a.clone(), 64)
+    assert info.tolist() == want_info.tolist() == [0, 0, 151]
+    torch.testing.assert_close(got[:2], want[:2], rtol=0, atol=1e-12)

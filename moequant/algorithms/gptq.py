@@ -511,7 +511,7 @@ def _inverse_cholesky(h, damp, max_tries, skip, inverse=True):
         # triangular solve, half the work of inverse-then-Cholesky. V = J L J.
         damped = torch.flip(h if every else h[rows], dims=(-2, -1))
         damped.diagonal(dim1=-2, dim2=-1).add_((factor * mean_diag[rows])[:, None])
-        chol, info = torch.linalg.cholesky_ex(damped)
+        chol, info = _cholesky_ex(damped)
         del damped
         if inverse:
             eye = torch.eye(n, device=h.device, dtype=h.dtype).expand(len(rows), n, n)
@@ -538,6 +538,43 @@ def _inverse_cholesky(h, damp, max_tries, skip, inverse=True):
     if u is None:
         u = torch.eye(n, device=h.device, dtype=h.dtype).repeat(c, 1, 1)
     return u, used
+
+
+def _cholesky_ex(a):
+    """torch.linalg.cholesky_ex (lower factor, info per matrix), on CUDA for large batched
+    matrices as a blocked left-looking Cholesky whose work is batched matrix products over all
+    experts (MOEQUANT_CHOLESKY=torch|looped|blocked chooses; default `blocked` for n >= 1024)."""
+    import os
+
+    how = os.environ.get("MOEQUANT_CHOLESKY", "auto")
+    n = a.shape[-1]
+    if how == "auto":
+        how = "blocked" if a.is_cuda and a.dim() == 3 and n >= 1024 else "torch"
+    if how == "looped" and a.dim() == 3:
+        out = [torch.linalg.cholesky_ex(m) for m in a]
+        return torch.stack([o[0] for o in out]), torch.stack([o[1] for o in out])
+    if how != "blocked" or a.dim() != 3:
+        return torch.linalg.cholesky_ex(a)
+    return _blocked_cholesky(a, 512)
+
+
+def _blocked_cholesky(a, nb):
+    """Lower Cholesky factors of a batch [c, n, n], overwriting `a` (left-looking, panels of nb
+    columns: one batched product with the finished columns, a small batched Cholesky of the
+    diagonal block, a batched triangular solve below it). Returns (L, info) like cholesky_ex."""
+    c, n = a.shape[0], a.shape[-1]
+    info = torch.zeros(c, dtype=torch.int32, device=a.device)
+    for j in range(0, n, nb):
+        j2 = min(j + nb, n)
+        panel = a[:, j:, j:j2]
+        if j > 0:
+            panel.baddbmm_(a[:, j:, :j], a[:, j:j2, :j].mT, alpha=-1)
+        d, bad = torch.linalg.cholesky_ex(panel[:, : j2 - j])
+        info = torch.where((info == 0) & (bad > 0), bad + j, info)
+        panel[:, : j2 - j] = d
+        if j2 < n:
+            panel[:, j2 - j:] = torch.linalg.solve_triangular(d.mT, panel[:, j2 - j:], upper=True, left=False)
+    return a.tril_(), info
 
 
 def _choose_hessians(h, experts, token_counts, min_tokens, shared_hessian, report, device):

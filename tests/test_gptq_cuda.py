@@ -1,0 +1,108 @@
+"""GPTQ on CUDA: the fused Triton sweep (moequant.algorithms.gptq_triton) against its torch
+definition and against the torch sweep.
+
+Skipped (with the reason shown by `pytest -ra`) without a CUDA device or without Triton; run on
+the GPU machine with `python -m pytest -ra tests/test_gptq_cuda.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moequant.algorithms import gptq, gptq_triton, rtn
+from tests.test_gptq import make_layer, output_error
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(gptq_triton.triton is None, reason="needs Triton (the fused sweep is optional)"),
+]
+
+
+def _block_inputs(c, rows, n, groups, asym, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(c, rows, n, generator=g)
+    v = torch.triu(torch.randn(c, n, n, generator=g)) * 0.05 + torch.eye(n) * (1 + torch.rand(c, 1, n, generator=g))
+    vd = v.diagonal(dim1=-2, dim2=-1).clone()
+    vn = (v / vd[:, None, :]).contiguous()
+    scales = (torch.rand(c, rows, groups, generator=g) * 0.4 + 0.05).to(torch.bfloat16).float()
+    scales[0, 0, 0] = 0.0  # an all-zero group: codes are the zero point
+    zeros = torch.randint(-3, 3, (c, rows, groups), generator=g).float() if asym else None
+    group_idx = torch.randint(0, groups, (c, n), generator=g, dtype=torch.int32)  # act-order-like scatter
+    return [t.cuda() if t is not None else None for t in (x, x.clone(), vn, vd, scales, zeros, group_idx)]
+
+
+@pytest.mark.parametrize("asym,bits", [(False, 4), (True, 4), (False, 8), (True, 3)])
+@pytest.mark.parametrize("i1,i2", [(0, 128), (128, 224)])  # a full block and a ragged last block
+def test_kernel_equals_its_torch_definition_bit_for_bit(asym, bits, i1, i2):
+    c, rows, n = 3, 72, 224  # rows not a multiple of the row tile
+    inputs = _block_inputs(c, rows, n, 4, asym, seed=bits + i1)
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    results = []
+    for fn in (gptq_triton.sweep_block_reference, gptq_triton.sweep_block):
+        x, w0d, vn, vd, scales, zeros, group_idx = [t.clone() if t is not None else None for t in inputs]
+        codes = torch.full((c, rows, n), 99, dtype=torch.int8, device="cuda")
+        loss = torch.zeros(c, dtype=torch.float64, device="cuda")
+        fn(x, w0d, vn, vd, scales, zeros, group_idx, codes, loss, i1, i2, qmin, qmax)
+        results.append((codes.cpu(), w0d.cpu(), loss.cpu()))
+    (ref_codes, ref_d, ref_loss), (codes, d, loss) = results
+    assert torch.equal(codes, ref_codes)  # columns outside i1..i2 untouched (99) in both
+    assert torch.equal(d, ref_d)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    assert (codes[..., i1:i2] >= qmin).all() and (codes[..., i1:i2] <= qmax).all()
+
+
+def _solve(monkeypatch, fused, *args, **kwargs):
+    monkeypatch.setenv("MOEQUANT_TRITON", "1" if fused else "0")
+    q, report = gptq.gptq(*args, **kwargs)
+    assert report.settings["sweep"] == ("triton" if fused else "torch")
+    return q, report
+
+
+@pytest.mark.parametrize("key,act_order", [("int4-g128-sym", True), ("int4-g64-asym", False), ("int8-channel", True)])
+def test_fused_matches_torch_sweep_on_cuda(monkeypatch, key, act_order):
+    """Same algorithm, different float32 rounding order (V instead of U = V^-1): a few codes may
+    flip; held-out error must be as good, and both must be close to a float64 CPU solve."""
+    w, h, held_out = make_layer(experts=6, out=96, n_in=1024, tokens=3000, seed=11)
+    wc, hc = w.cuda(), h.cuda()
+    fused, rep_f = _solve(monkeypatch, True, wc, hc, key, act_order=act_order)
+    torch_sweep, rep_t = _solve(monkeypatch, False, wc, hc, key, act_order=act_order)
+    exact, _ = gptq.gptq(w.double(), h.double(), key, act_order=act_order)
+    differ_torch = (fused.codes != torch_sweep.codes).float().mean().item()
+    differ_exact = (fused.codes.cpu() != exact.codes).float().mean().item()
+    differ_torch_exact = (torch_sweep.codes.cpu() != exact.codes).float().mean().item()
+    err = {name: output_error(w, q.dequantize(torch.float32).cpu(), held_out)
+           for name, q in (("fused", fused), ("torch", torch_sweep), ("float64", exact))}
+    print(f"{key} act_order={act_order}: codes differing fused/torch {differ_torch:.2e}, fused/float64 "
+          f"{differ_exact:.2e}, torch/float64 {differ_torch_exact:.2e}; held-out error {err}")
+    assert differ_exact < 5e-3 and differ_torch < 5e-3
+    assert err["fused"] <= err["float64"] * 1.01 and err["fused"] <= err["torch"] * 1.01
+    assert torch.equal(fused.scales, torch_sweep.scales)
+    for a, b in zip(rep_f.proxy_loss, rep_t.proxy_loss):
+        assert abs(a - b) <= 1e-3 * b
+
+
+def test_fused_shared_hessian_and_fallbacks(monkeypatch):
+    """gate + up through one fused sweep; a zero-token expert gets exactly round-to-nearest."""
+    w, h, _ = make_layer(experts=4, out=64, n_in=256, tokens=800, seed=12)
+    h[2] = 0
+    gate, up = w[:, :24].cuda(), w[:, 24:].cuda()
+    monkeypatch.setenv("MOEQUANT_TRITON", "1")
+    (q_gate, q_up), report = gptq.gptq_shared_hessian([gate, up], h.cuda(), "int4-g128-sym", act_order=True)
+    assert report.settings["sweep"] == "triton" and report.method == ["gptq", "gptq", "rtn", "gptq"]
+    alone, _ = gptq.gptq(gate, h.cuda(), "int4-g128-sym", act_order=True)
+    frac = (alone.codes != q_gate.codes).float().mean().item()
+    assert frac < 5e-3, frac  # rows are independent; only matmul tiling can round differently
+    want = rtn.rtn(w.cuda(), "int4-g128-sym")
+    assert torch.equal(q_gate.codes[2], want.codes[2, :24]) and torch.equal(q_up.codes[2], want.codes[2, 24:])
+
+
+def test_blocked_cholesky_matches_cusolver():
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(4, 1500, 1300, generator=g, dtype=torch.float64)
+    a = (x.mT @ x / 1500).cuda()
+    a[3, 700, 700] = -1.0  # not positive definite from column 701 on
+    want, want_info = torch.linalg.cholesky_ex(a)
+    got, info = gptq._blocked_cholesky(a.clone(), 512)
+    assert torch.equal(info.cpu(), want_info.cpu().to(info.dtype))
+    torch.testing.assert_close(got[:3], want[:3], rtol=0, atol=1e-10)

@@ -54,10 +54,11 @@ class CalibrationSettings:
     min_tokens: int = MIN_ROUTED_TOKENS
     allow_fewer: bool = False
     device: str = "cpu"
+    probe_samples: int = 8  # per-layer KL probe on this many calibration samples (probe.py); 0: none
 
     def fingerprint_fields(self) -> dict:
         return {k: getattr(self, k) for k in ("dataset", "samples", "seq_len", "seed", "all_experts", "hessians",
-                                              "formats", "min_tokens", "allow_fewer")}
+                                              "formats", "min_tokens", "allow_fewer", "probe_samples")}
 
 
 def model_fingerprint(checkpoint) -> str:
@@ -322,6 +323,16 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
                 hidden = runner.forward(module, L, hidden)
         save_carried(work, fingerprint, L + 1, hidden)
         timings[L] = time.perf_counter() - t0
+
+    # The per-layer KL probe reads the layers' sensitivities just written; it runs before
+    # summary.json, so a run killed during it resumes here (every layer already done).
+    from moequant.probe import PROBE_FILE, probe_indices, run_probe, write_probe
+
+    (output / PROBE_FILE).unlink(missing_ok=True)
+    if settings.probe_samples > 0 and adapter.moe_layers:
+        chosen = probe_indices(input_ids.shape[0], settings.probe_samples)
+        write_probe(output, run_probe(ckpt, adapter, input_ids[chosen], output, settings.formats,
+                                      batch_size=settings.batch_size, device=settings.device, progress=progress))
 
     summary = _summary(ckpt, adapter, output, fingerprint, settings, domains, input_ids.shape[0], work)
     atomic_write_text(output / "summary.json", json.dumps(summary, indent=2) + "\n")

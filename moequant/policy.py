@@ -39,7 +39,19 @@ uniformly used expert's usage, keeps experts the calibration data never reached 
 nothing: other data may route to them, and without a floor the solver would give them any
 format at all. bf16 has loss 0. The plan's predicted loss is the sum over routed experts; it
 adds errors of different layers as if they were independent (a first-order estimate that ranks
-plans, not a measured KL).
+plans).
+
+Cross-layer sensitivity: a layer-output error does not reach the model's output equally from
+every layer (on the bundled models the loss above grows ~3x with depth relative to the real
+effect on the final KL). When the statistics hold the per-layer KL probe (moequant.probe: the
+measured KL of quantizing one layer's routed experts in one format), every loss of layer L (all
+its experts and formats) is multiplied by
+
+    scale_L = probe KL_L / sum_e usage(L, e) * sum_p sensitivity_L[p][probe format][e]
+
+so a one-layer plan in the probe format predicts exactly its measured KL, and the solver's
+objective approximates the end-to-end KL. Without a complete probe the losses stay unscaled;
+`summary.probe` says which happened and why.
 
 Budget
 ------
@@ -84,7 +96,10 @@ plan.json (schema "moequant.plan/1")
      "per_expert_alternative": null | {"predicted_loss": float, "routed_bytes": int,  # target
                                        "candidates": [...], "counts": {format key: experts}},  # transformers
      "budget_alternative": null | {same keys},       # rules / uniform plans: the solver at their bytes
-     "uniform_alternatives": [{"format": key, "routed_bytes": int, "predicted_loss": float|null}]},
+     "uniform_alternatives": [{"format": key, "routed_bytes": int, "predicted_loss": float|null}],
+     "probe": null (no statistics) | {"used": false, "why": str}
+              | {"used": true, "format": key, "samples": int, "tokens": int,
+                 "layers": {"L": {"kl": float, "scale": float}}}},
   "notes": [str, ...],
   "recipe": {...}                                    # the resolved recipe
 }
@@ -523,6 +538,10 @@ class _Context:
         self._loss: dict[tuple, float | None] = {}
         self._sensitivity: dict[tuple, np.ndarray] = {}
         self.unfit: dict[str, tuple[set[int], str]] = {}  # format key -> (layers it cannot hold, why)
+        self.layer_scale: dict[int, float] | None = None  # from the per-layer KL probe, when usable
+        self.probe_info: dict | None = None
+        if stats is not None:
+            self.layer_scale, self.probe_info = _probe_scales(self)
 
     def nbytes(self, spec, shape, name: str | None = None) -> int:
         key = (spec.key, tuple(shape))
@@ -551,7 +570,8 @@ class _Context:
                 raise UserError(f"the calibration statistics have no MoE layer {t.layer}; rerun `moequant calibrate` on this model.")
             table = self.stats.layers[t.layer].sensitivity
             self._sensitivity[(t.layer, t.proj, key)] = sensitivity(table, t.layer, t.proj, key)
-        return float(self.usage(t.layer)[t.expert] * self._sensitivity[(t.layer, t.proj, key)][t.expert])
+        scale = self.layer_scale[t.layer] if self.layer_scale else 1.0
+        return float(scale * self.usage(t.layer)[t.expert] * self._sensitivity[(t.layer, t.proj, key)][t.expert])
 
     def expert_loss(self, expert: tuple[int, int], key: str) -> float | None:
         cache_key = (expert, key)
@@ -562,6 +582,42 @@ class _Context:
 
     def expert_bytes(self, expert: tuple[int, int], spec) -> int:
         return sum(self.nbytes(spec, t.shape, t.name) for t in self.experts[expert])
+
+
+def _probe_scales(ctx: _Context) -> tuple[dict[int, float] | None, dict]:
+    """Per-layer loss scales from the statistics' KL probe: (scales or None, what the summary says).
+
+    scale_L = measured KL of the probe's one-layer plan / this plan's predicted loss of that same
+    one-layer plan (with the recipe's usage floor), so that after scaling, the predicted loss of
+    a one-layer plan in the probe format is its measured KL. Used only when every MoE layer of
+    the plan has a positive, finite scale; otherwise the losses stay unscaled and `why` says so.
+    """
+    probe = getattr(ctx.stats, "probe", None)
+    if not probe or not probe.get("layers"):
+        return None, {"used": False, "why": "the calibration statistics hold no per-layer KL probe "
+                                            "(calibration.probe_samples 0, or statistics from an older version)"}
+    scales, measured = {}, {}
+    for layer in ctx.layers:
+        entry = probe["layers"].get(str(layer))
+        if entry is None:
+            return None, {"used": False, "why": f"the KL probe has no layer {layer}"}
+        key, kl = entry["format"], float(entry["kl"])
+        if layer not in ctx.stats.layers:
+            return None, {"used": False, "why": f"the calibration statistics have no MoE layer {layer}"}
+        table = ctx.stats.layers[layer].sensitivity
+        try:
+            err = sum(sensitivity(table, layer, p, key) for p in PROJECTIONS)
+        except UserError:
+            return None, {"used": False, "why": f"the statistics have no sensitivity for the probe format {key}"}
+        predicted = float(np.dot(ctx.usage(layer), err))
+        if not (predicted > 0 and math.isfinite(kl) and kl >= 0):
+            return None, {"used": False, "why": f"the KL probe of layer {layer} has no usable ratio "
+                                                f"(KL {kl:.3g}, predicted {predicted:.3g})"}
+        scales[layer], measured[layer] = kl / predicted, kl
+    formats_used = sorted({probe["layers"][str(L)]["format"] for L in ctx.layers})
+    return scales, {"used": True, "format": ", ".join(formats_used), "samples": probe.get("samples"),
+                    "tokens": probe.get("tokens"),
+                    "layers": {str(L): {"kl": measured[L], "scale": scales[L]} for L in ctx.layers}}
 
 
 def _keep_match(recipe: Recipe, t: TensorInfo) -> str | None:
@@ -935,6 +991,7 @@ def _summary(plan: Plan, ctx: _Context, free, budget_info) -> dict:
         "per_expert_alternative": alternative,
         "budget_alternative": budget_alternative,
         "uniform_alternatives": uniform,
+        "probe": ctx.probe_info,
     }
 
 
@@ -1135,5 +1192,12 @@ def format_summary(plan: Plan) -> str:
     for u in s.get("uniform_alternatives", []):
         loss = f"{u['predicted_loss']:.6g}" if u["predicted_loss"] is not None else "n/a"
         lines.append(f"uniform {u['format']}: {_size(u['routed_bytes'])} routed, predicted loss {loss}")
+    probe = s.get("probe")
+    if probe and probe.get("used"):
+        scales = ", ".join(f"L{L} x{v['scale']:.3g}" for L, v in probe["layers"].items())
+        lines.append(f"per-layer KL probe used ({probe['format']} one layer at a time, {probe['tokens']} tokens): "
+                     f"losses scaled to measured KL per layer: {scales}")
+    elif probe:
+        lines.append(f"per-layer KL probe not used: {probe['why']}; losses are layer-output errors added unscaled")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)

@@ -10,7 +10,7 @@ and what is accepted.
 model: zoo:tiny-qwen2moe      # zoo:NAME, an HF id, or a local directory
 output: runs/NAME
 target: vllm                  # vllm | sglang | transformers
-calibration: {dataset: builtin:mix, samples: 128, seq_len: 512, all_experts: true}
+calibration: {dataset: builtin:mix, samples: 128, seq_len: 512, all_experts: true, probe_samples: 8}
 keep: [router, shared_experts, attention, embeddings, lm_head]   # stay bf16
 non_experts: {format: bf16}   # format for attention / shared experts / dense MLPs not kept
 experts:
@@ -108,6 +108,8 @@ class Calibration(Strict):
     samples: int = Field(128, gt=0)
     seq_len: int = Field(512, gt=0)
     all_experts: bool = True
+    # per-layer KL probe (moequant.probe) on this many of the calibration samples; 0 turns it off
+    probe_samples: int = Field(8, ge=0)
 
 
 class Evaluate(Strict):

@@ -12,7 +12,9 @@ Layout of a `stats/` directory:
   (every token when all-experts coverage is on, else the routed ones);
   `hessian.<group> [E, d, d]` fp32 = XᵀX / n over the statistic tokens and
   `hessian_routed.<group>`, `input_routed.<group>.tokens` over the real routed tokens only;
-  `sensitivity.<proj>.<format_key> [E]` float64 predicted output error (see calibrate.py).
+  `sensitivity.<proj>.<format_key> [E]` float64 predicted output error (see calibrate.py);
+- `probe.json`: the per-layer KL probe (measured KL of quantizing one layer's routed experts,
+  the policy's predicted loss for it, their ratio), when calibration ran it (see probe.py).
 """
 
 from __future__ import annotations
@@ -95,6 +97,14 @@ class Stats:
     directory: Path
     summary: dict
     layers: dict[int, LayerStats]
+    probe: dict | None = None  # probe.json (per-layer KL probe, see probe.py), when calibration ran it
+
+    @property
+    def layer_scale(self) -> dict[int, float]:
+        """Measured KL / predicted loss per probed MoE layer (layers without a scale left out)."""
+        if not self.probe:
+            return {}
+        return {int(L): float(v["scale"]) for L, v in self.probe.get("layers", {}).items() if v.get("scale") is not None}
 
 
 def load_stats(directory: str | Path, with_hessians: bool = True) -> Stats:
@@ -113,4 +123,6 @@ def load_stats(directory: str | Path, with_hessians: bool = True) -> Stats:
         if not with_hessians:
             tensors = {k: v for k, v in tensors.items() if not k.startswith("hessian")}
         layers[L] = LayerStats(L, int(summary["top_k"]), int(entry["tokens"]), tensors)
-    return Stats(directory, summary, layers)
+    from moequant.probe import load_probe
+
+    return Stats(directory, summary, layers, probe=load_probe(directory))

@@ -38,6 +38,8 @@ def test_defaults_without_a_file():
     assert recipe.target == "vllm"
     assert recipe.experts.method == "budget" and recipe.experts.budget.bits_per_weight == 5.5
     assert recipe.algorithm_for("int4") == "gptq" and recipe.algorithm_for("bf16") == "none"
+    assert recipe.calibration.probe_samples == 8  # the per-layer KL probe is on by default
+    assert load_recipe(None, ["calibration.probe_samples=0"]).calibration.probe_samples == 0
 
 
 def test_overrides_set_nested_keys_with_yaml_values(tmp_path):
@@ -112,6 +114,10 @@ def test_wrong_types_and_values():
     assert error_of({"seed": "x"}) == "recipe r.yaml: key 'seed' has value 'x'; accepted: a whole number."
     assert error_of({"calibration": {"samples": 0}}) == (
         "recipe r.yaml: key 'calibration.samples' has value 0; accepted: a number greater than 0.")
+    assert error_of({"calibration": {"probe_samples": -1}}) == (
+        "recipe r.yaml: key 'calibration.probe_samples' has value -1; accepted: a number of at least 0.")
+    assert error_of({"calibration": {"probe_samples": 2.5}}) == (
+        "recipe r.yaml: key 'calibration.probe_samples' has value 2.5; accepted: a whole number.")
     assert error_of({"keep": "router"}) == "recipe r.yaml: key 'keep' has value 'router'; accepted: a list."
     assert error_of({"algorithms": {"int4": "magic"}}) == (
         "recipe r.yaml: key 'algorithms.int4' has value 'magic'; accepted: 'rtn', 'gptq' or 'awq'.")

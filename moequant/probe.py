@@ -1,0 +1,235 @@
+"""Per-layer KL probe: what quantizing one MoE layer's routed experts does to the model's output.
+
+The policy's predicted loss of a layer (usage x calibration's RTN output error, summed over
+experts; see policy.py) is measured at the layer's own output. How much of that error survives
+to the next-token distribution differs from layer to layer (on the bundled models the predicted
+loss grows about 3x with depth relative to the real effect), so a budget plan that adds
+predicted losses across layers ranks layers wrongly. The probe measures the real effect once
+per layer and turns it into a per-layer scale the policy multiplies that layer's losses by.
+
+For every MoE layer L, on `probe_samples` of the calibration samples (evenly spaced):
+  1. quantize (RTN) only layer L's routed experts in the probe format, run the model;
+  2. measured KL = mean over the probe tokens of KL(original || probed) of the next-token
+     distributions, in float64 (`evaluate.token_statistics`);
+  3. predicted loss = sum over experts e of usage(L, e) * sum_p sensitivity_L[p][format][e]
+     (what the policy predicts for that one-layer plan, with the default usage floor);
+  4. scale = measured / predicted.
+
+Probe format: the cheapest (fewest bits per weight, scales included) calibrated format with at
+least 4 bits per weight that holds the layer's experts (else the cheapest one that does). The
+scale is meant for the regime where the budget decisions of every target happen (4-bit vs
+8-bit experts) and where KL and the predicted loss are both second order in the weight error;
+a 2- or 3-bit probe perturbs tiny models so much that the KL leaves that regime.
+
+Cost and memory: the layers are walked once with the original hidden states plus one perturbed
+stream per probed layer, so each layer is materialised once (MoE layers once more with their
+probed experts) and run on every live stream: O(L^2) layer forwards on few tokens. When the
+streams would exceed `max_stream_bytes`, the probed layers are split into chunks, one walk each.
+
+probe.json (schema "moequant.probe/1"), in the statistics directory:
+{"schema", "samples": int, "tokens": int, "usage_floor": float,
+ "layers": {"L": {"format": key, "kl": float, "predicted_loss": float, "scale": float | null}}}
+scale is null when the predicted loss is 0 (nothing to scale).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from moequant.checkpoint import atomic_write_text
+from moequant.stats import layer_file
+
+SCHEMA = "moequant.probe/1"
+PROBE_FILE = "probe.json"
+DEFAULT_USAGE_FLOOR = 0.05  # the recipe's default experts.usage_floor
+PROJECTIONS = ("gate", "up", "down")
+MAX_STREAM_BYTES = 2 * 2**30
+
+
+def probe_indices(num_samples: int, probe_samples: int) -> list[int]:
+    """Evenly spaced sample indices (every domain of a mixed calibration set gets its share)."""
+    k = min(num_samples, probe_samples)
+    if k <= 0:
+        return []
+    if k == num_samples:
+        return list(range(num_samples))
+    return [round(i * (num_samples - 1) / (k - 1)) if k > 1 else 0 for i in range(k)]
+
+
+def choose_probe_format(format_keys, shapes) -> str | None:
+    """The cheapest format with >= 4 bits per weight that holds every shape (else the cheapest)."""
+    from moequant import formats
+    from moequant.errors import UserError
+
+    fits = []
+    for key in format_keys:
+        spec = formats.parse_key(key)
+        if spec.name == "bf16":
+            continue
+        try:
+            bits = sum(formats.nbytes(spec, s) for s in shapes) * 8 / sum(math.prod(s) for s in shapes)
+        except UserError:
+            continue
+        fits.append((bits, key))
+    if not fits:
+        return None
+    at_least_4 = [f for f in fits if f[0] >= 4.0]
+    return min(at_least_4 or fits)[1]
+
+
+def predicted_layer_loss(sensitivity: dict, routed_count: torch.Tensor, tokens: int, top_k: int, key: str,
+                         usage_floor: float = DEFAULT_USAGE_FLOOR) -> float:
+    """The policy's predicted loss of one layer with every routed expert in `key` (float64)."""
+    counts = routed_count.double()
+    usage = torch.clamp(counts / tokens, min=usage_floor * top_k / counts.numel())
+    return float(sum((usage * sensitivity[p][key].double()).sum() for p in PROJECTIONS))
+
+
+def _layer_sensitivity(stats_dir: Path, layer: int) -> tuple[dict, torch.Tensor]:
+    """(sensitivity[proj][key], routing.count) of one layer, without reading its Hessians."""
+    from safetensors import safe_open
+
+    sens: dict = {}
+    with safe_open(str(layer_file(stats_dir, layer)), "pt") as f:
+        for name in f.keys():
+            if name.startswith("sensitivity."):
+                _, proj, key = name.split(".", 2)
+                sens.setdefault(proj, {})[key] = f.get_tensor(name)
+        count = f.get_tensor("routing.count")
+    return sens, count
+
+
+def _head(runner, checkpoint):
+    """hidden -> logits through the model's own final norm and lm_head (tied: the embedding)."""
+    model = runner.model
+    name = "lm_head.weight" if "lm_head.weight" in checkpoint else "model.embed_tokens.weight"
+    model.lm_head.to_empty(device=runner.device)
+    state = {"weight": checkpoint.get(name).to(runner.dtype)}
+    if getattr(model.lm_head, "bias", None) is not None:
+        state["bias"] = checkpoint.get("lm_head.bias").to(runner.dtype)
+    model.lm_head.load_state_dict(state)
+    norm = model.model.norm.to(runner.device)
+
+    def logits(h: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model.lm_head(norm(h.to(runner.device)))
+
+    return logits
+
+
+def _kl_sum(head, reference: list[torch.Tensor], probed: list[torch.Tensor]) -> float:
+    from moequant.evaluate import token_statistics
+
+    total = 0.0
+    for h_ref, h_q in zip(reference, probed):
+        ref = head(h_ref)
+        q = head(h_q)
+        kl, *_ = token_statistics(ref.reshape(-1, ref.shape[-1]), q.reshape(-1, q.shape[-1]))
+        total += float(kl.sum())
+    return total
+
+
+def _probed_experts(adapter, checkpoint, layer: int, key: str, dtype) -> dict[str, torch.Tensor]:
+    from moequant import formats
+
+    spec = formats.parse_key(key)
+    out = {}
+    for proj in adapter.projections:
+        W = adapter.read_experts(checkpoint, layer, proj).float()
+        out[proj] = formats.quantize(W, spec, name=f"layer {layer} {proj} experts").dequantize(torch.float32).to(dtype)
+    return out
+
+
+def run_probe(checkpoint, adapter, input_ids: torch.Tensor, stats_dir: str | Path, format_keys,
+              top_k: int | None = None, batch_size: int = 8, device: str = "cpu",
+              usage_floor: float = DEFAULT_USAGE_FLOOR, max_stream_bytes: int = MAX_STREAM_BYTES,
+              progress: bool = False) -> dict:
+    """Probe every MoE layer on `input_ids` [n, seq]; needs the layers' statistics files in
+    `stats_dir` (sensitivities, routing counts). Returns probe.json's dict (not written)."""
+    from moequant.layers import LayerRunner
+
+    stats_dir = Path(stats_dir)
+    top_k = top_k or adapter.top_k
+    runner = LayerRunner(checkpoint, adapter, input_ids, batch_size=batch_size, device=device)
+    head = _head(runner, checkpoint)
+    shapes = [tuple(adapter.expert_shape(p)) for p in adapter.projections]
+    probe_key = choose_probe_format(format_keys, shapes)
+    moe = [L for L in adapter.moe_layers]
+    layers_out: dict[str, dict] = {}
+    tokens = int(input_ids.numel())
+    if probe_key is None or not moe:
+        return {"schema": SCHEMA, "samples": int(input_ids.shape[0]), "tokens": tokens,
+                "usage_floor": usage_floor, "layers": {}}
+    stream_bytes = tokens * adapter.hidden * torch.finfo(runner.dtype).bits // 8
+    per_walk = max(1, int(max_stream_bytes // max(stream_bytes, 1)) - 1)
+    chunks = [moe[i:i + per_walk] for i in range(0, len(moe), per_walk)]
+    kl_sum: dict[int, float] = {}
+    for chunk in chunks:
+        kl_sum.update(_walk(runner, checkpoint, adapter, head, chunk, probe_key, progress))
+    for L in moe:
+        sens, count = _layer_sensitivity(stats_dir, L)
+        layer_tokens = int(count.sum()) // top_k
+        predicted = predicted_layer_loss(sens, count, layer_tokens, top_k, probe_key, usage_floor)
+        kl = kl_sum[L] / tokens
+        layers_out[str(L)] = {"format": probe_key, "kl": kl, "predicted_loss": predicted,
+                              "scale": kl / predicted if predicted > 0 else None}
+    return {"schema": SCHEMA, "samples": int(input_ids.shape[0]), "tokens": tokens,
+            "usage_floor": usage_floor, "layers": layers_out}
+
+
+def _walk(runner, checkpoint, adapter, head, probed_layers: list[int], key: str, progress: bool) -> dict[int, float]:
+    """One walk over the decoder layers: the original stream plus one stream per probed layer,
+    started at that layer with its experts quantized. Returns the summed KL per probed layer."""
+    hidden = runner.embedded
+    streams: dict[int, list[torch.Tensor]] = {}
+    layers = range(adapter.num_layers)
+    if progress:
+        from rich.progress import track
+
+        layers = track(layers, description="probing layers", total=adapter.num_layers)
+    for L in layers:
+        with runner.materialized(L) as module:
+            for P in streams:
+                streams[P] = _forward(runner, module, L, streams[P])
+            before = hidden
+            hidden = _forward(runner, module, L, hidden)
+        if L in probed_layers:
+            experts = _probed_experts(adapter, checkpoint, L, key, runner.dtype)
+            with runner.materialized(L, experts=experts) as module:
+                streams[L] = _forward(runner, module, L, before)
+    return {P: _kl_sum(head, hidden, h) for P, h in streams.items()}
+
+
+def _forward(runner, module, layer: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One materialised layer over every batch of a stream (the runner's captured layer inputs).
+
+    Not `runner.forward`: that one is the calibration pass's per-layer step, which resume and
+    its tests count; the probe's O(L^2) stream forwards are a separate phase."""
+    out = []
+    with torch.no_grad():
+        for b, h in enumerate(hidden):
+            args, kwargs = runner.layer_kwargs[b][layer]
+            y = module(h.to(runner.device), *args, **kwargs)
+            out.append((y[0] if isinstance(y, tuple) else y).detach().to("cpu"))
+    return out
+
+
+def write_probe(stats_dir: str | Path, probe: dict) -> Path:
+    path = Path(stats_dir) / PROBE_FILE
+    atomic_write_text(path, json.dumps(probe, indent=2) + "\n")
+    return path
+
+
+def load_probe(stats_dir: str | Path) -> dict | None:
+    """probe.json's dict, or None when the statistics have no probe (probe_samples 0, older runs)."""
+    path = Path(stats_dir) / PROBE_FILE
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    if data.get("schema") != SCHEMA:
+        return None
+    return data

@@ -1,0 +1,216 @@
+"""Per-layer KL probe: measured KL against the whole transformers model, and its use by the policy."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moequant import formats
+from moequant.calibrate import CalibrationSettings, calibrate
+from moequant.data import Sample
+from moequant.errors import UserError
+from moequant.policy import format_summary, make_plan
+from moequant.probe import choose_probe_format, probe_indices
+from moequant.recipe import recipe_from_dict
+from moequant.stats import LayerStats, Stats, load_stats
+from tiny import build_tiny
+
+SEQ, N, BS = 16, 4, 2
+FORMATS = ("int8-channel", "int4-g32-sym", "int2-g32-asym")
+
+
+def make_samples(seed=0, n=N):
+    g = torch.Generator().manual_seed(seed)
+    return [Sample(torch.randint(0, 96, (SEQ,), generator=g), "prose", "test") for _ in range(n)]
+
+
+def settings(**kw):
+    return CalibrationSettings(**{"samples": N, "seq_len": SEQ, "batch_size": BS, "formats": FORMATS,
+                                  "probe_samples": N, **kw})
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_probe")
+    return {mt: build_tiny(mt, root / mt, seed=2) for mt in ("qwen2_moe", "mixtral")}
+
+
+def logits_of(directory, ids):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.no_grad():
+        return model(input_ids=ids).logits.double()
+
+
+def kl_mean(ref: torch.Tensor, q: torch.Tensor) -> float:
+    lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(q, -1)
+    return float((lp.exp() * (lp - lq)).sum(-1).mean())
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "mixtral"])
+def test_probe_kl_equals_the_whole_model_with_one_layer_quantized(tiny_dirs, tmp_path, model_type):
+    """For every MoE layer: write a copy of the checkpoint with that layer's routed experts
+    replaced by their RTN-dequantized weights (float32), run it with transformers, KL in float64."""
+    d = tiny_dirs[model_type]
+    samples = make_samples()
+    out = calibrate(str(d), tmp_path / "stats", settings(), samples=samples, progress=False)
+    probe = json.loads((out / "probe.json").read_text())
+    assert probe == load_stats(out).probe
+    ids = torch.stack([s.input_ids for s in samples])
+    ref = logits_of(d, ids)
+    original = load_file(str(d / "model.safetensors"))
+    layers = sorted({int(m.group(1)) for k in original if (m := re.match(r"model\.layers\.(\d+)\..*experts\.\d+\.", k))})
+    assert sorted(map(int, probe["layers"])) == layers and probe["tokens"] == N * SEQ
+    stats = load_stats(out)
+    for L in layers:
+        entry = probe["layers"][str(L)]
+        assert entry["format"] == "int4-g32-sym"
+        spec = formats.parse_key(entry["format"])
+        copy = tmp_path / f"layer{L}"
+        shutil.copytree(d, copy)
+        tensors = dict(original)
+        changed = 0
+        for name, w in original.items():
+            if re.match(rf"model\.layers\.{L}\.\w+\.experts\.\d+\.\w+\.weight$", name):
+                tensors[name] = formats.quantize(w.float(), spec).dequantize(torch.float32)
+                changed += 1
+        assert changed == 3 * stats.layers[L].num_experts
+        save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+        expected = kl_mean(ref, logits_of(copy, ids))
+        assert expected > 0
+        assert entry["kl"] == pytest.approx(expected, rel=1e-6, abs=0)
+        # the predicted loss: usage (floored at 5% of uniform) x summed sensitivity, in float64
+        ls = stats.layers[L]
+        counts = ls.routed_count.double().numpy()
+        usage = np.maximum(counts / ls.tokens, 0.05 * ls.top_k / counts.size)
+        sens = sum(ls.sensitivity[p][entry["format"]].double().numpy() for p in ("gate", "up", "down"))
+        assert entry["predicted_loss"] == pytest.approx(float(usage @ sens), rel=1e-12)
+        assert entry["scale"] == pytest.approx(entry["kl"] / entry["predicted_loss"], rel=1e-12)
+
+
+def test_probe_samples_setting_is_fingerprinted_and_zero_disables(tiny_dirs, tmp_path):
+    d = str(tiny_dirs["qwen2_moe"])
+    out = calibrate(d, tmp_path / "s", settings(probe_samples=0), samples=make_samples(), progress=False)
+    assert not (out / "probe.json").exists() and load_stats(out).probe is None and load_stats(out).layer_scale == {}
+    with pytest.raises(UserError, match="other settings"):  # a changed probe setting is not silently reused
+        calibrate(d, tmp_path / "s", settings(probe_samples=2), samples=make_samples(), progress=False)
+    calibrate(d, tmp_path / "s", settings(probe_samples=2), samples=make_samples(), progress=False, overwrite=True)
+    s = load_stats(out)
+    assert s.probe["samples"] == 2 and s.probe["tokens"] == 2 * SEQ
+    assert s.layer_scale == {int(L): v["scale"] for L, v in s.probe["layers"].items()}
+
+
+def test_resume_after_a_kill_during_the_probe(tiny_dirs, tmp_path, monkeypatch):
+    from moequant import probe as probe_module
+
+    d = str(tiny_dirs["mixtral"])
+    whole = calibrate(d, tmp_path / "whole", settings(), samples=make_samples(), progress=False)
+    real = probe_module.run_probe
+
+    def dying(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(probe_module, "run_probe", dying)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(d, tmp_path / "resumed", settings(), samples=make_samples(), progress=False)
+    assert not (tmp_path / "resumed" / "summary.json").exists()
+    monkeypatch.setattr(probe_module, "run_probe", real)
+    resumed = calibrate(d, tmp_path / "resumed", settings(), samples=make_samples(), progress=False)
+    assert json.loads((resumed / "probe.json").read_text()) == json.loads((whole / "probe.json").read_text())
+
+
+def test_probe_format_and_sample_choice():
+    shapes = [(32, 64), (32, 64), (64, 32)]
+    assert choose_probe_format(["int8-channel", "int4-g32-sym", "int3-g32-asym", "int2-g32-asym"], shapes) == "int4-g32-sym"
+    assert choose_probe_format(["int8-channel", "mxfp4", "int4-g32-sym"], shapes) == "mxfp4"  # 4.25 < 4.5 bits
+    assert choose_probe_format(["int3-g32-asym", "int2-g32-asym"], shapes) == "int2-g32-asym"  # none >= 4 bits
+    assert choose_probe_format(["int4-g128-sym", "int8-channel"], shapes) == "int8-channel"  # g128 cannot hold 64
+    assert probe_indices(10, 4) == [0, 3, 6, 9] and probe_indices(3, 8) == [0, 1, 2] and probe_indices(5, 0) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The policy's use of the scales (hand-built statistics)
+
+H, I, E = 64, 32, 4
+
+
+def tensors(layers=2):
+    out = []
+    for L in range(layers):
+        for e in range(E):
+            for proj in ("gate", "up", "down"):
+                shape = (H, I) if proj == "down" else (I, H)
+                out.append((f"model.layers.{L}.mlp.experts.{e}.{proj}_proj.weight", "routed_expert", L, e, proj, shape))
+    return out
+
+
+def hand_stats(probe_kl=None, layers=2):
+    """Layer 1's predicted losses are 3x layer 0's; the probe (when given) says the opposite."""
+    out = {}
+    for L in range(layers):
+        t = {"routing.count": torch.tensor([400, 300, 200, 100], dtype=torch.int64)}
+        for proj in ("gate", "up", "down"):
+            base = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64) * (1 + 2 * L)
+            t[f"sensitivity.{proj}.int4-g32-sym"] = base
+            t[f"sensitivity.{proj}.int8-channel"] = base / 50
+        out[L] = LayerStats(L, 2, 500, t)
+    probe = None
+    if probe_kl is not None:
+        probe = {"schema": "moequant.probe/1", "samples": 2, "tokens": 64, "usage_floor": 0.05,
+                 "layers": {str(L): {"format": "int4-g32-sym", "kl": kl, "predicted_loss": None, "scale": None}
+                            for L, kl in probe_kl.items()}}
+    return Stats(None, {}, out, probe=probe)
+
+
+def recipe(experts, target="vllm"):
+    return recipe_from_dict({"target": target, "formats": {"int4": {"group_size": 32}}, "experts": experts}, "t.yaml")
+
+
+def half_way():
+    """A vLLM budget with room for exactly one int8 layer."""
+    int4 = make_plan(recipe({"method": "uniform", "format": "int4"}), tensors(), None).summary["routed_bytes"]
+    int8 = make_plan(recipe({"method": "uniform", "format": "int8"}), tensors(), None).summary["routed_bytes"]
+    numel = 2 * E * 3 * H * I
+    return recipe({"method": "budget", "formats": ["int8", "int4"],
+                   "budget": {"bits_per_weight": (int4 + int8) // 2 * 8 / numel}})
+
+
+def layer_formats(plan):
+    return {L: keys.pop() for L, keys in plan.layer_formats().items()}
+
+
+def test_layer_scales_reverse_the_solvers_layer_choice():
+    r = half_way()
+    plain = make_plan(r, tensors(), hand_stats())
+    assert layer_formats(plain) == {0: "int4-g32-sym", 1: "int8-channel"}  # the larger predicted loss
+    assert plain.summary["probe"]["used"] is False
+    assert "probe not used" in format_summary(plain)
+    probed = make_plan(r, tensors(), hand_stats({0: 0.02, 1: 0.005}))
+    assert layer_formats(probed) == {0: "int8-channel", 1: "int4-g32-sym"}
+    assert probed.summary["probe"]["used"] is True
+    assert "per-layer KL probe used" in format_summary(probed)
+    # scaled, a one-layer int4 plan's predicted loss is the probe's measured KL of that layer
+    for L, kl in ((0, 0.02), (1, 0.005)):
+        rules = recipe({"method": "rules", "rules": [{"layers": L, "format": "int4"}, {"format": "bf16"}]},
+                       target="transformers")
+        plan = make_plan(rules, tensors(), hand_stats({0: 0.02, 1: 0.005}))
+        assert plan.summary["predicted_loss"] == pytest.approx(kl, rel=1e-12)
+        # and every tensor's loss is its unscaled loss times the layer's scale
+        unscaled = make_plan(rules, tensors(), hand_stats())
+        scale = probed.summary["probe"]["layers"][str(L)]["scale"]
+        for a, b in zip(plan.tensors, unscaled.tensors):
+            if a.predicted_loss is not None:
+                assert a.predicted_loss == pytest.approx(scale * b.predicted_loss, rel=1e-12)
+
+
+def test_an_incomplete_probe_is_not_used():
+    plan = make_plan(half_way(), tensors(), hand_stats({0: 0.02}))
+    assert plan.summary["probe"] == {"used": False, "why": "the KL probe has no layer 1"}
+    assert layer_formats(plan) == {0: "int4-g32-sym", 1: "int8-channel"}

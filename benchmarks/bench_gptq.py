@@ -192,11 +192,10 @@ def run_moequant(layer: Layer, args, act_order: bool) -> dict:
     quantized = {"gate": q_gate.dequantize(torch.bfloat16), "up": q_up.dequantize(torch.bfloat16),
                  "down": q_down.dequantize(torch.bfloat16)}
     fallbacks = len(report_in.fallbacks()) + len(report_down.fallbacks())
-    factor = report_in.seconds["factorize"] + report_down.seconds["factorize"]
-    sweep = report_in.seconds["sweep"] + report_down.seconds["sweep"]
+    phases = " ".join(f"{k} {report_in.seconds[k] + report_down.seconds[k]:.2f}s" for k in report_in.seconds)
     return dict(experts_run=experts, hessian_s=(t1 - t0) + (t3 - t2), gptq_s=(t2 - t1) + (t4 - t3),
                 peak_gib=peak, extra_gib=extra, errors=relative_errors(layer, quantized, experts),
-                note=f"{fallbacks} expert fallbacks; factorize {factor:.2f}s sweep {sweep:.2f}s"
+                note=f"{fallbacks} expert fallbacks; {report_in.settings['sweep']} sweep; {phases}"
                 + subset_note(layer, quantized, args))
 
 
@@ -291,6 +290,14 @@ def run_llmc(layer: Layer, args, batched: bool) -> dict:
 
 
 def run_tool(tool: str, layer: Layer, args) -> dict:
+    if args.warmup:  # one-time costs (Triton / cuBLAS / cuSOLVER set-up) out of the timings, for every tool
+        small = make_layer("small", args.device, seed=1)
+        args.warmup = False
+        try:
+            run_tool(tool, small, args)
+        finally:
+            args.warmup = True
+        del small
     if tool == "moequant":
         return run_moequant(layer, args, act_order=True)
     if tool == "moequant-noact":
@@ -318,6 +325,8 @@ def main():
     ap.add_argument("--compare-experts", type=int, default=None, help="also print errors over the first N experts")
     ap.add_argument("--json-out", default=None, help="also write all results as JSON here")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one tool, JSON to stdout
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false",
+                    help="time each tool's first call too (default: each tool first runs once on the small shape)")
     ap.add_argument("--profile", type=int, default=None, metavar="E",
                     help="time the phases of GPTQ on the first E experts of each --shape (torch vs fused sweep)")
     ap.add_argument("--verify", action="store_true", help="first check on the device: CUDA-graph sweep == eager, "
@@ -458,6 +467,26 @@ def profile(device, shape, experts, out_dir=None):
         print(f"  {name:48} {t * 1e3:9.1f} ms", flush=True)
     del damped, chol, eye, w, e_blk
 
+    from moequant.algorithms import gptq_triton
+
+    if gptq_triton.triton is not None and device.startswith("cuda"):
+        x = torch.cat([gate, up], dim=1).float()
+        vn = torch.triu(torch.randn(experts, n, n, device=device)) * 0.01 + torch.eye(n, device=device)
+        vd = torch.ones(experts, n, device=device)
+        scales = torch.full((experts, x.shape[1], n // 128), 0.002, device=device)
+        group_idx = (torch.arange(n, device=device) // 128).to(torch.int32).expand(experts, -1).contiguous()
+        codes = torch.empty(x.shape, dtype=torch.int8, device=device)
+        loss = torch.zeros(experts, dtype=torch.float64, device=device)
+        print("  fused block sweep, one 128-column block of gate+up, per launch shape:", flush=True)
+        for tile_rows, warps in ((16, 2), (16, 4), (32, 4), (32, 8), (64, 4), (64, 8)):
+            try:
+                t = timed(lambda: gptq_triton.sweep_block(x, x.clone(), vn, vd, scales, None, group_idx, codes, loss,
+                                                          128, 256, -8, 7, None, tile_rows, warps), repeat=3)
+                print(f"    rows {tile_rows:3} warps {warps}: {t * 1e3:7.3f} ms", flush=True)
+            except Exception as err:  # noqa: BLE001 - a launch shape that does not compile is just skipped
+                print(f"    rows {tile_rows:3} warps {warps}: failed ({type(err).__name__})", flush=True)
+        del x, vn, vd, scales, codes
+
     for sweep in ("0", "1"):
         os.environ["MOEQUANT_TRITON"] = sweep
         for label, run in (("gate+up", lambda: gptq.gptq_shared_hessian([gate, up], h_in, "int4-g128-sym", act_order=True,
@@ -470,9 +499,9 @@ def profile(device, shape, experts, out_dir=None):
             sync(device)
             total = time.perf_counter() - t0
             sec = report.seconds
-            print(f"  {report.settings['sweep']:6} {label:8} total {total:7.3f} s  factorize {sec['factorize']:7.3f} s  "
-                  f"sweep {sec['sweep']:7.3f} s  other {total - sec['factorize'] - sec['sweep']:7.3f} s  "
-                  f"chunk {report.settings['chunk_experts']}", flush=True)
+            print(f"  {report.settings['sweep']:6} {label:8} total {total:7.3f} s  "
+                  + "  ".join(f"{k} {v:6.3f}" for k, v in sec.items())
+                  + f"  rest {total - sum(sec.values()):6.3f}  chunk {report.settings['chunk_experts']}", flush=True)
             if label == "gate+up" and device.startswith("cuda"):
                 with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
                     run()

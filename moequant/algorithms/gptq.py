@@ -60,7 +60,9 @@ class GPTQReport:
     proxy_loss: list[float | None]  # GPTQ's own objective sum((w-q)^2 / U_jj^2) / 2; None for RTN
     tokens: list[int] | None = None  # calibration tokens per expert, as the caller gave them
     settings: dict = field(default_factory=dict)
-    seconds: dict = field(default_factory=lambda: {"factorize": 0.0, "sweep": 0.0})  # wall time per phase
+    # wall time per phase: copies to the device and Hessian checks, scales / ordering, factorization,
+    # column sweep, codes back in order (synchronised clocks; they add up to the solve's time)
+    seconds: dict = field(default_factory=lambda: dict.fromkeys(("load", "prepare", "factorize", "sweep", "finish"), 0.0))
 
     def fallbacks(self) -> dict[int, str]:
         """Experts that did not get GPTQ on their own Hessian: {expert: "method: reason"}."""
@@ -205,10 +207,13 @@ def _solve_chunk(ws, h_all, spec, experts, report, device, work_dtype, token_cou
                  **options):
     for e in experts:  # a retried chunk starts from a clean report
         report.method[e], report.reason[e], report.damp[e], report.proxy_loss[e] = GPTQ, "", None, None
+    t0 = _clock(h_all)
     w_chunk = [w[experts.start:experts.stop].to(device, work_dtype, copy=True) for w in ws]
     h_chunk = h_all[experts.start:experts.stop].to(device, work_dtype, copy=True)
     h_chunk = _choose_hessians(h_chunk, experts, token_counts, min_tokens, shared_hessian, report, device)
-    return _gptq_chunk(w_chunk, h_chunk, spec, experts, report, **options)
+    report.seconds["load"] += _clock(h_chunk) - t0
+    # handed over in lists that _gptq_chunk empties, so it can free them as it goes
+    return _gptq_chunk(w_chunk, [h_chunk], spec, experts, report, **options)
 
 
 def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, static_groups,
@@ -221,6 +226,11 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     """
     from moequant import formats
 
+    t_start = _clock(ws[0])
+    if isinstance(h, list):
+        h = h.pop()
+    ws_given, ws = ws, list(ws)
+    ws_given.clear()
     c, num_in = h.shape[0], h.shape[-1]
     idx = list(experts)
     rtn_mask = torch.tensor([report.method[e] == RTN for e in idx], device=h.device)
@@ -248,8 +258,7 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     perm = None
     if act_order:
         perm = torch.argsort(h.diagonal(dim1=-2, dim2=-1), dim=-1, descending=True)  # [c, in]
-        h = torch.gather(h, 1, perm[:, :, None].expand(-1, -1, num_in))
-        h = torch.gather(h, 2, perm[:, None, :].expand(-1, num_in, -1))
+        h = h[torch.arange(c, device=h.device)[:, None, None], perm[:, :, None], perm[:, None, :]]  # one gather
 
     # Scales fitted before the sweep: per-row formats, static groups (always with act_order).
     fixed_params = None
@@ -269,6 +278,7 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     fused = fixed_params is not None and gptq_triton.usable(spec, h.device, h.dtype)
     report.settings["sweep"] = "triton" if fused else "torch"
     t0 = _clock(h)
+    report.seconds["prepare"] += t0 - t_start
     u, used_damp = _inverse_cholesky(h, damp, max_damp_tries, [report.method[e] == RTN for e in idx],
                                      inverse=not fused)
     report.seconds["factorize"] += _clock(u) - t0
@@ -288,11 +298,14 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     w_all = torch.cat(ws, dim=1) if len(ws) > 1 else ws[0]  # [c, sum(out), in]
     del ws
     if fused:
-        t0 = _clock(w_all)
+        t_sweep = _clock(w_all)
         codes, losses = _sweep_fused(w_all, u, fixed_params, perm, group_width, per_row, block_size, spec)
-        report.seconds["sweep"] += _clock(w_all) - t0
+        t0 = _clock(w_all)
+        report.seconds["sweep"] += t0 - t_sweep
         del u, w_all
-        return _finish(cqs, [codes], out_rows, True, perm, idx, report, losses, fixed_params, squeeze)
+        out = _finish(cqs, [codes], out_rows, True, perm, idx, report, losses, fixed_params, squeeze)
+        report.seconds["finish"] += _clock(codes) - t0
+        return out
     losses = torch.zeros(c, device=w_all.device, dtype=torch.float64)
     fixed = fixed_params is not None
     # Fixed params of all groups side by side (leaves [c, X, groups]), gathered per block into
@@ -354,7 +367,7 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     codes = [torch.zeros(w_all.shape[0], r, num_in, dtype=pr.dtype, device=w_all.device)
              for r, pr in zip(sweep_rows, probe)]
 
-    t0 = _clock(w_all)
+    t_sweep = _clock(w_all)
     graph = None
     use_graph = fixed and w_all.is_cuda and _cuda_graphs_enabled()
     for i1 in range(0, num_in, block_size):
@@ -380,10 +393,13 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
         losses += err1.double().square().sum(dim=(1, 2)) / 2
         if i2 < num_in:
             w_all[..., i2:] -= torch.bmm(err1, u[:, i1:i2, i2:])
-    report.seconds["sweep"] += _clock(w_all) - t0
+    t0 = _clock(w_all)
+    report.seconds["sweep"] += t0 - t_sweep
     del u, w_all, graph
-    return _finish(cqs, codes, out_rows, merge, perm, idx, report, losses,
-                   fixed_params if fixed else dynamic_params, squeeze)
+    out = _finish(cqs, codes, out_rows, merge, perm, idx, report, losses,
+                  fixed_params if fixed else dynamic_params, squeeze)
+    report.seconds["finish"] += _clock(codes[0]) - t0
+    return out
 
 
 def _finish(cqs, codes, out_rows, merge, perm, idx, report, losses, params, squeeze):
@@ -428,13 +444,25 @@ def _sweep_fused(w_all, v, fixed_params, perm, group_width, per_row, block_size,
     losses = torch.zeros(c, dtype=torch.float64, device=w_all.device)
     qmin, qmax = gptq_triton.code_range(spec)
     scratch = None
-    for i1 in range(0, n, block_size):
-        i2 = min(i1 + block_size, n)
-        scratch = gptq_triton.sweep_block(x, w_all, vn, vd, scales, zeros, group_idx, codes, losses,
-                                          i1, i2, qmin, qmax, scratch)
-        if i2 < n:
-            x[..., i2:].baddbmm_(w_all[..., i1:i2], vn[:, i1:i2, i2:])
+    # Two levels of lazy updates: inside a super-block of `outer` columns each block updates the
+    # rest of its super-block (products with 128-deep sums); the columns after a super-block
+    # get its whole update at once, a matrix product with `outer`-deep sums, which runs about
+    # twice as fast per flop on a GPU in float32.
+    outer = block_size * max(1, _SUPER_BLOCK // block_size)
+    for s1 in range(0, n, outer):
+        s2 = min(s1 + outer, n)
+        for i1 in range(s1, s2, block_size):
+            i2 = min(i1 + block_size, s2)
+            scratch = gptq_triton.sweep_block(x, w_all, vn, vd, scales, zeros, group_idx, codes, losses,
+                                              i1, i2, qmin, qmax, scratch)
+            if i2 < s2:
+                x[..., i2:s2].baddbmm_(w_all[..., i1:i2], vn[:, i1:i2, i2:s2])
+        if s2 < n:
+            x[..., s2:].baddbmm_(w_all[..., s1:s2], vn[:, s1:s2, s2:])
     return codes, losses
+
+
+_SUPER_BLOCK = 1024  # columns per outer lazy-update block of the fused sweep
 
 
 def _widen(t):

@@ -48,6 +48,9 @@ def usable(spec, device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" or INTERPRETED
 
 
+LAUNCH = (32, 4)  # rows per program, warps per program (for 128-column blocks)
+
+
 def code_range(spec) -> tuple[int, int]:
     return -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1
 
@@ -84,17 +87,21 @@ def sweep_block_reference(x, w0d, vn, vd, scales, zeros, group_idx, codes, loss,
     return loss_parts
 
 
-def sweep_block(x, w0d, vn, vd, scales, zeros, group_idx, codes, loss, i1, i2, qmin, qmax, loss_parts=None):
+def sweep_block(x, w0d, vn, vd, scales, zeros, group_idx, codes, loss, i1, i2, qmin, qmax, loss_parts=None,
+                tile_rows=None, num_warps=None):
     """The fused kernel: same arguments and results as `sweep_block_reference` (float32 only).
 
     loss_parts: optional [c, row_tiles] float32 scratch, reused between blocks of one solve.
+    tile_rows, num_warps: launch shape (default `LAUNCH`; benchmarks/bench_gptq.py --profile times others).
     """
     c, rows, _ = x.shape
     width = i2 - i1
     for t in (x, w0d, vn, scales, group_idx, codes):
         assert t.stride(-1) == 1, "the fused sweep needs unit stride along the last axis"
     block = max(16, triton.next_power_of_2(width))
-    tile_rows = 16 if block > 128 else 32
+    if tile_rows is None:
+        tile_rows = LAUNCH[0] if block <= 128 else max(1, LAUNCH[0] // (block // 128))
+    num_warps = num_warps or LAUNCH[1]
     grid = (triton.cdiv(rows, tile_rows), c)
     if loss_parts is None or loss_parts.shape != (c, grid[0]):
         loss_parts = torch.empty(c, grid[0], dtype=torch.float32, device=x.device)
@@ -106,7 +113,7 @@ def sweep_block(x, w0d, vn, vd, scales, zeros, group_idx, codes, loss, i1, i2, q
         scales.stride(0), scales.stride(1), group_idx.stride(0), codes.stride(0), codes.stride(1),
         float(qmin), float(qmax),
         HAS_ZEROS=has_zeros, TILE_ROWS=tile_rows, BLOCK=block, WIDTH=width,
-        num_warps=4, **({} if INTERPRETED else {"enable_fp_fusion": False}),
+        num_warps=num_warps, **({} if INTERPRETED else {"enable_fp_fusion": False}),
     )
     loss += loss_parts.sum(dim=1, dtype=torch.float64) / 2
     return loss_parts

@@ -264,6 +264,13 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     fixed_params = None
     if per_row:
         fixed_params = [[cq_fit(cq, w, squeeze)] for cq, w in zip(cqs, ws)]
+    elif static_groups and spec.is_int and spec.granularity == "group" and num_in % group_width == 0:
+        # all groups in one call (the fit is elementwise per group: same numbers as group by group)
+        fixed_params = []
+        for cq, w in zip(cqs, ws):
+            groups = w.unflatten(-1, (num_in // group_width, group_width)).transpose(-3, -2)  # [c, G, out, width]
+            fitted = cq_fit(cq, groups, squeeze)
+            fixed_params.append([_tree_map(lambda t: t[:, g], fitted) for g in range(num_in // group_width)])
     elif static_groups:
         fixed_params = [
             [cq_fit(cq, w[..., g:g + group_width], squeeze) for g in range(0, num_in, group_width)]
@@ -456,9 +463,9 @@ def _sweep_fused(w_all, v, fixed_params, perm, group_width, per_row, block_size,
             scratch = gptq_triton.sweep_block(x, w_all, vn, vd, scales, zeros, group_idx, codes, losses,
                                               i1, i2, qmin, qmax, scratch)
             if i2 < s2:
-                x[..., i2:s2].baddbmm_(w_all[..., i1:i2], vn[:, i1:i2, i2:s2])
+                _baddbmm_(x[..., i2:s2], w_all[..., i1:i2], vn[:, i1:i2, i2:s2])
         if s2 < n:
-            x[..., s2:].baddbmm_(w_all[..., s1:s2], vn[:, s1:s2, s2:])
+            _baddbmm_(x[..., s2:], w_all[..., s1:s2], vn[:, s1:s2, s2:])
     return codes, losses
 
 
@@ -596,13 +603,36 @@ def _blocked_cholesky(a, nb):
         j2 = min(j + nb, n)
         panel = a[:, j:, j:j2]
         if j > 0:
-            panel.baddbmm_(a[:, j:, :j], a[:, j:j2, :j].mT, alpha=-1)
+            _baddbmm_(panel, a[:, j:, :j], a[:, j:j2, :j].mT, alpha=-1)
         d, bad = torch.linalg.cholesky_ex(panel[:, : j2 - j])
         info = torch.where((info == 0) & (bad > 0), bad + j, info)
         panel[:, : j2 - j] = d
         if j2 < n:
             panel[:, j2 - j:] = torch.linalg.solve_triangular(d.mT, panel[:, j2 - j:], upper=True, left=False)
     return a.tril_(), info
+
+
+def _baddbmm_(out, a, b, alpha=1.0):
+    """out += alpha * (a @ b), batched, in place. float32 (IEEE) by default. Opt-in
+    MOEQUANT_GPTQ_MATMUL=tf32x3 (CUDA float32 only): three TF32 tensor-core products of the
+    operands split as hi + lo (hi = the top 10 mantissa bits), a_lo b_hi + a_hi b_lo + a_hi b_hi,
+    which keeps about float32's accuracy at a few times float32's speed."""
+    import os
+
+    if not (out.is_cuda and out.dtype == torch.float32 and os.environ.get("MOEQUANT_GPTQ_MATMUL") == "tf32x3"):
+        return out.baddbmm_(a, b, alpha=alpha)
+    a_hi = (a.view(torch.int32) & -8192).view(torch.float32)
+    b_hi = (b.view(torch.int32) & -8192).view(torch.float32)
+    a_lo, b_lo = a - a_hi, b - b_hi
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        out.baddbmm_(a_lo, b_hi, alpha=alpha)  # the small terms first
+        out.baddbmm_(a_hi, b_lo, alpha=alpha)
+        out.baddbmm_(a_hi, b_hi, alpha=alpha)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    return out
 
 
 def _choose_hessians(h, experts, token_counts, min_tokens, shared_hessian, report, device):

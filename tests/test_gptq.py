@@ -241,3 +241,14 @@ def test_blocked_cholesky_equals_lapack():
     got, info = gptq._blocked_cholesky(a.clone(), 64)
     assert info.tolist() == want_info.tolist() == [0, 0, 151]
     torch.testing.assert_close(got[:2], want[:2], rtol=0, atol=1e-12)
+
+
+def test_non_finite_hessian_entries_fall_back_to_rtn():
+    w, h, _ = make_layer(experts=3, out=16, n_in=64, tokens=100, seed=12)
+    h[0, 3, 4] = float("nan")
+    h[2, 10, 10] = float("inf")
+    h[1] *= 3e37  # finite entries whose sum overflows float32: still plain GPTQ
+    q, report = gptq.gptq(w, h, INT4)
+    assert report.method == ["rtn", "gptq", "rtn"]
+    assert report.reason[0] == report.reason[2] == "Hessian has non-finite entries"
+    assert torch.isfinite(q.dequantize(torch.float32)).all()

@@ -637,13 +637,17 @@ def _baddbmm_(out, a, b, alpha=1.0):
 
 def _choose_hessians(h, experts, token_counts, min_tokens, shared_hessian, report, device):
     """Replace the Hessians of experts without enough data by the shared one (or mark RTN)."""
+    # One pass and one device sync for the whole chunk: a finite sum means finite entries; only
+    # experts whose sum is not finite (a non-finite entry, or an overflowing sum) are looked at.
+    sum_finite = torch.isfinite(h.sum(dim=(-2, -1))).tolist()
+    any_diag = (h.diagonal(dim1=-2, dim2=-1) > 0).any(dim=-1).tolist()
     for j, e in enumerate(experts):
         reason = ""
         if token_counts is not None and token_counts[e] < min_tokens:
             reason = f"{int(token_counts[e])} calibration tokens < min_tokens={min_tokens}"
-        elif not bool(torch.isfinite(h[j]).all()):
+        elif not sum_finite[j] and not bool(torch.isfinite(h[j]).all()):
             reason = "Hessian has non-finite entries"
-        elif not bool((h[j].diagonal() > 0).any()):
+        elif not any_diag[j]:
             reason = "Hessian is all zeros (no tokens reached this expert)"
         if not reason:
             continue

@@ -10,8 +10,6 @@ Tools:
   moequant            moequant.algorithms.gptq, all experts of a projection as one batch
                       (gate and up share one factorization), act_order as llm-compressor's default
   moequant-noact      the same without activation ordering (moequant's default)
-  moequant-tf32x3     moequant with MOEQUANT_GPTQ_MATMUL=tf32x3 (opt-in: float32 products as three
-                      TF32 tensor-core products of split operands, about float32's accuracy)
   rtn                 round-to-nearest, for scale
   llmc-batched        llm-compressor's GPTQModifier, its default batched_quantization="auto"
   llmc-single         llm-compressor's GPTQModifier with batched_quantization=None: one nn.Linear
@@ -304,12 +302,7 @@ def run_tool(tool: str, layer: Layer, args) -> dict:
         return run_moequant(layer, args, act_order=True)
     if tool == "moequant-noact":
         return run_moequant(layer, args, act_order=False)
-    if tool == "moequant-tf32x3":  # opt-in: the solve's float32 matrix products as three TF32 products
-        os.environ["MOEQUANT_GPTQ_MATMUL"] = "tf32x3"
-        try:
-            return run_moequant(layer, args, act_order=True)
-        finally:
-            os.environ.pop("MOEQUANT_GPTQ_MATMUL")
+
     if tool == "rtn":
         return run_rtn(layer, args)
     if tool in ("llmc-batched", "llmc-single"):
@@ -501,8 +494,8 @@ def profile(device, shape, experts, out_dir=None):
                 print(f"    rows {tile_rows:3} warps {warps}: failed ({type(err).__name__})", flush=True)
         del x, vn, vd, scales, codes
 
-    for sweep, matmul in (("0", "ieee"), ("1", "ieee"), ("1", "tf32x3")):
-        os.environ["MOEQUANT_TRITON"], os.environ["MOEQUANT_GPTQ_MATMUL"] = sweep, matmul
+    for sweep in ("0", "1"):
+        os.environ["MOEQUANT_TRITON"] = sweep
         for label, run in (("gate+up", lambda: gptq.gptq_shared_hessian([gate, up], h_in, "int4-g128-sym", act_order=True,
                                                                         tokens=counts)),
                            ("down", lambda: gptq.gptq(down, h_down, "int4-g128-sym", act_order=True, tokens=counts))):
@@ -513,10 +506,10 @@ def profile(device, shape, experts, out_dir=None):
             sync(device)
             total = time.perf_counter() - t0
             sec = report.seconds
-            print(f"  {report.settings['sweep']:6} {matmul:6} {label:8} total {total:7.3f} s  "
+            print(f"  {report.settings['sweep']:6} {label:8} total {total:7.3f} s  "
                   + "  ".join(f"{k} {v:6.3f}" for k, v in sec.items())
                   + f"  rest {total - sum(sec.values()):6.3f}  chunk {report.settings['chunk_experts']}", flush=True)
-            if label == "gate+up" and device.startswith("cuda") and matmul == "ieee":
+            if label == "gate+up" and device.startswith("cuda"):
                 with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
                     run()
                     sync(device)
@@ -525,7 +518,7 @@ def profile(device, shape, experts, out_dir=None):
                 except Exception:  # noqa: BLE001 - older torch names the column cuda_time_total
                     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70)
                 print(table, flush=True)
-    os.environ["MOEQUANT_TRITON"], os.environ["MOEQUANT_GPTQ_MATMUL"] = "1", "ieee"
+    os.environ["MOEQUANT_TRITON"] = "1"
 
 
 def print_row(r, header):

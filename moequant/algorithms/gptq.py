@@ -258,7 +258,8 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     perm = None
     if act_order:
         perm = torch.argsort(h.diagonal(dim1=-2, dim2=-1), dim=-1, descending=True)  # [c, in]
-        h = h[torch.arange(c, device=h.device)[:, None, None], perm[:, :, None], perm[:, None, :]]  # one gather
+        h = torch.gather(h, 1, perm[:, :, None].expand(-1, -1, num_in))
+        h = torch.gather(h, 2, perm[:, None, :].expand(-1, num_in, -1))
 
     # Scales fitted before the sweep: per-row formats, static groups (always with act_order).
     fixed_params = None
@@ -443,8 +444,9 @@ def _sweep_fused(w_all, v, fixed_params, perm, group_width, per_row, block_size,
         group_idx = (torch.arange(n, device=w_all.device) // group_width).to(torch.int32).expand(c, -1)
     group_idx = group_idx.contiguous()
     vd = v.diagonal(dim1=-2, dim2=-1).clone()
-    # V'_ik = V_ik / V_kk, row-major (the kernel reads rows of it; Cholesky factors come column-major)
-    vn = torch.div(v, vd[:, None, :], out=torch.empty(v.shape, dtype=v.dtype, device=v.device))
+    # V'_ik = V_ik / V_kk, row-major: the kernel reads its rows (the blocked Cholesky's factors are
+    # row-major already; cuSOLVER's come column-major and are copied)
+    vn = v.contiguous().div_(vd[:, None, :])
     del v
     x = w_all.clone()  # current weights; w_all keeps the originals and becomes d = w - q block by block
     codes = torch.empty(c, rows, n, dtype=torch.int8, device=w_all.device)
@@ -463,9 +465,9 @@ def _sweep_fused(w_all, v, fixed_params, perm, group_width, per_row, block_size,
             scratch = gptq_triton.sweep_block(x, w_all, vn, vd, scales, zeros, group_idx, codes, losses,
                                               i1, i2, qmin, qmax, scratch)
             if i2 < s2:
-                _baddbmm_(x[..., i2:s2], w_all[..., i1:i2], vn[:, i1:i2, i2:s2])
+                x[..., i2:s2].baddbmm_(w_all[..., i1:i2], vn[:, i1:i2, i2:s2])
         if s2 < n:
-            _baddbmm_(x[..., s2:], w_all[..., s1:s2], vn[:, s1:s2, s2:])
+            x[..., s2:].baddbmm_(w_all[..., s1:s2], vn[:, s1:s2, s2:])
     return codes, losses
 
 
@@ -603,36 +605,13 @@ def _blocked_cholesky(a, nb):
         j2 = min(j + nb, n)
         panel = a[:, j:, j:j2]
         if j > 0:
-            _baddbmm_(panel, a[:, j:, :j], a[:, j:j2, :j].mT, alpha=-1)
+            panel.baddbmm_(a[:, j:, :j], a[:, j:j2, :j].mT, alpha=-1)
         d, bad = torch.linalg.cholesky_ex(panel[:, : j2 - j])
         info = torch.where((info == 0) & (bad > 0), bad + j, info)
         panel[:, : j2 - j] = d
         if j2 < n:
             panel[:, j2 - j:] = torch.linalg.solve_triangular(d.mT, panel[:, j2 - j:], upper=True, left=False)
     return a.tril_(), info
-
-
-def _baddbmm_(out, a, b, alpha=1.0):
-    """out += alpha * (a @ b), batched, in place. float32 (IEEE) by default. Opt-in
-    MOEQUANT_GPTQ_MATMUL=tf32x3 (CUDA float32 only): three TF32 tensor-core products of the
-    operands split as hi + lo (hi = the top 10 mantissa bits), a_lo b_hi + a_hi b_lo + a_hi b_hi,
-    which keeps about float32's accuracy at a few times float32's speed."""
-    import os
-
-    if not (out.is_cuda and out.dtype == torch.float32 and os.environ.get("MOEQUANT_GPTQ_MATMUL") == "tf32x3"):
-        return out.baddbmm_(a, b, alpha=alpha)
-    a_hi = (a.view(torch.int32) & -8192).view(torch.float32)
-    b_hi = (b.view(torch.int32) & -8192).view(torch.float32)
-    a_lo, b_lo = a - a_hi, b - b_hi
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        out.baddbmm_(a_lo, b_hi, alpha=alpha)  # the small terms first
-        out.baddbmm_(a_hi, b_lo, alpha=alpha)
-        out.baddbmm_(a_hi, b_hi, alpha=alpha)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
-    return out
 
 
 def _choose_hessians(h, experts, token_counts, min_tokens, shared_hessian, report, device):

@@ -5,14 +5,27 @@ batch: the Hessians `[E, in, in]` are damped and factored with batched Cholesky,
 sweep quantizes column j of every expert in the same tensor operation. Experts are processed
 in chunks (`chunk_experts`, sized to the device's free memory, halved and retried if a chunk
 runs out of memory). Projections that read the same input (gate and up) share one
-factorization (`gptq_shared_hessian`). On CUDA the block sweep is captured once as a CUDA
-graph and replayed for every block, which removes the launch cost of its thousands of small
-kernels (MOEQUANT_CUDA_GRAPHS=0 turns that off; the codes are the same).
+factorization (`gptq_shared_hessian`).
+
+Two sweeps:
+- fused (integer formats with fixed scales, float32, on CUDA when Triton imports; the report's
+  settings["sweep"] == "triton"; MOEQUANT_TRITON=0 turns it off): GPTQ written on V, the upper
+  triangular factor with H = V V^T (one Cholesky of the order-reversed Hessian, no inverse), a
+  Triton kernel for the columns inside each 128-column block (moequant.algorithms.gptq_triton
+  explains both), and the updates between blocks as float32 batched matrix products in two
+  levels (128 and 1024 columns). On CUDA the Cholesky of large matrices is a blocked one made
+  of batched matrix products (`_cholesky_ex`), about 2x faster than cuSOLVER's batched one.
+- torch (every other case, and always on the CPU): U, the Cholesky factor of H^-1, and the
+  column loop in torch; on CUDA the block sweep is captured once as a CUDA graph and replayed
+  for every block (MOEQUANT_CUDA_GRAPHS=0 turns that off; the codes are the same).
 
 Same numbers as one expert at a time: tests/test_gptq.py checks batched against one-by-one
-and both against an independent float64 GPTQ, code for code, on the CPU. On a GPU, batched
+and both against an independent float64 GPTQ, code for code, on the CPU, and the fused
+sweep's formulation (through its torch definition) against the torch sweep. On a GPU, batched
 and single solves run different cuBLAS / cuSOLVER kernels, whose float32 rounding differs, and
-about 1e-4 to 2e-3 of the codes flip (measured on an H200, benchmarks/bench_gptq.py --verify).
+about 1e-4 to 2e-3 of the codes flip (measured on an H200, benchmarks/bench_gptq.py --verify);
+the fused and torch sweeps differ by 0 to 8e-4 of the codes at equal held-out error
+(tests/test_gptq_cuda.py, H200).
 
 The algorithm is GPTQ (Frantar et al., 2022) with lazy block updates: for column j,
     q_j = quantize(w_j);  e_j = (w_j - q_j) / U_jj;  w_{k>j} -= e_j * U_{j,k}

@@ -55,10 +55,12 @@ class CalibrationSettings:
     allow_fewer: bool = False
     device: str = "cpu"
     probe_samples: int = 8  # per-layer KL probe on this many calibration samples (probe.py); 0: none
+    probe_algorithm: str = "rtn"  # how the probe quantizes its layer: rtn | gptq (see probe.py)
 
     def fingerprint_fields(self) -> dict:
         return {k: getattr(self, k) for k in ("dataset", "samples", "seq_len", "seed", "all_experts", "hessians",
-                                              "formats", "min_tokens", "allow_fewer", "probe_samples")}
+                                              "formats", "min_tokens", "allow_fewer", "probe_samples",
+                                              "probe_algorithm")}
 
 
 def model_fingerprint(checkpoint) -> str:
@@ -332,7 +334,9 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
     if settings.probe_samples > 0 and adapter.moe_layers:
         chosen = probe_indices(input_ids.shape[0], settings.probe_samples)
         write_probe(output, run_probe(ckpt, adapter, input_ids[chosen], output, settings.formats,
-                                      batch_size=settings.batch_size, device=settings.device, progress=progress))
+                                      batch_size=settings.batch_size, device=settings.device,
+                                      algorithm=settings.probe_algorithm, hessians=settings.hessians,
+                                      min_tokens=settings.min_tokens, progress=progress))
 
     summary = _summary(ckpt, adapter, output, fingerprint, settings, domains, input_ids.shape[0], work)
     atomic_write_text(output / "summary.json", json.dumps(summary, indent=2) + "\n")

@@ -110,6 +110,8 @@ class Calibration(Strict):
     all_experts: bool = True
     # per-layer KL probe (moequant.probe) on this many of the calibration samples; 0 turns it off
     probe_samples: int = Field(8, ge=0)
+    # how the probe quantizes its layer (gptq is measured in-sample, on tokens its Hessians saw)
+    probe_algorithm: Literal["rtn", "gptq"] = "rtn"
 
 
 class Evaluate(Strict):

@@ -16,7 +16,7 @@ from moequant.calibrate import CalibrationSettings, calibrate
 from moequant.data import Sample
 from moequant.errors import UserError
 from moequant.policy import format_summary, make_plan
-from moequant.probe import choose_probe_format, probe_indices
+from moequant.probe import choose_probe_format, probe_algorithm_for, probe_indices
 from moequant.recipe import recipe_from_dict
 from moequant.stats import LayerStats, Stats, load_stats
 from tiny import build_tiny
@@ -54,14 +54,34 @@ def kl_mean(ref: torch.Tensor, q: torch.Tensor) -> float:
     return float((lp.exp() * (lp - lq)).sum(-1).mean())
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_moe", "mixtral"])
-def test_probe_kl_equals_the_whole_model_with_one_layer_quantized(tiny_dirs, tmp_path, model_type):
+def gptq_reference(stats, L, original, spec, min_tokens):
+    """Qwen2-MoE on-disk names -> GPTQ-dequantized weights, Hessians chosen from the statistics."""
+    from moequant.algorithms.gptq import gptq
+
+    ls, out = stats.layers[L], {}
+    for proj in ("gate", "up", "down"):
+        names = [f"model.layers.{L}.mlp.experts.{e}.{proj}_proj.weight" for e in range(ls.num_experts)]
+        W = torch.stack([original[n].float() for n in names])
+        own = ls.input_tokens(proj, routed=True) >= min_tokens
+        assert 0 < int(own.sum()) < ls.num_experts  # both Hessian choices are exercised
+        H = torch.where(own[:, None, None], ls.hessian(proj, routed=True), ls.hessian(proj))
+        q, _ = gptq(W, H, spec, act_order=True, static_groups=True)
+        out.update(zip(names, q.dequantize(torch.float32)))
+    return out
+
+
+@pytest.mark.parametrize("model_type,algorithm", [("qwen2_moe", "rtn"), ("mixtral", "rtn"), ("qwen2_moe", "gptq")])
+def test_probe_kl_equals_the_whole_model_with_one_layer_quantized(tiny_dirs, tmp_path, model_type, algorithm):
     """For every MoE layer: write a copy of the checkpoint with that layer's routed experts
-    replaced by their RTN-dequantized weights (float32), run it with transformers, KL in float64."""
+    replaced by their RTN- (or GPTQ-) dequantized weights (float32), run it with transformers,
+    KL in float64."""
     d = tiny_dirs[model_type]
     samples = make_samples()
-    out = calibrate(str(d), tmp_path / "stats", settings(), samples=samples, progress=False)
+    min_tokens = 20
+    out = calibrate(str(d), tmp_path / "stats", settings(probe_algorithm=algorithm, min_tokens=min_tokens),
+                    samples=samples, progress=False)
     probe = json.loads((out / "probe.json").read_text())
+    assert probe["algorithm"] == algorithm
     assert probe == load_stats(out).probe
     ids = torch.stack([s.input_ids for s in samples])
     ref = logits_of(d, ids)
@@ -76,12 +96,13 @@ def test_probe_kl_equals_the_whole_model_with_one_layer_quantized(tiny_dirs, tmp
         copy = tmp_path / f"layer{L}"
         shutil.copytree(d, copy)
         tensors = dict(original)
-        changed = 0
-        for name, w in original.items():
-            if re.match(rf"model\.layers\.{L}\.\w+\.experts\.\d+\.\w+\.weight$", name):
-                tensors[name] = formats.quantize(w.float(), spec).dequantize(torch.float32)
-                changed += 1
-        assert changed == 3 * stats.layers[L].num_experts
+        if algorithm == "gptq":
+            replaced = gptq_reference(stats, L, original, spec, min_tokens)
+        else:
+            replaced = {name: formats.quantize(w.float(), spec).dequantize(torch.float32) for name, w in original.items()
+                        if re.match(rf"model\.layers\.{L}\.\w+\.experts\.\d+\.\w+\.weight$", name)}
+        assert len(replaced) == 3 * stats.layers[L].num_experts
+        tensors.update(replaced)
         save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
         expected = kl_mean(ref, logits_of(copy, ids))
         assert expected > 0
@@ -133,6 +154,9 @@ def test_probe_format_and_sample_choice():
     assert choose_probe_format(["int3-g32-asym", "int2-g32-asym"], shapes) == "int2-g32-asym"  # none >= 4 bits
     assert choose_probe_format(["int4-g128-sym", "int8-channel"], shapes) == "int8-channel"  # g128 cannot hold 64
     assert probe_indices(10, 4) == [0, 3, 6, 9] and probe_indices(3, 8) == [0, 1, 2] and probe_indices(5, 0) == []
+    assert probe_algorithm_for("gptq") == "gptq" and probe_algorithm_for("gptq", hessians=False) == "rtn"
+    with pytest.raises(UserError, match="accepted: rtn, gptq"):
+        probe_algorithm_for("awq")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -100,15 +100,14 @@ def apply(recipe_path=None, model=None, output=None, overrides=(), device: str =
     from moequant.quantize import quantize_model
 
     recipe = resolve_recipe(recipe_path, model, output, overrides)
-    awq = sorted(f for f, a in recipe.algorithms.items() if a == "awq")
-    if awq:  # refused before any work
-        raise UserError(f"algorithms: awq (for {', '.join(awq)}) is not wired into the quantize pass yet; "
-                        "accepted: gptq or rtn.")
     out = Path(recipe.output)
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
     ckpt = open_checkpoint(recipe.model)
-    adapter_for(ckpt.config)  # an unsupported architecture is the first thing to say, before its tokenizer
+    adapter = adapter_for(ckpt.config)  # an unsupported architecture is the first thing to say, before its tokenizer
+    if adapter.fused_experts and any(a == "awq" for a in recipe.algorithms.values()):  # refused before any work
+        raise UserError(f"algorithms: awq is not supported for {adapter.model_type} (fused experts whose activation "
+                        "clamps up_proj, so the down_proj scale cannot be folded exactly); accepted there: gptq or rtn.")
     tokenizer = load_tokenizer(ckpt.directory)
     settings = calibration_settings(recipe, device)
 
@@ -135,6 +134,7 @@ def apply(recipe_path=None, model=None, output=None, overrides=(), device: str =
         shutil.rmtree(out / "work", ignore_errors=True)  # left when killed right after the marker was written
     else:
         t0 = time.perf_counter()
+        # `quantized` also holds the full-precision tensors AWQ folds changed (plain tensors), exported as they are
         quantized, quant_report = quantize_model(recipe.model, plan, settings, out / "work", progress=progress)
         timings["quantize"] = time.perf_counter() - t0
         t0 = time.perf_counter()

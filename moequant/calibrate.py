@@ -143,16 +143,23 @@ class _LayerCollector:
         if self.all_experts:
             self._acc("input.gate_up.tokens_all", torch.tensor(n, dtype=torch.int64))
             self._acc("input.gate_up.sqsum_all", (x.double() ** 2).sum(0).cpu())
+            self._acc("input.gate_up.abssum_all", x.abs().double().sum(0).cpu())  # AWQ's channel magnitude
             self._acc_max("input.gate_up.absmax_all", x.abs().amax(0).cpu())
             if self.hessians:
                 self._acc("hessian_sum.gate_up_all", (x.T @ x).cpu())
         self._acc("input_routed.gate_up.tokens", routed_n)
         self._acc("input_routed.down.tokens", routed_n)
         self._acc("input_routed.gate_up.sqsum", (mask.T.double() @ (x.double() ** 2)).cpu())
+        self._acc("input_routed.gate_up.abssum", (mask.T.double() @ x.abs().double()).cpu())
         self._acc_max("input_routed.gate_up.absmax", (x.abs()[None] * mask.T[:, :, None]).amax(1).cpu())
         if self.hessians:
-            # Σ_t m_te x_t x_tᵀ for every expert e: [E, d, d]
-            self._acc("hessian_sum_routed.gate_up", torch.einsum("ne,ni,nj->eij", mask, x, x).cpu())
+            # Σ_t m_te x_t x_tᵀ for every expert e: [E, d, d], over each expert's own routed tokens
+            # (top_k / E of the work of a masked product over every token)
+            h_routed = torch.zeros(E, d, d, dtype=torch.float32, device=x.device)
+            for e in routed_n.nonzero().flatten().tolist():
+                xe = x[mask[:, e] > 0]
+                h_routed[e] = xe.T @ xe
+            self._acc("hessian_sum_routed.gate_up", h_routed.cpu())
         if self.all_experts:
             self._acc("input.down.tokens", torch.full((E,), n, dtype=torch.int64))
         # down input: each expert's own intermediate activation, over every token
@@ -165,12 +172,14 @@ class _LayerCollector:
             hm = h * m
             part = {
                 "input_routed.down.sqsum": (hm.double() ** 2).sum(1),
+                "input_routed.down.abssum": hm.abs().double().sum(1),
                 "input_routed.down.absmax": hm.abs().amax(1),
             }
             if self.hessians:
                 part["hessian_sum_routed.down"] = hm.transpose(1, 2) @ hm
             if self.all_experts:
                 part["input.down.sqsum"] = (h.double() ** 2).sum(1)
+                part["input.down.abssum"] = h.abs().double().sum(1)
                 part["input.down.absmax"] = h.abs().amax(1)
                 if self.hessians:
                     part["hessian_sum.down"] = h.transpose(1, 2) @ h
@@ -191,6 +200,7 @@ class _LayerCollector:
             n_r = t[f"input_routed.{group}.tokens"]
             out[f"input_routed.{group}.tokens"] = n_r
             out[f"input_routed.{group}.sq_mean"] = t[f"input_routed.{group}.sqsum"] / n_r.clamp_min(1)[:, None]
+            out[f"input_routed.{group}.abs_mean"] = t[f"input_routed.{group}.abssum"] / n_r.clamp_min(1)[:, None]
             out[f"input_routed.{group}.absmax"] = t[f"input_routed.{group}.absmax"]
             if self.hessians:
                 out[f"hessian_routed.{group}"] = t[f"hessian_sum_routed.{group}"] / n_r.clamp_min(1)[:, None, None]
@@ -199,16 +209,18 @@ class _LayerCollector:
             out["input.gate_up.tokens"] = n_all.repeat(E)
             out["input.gate_up.sq_mean"] = (t["input.gate_up.sqsum_all"] / max(int(n_all), 1)).repeat(E, 1)
             out["input.gate_up.absmax"] = t["input.gate_up.absmax_all"].repeat(E, 1)
+            out["input.gate_up.abs_mean"] = (t["input.gate_up.abssum_all"] / max(int(n_all), 1)).repeat(E, 1)
             out["input.down.tokens"] = t["input.down.tokens"]
             out["input.down.sq_mean"] = t["input.down.sqsum"] / t["input.down.tokens"].clamp_min(1)[:, None]
             out["input.down.absmax"] = t["input.down.absmax"]
+            out["input.down.abs_mean"] = t["input.down.abssum"] / t["input.down.tokens"].clamp_min(1)[:, None]
             if self.hessians:
                 # identical for every expert: stored once, [1, d, d], broadcast by readers
                 out["hessian.gate_up"] = (t["hessian_sum.gate_up_all"] / max(int(n_all), 1))[None]
                 out["hessian.down"] = t["hessian_sum.down"] / t["input.down.tokens"].clamp_min(1)[:, None, None]
         else:
             for group in ("gate_up", "down"):
-                for suffix in ("tokens", "sq_mean", "absmax"):
+                for suffix in ("tokens", "sq_mean", "absmax", "abs_mean"):
                     out[f"input.{group}.{suffix}"] = out[f"input_routed.{group}.{suffix}"].clone()
                 if self.hessians:
                     out[f"hessian.{group}"] = out[f"hessian_routed.{group}"].clone()

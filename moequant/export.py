@@ -7,8 +7,10 @@
 source checkpoint ("model.layers.3.mlp.experts.7.down_proj.weight", "...self_attn.q_proj.weight")
 or (layer, expert, proj) tuples for routed experts, resolved through the architecture adapter
 (the only way to address gpt-oss's fused experts one by one). A QuantizedTensor in format bf16
-is written as a plain bf16 weight. `kept` maps on-disk names to tensors written instead of the
-source's (e.g. weights an algorithm changed); everything else is copied from the source as is.
+is written as a plain bf16 weight. `kept` maps on-disk names to full-precision tensors written
+instead of the source's (e.g. a norm or router an AWQ fold changed); a plain tensor value in
+`quantized` (under its on-disk name, as `moequant.quantize.quantize_model` returns them) is
+the same thing. Everything else is copied from the source as is.
 
 Layouts (each refuses, before any work, a plan it cannot hold — one sentence, UserError):
 
@@ -86,6 +88,15 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
         raise UserError(f"{source_dir}/config.json already has a quantization_config; export from the bf16 checkpoint.")
     adapter = adapter_for(ckpt.config)
     kept = dict(kept or {})
+    replacements = {k: v for k, v in quantized.items() if isinstance(v, torch.Tensor)}
+    quantized = {k: v for k, v in quantized.items() if not isinstance(v, torch.Tensor)}
+    for name, tensor in replacements.items():
+        if not isinstance(name, str):
+            raise UserError(f"quantized[{name!r}] is a plain tensor: full-precision replacements are keyed by their "
+                            "on-disk tensor name.")
+        if name in kept:
+            raise UserError(f"tensor {name!r} is given twice (as a plain tensor in quantized and in kept).")
+        kept[name] = tensor
     for name, tensor in kept.items():
         if name not in ckpt:
             raise UserError(f"kept tensor {name!r} is not a tensor of {source_dir}.")

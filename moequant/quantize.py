@@ -11,10 +11,24 @@ For each decoder layer, one in memory at a time:
    unquantized gate/up: one forward per layer instead of three);
    non-expert tensors (attention, shared experts, dense MLP) use RTN in this version; GPTQ
    uses activation order with static groups for integer formats (what vLLM loads);
-3. the layer runs again with the dequantized weights; its output is what layer L+1 sees.
+   AWQ (experts whose plan row says `awq`, round-to-nearest after scaling):
+   - down_proj: one scale per expert, searched on the expert's own routed tokens (all tokens
+     for an expert with fewer than `min_tokens`: reported), folded into the output rows of the
+     same expert's up_proj (exact in float);
+   - gate_proj / up_proj read the layer's normalised hidden state, shared by every expert, the
+     router and the shared expert, so a per-expert scale cannot be folded: one scale per layer
+     (the shared variant) is searched on the error of all AWQ experts together (each in its own
+     format, weighted by its routed tokens) and folded into `post_attention_layernorm` (divided)
+     and every consumer of its output (multiplied): all routed experts' gate/up, the router,
+     the shared expert's gate/up and shared_expert_gate. These full-precision tensors keep their
+     dtype and are returned beside the quantized ones (plain tensors, exported as they are);
+     the layer's routing with them is compared with the original routing (report);
+3. the layer runs again with the dequantized weights (and the folded full-precision tensors,
+   rounded to their dtype as exported); its output is what layer L+1 sees.
 
-Resumable: each finished layer's quantized tensors, report and carried hidden states are
-written to `work/`; a rerun with the same plan and data continues at the next layer.
+Resumable: each finished layer's quantized (and replaced full-precision) tensors, report and
+carried hidden states are written to `work/`; a rerun with the same plan and data continues at
+the next layer.
 """
 
 from __future__ import annotations
@@ -59,9 +73,15 @@ def _key_from_text(text: str):
 
 
 def save_quantized(items: dict, path: Path) -> None:
-    """QuantizedTensors → one safetensors file (codes / scales / zeros / global scale + JSON index)."""
+    """QuantizedTensors → one safetensors file (codes / scales / zeros / global scale + JSON index).
+
+    A plain tensor value (a full-precision replacement, e.g. an AWQ-folded norm) is stored as is."""
     tensors, index = {}, {}
     for i, (key, q) in enumerate(items.items()):
+        if isinstance(q, torch.Tensor):
+            tensors[f"{i}.tensor"] = q.contiguous().clone()
+            index[str(i)] = {"key": _key_text(key), "plain": True}
+            continue
         entry = {"key": _key_text(key), "spec": q.spec.key, "shape": list(q.shape), "parts": []}
         for part in ("codes", "scales", "zeros", "global_scale"):
             t = getattr(q, part)
@@ -82,6 +102,9 @@ def load_quantized(path: Path) -> dict:
     tensors = load_file(str(path))
     out = {}
     for i, entry in index.items():
+        if entry.get("plain"):
+            out[_key_from_text(entry["key"])] = tensors[f"{i}.tensor"]
+            continue
         parts = {p: tensors[f"{i}.{p}"] for p in entry["parts"]}
         out[_key_from_text(entry["key"])] = formats.QuantizedTensor(
             spec=formats.parse_key(entry["spec"]), shape=tuple(entry["shape"]), **parts)
@@ -91,8 +114,158 @@ def load_quantized(path: Path) -> dict:
 # ----------------------------------------------------------------------------- one layer
 
 
-def _quantize_experts(adapter, ckpt, layer: int, plan_rows, collected: dict | None, min_tokens: int, device):
-    """GPTQ / RTN for one layer's routed experts, batched per (projection, format, algorithm)."""
+AWQ_GRID = 20  # alpha steps of the AWQ scale search
+
+
+def _chosen_statistics(collected: dict, group: str, idx: torch.Tensor, num_experts: int, min_tokens: int):
+    """Per expert of `idx`: (own, routed tokens, Hessian, mean |x|, token count used) — the expert's
+    own routed-token statistics when it has at least `min_tokens` tokens, else all tokens'."""
+    tokens = collected[f"input_routed.{group}.tokens"][idx]
+    own = tokens >= min_tokens
+    h_all = collected[f"hessian.{group}"]
+    h_all = h_all.expand(num_experts, -1, -1)[idx] if h_all.shape[0] == 1 else h_all[idx]
+    H = torch.where(own[:, None, None], collected[f"hessian_routed.{group}"][idx], h_all)
+    m = torch.where(own[:, None], collected[f"input_routed.{group}.abs_mean"][idx],
+                    collected[f"input.{group}.abs_mean"][idx])
+    used = torch.where(own, tokens, collected[f"input.{group}.tokens"][idx])
+    return own, tokens, H, m, used
+
+
+def _check_awq_supported(adapter, layer: int) -> None:
+    if adapter.fused_experts:
+        raise UserError(f"algorithm awq is not supported for {adapter.model_type}: its experts are fused on disk and "
+                        "its activation clamps up_proj, so the down_proj scale cannot be folded exactly; use gptq or rtn.")
+    norm = f"model.layers.{layer}.post_attention_layernorm.weight"
+    if norm not in adapter.expected_tensors():
+        raise UserError(f"algorithm awq needs {norm} to fold the shared gate/up scale into; {adapter.model_type} "
+                        "has none; use gptq or rtn.")
+
+
+def _input_consumers(adapter, ckpt, layer: int) -> list[str]:
+    """Non-expert tensors of an MoE layer that read the normalised hidden state (their input columns
+    are multiplied by the shared gate/up scale): router, shared expert gate/up, shared_expert_gate."""
+    out = []
+    for name in adapter.layer_tensor_names(layer):
+        role = adapter.classify(name)
+        shape = tuple(ckpt.shape(name))
+        reads_input = (role.role in ("router", "shared_expert_gate")
+                       or (role.role == "shared_expert" and role.proj in ("gate", "up")))
+        if reads_input and name.endswith(".weight") and len(shape) == 2 and shape[1] == adapter.hidden:
+            out.append(name)
+    return out
+
+
+def _awq_layer(adapter, ckpt, layer: int, plan_rows, weights: dict, collected: dict, min_tokens: int, device,
+               tokens: dict | None = None):
+    """AWQ scales of one MoE layer, applied to `weights` (proj -> [E, out, in] float32, changed in place).
+
+    down_proj: per expert, on the expert's own routed-token statistics (`awq_scales`). gate/up:
+    one scale for the layer, searched on the MoE block's routed output over the calibration
+    `tokens` (x, indices, weights, act; `awq_shared_scale_moe`), else on each expert's gate/up
+    output error through its Hessian, weighted by its tokens (`awq_shared_scale`).
+
+    Returns (input scale [H] or None, full-precision replacements {on-disk name: float32 tensor},
+    changed {proj: bool [E]} — which experts' weights the folds changed, report)."""
+    from moequant.algorithms.awq import SharedGroup, awq_scales, awq_shared_scale, awq_shared_scale_moe
+
+    E = adapter.num_experts
+    changed = {p: torch.zeros(E, dtype=torch.bool) for p in adapter.projections}
+    report, replaced = {}, {}
+    down_scales = torch.ones(E, adapter.expert_intermediate)
+    by = {}
+    for t in plan_rows:
+        if t.algorithm == "awq" and t.format != "bf16":
+            by.setdefault((t.proj, t.format), []).append(t.expert)
+
+    # down_proj: per expert, folded into the output rows of the same expert's up_proj
+    for (proj, key), experts in sorted(by.items()):
+        if proj != "down":
+            continue
+        idx = torch.tensor(sorted(experts))
+        own, counts, H, m, used = _chosen_statistics(collected, "down", idx, E, min_tokens)
+        scales, rep = awq_scales([weights["down"][idx]], key, hessian=H, mean_abs=m, tokens=used, grid=AWQ_GRID,
+                                 device=device)
+        scales = scales.to("cpu", torch.float32)
+        down_scales[idx] = scales
+        weights["down"][idx] *= scales[:, None, :]
+        weights["up"][idx] /= scales[:, :, None]
+        changed["down"][idx] = changed["up"][idx] = True
+        ids = idx.tolist()
+        fallbacks = {str(e): f"all-tokens statistics: {int(counts[i])} routed tokens < {min_tokens}"
+                     for i, e in enumerate(ids) if not own[i]}
+        fallbacks.update({str(ids[i]): f"{rep.method[i]}: {rep.reason[i]}" for i in range(len(ids)) if rep.reason[i]})
+        report[f"down:{key}"] = {"variant": "per expert, folded into the same expert's up_proj rows",
+                                 "alpha": dict(zip(map(str, ids), rep.alpha)),
+                                 "calibration_error_rtn": dict(zip(map(str, ids), rep.error_rtn)),
+                                 "calibration_error_awq": dict(zip(map(str, ids), rep.error_awq)),
+                                 "fallbacks": fallbacks}
+
+    # gate_proj / up_proj: one scale for the layer (they share the normalised input)
+    shared_keys = sorted((proj, key) for proj, key in by if proj in ("gate", "up"))
+    scale = None
+    if shared_keys:
+        groups, info = [], []
+        for proj, key in shared_keys:
+            idx = torch.tensor(sorted(by[(proj, key)]))
+            own, counts, H, _, _ = _chosen_statistics(collected, "gate_up", idx, E, min_tokens)
+            # each expert's error counts once per routed token (sum over experts = error over all
+            # tokens); an expert no token reached still counts as one
+            groups.append(SharedGroup(weights[proj][idx], key, H, counts.clamp(min=1).double()))
+            info.append((proj, key, idx.tolist(), own, counts))
+        magnitude = collected["input.gate_up.abs_mean"][0]
+        if tokens and tokens.get("x"):
+            specs = [None] * E
+            for t in plan_rows:
+                if t.algorithm == "awq" and t.format != "bf16" and t.proj in ("gate", "up"):
+                    pair = list(specs[t.expert] or (None, None))
+                    pair[("gate", "up").index(t.proj)] = t.format
+                    specs[t.expert] = tuple(pair)
+            res = awq_shared_scale_moe(torch.cat(tokens["x"]), torch.cat(tokens["indices"]),
+                                       torch.cat(tokens["weights"]), weights["gate"], weights["up"], weights["down"],
+                                       specs, tokens["act"], magnitude, grid=AWQ_GRID, device=device)
+            objective = "MoE block output over the calibration tokens (routing-weighted; down unquantized)"
+        else:
+            res = awq_shared_scale(groups, magnitude, grid=AWQ_GRID, device=device)
+            objective = "each expert's gate/up output error through its Hessian, weighted by its routed tokens"
+        scale = res.scale.to("cpu", torch.float32)
+        for proj in ("gate", "up"):
+            weights[proj] *= scale  # every routed expert reads the folded norm's output
+            changed[proj][:] = True
+        norm = f"model.layers.{layer}.post_attention_layernorm.weight"
+        replaced[norm] = ckpt.get(norm).float() / scale
+        consumers = _input_consumers(adapter, ckpt, layer)
+        for name in consumers:
+            replaced[name] = ckpt.get(name).float() * scale
+        for proj, key, ids, own, counts in info:
+            report[f"{proj}:{key}"] = {"variant": "shared gate/up scale folded into post_attention_layernorm, router"
+                                       + (", shared expert" if any("shared_expert" in n for n in consumers) else ""),
+                                       "alpha": res.alpha,
+                                       "routed_tokens": dict(zip(map(str, ids), counts.tolist())),
+                                       "fallbacks": {str(e): f"0 routed tokens: gets the layer's shared scale"
+                                                     for i, e in enumerate(ids) if int(counts[i]) == 0}}
+        report["shared_scale"] = {"alpha": res.alpha, "objective": objective, "folded_into": [norm] + consumers,
+                                  "scale_min": float(scale.min()), "scale_max": float(scale.max()),
+                                  "objective_rtn": res.objective[0], "objective_awq": min(res.objective)}
+    report["scales"] = {"down": down_scales, "input": scale if scale is not None else torch.ones(adapter.hidden)}
+    return scale, replaced, changed, report
+
+
+def load_awq_scales(work_dir, layer: int) -> dict[str, torch.Tensor] | None:
+    """The AWQ scales the pass used in `layer` (from `work/awq_LLL.safetensors`), or None:
+    "input" [hidden] (the shared gate/up scale: the norm was divided by it, its consumers'
+    input columns multiplied) and "down" [E, expert_intermediate] (down_proj columns multiplied,
+    up_proj rows divided; 1 for experts without AWQ)."""
+    path = Path(work_dir) / f"awq_{layer:03d}.safetensors"
+    return load_file(str(path)) if path.exists() else None
+
+
+def _quantize_experts(adapter, ckpt, layer: int, plan_rows, collected: dict | None, min_tokens: int, device,
+                      weights: dict | None = None, input_scale: torch.Tensor | None = None):
+    """GPTQ / RTN for one layer's routed experts, batched per (projection, format, algorithm).
+
+    `weights` (proj -> [E, out, in]) are the weights to quantize (AWQ-scaled ones; default: from
+    disk); AWQ rows are round-to-nearest of them. `input_scale`: the shared gate/up scale folded
+    into the norm, so gate/up's GPTQ Hessians are those of the input divided by it."""
     from moequant.algorithms.gptq import gptq
 
     groups: dict[tuple[str, str, str], list[int]] = {}
@@ -101,7 +274,8 @@ def _quantize_experts(adapter, ckpt, layer: int, plan_rows, collected: dict | No
             continue
         groups.setdefault((t.proj, t.format, t.algorithm), []).append(t.expert)
     quantized, report, dequant = {}, {}, {}
-    weights = {p: adapter.read_experts(ckpt, layer, p).float() for p in adapter.projections}
+    if weights is None:
+        weights = {p: adapter.read_experts(ckpt, layer, p).float() for p in adapter.projections}
     for proj in adapter.projections:
         dequant[proj] = weights[proj].clone()
     for (proj, key, algo), experts in sorted(groups.items()):
@@ -112,13 +286,9 @@ def _quantize_experts(adapter, ckpt, layer: int, plan_rows, collected: dict | No
         entry = {"experts": experts, "format": key, "algorithm": algo}
         if algo == "gptq" and collected is not None:
             group = "down" if proj == "down" else "gate_up"
-            h_routed = collected[f"hessian_routed.{group}"][idx]
-            h_all = collected[f"hessian.{group}"]
-            h_all = h_all.expand(adapter.num_experts, -1, -1)[idx] if h_all.shape[0] == 1 else h_all[idx]
-            tokens = collected[f"input_routed.{group}.tokens"][idx]
-            # each expert's own routed-token Hessian when it has enough tokens, else all tokens'
-            own = tokens >= min_tokens
-            H = torch.where(own[:, None, None], h_routed, h_all)
+            own, tokens, H, _, _ = _chosen_statistics(collected, group, idx, adapter.num_experts, min_tokens)
+            if input_scale is not None and group == "gate_up":
+                H = H / (input_scale[:, None] * input_scale[None, :])  # Hessian of x / s
             # activation order with static groups: better codes, and vLLM accepts it (no dynamic g_idx)
             q, rep = gptq(W, H, spec, act_order=spec.name.startswith("int"), static_groups=True, device=device)
             fallbacks = {str(experts[e]): f"all-tokens Hessian: {int(tokens[e])} routed tokens < {min_tokens}"
@@ -126,8 +296,10 @@ def _quantize_experts(adapter, ckpt, layer: int, plan_rows, collected: dict | No
             fallbacks.update({str(experts[e]): why for e, why in rep.fallbacks().items()})
             entry["gptq"] = {"fallbacks": fallbacks, "damp": rep.damp}
         else:
+            # RTN; for AWQ rows the weights were scaled by _awq_layer (its report is merged by the caller)
             q = formats.quantize(W, spec, name=f"layer {layer} {proj} experts")
-            entry["algorithm"] = "rtn"
+            if algo != "awq":
+                entry["algorithm"] = "rtn"
         deq = q.dequantize(torch.float32)
         if not torch.isfinite(deq).all():
             raise RuntimeError(f"quantizing layer {layer} {proj} in {key} produced non-finite weights")
@@ -138,16 +310,50 @@ def _quantize_experts(adapter, ckpt, layer: int, plan_rows, collected: dict | No
     return quantized, report, dequant
 
 
-def _quantize_other(ckpt, rows) -> tuple[dict, dict]:
-    """RTN for non-expert tensors the plan quantizes; returns QuantizedTensors and dequantized copies."""
+def _quantize_other(ckpt, rows, replaced: dict | None = None) -> tuple[dict, dict]:
+    """RTN for non-expert tensors the plan quantizes (from `replaced` where an AWQ fold changed
+    them); returns QuantizedTensors and dequantized copies."""
     quantized, dequant = {}, {}
+    replaced = replaced or {}
     for t in rows:
         if t.format == "bf16":
             continue
-        q = formats.quantize(ckpt.get(t.name).float(), formats.parse_key(t.format), name=t.name)
+        w = replaced[t.name] if t.name in replaced else ckpt.get(t.name).float()
+        q = formats.quantize(w, formats.parse_key(t.format), name=t.name)
         quantized[t.name] = q
         dequant[t.name] = q.dequantize(torch.float32)
     return quantized, dequant
+
+
+AWQ_MAX_TOKENS = 65536  # calibration tokens kept per layer for the shared gate/up scale search
+
+
+def _token_recorder(adapter, module, store: dict):
+    """Hooks that keep the MoE block's input tokens and routing (for AWQ's block-output search)."""
+    routing = {}
+
+    def on_router(_module, _args, output):
+        routing["now"] = (output[2].reshape(-1, adapter.top_k).cpu(), output[1].reshape(-1, adapter.top_k).float().cpu())
+
+    def on_experts(_module, args, kwargs):
+        x = (args[0] if args else kwargs["hidden_states"]).detach()
+        x = x.reshape(-1, x.shape[-1]).float().cpu()
+        room = AWQ_MAX_TOKENS - sum(t.shape[0] for t in store.setdefault("x", []))
+        if room > 0:
+            store["x"].append(x[:room])
+            store.setdefault("indices", []).append(routing["now"][0][:room])
+            store.setdefault("weights", []).append(routing["now"][1][:room])
+
+    store["act"] = module.mlp.experts.act_fn
+    return [adapter.router_module(module.mlp).register_forward_hook(on_router),
+            module.mlp.experts.register_forward_pre_hook(on_experts, with_kwargs=True)]
+
+
+def _routing_recorder(adapter, module, store: list):
+    """Forward hook on the layer's router that appends each batch's top-k expert sets (sorted)."""
+    def hook(_module, _args, output):
+        store.append(output[2].reshape(-1, adapter.top_k).sort(-1).values.cpu())
+    return adapter.router_module(module.mlp).register_forward_hook(hook)
 
 
 # ----------------------------------------------------------------------------- the pass
@@ -156,7 +362,11 @@ def _quantize_other(ckpt, rows) -> tuple[dict, dict]:
 def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_dir: str | Path,
                    samples=None, progress: bool = True) -> tuple[dict, dict]:
     """Run the sequential pass. Returns (quantized tensors keyed as `export_checkpoint` takes them,
-    a per-layer report of algorithms and fallbacks)."""
+    a per-layer report of algorithms and fallbacks).
+
+    Where AWQ folded its scales into tensors that stay in full precision (post-attention norm,
+    router, shared expert, experts the plan keeps), the mapping also holds them as plain tensors
+    under their on-disk names, in the checkpoint's dtype: `export_checkpoint` writes them as they are."""
     from moequant.data import load_samples
 
     ckpt = open_checkpoint(model)
@@ -170,10 +380,15 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
     input_ids = torch.stack([s.input_ids for s in samples])
     fingerprint = _plan_fingerprint(plan, settings, hashlib.sha256(input_ids.numpy().tobytes()).hexdigest())
 
-    awq = sorted({t.format for t in plan.tensors if t.algorithm == "awq" and t.format != "bf16"})
-    if awq:
-        raise UserError(f"algorithm awq (asked for {', '.join(awq)}) is not wired into the sequential pass yet; "
-                        "accepted in recipes: gptq or rtn (moequant.algorithms.awq is available as a library).")
+    awq_layers = sorted({t.layer for t in plan.tensors if t.algorithm == "awq" and t.format != "bf16"
+                         and t.role == "routed_expert"})
+    for L in awq_layers:  # refused before any work
+        _check_awq_supported(adapter, L)
+    other_awq = sorted({t.name for t in plan.tensors if t.algorithm == "awq" and t.format != "bf16"
+                        and t.role != "routed_expert"})
+    if other_awq:
+        raise UserError(f"algorithm awq is implemented for routed experts only; the plan asks it for {other_awq[0]} "
+                        "(a non-expert tensor); use rtn or gptq for that format.")
     rows_by_layer: dict[int | None, list] = {}
     for t in plan.tensors:
         rows_by_layer.setdefault(t.layer, []).append(t)
@@ -182,7 +397,7 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
     start, hidden = load_carried(work, fingerprint, len(runner.batches))
     if hidden is None:
         hidden = runner.embedded
-        for p in work.glob("layer_*"):
+        for p in [*work.glob("layer_*"), *work.glob("awq_*")]:
             p.unlink()
 
     layers = range(start, adapter.num_layers)
@@ -196,21 +411,74 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
         expert_rows = [t for t in rows if t.role == "routed_expert" and t.expert is not None and t.proj in ("gate", "up", "down")]
         other_rows = [t for t in rows if t not in expert_rows]
         collected = None
-        needs_hessians = any(t.algorithm == "gptq" and t.format != "bf16" for t in expert_rows)
-        if L in adapter.moe_layers and needs_hessians:
+        needs_stats = any(t.algorithm in ("gptq", "awq") and t.format != "bf16" for t in expert_rows)
+        uses_awq = any(t.algorithm == "awq" and t.format != "bf16" for t in expert_rows)
+        routing_before, routing_after, tokens = [], [], {}
+        if L in adapter.moe_layers and needs_stats:
             with runner.materialized(L) as module:
                 col = _LayerCollector(adapter, module.mlp.experts, adapter.num_experts, adapter.top_k, [], True, True)
                 col.token_domains = torch.zeros(0, dtype=torch.long)
-                collect_moe_stats(runner, module, L, col, hidden)
+                hooks = [_routing_recorder(adapter, module, routing_before)]
+                if uses_awq:
+                    hooks += _token_recorder(adapter, module, tokens)
+                try:
+                    collect_moe_stats(runner, module, L, col, hidden)
+                finally:
+                    for hook in hooks:
+                        hook.remove()
                 collected = col.finish()
         quantized, report, experts_dq = ({}, {}, None)
+        replaced, awq_report, input_scale = {}, {}, None
         if expert_rows:
+            weights = {p: adapter.read_experts(ckpt, L, p).float() for p in adapter.projections}
+            changed = {}
+            if uses_awq:
+                input_scale, replaced, changed, awq_report = _awq_layer(adapter, ckpt, L, expert_rows, weights,
+                                                                        collected, settings.min_tokens, settings.device,
+                                                                        tokens)
             quantized, report, experts_dq = _quantize_experts(adapter, ckpt, L, expert_rows, collected,
-                                                              settings.min_tokens, settings.device)
-        q_other, other_dq = _quantize_other(ckpt, other_rows)
+                                                              settings.min_tokens, settings.device, weights=weights,
+                                                              input_scale=input_scale)
+            # experts the folds changed but the plan keeps in full precision: written as folded
+            for proj, mask in changed.items():
+                for e in mask.nonzero().flatten().tolist():
+                    if (L, e, proj) not in quantized:
+                        name = adapter.expert_tensor_name(L, e, proj)
+                        replaced[name] = weights[proj][e]
+        q_other, other_dq = _quantize_other(ckpt, other_rows, replaced)
         quantized.update(q_other)
-        with runner.materialized(L, experts=experts_dq, tensors=other_dq) as module:
-            hidden = runner.forward(module, L, hidden)
+        # full-precision replacements keep their checkpoint dtype; the forward sees them as exported
+        kept = {n: t.to(ckpt.get(n).dtype) for n, t in replaced.items() if n not in q_other}
+        for name, t in kept.items():
+            role = adapter.classify(name)
+            if role.role == "routed_expert":
+                experts_dq[role.proj][role.expert] = t.float()
+        forward_tensors = {**other_dq, **{n: t.float() for n, t in kept.items() if adapter.classify(n).role != "routed_expert"}}
+        with runner.materialized(L, experts=experts_dq, tensors=forward_tensors) as module:
+            hook = _routing_recorder(adapter, module, routing_after) if uses_awq and routing_before else None
+            try:
+                hidden = runner.forward(module, L, hidden)
+            finally:
+                if hook is not None:
+                    hook.remove()
+        scales = awq_report.pop("scales", None)
+        if scales is not None:  # diagnostics (tests, reports); the checkpoint holds the folds themselves
+            tmp = work / f".awq_{L:03d}.safetensors.tmp"
+            save_file({k: v.contiguous() for k, v in scales.items()}, str(tmp))
+            tmp.replace(work / f"awq_{L:03d}.safetensors")
+        shared = awq_report.pop("shared_scale", None)
+        for k, v in awq_report.items():
+            report[k]["awq"] = v
+        if shared is not None:
+            report["awq_shared_scale"] = shared
+            if routing_after:
+                same = sum(int((a == b).all(-1).sum()) for a, b in zip(routing_before, routing_after))
+                total = sum(a.shape[0] for a in routing_before)
+                shared["routing_agreement"] = same / max(total, 1)
+                shared["routing_note"] = (
+                    "top-k expert sets of the calibration tokens, original layer vs. the exported one (folded "
+                    "norm/router in their dtype" + (", quantized attention" if q_other else "") + ")")
+        quantized.update(kept)
         save_quantized(quantized, work / f"layer_{L:03d}.safetensors")
         report["seconds"] = time.perf_counter() - t0
         atomic_write_text(work / f"layer_{L:03d}.json", json.dumps(report, indent=2))

@@ -110,3 +110,44 @@ def test_bad_recipe_is_one_sentence(model_dir, tmp_path):
                                        "--output", str(tmp_path / "o")])
     assert result.exit_code == 2 and result.output.startswith("error: ") and "target" in result.output
     assert not (tmp_path / "o").exists()
+
+
+def test_awq_apply_on_a_zoo_model_writes_a_checkpoint_both_readers_take(tmp_path):
+    """recipes/uniform-int4-awq.yaml end to end: the folded norm / router reach the checkpoint,
+    moequant.load and compressed-tensors' own decompression read it and agree tensor for tensor."""
+    import glob
+
+    import torch
+    from safetensors.torch import load_file
+
+    import moequant
+    from moequant.checkpoint import open_checkpoint
+    from moequant.loader import dequantized_state_dict
+
+    out = tmp_path / "awq"
+    args = ["apply", "--recipe", "recipes/uniform-int4-awq.yaml", "--model", "zoo:tiny-mixtral", "--output", str(out)]
+    for s in SMALL:
+        args += ["--set", s]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    quant = json.loads((out / "checkpoint.json").read_text())["quantize"]
+    source = open_checkpoint("zoo:tiny-mixtral")
+    tensors = {}
+    for f in sorted(glob.glob(str(out / "checkpoint" / "*.safetensors"))):
+        tensors.update(load_file(f))
+    for layer, entry in quant.items():
+        assert entry["down:int4-g32-sym"]["algorithm"] == "awq"
+        for name in entry["awq_shared_scale"]["folded_into"]:  # norm and router, changed and kept in bf16
+            assert tensors[name].dtype == torch.bfloat16 and not torch.equal(tensors[name], source.get(name)), name
+
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+
+    theirs = CompressedTensorsDequantizer(str(out / "checkpoint"), dtype=torch.float32).validate(tensors)
+    # compressed-tensors dequantizes at the precision of the scales (bf16): compare there
+    ours = dequantized_state_dict(out / "checkpoint", torch.bfloat16)
+    assert set(theirs) == set(ours)
+    for name, t in theirs.items():
+        assert torch.equal(t.to(torch.bfloat16), ours[name]), name
+    model = moequant.load(out / "checkpoint", dtype=torch.float32)
+    report = json.loads((out / "report.json").read_text())
+    assert report["quality"]["kl_mean"] < 0.1 and model.config.model_type == "mixtral"

@@ -136,3 +136,79 @@ def test_bad_arguments_are_user_errors():
     h, m, _ = awq.input_stats(calib)
     with pytest.raises(UserError, match="token counts"):
         awq.awq_gate_up(gate, up, "int4-g32-sym", hessian=h, mean_abs=m)
+
+
+def test_shared_scale_over_groups_in_different_formats_is_the_best_of_the_grid_on_tokens():
+    """awq_shared_scale: one input scale for gate (int4) and up (mxfp4) of all experts, each expert's
+    error weighted by its token count; checked against the error measured directly on the tokens."""
+    gate, up, _, calib, _ = make_experts(seed=8)
+    calib = [x[: 64 * (e + 1)] for e, x in enumerate(calib)]  # unequal token counts
+    counts = torch.tensor([x.shape[0] for x in calib], dtype=torch.float64)
+    h, _, _ = awq.input_stats(calib)
+    all_tokens = torch.cat(calib)
+    magnitude = all_tokens.abs().mean(0).float()
+    groups = [awq.SharedGroup(gate.float(), "int4-g32-sym", h, counts),
+              awq.SharedGroup(up.float(), "mxfp4", h, counts)]
+    result = awq.awq_shared_scale(groups, magnitude, grid=10)
+
+    def measured(alpha):
+        s = magnitude.double().clamp(min=1e-8).pow(alpha).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        total = 0.0
+        for w, key in ((gate, "int4-g32-sym"), (up, "mxfp4")):
+            w_hat = formats.quantize((w * s).float(), key).dequantize(torch.float64) / s
+            total += sum(float(((x @ (w_hat[e] - w[e]).T) ** 2).sum()) for e, x in enumerate(calib))
+        return total
+
+    errs = [measured(i / 10) for i in range(10)]
+    best = min(range(10), key=errs.__getitem__)
+    assert abs(errs[int(round(result.alpha * 10))] - errs[best]) <= 1e-5 * errs[best]
+    assert result.alpha > 0 and errs[int(round(result.alpha * 10))] < errs[0]  # uneven channels: scaling pays
+    assert result.scale.shape == (128,) and min(result.objective) == result.objective[int(round(result.alpha * 10))]
+    for rtn_errors, awq_errors in zip(result.error_rtn, result.error_awq):
+        assert len(rtn_errors) == len(awq_errors) == 4
+
+
+def test_shared_scale_on_the_moe_block_output_is_the_best_of_the_grid():
+    """awq_shared_scale_moe: the objective is the routing-weighted MoE output error, recomputed here
+    token by token in float64 (a token's experts' errors add up before they are squared)."""
+    gate, up, down, _, _ = make_experts(experts=4, seed=9)
+    g = torch.Generator().manual_seed(9)
+    channel = torch.exp(1.2 * torch.randn(128, generator=g, dtype=torch.float64))
+    x = torch.randn(96, 128, generator=g, dtype=torch.float64) * channel
+    logits = torch.randn(96, 4, generator=g, dtype=torch.float64)
+    weights, indices = torch.softmax(logits, -1).topk(2, dim=-1)
+    specs = [("int4-g32-sym", "int4-g32-sym"), ("int4-g32-sym", "mxfp4"), None, ("int4-g32-sym", "int4-g32-sym")]
+    magnitude = x.abs().mean(0).float()
+    result = awq.awq_shared_scale_moe(x.float(), indices, weights.float(), gate.float(), up.float(), down.float(),
+                                      specs, F.silu, magnitude, grid=8)
+
+    def measured(alpha):
+        s = magnitude.double().clamp(min=1e-8).pow(alpha).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        hat = {}
+        for e in range(4):
+            hat[e] = (gate[e], up[e])
+            if specs[e] is not None:
+                hat[e] = tuple(formats.quantize((w[e] * s).float(), key).dequantize(torch.float64) / s
+                               for w, key in zip((gate, up), specs[e]))
+        total = 0.0
+        for t in range(x.shape[0]):
+            diff = torch.zeros(128, dtype=torch.float64)
+            for slot in range(2):
+                e = int(indices[t, slot])
+                g_hat, u_hat = hat[e]
+                y_hat = (F.silu(g_hat @ x[t]) * (u_hat @ x[t])) @ down[e].T
+                y = (F.silu(gate[e] @ x[t]) * (up[e] @ x[t])) @ down[e].T
+                diff += weights[t, slot] * (y_hat - y)
+            total += float(diff @ diff)
+        return total
+
+    errs = [measured(i / 8) for i in range(8)]
+    chosen = int(round(result.alpha * 8))
+    assert errs[chosen] <= min(errs) * (1 + 1e-4)
+    energy = sum(float((sum(weights[t, k] * ((F.silu(gate[int(indices[t, k])] @ x[t]) * (up[int(indices[t, k])] @ x[t]))
+                                             @ down[int(indices[t, k])].T) for k in range(2)) ** 2).sum())
+                 for t in range(x.shape[0]))
+    for i in range(8):
+        assert abs(result.objective[i] - errs[i] / energy) <= 1e-3 * errs[i] / energy

@@ -17,7 +17,9 @@ Where 1/s can go (the caller applies it; every function returns it as plain data
   the shared variant: one scale per layer for all experts' gate and up, searched on the token-
   weighted error of all experts together (`awq_gate_up`). The caller divides the post-attention
   norm weight by it and multiplies the input columns of the router and of the shared experts'
-  gate / up by it (the routed experts' scaled weights are returned).
+  gate / up by it (the routed experts' scaled weights are returned). `awq_shared_scale` is the
+  same search over several weight groups in different formats (the quantize pass uses it: each
+  expert's gate and up in its own plan format, each expert's error weighted by its tokens).
 """
 
 from __future__ import annotations
@@ -229,6 +231,133 @@ def awq_gate_up(gate: torch.Tensor, up: torch.Tensor, spec, *, inputs=None, hess
     up_scaled = up.to(scale.device, torch.float32) * scale
     return AWQGateUp(formats.quantize(gate_scaled, spec), formats.quantize(up_scaled, spec), gate_scaled,
                      up_scaled, scale, report)
+
+
+@dataclass
+class SharedGroup:
+    """One set of weights [E, out, in] that reads the shared input, in one format (`awq_shared_scale`)."""
+
+    weight: torch.Tensor  # [E, out, in]
+    spec: object  # format spec or key
+    hessian: torch.Tensor  # [E, in, in] or [1, in, in] (one Hessian for every expert)
+    importance: torch.Tensor  # [E] weight of each expert's error in the objective (e.g. its routed tokens)
+
+
+@dataclass
+class AWQShared:
+    """Result of `awq_shared_scale`: one input scale for every group."""
+
+    scale: torch.Tensor  # [in]
+    alpha: float
+    objective: list[float]  # per alpha of the grid, relative to the unquantized outputs' energy
+    error_rtn: list[list[float]]  # per group, per expert: relative calibration error with s = 1
+    error_awq: list[list[float]]  # the same with the chosen scale
+
+
+def awq_shared_scale(groups: Sequence[SharedGroup], magnitude: torch.Tensor, *, grid: int = 20,
+                     chunk_experts: int | None = None, device=None) -> AWQShared:
+    """One AWQ input scale [in] for several weight groups that read the same input, each in its own format.
+
+    The objective of alpha is sum over groups and experts of importance_e * tr(dW_e H_e dW_e^T)
+    with dW = Q(W s) / s - W (round-to-nearest in the group's format); s = magnitude^alpha
+    normalised as in `awq_scales`. alpha = 0 (s = 1) is on the grid, so the chosen scale is
+    never worse than round-to-nearest on this objective.
+    """
+    from moequant import formats
+
+    if grid < 1:
+        raise UserError(f"AWQ grid must be a positive number of alpha steps, got {grid}.")
+    if not groups:
+        raise UserError("awq_shared_scale needs at least one weight group.")
+    n_in = magnitude.shape[-1]
+    device = torch.device(device) if device is not None else groups[0].weight.device
+    magnitude = magnitude.to(device, torch.float32)
+    alphas = [i / grid for i in range(grid)]
+    scales = [_scales(magnitude, a) for a in alphas]
+    errors = [torch.zeros(len(alphas), g.weight.shape[0], dtype=torch.float64, device=device) for g in groups]
+    refs = [torch.zeros(g.weight.shape[0], dtype=torch.float64, device=device) for g in groups]
+    for gi, g in enumerate(groups):
+        spec = formats.get_format(g.spec)
+        num_experts = g.weight.shape[0]
+        if g.weight.dim() != 3 or g.weight.shape[-1] != n_in:
+            raise UserError(f"AWQ shared group {gi} weight must be [E, out, {n_in}]; got {tuple(g.weight.shape)}.")
+        if g.hessian.shape[0] not in (1, num_experts) or tuple(g.hessian.shape[1:]) != (n_in, n_in):
+            raise UserError(f"AWQ shared group {gi} hessian has shape {tuple(g.hessian.shape)}; expected "
+                            f"({num_experts} or 1, {n_in}, {n_in}).")
+        step = chunk_experts or _default_chunk(num_experts, g.weight.shape[1], n_in, device)
+        for start in range(0, num_experts, max(1, int(step))):
+            part = slice(start, min(start + step, num_experts))
+            w = g.weight[part].to(device, torch.float32)
+            h = (g.hessian if g.hessian.shape[0] == 1 else g.hessian[part]).to(device, torch.float32)
+            h = h.expand(w.shape[0], -1, -1)
+            refs[gi][part] = _quadratic(w, h)
+            for a, s in enumerate(scales):
+                w_hat = formats.quantize(w * s, spec).dequantize(torch.float32) / s
+                errors[gi][a, part] = _quadratic(w_hat - w, h)
+            del w, h
+    importance = [g.importance.to(device, torch.float64) for g in groups]
+    total = sum((e * imp[None, :]).sum(1) for e, imp in zip(errors, importance))  # [alphas]
+    energy = float(sum((r * imp).sum() for r, imp in zip(refs, importance)))
+    best = int(torch.argmin(total))
+    rel = [[float(x) for x in e[i] / r.clamp(min=1e-30)] for e, r in zip(errors, refs) for i in (0, best)]
+    return AWQShared(scale=scales[best], alpha=alphas[best],
+                     objective=[float(t) / max(energy, 1e-30) for t in total],
+                     error_rtn=rel[0::2], error_awq=rel[1::2])
+
+
+def awq_shared_scale_moe(x: torch.Tensor, indices: torch.Tensor, routing_weights: torch.Tensor, gate: torch.Tensor,
+                         up: torch.Tensor, down: torch.Tensor, specs: Sequence, act, magnitude: torch.Tensor, *,
+                         grid: int = 20, device=None) -> AWQShared:
+    """One AWQ input scale [H] for all routed experts' gate and up, searched on the MoE block's output.
+
+    x [n, H]: the layer's normalised hidden states; indices / routing_weights [n, k]: the router's
+    choices. gate / up [E, I, H], down [E, H, I] (down stays unquantized here, as in AWQ's own
+    search over a block). specs[e] = (gate format, up format) of expert e, or None where the
+    expert's gate/up are not AWQ-quantized (they are scaled exactly and left as they are).
+    objective(alpha) = sum_t || sum_k w_tk (y_e(x_t; Q(G s)/s, Q(U s)/s) - y_e(x_t; G, U)) ||^2:
+    the routed experts' contribution to the block output, weighted by the routing as the model
+    does (a token's experts' errors add up before they are measured). alpha = 0 is on the grid.
+    """
+    from moequant import formats
+
+    if grid < 1:
+        raise UserError(f"AWQ grid must be a positive number of alpha steps, got {grid}.")
+    device = torch.device(device) if device is not None else x.device
+    x = x.to(device, torch.float32)
+    indices, routing_weights = indices.to(device), routing_weights.to(device, torch.float32)
+    gate, up, down = (w.to(device, torch.float32) for w in (gate, up, down))
+    E = gate.shape[0]
+    routed = [(indices == e).nonzero(as_tuple=True) for e in range(E)]  # (token, slot) per expert
+
+    def block(g, u):
+        out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=device)
+        for e, (tok, slot) in enumerate(routed):
+            if tok.numel():
+                xe = x[tok]
+                y = (act(xe @ g[e].T) * (xe @ u[e].T)) @ down[e].T
+                out.index_add_(0, tok, y * routing_weights[tok, slot][:, None])
+        return out
+
+    reference = block(gate, up)
+    energy = float((reference.double() ** 2).sum())
+    groups: dict[tuple, list[int]] = {}
+    for e, pair in enumerate(specs):
+        if pair is not None:
+            for proj, key in zip(("gate", "up"), pair):
+                if key is not None:  # the other projection is not AWQ: scaled exactly, left as it is
+                    groups.setdefault((proj, formats.get_format(key).key), []).append(e)
+    alphas = [i / grid for i in range(grid)]
+    objective = []
+    for alpha in alphas:
+        s = _scales(magnitude.to(device, torch.float32), alpha)
+        w_hat = {"gate": gate.clone(), "up": up.clone()}
+        for (proj, key), experts in groups.items():
+            idx = torch.tensor(experts, device=device)
+            w_hat[proj][idx] = formats.quantize(w_hat[proj][idx] * s, key).dequantize(torch.float32) / s
+        objective.append(float(((block(w_hat["gate"], w_hat["up"]) - reference).double() ** 2).sum()))
+    best = min(range(len(alphas)), key=objective.__getitem__)
+    return AWQShared(scale=_scales(magnitude.to(device, torch.float32), alphas[best]), alpha=alphas[best],
+                     objective=[o / max(energy, 1e-30) for o in objective], error_rtn=[], error_awq=[])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -234,12 +234,19 @@ def _point(name: str, kind: str, report: dict, report_path: Path, *, target=None
 
 
 def outside_point(path, reference_dir, evaluate_settings: dict) -> dict:
-    """A point for a checkpoint evaluated by `moequant eval --json` (its JSON file at `path`),
-    with bytes from the checkpoint's safetensors headers. The evaluation must have used the
-    same dataset, samples, seq_len and seed, so that its KL is over the same tokens."""
+    """A point for an outside checkpoint: its directory (evaluated here on the frontier's
+    evaluation tokens) or the JSON file of `moequant eval --json`, with bytes from the
+    checkpoint's safetensors headers. A JSON evaluation must have used the same dataset, samples,
+    seq_len and seed, so that its KL is over the same tokens."""
     from moequant.report import memory_account
 
     path = Path(path)
+    if path.is_dir():
+        from moequant.evaluate import evaluate_checkpoints
+
+        result = evaluate_checkpoints(str(path), reference_dir, progress=False, **evaluate_settings)
+        report = {"memory": memory_account(reference_dir, path), "quality": result}
+        return _point(path.name, "outside", report, path)
     try:
         result = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -296,7 +303,8 @@ def pareto(recipe_path=None, budgets: Sequence = ("int3", "int4", "int4..int8"),
             keys.append(key)
     c = recipe.calibration
     settings = CalibrationSettings(dataset=c.dataset, samples=c.samples, seq_len=c.seq_len, seed=recipe.seed,
-                                   all_experts=c.all_experts, formats=tuple(keys), device=device)
+                                   all_experts=c.all_experts, formats=tuple(keys), device=device,
+                                   probe_samples=c.probe_samples, probe_algorithm=c.probe_algorithm)
     stats_dir = out / "stats"
     calibrate(recipe.model, stats_dir, settings, overwrite=True, tokenizer=load_tokenizer(ckpt.directory),
               progress=progress)

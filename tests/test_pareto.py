@@ -151,6 +151,12 @@ def test_outside_checkpoint_joins_the_frontier(frontier, tmp_path):
     assert outside["kind"] == "outside"
     assert outside["kl_mean"] == pytest.approx(int4["kl_mean"], rel=1e-9)
     assert outside["bytes_quantized"] == int4["bytes_quantized"]
+    # the checkpoint directory itself is evaluated on the frontier's tokens: the same numbers
+    r = pareto(RECIPE, budgets=[], targets=("vllm",), uniform=["int4"], model=MODEL, output=str(out),
+               overrides=SIZES, extra_reports=[checkpoint], progress=False, log=lambda m: None)
+    direct = next(p for p in r["points"] if p["kind"] == "outside")
+    assert direct["kl_mean"] == pytest.approx(int4["kl_mean"], rel=1e-9)
+    assert direct["bytes_quantized"] == int4["bytes_quantized"]
     args[args.index("--samples") + 1] = "4"
     other = CliRunner().invoke(main, args, catch_exceptions=False).output
     path.write_text(other[other.index("{"):])

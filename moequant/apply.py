@@ -49,7 +49,8 @@ def sensitivity_formats(recipe: Recipe) -> tuple[str, ...]:
 def calibration_settings(recipe: Recipe, device: str = "cpu") -> CalibrationSettings:
     c = recipe.calibration
     return CalibrationSettings(dataset=c.dataset, samples=c.samples, seq_len=c.seq_len, seed=recipe.seed,
-                               all_experts=c.all_experts, formats=sensitivity_formats(recipe), device=device)
+                               all_experts=c.all_experts, formats=sensitivity_formats(recipe), device=device,
+                               probe_samples=c.probe_samples, probe_algorithm=c.probe_algorithm)
 
 
 def resolve_recipe(recipe_path, model=None, output=None, overrides=()) -> Recipe:

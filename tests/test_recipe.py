@@ -184,3 +184,11 @@ def test_layer_ranges():
     for bad in ("a", "1-", "-1", "3-1", ""):
         with pytest.raises(ValueError):
             parse_layer_ranges(bad)
+
+
+def test_probe_settings_reach_calibration():
+    from moequant.apply import calibration_settings, resolve_recipe
+
+    settings = calibration_settings(resolve_recipe(None, overrides=["calibration.probe_samples=3",
+                                                                    "calibration.probe_algorithm=gptq"]))
+    assert (settings.probe_samples, settings.probe_algorithm) == (3, "gptq")

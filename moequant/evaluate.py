@@ -18,7 +18,8 @@ data.py). What is measured, and on which positions:
 - MoE-block output relative error per layer, sqrt(sum ||y_q - y_ref||^2 / sum ||y_ref||^2)
   over all tokens, in two variants:
   `moe_output_error`: both blocks see the *reference* model's input of that layer (the quantized
-  block is run a second time on it), so it isolates that block's own quantization error;
+  block is run a second time on it, through the quantized model's own pre-MoE norm, which an
+  AWQ scale may have changed), so it isolates that block's own quantization error;
   `moe_output_error_accumulated`: each block sees its own model's input, so it includes the
   drift of every earlier layer;
 - per routed expert (reference input, reference routing, only the tokens the reference router
@@ -93,6 +94,20 @@ def _moe_block(model, layer: int):
     return model.model.layers[layer].mlp
 
 
+def _pre_moe_norm(model, layer: int):
+    return getattr(model.model.layers[layer], "post_attention_layernorm", None)
+
+
+def _block_input_for(model, layer: int, pre_norm, x_ref):
+    """The reference model's MoE-block input as `model` sees it: its own norm applied to the
+    reference's pre-norm hidden states (equal to x_ref unless the norm was changed, e.g. by an
+    AWQ scale folded into it)."""
+    norm = _pre_moe_norm(model, layer)
+    if norm is None or pre_norm is None:
+        return x_ref
+    return norm(pre_norm.to(next(norm.parameters()).device))
+
+
 # ----------------------------------------------------------------------------- hooks
 
 
@@ -106,6 +121,7 @@ class _Capture:
     active: bool = True
     indices: dict = field(default_factory=dict)   # layer -> [tokens, k] expert ids
     inputs: dict = field(default_factory=dict)    # layer -> MoE block input [tokens, hidden]
+    pre_norm: dict = field(default_factory=dict)  # layer -> input of the norm before the MoE block
     outputs: dict = field(default_factory=dict)   # layer -> MoE block output [tokens, hidden]
     handles: list = field(default_factory=list)
 
@@ -115,6 +131,9 @@ class _Capture:
             router = self.adapter.router_module(block)
             self.handles.append(router.register_forward_hook(self._on_router(L)))
             self.handles.append(block.register_forward_hook(self._on_block(L), with_kwargs=True))
+            norm = _pre_moe_norm(self.model, L)
+            if self.keep_inputs and norm is not None:
+                self.handles.append(norm.register_forward_hook(self._on_norm(L)))
 
     def _on_router(self, layer):
         def hook(module, args, output):
@@ -135,9 +154,16 @@ class _Capture:
                 self.outputs[layer] = y.detach().reshape(-1, y.shape[-1])
         return hook
 
+    def _on_norm(self, layer):
+        def hook(module, args, output):
+            if self.active:
+                self.pre_norm[layer] = args[0].detach()
+        return hook
+
     def clear(self):
         self.indices.clear()
         self.inputs.clear()
+        self.pre_norm.clear()
         self.outputs.clear()
 
     def remove(self):
@@ -314,9 +340,10 @@ def evaluate(reference_model, quantized_model, samples, batch_size: int = 4, per
                     y_own = q_cap.outputs[L].to(y_ref.device).float()
                     x_ref = ref_cap.inputs[L]
                     q_block = _moe_block(quantized_model, L)
+                    x_q = _block_input_for(quantized_model, L, ref_cap.pre_norm.get(L), x_ref)
                     q_cap.active = False  # the second run on the reference input must not overwrite captures
                     try:
-                        y_q = q_block(x_ref.to(next(q_block.parameters()).device))
+                        y_q = q_block(x_q.to(next(q_block.parameters()).device))
                     finally:
                         q_cap.active = True
                     y_q = (y_q[0] if isinstance(y_q, tuple) else y_q).reshape(-1, y_ref.shape[-1]).to(y_ref.device).float()
@@ -326,6 +353,7 @@ def evaluate(reference_model, quantized_model, samples, batch_size: int = 4, per
 
                     if expert_errors:
                         x = x_ref.reshape(-1, x_ref.shape[-1])
+                        xq = x_q.reshape(-1, x_q.shape[-1])
                         ref_experts = adapter.experts_module(reference_model, L)
                         q_experts = adapter.experts_module(quantized_model, L)
                         for e in range(E):
@@ -334,7 +362,7 @@ def evaluate(reference_model, quantized_model, samples, batch_size: int = 4, per
                                 continue
                             xe = x[tok]
                             ye_ref = _expert_output(adapter, ref_experts, xe, e)
-                            ye_q = _expert_output(adapter, q_experts, xe.to(next(q_block.parameters()).device), e)
+                            ye_q = _expert_output(adapter, q_experts, xq[tok].to(next(q_block.parameters()).device), e)
                             exp_sq[li, e] += _sq(ye_q.to(ye_ref.device) - ye_ref)
                             exp_ref_sq[li, e] += _sq(ye_ref)
                 ref_cap.clear()
@@ -431,11 +459,12 @@ def load_quantized(path, dtype=None, device: str = "cpu"):
             if _is_moequant_checkpoint(directory):
                 raise  # moequant wrote it: its loader's word is final
             first_error = e
-    from transformers import AutoModelForCausalLM
+    from moequant.loader import from_pretrained_complete
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or "auto",
-                                                     trust_remote_code=False).to(device)
+        model = from_pretrained_complete(directory, dtype or "auto").to(device)
+    except UserError:
+        raise
     except Exception as e:
         raise UserError(f"cannot load {path} as a quantized model: moequant's loader said "
                         f"\"{first_error}\" and transformers failed with {type(e).__name__}: {e}") from None
@@ -448,11 +477,10 @@ def evaluate_checkpoints(checkpoint, reference, dataset: str = "builtin:mix", sa
     """`moequant eval CHECKPOINT --reference ORIGINAL`: load both, evaluate on the evaluation split of
     `dataset` (tokenised with the reference's tokenizer). Returns evaluate()'s dict plus
     `checkpoint`, `reference`, `dataset`, `seq_len`, `seed` and, when asked, `lm_eval`."""
-    from transformers import AutoModelForCausalLM
-
     from moequant.calibrate import load_tokenizer
     from moequant.checkpoint import open_checkpoint
     from moequant.data import load_samples
+    from moequant.loader import from_pretrained_complete
 
     if lm_eval_tasks:
         _require_lm_eval()
@@ -460,8 +488,7 @@ def evaluate_checkpoints(checkpoint, reference, dataset: str = "builtin:mix", sa
     ref_dir = open_checkpoint(reference).directory
     tokenizer = load_tokenizer(ref_dir)
     windows = load_samples(dataset, tokenizer, samples, seq_len, split="evaluation", seed=seed)
-    ref_model = AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=dtype or "auto",
-                                                     trust_remote_code=False).to(device).eval()
+    ref_model = from_pretrained_complete(ref_dir, dtype or "auto").to(device).eval()
     q_model = load_quantized(checkpoint, dtype=dtype, device=device)
     result = evaluate(ref_model, q_model, windows, batch_size=batch_size, progress=progress)
     result.update({"checkpoint": str(checkpoint), "reference": str(reference), "dataset": dataset,

@@ -43,8 +43,25 @@ def load(path, dtype: torch.dtype | None = None, device: str = "cpu"):
             writer.add(name, tensor)
         writer.finish()
         (Path(tmp) / "config.json").write_text(json.dumps(config))
-        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, trust_remote_code=False).to(device)
-    return model.eval()
+        model = from_pretrained_complete(tmp, dtype, shown_as=ckpt.path)
+    return model.to(device).eval()
+
+
+def from_pretrained_complete(directory, dtype, shown_as=None):
+    """transformers' from_pretrained, refusing a checkpoint that lacks tensors the model needs:
+    transformers initialises those at random and goes on, which would make every number wrong."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, trust_remote_code=False,
+                                                       output_loading_info=True)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        unexpected = sorted(info.get("unexpected_keys") or [])
+        also = f"; its own names (e.g. {unexpected[0]}) are not the architecture's" if unexpected else ""
+        raise UserError(f"checkpoint {shown_as or directory} lacks {len(missing)} tensors the "
+                        f"{model.config.model_type} model needs (e.g. {missing[0]}){also}; accepted: a checkpoint "
+                        "under the model's own on-disk tensor names.")
+    return model
 
 
 def _config_dtype(config: dict) -> torch.dtype:

@@ -304,3 +304,37 @@ def test_token_statistics_with_masked_logits():
     assert torch.equal(same, a.argmax(-1) == b.argmax(-1))
     assert torch.isnan(nll_a[2]) and nll_a[1].item() == pytest.approx(-pa[1, 3].log().item(), rel=1e-12)
     assert nll_b[3].item() == pytest.approx(-pb[3, 7].log().item(), rel=1e-12)
+
+
+def test_a_checkpoint_under_other_tensor_names_is_refused_not_randomly_filled(tmp_path):
+    """transformers fills tensors a checkpoint lacks with random values and goes on (llm-compressor
+    0.14 writes Mixtral experts as block_sparse_moe.experts.N.gate_proj, which loads that way):
+    moequant's loaders refuse such a checkpoint with one sentence, and `moequant eval` exits 2."""
+    from click.testing import CliRunner
+    from safetensors.torch import load_file, save_file
+
+    import moequant
+    from moequant.cli import main
+
+    from tiny import build_tiny_with_tokenizer
+
+    src = build_tiny_with_tokenizer("mixtral", tmp_path / "orig")
+    renamed = tmp_path / "renamed"
+    shutil.copytree(src, renamed)
+    tensors = load_file(str(renamed / "model.safetensors"))
+    names = {".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+    moved = {}
+    for name, t in tensors.items():
+        for old, new in names.items():
+            name = name.replace(old, new)
+        moved[name] = t
+    assert moved.keys() != tensors.keys()
+    save_file(moved, str(renamed / "model.safetensors"), metadata={"format": "pt"})
+    moequant.load(src)  # the original loads
+    with pytest.raises(UserError, match="lacks .* tensors the mixtral model needs"):
+        moequant.load(renamed)
+    with pytest.raises(UserError, match="lacks"):
+        load_quantized(renamed)
+    result = CliRunner().invoke(main, ["eval", str(renamed), "--reference", str(src), "--samples", "1",
+                                       "--seq-len", "16", "--dataset", "builtin:stdlib-code"])
+    assert result.exit_code == 2 and "lacks" in result.output, result.output

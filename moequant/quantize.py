@@ -39,12 +39,12 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from moequant import formats
 from moequant.arch import adapter_for
-from moequant.calibrate import (CalibrationSettings, _LayerCollector, collect_moe_stats, load_carried, load_tokenizer,
-                                save_carried)
+from moequant.calibrate import (CalibrationSettings, _LayerCollector, _save_atomic, collect_moe_stats, load_carried,
+                                load_tokenizer, save_carried)
 from moequant.checkpoint import atomic_write_text, open_checkpoint
 from moequant.errors import UserError
 from moequant.layers import LayerRunner
@@ -89,9 +89,7 @@ def save_quantized(items: dict, path: Path) -> None:
                 tensors[f"{i}.{part}"] = t.contiguous().clone()
                 entry["parts"].append(part)
         index[str(i)] = entry
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata={"index": json.dumps(index)})
-    tmp.replace(path)
+    _save_atomic(tensors, path, {"index": json.dumps(index)})
 
 
 def load_quantized(path: Path) -> dict:
@@ -241,7 +239,7 @@ def _awq_layer(adapter, ckpt, layer: int, plan_rows, weights: dict, collected: d
                                        + (", shared expert" if any("shared_expert" in n for n in consumers) else ""),
                                        "alpha": res.alpha,
                                        "routed_tokens": dict(zip(map(str, ids), counts.tolist())),
-                                       "fallbacks": {str(e): f"0 routed tokens: gets the layer's shared scale"
+                                       "fallbacks": {str(e): "0 routed tokens: gets the layer's shared scale"
                                                      for i, e in enumerate(ids) if int(counts[i]) == 0}}
         report["shared_scale"] = {"alpha": res.alpha, "objective": objective, "folded_into": [norm] + consumers,
                                   "scale_min": float(scale.min()), "scale_max": float(scale.max()),
@@ -259,12 +257,12 @@ def load_awq_scales(work_dir, layer: int) -> dict[str, torch.Tensor] | None:
     return load_file(str(path)) if path.exists() else None
 
 
-def _quantize_experts(adapter, ckpt, layer: int, plan_rows, collected: dict | None, min_tokens: int, device,
-                      weights: dict | None = None, input_scale: torch.Tensor | None = None):
+def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, min_tokens: int, device,
+                      weights: dict, input_scale: torch.Tensor | None = None):
     """GPTQ / RTN for one layer's routed experts, batched per (projection, format, algorithm).
 
-    `weights` (proj -> [E, out, in]) are the weights to quantize (AWQ-scaled ones; default: from
-    disk); AWQ rows are round-to-nearest of them. `input_scale`: the shared gate/up scale folded
+    `weights` (proj -> [E, out, in] float32) are the weights to quantize (AWQ-scaled where AWQ
+    ran); AWQ rows are round-to-nearest of them. `input_scale`: the shared gate/up scale folded
     into the norm, so gate/up's GPTQ Hessians are those of the input divided by it."""
     from moequant.algorithms.gptq import gptq
 
@@ -274,8 +272,6 @@ def _quantize_experts(adapter, ckpt, layer: int, plan_rows, collected: dict | No
             continue
         groups.setdefault((t.proj, t.format, t.algorithm), []).append(t.expert)
     quantized, report, dequant = {}, {}, {}
-    if weights is None:
-        weights = {p: adapter.read_experts(ckpt, layer, p).float() for p in adapter.projections}
     for proj in adapter.projections:
         dequant[proj] = weights[proj].clone()
     for (proj, key, algo), experts in sorted(groups.items()):
@@ -436,7 +432,7 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
                 input_scale, replaced, changed, awq_report = _awq_layer(adapter, ckpt, L, expert_rows, weights,
                                                                         collected, settings.min_tokens, settings.device,
                                                                         tokens)
-            quantized, report, experts_dq = _quantize_experts(adapter, ckpt, L, expert_rows, collected,
+            quantized, report, experts_dq = _quantize_experts(adapter, L, expert_rows, collected,
                                                               settings.min_tokens, settings.device, weights=weights,
                                                               input_scale=input_scale)
             # experts the folds changed but the plan keeps in full precision: written as folded
@@ -463,9 +459,7 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
                     hook.remove()
         scales = awq_report.pop("scales", None)
         if scales is not None:  # diagnostics (tests, reports); the checkpoint holds the folds themselves
-            tmp = work / f".awq_{L:03d}.safetensors.tmp"
-            save_file({k: v.contiguous() for k, v in scales.items()}, str(tmp))
-            tmp.replace(work / f"awq_{L:03d}.safetensors")
+            _save_atomic(scales, work / f"awq_{L:03d}.safetensors", {})
         shared = awq_report.pop("shared_scale", None)
         for k, v in awq_report.items():
             report[k]["awq"] = v

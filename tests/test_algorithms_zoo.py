@@ -20,7 +20,6 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import moequant
 from moequant.arch import adapter_for
@@ -340,15 +339,10 @@ def test_awq_experts_no_token_reaches_are_quantized_finite_and_reported(tmp_path
     AWQ gives them the all-tokens statistics (down) and the layer's shared scale (gate/up), says so
     per expert, and writes finite quantized weights for every expert."""
     from moequant.loader import dequantized_state_dict
-    from tiny import build_tiny_with_tokenizer
+    from tiny import build_tiny_with_tokenizer, route_only_to_experts_0_and_1
 
     directory = build_tiny_with_tokenizer("qwen2_moe", tmp_path / "tiny")
-    tensors = load_file(str(directory / "model.safetensors"))
-    tensors["model.embed_tokens.weight"][:, 0] = 4.0
-    router = torch.zeros_like(tensors["model.layers.1.mlp.gate.weight"])
-    router[:2, 0], router[2:, 0] = 100.0, -100.0
-    tensors["model.layers.1.mlp.gate.weight"] = router
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    route_only_to_experts_0_and_1(directory)
     samples = load_samples("builtin:stdlib-prose", load_tokenizer(directory), 2, 32, split="calibration", seed=0)
     quantized, report, out = _awq_run(str(directory), tmp_path / "run", samples=samples)
     adapter = adapter_for(open_checkpoint(directory).config)

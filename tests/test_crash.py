@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from moequant.cli import main
 from moequant.errors import UserError
-from tiny import build_tiny_with_tokenizer
+from tiny import build_tiny_with_tokenizer, route_only_to_experts_0_and_1
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["calibration.samples=2", "calibration.seq_len=32", "calibration.dataset=builtin:stdlib-prose",
@@ -343,15 +343,7 @@ def test_experts_no_token_reaches_are_counted_as_unused_and_still_quantized(mode
 
     directory = tmp_path / "unused"
     shutil.copytree(model_dir, directory)
-    tensors = load_file(str(directory / "model.safetensors"))
-    # channel 0 of the residual stream is a large positive constant for every token, so after
-    # the (positive-weight) norm it stays positive; the router reads only that channel:
-    # logit +100·x0 for experts 0 and 1, −100·x0 for the others.
-    tensors["model.embed_tokens.weight"][:, 0] = 4.0
-    router = torch.zeros_like(tensors["model.layers.1.mlp.gate.weight"])
-    router[:2, 0], router[2:, 0] = 100.0, -100.0
-    tensors["model.layers.1.mlp.gate.weight"] = router
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    route_only_to_experts_0_and_1(directory)
 
     out = tmp_path / "run"
     run_apply(directory, out, "calibration.all_experts=false", "experts.method=uniform", "experts.format=int4",

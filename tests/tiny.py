@@ -87,3 +87,20 @@ def build_tiny_with_tokenizer(model_type: str, directory: Path, seed: int = 0, v
     fast.save_pretrained(directory)
     _json.loads((directory / "config.json").read_text())
     return directory
+
+
+def route_only_to_experts_0_and_1(directory: Path, layer: int = 1) -> None:
+    """Rewrite a saved tiny model so that `layer`'s router can only pick experts 0 and 1: channel 0
+    of the residual stream is a large positive constant for every token (so it stays positive
+    after the positive-weight norm) and the router reads only that channel, with logit +100·x0
+    for experts 0 and 1 and −100·x0 for the others. The other experts then see no token."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(directory) / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["model.embed_tokens.weight"][:, 0] = 4.0
+    name = f"model.layers.{layer}.mlp.gate.weight"
+    router = torch.zeros_like(tensors[name])
+    router[:2, 0], router[2:, 0] = 100.0, -100.0
+    tensors[name] = router
+    save_file(tensors, str(path), metadata={"format": "pt"})

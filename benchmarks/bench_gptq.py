@@ -10,6 +10,8 @@ Tools:
   moequant            moequant.algorithms.gptq, all experts of a projection as one batch
                       (gate and up share one factorization), act_order as llm-compressor's default
   moequant-noact      the same without activation ordering (moequant's default)
+  moequant-fp32       moequant with MOEQUANT_GPTQ_MATMUL=fp32 (float32 products throughout, no TF32);
+                      with `moequant` in the same run it also prints the fraction of differing codes
   rtn                 round-to-nearest, for scale
   llmc-batched        llm-compressor's GPTQModifier, its default batched_quantization="auto"
   llmc-single         llm-compressor's GPTQModifier with batched_quantization=None: one nn.Linear
@@ -19,6 +21,32 @@ llm-compressor runs through its own modifier lifecycle on a module tree of nn.Li
 on_sequential_epoch_end, which observes the weights and quantizes). `--llmc-experts N` runs
 llm-compressor on the first N experts only (its time is then scaled by E / N and marked "~");
 errors are always compared on the experts each tool actually ran.
+
+Measured 2026-12-01 on one H200, same setup as below, with TF32 products in the fused solve (lazy
+updates plain TF32, blocked Cholesky split-TF32; moequant.algorithms.gptq explains) and 64-column
+fused blocks; errors now to 4 significant digits; `moequant-fp32` = MOEQUANT_GPTQ_MATMUL=fp32:
+  shape          tool             experts  solve s    Hessians s  peak GiB  held-out err gate/up/down
+  qwen3-30b-a3b  moequant (tf32)   128      0.12       0.19        14.4     0.001324 0.001322 0.0103
+                 moequant-fp32     128      0.12       0.19        13.7     0.001325 0.001323 0.0103
+                 llmc-batched      128      1.22-1.40  0.59-0.79   16.4     0.001323 0.001321 0.0103
+  deepseek-v3    moequant (tf32)   256      2.70-2.73  1.84       101.0     0.001540 0.001541 0.01369
+                                                   (first 32 experts:) 0.001553 0.001553 0.0143
+                 moequant-fp32     256      3.85       1.84       100.6     0.001541 0.001541 0.01369
+                                                   (first 32 experts:) 0.001555 0.001554 0.01431
+                 llmc-batched       32    ~30.6-30.9  ~3.7-4.0     65.8     0.001552 0.001552 0.01431
+  Speed-up of the solve: 10.0x and 11.6x (Qwen3 shape, two runs; llm-compressor's time varies:
+  1.16-1.40 s over three runs here, 0.79-1.08 s before) and 11.2x / 11.4x (DeepSeek shape, two
+  runs). moequant's solve at the DeepSeek shape: 0.08 s load, 0.33 s scales and ordering, 1.06 s
+  factorization (1.32 s with MOEQUANT_GPTQ_CHOLESKY_MATMUL=fp32: solve 2.97 s, 10.4x), 1.12 s sweep.
+  Codes differing from the fp32 run: 1.29e-1 / 1.29e-1 / 1.80e-2 (DeepSeek), 1.23e-2 / 1.24e-2 /
+  1.59e-3 (Qwen3), at the same held-out error (GPTQ's recursion spreads any flip; on the first 32
+  DeepSeek experts the fp32 run differs from one with a float64 Cholesky factor in 7.4% of the codes).
+  Held-out error to 4 digits: moequant's gate/up are above llm-compressor's in the 4th digit at
+  both shapes, by 1 unit with TF32 and by 2-3 units in float32 (the 5-decimal rows below hid it:
+  not caused by TF32; cause not found); down is equal (Qwen3) or lower (DeepSeek, 0.01430).
+  Per 32 DeepSeek experts (gate+up+down): fp32 0.507 s -> tf32 updates 0.389 s -> + 64-column
+  blocks 0.361 s -> + split-TF32 Cholesky 0.330 s; fused kernel alone 0.117 s (128 columns) ->
+  0.068 s (64 columns, 32 rows x 1 warp per program).
 
 Measured 2026-11-29 on one H200 (torch 2.11, Triton 3.6, llm-compressor 0.14.0.1 with
 compressed-tensors 0.19.0 from wheels), int4-g128-sym, act order as llm-compressor's default,
@@ -46,7 +74,9 @@ untimed (warm-up):
   blocked (nb=512) 75 ms; the old U path's solve_triangular(L, I) 154 ms is no longer needed.
 
 Usage (CPU, small):  python benchmarks/bench_gptq.py --shape small --llmc-python .dev/llmc-venv/bin/python
-GPU, real shapes:    python benchmarks/bench_gptq.py --shape qwen3-30b-a3b deepseek-v3 --device cuda
+GPU, real shapes:    python benchmarks/bench_gptq.py --shape qwen3-30b-a3b --device cuda --tools rtn moequant moequant-fp32 llmc-batched
+                     python benchmarks/bench_gptq.py --shape deepseek-v3 --device cuda --tools moequant moequant-fp32 \
+                         llmc-batched --llmc-experts 32 --compare-experts 32
 """
 
 from __future__ import annotations
@@ -173,7 +203,24 @@ def expert_hessians(x: torch.Tensor, routes: list, fn=None) -> tuple[torch.Tenso
     return hs, counts
 
 
-def run_moequant(layer: Layer, args, act_order: bool) -> dict:
+def run_moequant(layer: Layer, args, act_order: bool, matmul: str | None = None) -> dict:
+    """matmul: MOEQUANT_GPTQ_MATMUL for this run (None: the library's default)."""
+    before = os.environ.get("MOEQUANT_GPTQ_MATMUL")
+    if matmul is not None:
+        os.environ["MOEQUANT_GPTQ_MATMUL"] = matmul
+    try:
+        return _run_moequant(layer, args, act_order, matmul)
+    finally:
+        if before is None:
+            os.environ.pop("MOEQUANT_GPTQ_MATMUL", None)
+        else:
+            os.environ["MOEQUANT_GPTQ_MATMUL"] = before
+
+
+_CODES: dict = {}  # (shape key, label) -> codes per projection, for code agreement between runs
+
+
+def _run_moequant(layer: Layer, args, act_order: bool, matmul) -> dict:
     from moequant.algorithms import gptq
 
     device = args.device
@@ -203,11 +250,22 @@ def run_moequant(layer: Layer, args, act_order: bool) -> dict:
     quantized = {"gate": q_gate.dequantize(torch.bfloat16), "up": q_up.dequantize(torch.bfloat16),
                  "down": q_down.dequantize(torch.bfloat16)}
     fallbacks = len(report_in.fallbacks()) + len(report_down.fallbacks())
+    # code agreement between the default run and the float32 one (whichever ran second reports it)
+    key = (tuple(layer.gate.shape), act_order)
+    label = "fp32" if matmul == "fp32" else "default"
+    _CODES[key + (label,)] = {"gate": q_gate.codes.cpu(), "up": q_up.codes.cpu(), "down": q_down.codes.cpu()}
+    other = _CODES.get(key + ("default" if label == "fp32" else "fp32",))
+    agreement = ""
+    if other is not None:
+        mine = _CODES[key + (label,)]
+        agreement = "; codes differing from the " + ("default" if label == "fp32" else "fp32") + " run " + " ".join(
+            f"{torch.count_nonzero(mine[p] != other[p]).item() / mine[p].numel():.2e}" for p in ("gate", "up", "down"))
     phases = " ".join(f"{k} {report_in.seconds[k] + report_down.seconds[k]:.2f}s" for k in report_in.seconds)
     return dict(experts_run=experts, hessian_s=(t1 - t0) + (t3 - t2), gptq_s=(t2 - t1) + (t4 - t3),
                 peak_gib=peak, extra_gib=extra, errors=relative_errors(layer, quantized, experts),
-                note=f"{fallbacks} expert fallbacks; {report_in.settings['sweep']} sweep; {phases}"
-                + subset_note(layer, quantized, args))
+                note=f"{fallbacks} expert fallbacks; {report_in.settings['sweep']} sweep, updates "
+                f"{report_in.settings.get('update_matmul')}, Cholesky {report_in.settings.get('cholesky_matmul')}; {phases}"
+                + subset_note(layer, quantized, args) + agreement)
 
 
 def run_rtn(layer: Layer, args) -> dict:
@@ -231,7 +289,7 @@ def subset_note(layer, quantized, args) -> str:
     if not n or n >= layer.gate.shape[0]:
         return ""
     e = relative_errors(layer, quantized, n)
-    return f"; first {n} experts: {e['gate']:.5f} {e['up']:.5f} {e['down']:.5f}"
+    return f"; first {n} experts: {e['gate']:.4g} {e['up']:.4g} {e['down']:.4g}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,6 +374,8 @@ def run_tool(tool: str, layer: Layer, args) -> dict:
         return run_moequant(layer, args, act_order=True)
     if tool == "moequant-noact":
         return run_moequant(layer, args, act_order=False)
+    if tool == "moequant-fp32":
+        return run_moequant(layer, args, act_order=True, matmul="fp32")
 
     if tool == "rtn":
         return run_rtn(layer, args)
@@ -544,7 +604,7 @@ def print_row(r, header):
     extra = "-" if r["extra_gib"] is None else f"{r['extra_gib']:.1f}"
     e = r["errors"]
     print(f"{r['tool']:15} {r['experts_run']:>7} {r['hessian_s']:9.2f} {r['gptq_s']:9.2f} {mark}{r['layer_gptq_s']:12.2f} "
-          f"{peak:>8} {extra:>9} {e['gate']:9.5f} {e['up']:9.5f} {e['down']:9.5f}  {r['note']}", flush=True)
+          f"{peak:>8} {extra:>9} {e['gate']:9.4g} {e['up']:9.4g} {e['down']:9.4g}  {r['note']}", flush=True)
 
 
 def print_summary(rows):

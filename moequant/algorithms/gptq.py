@@ -11,21 +11,43 @@ Two sweeps:
 - fused (integer formats with fixed scales, float32, on CUDA when Triton imports; the report's
   settings["sweep"] == "triton"; MOEQUANT_TRITON=0 turns it off): GPTQ written on V, the upper
   triangular factor with H = V V^T (one Cholesky of the order-reversed Hessian, no inverse), a
-  Triton kernel for the columns inside each 128-column block (moequant.algorithms.gptq_triton
-  explains both), and the updates between blocks as float32 batched matrix products in two
-  levels (128 and 1024 columns). On CUDA the Cholesky of large matrices is a blocked one made
-  of batched matrix products (`_cholesky_ex`), about 2x faster than cuSOLVER's batched one.
+  Triton kernel for the columns inside each 64-column block (moequant.algorithms.gptq_triton
+  explains both), and the updates between blocks as batched matrix products (TF32 by default,
+  below) in two levels (64-column blocks and 1024-column super-blocks). On CUDA the Cholesky of large
+  matrices is a blocked one made of batched matrix products (`_cholesky_ex`), about 2x faster
+  than cuSOLVER's batched one.
 - torch (every other case, and always on the CPU): U, the Cholesky factor of H^-1, and the
   column loop in torch; on CUDA the block sweep is captured once as a CUDA graph and replayed
   for every block (MOEQUANT_CUDA_GRAPHS=0 turns that off; the codes are the same).
+
+TF32 on CUDA (the fused sweep only; MOEQUANT_GPTQ_MATMUL=fp32 forces float32 products
+throughout, MOEQUANT_GPTQ_CHOLESKY_MATMUL=fp32 only in the factorization; the report's settings
+say what ran). Both phases are bound by float32 matrix products (~50 TFLOP/s on an H200), so:
+- the lazy updates between blocks, W[:, later] += D[:, block] @ V'[block, later], are plain TF32
+  products (10-bit mantissa inputs, float32 sums). D = W - Q is the quantization error itself, so
+  a ~2^-11 relative error of its update is far below the quantization step; the columns inside
+  a block (the Triton kernel) stay float32.
+- the blocked Cholesky's products are split-TF32 ("tf32x3": every finished column split once,
+  exactly, into hi + lo, and L L^T = hi hi^T + hi lo^T + lo hi^T as three TF32 products), about
+  2^-20 relative, 4x float32's factor error against a float64 factor at the DeepSeek-V3 shape.
+  Plain TF32 is not used there: at the DeepSeek-V3 shape it made damped Hessians lose positive
+  definiteness (measured: failed factorizations, which the retry answers with 10x damping).
+Measured on an H200 (benchmarks/bench_gptq.py, int4-g128, act order): held-out error per
+projection equal to float32's within 0.1% (DeepSeek-V3 shape: 0.001540 / 0.001541 / 0.01369 vs
+float32's 0.001541 / 0.001541 / 0.01369), solve 3.85 s -> 2.70 s. Codes differ from the float32
+run's in 13% of gate/up entries there (1.2% at the Qwen3-30B-A3B shape), and that is no loss:
+GPTQ's column recursion is chaotic (one flipped code changes the error fed to every later
+column), so any change of rounding spreads. The float32 run itself differs from one with a
+float64 Cholesky factor in 7.4% of the codes at that shape, at the same held-out error.
 
 Same numbers as one expert at a time: tests/test_gptq.py checks batched against one-by-one
 and both against an independent float64 GPTQ, code for code, on the CPU, and the fused
 sweep's formulation (through its torch definition) against the torch sweep. On a GPU, batched
 and single solves run different cuBLAS / cuSOLVER kernels, whose float32 rounding differs, and
 about 1e-4 to 2e-3 of the codes flip (measured on an H200, benchmarks/bench_gptq.py --verify);
-the fused and torch sweeps differ by 0 to 8e-4 of the codes at equal held-out error
-(tests/test_gptq_cuda.py, H200).
+the fused (with MOEQUANT_GPTQ_MATMUL=fp32) and torch sweeps differ by 0 to 9e-4 of the codes at
+equal held-out error, the TF32 default and float32 fused sweeps by 4e-3 to 7e-3 at held-out error
+within 0.04% (tests/test_gptq_cuda.py, H200, n = 1024).
 
 The algorithm is GPTQ (Frantar et al., 2022) with lazy block updates: for column j,
     q_j = quantize(w_j);  e_j = (w_j - q_j) / U_jj;  w_{k>j} -= e_j * U_{j,k}
@@ -106,7 +128,8 @@ def gptq(
     weight: [E, out, in] (or [out, in] for a single matrix); hessian: [E, in, in] (or [in, in]),
     any positive multiple of X^T X of the expert's inputs (the scale does not matter).
     spec: a `moequant.formats` spec or format key string.
-    block_size: columns per lazy-update block (rounded to a multiple of the format's group width).
+    block_size: columns per lazy-update block (rounded to a multiple of the format's group width;
+        the fused CUDA sweep uses at most 64, measured fastest there).
     damp: relative damping, lambda = damp * mean(diag(H)), grown tenfold per failed Cholesky
         (from 1e-4 when damp is 0).
     act_order: quantize columns in order of decreasing H_ii. Only with `static_groups=True`:
@@ -298,10 +321,14 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     # reversed Cholesky factor V of H itself (no inverse; see gptq_triton's module doc).
     fused = fixed_params is not None and gptq_triton.usable(spec, h.device, h.dtype)
     report.settings["sweep"] = "triton" if fused else "torch"
+    tf32 = fused and h.is_cuda and _update_matmul() == "tf32"
+    report.settings["update_matmul"] = "tf32" if tf32 else "fp32"
+    tf32_chol = tf32 and _cholesky_matmul() == "tf32x3"
+    report.settings["cholesky_matmul"] = "tf32x3" if tf32_chol else "fp32"
     t0 = _clock(h)
     report.seconds["prepare"] += t0 - t_start
     u, used_damp = _inverse_cholesky(h, damp, max_damp_tries, [report.method[e] == RTN for e in idx],
-                                     inverse=not fused)
+                                     inverse=not fused, tf32=tf32_chol)
     report.seconds["factorize"] += _clock(u) - t0
     for j, e in enumerate(idx):
         if report.method[e] == RTN:
@@ -320,7 +347,8 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     del ws
     if fused:
         t_sweep = _clock(w_all)
-        codes, losses = _sweep_fused(w_all, u, fixed_params, perm, group_width, per_row, block_size, spec)
+        codes, losses = _sweep_fused(w_all, u, fixed_params, perm, group_width, per_row,
+                                     min(block_size, _FUSED_BLOCK or block_size), spec, tf32)
         t0 = _clock(w_all)
         report.seconds["sweep"] += t0 - t_sweep
         del u, w_all
@@ -437,11 +465,12 @@ def _finish(cqs, codes, out_rows, merge, perm, idx, report, losses, params, sque
             for cq, t, ps in zip(cqs, codes, params)]
 
 
-def _sweep_fused(w_all, v, fixed_params, perm, group_width, per_row, block_size, spec):
+def _sweep_fused(w_all, v, fixed_params, perm, group_width, per_row, block_size, spec, tf32=False):
     """GPTQ of integer formats with fixed scales through gptq_triton's fused block sweep.
 
     w_all: [c, rows, n] (all weights' rows; consumed); v: [c, n, n] reversed Cholesky factor of
-    H (consumed). Returns (int8 codes [c, rows, n], proxy loss [c] float64)."""
+    H (consumed). tf32: the lazy updates between blocks as TF32 products (module doc).
+    Returns (int8 codes [c, rows, n], proxy loss [c] float64)."""
     c, rows, n = w_all.shape
     scales = torch.cat([_widen(_tree_map(lambda *t: torch.cat(t, dim=-1), *ps).scales) for ps in fixed_params], dim=1)
     zeros = None
@@ -471,20 +500,77 @@ def _sweep_fused(w_all, v, fixed_params, perm, group_width, per_row, block_size,
     # get its whole update at once, a matrix product with `outer`-deep sums, which runs about
     # twice as fast per flop on a GPU in float32.
     outer = block_size * max(1, _SUPER_BLOCK // block_size)
-    for s1 in range(0, n, outer):
-        s2 = min(s1 + outer, n)
-        for i1 in range(s1, s2, block_size):
-            i2 = min(i1 + block_size, s2)
-            scratch = gptq_triton.sweep_block(x, w_all, vn, vd, scales, zeros, group_idx, codes, losses,
-                                              i1, i2, qmin, qmax, scratch)
-            if i2 < s2:
-                x[..., i2:s2].baddbmm_(w_all[..., i1:i2], vn[:, i1:i2, i2:s2])
-        if s2 < n:
-            x[..., s2:].baddbmm_(w_all[..., s1:s2], vn[:, s1:s2, s2:])
+    with _tf32_products(tf32):
+        for s1 in range(0, n, outer):
+            s2 = min(s1 + outer, n)
+            for i1 in range(s1, s2, block_size):
+                i2 = min(i1 + block_size, s2)
+                scratch = gptq_triton.sweep_block(x, w_all, vn, vd, scales, zeros, group_idx, codes, losses,
+                                                  i1, i2, qmin, qmax, scratch)
+                if i2 < s2:
+                    x[..., i2:s2].baddbmm_(w_all[..., i1:i2], vn[:, i1:i2, i2:s2])
+            if s2 < n:
+                x[..., s2:].baddbmm_(w_all[..., s1:s2], vn[:, s1:s2, s2:])
     return codes, losses
 
 
 _SUPER_BLOCK = 1024  # columns per outer lazy-update block of the fused sweep
+# Columns per block of the fused sweep, at most (a smaller block_size wins). The kernel's work per
+# column grows with the block width while the lazy updates between blocks are cheap TF32 products:
+# 64 measured fastest on the H200 (DeepSeek-V3 shape: kernel 0.075 s vs 0.116 s at 128, 32 experts).
+_FUSED_BLOCK = 64
+
+
+def _update_matmul() -> str:
+    """MOEQUANT_GPTQ_MATMUL: "tf32" (default) or "fp32", the fused sweep's lazy-update products."""
+    import os
+
+    value = os.environ.get("MOEQUANT_GPTQ_MATMUL", "tf32").lower()
+    if value not in ("tf32", "fp32"):
+        raise UserError(f"MOEQUANT_GPTQ_MATMUL={value!r}: expected 'tf32' or 'fp32'.")
+    return value
+
+
+def _cholesky_matmul() -> str:
+    """MOEQUANT_GPTQ_CHOLESKY_MATMUL: "tf32x3" (default) or "fp32", the blocked Cholesky's products."""
+    import os
+
+    value = os.environ.get("MOEQUANT_GPTQ_CHOLESKY_MATMUL", "tf32x3").lower()
+    if value not in ("tf32x3", "fp32"):
+        raise UserError(f"MOEQUANT_GPTQ_CHOLESKY_MATMUL={value!r}: expected 'tf32x3' or 'fp32'.")
+    return value
+
+
+class _tf32_products:
+    """Within the block, float32 CUDA matrix products may use TF32 tensor cores (when `enabled`);
+    the caller's setting is restored on exit. Uses torch's fp32_precision setting where it
+    exists (torch >= 2.9: mixing it with the legacy allow_tf32 flag raises on reads there)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        matmul = torch.backends.cuda.matmul
+        try:
+            self.before, self.new_api = matmul.fp32_precision, True
+        except AttributeError:
+            self.new_api = False
+        if self.new_api:
+            matmul.fp32_precision = "tf32"
+        else:
+            self.before = matmul.allow_tf32
+            matmul.allow_tf32 = True
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            if self.new_api:
+                torch.backends.cuda.matmul.fp32_precision = self.before
+            else:
+                torch.backends.cuda.matmul.allow_tf32 = self.before
+        return False
 
 
 def _widen(t):
@@ -536,7 +622,7 @@ def _cuda_graphs_enabled() -> bool:
     return os.environ.get("MOEQUANT_CUDA_GRAPHS", "1") != "0"
 
 
-def _inverse_cholesky(h, damp, max_tries, skip, inverse=True):
+def _inverse_cholesky(h, damp, max_tries, skip, inverse=True, tf32=False):
     """U = upper Cholesky factor of (H + lambda I)^-1 per expert, lambda = f * mean(diag(H)).
 
     f starts at `damp` and grows tenfold for the experts whose factorization failed, up to
@@ -561,7 +647,7 @@ def _inverse_cholesky(h, damp, max_tries, skip, inverse=True):
         # triangular solve, half the work of inverse-then-Cholesky. V = J L J.
         damped = torch.flip(h if every else h[rows], dims=(-2, -1))
         damped.diagonal(dim1=-2, dim2=-1).add_((factor * mean_diag[rows])[:, None])
-        chol, info = _cholesky_ex(damped)
+        chol, info = _cholesky_ex(damped, tf32)
         del damped
         if inverse:
             eye = torch.eye(n, device=h.device, dtype=h.dtype).expand(len(rows), n, n)
@@ -590,7 +676,7 @@ def _inverse_cholesky(h, damp, max_tries, skip, inverse=True):
     return u, used
 
 
-def _cholesky_ex(a):
+def _cholesky_ex(a, tf32=False):
     """torch.linalg.cholesky_ex (lower factor, info per matrix), on CUDA for large batched
     matrices as a blocked left-looking Cholesky whose work is batched matrix products over all
     experts (MOEQUANT_CHOLESKY=torch|looped|blocked chooses; default `blocked` for n >= 1024)."""
@@ -605,25 +691,49 @@ def _cholesky_ex(a):
         return torch.stack([o[0] for o in out]), torch.stack([o[1] for o in out])
     if how != "blocked" or a.dim() != 3:
         return torch.linalg.cholesky_ex(a)
-    return _blocked_cholesky(a, 512)
+    return _blocked_cholesky(a, 512, split=tf32)
 
 
-def _blocked_cholesky(a, nb):
+def _blocked_cholesky(a, nb, split=False):
     """Lower Cholesky factors of a batch [c, n, n], overwriting `a` (left-looking, panels of nb
     columns: one batched product with the finished columns, a small batched Cholesky of the
-    diagonal block, a batched triangular solve below it). Returns (L, info) like cholesky_ex."""
+    diagonal block, a batched triangular solve below it). Returns (L, info) like cholesky_ex.
+
+    split: the products with the finished columns as three TF32 tensor-core products: each
+    finished column is split exactly into hi (its top 11 significant bits, a TF32 number) + lo
+    (the rest) once, and L L^T = hi hi^T + hi lo^T + lo hi^T up to the lo lo^T term and lo's
+    rounding to TF32, about 2^-20 relative (~16 float32 roundings) instead of plain TF32's 2^-11,
+    which lets some damped Hessians lose positive definiteness (measured). `a` holds hi while
+    it runs and hi + lo (= L exactly) at the end."""
     c, n = a.shape[0], a.shape[-1]
     info = torch.zeros(c, dtype=torch.int32, device=a.device)
+    lo = torch.empty_like(a) if split else None
     for j in range(0, n, nb):
         j2 = min(j + nb, n)
         panel = a[:, j:, j:j2]
         if j > 0:
-            panel.baddbmm_(a[:, j:, :j], a[:, j:j2, :j].mT, alpha=-1)
+            if split:
+                hi_rows, lo_rows = a[:, j:, :j], lo[:, j:, :j]
+                with _tf32_products(True):
+                    panel.baddbmm_(lo_rows, hi_rows[:, : j2 - j].mT, alpha=-1)  # small terms first
+                    panel.baddbmm_(hi_rows, lo_rows[:, : j2 - j].mT, alpha=-1)
+                    panel.baddbmm_(hi_rows, hi_rows[:, : j2 - j].mT, alpha=-1)
+            else:
+                panel.baddbmm_(a[:, j:, :j], a[:, j:j2, :j].mT, alpha=-1)
         d, bad = torch.linalg.cholesky_ex(panel[:, : j2 - j])
         info = torch.where((info == 0) & (bad > 0), bad + j, info)
         panel[:, : j2 - j] = d
         if j2 < n:
             panel[:, j2 - j:] = torch.linalg.solve_triangular(d.mT, panel[:, j2 - j:], upper=True, left=False)
+            if split:  # finished columns j..j2 (rows j..n): hi in place, lo beside it
+                hi = (panel.view(torch.int32) & -8192).view(torch.float32)
+                torch.sub(panel, hi, out=lo[:, j:, j:j2])
+                panel.copy_(hi)
+                del hi
+    if split:
+        for j in range(0, n - nb, nb):  # the last panel was never split
+            a[:, j:, j:j + nb] += lo[:, j:, j:j + nb]
+        del lo
     return a.tril_(), info
 
 
@@ -729,9 +839,10 @@ def _token_counts(tokens, num_experts):
 
 def _default_chunk(num_experts, rows, num_in, device):
     """Experts per batch so the working set (H, its factors, W, Q, updates) fits the device."""
-    # float32: H, its flipped copy, Cholesky factor, U (act order: gathers); W copies, updates, codes.
+    # float32: H, its flipped copy, Cholesky factor (+ its split low part), U (act order: gathers);
+    # W copies, updates, codes.
     # An optimistic estimate is fine: a chunk that runs out of memory is retried at half the size.
-    per_expert = 4 * (5 * num_in * num_in + 4 * rows * num_in)
+    per_expert = 4 * (6 * num_in * num_in + 4 * rows * num_in)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = 0.85 * free

@@ -22,7 +22,12 @@ For each decoder layer, one in memory at a time:
      and every consumer of its output (multiplied): all routed experts' gate/up, the router,
      the shared expert's gate/up and shared_expert_gate. These full-precision tensors keep their
      dtype and are returned beside the quantized ones (plain tensors, exported as they are);
-     the layer's routing with them is compared with the original routing (report);
+     the layer's routing with them is compared with the original routing (report). The shared
+     scale's alpha is searched on the MoE block's routed output with down_proj quantized as the
+     pass quantizes it, on the first 3/4 of the recorded calibration tokens, and kept only if the
+     clipped, quantized block is also better on the last 1/4 (else s = 1: round-to-nearest);
+   - after scaling, every AWQ weight's per-group range is clipped where that lowers its
+     calibration output error (`awq_clip`, AWQ's second step), then rounded to nearest;
 3. the layer runs again with the dequantized weights (and the folded full-precision tensors,
    rounded to their dtype as exported); its output is what layer L+1 sees.
 
@@ -113,6 +118,7 @@ def load_quantized(path: Path) -> dict:
 
 
 AWQ_GRID = 20  # alpha steps of the AWQ scale search
+AWQ_HOLDOUT = 0.25  # share of the recorded calibration tokens that validates the shared gate/up scale
 
 
 def _chosen_statistics(collected: dict, group: str, idx: torch.Tensor, num_experts: int, min_tokens: int):
@@ -164,7 +170,7 @@ def _awq_layer(adapter, ckpt, layer: int, plan_rows, weights: dict, collected: d
 
     Returns (input scale [H] or None, full-precision replacements {on-disk name: float32 tensor},
     changed {proj: bool [E]} — which experts' weights the folds changed, report)."""
-    from moequant.algorithms.awq import SharedGroup, awq_scales, awq_shared_scale, awq_shared_scale_moe
+    from moequant.algorithms.awq import SharedGroup, awq_clip, awq_scales, awq_shared_scale, awq_shared_scale_moe
 
     E = adapter.num_experts
     changed = {p: torch.zeros(E, dtype=torch.bool) for p in adapter.projections}
@@ -188,6 +194,8 @@ def _awq_layer(adapter, ckpt, layer: int, plan_rows, weights: dict, collected: d
         weights["down"][idx] *= scales[:, None, :]
         weights["up"][idx] /= scales[:, :, None]
         changed["down"][idx] = changed["up"][idx] = True
+        clipped = awq_clip(weights["down"][idx], key, H / (scales[:, :, None] * scales[:, None, :]), device=device)
+        weights["down"][idx] = clipped.weight.to("cpu", torch.float32)
         ids = idx.tolist()
         fallbacks = {str(e): f"all-tokens statistics: {int(counts[i])} routed tokens < {min_tokens}"
                      for i, e in enumerate(ids) if not own[i]}
@@ -196,6 +204,7 @@ def _awq_layer(adapter, ckpt, layer: int, plan_rows, weights: dict, collected: d
                                  "alpha": dict(zip(map(str, ids), rep.alpha)),
                                  "calibration_error_rtn": dict(zip(map(str, ids), rep.error_rtn)),
                                  "calibration_error_awq": dict(zip(map(str, ids), rep.error_awq)),
+                                 "clip": _clip_report(clipped, ids),
                                  "fallbacks": fallbacks}
 
     # gate_proj / up_proj: one scale for the layer (they share the normalised input)
@@ -218,10 +227,19 @@ def _awq_layer(adapter, ckpt, layer: int, plan_rows, weights: dict, collected: d
                     pair = list(specs[t.expert] or (None, None))
                     pair[("gate", "up").index(t.proj)] = t.format
                     specs[t.expert] = tuple(pair)
+            # down_proj as the quantized block will have it: AWQ rows are round-to-nearest of the
+            # scaled, clipped weights; other quantized rows are approximated by round-to-nearest
+            down_hat = weights["down"].clone()
+            for key in sorted({t.format for t in plan_rows if t.proj == "down" and t.format != "bf16"}):
+                idx = torch.tensor(sorted(t.expert for t in plan_rows if t.proj == "down" and t.format == key))
+                down_hat[idx] = formats.quantize(down_hat[idx], key).dequantize(torch.float32)
             res = awq_shared_scale_moe(torch.cat(tokens["x"]), torch.cat(tokens["indices"]),
                                        torch.cat(tokens["weights"]), weights["gate"], weights["up"], weights["down"],
-                                       specs, tokens["act"], magnitude, grid=AWQ_GRID, device=device)
-            objective = "MoE block output over the calibration tokens (routing-weighted; down unquantized)"
+                                       specs, tokens["act"], magnitude, grid=AWQ_GRID, device=device,
+                                       down_hat=down_hat, holdout=AWQ_HOLDOUT, clip=True)
+            objective = ("MoE block output over the calibration tokens (routing-weighted; down quantized as the pass "
+                         f"does); alpha chosen on the first {1 - AWQ_HOLDOUT:.0%} of the tokens, kept only if the "
+                         f"clipped, quantized block is also better on the last {AWQ_HOLDOUT:.0%}")
         else:
             res = awq_shared_scale(groups, magnitude, grid=AWQ_GRID, device=device)
             objective = "each expert's gate/up output error through its Hessian, weighted by its routed tokens"
@@ -229,23 +247,48 @@ def _awq_layer(adapter, ckpt, layer: int, plan_rows, weights: dict, collected: d
         for proj in ("gate", "up"):
             weights[proj] *= scale  # every routed expert reads the folded norm's output
             changed[proj][:] = True
+        clips = {}
+        for (proj, key), (g, (_, _, ids, _, _)) in zip(shared_keys, zip(groups, info)):
+            idx = torch.tensor(ids)
+            clipped = awq_clip(weights[proj][idx], key, g.hessian / (scale[:, None] * scale[None, :]), device=device)
+            weights[proj][idx] = clipped.weight.to("cpu", torch.float32)
+            clips[(proj, key)] = _clip_report(clipped, ids)
         norm = f"model.layers.{layer}.post_attention_layernorm.weight"
-        replaced[norm] = ckpt.get(norm).float() / scale
         consumers = _input_consumers(adapter, ckpt, layer)
-        for name in consumers:
-            replaced[name] = ckpt.get(name).float() * scale
+        folded = bool((scale != 1).any())  # alpha = 0: s = 1, nothing to fold (tensors stay as they are)
+        if folded:
+            replaced[norm] = ckpt.get(norm).float() / scale
+            for name in consumers:
+                replaced[name] = ckpt.get(name).float() * scale
+        else:
+            for proj in ("gate", "up"):
+                changed[proj][:] = False
+            changed["up"] |= changed["down"]  # the down_proj fold still changed those experts' up rows
         for proj, key, ids, own, counts in info:
-            report[f"{proj}:{key}"] = {"variant": "shared gate/up scale folded into post_attention_layernorm, router"
-                                       + (", shared expert" if any("shared_expert" in n for n in consumers) else ""),
+            report[f"{proj}:{key}"] = {"variant": ("shared gate/up scale folded into post_attention_layernorm, router"
+                                                   + (", shared expert" if any("shared_expert" in n for n in consumers)
+                                                      else "")) if folded else
+                                       "shared gate/up scale s = 1 (alpha = 0: no gain confirmed), nothing folded",
                                        "alpha": res.alpha,
+                                       "clip": clips[(proj, key)],
                                        "routed_tokens": dict(zip(map(str, ids), counts.tolist())),
                                        "fallbacks": {str(e): "0 routed tokens: gets the layer's shared scale"
                                                      for i, e in enumerate(ids) if int(counts[i]) == 0}}
-        report["shared_scale"] = {"alpha": res.alpha, "objective": objective, "folded_into": [norm] + consumers,
+        report["shared_scale"] = {"alpha": res.alpha, "objective": objective, "folded_into": [norm] + consumers if folded else [],
                                   "scale_min": float(scale.min()), "scale_max": float(scale.max()),
-                                  "objective_rtn": res.objective[0], "objective_awq": min(res.objective)}
+                                  "objective_rtn": res.objective[0], "objective_awq": res.objective[int(round(res.alpha * AWQ_GRID))],
+                                  "objective_best": min(res.objective), "validation": res.validation}
     report["scales"] = {"down": down_scales, "input": scale if scale is not None else torch.ones(adapter.hidden)}
     return scale, replaced, changed, report
+
+
+def _clip_report(clipped, ids) -> dict:
+    """Per expert: share of weight groups whose range AWQ clipped, and the calibration output error
+    of round-to-nearest after scaling, without and with the clipping (relative to each other)."""
+    share = (clipped.ratio < 1).double().mean(dim=(1, 2))
+    gain = clipped.error_after / clipped.error_before.clamp(min=1e-30)
+    return {"clipped_groups": dict(zip(map(str, ids), share.tolist())),
+            "error_ratio": dict(zip(map(str, ids), gain.tolist()))}
 
 
 def load_awq_scales(work_dir, layer: int) -> dict[str, torch.Tensor] | None:

@@ -2,11 +2,21 @@
 
 Evidence (issue 6): on held-out tokens (the evaluation split, disjoint from calibration) the
 MoE-block output error of every MoE layer is smaller with GPTQ than with RTN, and so is the
-end-to-end KL against the original model. AWQ is within 1% of RTN per layer (below it in most
-layers) and within 5% in KL (below it for 2 of the 4 model/format pairs): measured, not the
-strict order the issue hoped for (see the comments at the assertions). Each
-run goes the whole way: quantize pass -> exported checkpoint -> moequant.load -> evaluate, so
-AWQ's folded full-precision tensors (norm, router, shared expert) are measured as exported.
+end-to-end KL against the original model. AWQ (scale search + weight clipping, shared gate/up
+scale validated on a held-out fold of the calibration tokens) is no worse than RTN in every MoE
+layer of both models in both formats, and its end-to-end KL is no larger than RTN's in three of
+the four model/format pairs.
+
+The exception, measured and asserted at the tightest bound that holds: tiny-mixtral mxfp4, KL
+0.04763 (AWQ) vs 0.04716 (RTN), +1.0%, while AWQ's block error is lower in all 4 layers. The
+per-token paired difference is +0.0005 with a standard error of about 0.0012 on these 4096
+evaluation tokens (before this change: +0.0013 +- 0.0012; on a disjoint 64 x 256 evaluation set
+the same AWQ-vs-RTN pair measured -0.0014 +- 0.0007, i.e. AWQ better): on an mxfp4 model without
+outlier channels AWQ's KL gain is below the rounding-luck noise of this evaluation set. So for
+that pair the test asserts that AWQ is not significantly worse (difference within two paired
+standard errors) instead of the strict order. Each run goes the whole way: quantize pass ->
+exported checkpoint -> moequant.load -> evaluate, so AWQ's folded full-precision tensors (norm,
+router, shared expert) are measured as exported.
 
 Also here: AWQ's folds are exact in float and only rounded to the checkpoint dtype in the
 export; an interrupted AWQ pass resumes to identical tensors; experts no token reaches are
@@ -37,6 +47,8 @@ FORMATS = ("int4", "mxfp4")  # int4: group 32 symmetric, as the recipes use
 ALGORITHMS = ("rtn", "gptq", "awq")
 CALIBRATION = (16, 256)  # samples x tokens (4096 calibration tokens)
 EVALUATION = (16, 256)
+# AWQ's end-to-end KL is not below RTN's here (see the module docstring): asserted not significantly worse
+KL_NOT_STRICT = {("zoo:tiny-mixtral", "mxfp4")}
 
 
 def recipe_for(model: str, fmt: str, algorithm: str, *extra):
@@ -88,6 +100,24 @@ def block_errors(reference, q_model, samples, layers, batch_size=4) -> list[floa
     return [(sums[L][0] / sums[L][1]) ** 0.5 for L in layers]
 
 
+def token_kl(reference, q_model, samples, batch_size=4) -> torch.Tensor:
+    """Per held-out token KL(original || quantized) of the next-token distributions (float64)."""
+    ids = torch.stack([s.input_ids for s in samples])
+    out = []
+    with torch.no_grad():
+        for batch in torch.split(ids, batch_size):
+            p = torch.log_softmax(reference(input_ids=batch, use_cache=False).logits.double(), -1)
+            q = torch.log_softmax(q_model(input_ids=batch, use_cache=False).logits.double(), -1)
+            out.append((p.exp() * (p - q)).sum(-1).flatten())
+    return torch.cat(out)
+
+
+def paired_kl_difference(a: dict, b: dict) -> tuple[float, float]:
+    """Mean per-token KL difference a - b over the same held-out tokens, and its standard error."""
+    d = a["token_kl"] - b["token_kl"]
+    return float(d.mean()), float(d.std() / len(d) ** 0.5)
+
+
 @pytest.fixture(scope="module")
 def evidence(tmp_path_factory):
     """{(model, format, algorithm): evaluate() dict} for every combination, plus the pass reports."""
@@ -109,6 +139,7 @@ def evidence(tmp_path_factory):
                 q_model = moequant.load(run / "checkpoint", dtype=torch.float32)
                 quality = evaluate(reference, q_model, held_out, per_expert=False)
                 quality["block_errors"] = block_errors(reference, q_model, held_out, adapter_for(ckpt.config).moe_layers)
+                quality["token_kl"] = token_kl(reference, q_model, held_out)
                 results[(model, fmt, algorithm)] = quality
                 reports[(model, fmt, algorithm)] = report
                 shutil.rmtree(run)
@@ -129,6 +160,9 @@ def _print_table(results, reports):
             for a, q in rows.items():
                 errs = "".join(f"  {e:<12.5f}" for e in q["block_errors"])
                 print(f"  {a:<5} {errs}  {q['kl_mean']:.6f}  {q['top1_agreement']:.4f}  {q['routing_agreement']:.4f}")
+            wins = sum(a <= r for a, r in zip(rows["awq"]["block_errors"], rows["rtn"]["block_errors"]))
+            diff, se = paired_kl_difference(rows["awq"], rows["rtn"])
+            print(f"  awq <= rtn in {wins} of {len(layers)} layers; KL awq - rtn per token {diff:+.6f} +- {se:.6f} (SE)")
             shared = [reports[(model, fmt, "awq")][L].get("awq_shared_scale", {}) for L in layers]
             print("  awq shared gate/up alpha per layer: " + ", ".join(str(s.get("alpha")) for s in shared)
                   + "; routing agreement after the fold: "
@@ -141,21 +175,19 @@ def test_gptq_beats_rtn_and_awq_is_no_worse_per_layer_and_in_kl(evidence, model,
     results, _ = evidence
     rtn, gptq, awq = (results[(model, fmt, a)] for a in ALGORITHMS)
     for layer, r, g, a in zip(rtn["layers"], rtn["block_errors"], gptq["block_errors"], awq["block_errors"]):
-        # AWQ: measured below RTN in 14 of 16 layers at 16x256 calibration, worst +0.6% (tiny-mixtral
-        # int4 layer 1): its calibration gains are small here and do not always carry to held-out data
-        assert g < r and a <= 1.01 * r, (layer["layer"], dict(rtn=r, gptq=g, awq=a))
+        assert g < r and a <= r, (layer["layer"], dict(rtn=r, gptq=g, awq=a))
     # the norm + block error is evaluate()'s MoE-block error (which runs the quantized model's own
     # norm, so AWQ's folded norm scale counts too)
     for q in (rtn, gptq, awq):
         for e, layer in zip(q["block_errors"], q["layers"]):
             assert abs(e - layer["moe_output_error"]) <= 1e-4 * e
+        assert abs(float(q["token_kl"].mean()) - q["kl_mean"]) <= 1e-3 * q["kl_mean"]
     assert gptq["kl_mean"] < rtn["kl_mean"], (gptq["kl_mean"], rtn["kl_mean"])
-    # AWQ's per-layer gains on these models are small (their activations have no outlier channels:
-    # the shared scales stay within about 0.75..1.35), and its end-to-end KL lands within a few
-    # percent of RTN's, on either side (measured: see the printed table and issue 6's closing note);
-    # this bounds it: the folds and the rounding of the folded bf16 tensors cost the model nothing
-    # that matters, while the strict order is not claimed.
-    assert awq["kl_mean"] <= 1.05 * rtn["kl_mean"], (awq["kl_mean"], rtn["kl_mean"])
+    diff, se = paired_kl_difference(awq, rtn)
+    if (model, fmt) in KL_NOT_STRICT:  # measured +1.0%, within noise: see the module docstring
+        assert diff <= 2 * se, (awq["kl_mean"], rtn["kl_mean"], diff, se)
+    else:
+        assert awq["kl_mean"] <= rtn["kl_mean"], (awq["kl_mean"], rtn["kl_mean"], diff, se)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -166,12 +198,23 @@ def test_awq_report_says_where_the_shared_scale_went_and_routing_holds(evidence,
         report = reports[(model, fmt, "awq")]
         for L in adapter.moe_layers:
             shared = report[L]["awq_shared_scale"]
-            assert f"model.layers.{L}.post_attention_layernorm.weight" in shared["folded_into"]
-            assert any(n.endswith("gate.weight") and "expert" not in n for n in shared["folded_into"])  # the router
             variant = report[L][f"gate:{_key(fmt)}"]["awq"]["variant"]
-            assert variant.startswith("shared gate/up scale folded into post_attention_layernorm, router")
-            assert ("shared expert" in variant) == (adapter.model_type == "qwen2_moe")
+            if shared["alpha"] > 0:
+                assert f"model.layers.{L}.post_attention_layernorm.weight" in shared["folded_into"]
+                assert any(n.endswith("gate.weight") and "expert" not in n for n in shared["folded_into"])  # router
+                assert variant.startswith("shared gate/up scale folded into post_attention_layernorm, router")
+                assert ("shared expert" in variant) == (adapter.model_type == "qwen2_moe")
+            else:  # s = 1: nothing folded, norm / router / shared expert are written as they were
+                assert shared["folded_into"] == [] and "nothing folded" in variant
             assert shared["objective_awq"] <= shared["objective_rtn"]
+            # the scale is kept only where it also lowers the held-out fold's error; else s = 1
+            v = shared["validation"]
+            assert v["held_out_tokens"] > 0 and v["kept"] == (shared["alpha"] > 0)
+            if v["kept"]:
+                assert v["held_out_error_awq"] < v["held_out_error_rtn"] and shared["alpha"] == v["alpha_fit"]
+            for proj in ("gate", "up", "down"):  # weight clipping never raises the calibration error
+                clip = report[L][f"{proj}:{_key(fmt)}"]["awq"]["clip"]
+                assert all(0 < r <= 1 for r in clip["error_ratio"].values()), (proj, clip)
             # bf16 rounding of the folded norm / router may flip near-ties only
             assert shared["routing_agreement"] >= 0.99, (L, shared["routing_agreement"])
             down = report[L][f"down:{_key(fmt)}"]

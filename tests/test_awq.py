@@ -212,3 +212,84 @@ def test_shared_scale_on_the_moe_block_output_is_the_best_of_the_grid():
                  for t in range(x.shape[0]))
     for i in range(8):
         assert abs(result.objective[i] - errs[i] / energy) <= 1e-3 * errs[i] / energy
+
+
+@pytest.mark.parametrize("key", ["int4-g32-sym", "mxfp4", "int8"])
+def test_clip_picks_per_group_ranges_that_lower_the_output_error_measured_on_tokens(key):
+    """awq_clip: the clipped weight, quantized by round-to-nearest, has an output error (measured
+    directly on the tokens) no larger than round-to-nearest's, per expert; r = 1 rows are untouched
+    and every clipped group lies within its chosen fraction of the group's range."""
+    gate, _, _, calib, held = make_experts(seed=10)
+    h, _, _ = awq.input_stats(calib)
+    result = awq.awq_clip(gate.float(), key, h)
+    spec = formats.get_format(key)
+    size = spec.group_size if spec.granularity == "group" else gate.shape[-1]
+    w = gate.float()
+    for e, x in enumerate(calib):
+        def err(v):
+            d = formats.quantize(v, key).dequantize(torch.float64) - gate[e]
+            return float(((x @ d.T) ** 2).sum()) / x.shape[0]
+        before, after = err(w[e]), err(result.weight[e])
+        assert after <= before * (1 + 1e-6), (e, before, after)
+        assert abs(after - float(result.error_after[e])) <= 1e-3 * after
+        assert abs(before - float(result.error_before[e])) <= 1e-3 * before
+    groups = w.reshape(*w.shape[:2], -1, size)
+    clipped = result.weight.reshape(groups.shape)
+    r = result.ratio
+    assert ((clipped.abs().amax(-1) <= r * groups.abs().amax(-1) * (1 + 1e-6)) | (r == 1)).all()
+    assert torch.equal(clipped[r == 1], groups[r == 1])
+    if spec.is_int:
+        assert (r < 1).any()  # 4 bits: clipping pays on some groups
+    # held out: the clipped experts together are not worse than round-to-nearest
+    rtn_err = error(gate, formats.quantize(w, key).dequantize(torch.float64), held)
+    clip_err = error(gate, formats.quantize(result.weight, key).dequantize(torch.float64), held)
+    assert clip_err <= rtn_err * 1.01, (clip_err, rtn_err)
+
+
+def test_clip_leaves_block_and_tensor_scaled_formats_alone():
+    gate, _, _, calib, _ = make_experts(seed=11)
+    h, _, _ = awq.input_stats(calib)
+    for key in ("fp8-block128", "fp8-tensor"):
+        result = awq.awq_clip(gate.float(), key, h)
+        assert torch.equal(result.weight, gate.float()) and (result.ratio == 1).all()
+
+
+def test_shared_scale_on_the_moe_block_keeps_alpha_only_if_the_held_out_fold_agrees():
+    """awq_shared_scale_moe with holdout: alpha is chosen on the fit fold (the first 3/4 of the tokens)
+    and kept only if the quantized block's error on the last 1/4 is lower than with s = 1, both
+    recomputed here directly (down_hat as given: the quantized block's down_proj)."""
+    gate, up, down, _, _ = make_experts(experts=4, seed=12)
+    g = torch.Generator().manual_seed(12)
+    channel = torch.exp(1.2 * torch.randn(128, generator=g, dtype=torch.float64))
+    x = (torch.randn(160, 128, generator=g, dtype=torch.float64) * channel).float()
+    weights, indices = torch.softmax(torch.randn(160, 4, generator=g, dtype=torch.float64), -1).topk(2, dim=-1)
+    specs = [("int4-g32-sym", "int4-g32-sym")] * 4
+    down_hat = formats.quantize(down.float(), "int4-g32-sym").dequantize(torch.float32)
+    magnitude = x.abs().mean(0)
+    result = awq.awq_shared_scale_moe(x, indices, weights.float(), gate.float(), up.float(), down.float(), specs,
+                                      F.silu, magnitude, grid=8, down_hat=down_hat, holdout=0.25)
+    v = result.validation
+    assert v["fit_tokens"] == 120 and v["held_out_tokens"] == 40
+
+    def block_error(alpha, tokens):
+        s = awq._scales(magnitude, alpha)
+        g_hat, u_hat = (formats.quantize(w.float() * s, "int4-g32-sym").dequantize(torch.float32) / s for w in (gate, up))
+        total = 0.0
+        for t in tokens:
+            diff = torch.zeros(128, dtype=torch.float64)
+            for k in range(2):
+                e = int(indices[t, k])
+                y_hat = (F.silu(g_hat[e] @ x[t]) * (u_hat[e] @ x[t])) @ down_hat[e].T
+                y = (F.silu(gate[e].float() @ x[t]) * (up[e].float() @ x[t])) @ down[e].float().T
+                diff += float(weights[t, k]) * (y_hat - y).double()
+            total += float(diff @ diff)
+        return total
+
+    fit = [block_error(i / 8, range(120)) for i in range(8)]
+    assert v["alpha_fit"] == min(range(8), key=fit.__getitem__) / 8 or fit[int(v["alpha_fit"] * 8)] <= min(fit) * (1 + 1e-4)
+    if v["alpha_fit"] > 0:
+        held = {a: block_error(a, range(120, 160)) for a in (0.0, v["alpha_fit"])}
+        assert v["kept"] == (held[v["alpha_fit"]] < held[0.0]) or abs(held[v["alpha_fit"]] - held[0.0]) <= 1e-4 * held[0.0]
+    assert result.alpha == (v["alpha_fit"] if v["kept"] else 0.0)
+    if not v["kept"]:
+        assert torch.equal(result.scale, torch.ones(128))

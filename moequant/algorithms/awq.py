@@ -18,8 +18,18 @@ Where 1/s can go (the caller applies it; every function returns it as plain data
   weighted error of all experts together (`awq_gate_up`). The caller divides the post-attention
   norm weight by it and multiplies the input columns of the router and of the shared experts'
   gate / up by it (the routed experts' scaled weights are returned). `awq_shared_scale` is the
-  same search over several weight groups in different formats (the quantize pass uses it: each
-  expert's gate and up in its own plan format, each expert's error weighted by its tokens).
+  same search over several weight groups in different formats; `awq_shared_scale_moe` searches
+  it on the MoE block's routed output over the calibration tokens, as the quantize pass will
+  quantize the block (down_proj quantized too), and keeps alpha = 0 unless the chosen scale
+  also lowers the error on a held-out fold of those tokens.
+
+Weight clipping (`awq_clip`, AWQ's second step): after scaling, each group's quantization range
+may shrink to r * max|w| (r = 1, 0.975, ..., 0.525); per (expert, output row, group) the r with
+the smallest output error w_g H_gg w_g^T (the group's block of the Hessian of the scaled input)
+is kept, and a row keeps its clipping only where its full error (cross-group terms included)
+is lower than without. The clipped weight is quantized by plain round-to-nearest, so the
+format's own scale rule stores the clipped range: no new tensor kinds in the checkpoint.
+r = 1 everywhere is round-to-nearest.
 """
 
 from __future__ import annotations
@@ -252,6 +262,7 @@ class AWQShared:
     objective: list[float]  # per alpha of the grid, relative to the unquantized outputs' energy
     error_rtn: list[list[float]]  # per group, per expert: relative calibration error with s = 1
     error_awq: list[list[float]]  # the same with the chosen scale
+    validation: dict = field(default_factory=dict)  # awq_shared_scale_moe with holdout: the held-out check
 
 
 def awq_shared_scale(groups: Sequence[SharedGroup], magnitude: torch.Tensor, *, grid: int = 20,
@@ -307,57 +318,196 @@ def awq_shared_scale(groups: Sequence[SharedGroup], magnitude: torch.Tensor, *, 
 
 def awq_shared_scale_moe(x: torch.Tensor, indices: torch.Tensor, routing_weights: torch.Tensor, gate: torch.Tensor,
                          up: torch.Tensor, down: torch.Tensor, specs: Sequence, act, magnitude: torch.Tensor, *,
-                         grid: int = 20, device=None) -> AWQShared:
+                         grid: int = 20, device=None, down_hat: torch.Tensor | None = None,
+                         holdout: float = 0.0, clip: bool = False) -> AWQShared:
     """One AWQ input scale [H] for all routed experts' gate and up, searched on the MoE block's output.
 
     x [n, H]: the layer's normalised hidden states; indices / routing_weights [n, k]: the router's
-    choices. gate / up [E, I, H], down [E, H, I] (down stays unquantized here, as in AWQ's own
-    search over a block). specs[e] = (gate format, up format) of expert e, or None where the
-    expert's gate/up are not AWQ-quantized (they are scaled exactly and left as they are).
-    objective(alpha) = sum_t || sum_k w_tk (y_e(x_t; Q(G s)/s, Q(U s)/s) - y_e(x_t; G, U)) ||^2:
+    choices. gate / up [E, I, H], down [E, H, I]: the block's full-precision weights (the
+    reference). down_hat [E, H, I]: down_proj as the quantized block will have it (dequantized;
+    default: `down`, unquantized). specs[e] = (gate format, up format) of expert e, or None where
+    the expert's gate/up are not AWQ-quantized (they are scaled exactly and left as they are).
+    objective(alpha) = sum_t || sum_k w_tk (y_e(x_t; Q(G s)/s, Q(U s)/s, down_hat) - y_e(x_t; G, U, down)) ||^2:
     the routed experts' contribution to the block output, weighted by the routing as the model
     does (a token's experts' errors add up before they are measured). alpha = 0 is on the grid.
+
+    holdout > 0: the objective is measured on the first (1 - holdout) of the tokens (the fit fold)
+    and the best alpha is kept only if the block, quantized as the pass will do it (with `clip`:
+    gate/up clipped by `awq_clip` on the fit fold's routed-token Hessians), also has a lower
+    error on the remaining tokens (the held-out fold) than with s = 1; else alpha = 0 (RTN). The
+    in-sample minimum of 20 nearly equal errors is otherwise chosen by noise as often as by signal.
     """
     from moequant import formats
 
     if grid < 1:
         raise UserError(f"AWQ grid must be a positive number of alpha steps, got {grid}.")
+    if not 0.0 <= holdout < 1.0:
+        raise UserError(f"AWQ holdout must be a fraction in [0, 1), got {holdout}.")
     device = torch.device(device) if device is not None else x.device
     x = x.to(device, torch.float32)
     indices, routing_weights = indices.to(device), routing_weights.to(device, torch.float32)
     gate, up, down = (w.to(device, torch.float32) for w in (gate, up, down))
+    down_hat = down if down_hat is None else down_hat.to(device, torch.float32)
     E = gate.shape[0]
-    routed = [(indices == e).nonzero(as_tuple=True) for e in range(E)]  # (token, slot) per expert
+    n_fit = x.shape[0] - int(round(holdout * x.shape[0])) if holdout > 0 else x.shape[0]
+    if holdout > 0 and not 0 < n_fit < x.shape[0]:
+        holdout, n_fit = 0.0, x.shape[0]  # too few tokens to hold any out: in-sample search only
+    folds = {"fit": slice(0, n_fit), "held_out": slice(n_fit, x.shape[0])}
 
-    def block(g, u):
-        out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=device)
-        for e, (tok, slot) in enumerate(routed):
+    def routed_of(part):
+        return [(indices[part] == e).nonzero(as_tuple=True) for e in range(E)]  # (token, slot) per expert
+
+    routed = {name: routed_of(part) for name, part in folds.items()}
+
+    def block(g, u, d, fold):
+        xs, rw = x[folds[fold]], routing_weights[folds[fold]]
+        out = torch.zeros(xs.shape[0], d.shape[1], dtype=torch.float32, device=device)
+        for e, (tok, slot) in enumerate(routed[fold]):
             if tok.numel():
-                xe = x[tok]
-                y = (act(xe @ g[e].T) * (xe @ u[e].T)) @ down[e].T
-                out.index_add_(0, tok, y * routing_weights[tok, slot][:, None])
+                xe = xs[tok]
+                y = (act(xe @ g[e].T) * (xe @ u[e].T)) @ d[e].T
+                out.index_add_(0, tok, y * rw[tok, slot][:, None])
         return out
 
-    reference = block(gate, up)
-    energy = float((reference.double() ** 2).sum())
+    reference = {f: block(gate, up, down, f) for f in folds if folds[f].stop > folds[f].start}
+    energy = float((reference["fit"].double() ** 2).sum())
     groups: dict[tuple, list[int]] = {}
     for e, pair in enumerate(specs):
         if pair is not None:
             for proj, key in zip(("gate", "up"), pair):
                 if key is not None:  # the other projection is not AWQ: scaled exactly, left as it is
                     groups.setdefault((proj, formats.get_format(key).key), []).append(e)
-    alphas = [i / grid for i in range(grid)]
-    objective = []
-    for alpha in alphas:
-        s = _scales(magnitude.to(device, torch.float32), alpha)
+
+    def quantized(s, hessians=None):
         w_hat = {"gate": gate.clone(), "up": up.clone()}
         for (proj, key), experts in groups.items():
             idx = torch.tensor(experts, device=device)
-            w_hat[proj][idx] = formats.quantize(w_hat[proj][idx] * s, key).dequantize(torch.float32) / s
-        objective.append(float(((block(w_hat["gate"], w_hat["up"]) - reference).double() ** 2).sum()))
+            w = w_hat[proj][idx] * s
+            if hessians is not None:
+                w = awq_clip(w, key, hessians[idx] / (s[:, None] * s[None, :])).weight
+            w_hat[proj][idx] = formats.quantize(w, key).dequantize(torch.float32) / s
+        return w_hat["gate"], w_hat["up"]
+
+    def error(g, u, fold):
+        return float(((block(g, u, down_hat, fold) - reference[fold]).double() ** 2).sum())
+
+    alphas = [i / grid for i in range(grid)]
+    magnitude = magnitude.to(device, torch.float32)
+    objective = [error(*quantized(_scales(magnitude, a)), "fit") for a in alphas]
     best = min(range(len(alphas)), key=objective.__getitem__)
-    return AWQShared(scale=_scales(magnitude.to(device, torch.float32), alphas[best]), alpha=alphas[best],
-                     objective=[o / max(energy, 1e-30) for o in objective], error_rtn=[], error_awq=[])
+    validation = {}
+    if holdout > 0:
+        validation = {"fit_tokens": n_fit, "held_out_tokens": x.shape[0] - n_fit, "alpha_fit": alphas[best]}
+        if best != 0:
+            hessians = _routed_hessians(x[folds["fit"]], routed["fit"], E) if clip else None
+            candidates = {0: None, best: None}
+            for a in candidates:
+                candidates[a] = error(*quantized(_scales(magnitude, alphas[a]), hessians), "held_out")
+            held_energy = max(float((reference["held_out"].double() ** 2).sum()), 1e-30)
+            validation.update(held_out_error_rtn=candidates[0] / held_energy,
+                              held_out_error_awq=candidates[best] / held_energy)
+            if not candidates[best] < candidates[0]:
+                best = 0
+        validation["kept"] = best != 0
+    return AWQShared(scale=_scales(magnitude, alphas[best]), alpha=alphas[best],
+                     objective=[o / max(energy, 1e-30) for o in objective], error_rtn=[], error_awq=[],
+                     validation=validation)
+
+
+@dataclass
+class AWQClip:
+    """Result of `awq_clip`: quantize `weight` (round-to-nearest) in place of the unclipped one."""
+
+    weight: torch.Tensor  # [E, out, in] clipped to the chosen range per (expert, row, group)
+    ratio: torch.Tensor  # [E, out, groups] chosen r (1 = unclipped)
+    error_before: torch.Tensor  # [E] tr(dW H dW^T) of round-to-nearest without clipping
+    error_after: torch.Tensor  # [E] the same with the clipped weight
+
+
+CLIP_STEPS = 20  # r = 1 - i / CLIP_STEPS for i < CLIP_STEPS * CLIP_MAX_SHRINK
+CLIP_MAX_SHRINK = 0.5
+
+
+def awq_clip(weight: torch.Tensor, spec, hessian: torch.Tensor, *, steps: int = CLIP_STEPS,
+             max_shrink: float = CLIP_MAX_SHRINK, chunk_experts: int | None = None, device=None) -> AWQClip:
+    """AWQ's weight clipping of weight [E, out, in] (already AWQ-scaled) read by inputs with Hessian
+    hessian [E, in, in] (or [1, in, in]) -> AWQClip; see the module docstring.
+
+    Formats whose scale covers one group of inputs per row (int, mxfp4, nvfp4) or a whole row
+    (channel) are clipped per group / row; fp8 block and tensor scales are left as they are
+    (their range is shared across rows). Experts whose clipped error is not lower keep r = 1.
+    """
+    from moequant import formats
+
+    spec = formats.get_format(spec)
+    E, out_features, n_in = weight.shape
+    device = torch.device(device) if device is not None else weight.device
+    if spec.name == "bf16" or spec.granularity in ("block", "tensor"):
+        zero = torch.zeros(E, dtype=torch.float64)
+        return AWQClip(weight, torch.ones(E, out_features, 1), zero, zero.clone())
+    size = spec.group_size if spec.granularity == "group" else n_in
+    if n_in % size:
+        zero = torch.zeros(E, dtype=torch.float64)
+        return AWQClip(weight, torch.ones(E, out_features, 1), zero, zero.clone())
+    n_groups = n_in // size
+    ratios = [1 - i / steps for i in range(max(1, int(steps * max_shrink)))]
+    out_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+    chosen = torch.ones(E, out_features, n_groups)
+    before = torch.zeros(E, dtype=torch.float64)
+    after = torch.zeros(E, dtype=torch.float64)
+    step = chunk_experts or _default_chunk(E, 2 * out_features, n_in, device)
+    for start in range(0, E, max(1, int(step))):
+        part = slice(start, min(start + step, E))
+        w = weight[part].to(device, torch.float32)
+        h = (hessian if hessian.shape[0] == 1 else hessian[part]).to(device, torch.float32).expand(w.shape[0], -1, -1)
+        e = w.shape[0]
+        wg = w.reshape(e, out_features, n_groups, size)
+        g = torch.arange(n_groups, device=device)
+        h_blocks = h.reshape(e, n_groups, size, n_groups, size)[:, g, :, g, :].transpose(0, 1)  # [e, groups, size, size]
+        amax = wg.abs().amax(-1, keepdim=True)
+        best_w, best_err, best_r = wg, None, torch.ones(e, out_features, n_groups, device=device)
+        for r in ratios:
+            wc = wg if r == 1 else torch.maximum(torch.minimum(wg, r * amax), -r * amax)
+            d = formats.quantize(wc.reshape(e, out_features, n_in), spec).dequantize(torch.float32)
+            d = d.reshape(wg.shape) - wg
+            err = torch.einsum("eogi,egij,eogj->eog", d, h_blocks, d)
+            if best_err is None:
+                best_err = err
+                continue
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_r = torch.where(better, torch.full_like(best_r, r), best_r)
+            best_w = torch.where(better[..., None], wc, best_w)
+        clipped = best_w.reshape(e, out_features, n_in)
+
+        def row_errors(v):
+            d = formats.quantize(v, spec).dequantize(torch.float32) - w
+            return ((d @ h) * d).sum(-1).double()  # [e, out]
+
+        rows_plain, rows_clipped = row_errors(w), row_errors(clipped)
+        keep = rows_clipped < rows_plain
+        result = torch.where(keep[..., None], clipped, w)
+        rows_final = row_errors(result)  # (nvfp4: a row's clipping can move the expert's global scale)
+        worse = rows_final.sum(-1) >= rows_plain.sum(-1)
+        result = torch.where(worse[:, None, None], w, result)
+        keep &= ~worse[:, None]
+        out_w[part] = result.to(out_w.device)
+        chosen[part] = torch.where(keep[..., None], best_r, torch.ones_like(best_r)).cpu()
+        before[part] = rows_plain.sum(-1).cpu()
+        after[part] = torch.where(worse, rows_plain.sum(-1), rows_final.sum(-1)).cpu()
+        del w, h, h_blocks, wg, best_w
+    return AWQClip(out_w, chosen, before, after)
+
+
+def _routed_hessians(x: torch.Tensor, routed, num_experts: int) -> torch.Tensor:
+    """Per expert X_e^T X_e / n_e of its routed tokens; an expert no token reached gets all tokens'."""
+    h_all = x.T @ x / max(x.shape[0], 1)
+    out = h_all.expand(num_experts, -1, -1).clone()
+    for e, (tok, _slot) in enumerate(routed):
+        if tok.numel():
+            xe = x[tok]
+            out[e] = xe.T @ xe / xe.shape[0]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

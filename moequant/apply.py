@@ -46,11 +46,29 @@ def sensitivity_formats(recipe: Recipe) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def calibration_settings(recipe: Recipe, device: str = "cpu") -> CalibrationSettings:
+def calibration_settings(recipe: Recipe, device: str = "cpu", formats: tuple[str, ...] | None = None) -> CalibrationSettings:
     c = recipe.calibration
+    formats = formats or sensitivity_formats(recipe)
     return CalibrationSettings(dataset=c.dataset, samples=c.samples, seq_len=c.seq_len, seed=recipe.seed,
-                               all_experts=c.all_experts, formats=sensitivity_formats(recipe), device=device,
-                               probe_samples=c.probe_samples, probe_algorithm=c.probe_algorithm)
+                               all_experts=c.all_experts, formats=formats, device=device,
+                               probe_samples=c.probe_samples, probe_algorithm=probe_algorithm(recipe, formats))
+
+
+def probe_algorithm(recipe: Recipe, format_keys) -> str:
+    """The recipe's probe algorithm; `auto` is the algorithm the quantize pass will give the probe's
+    format (gptq where the recipe says gptq, else rtn: the probe runs no AWQ)."""
+    chosen = recipe.calibration.probe_algorithm
+    if chosen != "auto":
+        return chosen
+    from moequant import formats
+    from moequant.arch import adapter_for
+    from moequant.probe import choose_probe_format
+
+    adapter = adapter_for(open_checkpoint(recipe.model).config)
+    key = choose_probe_format(format_keys, [tuple(adapter.expert_shape(p)) for p in adapter.projections])
+    if key is None:
+        return "rtn"
+    return "gptq" if recipe.algorithm_for(formats.parse_key(key).name) == "gptq" else "rtn"
 
 
 def resolve_recipe(recipe_path, model=None, output=None, overrides=()) -> Recipe:

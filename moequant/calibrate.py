@@ -54,7 +54,7 @@ class CalibrationSettings:
     min_tokens: int = MIN_ROUTED_TOKENS
     allow_fewer: bool = False
     device: str = "cpu"
-    probe_samples: int = 8  # per-layer KL probe on this many calibration samples (probe.py); 0: none
+    probe_samples: int = 8  # per-layer KL probe on this many samples (probe.py), held out when calibrate loads the data; 0: none
     probe_algorithm: str = "rtn"  # how the probe quantizes its layer: rtn | gptq (see probe.py)
 
     def fingerprint_fields(self) -> dict:
@@ -267,7 +267,7 @@ def sensitivity(weights: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]
 def calibrate(model: str, output: str | Path, settings: CalibrationSettings, overwrite: bool = False,
               tokenizer=None, progress=True, samples=None) -> Path:
     """Calibrate `model` on `settings.dataset`; writes `output/` (see stats.py). Returns the path."""
-    from moequant.data import load_samples
+    from moequant.data import load_samples_with_holdout
 
     ckpt = open_checkpoint(model)
     if ckpt.config_only:
@@ -277,6 +277,7 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
     output = Path(output)
     fingerprint = {"model": model_fingerprint(ckpt), **settings.fingerprint_fields()}
     fingerprint["formats"] = list(fingerprint["formats"])
+    fingerprint["probe_tokens"] = "held-out" if samples is None else "in-sample"
 
     summary_path = output / "summary.json"
     if summary_path.exists():
@@ -295,11 +296,16 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
     max_pos = int(ckpt.config.get("max_position_embeddings") or 0)
     if max_pos and settings.seq_len > max_pos:
         raise UserError(f"seq_len {settings.seq_len} exceeds the model's max_position_embeddings ({max_pos}).")
+    probe_ids = None  # the probe's own samples when they are held out from the statistics
     if samples is None:  # else: pre-tokenised samples given by the caller (library use, tests)
         if tokenizer is None:
             tokenizer = load_tokenizer(ckpt.directory)
-        samples = load_samples(settings.dataset, tokenizer, settings.samples, settings.seq_len, split="calibration",
-                               seed=settings.seed, allow_fewer=settings.allow_fewer)
+        probe_held_out = settings.probe_samples if adapter.moe_layers else 0
+        samples, held_out = load_samples_with_holdout(
+            settings.dataset, tokenizer, settings.samples, probe_held_out, settings.seq_len, split="calibration",
+            seed=settings.seed, allow_fewer=settings.allow_fewer)
+        if held_out:
+            probe_ids = torch.stack([s.input_ids for s in held_out])
     else:
         fingerprint["dataset"] = hashlib.sha256(b"".join(s.input_ids.numpy().tobytes() for s in samples)).hexdigest()[:16]
     input_ids = torch.stack([s.input_ids for s in samples])
@@ -344,11 +350,17 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
 
     (output / PROBE_FILE).unlink(missing_ok=True)
     if settings.probe_samples > 0 and adapter.moe_layers:
-        chosen = probe_indices(input_ids.shape[0], settings.probe_samples)
-        write_probe(output, run_probe(ckpt, adapter, input_ids[chosen], output, settings.formats,
-                                      batch_size=settings.batch_size, device=settings.device,
-                                      algorithm=settings.probe_algorithm, hessians=settings.hessians,
-                                      min_tokens=settings.min_tokens, progress=progress))
+        # Held-out samples when calibrate drew the data itself: the probe then measures GPTQ out of
+        # sample (its Hessians never saw those tokens). Caller-given samples: the probe takes evenly
+        # spaced ones of them (in sample).
+        held_out = probe_ids is not None
+        if not held_out:
+            probe_ids = input_ids[probe_indices(input_ids.shape[0], settings.probe_samples)]
+        probe = run_probe(ckpt, adapter, probe_ids, output, settings.formats,
+                          batch_size=settings.batch_size, device=settings.device,
+                          algorithm=settings.probe_algorithm, hessians=settings.hessians,
+                          min_tokens=settings.min_tokens, progress=progress)
+        write_probe(output, {**probe, "held_out": held_out})
 
     summary = _summary(ckpt, adapter, output, fingerprint, settings, domains, input_ids.shape[0], work)
     atomic_write_text(output / "summary.json", json.dumps(summary, indent=2) + "\n")

@@ -585,3 +585,26 @@ def load_samples(
         source_name = ",".join(sorted({c.source for c in by_domain[domain]}))
         samples.extend(Sample(ids, domain, source_name) for ids in got)
     return samples
+
+
+def load_samples_with_holdout(source: str, tokenizer, n_samples: int, n_holdout: int, seq_len: int,
+                              split: str = "calibration", seed: int = 0,
+                              allow_fewer: bool = False) -> tuple[list[Sample], list[Sample]]:
+    """(samples, held_out): `samples` are exactly `load_samples(source, ..., n_samples, ...)`, and
+    `held_out` are `n_holdout` further samples of the same split, disjoint from them (other
+    windows), spread over the domains like any sample set.
+
+    Each domain's windows come in one seeded order, so asking for n + k samples gives every domain
+    the windows of the n-sample request followed by new ones: those new ones are the held-out part.
+    """
+    both = load_samples(source, tokenizer, n_samples + n_holdout, seq_len, split=split, seed=seed,
+                        allow_fewer=allow_fewer)
+    domains = sorted({c.domain for c in load_documents(source, split)})  # as load_samples counts them
+    by_domain = {d: [s for s in both if s.domain == d] for d in domains}
+    samples: list[Sample] = []
+    held_out: list[Sample] = []
+    for i, domain in enumerate(domains):
+        want = n_samples // len(domains) + (1 if i < n_samples % len(domains) else 0)
+        samples.extend(by_domain[domain][:want])
+        held_out.extend(by_domain[domain][want:])
+    return samples, held_out

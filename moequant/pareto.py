@@ -278,8 +278,8 @@ def pareto(recipe_path=None, budgets: Sequence = ("int3", "int4", "int4..int8"),
            progress: bool = True, log=print) -> dict:
     """Run the budget plans (each budget x each target) and the uniform baselines against one set
     of statistics; write OUTPUT/pareto.json and OUTPUT/pareto.png. Returns pareto.json's dict."""
-    from moequant.apply import resolve_recipe
-    from moequant.calibrate import CalibrationSettings, calibrate, load_tokenizer
+    from moequant.apply import calibration_settings, resolve_recipe
+    from moequant.calibrate import calibrate, load_tokenizer
     from moequant.checkpoint import atomic_write_text, open_checkpoint
     from moequant.policy import make_plan, resolve_format
     from moequant.recipe import TARGETS, recipe_to_dict
@@ -302,9 +302,7 @@ def pareto(recipe_path=None, budgets: Sequence = ("int3", "int4", "int4..int8"),
         if key != "bf16" and key not in keys:
             keys.append(key)
     c = recipe.calibration
-    settings = CalibrationSettings(dataset=c.dataset, samples=c.samples, seq_len=c.seq_len, seed=recipe.seed,
-                                   all_experts=c.all_experts, formats=tuple(keys), device=device,
-                                   probe_samples=c.probe_samples, probe_algorithm=c.probe_algorithm)
+    settings = calibration_settings(recipe, device, formats=tuple(keys))
     stats_dir = out / "stats"
     calibrate(recipe.model, stats_dir, settings, overwrite=True, tokenizer=load_tokenizer(ckpt.directory),
               progress=progress)

@@ -43,14 +43,15 @@ plans).
 
 Cross-layer sensitivity: a layer-output error does not reach the model's output equally from
 every layer (on the bundled models the loss above grows ~3x with depth relative to the real
-effect on the final KL). When the statistics hold the per-layer KL probe (moequant.probe: the
-measured KL of quantizing one layer's routed experts in one format), every loss of layer L (all
-its experts and formats) is multiplied by
+effect on the final KL). When the statistics hold the per-layer KL probe (moequant.probe: layer
+L's measured share of the KL with its routed experts in one format, the mean of the KL of
+quantizing L alone and of the KL saved by restoring L when every MoE layer is quantized),
+every loss of layer L (all its experts and formats) is multiplied by
 
     scale_L = probe KL_L / sum_e usage(L, e) * sum_p sensitivity_L[p][probe format][e]
 
-so a one-layer plan in the probe format predicts exactly its measured KL, and the solver's
-objective approximates the end-to-end KL. Without a complete probe the losses stay unscaled;
+so layer L in the probe format predicts exactly its measured share, and the solver's objective
+approximates the end-to-end KL. Without a complete probe the losses stay unscaled;
 `summary.probe` says which happened and why.
 
 Budget
@@ -98,8 +99,8 @@ plan.json (schema "moequant.plan/1")
      "budget_alternative": null | {same keys},       # rules / uniform plans: the solver at their bytes
      "uniform_alternatives": [{"format": key, "routed_bytes": int, "predicted_loss": float|null}],
      "probe": null (no statistics) | {"used": false, "why": str}
-              | {"used": true, "format": key, "samples": int, "tokens": int,
-                 "layers": {"L": {"kl": float, "scale": float}}}},
+              | {"used": true, "format": key, "samples": int, "tokens": int, "algorithm": "rtn"|"gptq",
+                 "held_out": bool, "layers": {"L": {"kl": float, "scale": float}}}},
   "notes": [str, ...],
   "recipe": {...}                                    # the resolved recipe
 }
@@ -587,9 +588,9 @@ class _Context:
 def _probe_scales(ctx: _Context) -> tuple[dict[int, float] | None, dict]:
     """Per-layer loss scales from the statistics' KL probe: (scales or None, what the summary says).
 
-    scale_L = measured KL of the probe's one-layer plan / this plan's predicted loss of that same
-    one-layer plan (with the recipe's usage floor), so that after scaling, the predicted loss of
-    a one-layer plan in the probe format is its measured KL. Used only when every MoE layer of
+    scale_L = layer L's measured KL share in the probe format / this plan's predicted loss of layer
+    L in that format (with the recipe's usage floor), so that after scaling, the predicted loss of
+    layer L in the probe format is its measured share. Used only when every MoE layer of
     the plan has a positive, finite scale; otherwise the losses stay unscaled and `why` says so.
     """
     probe = getattr(ctx.stats, "probe", None)
@@ -616,7 +617,8 @@ def _probe_scales(ctx: _Context) -> tuple[dict[int, float] | None, dict]:
         scales[layer], measured[layer] = kl / predicted, kl
     formats_used = sorted({probe["layers"][str(L)]["format"] for L in ctx.layers})
     return scales, {"used": True, "format": ", ".join(formats_used), "samples": probe.get("samples"),
-                    "tokens": probe.get("tokens"),
+                    "tokens": probe.get("tokens"), "algorithm": probe.get("algorithm"),
+                    "held_out": probe.get("held_out", False),
                     "layers": {str(L): {"kl": measured[L], "scale": scales[L]} for L in ctx.layers}}
 
 
@@ -1195,8 +1197,9 @@ def format_summary(plan: Plan) -> str:
     probe = s.get("probe")
     if probe and probe.get("used"):
         scales = ", ".join(f"L{L} x{v['scale']:.3g}" for L, v in probe["layers"].items())
-        lines.append(f"per-layer KL probe used ({probe['format']} one layer at a time, {probe['tokens']} tokens): "
-                     f"losses scaled to measured KL per layer: {scales}")
+        where = "held-out" if probe.get("held_out") else "calibration"
+        lines.append(f"per-layer KL probe used ({probe['format']} {probe.get('algorithm') or 'rtn'}, "
+                     f"{probe['tokens']} {where} tokens): losses scaled to measured KL per layer: {scales}")
     elif probe:
         lines.append(f"per-layer KL probe not used: {probe['why']}; losses are layer-output errors added unscaled")
     lines += [f"note: {n}" for n in plan.notes]

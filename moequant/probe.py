@@ -7,13 +7,28 @@ loss grows about 3x with depth relative to the real effect), so a budget plan th
 predicted losses across layers ranks layers wrongly. The probe measures the real effect once
 per layer and turns it into a per-layer scale the policy multiplies that layer's losses by.
 
-For every MoE layer L, on `probe_samples` of the calibration samples (evenly spaced):
-  1. quantize (RTN) only layer L's routed experts in the probe format, run the model;
-  2. measured KL = mean over the probe tokens of KL(original || probed) of the next-token
-     distributions, in float64 (`evaluate.token_statistics`);
-  3. predicted loss = sum over experts e of usage(L, e) * sum_p sensitivity_L[p][format][e]
-     (what the policy predicts for that one-layer plan, with the default usage floor);
-  4. scale = measured / predicted.
+For every MoE layer L, on `probe_samples` samples (further samples of the calibration split,
+held out from the statistics, when calibrate draws the data; evenly spaced ones of caller-given
+samples otherwise):
+  1. kl_alone = KL(original || only layer L's routed experts quantized in the probe format);
+  2. restore_gain = KL(original || every MoE layer quantized) - KL(original || every MoE layer
+     but L quantized): what L costs once the others are quantized too;
+  3. kl = (kl_alone + max(restore_gain, 0)) / 2: L's share of the KL, measured at both ends of
+     the plans a budget chooses between (KL in float64 over the probe tokens,
+     `evaluate.token_statistics`, mean per token);
+  4. predicted loss = sum over experts e of usage(L, e) * sum_p sensitivity_L[p][format][e]
+     (what the policy predicts for layer L in that format, with the default usage floor);
+  5. scale = kl / predicted.
+
+Why both ends: the layers' KLs do not add up. On tiny-mixtral (4 layers, int4-g128 GPTQ vs
+int8, 64 x 256 calibration) the four one-layer KLs sum to 1.6x the KL of quantizing every layer,
+and which two layers a half-way budget should keep at int8 is decided by those interactions; the
+one-sided probe picked the wrong pair there, the two-sided one the best of the six.
+
+Why held out: GPTQ fits its Hessians' tokens. On tiny-mixtral (16 x 128 calibration tokens) GPTQ
+int4 of layers 2 / 3 gave KL 0.0049 / 0.0040 on calibration tokens and 0.0119 / 0.0103 on
+evaluation tokens, worse than RTN's 0.0108 / 0.0093 there; on held-out probe tokens 0.0115 /
+0.0099, as on the evaluation tokens.
 
 Probe format: the cheapest (fewest bits per weight, scales included) calibrated format with at
 least 4 bits per weight that holds the layer's experts (else the cheapest one that does). The
@@ -21,20 +36,20 @@ scale is meant for the regime where the budget decisions of every target happen 
 8-bit experts) and where KL and the predicted loss are both second order in the weight error;
 a 2- or 3-bit probe perturbs tiny models so much that the KL leaves that regime.
 
-Algorithm: RTN by default, like the sensitivities it scales. `gptq` (with the calibration
-Hessians, as the quantize pass) is available, but the probe tokens are calibration tokens the
-Hessians were fitted on, so it measures GPTQ in-sample: on tiny-mixtral (16 x 128 calibration
-tokens) GPTQ int4 of layers 2 / 3 gave KL 0.0049 / 0.0040 on the probe tokens and 0.0119 / 0.0103
-on evaluation tokens (other layers int8), worse than RTN's 0.0108 / 0.0093 there.
+Algorithm: as the quantize pass will quantize the probe format (recipe `probe_algorithm: auto`:
+GPTQ with the calibration Hessians where the recipe uses GPTQ, else RTN), or forced rtn / gptq.
 
-Cost and memory: the layers are walked once with the original hidden states plus one perturbed
-stream per probed layer, so each layer is materialised once (MoE layers once more with their
-probed experts) and run on every live stream: O(L^2) layer forwards on few tokens. When the
-streams would exceed `max_stream_bytes`, the probed layers are split into chunks, one walk each.
+Cost and memory: the layers are walked once with the original hidden states, the all-quantized
+stream and two perturbed streams per probed layer, so each layer is materialised once (MoE
+layers once more with their probed experts) and run on every live stream: O(L^2) layer forwards
+on few tokens. When the streams would exceed `max_stream_bytes`, the probed layers are split into
+chunks, one walk each.
 
 probe.json (schema "moequant.probe/1"), in the statistics directory:
-{"schema", "samples": int, "tokens": int, "usage_floor": float,
- "layers": {"L": {"format": key, "kl": float, "predicted_loss": float, "scale": float | null}}}
+{"schema", "samples": int, "tokens": int, "usage_floor": float, "algorithm": "rtn" | "gptq",
+ "held_out": bool, "kl_all": float,
+ "layers": {"L": {"format": key, "kl": float, "kl_alone": float, "kl_all_but_this": float,
+                  "restore_gain": float, "predicted_loss": float, "scale": float | null}}}
 scale is null when the predicted loss is 0 (nothing to scale).
 """
 
@@ -207,42 +222,71 @@ def run_probe(checkpoint, adapter, input_ids: torch.Tensor, stats_dir: str | Pat
     quantized = lambda L: _probed_experts(adapter, checkpoint, L, probe_key, algorithm, stats_dir, min_tokens,
                                           runner.dtype, device)
     stream_bytes = tokens * adapter.hidden * torch.finfo(runner.dtype).bits // 8
-    per_walk = max(1, int(max_stream_bytes // max(stream_bytes, 1)) - 1)
+    # live streams: original, everything quantized, the two of every probed layer, two layer inputs
+    per_walk = max(1, (int(max_stream_bytes // max(stream_bytes, 1)) - 4) // 2)
     chunks = [moe[i:i + per_walk] for i in range(0, len(moe), per_walk)]
-    kl_sum: dict[int, float] = {}
+    kl_alone: dict[int, float] = {}
+    kl_restored: dict[int, float] = {}
     for chunk in chunks:
-        kl_sum.update(_walk(runner, adapter, head, chunk, quantized, progress))
+        alone, restored, kl_everything = _walk(runner, adapter, head, chunk, set(moe), quantized, progress)
+        kl_alone.update(alone)
+        kl_restored.update(restored)
+    kl_all = kl_everything / tokens
     for L in moe:
         sens, count = _layer_sensitivity(stats_dir, L)
         layer_tokens = int(count.sum()) // top_k
         predicted = predicted_layer_loss(sens, count, layer_tokens, top_k, probe_key, usage_floor)
-        kl = kl_sum[L] / tokens
-        layers_out[str(L)] = {"format": probe_key, "kl": kl, "predicted_loss": predicted,
+        alone_kl, restored_kl = kl_alone[L] / tokens, kl_restored[L] / tokens
+        gain = kl_all - restored_kl
+        kl = (alone_kl + max(gain, 0.0)) / 2
+        layers_out[str(L)] = {"format": probe_key, "kl": kl, "kl_alone": alone_kl, "kl_all_but_this": restored_kl,
+                              "restore_gain": gain, "predicted_loss": predicted,
                               "scale": kl / predicted if predicted > 0 else None}
     return {"schema": SCHEMA, "samples": int(input_ids.shape[0]), "tokens": tokens,
-            "usage_floor": usage_floor, "algorithm": algorithm, "layers": layers_out}
+            "usage_floor": usage_floor, "algorithm": algorithm, "kl_all": kl_all, "layers": layers_out}
 
 
-def _walk(runner, adapter, head, probed_layers: list[int], quantized, progress: bool) -> dict[int, float]:
-    """One walk over the decoder layers: the original stream plus one stream per probed layer,
-    started at that layer with its experts quantized. Returns the summed KL per probed layer."""
-    hidden = runner.embedded
-    streams: dict[int, list[torch.Tensor]] = {}
+def _walk(runner, adapter, head, probed_layers: list[int], moe_layers: set[int], quantized,
+          progress: bool) -> tuple[dict[int, float], dict[int, float], float]:
+    """One walk over the decoder layers with these streams (per-batch hidden states):
+    original (no layer quantized), everything (every MoE layer's experts quantized), and for every
+    probed layer P: alone[P] (only P quantized; branches off the original at P) and restored[P]
+    (every MoE layer but P quantized; branches off `everything` at P).
+    Returns the summed KL against the original of alone[P] and restored[P] per probed P, and of
+    everything."""
+    original = everything = runner.embedded
+    alone: dict[int, list[torch.Tensor]] = {}
+    restored: dict[int, list[torch.Tensor]] = {}
     layers = range(adapter.num_layers)
     if progress:
         from rich.progress import track
 
         layers = track(layers, description="probing layers", total=adapter.num_layers)
     for L in layers:
+        run = lambda module, h: _forward(runner, module, L, h)
+        before, everything_before = original, everything
         with runner.materialized(L) as module:
-            for P in streams:
-                streams[P] = _forward(runner, module, L, streams[P])
-            before = hidden
-            hidden = _forward(runner, module, L, hidden)
-        if L in probed_layers:
+            original = run(module, original)
+            for P in alone:
+                alone[P] = run(module, alone[P])
+            if L in moe_layers:
+                if L in probed_layers:
+                    restored[L] = run(module, everything_before)
+            else:  # nothing quantized here: every stream takes the original layer
+                everything = run(module, everything)
+                for P in restored:
+                    restored[P] = run(module, restored[P])
+        if L in moe_layers:
             with runner.materialized(L, experts=quantized(L)) as module:
-                streams[L] = _forward(runner, module, L, before)
-    return {P: _kl_sum(head, hidden, h) for P, h in streams.items()}
+                if L in probed_layers:
+                    alone[L] = run(module, before)
+                everything = run(module, everything_before)
+                for P in restored:
+                    if P != L:
+                        restored[P] = run(module, restored[P])
+    return ({P: _kl_sum(head, original, h) for P, h in alone.items()},
+            {P: _kl_sum(head, original, h) for P, h in restored.items()},
+            _kl_sum(head, original, everything))
 
 
 def _forward(runner, module, layer: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:

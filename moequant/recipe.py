@@ -108,10 +108,12 @@ class Calibration(Strict):
     samples: int = Field(128, gt=0)
     seq_len: int = Field(512, gt=0)
     all_experts: bool = True
-    # per-layer KL probe (moequant.probe) on this many of the calibration samples; 0 turns it off
+    # per-layer KL probe (moequant.probe) on this many further samples of the calibration split,
+    # held out from the statistics; 0 turns it off
     probe_samples: int = Field(8, ge=0)
-    # how the probe quantizes its layer (gptq is measured in-sample, on tokens its Hessians saw)
-    probe_algorithm: Literal["rtn", "gptq"] = "rtn"
+    # how the probe quantizes its layer; auto: as the quantize pass will (gptq where the recipe
+    # quantizes the probe format with GPTQ, else rtn)
+    probe_algorithm: Literal["auto", "rtn", "gptq"] = "auto"
 
 
 class Evaluate(Strict):

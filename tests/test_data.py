@@ -108,6 +108,24 @@ def test_mix_spreads_samples_over_domains_with_labels(tokenizer):
     assert code.source == "builtin:stdlib-code"
 
 
+@pytest.mark.parametrize("n,k", [(6, 3), (1, 4), (7, 0)])
+def test_held_out_samples_leave_the_requested_ones_unchanged_and_are_disjoint(tokenizer, n, k):
+    """The calibration probe's samples: further windows of the same split and domains, never one of
+    the statistics' samples, which stay exactly what load_samples gives."""
+    source = "builtin:mix"
+    samples, held = data.load_samples_with_holdout(source, tokenizer, n, k, 64, seed=3)
+    plain = data.load_samples(source, tokenizer, n, 64, seed=3)
+    assert [s.input_ids.tolist() for s in samples] == [s.input_ids.tolist() for s in plain]
+    assert [s.domain for s in samples] == [s.domain for s in plain]
+    assert len(held) == k
+    used = {tuple(s.input_ids.tolist()) for s in samples}
+    assert not any(tuple(s.input_ids.tolist()) in used for s in held)
+    both = data.load_samples(source, tokenizer, n + k, 64, seed=3)
+    assert sorted(tuple(s.input_ids.tolist()) for s in samples + held) == sorted(tuple(s.input_ids.tolist()) for s in both)
+    if k >= 2:  # spread over domains like any sample set
+        assert len({s.domain for s in held}) >= 2
+
+
 def test_spec_name_resolves_to_the_builtin(tokenizer):
     a = data.load_samples("stdlib-code", tokenizer, n_samples=2, seq_len=16)
     b = data.load_samples("builtin:stdlib-code", tokenizer, n_samples=2, seq_len=16)

@@ -71,42 +71,58 @@ def gptq_reference(stats, L, original, spec, min_tokens):
 
 
 @pytest.mark.parametrize("model_type,algorithm", [("qwen2_moe", "rtn"), ("mixtral", "rtn"), ("qwen2_moe", "gptq")])
-def test_probe_kl_equals_the_whole_model_with_one_layer_quantized(tiny_dirs, tmp_path, model_type, algorithm):
-    """For every MoE layer: write a copy of the checkpoint with that layer's routed experts
-    replaced by their RTN- (or GPTQ-) dequantized weights (float32), run it with transformers,
-    KL in float64."""
+def test_probe_kl_equals_the_whole_model_with_layers_quantized(tiny_dirs, tmp_path, model_type, algorithm):
+    """Independent reference: copies of the checkpoint whose routed experts are replaced by their
+    RTN- (or GPTQ-) dequantized weights (float32) in one layer (`kl_alone`), in every MoE layer
+    (`kl_all`) and in every MoE layer but one (`kl_all_but_this`), run whole by transformers, KL
+    in float64. The layer's `kl` is the mean of its two measured shares of the KL."""
     d = tiny_dirs[model_type]
     samples = make_samples()
     min_tokens = 20
     out = calibrate(str(d), tmp_path / "stats", settings(probe_algorithm=algorithm, min_tokens=min_tokens),
                     samples=samples, progress=False)
     probe = json.loads((out / "probe.json").read_text())
-    assert probe["algorithm"] == algorithm
+    assert probe["algorithm"] == algorithm and probe["held_out"] is False  # caller-given samples: in sample
     assert probe == load_stats(out).probe
     ids = torch.stack([s.input_ids for s in samples])
     ref = logits_of(d, ids)
     original = load_file(str(d / "model.safetensors"))
     layers = sorted({int(m.group(1)) for k in original if (m := re.match(r"model\.layers\.(\d+)\..*experts\.\d+\.", k))})
+    assert len(layers) >= 2
     assert sorted(map(int, probe["layers"])) == layers and probe["tokens"] == N * SEQ
     stats = load_stats(out)
+    spec = formats.parse_key("int4-g32-sym")
+    replaced = {}
     for L in layers:
-        entry = probe["layers"][str(L)]
-        assert entry["format"] == "int4-g32-sym"
-        spec = formats.parse_key(entry["format"])
-        copy = tmp_path / f"layer{L}"
+        assert probe["layers"][str(L)]["format"] == spec.key
+        if algorithm == "gptq":
+            replaced[L] = gptq_reference(stats, L, original, spec, min_tokens)
+        else:
+            replaced[L] = {name: formats.quantize(w.float(), spec).dequantize(torch.float32) for name, w in original.items()
+                           if re.match(rf"model\.layers\.{L}\.\w+\.experts\.\d+\.\w+\.weight$", name)}
+        assert len(replaced[L]) == 3 * stats.layers[L].num_experts
+
+    def kl_with(quantized_layers) -> float:
+        copy = tmp_path / ("q" + "_".join(map(str, quantized_layers)))
         shutil.copytree(d, copy)
         tensors = dict(original)
-        if algorithm == "gptq":
-            replaced = gptq_reference(stats, L, original, spec, min_tokens)
-        else:
-            replaced = {name: formats.quantize(w.float(), spec).dequantize(torch.float32) for name, w in original.items()
-                        if re.match(rf"model\.layers\.{L}\.\w+\.experts\.\d+\.\w+\.weight$", name)}
-        assert len(replaced) == 3 * stats.layers[L].num_experts
-        tensors.update(replaced)
+        for L in quantized_layers:
+            tensors.update(replaced[L])
         save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
-        expected = kl_mean(ref, logits_of(copy, ids))
-        assert expected > 0
-        assert entry["kl"] == pytest.approx(expected, rel=1e-6, abs=0)
+        return kl_mean(ref, logits_of(copy, ids))
+
+    # the random tiny models' KLs are ~1e-8: float32 logits agree with transformers' to ~1e-6 of that
+    close = lambda x: pytest.approx(x, rel=1e-4, abs=0)
+    kl_all = kl_with(layers)
+    assert probe["kl_all"] == close(kl_all)
+    for L in layers:
+        entry = probe["layers"][str(L)]
+        alone, all_but = kl_with([L]), kl_with([M for M in layers if M != L])
+        assert alone > 0
+        assert entry["kl_alone"] == close(alone)
+        assert entry["kl_all_but_this"] == close(all_but)
+        assert entry["restore_gain"] == pytest.approx(kl_all - all_but, rel=1e-3, abs=1e-4 * kl_all)
+        assert entry["kl"] == pytest.approx((alone + max(kl_all - all_but, 0.0)) / 2, rel=1e-3)
         # the predicted loss: usage (floored at 5% of uniform) x summed sensitivity, in float64
         ls = stats.layers[L]
         counts = ls.routed_count.double().numpy()

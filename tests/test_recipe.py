@@ -119,7 +119,7 @@ def test_wrong_types_and_values():
     assert error_of({"calibration": {"probe_samples": 2.5}}) == (
         "recipe r.yaml: key 'calibration.probe_samples' has value 2.5; accepted: a whole number.")
     assert error_of({"calibration": {"probe_algorithm": "awq"}}) == (
-        "recipe r.yaml: key 'calibration.probe_algorithm' has value 'awq'; accepted: 'rtn' or 'gptq'.")
+        "recipe r.yaml: key 'calibration.probe_algorithm' has value 'awq'; accepted: 'auto', 'rtn' or 'gptq'.")
     assert error_of({"keep": "router"}) == "recipe r.yaml: key 'keep' has value 'router'; accepted: a list."
     assert error_of({"algorithms": {"int4": "magic"}}) == (
         "recipe r.yaml: key 'algorithms.int4' has value 'magic'; accepted: 'rtn', 'gptq' or 'awq'.")

@@ -163,3 +163,69 @@ def test_outside_checkpoint_joins_the_frontier(frontier, tmp_path):
     with pytest.raises(UserError, match="not on the frontier's evaluation tokens"):
         pareto(RECIPE, budgets=[], targets=("vllm",), uniform=["int4"], model=MODEL, output=str(out),
                overrides=SIZES, extra_reports=[path], progress=False, log=lambda m: None)
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny-mixtral at the recipe's own sizes (64 x 256 calibration, 32 x 256 evaluation tokens), the
+# usual group of 128: all three inequalities, and every servable plan of the half-way budget.
+
+MIXTRAL = "zoo:tiny-mixtral"
+MIXTRAL_SETTINGS = [f"formats.{f}.group_size=128" for f in ("int4", "int3", "int2")]
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pareto_mixtral")
+    run = lambda **kw: pareto(RECIPE, model=MIXTRAL, output=str(out), overrides=MIXTRAL_SETTINGS, progress=False,
+                              log=lambda m: None, **kw)
+    per_expert = run(budgets=["int4", "int3"], targets=("transformers",), uniform=["int8", "int4", "int3"])
+    serving = run(budgets=["int4..int8"], targets=("vllm",), uniform=["int8", "int4"])
+    return out, per_expert, serving
+
+
+def test_mixtral_per_expert_plans_beat_uniform_int4_and_int3_at_their_bytes(mixtral):
+    _, r, _ = mixtral
+    for fmt, budget in (("uniform-int4-g128-sym", "int4"), ("uniform-int3-g128-asym", "int3")):
+        uniform = find(r["points"], fmt)
+        plan = next(p for p in r["points"] if p["kind"] == "plan" and p["budget"] == budget)
+        assert plan["routed_bytes"] <= uniform["routed_bytes"]
+        assert plan["kl_mean"] < uniform["kl_mean"], (plan, uniform)
+
+
+def test_mixtral_vllm_plan_is_the_best_servable_plan_at_half_way(mixtral):
+    """At half-way between uniform INT4-g128 and INT8 bytes, a vLLM plan (one format per layer)
+    has exactly 2 of the 4 layers at INT8 and 2 at INT4-g128 (nothing else fills the budget:
+    2 x 8.09 + 2 x 4.13 bits is the budget itself). All 6 such plans are run on the same
+    statistics and evaluation tokens. The plan must be better than their mean (what mixing the
+    two formats at random gives, measured) and the best of them within 1%; and below the
+    straight line between the uniform points whenever any of the six is."""
+    from moequant.apply import calibration_settings
+    from moequant.pareto import _run_one
+    from moequant.policy import make_plan
+
+    out, _, r = mixtral
+    plan_point = next(p for p in r["points"] if p["kind"] == "plan" and p["budget"] == "int4..int8")
+    int4, int8 = find(r["points"], "uniform-int4-g128-sym"), find(r["points"], "uniform-int8-channel")
+    line = interpolate_uniform(r["points"], plan_point["bits_per_weight_experts"], int4["name"], int8["name"])
+    plan_json = json.loads((Path(plan_point["report"]).parent / "plan.json").read_text())
+    chosen = {t["layer"] for t in plan_json["tensors"] if t["role"] == "routed_expert" and t["format"] == "int8-channel"}
+    ckpt = open_checkpoint(MIXTRAL)
+    layers = adapter_for(ckpt.config).moe_layers
+    kls = {}
+    for pair in __import__("itertools").combinations(layers, 2):
+        rules = [{"layers": ",".join(map(str, pair)), "format": "int8"}, {"format": "int4"}]
+        recipe = resolve_recipe(RECIPE, MIXTRAL, str(out), overrides=[*MIXTRAL_SETTINGS, "target=vllm",
+                                "experts.method=rules", "experts.rules=" + json.dumps(rules)])
+        plan = make_plan(recipe, ckpt, out / "stats")
+        assert plan.summary["routed_bytes"] <= plan_point["routed_bytes"]
+        name = "int8-layers-" + "-".join(map(str, pair))
+        report = _run_one(name, recipe, plan, out / name, ckpt, out / "stats", calibration_settings(recipe),
+                          False, lambda m: None)
+        kls[pair] = report["quality"]["kl_mean"]
+    print("\ntiny-mixtral, vLLM plans at half-way: line", line, "plan int8 on", sorted(chosen), plan_point["kl_mean"],
+          {"".join(map(str, k)): round(v, 6) for k, v in kls.items()})
+    assert len(chosen) == 2 and kls[tuple(sorted(chosen))] == pytest.approx(plan_point["kl_mean"], rel=1e-9)
+    assert plan_point["kl_mean"] < np.mean(list(kls.values()))
+    assert plan_point["kl_mean"] <= 1.01 * min(kls.values())
+    if min(kls.values()) < line:
+        assert plan_point["kl_mean"] < line

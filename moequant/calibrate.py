@@ -300,9 +300,9 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
     if samples is None:  # else: pre-tokenised samples given by the caller (library use, tests)
         if tokenizer is None:
             tokenizer = load_tokenizer(ckpt.directory)
-        probe_held_out = settings.probe_samples if adapter.moe_layers else 0
+        n_probe = settings.probe_samples if adapter.moe_layers else 0
         samples, held_out = load_samples_with_holdout(
-            settings.dataset, tokenizer, settings.samples, probe_held_out, settings.seq_len, split="calibration",
+            settings.dataset, tokenizer, settings.samples, n_probe, settings.seq_len, split="calibration",
             seed=settings.seed, allow_fewer=settings.allow_fewer)
         if held_out:
             probe_ids = torch.stack([s.input_ids for s in held_out])

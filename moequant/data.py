@@ -544,6 +544,11 @@ def _domain_samples(corpora: list[Corpus], encode, eos, n: int, seq_len: int, se
     return samples
 
 
+def _domain_share(n_samples: int, index: int, n_domains: int) -> int:
+    """How many of n_samples the index-th domain (alphabetically) gets: earlier ones the remainder."""
+    return n_samples // n_domains + (1 if index < n_samples % n_domains else 0)
+
+
 def load_samples(
     source: str,
     tokenizer,
@@ -573,7 +578,7 @@ def load_samples(
     encode, eos = _encoder(tokenizer)
     samples: list[Sample] = []
     for i, domain in enumerate(domains):
-        want = n_samples // len(domains) + (1 if i < n_samples % len(domains) else 0)
+        want = _domain_share(n_samples, i, len(domains))
         if want == 0:
             continue
         got = _domain_samples(by_domain[domain], encode, eos, want, seq_len, seed)
@@ -604,7 +609,7 @@ def load_samples_with_holdout(source: str, tokenizer, n_samples: int, n_holdout:
     samples: list[Sample] = []
     held_out: list[Sample] = []
     for i, domain in enumerate(domains):
-        want = n_samples // len(domains) + (1 if i < n_samples % len(domains) else 0)
+        want = _domain_share(n_samples, i, len(domains))
         samples.extend(by_domain[domain][:want])
         held_out.extend(by_domain[domain][want:])
     return samples, held_out

@@ -7,6 +7,7 @@ number compared comes from the runs themselves (same statistics, same evaluation
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from fractions import Fraction
@@ -212,7 +213,7 @@ def test_mixtral_vllm_plan_is_the_best_servable_plan_at_half_way(mixtral):
     ckpt = open_checkpoint(MIXTRAL)
     layers = adapter_for(ckpt.config).moe_layers
     kls = {}
-    for pair in __import__("itertools").combinations(layers, 2):
+    for pair in itertools.combinations(layers, 2):
         rules = [{"layers": ",".join(map(str, pair)), "format": "int8"}, {"format": "int4"}]
         recipe = resolve_recipe(RECIPE, MIXTRAL, str(out), overrides=[*MIXTRAL_SETTINGS, "target=vllm",
                                 "experts.method=rules", "experts.rules=" + json.dumps(rules)])

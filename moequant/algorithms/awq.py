@@ -442,11 +442,8 @@ def awq_clip(weight: torch.Tensor, spec, hessian: torch.Tensor, *, steps: int = 
     spec = formats.get_format(spec)
     E, out_features, n_in = weight.shape
     device = torch.device(device) if device is not None else weight.device
-    if spec.name == "bf16" or spec.granularity in ("block", "tensor"):
-        zero = torch.zeros(E, dtype=torch.float64)
-        return AWQClip(weight, torch.ones(E, out_features, 1), zero, zero.clone())
     size = spec.group_size if spec.granularity == "group" else n_in
-    if n_in % size:
+    if spec.name == "bf16" or spec.granularity in ("block", "tensor") or n_in % size:
         zero = torch.zeros(E, dtype=torch.float64)
         return AWQClip(weight, torch.ones(E, out_features, 1), zero, zero.clone())
     n_groups = n_in // size
@@ -501,13 +498,9 @@ def awq_clip(weight: torch.Tensor, spec, hessian: torch.Tensor, *, steps: int = 
 
 def _routed_hessians(x: torch.Tensor, routed, num_experts: int) -> torch.Tensor:
     """Per expert X_e^T X_e / n_e of its routed tokens; an expert no token reached gets all tokens'."""
-    h_all = x.T @ x / max(x.shape[0], 1)
-    out = h_all.expand(num_experts, -1, -1).clone()
-    for e, (tok, _slot) in enumerate(routed):
-        if tok.numel():
-            xe = x[tok]
-            out[e] = xe.T @ xe / xe.shape[0]
-    return out
+    h, _, counts = input_stats([x[tok] for tok, _slot in routed], x.device)
+    h[torch.tensor(counts, device=x.device) == 0] = x.T @ x / max(x.shape[0], 1)
+    return h
 
 
 # ---------------------------------------------------------------------------------------------

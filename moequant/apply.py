@@ -23,7 +23,7 @@ from moequant.arch import adapter_for
 from moequant.calibrate import CalibrationSettings, calibrate, load_tokenizer
 from moequant.checkpoint import atomic_write_text, is_disk_full, open_checkpoint
 from moequant.errors import UserError
-from moequant.policy import make_plan, plan_to_dict, read_plan, resolve_format, write_plan
+from moequant.policy import make_plan, needs_statistics, plan_to_dict, read_plan, resolve_format, write_plan
 from moequant.recipe import Recipe, load_recipe
 
 
@@ -49,9 +49,13 @@ def sensitivity_formats(recipe: Recipe) -> tuple[str, ...]:
 def calibration_settings(recipe: Recipe, device: str = "cpu", formats: tuple[str, ...] | None = None) -> CalibrationSettings:
     c = recipe.calibration
     formats = formats or sensitivity_formats(recipe)
+    # the probe scales a budget's predicted losses; plans without a budget never read it
+    probe_samples = c.probe_samples if recipe.experts.method == "budget" else 0
     return CalibrationSettings(dataset=c.dataset, samples=c.samples, seq_len=c.seq_len, seed=recipe.seed,
                                all_experts=c.all_experts, formats=formats, device=device,
-                               probe_samples=c.probe_samples, probe_algorithm=probe_algorithm(recipe, formats))
+                               probe_samples=probe_samples,
+                               probe_algorithm=probe_algorithm(recipe, formats) if probe_samples else "rtn",
+                               compute_dtype=c.compute_dtype)
 
 
 def probe_algorithm(recipe: Recipe, format_keys) -> str:
@@ -132,11 +136,18 @@ def apply(recipe_path=None, model=None, output=None, overrides=(), device: str =
 
     t0 = time.perf_counter()
     stats_dir = out / "stats"
-    before = (stats_dir / "summary.json").stat().st_mtime_ns if (stats_dir / "summary.json").exists() else None
-    calibrate(recipe.model, stats_dir, settings, overwrite=True, tokenizer=tokenizer, progress=progress)
-    reused_stats = before is not None and (stats_dir / "summary.json").stat().st_mtime_ns == before
+    if needs_statistics(recipe):
+        before = (stats_dir / "summary.json").stat().st_mtime_ns if (stats_dir / "summary.json").exists() else None
+        calibrate(recipe.model, stats_dir, settings, overwrite=True, tokenizer=tokenizer, progress=progress)
+        reused_stats = before is not None and (stats_dir / "summary.json").stat().st_mtime_ns == before
+        log(f"calibration statistics: {stats_dir}" + (" (reused)" if reused_stats else ""))
+    else:
+        # the plan reads no statistics; GPTQ / AWQ collect their inputs in the quantize pass and the
+        # report's routing shares come from the evaluation tokens
+        shutil.rmtree(stats_dir, ignore_errors=True)  # never report another run's statistics
+        stats_dir = None
+        log("calibration: not needed by this recipe (its plan reads no statistics)")
     timings["calibrate"] = time.perf_counter() - t0
-    log(f"calibration statistics: {stats_dir}" + (" (reused)" if reused_stats else ""))
 
     t0 = time.perf_counter()
     plan, reused_plan = plan_stage(recipe, stats_dir, out / "plan.json")

@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from moequant.arch import adapter_for
 from moequant.checkpoint import atomic_write_text, open_checkpoint
 from moequant.errors import UserError
-from moequant.layers import LayerRunner
+from moequant.layers import LayerRunner, compute_dtype
 from moequant.stats import layer_file
 
 DEFAULT_SENSITIVITY_FORMATS = ("fp8-channel", "int8-channel", "int4-g128-sym", "mxfp4", "int3-g128-sym", "int2-g64-sym")
@@ -56,11 +56,13 @@ class CalibrationSettings:
     device: str = "cpu"
     probe_samples: int = 8  # per-layer KL probe on this many samples (probe.py), held out when calibrate loads the data; 0: none
     probe_algorithm: str = "rtn"  # how the probe quantizes its layer: rtn | gptq (see probe.py)
+    compute_dtype: str = "auto"  # the layers' forward: auto (bf16 on CUDA, float32 on CPU) | float32 | bfloat16
+    save_hessians: bool = False  # also write the full [E, d, d] Hessians into stats/ (inspection; large)
 
     def fingerprint_fields(self) -> dict:
         return {k: getattr(self, k) for k in ("dataset", "samples", "seq_len", "seed", "all_experts", "hessians",
                                               "formats", "min_tokens", "allow_fewer", "probe_samples",
-                                              "probe_algorithm")}
+                                              "probe_algorithm", "compute_dtype", "save_hessians")}
 
 
 def model_fingerprint(checkpoint) -> str:
@@ -77,7 +79,15 @@ def model_fingerprint(checkpoint) -> str:
 
 @dataclass
 class _LayerCollector:
-    """Accumulates one MoE layer's statistics from its router and experts hooks."""
+    """Accumulates one MoE layer's statistics from its router and experts hooks.
+
+    Everything is computed and accumulated on the device the layer runs on (no host copies
+    inside a layer; `finish` hands back device tensors). The experts' own inputs are taken from
+    the experts module's pre-hook, so the statistics do not depend on which experts
+    implementation (eager loop, batched_mm, grouped_mm) runs the layer's forward. Sums are
+    float64 on the CPU (exact tests) and float32 on accelerators (one batch adds at most a few
+    thousand terms per entry); products of bf16 activations run in TF32, which is exact for
+    bf16-valued inputs (8 mantissa bits fit TF32's 10)."""
 
     adapter: object
     experts_module: object
@@ -91,30 +101,35 @@ class _LayerCollector:
     t: dict = field(default_factory=dict)
     _routing: tuple | None = None
 
-    def __post_init__(self):
-        E, k = self.num_experts, self.top_k
-        self.t["routing.count"] = torch.zeros(E, dtype=torch.int64)
-        self.t["routing.weight_sum"] = torch.zeros(E, dtype=torch.float64)
-        self.t["routing.rank_count"] = torch.zeros(E, k, dtype=torch.int64)
-        for d in self.domains:
-            self.t[f"routing.count.{d}"] = torch.zeros(E, dtype=torch.int64)
+    def _zeros(self, key, shape, dtype, device):
+        if key not in self.t:
+            self.t[key] = torch.zeros(shape, dtype=dtype, device=device)
+        return self.t[key]
 
     def on_router(self, module, args, output):
         _, weights, indices = output
-        indices = indices.reshape(-1, self.top_k).to("cpu")
-        weights = weights.reshape(-1, self.top_k).detach().to("cpu", torch.float64)
-        E = self.num_experts
+        indices = indices.reshape(-1, self.top_k)
+        weights = weights.reshape(-1, self.top_k).detach()
+        E, dev = self.num_experts, indices.device
+        acc = torch.float64 if dev.type == "cpu" else torch.float32
         self.tokens += indices.shape[0]
-        self.t["routing.count"] += torch.bincount(indices.reshape(-1), minlength=E)
-        self.t["routing.weight_sum"].index_add_(0, indices.reshape(-1), weights.reshape(-1))
+        flat = indices.reshape(-1)
+        self._zeros("routing.count", E, torch.int64, dev).add_(torch.bincount(flat, minlength=E))
+        self._zeros("routing.weight_sum", E, torch.float64, dev).index_add_(
+            0, flat, weights.reshape(-1).to(acc).to(torch.float64))
         # rank = position of the choice when the token's weights are sorted high to low
-        order = torch.argsort(weights, dim=1, descending=True, stable=True)
+        order = torch.argsort(weights.float(), dim=1, descending=True, stable=True)
         ranked = torch.gather(indices, 1, order)
+        rank_count = self._zeros("routing.rank_count", (E, self.top_k), torch.int64, dev)
         for r in range(self.top_k):
-            self.t["routing.rank_count"][:, r] += torch.bincount(ranked[:, r], minlength=E)
-        for di, d in enumerate(self.domains):
-            sel = indices[self.token_domains == di]
-            self.t[f"routing.count.{d}"] += torch.bincount(sel.reshape(-1), minlength=E)
+            rank_count[:, r] += torch.bincount(ranked[:, r], minlength=E)
+        for d in self.domains:
+            self._zeros(f"routing.count.{d}", E, torch.int64, dev)
+        if self.domains:
+            token_domains = self.token_domains.to(dev)
+            for di, d in enumerate(self.domains):
+                sel = indices[token_domains == di]
+                self.t[f"routing.count.{d}"] += torch.bincount(sel.reshape(-1), minlength=E)
         self._routing = (indices, weights)
 
     def _acc(self, key: str, value: torch.Tensor) -> None:
@@ -127,70 +142,90 @@ class _LayerCollector:
         self.t[key] = torch.maximum(self.t[key], value) if key in self.t else value.clone()
 
     def on_experts(self, module, args, kwargs):
-        """Accumulate the experts' input statistics for one batch, all experts at once (chunked).
+        """Accumulate the experts' input statistics for one batch, all experts at once.
 
-        Routed-token statistics use the routing mask as 0/1 token weights, so one batched
-        matmul per chunk replaces a Python loop over experts."""
-        x = (args[0] if args else kwargs["hidden_states"]).detach().reshape(-1, module_hidden(args, kwargs))
-        x = x.to(torch.float32)
+        Token-expert pairs are sorted by expert once per batch (one host sync for the counts);
+        each expert's routed statistics then come from its contiguous slice."""
+        x = (args[0] if args else kwargs["hidden_states"]).detach()
+        x = x.reshape(-1, x.shape[-1])
         indices, _ = self._routing
-        E, n, d = self.num_experts, x.shape[0], x.shape[1]
-        mask = torch.zeros(n, E, dtype=torch.float32)
-        mask.scatter_(1, indices, 1.0)
-        mask = mask.to(x.device)
-        routed_n = mask.sum(0).round().to(torch.int64).cpu()
-        # gate/up input: the layer's normalised hidden state, identical for every expert
-        if self.all_experts:
-            self._acc("input.gate_up.tokens_all", torch.tensor(n, dtype=torch.int64))
-            self._acc("input.gate_up.sqsum_all", (x.double() ** 2).sum(0).cpu())
-            self._acc("input.gate_up.abssum_all", x.abs().double().sum(0).cpu())  # AWQ's channel magnitude
-            self._acc_max("input.gate_up.absmax_all", x.abs().amax(0).cpu())
-            if self.hessians:
-                self._acc("hessian_sum.gate_up_all", (x.T @ x).cpu())
-        self._acc("input_routed.gate_up.tokens", routed_n)
-        self._acc("input_routed.down.tokens", routed_n)
-        self._acc("input_routed.gate_up.sqsum", (mask.T.double() @ (x.double() ** 2)).cpu())
-        self._acc("input_routed.gate_up.abssum", (mask.T.double() @ x.abs().double()).cpu())
-        self._acc_max("input_routed.gate_up.absmax", (x.abs()[None] * mask.T[:, :, None]).amax(1).cpu())
-        if self.hessians:
-            # Σ_t m_te x_t x_tᵀ for every expert e: [E, d, d], over each expert's own routed tokens
-            # (top_k / E of the work of a masked product over every token)
-            h_routed = torch.zeros(E, d, d, dtype=torch.float32, device=x.device)
-            for e in routed_n.nonzero().flatten().tolist():
-                xe = x[mask[:, e] > 0]
-                h_routed[e] = xe.T @ xe
-            self._acc("hessian_sum_routed.gate_up", h_routed.cpu())
-        if self.all_experts:
-            self._acc("input.down.tokens", torch.full((E,), n, dtype=torch.int64))
-        # down input: each expert's own intermediate activation, over every token
-        chunk = max(1, (64 * 2**20) // max(n * d, 1))
-        for lo in range(0, E, chunk):
-            ids = list(range(lo, min(E, lo + chunk)))
-            with torch.no_grad():
-                h = torch.stack([self.adapter.expert_hidden(self.experts_module, x, e).float() for e in ids])  # [c, n, I]
-            m = mask[:, ids].T[:, :, None]  # [c, n, 1]
-            hm = h * m
-            part = {
-                "input_routed.down.sqsum": (hm.double() ** 2).sum(1),
-                "input_routed.down.abssum": hm.abs().double().sum(1),
-                "input_routed.down.absmax": hm.abs().amax(1),
-            }
-            if self.hessians:
-                part["hessian_sum_routed.down"] = hm.transpose(1, 2) @ hm
+        E, n, d, dev = self.num_experts, x.shape[0], x.shape[1], x.device
+        acc = torch.float64 if dev.type == "cpu" else torch.float32
+        flat = indices.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of_pair = order // self.top_k
+        expert_of_pair = flat[order]
+        counts = torch.bincount(flat, minlength=E)
+        offsets = [0] + torch.cumsum(counts, 0).tolist()  # the one host sync of the batch
+        xf = x.float()
+        with _tf32_for(x):
+            x_sorted = xf[token_of_pair]
+            # gate/up input: the layer's normalised hidden state, identical for every expert
             if self.all_experts:
-                part["input.down.sqsum"] = (h.double() ** 2).sum(1)
-                part["input.down.abssum"] = h.abs().double().sum(1)
-                part["input.down.absmax"] = h.abs().amax(1)
+                self._acc("input.gate_up.tokens_all", torch.tensor(n, dtype=torch.int64, device=dev))
+                self._acc("input.gate_up.sqsum_all", (xf.to(acc) ** 2).sum(0).double())
+                self._acc("input.gate_up.abssum_all", xf.abs().to(acc).sum(0).double())  # AWQ's channel magnitude
+                self._acc_max("input.gate_up.absmax_all", xf.abs().amax(0))
                 if self.hessians:
-                    part["hessian_sum.down"] = h.transpose(1, 2) @ h
-            for key, value in part.items():
-                value = value.cpu()
-                if key not in self.t:
-                    self.t[key] = torch.zeros((E,) + tuple(value.shape[1:]), dtype=value.dtype)
-                if key.endswith("absmax"):
-                    self.t[key][ids] = torch.maximum(self.t[key][ids], value)
-                else:
-                    self.t[key][ids] += value
+                    self._acc("hessian_sum.gate_up_all", xf.T @ xf)
+            self._acc("input_routed.gate_up.tokens", counts)
+            self._acc("input_routed.down.tokens", counts)
+            xs = x_sorted.to(acc)
+            self._zeros("input_routed.gate_up.sqsum", (E, d), torch.float64, dev).add_(
+                torch.zeros(E, d, dtype=acc, device=dev).index_add_(0, expert_of_pair, xs ** 2).double())
+            self._zeros("input_routed.gate_up.abssum", (E, d), torch.float64, dev).add_(
+                torch.zeros(E, d, dtype=acc, device=dev).index_add_(0, expert_of_pair, xs.abs()).double())
+            absmax = self._zeros("input_routed.gate_up.absmax", (E, d), torch.float32, dev)
+            absmax.scatter_reduce_(0, expert_of_pair[:, None].expand(-1, d), x_sorted.abs(), "amax")
+            del xs
+            if self.hessians:
+                # Σ over each expert's own routed tokens of x xᵀ: [E, d, d]
+                h_routed = self._zeros("hessian_sum_routed.gate_up", (E, d, d), torch.float32, dev)
+                for e in range(E):
+                    if offsets[e + 1] > offsets[e]:
+                        seg = x_sorted[offsets[e]:offsets[e + 1]]
+                        h_routed[e] += seg.T @ seg
+            del x_sorted
+            if self.all_experts:
+                self._acc("input.down.tokens", torch.full((E,), n, dtype=torch.int64, device=dev))
+            self._down_statistics(x, token_of_pair, offsets, acc)
+
+    def _down_statistics(self, x, token_of_pair, offsets, acc):
+        """down_proj's input is each expert's own intermediate activation act(x Wg) * (x Wu):
+        over every token (all-experts coverage) in chunks of experts by one batched matmul,
+        and over each expert's routed tokens (its slice of the sorted pairs)."""
+        E, n = self.num_experts, x.shape[0]
+        inter = self.adapter.expert_intermediate
+        budget = (2**28 if x.device.type != "cpu" else 2**24)  # elements of the [c, n, I] activation chunk
+        chunk = max(1, budget // max(n * inter, 1))
+        dev = x.device
+        with torch.no_grad():
+            for lo in range(0, E, chunk):
+                ids = list(range(lo, min(E, lo + chunk)))
+                if self.all_experts:
+                    h_all = self.adapter.experts_hidden(self.experts_module, x, ids).float()  # [c, n, I]
+                    hd = h_all.to(acc)
+                    self._zeros("input.down.sqsum", (E, inter), torch.float64, dev)[lo:lo + len(ids)] += (hd ** 2).sum(1).double()
+                    self._zeros("input.down.abssum", (E, inter), torch.float64, dev)[lo:lo + len(ids)] += hd.abs().sum(1).double()
+                    del hd
+                    mx = self._zeros("input.down.absmax", (E, inter), torch.float32, dev)
+                    mx[lo:lo + len(ids)] = torch.maximum(mx[lo:lo + len(ids)], h_all.abs().amax(1))
+                    if self.hessians:
+                        self._zeros("hessian_sum.down", (E, inter, inter), torch.float32, dev)[lo:lo + len(ids)] += \
+                            h_all.transpose(1, 2) @ h_all
+                for j, e in enumerate(ids):
+                    rows = token_of_pair[offsets[e]:offsets[e + 1]]
+                    # computed from the routed rows alone in both coverage modes, so the routed
+                    # statistics do not depend on the mode (bit for bit)
+                    he = self.adapter.expert_hidden(self.experts_module, x[rows], e).float()
+                    ha = he.to(acc)
+                    self._zeros("input_routed.down.sqsum", (E, inter), torch.float64, dev)[e] += (ha ** 2).sum(0).double()
+                    self._zeros("input_routed.down.abssum", (E, inter), torch.float64, dev)[e] += ha.abs().sum(0).double()
+                    mx = self._zeros("input_routed.down.absmax", (E, inter), torch.float32, dev)
+                    if he.shape[0]:
+                        mx[e] = torch.maximum(mx[e], he.abs().amax(0))
+                    if self.hessians:
+                        self._zeros("hessian_sum_routed.down", (E, inter, inter), torch.float32, dev)[e] += he.T @ he
 
     def finish(self) -> dict[str, torch.Tensor]:
         """Turn sums into the documented per-expert statistics (means, normalised Hessians)."""
@@ -227,17 +262,43 @@ class _LayerCollector:
         return out
 
 
+@contextmanager
+def _tf32_for(x: torch.Tensor):
+    """TF32 float32 products while computing statistics of bf16 activations (exact: bf16 values
+    fit TF32's mantissa, and the sums stay float32); float32 activations keep full float32."""
+    if x.device.type != "cuda" or x.dtype != torch.bfloat16:
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
 def module_hidden(args, kwargs) -> int:
     x = args[0] if args else kwargs["hidden_states"]
     return x.shape[-1]
 
 
+def chosen_hessian(stats: dict[str, torch.Tensor], group: str, idx, min_tokens: int):
+    """(own [c] bool, [c, d, d] Hessian) for experts `idx`: each expert's own routed-token Hessian
+    when it has at least `min_tokens` routed tokens, else the all-tokens one. The one place this
+    rule lives (sensitivity, the probe's GPTQ and the quantize pass all ask here)."""
+    h_all = stats[f"hessian.{group}"]
+    h_routed = stats[f"hessian_routed.{group}"][idx]
+    h_all = h_all.expand(stats[f"hessian_routed.{group}"].shape[0], -1, -1)[idx]
+    own = stats[f"input_routed.{group}.tokens"][idx].to(h_routed.device) >= min_tokens
+    return own, torch.where(own[:, None, None], h_routed, h_all)
+
+
 def sensitivity(weights: dict[str, torch.Tensor], stats: dict[str, torch.Tensor], format_keys, min_tokens: int):
     """Predicted per-token squared output error of RTN per (proj, format): tr(ΔW H ΔWᵀ) per expert.
 
-    H is the expert's own routed-token Hessian when it has at least `min_tokens` tokens,
-    else the all-tokens one. Formats that cannot hold a shape are left out (and reported).
-    """
+    H is `chosen_hessian`'s. Computed where the statistics are (the layer's device), in chunks of
+    experts, float64 on the CPU and float32 on accelerators (a ranking signal: 1e-6 relative is
+    plenty). Formats that cannot hold a shape are left out (and reported)."""
     from moequant import formats
 
     out, skipped = {}, []
@@ -245,19 +306,29 @@ def sensitivity(weights: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]
         group = "down" if proj == "down" else "gate_up"
         if f"hessian.{group}" not in stats:
             break
-        H_all = stats[f"hessian.{group}"].expand(W.shape[0], -1, -1)
-        H_routed = stats[f"hessian_routed.{group}"]
-        enough = stats[f"input_routed.{group}.tokens"] >= min_tokens
-        H = torch.where(enough[:, None, None], H_routed, H_all).double()
+        dev = stats[f"hessian_routed.{group}"].device
+        dtype = torch.float64 if dev.type == "cpu" else torch.float32
+        E, _, d = W.shape
+        chunk = max(1, (2**30 if dev.type != "cpu" else 2**26) // (d * d))  # Hessian elements per chunk
+        specs = []
         for key in format_keys:
+            spec = formats.parse_key(key)
             try:
-                q = formats.quantize(W, formats.parse_key(key))
+                formats.quantize(W[:1], spec)
+                specs.append((key, spec))
             except UserError:
                 skipped.append(f"{proj}:{key}")
-                continue
-            dW = (W.double() - q.dequantize(dtype=torch.float64))
-            err = torch.einsum("eoi,eij,eoj->e", dW, H, dW)
-            out[f"sensitivity.{proj}.{key}"] = err.clamp_min(0)
+        parts = {key: [] for key, _ in specs}
+        for lo in range(0, E, chunk):
+            idx = torch.arange(lo, min(E, lo + chunk), device=dev)
+            _, H = chosen_hessian(stats, group, idx, min_tokens)
+            H = H.to(dtype)
+            w = W[lo:lo + chunk].to(dev, torch.float32)
+            for key, spec in specs:
+                dW = w.to(dtype) - formats.quantize(w, spec).dequantize(dtype=dtype)
+                parts[key].append(torch.einsum("eoi,eij,eoj->e", dW, H, dW).double())
+        for key, _ in specs:
+            out[f"sensitivity.{proj}.{key}"] = torch.cat(parts[key]).clamp_min(0)
     return out, skipped
 
 
@@ -314,13 +385,16 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
 
     work = output / ".work"
     work.mkdir(parents=True, exist_ok=True)
-    runner = LayerRunner(ckpt, adapter, input_ids, batch_size=settings.batch_size, device=settings.device)
+    runner = LayerRunner(ckpt, adapter, input_ids, batch_size=settings.batch_size, device=settings.device,
+                         dtype=compute_dtype(settings.compute_dtype, settings.device))
     start_layer, hidden = load_carried(work, fingerprint, len(runner.batches))
     hidden = runner.embedded if hidden is None else hidden
     atomic_write_text(work / "fingerprint.json", json.dumps(fingerprint))
 
     timings = {}
     bs = settings.batch_size
+    probe_needs_hessians = (settings.probe_samples > 0 and bool(adapter.moe_layers)
+                            and settings.probe_algorithm == "gptq" and settings.hessians)
     for L in _progress(range(start_layer, adapter.num_layers), progress, "calibrating", adapter.num_layers, start_layer):
         t0 = time.perf_counter()
         with _naming_damaged_weights(ckpt, adapter, L), runner.materialized(L) as module:
@@ -333,11 +407,22 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
 
                 hidden = collect_moe_stats(runner, module, L, col, hidden, before_batch=set_domains)
                 tensors = col.finish()
-                weights = {p: adapter.read_experts(ckpt, L, p).float() for p in adapter.projections}
+                weights = {p: adapter.read_experts(ckpt, L, p) for p in adapter.projections}
                 sens, skipped = sensitivity(weights, tensors, settings.formats, settings.min_tokens)
                 tensors.update(sens)
                 _check_finite(tensors, L)
-                _save_atomic(tensors, layer_file(output, L), {"layer": str(L), "tokens": str(col.tokens)})
+                # the full [E, d, d] Hessians live only inside this layer; the statistics keep
+                # their diagonals (stats.py); the GPTQ probe gets its own scratch copy
+                hessians = {k: v for k, v in tensors.items() if k.startswith("hessian")}
+                kept = {k: v for k, v in tensors.items() if not k.startswith("hessian")}
+                kept.update({f"{k.split('.')[0]}_diag.{k.split('.')[1]}": torch.diagonal(v, dim1=-2, dim2=-1)
+                             for k, v in hessians.items()})
+                if settings.save_hessians:
+                    kept.update(hessians)
+                elif hessians and probe_needs_hessians:
+                    _save_atomic(hessians, work / f"hessians_{L:03d}.safetensors", {"layer": str(L)})
+                _save_atomic(kept, layer_file(output, L), {"layer": str(L), "tokens": str(col.tokens)})
+                del tensors, hessians, kept, weights
                 (work / f"skipped_{L:03d}.json").write_text(json.dumps(skipped))
             else:
                 hidden = runner.forward(module, L, hidden)
@@ -492,7 +577,7 @@ def collect_moe_stats(runner, module, layer: int, collector: "_LayerCollector", 
 
 def _save_atomic(tensors: dict, path: Path, metadata: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
     tmp.replace(path)
 
 

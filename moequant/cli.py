@@ -63,19 +63,21 @@ def inspect(model: str, as_json: bool):
 @click.option("--all-experts/--routed-only", default=True, show_default=True,
               help="Push every token through every expert for the statistics (real routing kept apart).")
 @click.option("--no-hessians", is_flag=True, help="Skip XᵀX (saves memory; GPTQ and sensitivities need them).")
+@click.option("--save-hessians", is_flag=True,
+              help="Also write the full [E, d, d] Hessians into the statistics (large; by default only their diagonals).")
 @click.option("--formats", default=",".join(DEFAULT_SENSITIVITY_FORMATS),
               show_default=True, help="Format keys to predict sensitivity for.")
 @click.option("--allow-fewer", is_flag=True, help="Accept fewer samples than asked when the data set is small.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--overwrite", is_flag=True, help="Replace statistics of another model or other settings in --output.")
 @user_errors
-def calibrate(model, dataset, samples, seq_len, seed, batch_size, output, all_experts, no_hessians, formats,
+def calibrate(model, dataset, samples, seq_len, seed, batch_size, output, all_experts, no_hessians, save_hessians, formats,
               allow_fewer, device, overwrite):
     """Per-expert routing and input statistics of MODEL on a data set, layer by layer."""
     from moequant.calibrate import CalibrationSettings, calibrate as run
 
     settings = CalibrationSettings(dataset=dataset, samples=samples, seq_len=seq_len, seed=seed, batch_size=batch_size,
-                                   all_experts=all_experts, hessians=not no_hessians,
+                                   all_experts=all_experts, hessians=not no_hessians, save_hessians=save_hessians,
                                    formats=tuple(f.strip() for f in formats.split(",") if f.strip()),
                                    allow_fewer=allow_fewer, device=device)
     out = run(model, output, settings, overwrite=overwrite)

@@ -37,7 +37,26 @@ class _PassThrough(nn.Module):
         return hidden_states
 
 
-def build_skeleton(checkpoint, dtype=torch.float32):
+def experts_implementation_for(device, dtype) -> str | None:
+    """transformers' experts implementation for a layer forward: `grouped_mm` (torch's grouped
+    GEMM, one kernel for all experts) for bf16 on CUDA; otherwise transformers' own default."""
+    device = torch.device(device)
+    return "grouped_mm" if device.type == "cuda" and dtype == torch.bfloat16 else None
+
+
+def compute_dtype(name: str, device, checkpoint=None) -> torch.dtype:
+    """`auto`: the checkpoint's own dtype (bf16) on CUDA, float32 on the CPU (exact tests);
+    `float32` / `bfloat16` force it."""
+    if name == "float32":
+        return torch.float32
+    if name in ("bfloat16", "bf16"):
+        return torch.bfloat16
+    if name != "auto":
+        raise UserError(f"compute_dtype {name!r} is not one moequant runs; accepted: auto, float32, bfloat16.")
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def build_skeleton(checkpoint, dtype=torch.float32, experts_implementation: str | None = None):
     """The model on the meta device with embedding, final norm and rotary embedding made real."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -47,7 +66,8 @@ def build_skeleton(checkpoint, dtype=torch.float32):
     try:
         config = AutoConfig.from_pretrained(checkpoint.directory, trust_remote_code=False)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            extra = {"experts_implementation": experts_implementation} if experts_implementation else {}
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
     finally:
         quiet.setLevel(level)
     base = model.model
@@ -70,7 +90,7 @@ class LayerRunner:
         self.adapter = adapter
         self.device = torch.device(device)
         self.dtype = dtype
-        self.model = build_skeleton(checkpoint, dtype)
+        self.model = build_skeleton(checkpoint, dtype, experts_implementation_for(self.device, dtype))
         self.layers = list(self.model.model.layers)
         self.batches = list(torch.split(input_ids, batch_size))
         self.layer_kwargs: list[dict] = []  # per batch: layer index → (args, kwargs)
@@ -124,7 +144,7 @@ class LayerRunner:
                 if not torch.isfinite(y).all():
                     raise UserError(f"layer {layer} produced NaN or Inf activations on calibration batch {b}; "
                                     "the checkpoint's weights or the data are broken.")
-                out.append(y.detach().to("cpu"))
+                out.append(y.detach())  # stays on the device: the next layer reads it there
         return out
 
 

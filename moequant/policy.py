@@ -735,6 +735,17 @@ def _min_bytes(ctx: _Context, target: str, free, specs) -> int:
     return sum(min(o[1] for o in _group_options(ctx, g, specs, None)) for g in _groups(ctx, target, free))
 
 
+def needs_statistics(recipe: Recipe) -> bool:
+    """Whether the plan depends on calibration statistics: a budget (sensitivities) or rules on
+    routing shares. Uniform formats and layer rules need none: such a run calibrates nothing
+    (the quantize pass collects GPTQ / AWQ's inputs itself)."""
+    if recipe.experts.method == "budget":
+        return True
+    if recipe.experts.method == "rules":
+        return any(r.share_at_least is not None or r.share_below is not None for r in recipe.experts.rules or [])
+    return False
+
+
 def _apply_rules(ctx: _Context, recipe: Recipe, free) -> dict:
     rules = recipe.experts.rules
     needs_share = any(r.share_at_least is not None or r.share_below is not None for r in rules)

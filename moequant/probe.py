@@ -166,16 +166,22 @@ def probe_algorithm_for(algorithm: str, hessians: bool = True) -> str:
 
 
 def layer_hessians(stats_dir: Path, layer: int, proj: str, num_experts: int, min_tokens: int) -> torch.Tensor:
-    """[E, d, d]: each expert's routed-token Hessian when it has >= min_tokens tokens, else the
-    all-tokens one (the choice calibrate.sensitivity and the quantize pass make)."""
+    """[E, d, d]: `calibrate.chosen_hessian` of every expert, from the statistics when they were
+    saved with their Hessians, else from calibration's scratch copy (`.work/hessians_LLL`)."""
     from safetensors import safe_open
 
+    from moequant.calibrate import chosen_hessian
+
     group = "down" if proj == "down" else "gate_up"
-    with safe_open(str(layer_file(stats_dir, layer)), "pt") as f:
-        h_all = f.get_tensor(f"hessian.{group}").expand(num_experts, -1, -1)
-        h_routed = f.get_tensor(f"hessian_routed.{group}")
-        enough = f.get_tensor(f"input_routed.{group}.tokens") >= min_tokens
-    return torch.where(enough[:, None, None], h_routed, h_all)
+    path = layer_file(stats_dir, layer)
+    scratch = Path(stats_dir) / ".work" / f"hessians_{layer:03d}.safetensors"
+    keys = (f"hessian.{group}", f"hessian_routed.{group}")
+    with safe_open(str(path), "pt") as f:
+        stats = {k: f.get_tensor(k) for k in f.keys() if k in keys or k == f"input_routed.{group}.tokens"}
+    if not all(k in stats for k in keys):
+        with safe_open(str(scratch), "pt") as f:
+            stats.update({k: f.get_tensor(k) for k in keys})
+    return chosen_hessian(stats, group, torch.arange(num_experts), min_tokens)[1]
 
 
 def _probed_experts(adapter, checkpoint, layer: int, key: str, algorithm: str, stats_dir: Path, min_tokens: int,

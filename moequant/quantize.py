@@ -48,11 +48,11 @@ from safetensors.torch import load_file
 
 from moequant import formats
 from moequant.arch import adapter_for
-from moequant.calibrate import (CalibrationSettings, _LayerCollector, _save_atomic, collect_moe_stats, load_carried,
-                                load_tokenizer, save_carried)
+from moequant.calibrate import (CalibrationSettings, _LayerCollector, _save_atomic, chosen_hessian, collect_moe_stats,
+                                load_carried, load_tokenizer, save_carried)
 from moequant.checkpoint import atomic_write_text, open_checkpoint
 from moequant.errors import UserError
-from moequant.layers import LayerRunner
+from moequant.layers import LayerRunner, compute_dtype
 from moequant.policy import Plan
 
 
@@ -123,16 +123,15 @@ AWQ_HOLDOUT = 0.25  # share of the recorded calibration tokens that validates th
 
 def _chosen_statistics(collected: dict, group: str, idx: torch.Tensor, num_experts: int, min_tokens: int):
     """Per expert of `idx`: (own, routed tokens, Hessian, mean |x|, token count used) — the expert's
-    own routed-token statistics when it has at least `min_tokens` tokens, else all tokens'."""
+    own routed-token statistics when it has at least `min_tokens` tokens, else all tokens'
+    (`calibrate.chosen_hessian`'s rule)."""
     tokens = collected[f"input_routed.{group}.tokens"][idx]
-    own = tokens >= min_tokens
-    h_all = collected[f"hessian.{group}"]
-    h_all = h_all.expand(num_experts, -1, -1)[idx] if h_all.shape[0] == 1 else h_all[idx]
-    H = torch.where(own[:, None, None], collected[f"hessian_routed.{group}"][idx], h_all)
+    own, H = chosen_hessian(collected, group, idx, min_tokens)
+    own = own.to(tokens.device)
     m = torch.where(own[:, None], collected[f"input_routed.{group}.abs_mean"][idx],
                     collected[f"input.{group}.abs_mean"][idx])
     used = torch.where(own, tokens, collected[f"input.{group}.tokens"][idx])
-    return own, tokens, H, m, used
+    return own.cpu(), tokens.cpu(), H, m, used
 
 
 def _check_awq_supported(adapter, layer: int) -> None:
@@ -398,6 +397,20 @@ def _routing_recorder(adapter, module, store: list):
 # ----------------------------------------------------------------------------- the pass
 
 
+def _mark_finished(work: Path, fingerprint: str, next_layer: int) -> None:
+    """Progress of the part of the pass that needs no activations (after the last GPTQ / AWQ layer)."""
+    atomic_write_text(work / "weights_only.json", json.dumps({"fingerprint": fingerprint, "next_layer": next_layer}))
+
+
+def _finished_layers(work: Path, fingerprint: str) -> int:
+    path = work / "weights_only.json"
+    if path.exists():
+        record = json.loads(path.read_text())
+        if record.get("fingerprint") == fingerprint:
+            return int(record["next_layer"])
+    return 0
+
+
 def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_dir: str | Path,
                    samples=None, progress: bool = True) -> tuple[dict, dict]:
     """Run the sequential pass. Returns (quantized tensors keyed as `export_checkpoint` takes them,
@@ -432,10 +445,22 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
     for t in plan.tensors:
         rows_by_layer.setdefault(t.layer, []).append(t)
 
-    runner = LayerRunner(ckpt, adapter, input_ids, batch_size=settings.batch_size, device=settings.device)
-    start, hidden = load_carried(work, fingerprint, len(runner.batches))
+    # layers whose quantization reads calibration activations (GPTQ / AWQ experts); after the
+    # last of them no forward is needed at all (round-to-nearest reads only the weights)
+    data_layers = sorted({t.layer for t in plan.tensors if t.role == "routed_expert" and t.format != "bf16"
+                          and t.algorithm in ("gptq", "awq") and t.layer in adapter.moe_layers})
+    last_data_layer = data_layers[-1] if data_layers else -1
+    if data_layers:
+        runner = LayerRunner(ckpt, adapter, input_ids, batch_size=settings.batch_size, device=settings.device,
+                             dtype=compute_dtype(settings.compute_dtype, settings.device))
+        start, hidden = load_carried(work, fingerprint, len(runner.batches))
+        if _finished_layers(work, fingerprint) > max(start, last_data_layer):  # past the last layer that reads data
+            start, hidden = _finished_layers(work, fingerprint), []
+    else:
+        runner, start, hidden = None, _finished_layers(work, fingerprint), []
     if hidden is None:
         hidden = runner.embedded
+    if start == 0:
         for p in [*work.glob("layer_*"), *work.glob("awq_*")]:
             p.unlink()
 
@@ -453,8 +478,12 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
         needs_stats = any(t.algorithm in ("gptq", "awq") and t.format != "bf16" for t in expert_rows)
         uses_awq = any(t.algorithm == "awq" and t.format != "bf16" for t in expert_rows)
         routing_before, routing_after, tokens = [], [], {}
+        weights, routed_tokens = None, None
+        if expert_rows:
+            dev = "cpu" if uses_awq else settings.device  # AWQ's search runs on host copies
+            weights = {p: adapter.read_experts(ckpt, L, p).to(dev, torch.float32) for p in adapter.projections}
         if L in adapter.moe_layers and needs_stats:
-            with runner.materialized(L) as module:
+            with runner.materialized(L, experts=weights) as module:
                 col = _LayerCollector(adapter, module.mlp.experts, adapter.num_experts, adapter.top_k, [], True, True)
                 col.token_domains = torch.zeros(0, dtype=torch.long)
                 hooks = [_routing_recorder(adapter, module, routing_before)]
@@ -466,10 +495,14 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
                     for hook in hooks:
                         hook.remove()
                 collected = col.finish()
+                # the pass's own routing (inputs from the quantized layers before): the report's
+                # usage signal when the recipe ran no calibration
+                routed_tokens = collected["routing.count"].tolist()
+                if uses_awq:
+                    collected = {k: v.cpu() for k, v in collected.items()}
         quantized, report, experts_dq = ({}, {}, None)
         replaced, awq_report, input_scale = {}, {}, None
         if expert_rows:
-            weights = {p: adapter.read_experts(ckpt, L, p).float() for p in adapter.projections}
             changed = {}
             if uses_awq:
                 input_scale, replaced, changed, awq_report = _awq_layer(adapter, ckpt, L, expert_rows, weights,
@@ -493,13 +526,15 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
             if role.role == "routed_expert":
                 experts_dq[role.proj][role.expert] = t.float()
         forward_tensors = {**other_dq, **{n: t.float() for n, t in kept.items() if adapter.classify(n).role != "routed_expert"}}
-        with runner.materialized(L, experts=experts_dq, tensors=forward_tensors) as module:
-            hook = _routing_recorder(adapter, module, routing_after) if uses_awq and routing_before else None
-            try:
-                hidden = runner.forward(module, L, hidden)
-            finally:
-                if hook is not None:
-                    hook.remove()
+        if L < last_data_layer:  # a later layer's GPTQ / AWQ reads this layer's quantized output
+            with runner.materialized(L, experts=experts_dq, tensors=forward_tensors) as module:
+                hook = _routing_recorder(adapter, module, routing_after) if uses_awq and routing_before else None
+                try:
+                    hidden = runner.forward(module, L, hidden)
+                finally:
+                    if hook is not None:
+                        hook.remove()
+        del weights, experts_dq, collected
         scales = awq_report.pop("scales", None)
         if scales is not None:  # diagnostics (tests, reports); the checkpoint holds the folds themselves
             _save_atomic(scales, work / f"awq_{L:03d}.safetensors", {})
@@ -517,9 +552,14 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
                     "norm/router in their dtype" + (", quantized attention" if q_other else "") + ")")
         quantized.update(kept)
         save_quantized(quantized, work / f"layer_{L:03d}.safetensors")
+        if routed_tokens is not None:
+            report["routed_tokens"] = routed_tokens
         report["seconds"] = time.perf_counter() - t0
         atomic_write_text(work / f"layer_{L:03d}.json", json.dumps(report, indent=2))
-        save_carried(work, fingerprint, L + 1, hidden)
+        if L < last_data_layer:
+            save_carried(work, fingerprint, L + 1, hidden)
+        else:
+            _mark_finished(work, fingerprint, L + 1)
 
     # tensors outside the decoder layers (lm_head when the plan quantizes it)
     q_top, _ = _quantize_other(ckpt, rows_by_layer.get(None, []))

@@ -114,6 +114,8 @@ class Calibration(Strict):
     # how the probe quantizes its layer; auto: as the quantize pass will (gptq where the recipe
     # quantizes the probe format with GPTQ, else rtn)
     probe_algorithm: Literal["auto", "rtn", "gptq"] = "auto"
+    # the layers' forward: auto = bf16 on CUDA (the checkpoint's dtype), float32 on the CPU
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
 
 class Evaluate(Strict):

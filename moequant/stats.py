@@ -10,8 +10,11 @@ Layout of a `stats/` directory:
   `input.<group>.tokens [E]`, `input.<group>.sq_mean [E, d]`, `input.<group>.absmax [E, d]`
   with group `gate_up` (the input gate and up share) or `down`, over the statistic tokens
   (every token when all-experts coverage is on, else the routed ones);
-  `hessian.<group> [E, d, d]` fp32 = XᵀX / n over the statistic tokens and
-  `hessian_routed.<group>`, `input_routed.<group>.tokens` over the real routed tokens only;
+  `hessian_diag.<group> [E, d]` fp32 = diag(XᵀX / n) over the statistic tokens and
+  `hessian_routed_diag.<group>`, `input_routed.<group>.tokens` over the real routed tokens only
+  (the full `[E, d, d]` Hessians live only inside the layer being processed: at DeepSeek-V3
+  shape they would be ~57 GB per layer; `CalibrationSettings.save_hessians` / `calibrate
+  --save-hessians` also writes them as `hessian.<group>` / `hessian_routed.<group>`);
   `sensitivity.<proj>.<format_key> [E]` float64 predicted output error (see calibrate.py);
 - `probe.json`: the per-layer KL probe (measured KL of quantizing one layer's routed experts,
   the policy's predicted loss for it, their ratio), when calibration ran it (see probe.py).
@@ -84,7 +87,8 @@ class LayerStats:
     def hessian(self, proj: str, routed: bool = False) -> torch.Tensor:
         key = ("hessian_routed." if routed else "hessian.") + GROUP_OF_PROJ.get(proj, proj)
         if key not in self.tensors:
-            raise UserError(f"statistics of layer {self.layer} hold no {key}; calibrate with Hessians enabled.")
+            raise UserError(f"statistics of layer {self.layer} hold no {key}; calibrate with --save-hessians to keep "
+                            "the full Hessians (only their diagonals are kept by default).")
         h = self.tensors[key]
         return h.expand(self.num_experts, -1, -1) if h.shape[0] == 1 else h  # shared by all experts
 

@@ -65,8 +65,21 @@ def reference_pass(directory, samples):
 @pytest.mark.parametrize("model_type", list(TINY_CONFIGS))
 def test_routing_counts_and_statistics_match_an_independent_hook(tiny_dirs, tmp_path, model_type):
     samples = make_samples()
-    out = calibrate(str(tiny_dirs[model_type]), tmp_path / "stats", settings(), samples=samples, progress=False)
+    out = calibrate(str(tiny_dirs[model_type]), tmp_path / "stats", settings(save_hessians=True), samples=samples,
+                    progress=False)
     stats = load_stats(out)
+    # by default the statistics keep only the Hessians' diagonals, equal to the full ones'
+    lean = load_stats(calibrate(str(tiny_dirs[model_type]), tmp_path / "lean", settings(), samples=samples,
+                                progress=False))
+    for L, ls in lean.layers.items():
+        assert not [k for k in ls.tensors if k.startswith(("hessian.", "hessian_routed."))]
+        for group in ("gate_up", "down"):
+            for kind in ("hessian", "hessian_routed"):
+                full = stats.layers[L].tensors[f"{kind}.{group}"]
+                assert torch.equal(ls.tensors[f"{kind}_diag.{group}"], torch.diagonal(full, dim1=-2, dim2=-1))
+        for k, v in ls.tensors.items():
+            if k.startswith("sensitivity."):
+                assert torch.equal(v, stats.layers[L].tensors[k]), k
     adapter, model, ref = reference_pass(tiny_dirs[model_type], samples)
     assert sorted(stats.layers) == adapter.moe_layers
     domains = torch.tensor([s.domain == "code" for s in samples]).repeat_interleave(SEQ)
@@ -100,9 +113,10 @@ def test_routing_counts_and_statistics_match_an_independent_hook(tiny_dirs, tmp_
 
 def test_routed_only_mode_differs_only_where_it_should(tiny_dirs, tmp_path):
     d = str(tiny_dirs["qwen2_moe"])
-    a = load_stats(calibrate(d, tmp_path / "all", settings(), samples=make_samples(), progress=False)).layers
-    r = load_stats(calibrate(d, tmp_path / "routed", settings(all_experts=False), samples=make_samples(),
+    a = load_stats(calibrate(d, tmp_path / "all", settings(save_hessians=True), samples=make_samples(),
                              progress=False)).layers
+    r = load_stats(calibrate(d, tmp_path / "routed", settings(all_experts=False, save_hessians=True),
+                             samples=make_samples(), progress=False)).layers
     for L in a:
         for k, v in r[L].tensors.items():
             if k.startswith(("routing.", "input_routed.", "hessian_routed.")):

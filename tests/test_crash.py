@@ -264,14 +264,16 @@ def test_full_disk_during_export_fails_in_one_sentence_and_leaves_no_checkpoint(
 def test_full_disk_during_apply_is_one_line_and_the_run_continues_once_there_is_space(model_dir, reference,
                                                                                      tmp_path):
     ref, _ = reference
-    disk = _small_filesystem(tmp_path / "disk", "400k")  # statistics and plan fit; the quantize pass does not
+    disk = _small_filesystem(tmp_path / "disk", "370k")  # statistics (~110k) and plan fit; quantize or export does not
     if disk is None:
         pytest.skip("mounting a size-limited tmpfs needs root; the export-level test simulates ENOSPC instead")
     try:
         result = CliRunner().invoke(main, apply_args(model_dir, disk / "run"))
         assert result.exit_code == 2, result.output
         lines = result.output.strip().splitlines()
-        assert lines[-1].startswith("error: the disk is full") and lines[-1].count(". ") == 0, result.output
+        # one sentence from the stage that hit it (the quantize pass or the checkpoint writer)
+        assert lines[-1].startswith("error: the disk") and " is full " in lines[-1], result.output
+        assert lines[-1].count(". ") == 0, result.output
         assert not (disk / "run" / "checkpoint").exists()
         assert (disk / "run" / "stats" / "summary.json").exists()
         subprocess.run(["mount", "-o", "remount,size=8m", str(disk)], check=True)
@@ -339,7 +341,6 @@ def test_experts_no_token_reaches_are_counted_as_unused_and_still_quantized(mode
     calibration token. The statistics must count 0 routed tokens for them, the quantize pass must
     say which Hessian it used instead of their own (empty) one, and write finite weights."""
     from moequant.loader import dequantized_state_dict
-    from moequant.stats import load_stats
 
     directory = tmp_path / "unused"
     shutil.copytree(model_dir, directory)
@@ -348,9 +349,9 @@ def test_experts_no_token_reaches_are_counted_as_unused_and_still_quantized(mode
     out = tmp_path / "run"
     run_apply(directory, out, "calibration.all_experts=false", "experts.method=uniform", "experts.format=int4",
               "algorithms.int4=gptq")
-    counts = load_stats(out / "stats", with_hessians=False).layers[1].routed_count
-    assert counts.tolist() == [64, 64, 0, 0, 0, 0]  # 2 samples x 32 tokens, each to experts 0 and 1
+    assert not (out / "stats").exists()  # a uniform recipe calibrates nothing: the quantize pass counts
     report = json.loads((out / "checkpoint.json").read_text())["quantize"]["1"]
+    assert report["routed_tokens"] == [64, 64, 0, 0, 0, 0]  # 2 samples x 32 tokens, each to experts 0 and 1
     weights = dequantized_state_dict(out / "checkpoint", torch.float32)
     for proj in ("gate", "up", "down"):
         fallbacks = report[f"{proj}:int4-g32-sym"]["gptq"]["fallbacks"]

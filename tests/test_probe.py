@@ -79,9 +79,14 @@ def test_probe_kl_equals_the_whole_model_with_layers_quantized(tiny_dirs, tmp_pa
     d = tiny_dirs[model_type]
     samples = make_samples()
     min_tokens = 20
-    out = calibrate(str(d), tmp_path / "stats", settings(probe_algorithm=algorithm, min_tokens=min_tokens),
-                    samples=samples, progress=False)
+    out = calibrate(str(d), tmp_path / "stats", settings(probe_algorithm=algorithm, min_tokens=min_tokens,
+                                                         save_hessians=True), samples=samples, progress=False)
     probe = json.loads((out / "probe.json").read_text())
+    if algorithm == "gptq":  # without saved Hessians the probe reads calibration's scratch copy, then it is gone
+        lean = calibrate(str(d), tmp_path / "lean", settings(probe_algorithm=algorithm, min_tokens=min_tokens),
+                         samples=samples, progress=False)
+        assert json.loads((lean / "probe.json").read_text()) == probe
+        assert not list(lean.rglob("hessians_*")) and not (lean / ".work").exists()
     assert probe["algorithm"] == algorithm and probe["held_out"] is False  # caller-given samples: in sample
     assert probe == load_stats(out).probe
     ids = torch.stack([s.input_ids for s in samples])

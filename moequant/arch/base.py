@@ -255,6 +255,11 @@ class Adapter:
         gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[expert]).chunk(2, dim=-1)
         return experts.act_fn(gate) * up
 
+    def experts_hidden(self, experts, x: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        """`expert_hidden` of several experts at once: [len(ids), n, I], one batched matmul."""
+        gate, up = torch.matmul(x, experts.gate_up_proj[ids].transpose(-1, -2)).chunk(2, dim=-1)
+        return experts.act_fn(gate) * up
+
     def layer_state_dict(self, checkpoint, layer: int, keys, dtype=torch.float32, experts=None, tensors=None) -> dict:
         """State dict of decoder layer `layer` in transformers' in-memory layout.
 

@@ -97,6 +97,10 @@ class GptOssAdapter(Adapter):
         gate_up = x @ experts.gate_up_proj[expert] + experts.gate_up_proj_bias[expert]
         return experts._apply_gate(gate_up)
 
+    def experts_hidden(self, experts, x, ids):
+        gate_up = torch.matmul(x, experts.gate_up_proj[ids]) + experts.gate_up_proj_bias[ids][:, None, :]
+        return experts._apply_gate(gate_up)
+
     def fuse_experts(self, checkpoint, layer, key, experts):
         if key.endswith("down_proj"):
             d = experts.get("down")
@@ -107,7 +111,7 @@ class GptOssAdapter(Adapter):
         g = self.read_experts(checkpoint, layer, "gate") if g is None else g
         u = self.read_experts(checkpoint, layer, "up") if u is None else u
         E, i, h = g.shape
-        fused = torch.empty(E, h, 2 * i, dtype=g.dtype)
+        fused = torch.empty(E, h, 2 * i, dtype=g.dtype, device=g.device)
         fused[:, :, 0::2] = g.transpose(1, 2)
         fused[:, :, 1::2] = u.transpose(1, 2)
         return fused

@@ -85,12 +85,12 @@ class LayerRunner:
     """Carries calibration hidden states through the decoder layers, one layer in memory at a time."""
 
     def __init__(self, checkpoint, adapter: Adapter, input_ids: torch.Tensor, batch_size: int = 8,
-                 device: str | torch.device = "cpu", dtype=torch.float32):
+                 device: str | torch.device = "cpu", dtype=torch.float32, experts_implementation: str | None = None):
         self.checkpoint = checkpoint
         self.adapter = adapter
         self.device = torch.device(device)
         self.dtype = dtype
-        self.model = build_skeleton(checkpoint, dtype, experts_implementation_for(self.device, dtype))
+        self.model = build_skeleton(checkpoint, dtype, experts_implementation or experts_implementation_for(self.device, dtype))
         self.layers = list(self.model.model.layers)
         self.batches = list(torch.split(input_ids, batch_size))
         self.layer_kwargs: list[dict] = []  # per batch: layer index → (args, kwargs)

@@ -1,0 +1,264 @@
+"""End to end on one GPU at a real model's shape: `moequant apply` vs llm-compressor `oneshot`.
+
+A random-weight model is built from a real config (tests/data/configs; Qwen3-30B-A3B by default)
+with few decoder layers and a small vocabulary (the bundled tokenizer's 4096 tokens), in bf16.
+Every tool gets the same calibration tokens (moequant's calibration split of `builtin:mix`) and
+is run in its own subprocess (peak RSS and peak GPU memory are its own), at two layer counts, so
+the *marginal* seconds per decoder layer come out without start-up costs:
+
+  moequant-gptq        recipes/uniform-int4.yaml at int4-g128, GPTQ (no calibration pass, no probe)
+  moequant-selective   recipes/selective.yaml (budget 5.5 bits over int8 / int4-g128: calibrate, plan,
+                       quantize)
+  moequant-fp8         recipes/uniform-fp8.yaml (per-channel FP8, round-to-nearest: no forward at all)
+  llmc-gptq            llm-compressor 0.14 oneshot + GPTQModifier W4A16 int4-g128 on the routed experts
+                       (the same tensors), saved compressed
+
+Printed per tool and layer count: wall seconds of the whole run, moequant's stage seconds (from
+report.json's timings), peak GPU memory (torch.cuda.max_memory_allocated), peak host RSS, bytes
+moequant wrote to scratch (stats/ and work/, counted at every write), and the held-out quality:
+KL / top-1 of each checkpoint against the original on the same evaluation windows (moequant's
+evaluation, run on every checkpoint alike). Then seconds per layer = (t[L2] - t[L1]) / (L2 - L1).
+
+    python benchmarks/bench_e2e.py [--config qwen3-30b-a3b] [--layers 2 3] [--samples 128] [--seq-len 512]
+        [--tools moequant-gptq,moequant-selective,moequant-fp8,llmc-gptq] [--json out.json]
+
+Measured on one H200: see the table at the end of this docstring (filled in from the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "tests" / "data" / "configs"
+TOOLS = ("moequant-gptq", "moequant-selective", "moequant-fp8", "llmc-gptq")
+RECIPES = {
+    "moequant-gptq": ("uniform-int4.yaml", ["formats.int4.group_size=128"]),
+    "moequant-selective": ("selective.yaml", ["formats.int4.group_size=128"]),
+    "moequant-fp8": ("uniform-fp8.yaml", []),
+}
+
+
+def build(config_name: str, layers: int, vocab: int, directory: Path, device: str, overrides=()) -> int:
+    """A random-weight bf16 checkpoint of `config_name` with `layers` decoder layers; returns its bytes.
+    `overrides`: config `key=value` pairs (JSON values), e.g. to shrink it for a CPU smoke run."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moequant import zoo
+
+    raw = json.loads((CONFIGS / f"{config_name}.json").read_text())
+    raw.update(num_hidden_layers=layers, vocab_size=vocab)
+    raw.update({k: json.loads(v) for k, v in (o.split("=", 1) for o in overrides)})
+    for key in ("first_k_dense_replace",):  # keep DeepSeek's leading dense layers within the count
+        if key in raw:
+            raw[key] = min(raw[key], max(layers - 2, 0))
+    raw.pop("quantization_config", None)
+    model_type = raw.pop("model_type")
+    raw.pop("architectures", None)
+    config = AutoConfig.for_model(model_type, **raw)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(directory)
+    del model
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the bundled models' 4096-token tokenizer
+        shutil.copy(zoo.path("tiny-qwen2moe") / name, directory / name)
+    return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def child_moequant(tool: str, model: str, out: str, samples: int, seq_len: int, eval_samples: int,
+                   device: str) -> dict:
+    """Runs in the subprocess: one `moequant apply`; counts every byte written under stats/ and work/."""
+    import torch
+
+    import moequant.calibrate as cal
+    import moequant.checkpoint as ck
+    import moequant.quantize as qz
+    from moequant.apply import apply
+
+    scratch = {"bytes": 0}
+    real_save, real_text = cal._save_atomic, ck.atomic_write_text
+
+    def counting_save(tensors, path, metadata):
+        real_save(tensors, path, metadata)
+        scratch["bytes"] += Path(path).stat().st_size
+
+    def counting_text(path, text, *a, **k):
+        real_text(path, text, *a, **k)
+        if any(part in ("stats", "work") for part in Path(path).parts):
+            scratch["bytes"] += Path(path).stat().st_size
+
+    cal._save_atomic = qz._save_atomic = counting_save
+    ck.atomic_write_text = cal.atomic_write_text = qz.atomic_write_text = counting_text
+    recipe, extra = RECIPES[tool]
+    overrides = [f"calibration.samples={samples}", f"calibration.seq_len={seq_len}",
+                 f"evaluate.samples={eval_samples}", f"evaluate.seq_len={seq_len}", *extra]
+    t0 = time.perf_counter()
+    apply(str(ROOT / "recipes" / recipe), model=model, output=out, overrides=overrides, device=device,
+          progress=False, log=lambda *_: None)
+    seconds = time.perf_counter() - t0
+    report = json.loads((Path(out) / "report.json").read_text())
+    q = report.get("quality") or {}
+    return {"seconds": seconds, "timings": report.get("timings", {}),
+            "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "scratch_bytes": scratch["bytes"], "stats_bytes": _dir_bytes(Path(out) / "stats"),
+            "kl": q.get("kl_mean"), "top1": q.get("top1_agreement"),
+            "bits": report["memory"].get("bits_per_weight_experts")}
+
+
+def child_llmc(model: str, out: str, samples: int, seq_len: int, eval_samples: int) -> dict:
+    """Runs in the subprocess: llm-compressor's oneshot GPTQ W4A16 g128 of the routed experts."""
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    from transformers import AutoModelForCausalLM
+
+    ids = calibration_ids(model, samples, seq_len)
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+    t0 = time.perf_counter()
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    scheme = QuantizationScheme(targets=[r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
+                                weights=QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                                                         group_size=128))
+    oneshot(model=m, dataset=data, recipe=GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"]),
+            num_calibration_samples=ids.shape[0], max_seq_length=ids.shape[1], output_dir=out, save_compressed=True)
+    seconds = time.perf_counter() - t0
+    peak_gpu = torch.cuda.max_memory_allocated() / 2**30
+    del m
+    torch.cuda.empty_cache()
+    try:
+        quality = evaluate(out, model, eval_samples, seq_len)
+    except Exception as error:  # its timing still counts; say why there is no quality
+        quality = {"kl": None, "top1": None, "bits": None, "eval_error": f"{type(error).__name__}: {error}"[:300]}
+    return {"seconds": seconds, "timings": {}, "peak_gpu_gib": peak_gpu,
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "scratch_bytes": 0, "stats_bytes": 0, **quality}
+
+
+def calibration_ids(model: str, samples: int, seq_len: int):
+    """The calibration tokens moequant's quantize pass draws for these settings (same seed and split)."""
+    import torch
+
+    from moequant.calibrate import load_tokenizer
+    from moequant.data import load_samples
+
+    s = load_samples("builtin:mix", load_tokenizer(Path(model)), samples, seq_len, split="calibration", seed=0)
+    return torch.stack([x.input_ids for x in s])
+
+
+def evaluate(checkpoint: str, reference: str, samples: int, seq_len: int) -> dict:
+    from moequant.evaluate import evaluate_checkpoints
+
+    q = evaluate_checkpoints(checkpoint, reference, samples=samples, seq_len=seq_len, progress=False)
+    return {"kl": q.get("kl_mean"), "top1": q.get("top1_agreement"), "bits": None}
+
+
+def run_child(*args) -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    out = subprocess.run([sys.executable, __file__, "--child", *map(str, args)], capture_output=True, text=True,
+                         env=env)
+    if out.returncode != 0:
+        return {"error": out.stderr[-2500:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=int, nargs=2, default=(2, 3))
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--samples", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--eval-samples", type=int, default=16)
+    p.add_argument("--tools", default=",".join(TOOLS))
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--work", default=None, help="directory for models and outputs (default: a temporary one)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--set-config", action="append", default=[], help="config key=value (JSON) for the built model")
+    p.add_argument("--child", nargs=7)
+    a = p.parse_args()
+    if a.child:
+        tool, model, out, samples, seq_len, eval_samples, device = a.child
+        if tool == "llmc-gptq":
+            result = child_llmc(model, out, int(samples), int(seq_len), int(eval_samples))
+        else:
+            result = child_moequant(tool, model, out, int(samples), int(seq_len), int(eval_samples), device)
+        print(json.dumps(result))
+        return
+
+    tools = [t for t in a.tools.split(",") if t]
+    work = Path(a.work or tempfile.mkdtemp(prefix="bench-e2e-"))
+    results: dict = {"config": a.config, "samples": a.samples, "seq_len": a.seq_len, "runs": {}}
+    for layers in a.layers:
+        model = work / f"{a.config}-{layers}L"
+        if not model.exists():
+            t0 = time.perf_counter()
+            nbytes = build(a.config, layers, a.vocab, model, a.device, a.set_config)
+            print(f"built {model.name}: {nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
+        results.setdefault("model_bytes", {})[layers] = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        for tool in tools:
+            r = run_child(tool, model, work / f"{tool}-{layers}L", a.samples, a.seq_len, a.eval_samples, a.device)
+            results["runs"][f"{tool}@{layers}"] = r
+            print(f"{tool:20s} {layers}L " + (json.dumps(r) if "error" not in r else "FAILED\n" + r["error"]),
+                  flush=True)
+            shutil.rmtree(work / f"{tool}-{layers}L", ignore_errors=True)
+    print_table(results, tools, a.layers)
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=2))
+
+
+def print_table(results: dict, tools, layer_counts) -> None:
+    lo, hi = layer_counts
+    runs = results["runs"]
+    mb = results["model_bytes"]
+    print(f"\n{results['config']}, {results['samples']} x {results['seq_len']} calibration tokens; "
+          f"model {mb[lo] / 1e9:.2f} / {mb[hi] / 1e9:.2f} GB at {lo} / {hi} layers")
+    print(f"{'tool':20s} {'s/layer':>8s} {'run s':>14s} {'peak GPU GiB':>13s} {'RSS GiB':>8s} "
+          f"{'scratch MB':>11s} {'stats MB':>9s} {'KL':>9s} {'top-1':>6s}  stages (s, {hi} layers)")
+    base = None
+    for tool in tools:
+        a, b = runs.get(f"{tool}@{lo}", {}), runs.get(f"{tool}@{hi}", {})
+        if "seconds" not in a or "seconds" not in b:
+            print(f"{tool:20s} failed")
+            continue
+        per_layer = (b["seconds"] - a["seconds"]) / (hi - lo)
+        if tool == "llmc-gptq":
+            base = per_layer
+        stages = " ".join(f"{k}={v:.1f}" for k, v in b.get("timings", {}).items())
+        kl = f"{b['kl']:.5f}" if b.get("kl") is not None else "-"
+        top1 = f"{b['top1']:.3f}" if b.get("top1") is not None else "-"
+        print(f"{tool:20s} {per_layer:8.2f} {a['seconds']:6.1f}/{b['seconds']:6.1f} {b['peak_gpu_gib']:13.1f} "
+              f"{b['peak_rss_gib']:8.1f} {b['scratch_bytes'] / 1e6:11.1f} {b['stats_bytes'] / 1e6:9.2f} {kl:>9s} "
+              f"{top1:>6s}  {stages}")
+    if base:
+        for tool in tools:
+            a, b = runs.get(f"{tool}@{lo}", {}), runs.get(f"{tool}@{hi}", {})
+            if "seconds" in a and "seconds" in b and tool != "llmc-gptq":
+                print(f"  {tool}: {base / max((b['seconds'] - a['seconds']) / (hi - lo), 1e-9):.1f}x faster per "
+                      "layer than llm-compressor")
+    fp8 = runs.get(f"moequant-fp8@{hi}", {})
+    if "timings" in fp8:
+        t = fp8["timings"].get("quantize", 0) + fp8["timings"].get("export", 0)
+        print(f"  moequant-fp8: quantize + export {t:.1f} s for {mb[hi] / 1e9:.2f} GB = {mb[hi] / 1e9 / max(t, 1e-9):.2f} "
+              "GB/s of source checkpoint (no forward)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The batched expert math the calibration and quantize passes use, against transformers' own.
+
+- `experts_hidden` (one batched matmul for a chunk of experts) equals transformers' eager
+  per-expert math, and the MoE block rebuilt from it equals transformers' block, on every adapter;
+- the statistics collected from the experts module's own inputs do not depend on the experts
+  implementation the layer runs (eager loop or grouped_mm): every expert gets its statistics and
+  its routed token count equals the router's (a grouped kernel bypasses per-Linear hooks: ModelOpt
+  had exactly that bug);
+- on CUDA (skipped elsewhere, with that reason): the bf16 grouped_mm collector agrees with the
+  float32 CPU one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moequant.arch import adapter_for
+from moequant.calibrate import _LayerCollector, collect_moe_stats
+from moequant.checkpoint import open_checkpoint
+from moequant.layers import LayerRunner
+from tiny import TINY_CONFIGS, build_tiny
+
+SEQ, N, BS = 16, 4, 2
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_grouped")
+    return {mt: build_tiny(mt, root / mt, seed=3) for mt in TINY_CONFIGS}
+
+
+def _ids(vocab=96):
+    return torch.randint(0, vocab, (N, SEQ), generator=torch.Generator().manual_seed(5))
+
+
+def _collect(directory, layer, implementation, device="cpu", dtype=torch.float32):
+    ckpt = open_checkpoint(directory)
+    adapter = adapter_for(ckpt.config)
+    runner = LayerRunner(ckpt, adapter, _ids(), batch_size=BS, device=device, dtype=dtype,
+                         experts_implementation=implementation)
+    hidden = runner.embedded
+    for L in range(layer):  # carry the real inputs of `layer`
+        with runner.materialized(L) as module:
+            hidden = runner.forward(module, L, hidden)
+    routed = []
+    with runner.materialized(layer) as module:
+        col = _LayerCollector(adapter, module.mlp.experts, adapter.num_experts, adapter.top_k, [], True, True)
+        hook = adapter.router_module(module.mlp).register_forward_hook(
+            lambda m, a, out: routed.append(out[2].reshape(-1, adapter.top_k).cpu()))
+        try:
+            out = collect_moe_stats(runner, module, layer, col, hidden)
+        finally:
+            hook.remove()
+        stats = {k: v.cpu() for k, v in col.finish().items()}
+    return adapter, stats, torch.cat(routed), [o.cpu() for o in out]
+
+
+@pytest.mark.parametrize("model_type", list(TINY_CONFIGS))
+def test_experts_hidden_and_block_equal_transformers(tiny_dirs, model_type):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs[model_type], dtype=torch.float32,
+                                                 experts_implementation="eager")
+    adapter = adapter_for(open_checkpoint(tiny_dirs[model_type]).config)
+    L = adapter.moe_layers[0]
+    mlp = model.model.layers[L].mlp
+    x = torch.randn(40, adapter.hidden, generator=torch.Generator().manual_seed(1))
+    ids = list(range(adapter.num_experts))
+    with torch.no_grad():
+        batched = adapter.experts_hidden(mlp.experts, x, ids)
+        one_by_one = torch.stack([adapter.expert_hidden(mlp.experts, x, e) for e in ids])
+        torch.testing.assert_close(batched, one_by_one, rtol=1e-5, atol=1e-6)
+        # the block rebuilt from experts_hidden: route, run each token's experts, weight, sum
+        captured = {}
+        h = adapter.router_module(mlp).register_forward_hook(lambda m, a, out: captured.update(r=out))
+        pre = mlp.experts.register_forward_pre_hook(lambda m, a, k: captured.update(x=(a[0] if a else k["hidden_states"])),
+                                                    with_kwargs=True)
+        reference = mlp.experts(*_experts_args(adapter, mlp, x, captured))
+        h.remove(), pre.remove()
+        _, weights, indices = captured["r"]
+        xin = captured["x"].reshape(-1, adapter.hidden)
+        hid = adapter.experts_hidden(mlp.experts, xin, ids)  # [E, n, I]
+        ours = torch.zeros_like(reference)
+        for e in ids:
+            tok, slot = (indices.reshape(-1, adapter.top_k) == e).nonzero(as_tuple=True)
+            down = adapter.expert_from_module(mlp.experts, e, "down")  # [H, I]
+            y = hid[e, tok] @ down.T
+            if getattr(mlp.experts, "down_proj_bias", None) is not None:
+                y = y + mlp.experts.down_proj_bias[e]
+            ours.index_add_(0, tok, y * weights.reshape(-1, adapter.top_k)[tok, slot, None])
+        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-6)
+
+
+def _experts_args(adapter, mlp, x, captured):
+    """Run the router on x, then return the experts module's arguments (hidden, indices, weights)."""
+    router = adapter.router_module(mlp)
+    logits, weights, indices = router(x)
+    return x, indices, weights
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
+def test_statistics_do_not_depend_on_the_experts_implementation(tiny_dirs, model_type):
+    d = tiny_dirs[model_type]
+    L = adapter_for(open_checkpoint(d).config).moe_layers[-1]
+    adapter, eager, routed, out_eager = _collect(d, L, "eager")
+    _, grouped, routed_g, out_grouped = _collect(d, L, "grouped_mm")
+    E = adapter.num_experts
+    assert torch.equal(routed, routed_g)
+    counts = torch.bincount(routed.reshape(-1), minlength=E)
+    for stats in (eager, grouped):
+        assert torch.equal(stats["routing.count"], counts)  # every expert, counted as the router chose
+        assert torch.equal(stats["input_routed.down.tokens"], counts)
+        assert torch.equal(stats["input_routed.gate_up.tokens"], counts)
+        assert (stats["input.down.tokens"] == N * SEQ).all()
+        for key in ("hessian.down", "hessian_routed.down", "hessian_routed.gate_up"):
+            # experts with tokens have a non-zero Hessian; with all-experts coverage, all of them
+            nonzero = stats[key].flatten(1).abs().sum(1) > 0
+            expected = counts > 0 if "routed" in key else torch.ones(E, dtype=torch.bool)
+            assert torch.equal(nonzero, expected), key
+    assert eager.keys() == grouped.keys()
+    for k in eager:
+        torch.testing.assert_close(grouped[k].double(), eager[k].double(), rtol=1e-4, atol=1e-6, msg=k)
+    for a, b in zip(out_eager, out_grouped):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only: bf16 grouped_mm on the GPU")
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_cuda_bf16_grouped_statistics_agree_with_float32_cpu(tiny_dirs, model_type):
+    d = tiny_dirs[model_type]
+    L = adapter_for(open_checkpoint(d).config).moe_layers[-1]
+    _, ref, routed, _ = _collect(d, L, "eager")
+    _, gpu, routed_gpu, _ = _collect(d, L, None, device="cuda", dtype=torch.bfloat16)
+    agree = (routed.sort(-1).values == routed_gpu.sort(-1).values).all(-1).double().mean()
+    assert agree > 0.9  # bf16 activations may flip a near-tie in routing
+    for k in ("hessian.gate_up", "hessian.down", "input.down.sq_mean"):
+        rel = (gpu[k].double() - ref[k].double()).norm() / ref[k].double().norm()
+        assert rel < 0.05, (k, float(rel))

@@ -49,13 +49,27 @@ def sensitivity_formats(recipe: Recipe) -> tuple[str, ...]:
 def calibration_settings(recipe: Recipe, device: str = "cpu", formats: tuple[str, ...] | None = None) -> CalibrationSettings:
     c = recipe.calibration
     formats = formats or sensitivity_formats(recipe)
-    # the probe scales a budget's predicted losses; plans without a budget never read it
+    # the probe scales a budget's predicted losses; plans without a budget never read it. Its cost
+    # grows with layers² (one stream per probed layer), so past PROBE_MAX_EXPERT_PARAMS routed-expert
+    # parameters it runs only when the recipe asks for it by name
     probe_samples = c.probe_samples if recipe.experts.method == "budget" else 0
+    if probe_samples and "probe_samples" not in c.model_fields_set and _routed_params(recipe) > PROBE_MAX_EXPERT_PARAMS:
+        probe_samples = 0
     return CalibrationSettings(dataset=c.dataset, samples=c.samples, seq_len=c.seq_len, seed=recipe.seed,
                                all_experts=c.all_experts, formats=formats, device=device,
                                probe_samples=probe_samples,
                                probe_algorithm=probe_algorithm(recipe, formats) if probe_samples else "rtn",
                                compute_dtype=c.compute_dtype)
+
+
+PROBE_MAX_EXPERT_PARAMS = 2 * 10**9  # the default probe's limit (routed-expert parameters)
+
+
+def _routed_params(recipe: Recipe) -> int:
+    ckpt = open_checkpoint(recipe.model)
+    adapter = adapter_for(ckpt.config)
+    shape = [adapter.expert_shape(p) for p in adapter.projections]
+    return len(adapter.moe_layers) * adapter.num_experts * sum(o * i for o, i in shape)
 
 
 def probe_algorithm(recipe: Recipe, format_keys) -> str:

@@ -100,6 +100,20 @@ class _LayerCollector:
     tokens: int = 0
     t: dict = field(default_factory=dict)
     _routing: tuple | None = None
+    # the experts' statistics cover experts [first_expert, first_expert + chunk_experts) only (all by
+    # default): per-expert tensors are indexed from first_expert, so a layer's Hessians can be
+    # built, used and freed one chunk of experts at a time (bounded device memory)
+    first_expert: int = 0
+    chunk_experts: int | None = None
+
+    @property
+    def local_experts(self) -> int:
+        return self.chunk_experts if self.chunk_experts is not None else self.num_experts - self.first_expert
+
+    def add_batch(self, x: torch.Tensor, indices: torch.Tensor) -> None:
+        """The experts' statistics of one recorded batch (MoE-block input x, router's top-k indices)."""
+        self._routing = (indices.reshape(-1, self.top_k), None)
+        self.on_experts(None, (x,), {})
 
     def _zeros(self, key, shape, dtype, device):
         if key not in self.t:
@@ -149,11 +163,15 @@ class _LayerCollector:
         x = (args[0] if args else kwargs["hidden_states"]).detach()
         x = x.reshape(-1, x.shape[-1])
         indices, _ = self._routing
-        E, n, d, dev = self.num_experts, x.shape[0], x.shape[1], x.device
+        E, n, d, dev = self.local_experts, x.shape[0], x.shape[1], x.device
         acc = torch.float64 if dev.type == "cpu" else torch.float32
         flat = indices.reshape(-1)
+        pair = torch.arange(flat.numel(), device=dev)
+        if E < self.num_experts:  # this chunk's experts only, numbered from first_expert
+            keep = (flat >= self.first_expert) & (flat < self.first_expert + E)
+            flat, pair = flat[keep] - self.first_expert, pair[keep]
         order = torch.argsort(flat, stable=True)
-        token_of_pair = order // self.top_k
+        token_of_pair = pair[order] // self.top_k
         expert_of_pair = flat[order]
         counts = torch.bincount(flat, minlength=E)
         offsets = [0] + torch.cumsum(counts, 0).tolist()  # the one host sync of the batch
@@ -194,16 +212,16 @@ class _LayerCollector:
         """down_proj's input is each expert's own intermediate activation act(x Wg) * (x Wu):
         over every token (all-experts coverage) in chunks of experts by one batched matmul,
         and over each expert's routed tokens (its slice of the sorted pairs)."""
-        E, n = self.num_experts, x.shape[0]
+        E, n, first = self.local_experts, x.shape[0], self.first_expert
         inter = self.adapter.expert_intermediate
-        budget = (2**28 if x.device.type != "cpu" else 2**24)  # elements of the [c, n, I] activation chunk
+        budget = (2**27 if x.device.type != "cpu" else 2**24)  # elements of the [c, n, I] activation chunk
         chunk = max(1, budget // max(n * inter, 1))
         dev = x.device
         with torch.no_grad():
             for lo in range(0, E, chunk):
                 ids = list(range(lo, min(E, lo + chunk)))
                 if self.all_experts:
-                    h_all = self.adapter.experts_hidden(self.experts_module, x, ids).float()  # [c, n, I]
+                    h_all = self.adapter.experts_hidden(self.experts_module, x, [first + e for e in ids]).float()  # [c, n, I]
                     hd = h_all.to(acc)
                     self._zeros("input.down.sqsum", (E, inter), torch.float64, dev)[lo:lo + len(ids)] += (hd ** 2).sum(1).double()
                     self._zeros("input.down.abssum", (E, inter), torch.float64, dev)[lo:lo + len(ids)] += hd.abs().sum(1).double()
@@ -217,7 +235,7 @@ class _LayerCollector:
                     rows = token_of_pair[offsets[e]:offsets[e + 1]]
                     # computed from the routed rows alone in both coverage modes, so the routed
                     # statistics do not depend on the mode (bit for bit)
-                    he = self.adapter.expert_hidden(self.experts_module, x[rows], e).float()
+                    he = self.adapter.expert_hidden(self.experts_module, x[rows], first + e).float()
                     ha = he.to(acc)
                     self._zeros("input_routed.down.sqsum", (E, inter), torch.float64, dev)[e] += (ha ** 2).sum(0).double()
                     self._zeros("input_routed.down.abssum", (E, inter), torch.float64, dev)[e] += ha.abs().sum(0).double()
@@ -229,7 +247,7 @@ class _LayerCollector:
 
     def finish(self) -> dict[str, torch.Tensor]:
         """Turn sums into the documented per-expert statistics (means, normalised Hessians)."""
-        t, E = self.t, self.num_experts
+        t, E = self.t, self.local_experts
         out = {k: v for k, v in t.items() if k.startswith("routing.")}
         for group in ("gate_up", "down"):
             n_r = t[f"input_routed.{group}.tokens"]

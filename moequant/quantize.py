@@ -53,6 +53,7 @@ from moequant.calibrate import (CalibrationSettings, _LayerCollector, _save_atom
 from moequant.checkpoint import atomic_write_text, open_checkpoint
 from moequant.errors import UserError
 from moequant.layers import LayerRunner, compute_dtype
+from moequant.progress import LayerProgress
 from moequant.policy import Plan
 
 
@@ -300,12 +301,13 @@ def load_awq_scales(work_dir, layer: int) -> dict[str, torch.Tensor] | None:
 
 
 def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, min_tokens: int, device,
-                      weights: dict, input_scale: torch.Tensor | None = None):
+                      weights: dict, input_scale: torch.Tensor | None = None, first_expert: int = 0):
     """GPTQ / RTN for one layer's routed experts, batched per (projection, format, algorithm).
 
     `weights` (proj -> [E, out, in] float32) are the weights to quantize (AWQ-scaled where AWQ
     ran); AWQ rows are round-to-nearest of them. `input_scale`: the shared gate/up scale folded
-    into the norm, so gate/up's GPTQ Hessians are those of the input divided by it."""
+    into the norm, so gate/up's GPTQ Hessians are those of the input divided by it. With
+    `first_expert`, `weights` and `collected` hold the experts from there on (one chunk of a layer)."""
     from moequant.algorithms.gptq import gptq
 
     groups: dict[tuple[str, str, str], list[int]] = {}
@@ -313,12 +315,13 @@ def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, mi
         if t.format == "bf16":
             continue
         groups.setdefault((t.proj, t.format, t.algorithm), []).append(t.expert)
-    quantized, report, dequant = {}, {}, {}
-    for proj in adapter.projections:
-        dequant[proj] = weights[proj].clone()
+    quantized, report = {}, {}
+    # dequantized in place: each quantized row is read once, before its own dequantized copy lands
+    # (saves a float32 copy of the layer's experts on the device)
+    dequant = weights
     for (proj, key, algo), experts in sorted(groups.items()):
         experts = sorted(experts)
-        idx = torch.tensor(experts)
+        idx = torch.tensor(experts) - first_expert  # rows of `weights` / `collected` (a chunk's, from first_expert)
         W = weights[proj][idx]
         spec = formats.parse_key(key)
         entry = {"experts": experts, "format": key, "algorithm": algo}
@@ -346,6 +349,84 @@ def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, mi
             quantized[(layer, e, proj)] = q.expert(i)
         report[f"{proj}:{key}"] = entry
     return quantized, report, dequant
+
+
+STATISTICS_MEMORY_BYTES = 16 * 2**30  # device memory for one chunk of experts' Hessians (and their sums)
+
+
+def _experts_per_chunk(adapter, device) -> int:
+    """Experts whose Hessians (gate/up d x d, down I x I routed and all-tokens; sums and normalised
+    copies, float32) fit the statistics budget; all of them on the CPU (small models)."""
+    if torch.device(device).type == "cpu":
+        return adapter.num_experts
+    d, i = adapter.hidden, adapter.expert_intermediate
+    per_expert = 2 * 4 * (d * d + 2 * i * i)
+    return max(1, min(adapter.num_experts, STATISTICS_MEMORY_BYTES // per_expert))
+
+
+def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expert_rows, host: dict, settings):
+    """GPTQ / RTN of one MoE layer's routed experts from one forward of the original layer.
+
+    The forward records the MoE block's input and the router's choices (bf16 on the device, one
+    copy of the calibration tokens); then, one chunk of experts at a time, the chunk's statistics
+    and Hessians are built from that record, its weights (float32 on the device) quantized and
+    its dequantized weights kept in the compute dtype, and the chunk's Hessians freed. With one
+    chunk (the CPU, small layers) this is the whole-layer computation itself.
+    Returns (quantized, report, dequantized experts {proj: [E, out, in]}, routed tokens per expert)."""
+    E, dev, dtype = adapter.num_experts, runner.device, runner.dtype
+    record = {"x": [], "indices": []}
+
+    def on_router(_module, _args, output):
+        record["indices"].append(output[2].reshape(-1, adapter.top_k))
+
+    def on_experts(_module, args, kwargs):
+        x = (args[0] if args else kwargs["hidden_states"]).detach()
+        record["x"].append(x.reshape(-1, x.shape[-1]))
+
+    quantized, report = {}, {}
+    with runner.materialized(layer, experts=host) as module:
+        hooks = [adapter.router_module(module.mlp).register_forward_hook(on_router),
+                 module.mlp.experts.register_forward_pre_hook(on_experts, with_kwargs=True)]
+        try:
+            runner.forward(module, layer, hidden)  # only the record is used: the next layer reads the quantized output
+        finally:
+            for hook in hooks:
+                hook.remove()
+        routed_tokens = torch.bincount(torch.cat(record["indices"]).reshape(-1), minlength=E).tolist()
+        dequant = {p: torch.empty((E,) + tuple(adapter.expert_shape(p)), dtype=dtype, device=dev)
+                   for p in adapter.projections}
+        chunk = _experts_per_chunk(adapter, dev)
+        for lo in range(0, E, chunk):
+            hi = min(E, lo + chunk)
+            col = _LayerCollector(adapter, module.mlp.experts, E, adapter.top_k, [], True, True,
+                                  first_expert=lo, chunk_experts=hi - lo)
+            for x, indices in zip(record["x"], record["indices"]):
+                col.add_batch(x, indices)
+            collected = col.finish()
+            col.t.clear()
+            weights = {p: host[p][lo:hi].to(dev, torch.float32) for p in adapter.projections}
+            rows = [t for t in expert_rows if lo <= t.expert < hi]
+            q, rep, dq = _quantize_experts(adapter, layer, rows, collected, settings.min_tokens, dev,
+                                           weights=weights, first_expert=lo)
+            for p in adapter.projections:
+                dequant[p][lo:hi] = dq[p].to(dtype)
+            quantized.update(q)
+            _merge_chunk_report(report, rep)
+            del collected, weights, dq
+    return quantized, report, dequant, routed_tokens
+
+
+def _merge_chunk_report(report: dict, chunk: dict) -> None:
+    """One (projection, format) entry over all chunks: experts, damping and fallbacks joined."""
+    for key, entry in chunk.items():
+        if key not in report:
+            report[key] = entry
+            continue
+        whole = report[key]
+        whole["experts"] = whole["experts"] + entry["experts"]
+        if "gptq" in entry:
+            whole["gptq"]["fallbacks"].update(entry["gptq"]["fallbacks"])
+            whole["gptq"]["damp"] = list(whole["gptq"]["damp"]) + list(entry["gptq"]["damp"])
 
 
 def _quantize_other(ckpt, rows, replaced: dict | None = None) -> tuple[dict, dict]:
@@ -464,12 +545,9 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
         for p in [*work.glob("layer_*"), *work.glob("awq_*")]:
             p.unlink()
 
-    layers = range(start, adapter.num_layers)
-    if progress:
-        from rich.progress import track
-
-        layers = track(layers, description="quantizing", total=adapter.num_layers - start)
-    for L in layers:
+    def quantize_layer(L, host_experts):
+        """One decoder layer of the pass (module docstring); `host_experts` read ahead, or None."""
+        nonlocal hidden
         t0 = time.perf_counter()
         rows = rows_by_layer.get(L, [])
         expert_rows = [t for t in rows if t.role == "routed_expert" and t.expert is not None and t.proj in ("gate", "up", "down")]
@@ -479,10 +557,19 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
         uses_awq = any(t.algorithm == "awq" and t.format != "bf16" for t in expert_rows)
         routing_before, routing_after, tokens = [], [], {}
         weights, routed_tokens = None, None
-        if expert_rows:
+        if expert_rows and (uses_awq or not needs_stats):
             dev = "cpu" if uses_awq else settings.device  # AWQ's search runs on host copies
-            weights = {p: adapter.read_experts(ckpt, L, p).to(dev, torch.float32) for p in adapter.projections}
-        if L in adapter.moe_layers and needs_stats:
+            host = host_experts or {p: adapter.read_experts(ckpt, L, p) for p in adapter.projections}
+            weights = {p: host[p].to(dev, torch.float32) for p in adapter.projections}
+            del host
+        chunked = None
+        if L in adapter.moe_layers and needs_stats and not uses_awq:
+            bar.stage("statistics and GPTQ")
+            host = host_experts or {p: adapter.read_experts(ckpt, L, p) for p in adapter.projections}
+            chunked = _statistics_and_quantize_in_chunks(runner, adapter, L, hidden, expert_rows, host, settings)
+            del host
+        elif L in adapter.moe_layers and needs_stats:
+            bar.stage("statistics")
             with runner.materialized(L, experts=weights) as module:
                 col = _LayerCollector(adapter, module.mlp.experts, adapter.num_experts, adapter.top_k, [], True, True)
                 col.token_domains = torch.zeros(0, dtype=torch.long)
@@ -495,6 +582,7 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
                     for hook in hooks:
                         hook.remove()
                 collected = col.finish()
+                col.t.clear()  # the raw sums: the normalised copies above are what the layer uses
                 # the pass's own routing (inputs from the quantized layers before): the report's
                 # usage signal when the recipe ran no calibration
                 routed_tokens = collected["routing.count"].tolist()
@@ -502,7 +590,10 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
                     collected = {k: v.cpu() for k, v in collected.items()}
         quantized, report, experts_dq = ({}, {}, None)
         replaced, awq_report, input_scale = {}, {}, None
-        if expert_rows:
+        if chunked is not None:
+            quantized, report, experts_dq, routed_tokens = chunked
+        elif expert_rows:
+            bar.stage("quantizing experts")
             changed = {}
             if uses_awq:
                 input_scale, replaced, changed, awq_report = _awq_layer(adapter, ckpt, L, expert_rows, weights,
@@ -527,6 +618,7 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
                 experts_dq[role.proj][role.expert] = t.float()
         forward_tensors = {**other_dq, **{n: t.float() for n, t in kept.items() if adapter.classify(n).role != "routed_expert"}}
         if L < last_data_layer:  # a later layer's GPTQ / AWQ reads this layer's quantized output
+            bar.stage("quantized forward")
             with runner.materialized(L, experts=experts_dq, tensors=forward_tensors) as module:
                 hook = _routing_recorder(adapter, module, routing_after) if uses_awq and routing_before else None
                 try:
@@ -560,6 +652,28 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
             save_carried(work, fingerprint, L + 1, hidden)
         else:
             _mark_finished(work, fingerprint, L + 1)
+
+    layers = range(start, adapter.num_layers)
+    bar = LayerProgress("quantizing", adapter.num_layers - start, int(input_ids.numel()), progress)
+    # the next layer's experts are read from disk (into host memory) while this one computes
+    from concurrent.futures import ThreadPoolExecutor
+
+    def read_layer_experts(L):
+        return {p: adapter.read_experts(ckpt, L, p) for p in adapter.projections}
+
+    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moequant-read")
+    read_ahead = {}
+    try:
+        for L in layers:
+            bar.start(L)
+            pending = read_ahead.pop(L, None)
+            if L + 1 in adapter.moe_layers and any(t.role == "routed_expert" for t in rows_by_layer.get(L + 1, [])):
+                read_ahead[L + 1] = reader.submit(read_layer_experts, L + 1)
+            quantize_layer(L, pending.result() if pending is not None else None)
+            bar.done(L)
+    finally:
+        reader.shutdown(wait=True, cancel_futures=True)
+        bar.close()
 
     # tensors outside the decoder layers (lm_head when the plan quantizes it)
     q_top, _ = _quantize_other(ckpt, rows_by_layer.get(None, []))

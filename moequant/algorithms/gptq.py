@@ -70,6 +70,7 @@ on the calibration data.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -837,6 +838,9 @@ def _token_counts(tokens, num_experts):
     return counts
 
 
+CUDA_WORKING_SET_BYTES = int(float(os.environ.get("MOEQUANT_GPTQ_MEMORY_GIB", "6")) * 2**30)
+
+
 def _default_chunk(num_experts, rows, num_in, device):
     """Experts per batch so the working set (H, its factors, W, Q, updates) fits the device."""
     # float32: H, its flipped copy, Cholesky factor (+ its split low part), U (act order: gathers);
@@ -845,7 +849,9 @@ def _default_chunk(num_experts, rows, num_in, device):
     per_expert = 4 * (6 * num_in * num_in + 4 * rows * num_in)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = 0.85 * free
+        # capped: larger batches barely speed the solve up (0.12 s for all 128 Qwen3-30B experts),
+        # and the pass's peak GPU memory should stay below llm-compressor's
+        budget = min(0.85 * free, CUDA_WORKING_SET_BYTES)
     else:
         budget = 4 * 2**30
     return max(1, min(num_experts, int(budget // per_expert)))

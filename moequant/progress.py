@@ -1,0 +1,40 @@
+"""Per-layer progress on screen: layer, stage, tokens/s and time left (rich), or nothing."""
+
+from __future__ import annotations
+
+import time
+
+
+class LayerProgress:
+    """`start(L, stage)` / `stage(name)` / `done(L)` around each decoder layer of a pass."""
+
+    def __init__(self, label: str, total: int, tokens: int, enabled: bool = True):
+        self.label, self.tokens, self.enabled = label, tokens, enabled
+        self.t0, self.finished = time.perf_counter(), 0
+        self._bar = None
+        if enabled and total > 0:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), transient=False)
+            self._bar.start()
+            self._task = self._bar.add_task(label, total=total, rate="")
+
+    def start(self, layer: int, stage: str = "") -> None:
+        self.layer = layer
+        self.stage(stage)
+
+    def stage(self, name: str) -> None:
+        if self._bar is not None:
+            what = f"{self.label} layer {self.layer}" + (f" ({name})" if name else "")
+            self._bar.update(self._task, description=what)
+
+    def done(self, layer: int) -> None:
+        self.finished += 1
+        if self._bar is not None:
+            rate = self.tokens * self.finished / max(time.perf_counter() - self.t0, 1e-9)
+            self._bar.update(self._task, advance=1, rate=f"{rate:,.0f} tokens/s")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

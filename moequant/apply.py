@@ -31,6 +31,12 @@ from moequant.recipe import Recipe, load_recipe
 EXPORT_LAYOUTS = {"fp8-block": "deepseek-fp8"}
 
 
+def export_arguments(recipe: Recipe) -> dict:
+    """`export_checkpoint`'s layout, target and activation settings for a recipe (apply and pareto)."""
+    return {"layout": EXPORT_LAYOUTS.get(recipe.export.format, recipe.export.format), "target": recipe.target,
+            "int8_activations": recipe.export.int8_activations}
+
+
 def sensitivity_formats(recipe: Recipe) -> tuple[str, ...]:
     """Every format key the plan may give a routed expert, so calibration measures each."""
     entries = list(recipe.experts.formats)
@@ -182,9 +188,7 @@ def apply(recipe_path=None, model=None, output=None, overrides=(), device: str =
         quantized, quant_report = quantize_model(recipe.model, plan, settings, out / "work", progress=progress)
         timings["quantize"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        export_checkpoint(ckpt.directory, quantized, checkpoint_dir, layout=EXPORT_LAYOUTS.get(recipe.export.format,
-                          recipe.export.format), target=recipe.target,
-                          int8_activations=recipe.export.int8_activations)
+        export_checkpoint(ckpt.directory, quantized, checkpoint_dir, **export_arguments(recipe))
         timings["export"] = time.perf_counter() - t0
         quant_report = {str(k): v for k, v in quant_report.items()}
         atomic_write_text(done_marker, json.dumps({"plan": plan_digest, "quantize": quant_report}))

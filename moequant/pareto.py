@@ -153,6 +153,7 @@ def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, sett
     `same_as`: a finished run directory whose plan quantizes every tensor the same way: its
     checkpoint (hard links where possible) and its evaluation are reused."""
     from moequant.evaluate import evaluate_checkpoints
+    from moequant.apply import export_arguments
     from moequant.export import export_checkpoint
     from moequant.policy import plan_to_dict, write_plan
     from moequant.quantize import quantize_model
@@ -189,7 +190,7 @@ def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, sett
         t0 = time.perf_counter()
         quantized, _ = quantize_model(recipe.model, plan, settings, run_dir / "work", progress=progress)
         t1 = time.perf_counter()
-        export_checkpoint(ckpt.directory, quantized, checkpoint_dir, layout=recipe.export.format, target=recipe.target)
+        export_checkpoint(ckpt.directory, quantized, checkpoint_dir, **export_arguments(recipe))
         shutil.rmtree(run_dir / "work", ignore_errors=True)
         t2 = time.perf_counter()
         quality = evaluate_checkpoints(checkpoint_dir, ckpt.directory, dataset=e.dataset, samples=e.samples,

@@ -112,8 +112,6 @@ import dataclasses
 import fnmatch
 import json
 import math
-import os
-import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -1120,17 +1118,10 @@ def plan_from_dict(data: dict, source: str = "<plan>") -> Plan:
 
 def write_plan(plan: Plan, path: str | Path) -> Path:
     """Write plan.json atomically (temp file beside it, then rename)."""
+    from moequant.checkpoint import atomic_write_text
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(plan_to_dict(plan), f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, json.dumps(plan_to_dict(plan), indent=1) + "\n")
     return path
 
 

@@ -5,6 +5,7 @@ output/
   plan.json       the format of every tensor (rewritten only when it changes)
   work/           the resumable state of the quantize pass (removed once the checkpoint exists)
   checkpoint/     the exported checkpoint (written atomically)
+  checkpoint.json the plan checkpoint/ was made from and the quantize report (a rerun with that plan reuses it)
   report.json / report.md / report.html
 
 Every stage is resumable or cached, so an interrupted run continues where it stopped and a

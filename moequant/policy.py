@@ -518,8 +518,8 @@ def sensitivity(table: dict, layer: int, proj: str, key: str) -> np.ndarray:
     if proj not in table or key not in table[proj]:
         have = sorted(table.get(proj, {})) if hasattr(table, "get") else []
         raise UserError(f"the calibration statistics have no sensitivity for format {key} in layer {layer} "
-                        f"({proj}); they have: {', '.join(have) or 'none'}; rerun `moequant calibrate` "
-                        f"with this format among the candidates, or drop it from the recipe.")
+                        f"({proj}); they have: {', '.join(have) or 'none'}; rerun `moequant calibrate --recipe` "
+                        f"with this recipe (it measures every format the recipe may choose), or drop it from the recipe.")
     return np.asarray(table[proj][key], dtype=np.float64)
 
 

@@ -5,6 +5,7 @@ output/
   plan.json       the format of every tensor (rewritten only when it changes)
   work/           the resumable state of the quantize pass (removed once the checkpoint exists)
   checkpoint/     the exported checkpoint (written atomically)
+  checkpoint.json the plan checkpoint/ was made from and the quantize report (a rerun with that plan reuses it)
   report.json / report.md / report.html
 
 Every stage is resumable or cached, so an interrupted run continues where it stopped and a
@@ -24,6 +25,7 @@ from moequant.calibrate import CalibrationSettings, calibrate, load_tokenizer
 from moequant.checkpoint import atomic_write_text, is_disk_full, open_checkpoint
 from moequant.errors import UserError
 from moequant.policy import make_plan, needs_statistics, plan_to_dict, read_plan, resolve_format, write_plan
+from moequant.precheck import check_recipe
 from moequant.recipe import Recipe, load_recipe
 
 
@@ -143,15 +145,14 @@ def apply(recipe_path=None, model=None, output=None, overrides=(), device: str =
     from moequant.quantize import quantize_model
 
     recipe = resolve_recipe(recipe_path, model, output, overrides)
-    out = Path(recipe.output)
-    out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
     ckpt = open_checkpoint(recipe.model)
-    adapter = adapter_for(ckpt.config)  # an unsupported architecture is the first thing to say, before its tokenizer
-    if adapter.fused_experts and any(a == "awq" for a in recipe.algorithms.values()):  # refused before any work
-        raise UserError(f"algorithms: awq is not supported for {adapter.model_type} (fused experts whose activation "
-                        "clamps up_proj, so the down_proj scale cannot be folded exactly); accepted there: gptq or rtn.")
+    adapter_for(ckpt.config)  # an unsupported architecture is the first thing to say, before its tokenizer
+    for note in check_recipe(recipe, ckpt):  # what shapes alone refuse, before anything is written
+        log(f"note: {note}")
     tokenizer = load_tokenizer(ckpt.directory)
+    out = Path(recipe.output)
+    out.mkdir(parents=True, exist_ok=True)
     settings = calibration_settings(recipe, device)
 
     t0 = time.perf_counter()
@@ -207,7 +208,7 @@ def apply(recipe_path=None, model=None, output=None, overrides=(), device: str =
                           quality=quality, stats=stats_dir, timings=timings, output_dir=out)
     q = report.get("quality") or {}
     log(f"KL {q.get('kl_mean', float('nan')):.4g}, top-1 agreement {q.get('top1_agreement', float('nan')):.3f}, "
-        f"{report['memory'].get('bits_per_weight_experts', float('nan')):.2f} bits per routed-expert weight")
+        f"{report['memory'].get('bits_per_weight_experts', float('nan')):.3f} bits per routed-expert weight")
     return out / "report.html"
 
 

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from moequant.arch import adapter_for
-from moequant.checkpoint import atomic_write_text, open_checkpoint
+from moequant.checkpoint import atomic_write_text, open_checkpoint, save_safetensors
 from moequant.errors import UserError
 from moequant.layers import LayerRunner, compute_dtype
 from moequant.stats import layer_file
@@ -595,7 +595,7 @@ def collect_moe_stats(runner, module, layer: int, collector: "_LayerCollector", 
 
 def _save_atomic(tensors: dict, path: Path, metadata: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    save_safetensors({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
     tmp.replace(path)
 
 

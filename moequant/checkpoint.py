@@ -333,6 +333,7 @@ def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
+    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700; the result must be readable as mkdir would make it
     try:
         yield tmp
         _fsync_dir_tree(tmp)
@@ -388,6 +389,20 @@ def _fsync_dir_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux allows (os.umask can only set it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write a small text file via a temp file + rename."""
     path = Path(path)
@@ -398,12 +413,18 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; outputs are meant to be shared
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600; give what open() would
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
+    """safetensors' save_file, with the mode open() would give (safetensors 0.8 creates files 0600)."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~current_umask())
 
 
 class ShardWriter:
@@ -437,7 +458,7 @@ class ShardWriter:
         if not self._pending:
             return
         tmp_name = f"shard-{len(self._shards):05d}.safetensors.part"
-        save_file(self._pending, str(self.directory / tmp_name), metadata=self.metadata)
+        save_safetensors(self._pending, self.directory / tmp_name, metadata=self.metadata)
         self._shards.append((tmp_name, list(self._pending)))
         self._pending = {}
         self._pending_bytes = 0

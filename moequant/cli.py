@@ -11,7 +11,6 @@ import sys
 
 import click
 
-from moequant.calibrate import DEFAULT_SENSITIVITY_FORMATS
 from moequant.errors import UserError
 
 
@@ -52,38 +51,6 @@ def inspect(model: str, as_json: bool):
         click.echo(format_account(acc, model))
 
 
-@main.command()
-@click.option("--model", required=True, help="Checkpoint directory or zoo:NAME.")
-@click.option("--dataset", default="builtin:mix", show_default=True, help="builtin:NAME, a local file, or a hub dataset.")
-@click.option("--samples", default=64, show_default=True, type=int)
-@click.option("--seq-len", default=256, show_default=True, type=int)
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--batch-size", default=8, show_default=True, type=int)
-@click.option("--output", default="stats", show_default=True, type=click.Path())
-@click.option("--all-experts/--routed-only", default=True, show_default=True,
-              help="Push every token through every expert for the statistics (real routing kept apart).")
-@click.option("--no-hessians", is_flag=True, help="Skip XᵀX (saves memory; GPTQ and sensitivities need them).")
-@click.option("--save-hessians", is_flag=True,
-              help="Also write the full [E, d, d] Hessians into the statistics (large; by default only their diagonals).")
-@click.option("--formats", default=",".join(DEFAULT_SENSITIVITY_FORMATS),
-              show_default=True, help="Format keys to predict sensitivity for.")
-@click.option("--allow-fewer", is_flag=True, help="Accept fewer samples than asked when the data set is small.")
-@click.option("--device", default="cpu", show_default=True)
-@click.option("--overwrite", is_flag=True, help="Replace statistics of another model or other settings in --output.")
-@user_errors
-def calibrate(model, dataset, samples, seq_len, seed, batch_size, output, all_experts, no_hessians, save_hessians, formats,
-              allow_fewer, device, overwrite):
-    """Per-expert routing and input statistics of MODEL on a data set, layer by layer."""
-    from moequant.calibrate import CalibrationSettings, calibrate as run
-
-    settings = CalibrationSettings(dataset=dataset, samples=samples, seq_len=seq_len, seed=seed, batch_size=batch_size,
-                                   all_experts=all_experts, hessians=not no_hessians, save_hessians=save_hessians,
-                                   formats=tuple(f.strip() for f in formats.split(",") if f.strip()),
-                                   allow_fewer=allow_fewer, device=device)
-    out = run(model, output, settings, overwrite=overwrite)
-    click.echo(f"statistics written to {out} (summary.json, routing.png)")
-
-
 def recipe_options(fn):
     """--recipe / --model / --output / --set, shared by the commands that take a recipe."""
     fn = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
@@ -97,7 +64,55 @@ def recipe_options(fn):
 
 @main.command()
 @recipe_options
-@click.option("--stats", default=None, type=click.Path(), help="Statistics directory (default: OUTPUT/stats).")
+@click.option("--stats", default=None, type=click.Path(), help="Statistics directory [default: OUTPUT/stats].")
+@click.option("--dataset", default=None, help="builtin:NAME, a local file, or a hub dataset (recipe key calibration.dataset).")
+@click.option("--samples", default=None, type=int, help="Calibration samples (recipe key calibration.samples).")
+@click.option("--seq-len", default=None, type=int, help="Tokens per sample (recipe key calibration.seq_len).")
+@click.option("--seed", default=None, type=int, help="Recipe key seed.")
+@click.option("--batch-size", default=8, show_default=True, type=int)
+@click.option("--all-experts/--routed-only", default=None,
+              help="Push every token through every expert for the statistics (real routing kept apart) "
+                   "(recipe key calibration.all_experts).")
+@click.option("--no-hessians", is_flag=True, help="Skip XᵀX (saves memory; GPTQ and sensitivities need them).")
+@click.option("--save-hessians", is_flag=True,
+              help="Also write the full [E, d, d] Hessians into the statistics (large; by default only their diagonals).")
+@click.option("--formats", default=None, help="Comma-separated format keys to measure [default: every format the "
+              "recipe may give a routed expert].")
+@click.option("--allow-fewer", is_flag=True, help="Accept fewer samples than asked when the data set is small.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--overwrite", is_flag=True, help="Replace statistics of another model or other settings.")
+@user_errors
+def calibrate(recipe_path, model, output, overrides, stats, dataset, samples, seq_len, seed, batch_size, all_experts,
+              no_hessians, save_hessians, formats, allow_fewer, device, overwrite):
+    """Per-expert routing and input statistics, layer by layer, for the formats the recipe will ask for.
+
+    Writes OUTPUT/stats (where `plan` and `apply` of the same recipe and output look for them);
+    the options below override the recipe's calibration keys."""
+    import dataclasses
+    from pathlib import Path
+
+    from moequant.apply import calibration_settings, resolve_recipe, sensitivity_formats
+    from moequant.calibrate import calibrate as run
+    from moequant.precheck import check_recipe, unfit_notes
+
+    flags = {"calibration.dataset": dataset, "calibration.samples": samples, "calibration.seq_len": seq_len,
+             "seed": seed, "calibration.all_experts": all_experts}
+    overrides = [*overrides, *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)]
+    recipe = resolve_recipe(recipe_path, model, output, overrides)
+    if recipe_path:  # a recipe whose plan shapes alone refuse is refused before the calibration it would waste
+        check_recipe(recipe)
+    keys = tuple(f.strip() for f in formats.split(",") if f.strip()) if formats else sensitivity_formats(recipe)
+    for note in unfit_notes(recipe.model, keys):
+        click.echo(f"note: {note}")
+    settings = dataclasses.replace(calibration_settings(recipe, device, formats=keys), batch_size=batch_size,
+                                   hessians=not no_hessians, save_hessians=save_hessians, allow_fewer=allow_fewer)
+    out = run(recipe.model, Path(stats) if stats else Path(recipe.output) / "stats", settings, overwrite=overwrite)
+    click.echo(f"statistics of {', '.join(keys)} written to {out} (summary.json, routing.png)")
+
+
+@main.command()
+@recipe_options
+@click.option("--stats", default=None, type=click.Path(), help="Statistics directory [default: OUTPUT/stats].")
 @user_errors
 def plan(recipe_path, model, output, overrides, stats):
     """Decide a format for every tensor: writes OUTPUT/plan.json and prints a summary."""
@@ -105,12 +120,19 @@ def plan(recipe_path, model, output, overrides, stats):
 
     from moequant.apply import resolve_recipe
     from moequant.checkpoint import open_checkpoint
-    from moequant.policy import format_summary, make_plan, write_plan
+    from moequant.policy import format_summary, make_plan, needs_statistics, write_plan
+    from moequant.precheck import check_recipe
 
     recipe = resolve_recipe(recipe_path, model, output, overrides)
+    ckpt = open_checkpoint(recipe.model)
+    check_recipe(recipe, ckpt)
     stats_dir = Path(stats) if stats else Path(recipe.output) / "stats"
-    stats_arg = stats_dir if (stats_dir / "summary.json").exists() else None
-    result = make_plan(recipe, open_checkpoint(recipe.model), stats_arg)
+    found = (stats_dir / "summary.json").exists()
+    if not found and (stats or needs_statistics(recipe)):
+        same = " ".join(f"--{k} {v}" for k, v in (("recipe", recipe_path), ("model", model), ("output", output)) if v)
+        raise UserError(f"no calibration statistics in {stats_dir} (no summary.json there); run `moequant calibrate"
+                        f"{' ' + same if same else ''}` first (it writes them there), or pass --stats DIR.")
+    result = make_plan(recipe, ckpt, stats_dir if found else None)
     path = write_plan(result, Path(recipe.output) / "plan.json")
     click.echo(format_summary(result))
     click.echo(f"plan written to {path}")

@@ -113,9 +113,7 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
         kept.setdefault(n, _from_linear(adapter, n, q.codes))
     roles = {n: adapter.classify(n) for n in ckpt.keys()}
 
-    writer_for = {"compressed-tensors": _CompressedTensors, "gptq": _Gptq, "awq": _Awq,
-                  "deepseek-fp8": _DeepseekFp8, "gpt-oss-mxfp4": _GptOssMxfp4}[layout]
-    writer = writer_for(ckpt, adapter, items, roles, target, int8_activations)
+    writer = _WRITERS[layout](ckpt, adapter, items, roles, target, int8_activations)
     writer.check()  # refuse before any work
 
     out_dir = Path(out_dir)
@@ -243,6 +241,11 @@ def _layer_of_experts(roles, name):
 class _Layout:
     name = ""
 
+    @staticmethod
+    def refuses(spec, target: str) -> str | None:
+        """What the layout holds, when it cannot hold `spec` for `target` (None: it can)."""
+        return None
+
     def __init__(self, ckpt, adapter, items, roles, target, int8_activations):
         self.ckpt, self.adapter, self.items, self.roles = ckpt, adapter, items, roles
         self.target, self.int8_activations = target, int8_activations
@@ -260,15 +263,16 @@ class _Layout:
         return {}
 
     # shared checks
-    def _refuse_unless(self, allowed, what: str) -> None:
+    def _refuse_formats(self) -> None:
         for name, q in self.items.items():
-            if not allowed(q.spec):
+            what = self.refuses(q.spec, self.target)
+            if what:
                 raise UserError(f"the {self.name} layout holds {what}; tensor {name} is planned as {q.spec.key}.")
 
     def _require_unfused(self) -> None:
-        if self.adapter.fused_experts:
-            raise UserError(f"the {self.name} layout needs one tensor per expert on disk; "
-                            f"{self.adapter.model_type} stores its experts fused (use layout gpt-oss-mxfp4).")
+        why = _unfused_refusal(self.name, self.adapter)
+        if why:
+            raise UserError(why + ".")
 
     def _linear_modules_kept(self) -> list[str]:
         """2-D weights left in bf16 whose module is a Linear (not a norm or an embedding)."""
@@ -360,14 +364,19 @@ class _CompressedTensors(_Layout):
     def _scheme_key(self, q) -> str:
         return json.dumps(_ct_scheme(q.spec, self.int8_activations), sort_keys=True)
 
+    @staticmethod
+    def refuses(spec, target):
+        if target in ("vllm", "sglang") and spec.is_int and spec.bits not in (4, 8):
+            return f"only 4- and 8-bit integer formats for target {target} (its kernels)"
+        return None
+
     def check(self) -> None:
         self._require_unfused()
         for name, q in self.items.items():
             if len(q.shape) != 2 or not name.endswith(".weight"):
                 raise UserError(f"the compressed-tensors layout writes 2-D Linear weights; {name} is not one.")
+        self._refuse_formats()
         if self.target in ("vllm", "sglang"):
-            self._refuse_unless(lambda s: not s.is_int or s.bits in (4, 8),
-                                f"only 4- and 8-bit integer formats for target {self.target} (its kernels)")
             self._one_format_per_moe_layer()
             self._one_format_per_fused_group()
 
@@ -411,10 +420,15 @@ def _gptq_group(spec) -> int:
 class _Gptq(_Layout):
     name = "gptq"
 
+    @staticmethod
+    def refuses(spec, target):
+        if not (spec.is_int and spec.symmetric and spec.bits in (4, 8)):
+            return "symmetric int4 / int8 only (GPTQ v1 as vLLM and GPTQModel read it)"
+        return None
+
     def check(self) -> None:
         self._require_unfused()
-        self._refuse_unless(lambda s: s.is_int and s.symmetric and s.bits in (4, 8),
-                            "symmetric int4 / int8 only (GPTQ v1 as vLLM and GPTQModel read it)")
+        self._refuse_formats()
         if not self.items:
             raise UserError("the gptq layout needs at least one quantized tensor.")
         if self.target in ("vllm", "sglang"):
@@ -496,10 +510,13 @@ def _module_patterns(modules: list[str], all_modules: set[str]) -> list[str]:
 class _Awq(_Layout):
     name = "awq"
 
+    @staticmethod
+    def refuses(spec, target):
+        return None if spec.name == "int4" and spec.granularity == "group" else "int4 with groups only (AutoAWQ GEMM)"
+
     def check(self) -> None:
         self._require_unfused()
-        self._refuse_unless(lambda s: s.name == "int4" and s.granularity == "group",
-                            "int4 with groups only (AutoAWQ GEMM)")
+        self._refuse_formats()
         if not self.items:
             raise UserError("the awq layout needs at least one quantized tensor.")
         specs = {(q.spec.group_size, q.spec.symmetric) for q in self.items.values()}
@@ -522,9 +539,13 @@ class _Awq(_Layout):
 class _DeepseekFp8(_Layout):
     name = "deepseek-fp8"
 
+    @staticmethod
+    def refuses(spec, target):
+        return None if spec.key == "fp8-block128" else "fp8-block128 only (DeepSeek-V3's FP8 layout)"
+
     def check(self) -> None:
         self._require_unfused()
-        self._refuse_unless(lambda s: s.key == "fp8-block128", "fp8-block128 only (DeepSeek-V3's FP8 layout)")
+        self._refuse_formats()
 
     def pack(self, name, q):
         module = _module(name)
@@ -540,10 +561,14 @@ class _DeepseekFp8(_Layout):
 class _GptOssMxfp4(_Layout):
     name = "gpt-oss-mxfp4"
 
+    @staticmethod
+    def refuses(spec, target):
+        return None if spec.name == "mxfp4" else "mxfp4 only (gpt-oss's own layout)"
+
     def check(self) -> None:
         if self.adapter.model_type != "gpt_oss":
             raise UserError(f"the gpt-oss-mxfp4 layout is gpt-oss's own; this checkpoint is {self.adapter.model_type}.")
-        self._refuse_unless(lambda s: s.name == "mxfp4", "mxfp4 only (gpt-oss's own layout)")
+        self._refuse_formats()
         for name in self.items:
             if self.roles[name].role != "routed_expert":
                 raise UserError(f"the gpt-oss-mxfp4 layout quantizes routed experts only; {name} is "
@@ -562,3 +587,33 @@ class _GptOssMxfp4(_Layout):
         # gpt-oss's own spelling: everything but the experts stays in bf16
         return {"quant_method": "mxfp4", "modules_to_not_convert": [
             "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+_WRITERS = {"compressed-tensors": _CompressedTensors, "gptq": _Gptq, "awq": _Awq,
+            "deepseek-fp8": _DeepseekFp8, "gpt-oss-mxfp4": _GptOssMxfp4}
+
+
+def _unfused_refusal(layout: str, adapter) -> str | None:
+    if layout != "gpt-oss-mxfp4" and adapter.fused_experts:
+        return (f"the {layout} layout needs one tensor per expert on disk; {adapter.model_type} stores its experts "
+                f"fused (use layout gpt-oss-mxfp4)")
+    return None
+
+
+def layout_refusal(layout: str, spec, target: str, adapter, routed: bool = True) -> str | None:
+    """Why `layout` cannot write a tensor in `spec` (a routed expert's, or another's) of this model for
+    `target`, decided from the format and the architecture alone, so before any work (None: it can).
+    The same rules as the layouts' own check() on a finished plan."""
+    if layout not in _WRITERS:
+        return f"export layout {layout!r} is not supported; accepted: {', '.join(LAYOUTS)}"
+    if layout == "gpt-oss-mxfp4" and adapter.model_type != "gpt_oss":
+        return f"the gpt-oss-mxfp4 layout is gpt-oss's own; this checkpoint is {adapter.model_type}"
+    why = _unfused_refusal(layout, adapter)
+    if why:
+        return why
+    if spec.name == "bf16":
+        return None
+    if layout == "gpt-oss-mxfp4" and not routed:
+        return f"the gpt-oss-mxfp4 layout quantizes routed experts only, not {spec.key} non-expert tensors"
+    what = _WRITERS[layout].refuses(spec, target)
+    return f"the {layout} layout holds {what}, not {spec.key}" if what else None

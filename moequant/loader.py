@@ -51,9 +51,16 @@ def from_pretrained_complete(directory, dtype, shown_as=None):
     """transformers' from_pretrained, refusing a checkpoint that lacks tensors the model needs:
     transformers initialises those at random and goes on, which would make every number wrong."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    model, info = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, trust_remote_code=False,
-                                                       output_loading_info=True)
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # only our own (rich) bars on screen: its tqdm would interleave with them
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, trust_remote_code=False,
+                                                           output_loading_info=True)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     missing = sorted(info.get("missing_keys") or [])
     if missing:
         unexpected = sorted(info.get("unexpected_keys") or [])

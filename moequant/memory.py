@@ -33,6 +33,12 @@ EXPERT_VARIANTS = {
 }
 
 
+def bits_per_weight(nbytes: int, weights: int) -> float:
+    """The one bits-per-weight of every account (plan, report, inspect): 8 * bytes / elements, where
+    bytes are the weights' own (codes, scales, zero points; formats.nbytes), never layout metadata."""
+    return 8 * nbytes / weights
+
+
 def _numel(shape) -> int:
     n = 1
     for d in shape:

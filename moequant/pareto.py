@@ -283,6 +283,7 @@ def pareto(recipe_path=None, budgets: Sequence = ("int3", "int4", "int4..int8"),
     from moequant.calibrate import calibrate, load_tokenizer
     from moequant.checkpoint import atomic_write_text, open_checkpoint
     from moequant.policy import make_plan, resolve_format
+    from moequant.precheck import check_recipe
     from moequant.recipe import TARGETS, recipe_to_dict
 
     recipe = resolve_recipe(recipe_path, model, output, overrides)
@@ -291,12 +292,28 @@ def pareto(recipe_path=None, budgets: Sequence = ("int3", "int4", "int4..int8"),
             raise UserError(f"target {target!r} is not a target; accepted: {', '.join(TARGETS)}.")
     if not budgets and not uniform:
         raise UserError("pareto needs at least one budget or one uniform format.")
-    out = Path(recipe.output)
-    out.mkdir(parents=True, exist_ok=True)
     ckpt = open_checkpoint(recipe.model)
 
     # Every format any run may give a routed expert: calibration measures each one's sensitivity.
     uniform_variants = [_uniform_recipe(recipe, entry) for entry in uniform]
+    # What shapes alone decide, before the calibration: a uniform run that cannot be made is an
+    # error; budgets no target can meet are reported below (as after calibration), and when
+    # none of the runs can be made nothing is calibrated or written.
+    cache: dict = {}
+    resolved = [(entry, resolve_budget(recipe, ckpt, entry, cache)) for entry in budgets]
+    for variant, _ in uniform_variants:
+        check_recipe(variant, ckpt)
+    errors = []
+    for entry, bits in resolved:
+        for target in targets:
+            try:
+                check_recipe(_budget_recipe(recipe, target, bits), ckpt)
+            except UserError as error:
+                errors.append(str(error))
+    if not uniform_variants and len(errors) == len(resolved) * len(targets):
+        raise UserError("no budget is feasible for any target: " + " ".join(errors))
+    out = Path(recipe.output)
+    out.mkdir(parents=True, exist_ok=True)
     keys: list[str] = []
     for entry in [*recipe.experts.formats, *uniform]:
         key = resolve_format(recipe, entry).key
@@ -309,8 +326,6 @@ def pareto(recipe_path=None, budgets: Sequence = ("int3", "int4", "int4..int8"),
               progress=progress)
     log(f"calibration statistics: {stats_dir}")
 
-    cache: dict = {}
-    resolved = [(entry, resolve_budget(recipe, ckpt, entry, cache)) for entry in budgets]
     runs = []  # (name, kind, variant, plan, extra point fields)
     skipped: list[dict] = []
     for variant, spec in uniform_variants:

@@ -95,9 +95,11 @@ plan.json (schema "moequant.plan/1")
      "bits_per_weight": {"overall": float, "routed_experts": float},
      "routed_bytes": int, "predicted_loss": float|null,
      "per_expert_alternative": null | {"predicted_loss": float, "routed_bytes": int,  # target
-                                       "candidates": [...], "counts": {format key: experts}},  # transformers
+                                       "routed_bits_per_weight": float,              # transformers
+                                       "candidates": [...], "counts": {format key: experts}},
      "budget_alternative": null | {same keys},       # rules / uniform plans: the solver at their bytes
-     "uniform_alternatives": [{"format": key, "routed_bytes": int, "predicted_loss": float|null}],
+     "uniform_alternatives": [{"format": key, "routed_bytes": int, "routed_bits_per_weight": float,
+                               "predicted_loss": float|null}],
      "probe": null (no statistics) | {"used": false, "why": str}
               | {"used": true, "format": key, "samples": int, "tokens": int, "algorithm": "rtn"|"gptq",
                  "held_out": bool, "layers": {"L": {"kl": float, "scale": float}}}},
@@ -112,8 +114,6 @@ import dataclasses
 import fnmatch
 import json
 import math
-import os
-import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -123,6 +123,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from moequant.errors import UserError
+from moequant.memory import bits_per_weight
 from moequant.recipe import Recipe, is_format_key, recipe_to_dict
 
 SCHEMA = "moequant.plan/1"
@@ -142,6 +143,10 @@ KEEP_GROUP_ROLES = {
     "attention": "attention", "dense_mlp": "dense_mlp", "embeddings": "embedding",
     "lm_head": "lm_head", "routed_experts": "routed_expert",
 }
+# recipe export.format -> the layout family formats.nbytes counts (GPTQ / AWQ also store zero
+# points of symmetric formats), so the plan's bytes are the bytes the export writes
+NBYTES_LAYOUT = {"compressed-tensors": "compressed-tensors", "gptq": "gptq", "awq": "awq", "fp8-block": "deepseek",
+                 "gpt-oss-mxfp4": "gpt-oss"}
 MAP_CHARS = {"bf16": "B", "fp8": "F", "int8": "8", "int4": "4", "int3": "3", "int2": "2",
              "mxfp4": "M", "nvfp4": "N"}
 
@@ -513,8 +518,8 @@ def sensitivity(table: dict, layer: int, proj: str, key: str) -> np.ndarray:
     if proj not in table or key not in table[proj]:
         have = sorted(table.get(proj, {})) if hasattr(table, "get") else []
         raise UserError(f"the calibration statistics have no sensitivity for format {key} in layer {layer} "
-                        f"({proj}); they have: {', '.join(have) or 'none'}; rerun `moequant calibrate` "
-                        f"with this format among the candidates, or drop it from the recipe.")
+                        f"({proj}); they have: {', '.join(have) or 'none'}; rerun `moequant calibrate --recipe` "
+                        f"with this recipe (it measures every format the recipe may choose), or drop it from the recipe.")
     return np.asarray(table[proj][key], dtype=np.float64)
 
 
@@ -528,6 +533,7 @@ class _Context:
     def __init__(self, recipe: Recipe, tensors: list[TensorInfo], stats):
         self.recipe, self.tensors, self.stats = recipe, tensors, stats
         self.formats = _formats()
+        self.layout = NBYTES_LAYOUT[recipe.export.format]
         self.experts: dict[tuple[int, int], list[TensorInfo]] = defaultdict(list)
         for t in tensors:
             if t.is_routed_weight:
@@ -548,7 +554,7 @@ class _Context:
         key = (spec.key, tuple(shape))
         if key not in self._nbytes:
             try:
-                self._nbytes[key] = self.formats.nbytes(spec, tuple(shape))
+                self._nbytes[key] = self.formats.nbytes(spec, tuple(shape), self.layout)
             except UserError:
                 self.formats.check_shape(spec, tuple(shape), name)  # the same refusal, naming the tensor
                 raise
@@ -708,9 +714,8 @@ def _infeasible_budget(recipe: Recipe, min_group_bytes: int, routed_numel: int, 
         f"accepted: gigabytes >= {shown:.6f}.")
 
 
-def _solve(ctx: _Context, target: str, free, specs, limit: int, notes) -> tuple[dict, int] | None:
-    """Budget solve for one target: (expert -> spec, routed bytes of the choice), or None."""
-    groups = _groups(ctx, target, free)
+def _option_table(ctx: _Context, groups, specs, notes) -> list[list[tuple]]:
+    """_group_options of every group; a group no candidate can hold is refused."""
     table = []
     for group in groups:
         options = _group_options(ctx, group, specs, notes)
@@ -718,6 +723,13 @@ def _solve(ctx: _Context, target: str, free, specs, limit: int, notes) -> tuple[
             raise UserError(f"no candidate format can hold the routed experts of layer(s) {_layer_text(group)}; "
                             f"accepted: add a format whose group size divides their input dimension (e.g. int8 or fp8).")
         table.append(options)
+    return table
+
+
+def _solve(ctx: _Context, target: str, free, specs, limit: int, notes) -> tuple[dict, int] | None:
+    """Budget solve for one target: (expert -> spec, routed bytes of the choice), or None."""
+    groups = _groups(ctx, target, free)
+    table = _option_table(ctx, groups, specs, notes)
     choice = solve_choices([[o[1] for o in opts] for opts in table], [[o[2] for o in opts] for opts in table], limit, notes)
     if choice is None:
         return None
@@ -802,11 +814,23 @@ def make_plan(recipe: Recipe, checkpoint_or_tensors, stats=None) -> Plan:
     TensorInfo / (name, role, layer, expert, proj, shape) tuples. stats: a loaded statistics
     object, a statistics directory, or None (allowed for uniform plans and layer-only rules).
     """
+    return _make_plan(recipe, checkpoint_or_tensors, _load_stats(stats), shapes_only=False)
+
+
+def check_plan(recipe: Recipe, checkpoint_or_tensors) -> list[str]:
+    """Refuse, before any calibration, what the recipe and the tensor shapes alone decide: an
+    infeasible budget (the smallest plan is known from shapes), a format that cannot hold a tensor,
+    a format the target cannot serve, keep entries the target cannot serve. Returns the plan's notes
+    (e.g. a candidate not offered to some layers, and why). Reads no weights or statistics."""
+    return _make_plan(recipe, checkpoint_or_tensors, None, shapes_only=True)
+
+
+def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
+    """make_plan, or with shapes_only the checks of check_plan (its notes returned, no plan)."""
     if hasattr(checkpoint_or_tensors, "keys") and hasattr(checkpoint_or_tensors, "shape"):
         tensors = tensors_from_checkpoint(checkpoint_or_tensors)
     else:
         tensors = as_tensor_infos(checkpoint_or_tensors)
-    stats = _load_stats(stats)
     ctx = _Context(recipe, tensors, stats)
     target = recipe.target
     notes: list[str] = []
@@ -870,7 +894,7 @@ def make_plan(recipe: Recipe, checkpoint_or_tensors, stats=None) -> Plan:
     dropped: dict[str, str] = {}
     budget_info = None
     if method == "budget":
-        if stats is None:
+        if stats is None and not shapes_only:
             raise UserError("experts.method budget needs calibration statistics (routing and sensitivity); "
                             "run `moequant calibrate` first and pass its statistics.")
         all_specs = _dedupe(resolve_format(recipe, f) for f in recipe.experts.formats)
@@ -886,6 +910,15 @@ def make_plan(recipe: Recipe, checkpoint_or_tensors, stats=None) -> Plan:
                             f"({'; '.join(f'{k}: {v}' for k, v in dropped.items())}); accepted: fp8, int8, "
                             f"symmetric int4, mxfp4, nvfp4, bf16.")
         limit = _budget_limit(recipe, routed_numel, other_bytes, fixed_routed)
+        if shapes_only:  # feasibility is the smallest option of every group against the limit
+            table = _option_table(ctx, _groups(ctx, target, free), specs, notes)
+            minimum = sum(min(o[1] for o in options) for options in table)
+            notes += [f"{key} is not offered to layer(s) {_layer_text([(L, 0) for L in layers])}: {why}."
+                      for key, (layers, why) in ctx.unfit.items()]
+            if minimum > limit:
+                raise _infeasible_budget(recipe, minimum, routed_numel, other_bytes, fixed_routed,
+                                         [s.key for s in specs])
+            return notes
         solved = _solve(ctx, target, free, specs, limit, notes) if free else ({}, 0)
         for key, (layers, why) in ctx.unfit.items():
             notes.append(f"{key} is not offered to layer(s) {_layer_text([(L, 0) for L in layers])}: {why}.")
@@ -900,6 +933,15 @@ def make_plan(recipe: Recipe, checkpoint_or_tensors, stats=None) -> Plan:
         if method == "uniform":
             spec = resolve_format(recipe, recipe.experts.format)
             assignment = {e: spec for e in free}
+        elif shapes_only and needs_statistics(recipe):  # which rule matches needs routing shares: check formats only
+            assignment = {}
+            for rule in recipe.experts.rules:
+                spec = resolve_format(recipe, rule.format)
+                why = unservable_reason(target, spec, routed=True)
+                if why:
+                    raise UserError(f"experts.rules gives routed experts {spec.key}, which target {target} cannot "
+                                    f"serve: {why}; accepted: fp8, int8, symmetric int4, mxfp4, nvfp4, bf16, "
+                                    f"or target transformers.")
         else:
             assignment = _apply_rules(ctx, recipe, free)
         for spec in _dedupe(assignment.values()):
@@ -915,6 +957,8 @@ def make_plan(recipe: Recipe, checkpoint_or_tensors, stats=None) -> Plan:
             ctx.expert_bytes((layer, expert), spec)
         except UserError as error:
             raise UserError(f"format {spec.key} cannot hold layer {layer} expert {expert}: {str(error).rstrip('.')}.") from None
+    if shapes_only:
+        return notes
 
     for e in kept_experts:
         assignment[e] = bf16
@@ -991,14 +1035,17 @@ def _summary(plan: Plan, ctx: _Context, free, budget_info) -> dict:
                 continue
             uniform.append({"format": key, "routed_bytes": nbytes + fixed_bytes,
                             "predicted_loss": _predicted_loss(ctx, {e: spec for e in free})})
+    for alt in [alternative, budget_alternative, *uniform]:  # the same bits per weight as this plan's
+        if alt:
+            alt["routed_bits_per_weight"] = bits_per_weight(alt["routed_bytes"], routed_numel)
     return {
         "layers": layers,
         "legend": legend,
         "bytes_by_role": dict(bytes_by_role),
         "weights_by_role": dict(weights_by_role),
         "total_bytes": total_bytes,
-        "bits_per_weight": {"overall": 8 * total_bytes / total_numel,
-                            "routed_experts": 8 * routed_bytes / routed_numel},
+        "bits_per_weight": {"overall": bits_per_weight(total_bytes, total_numel),
+                            "routed_experts": bits_per_weight(routed_bytes, routed_numel)},
         "routed_bytes": routed_bytes,
         "predicted_loss": loss,
         "per_expert_alternative": alternative,
@@ -1131,17 +1178,10 @@ def plan_from_dict(data: dict, source: str = "<plan>") -> Plan:
 
 def write_plan(plan: Plan, path: str | Path) -> Path:
     """Write plan.json atomically (temp file beside it, then rename)."""
+    from moequant.checkpoint import atomic_write_text
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(plan_to_dict(plan), f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, json.dumps(plan_to_dict(plan), indent=1) + "\n")
     return path
 
 
@@ -1165,6 +1205,10 @@ def _size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
+
+
+def _bits(alt: dict) -> str:
+    return f" ({alt['routed_bits_per_weight']:.3f} bits per weight)" if "routed_bits_per_weight" in alt else ""
 
 
 def format_summary(plan: Plan) -> str:
@@ -1197,14 +1241,14 @@ def format_summary(plan: Plan) -> str:
         extra = (f"; serving with {plan.target} costs {(s['predicted_loss'] / alt['predicted_loss'] - 1) * 100:+.1f}%"
                  if alt["predicted_loss"] and s["predicted_loss"] is not None else "")
         lines.append(f"per-expert plan (target transformers) at the same budget: predicted loss "
-                     f"{alt['predicted_loss']:.6g}, {_size(alt['routed_bytes'])} routed{extra}")
+                     f"{alt['predicted_loss']:.6g}, {_size(alt['routed_bytes'])} routed{_bits(alt)}{extra}")
     alt = s.get("budget_alternative")
     if alt:
         lines.append(f"budget plan (target {plan.target}) at the same bytes: predicted loss "
-                     f"{alt['predicted_loss']:.6g}, {_size(alt['routed_bytes'])} routed")
+                     f"{alt['predicted_loss']:.6g}, {_size(alt['routed_bytes'])} routed{_bits(alt)}")
     for u in s.get("uniform_alternatives", []):
         loss = f"{u['predicted_loss']:.6g}" if u["predicted_loss"] is not None else "n/a"
-        lines.append(f"uniform {u['format']}: {_size(u['routed_bytes'])} routed, predicted loss {loss}")
+        lines.append(f"uniform {u['format']}: {_size(u['routed_bytes'])} routed{_bits(u)}, predicted loss {loss}")
     probe = s.get("probe")
     if probe and probe.get("used"):
         scales = ", ".join(f"L{L} x{v['scale']:.3g}" for L, v in probe["layers"].items())

@@ -18,10 +18,14 @@ report.json (schema "moequant.report/1"; keys may be added, none of these remove
                                       #   minus the safetensors headers)
     "compression": float,             # bytes_original / bytes_quantized
     "weights": int,                   # elements of the original tensors (the "weights" bits are per)
-    "bits_per_weight": float,         # 8 * bytes_quantized / weights
-    "bits_per_weight_experts": float, # the same over routed-expert tensors only
+    "layout_metadata_bytes": int,     # of bytes_quantized: tensors that record a layout, not weights
+                                      #   (compressed-tensors weight_shape, GPTQ g_idx)
+    "bits_per_weight": float,         # 8 * (bytes_quantized - layout_metadata_bytes) / weights
+    "bits_per_weight_experts": float, # the same over routed-expert tensors only: the weights' own
+                                      #   bytes (codes, scales, zero points), which is formats.nbytes,
+                                      #   so it equals the plan's summary.bits_per_weight.routed_experts
     "bits_per_weight_original": float, "bits_per_weight_experts_original": float,
-    "by_role": {role: {"weights": int, "bytes_original": int, "bytes_quantized": int}},
+    "by_role": {role: {"weights": int, "bytes_original": int, "bytes_quantized": int}},  # no metadata
     "bytes_per_token": {"original": int, "quantized": int},
     "gpus_needed": {"original": {"24GB": int, "80GB": int, "141GB": int}, "quantized": {...}},
     "gpu_sizes_gb": [24, 80, 141], "kv_headroom": 0.2
@@ -76,7 +80,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from moequant.errors import UserError
-from moequant.memory import GPU_SIZES_GB, KV_HEADROOM
+from moequant.memory import GPU_SIZES_GB, KV_HEADROOM, bits_per_weight
 
 SCHEMA = "moequant.report/1"
 
@@ -110,8 +114,12 @@ def checkpoint_bytes(path, adapter=None) -> dict:
 
     Returns {"by_role": {role: bytes}, "experts": {(layer, expert): bytes}, "fused_experts":
     {layer: bytes} (tensors holding every expert of a layer), "total": bytes, "weights_by_role":
-    {role: elements} (meaningful for an unquantized checkpoint)}.
+    {role: elements} (meaningful for an unquantized checkpoint), "layout_metadata": bytes}.
+    Layout metadata (compressed-tensors `weight_shape`, GPTQ `g_idx`: formats.LAYOUT_METADATA) is
+    counted in "total" only, not in a role's bytes: those are the weights' own bytes (codes, scales,
+    zero points), the account `formats.nbytes` and so the plan keep.
     """
+    from moequant.formats import LAYOUT_METADATA
     from moequant.arch import adapter_for
     from moequant.checkpoint import open_checkpoint
 
@@ -124,7 +132,11 @@ def checkpoint_bytes(path, adapter=None) -> dict:
     weights: dict[str, int] = defaultdict(int)
     experts: dict[tuple[int, int], int] = defaultdict(int)
     fused: dict[int, int] = defaultdict(int)
+    metadata = 0
     for name, entry in ckpt.entries.items():
+        if name.rsplit(".", 1)[-1] in LAYOUT_METADATA:
+            metadata += entry.nbytes
+            continue
         role = adapter.classify(original_tensor_name(name, expected))
         by_role[role.role] += entry.nbytes
         weights[role.role] += entry.numel
@@ -134,7 +146,7 @@ def checkpoint_bytes(path, adapter=None) -> dict:
             else:
                 experts[(role.layer, role.expert)] += entry.nbytes
     return {"by_role": dict(by_role), "weights_by_role": dict(weights), "experts": dict(experts),
-            "fused_experts": dict(fused), "total": sum(by_role.values())}
+            "fused_experts": dict(fused), "total": sum(by_role.values()) + metadata, "layout_metadata": metadata}
 
 
 def _config_only_bytes(adapter, bytes_per_weight: int = 2) -> dict:
@@ -151,7 +163,7 @@ def _config_only_bytes(adapter, bytes_per_weight: int = 2) -> dict:
         fused = {L: routed // max(len(adapter.moe_layers), 1) for L in adapter.moe_layers}
     by_role = {r: n * bytes_per_weight for r, n in weights.items()}
     return {"by_role": by_role, "weights_by_role": weights, "experts": per_expert, "fused_experts": fused,
-            "total": sum(by_role.values())}
+            "total": sum(by_role.values()), "layout_metadata": 0}
 
 
 def _bytes_per_token(account: dict, adapter, shares: dict | None) -> int:
@@ -197,14 +209,15 @@ def memory_account(original, checkpoint, shares: dict | None = None) -> dict:
     n_expert = weights.get("routed_expert", 0)
 
     def bpw(nbytes, n):
-        return 8 * nbytes / n if n else float("nan")
+        return bits_per_weight(nbytes, n) if n else float("nan")
 
     return {
         "bytes_original": int(orig["total"]),
         "bytes_quantized": int(quant["total"]),
         "compression": orig["total"] / quant["total"] if quant["total"] else float("nan"),
         "weights": int(n_weights),
-        "bits_per_weight": bpw(quant["total"], n_weights),
+        "layout_metadata_bytes": int(quant["layout_metadata"]),
+        "bits_per_weight": bpw(quant["total"] - quant["layout_metadata"], n_weights),
         "bits_per_weight_experts": bpw(quant["by_role"].get("routed_expert", 0), n_expert),
         "bits_per_weight_original": bpw(orig["total"], n_weights),
         "bits_per_weight_experts_original": bpw(orig["by_role"].get("routed_expert", 0), n_expert),
@@ -396,6 +409,11 @@ def _b(n) -> str:
     return f"{n:.0f} B"
 
 
+def _bits(x) -> str:
+    """Bits per weight, written the same way everywhere (as `moequant plan` prints them)."""
+    return "–" if x is None or not math.isfinite(x) else f"{x:.3f}"
+
+
 def _f(x, digits=4) -> str:
     if x is None:
         return "–"
@@ -409,16 +427,23 @@ def _summary_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]
     m = report["memory"]
     tables = [("Memory", ["", "original", "quantized"], [
         ["bytes", _b(m["bytes_original"]), _b(m["bytes_quantized"])],
-        ["bits per weight", _f(m["bits_per_weight_original"]), _f(m["bits_per_weight"])],
-        ["bits per weight, routed experts", _f(m["bits_per_weight_experts_original"]), _f(m["bits_per_weight_experts"])],
+        ["bits per weight", _bits(m["bits_per_weight_original"]), _bits(m["bits_per_weight"])],
+        ["bits per weight, routed experts", _bits(m["bits_per_weight_experts_original"]),
+         _bits(m["bits_per_weight_experts"])],
+        ["layout metadata (tensor shapes, column order; not weights)", "–", _b(m.get("layout_metadata_bytes"))],
         ["bytes read per decoded token", _b(m["bytes_per_token"]["original"]), _b(m["bytes_per_token"]["quantized"])],
         *[[f"{g} GB GPUs ({int(100 * m['kv_headroom'])}% headroom)", str(m["gpus_needed"]["original"][f"{g}GB"]),
            str(m["gpus_needed"]["quantized"][f"{g}GB"])] for g in m["gpu_sizes_gb"]],
     ])]
     tables.append(("Bytes by role", ["role", "weights", "original", "quantized", "bits/weight"], [
         [r, f"{v['weights']:,}", _b(v["bytes_original"]), _b(v["bytes_quantized"]),
-         _f(8 * v["bytes_quantized"] / v["weights"]) if v["weights"] else "–"]
+         _bits(bits_per_weight(v["bytes_quantized"], v["weights"])) if v["weights"] else "–"]
         for r, v in m["by_role"].items()]))
+    layers = layer_formats(report["experts"])
+    if layers:
+        tables.append(("Formats per MoE layer (routed experts)", ["layer", "formats", "experts per format"], [
+            [str(L), ", ".join(counts), ", ".join(f"{k} ×{n}" for k, n in counts.items())]
+            for L, counts in layers.items()]))
     q = report.get("quality")
     if q:
         tables.append(("Quality", ["metric", "value"], [
@@ -445,17 +470,23 @@ def _summary_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]
                             for d, v in q["by_domain"].items()]))
     plan = report.get("plan") or {}
     if plan.get("predicted_loss") is not None or plan.get("uniform_alternatives"):
-        bpw = plan.get("bits_per_weight") or {}
-        rows = [["this plan (" + str(plan.get("method") or "?") + ")", _b(m["by_role"].get("routed_expert", {}).get(
-            "bytes_quantized")), _f(bpw.get("routed_experts")), _f(plan.get("predicted_loss"))]]
+        routed = m["by_role"].get("routed_expert", {})
+
+        def bits_of(nbytes):  # the memory account's bits per routed-expert weight, for any byte count
+            return _bits(bits_per_weight(nbytes, routed["weights"])) if nbytes is not None and routed.get("weights") \
+                else "–"
+
+        rows = [["this plan (" + str(plan.get("method") or "?") + ")", _b(routed.get("bytes_quantized")),
+                 bits_of(routed.get("bytes_quantized")), _f(plan.get("predicted_loss"))]]
         alt = plan.get("per_expert_alternative")
         if alt:
-            rows.append(["per-expert plan (transformers target)", _b(alt.get("routed_bytes")), "–",
-                         _f(alt.get("predicted_loss"))])
+            rows.append(["per-expert plan (transformers target)", _b(alt.get("routed_bytes")),
+                         bits_of(alt.get("routed_bytes")), _f(alt.get("predicted_loss"))])
         for u in plan.get("uniform_alternatives") or []:
-            rows.append([f"uniform {u.get('format')}", _b(u.get("routed_bytes")), "–", _f(u.get("predicted_loss"))])
+            rows.append([f"uniform {u.get('format')}", _b(u.get("routed_bytes")), bits_of(u.get("routed_bytes")),
+                         _f(u.get("predicted_loss"))])
         tables.append(("Plan vs alternatives (routed experts, predicted)",
-                       ["plan", "routed-expert bytes", "bits/weight", "predicted loss"], rows))
+                       ["plan", "routed-expert bytes", "bits/weight", "predicted loss (usage × error; ≈ KL/token when probe-scaled)"], rows))
     if report.get("timings"):
         tables.append(("Timings", ["stage", "seconds"],
                        [[k, f"{v:.1f}"] for k, v in report["timings"].items()] +
@@ -463,14 +494,39 @@ def _summary_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]
     return tables
 
 
+def layer_formats(rows: list[dict]) -> dict[int, dict[str, int]]:
+    """MoE layer -> {format key: routed experts in it}, from the per-expert rows (formats most used first)."""
+    out: dict[int, dict[str, int]] = {}
+    for r in rows:
+        if r["format"] is not None:
+            counts = out.setdefault(r["layer"], {})
+            counts[r["format"]] = counts.get(r["format"], 0) + 1
+    return {L: dict(sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))) for L, c in sorted(out.items())}
+
+
+# What each error column of the per-expert table measures, and in which unit.
+ERROR_COLUMNS = (
+    ("predicted sq. error/token", "calibration's prediction for round-to-nearest in the expert's format: "
+     "Σ over gate/up/down of tr(ΔW H ΔWᵀ), the squared L2 error of each projection's output per routed token "
+     "(units: squared activations; the plan weights it by usage into its predicted loss)"),
+    ("measured sq. error/token", "measured on the evaluation tokens the original router sends to the expert, with "
+     "the exported weights (GPTQ / AWQ included): ‖y_q − y‖² of the expert's output per routed token (same units "
+     "as the prediction, but of the whole expert, not summed per projection)"),
+    ("measured relative error", "‖y_q − y‖ / ‖y‖ of the expert's output over those tokens (no unit; 0.01 = 1 %)"),
+)
+
+
 def _expert_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     domains = sorted({d for r in rows for d in r["share_by_domain"]})
-    header = ["layer", "expert", "share", *[f"share {d}" for d in domains], "format", "predicted error",
-              "measured error"]
+    header = ["layer", "expert", "share", *[f"share {d}" for d in domains], "format", *[c for c, _ in ERROR_COLUMNS]]
     body = [[str(r["layer"]), str(r["expert"]), _f(r["share"], 3),
              *[_f(r["share_by_domain"].get(d), 3) for d in domains], r["format"] or "–",
-             _f(r["predicted_error"], 3), _f(r["error"], 3)] for r in rows]
+             _f(r["predicted_error"], 3), _f(r["sq_error_per_token"], 3), _f(r["error"], 3)] for r in rows]
     return header, body
+
+
+def _error_legend() -> list[str]:
+    return [f"{name}: {what}." for name, what in ERROR_COLUMNS]
 
 
 def _md_table(header, rows) -> str:
@@ -482,7 +538,7 @@ def _md_table(header, rows) -> str:
 def _headline(report: dict) -> str:
     m, q = report["memory"], report.get("quality") or {}
     s = (f"{_b(m['bytes_original'])} → {_b(m['bytes_quantized'])} ({_f(m['compression'], 3)}× smaller, "
-         f"{_f(m['bits_per_weight'], 3)} bits/weight overall, {_f(m['bits_per_weight_experts'], 3)} in routed experts)")
+         f"{_bits(m['bits_per_weight'])} bits/weight overall, {_bits(m['bits_per_weight_experts'])} in routed experts)")
     if q.get("kl_mean") is not None:
         s += (f"; perplexity {_f(q.get('ppl_original'))} → {_f(q.get('ppl_quantized'))}, KL mean "
               f"{_f(q.get('kl_mean'))}, top-1 agreement {_f(q.get('top1_agreement'))}")
@@ -500,7 +556,8 @@ def render_markdown(report: dict, top_experts: int = 20) -> str:
     if measured:
         worst = sorted(measured, key=lambda r: -r["error"])[:top_experts]
         header, body = _expert_table(worst)
-        lines += [f"## The {len(worst)} experts with the largest measured error", "", _md_table(header, body), ""]
+        lines += [f"## The {len(worst)} experts with the largest measured relative error", "", _md_table(header, body), "",
+                  *[f"- {line}" for line in _error_legend()], ""]
     lines += [f"The full per-expert table ({len(rows)} experts) is in report.json and report.html.", ""]
     plan = report.get("plan") or {}
     if plan.get("notes"):
@@ -723,6 +780,7 @@ def render_html(report: dict, runs: list[dict] | None = None) -> str:
         parts += ["<h2>Plan notes</h2><ul>"] + [f"<li>{e(n)}</li>" for n in plan["notes"]] + ["</ul>"]
     if report["experts"]:
         header, body = _expert_table(report["experts"])
-        parts += [f"<h2>Per expert ({len(body)})</h2>", "<div class=\"scroll\">", _html_table(header, body), "</div>"]
+        parts += [f"<h2>Per expert ({len(body)})</h2>", "<div class=\"scroll\">", _html_table(header, body), "</div>",
+                  "<ul>" + "".join(f"<li>{e(line)}</li>" for line in _error_legend()) + "</ul>"]
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"

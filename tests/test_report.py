@@ -66,11 +66,21 @@ def _role_of(name: str) -> str:
     return "other"
 
 
+# tensors that record a layout (a shape, an identity column order), not weights: a role's bytes
+# leave them out (they are the weights' own bytes, what the plan counts), the total keeps them
+METADATA = re.compile(r"\.(weight_shape|g_idx)$")
+
+
 def _bytes_by_role(directory) -> dict[str, int]:
     out: dict[str, int] = {}
     for name, (nbytes, _) in _file_tensors(directory).items():
-        out[_role_of(name)] = out.get(_role_of(name), 0) + nbytes
+        if not METADATA.search(name):
+            out[_role_of(name)] = out.get(_role_of(name), 0) + nbytes
     return out
+
+
+def _metadata_bytes(directory) -> int:
+    return sum(n for name, (n, _) in _file_tensors(directory).items() if METADATA.search(name))
 
 
 # ---------------------------------------------------------------- fixtures
@@ -97,6 +107,8 @@ def test_bytes_by_role_from_file_headers(qwen):
         got = checkpoint_bytes(directory)
         assert got["by_role"] == expected
         assert got["total"] == sum(b for b, _ in _file_tensors(directory).values())
+        assert got["layout_metadata"] == _metadata_bytes(directory)
+    assert checkpoint_bytes(qwen["ckpt"])["layout_metadata"] > 0  # compressed-tensors' weight_shape
     orig, quant = _bytes_by_role(qwen["src"]), _bytes_by_role(qwen["ckpt"])
     assert quant["routed_expert"] < orig["routed_expert"] / 1.5
     assert {r: b for r, b in quant.items() if r != "routed_expert"} == {r: b for r, b in orig.items() if r != "routed_expert"}
@@ -104,7 +116,8 @@ def test_bytes_by_role_from_file_headers(qwen):
     got = checkpoint_bytes(qwen["ckpt"])["experts"]
     files = _file_tensors(qwen["ckpt"])
     for (L, e), b in got.items():
-        assert b == sum(n for name, (n, _) in files.items() if f"layers.{L}.mlp.experts.{e}." in name)
+        assert b == sum(n for name, (n, _) in files.items() if f"layers.{L}.mlp.experts.{e}." in name
+                        and not METADATA.search(name))
 
 
 @pytest.mark.parametrize("layout,key", [("gptq", "int8-channel"), ("awq", "int4-g32-asym"),
@@ -155,7 +168,8 @@ def test_memory_account_numbers(qwen):
     assert mem["bytes_original"] == sum(b for b, _ in orig_files.values())
     assert mem["bytes_quantized"] == sum(b for b, _ in quant_files.values())
     assert mem["bits_per_weight_original"] == pytest.approx(16.0)
-    assert mem["bits_per_weight"] == pytest.approx(8 * mem["bytes_quantized"] / weights)
+    assert mem["layout_metadata_bytes"] == _metadata_bytes(qwen["ckpt"]) > 0
+    assert mem["bits_per_weight"] == pytest.approx(8 * (mem["bytes_quantized"] - mem["layout_metadata_bytes"]) / weights)
     routed_w = sum(e for n, (_, e) in orig_files.items() if _role_of(n) == "routed_expert")
     q_roles = _bytes_by_role(qwen["ckpt"])
     assert mem["bits_per_weight_experts"] == pytest.approx(8 * q_roles["routed_expert"] / routed_w)
@@ -171,7 +185,8 @@ def test_memory_account_numbers(qwen):
     # with routing shares: each expert's bytes weighted by top_k * share
     shares = {L: [1.0] + [0.0] * (E - 1) for L in ad.moe_layers}  # only expert 0 is ever used
     skewed = memory_account(qwen["src"], qwen["ckpt"], shares)
-    expert0 = sum(b for n, (b, _) in quant_files.items() if re.search(r"\.mlp\.experts\.0\.", n))
+    expert0 = sum(b for n, (b, _) in quant_files.items() if re.search(r"\.mlp\.experts\.0\.", n)
+                  and not METADATA.search(n))
     fixed = sum(q_roles.values()) - q_roles["embedding"] - q_roles["routed_expert"]
     assert skewed["bytes_per_token"]["quantized"] == round(fixed + k * expert0)
 

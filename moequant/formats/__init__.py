@@ -16,7 +16,7 @@ from moequant.formats.core import (  # noqa: F401
 )
 from moequant.formats.packing import (  # noqa: F401
     compressed_tensors_format, compressed_tensors_weight_args, pack_awq, pack_compressed_tensors, pack_deepseek_fp8, pack_e2m1, pack_gpt_oss_mxfp4,
-    pack_gptq, pack_int32, packed_nbytes, unpack_awq, unpack_compressed_tensors, unpack_e2m1, unpack_gpt_oss_mxfp4,
+    LAYOUT_METADATA, pack_gptq, pack_int32, packed_nbytes, unpack_awq, unpack_compressed_tensors, unpack_e2m1, unpack_gpt_oss_mxfp4,
     unpack_gptq, unpack_int32,
 )
 from moequant.formats.specs import (  # noqa: F401

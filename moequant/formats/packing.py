@@ -363,6 +363,11 @@ def unpack_gpt_oss_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> Quantize
     return QuantizedTensor(get_format("mxfp4"), tuple(codes.shape), codes, scales)
 
 
+# Stored tensors that describe a layout rather than encode weights (a shape, an identity column
+# order): `nbytes` and the report's byte account leave them out, so the two agree.
+LAYOUT_METADATA = ("weight_shape", "g_idx")
+
+
 def packed_nbytes(tensors: dict) -> int:
-    """Bytes of the tensors that `nbytes` accounts for (shape metadata and g_idx left out)."""
-    return sum(t.numel() * t.element_size() for k, t in tensors.items() if k not in ("weight_shape", "g_idx"))
+    """Bytes of the tensors that `nbytes` accounts for (LAYOUT_METADATA left out)."""
+    return sum(t.numel() * t.element_size() for k, t in tensors.items() if k not in LAYOUT_METADATA)

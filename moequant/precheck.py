@@ -1,0 +1,82 @@
+"""What a recipe and the model's shapes decide, checked before any calibration.
+
+Calibration is the slow stage (minutes to hours); everything that does not depend on its
+statistics is refused before it starts, in well under a second (safetensors headers and
+config.json only, no weights): an unsupported architecture or algorithm, a budget below the
+smallest plan the candidates allow, a format that cannot hold a tensor, a format the target
+cannot serve, an export layout that cannot carry a format the plan may choose. `apply`,
+`pareto`, `plan` and `calibrate --recipe` call `check_recipe` first and write nothing when it
+refuses.
+"""
+
+from __future__ import annotations
+
+from moequant.errors import UserError
+
+
+def plan_formats(recipe) -> list:
+    """Every format spec the plan may give a routed expert: candidates, the uniform format, rule formats."""
+    from moequant.policy import resolve_format
+
+    entries = [*recipe.experts.formats] if recipe.experts.method == "budget" else []
+    if recipe.experts.method == "uniform":
+        entries.append(recipe.experts.format)
+    if recipe.experts.method == "rules":
+        entries += [rule.format for rule in recipe.experts.rules]
+    specs = {}
+    for entry in entries:
+        spec = resolve_format(recipe, entry)
+        specs.setdefault(spec.key, spec)
+    return list(specs.values())
+
+
+def check_recipe(recipe, ckpt=None) -> list[str]:
+    """Raise UserError for what shapes alone refuse; return the plan's notes (e.g. a candidate not
+    offered to some layers because it cannot hold their dimensions, and why)."""
+    from moequant.apply import EXPORT_LAYOUTS
+    from moequant.arch import adapter_for
+    from moequant.checkpoint import open_checkpoint
+    from moequant.export import layout_refusal
+    from moequant.policy import check_plan, resolve_format, unservable_reason
+
+    ckpt = ckpt or open_checkpoint(recipe.model)
+    adapter = adapter_for(ckpt.config)
+    if adapter.fused_experts and any(a == "awq" for a in recipe.algorithms.values()):
+        raise UserError(f"algorithms: awq is not supported for {adapter.model_type} (fused experts whose activation "
+                        "clamps up_proj, so the down_proj scale cannot be folded exactly); accepted there: gptq or rtn.")
+    layout = EXPORT_LAYOUTS.get(recipe.export.format, recipe.export.format)
+    for spec in plan_formats(recipe):
+        if recipe.experts.method == "budget" and unservable_reason(recipe.target, spec, routed=True):
+            continue  # the plan drops it for the target and says so
+        why = layout_refusal(layout, spec, recipe.target, adapter)
+        if why:
+            raise UserError(f"export.format {recipe.export.format}: {why}; drop {spec.key} from the recipe's "
+                            f"routed-expert formats or choose another export.format.")
+    non_expert = resolve_format(recipe, recipe.non_experts.format)
+    why = layout_refusal(layout, non_expert, recipe.target, adapter, routed=False)
+    if why:
+        raise UserError(f"export.format {recipe.export.format}: {why}; set non_experts.format to one it holds "
+                        f"(bf16 always works) or choose another export.format.")
+    return check_plan(recipe, ckpt)
+
+
+def unfit_notes(model: str, format_keys) -> list[str]:
+    """One sentence per format that cannot hold some routed-expert projection of `model`: calibration
+    measures no sensitivity for it there, and a plan will not offer it to those experts."""
+    from moequant import formats
+    from moequant.arch import adapter_for
+    from moequant.checkpoint import open_checkpoint
+
+    adapter = adapter_for(open_checkpoint(model).config)
+    notes = []
+    for key in format_keys:
+        spec = formats.parse_key(key)
+        for proj in adapter.projections:
+            rows, cols = adapter.expert_shape(proj)
+            try:
+                formats.check_shape(spec, (rows, cols))
+            except UserError:
+                notes.append(f"{key} cannot hold the routed experts' {proj} projection ([{rows}, {cols}]: {cols} input "
+                             f"columns are not a multiple of its group size {spec.group_size}); no sensitivity is "
+                             f"measured for it there and no plan offers it there.")
+    return notes

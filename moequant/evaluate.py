@@ -444,9 +444,10 @@ def load_quantized(path, dtype=None, device: str = "cpu"):
     """A quantized checkpoint as a dense transformers model: moequant's loader first (any checkpoint
     moequant wrote, and the compressed-tensors / GPTQ / AWQ / FP8 / MXFP4 layouts it reads), else
     transformers' own loading (e.g. an llm-compressor checkpoint with `Linear` targets, decompressed)."""
-    from moequant.checkpoint import open_checkpoint
+    from moequant.checkpoint import resolve_model_path
 
-    directory = open_checkpoint(path).directory
+    directory = resolve_model_path(path)  # not opened here: a format moequant cannot read goes to transformers
+    directory = directory if directory.is_dir() else directory.parent
     try:
         from moequant.loader import load
     except ImportError:  # pragma: no cover - the loader is part of the package
@@ -488,7 +489,12 @@ def evaluate_checkpoints(checkpoint, reference, dataset: str = "builtin:mix", sa
     ref_dir = open_checkpoint(reference).directory
     tokenizer = load_tokenizer(ref_dir)
     windows = load_samples(dataset, tokenizer, samples, seq_len, split="evaluation", seed=seed)
-    ref_model = from_pretrained_complete(ref_dir, dtype or "auto").to(device).eval()
+    if open_checkpoint(reference).encodings:  # a quantized source: the reference is its dequantized weights
+        from moequant.loader import load
+
+        ref_model = load(ref_dir, dtype=dtype, device=device)
+    else:
+        ref_model = from_pretrained_complete(ref_dir, dtype or "auto").to(device).eval()
     q_model = load_quantized(checkpoint, dtype=dtype, device=device)
     result = evaluate(ref_model, q_model, windows, batch_size=batch_size, progress=progress)
     result.update({"checkpoint": str(checkpoint), "reference": str(reference), "dataset": dataset,

@@ -109,8 +109,9 @@ def checkpoint_bytes(path, adapter=None) -> dict:
     """Bytes of a checkpoint's tensors from its safetensors headers, by role and per routed expert.
 
     Returns {"by_role": {role: bytes}, "experts": {(layer, expert): bytes}, "fused_experts":
-    {layer: bytes} (tensors holding every expert of a layer), "total": bytes, "weights_by_role":
-    {role: elements} (meaningful for an unquantized checkpoint)}.
+    {layer: bytes} (tensors holding every expert of a layer), "total": bytes (all as stored: codes
+    and scales of quantized weights), "weights_by_role": {role: elements of the logical model, each
+    quantized weight counted by its dense shape}}.
     """
     from moequant.arch import adapter_for
     from moequant.checkpoint import open_checkpoint
@@ -124,10 +125,11 @@ def checkpoint_bytes(path, adapter=None) -> dict:
     weights: dict[str, int] = defaultdict(int)
     experts: dict[tuple[int, int], int] = defaultdict(int)
     fused: dict[int, int] = defaultdict(int)
-    for name, entry in ckpt.entries.items():
+    for name, entry in ckpt.entries.items():  # the logical model: quantized weights by their dense shape
+        weights[adapter.classify(name).role] += entry.numel
+    for name, entry in ckpt.stored.items():  # bytes as stored: codes and scales
         role = adapter.classify(original_tensor_name(name, expected))
         by_role[role.role] += entry.nbytes
-        weights[role.role] += entry.numel
         if role.role == "routed_expert":
             if role.expert is None:
                 fused[role.layer] += entry.nbytes

@@ -115,14 +115,26 @@ def _disk_full_is_a_user_error(fn):
 def apply(recipe_path=None, model=None, output=None, overrides=(), device: str = "cpu", progress=True,
           log=print) -> Path:
     """Run the whole chain; returns the path of report.html."""
+    recipe = resolve_recipe(recipe_path, model, output, overrides)
+    out = Path(recipe.output)
+    ckpt = open_checkpoint(recipe.model)  # a bad or unreadable checkpoint is refused before anything is written
+    if out.exists():
+        return _apply(recipe, out, ckpt, device, progress, log)
+    out.mkdir(parents=True)
+    try:
+        return _apply(recipe, out, ckpt, device, progress, log)
+    except UserError:
+        # bad input found while reading the weights (NaN scales, broken codes, ...): this call made
+        # `out`, so nothing in it is anyone's earlier work; leave nothing behind
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
     from moequant.export import export_checkpoint
     from moequant.quantize import quantize_model
 
-    recipe = resolve_recipe(recipe_path, model, output, overrides)
-    out = Path(recipe.output)
-    out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
-    ckpt = open_checkpoint(recipe.model)
     adapter = adapter_for(ckpt.config)  # an unsupported architecture is the first thing to say, before its tokenizer
     if adapter.fused_experts and any(a == "awq" for a in recipe.algorithms.values()):  # refused before any work
         raise UserError(f"algorithms: awq is not supported for {adapter.model_type} (fused experts whose activation "

@@ -35,10 +35,7 @@ def load(path, dtype: torch.dtype | None = None, device: str = "cpu"):
 
     ckpt = open_checkpoint(path)
     adapter = adapter_for(ckpt.config)  # a known architecture (else one UserError), so transformers needs no custom code
-    missing = sorted(set(adapter.expected_tensors()) - set(ckpt.keys()))
-    if missing:
-        raise UserError(f"checkpoint {ckpt.path} lacks {len(missing)} tensors the {adapter.model_type} model needs "
-                        f"(e.g. {missing[0]}); accepted: a checkpoint under the model's own on-disk tensor names.")
+    require_complete(ckpt, adapter)
     dtype = dtype or _config_dtype(ckpt.config)
     model = build_skeleton(ckpt, dtype)
     for i, layer in enumerate(model.model.layers):
@@ -59,6 +56,14 @@ def load(path, dtype: torch.dtype | None = None, device: str = "cpu"):
         model.generation_config = GenerationConfig.from_pretrained(str(ckpt.directory))
     ckpt.close()
     return model.to(device).eval()
+
+
+def require_complete(ckpt, adapter) -> None:
+    """Refuse a checkpoint that lacks tensors its config implies (one sentence naming one)."""
+    missing = sorted(set(adapter.expected_tensors()) - set(ckpt.keys()))
+    if missing:
+        raise UserError(f"checkpoint {ckpt.path} lacks {len(missing)} tensors the {adapter.model_type} model needs "
+                        f"(e.g. {missing[0]}); accepted: a checkpoint under the model's own on-disk tensor names.")
 
 
 def from_pretrained_complete(directory, dtype, shown_as=None):

@@ -201,7 +201,7 @@ class Checkpoint:
         self.config_only = config_only
         self._handles: dict[Path, object] = {}
         self._last: tuple[str, torch.Tensor] | None = None  # the last decoded tensor, for get_slice
-        self.encodings = dequant.encodings(config, entries, path, self._read) if decode and entries else {}
+        self.encodings = dequant.encodings(config, entries, path, self.read_stored) if decode and entries else {}
         self.entries = _logical_entries(entries, self.encodings)
 
     def keys(self) -> list[str]:
@@ -228,11 +228,11 @@ class Checkpoint:
         if enc is not None:
             from moequant.dequant import decode
 
-            return decode(enc, self._read)
+            return decode(enc, self.read_stored)
         self._entry(name)
-        return self._read(name)
+        return self.read_stored(name)
 
-    def _read(self, name: str) -> torch.Tensor:
+    def read_stored(self, name: str) -> torch.Tensor:
         """One stored tensor as the file holds it, with a plain positioned read (not mmap), so
         memory holds only what was asked for: reading every layer of a 600 GB checkpoint in turn
         never maps it all."""

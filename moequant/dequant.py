@@ -228,17 +228,24 @@ def _ct_modules(targets, ignore, modules: list[str], where) -> list[str]:
 
 def _compressed_tensors(qc, stored, where, read):
     quantized_modules = sorted({n.rsplit(".", 1)[0] for n in stored if n.endswith((".weight_packed", ".weight_scale"))})
-    ignore = list(qc.get("ignore") or [])
-    top = qc.get("format")
+    groups, ignore, top = qc.get("config_groups") or {}, qc.get("ignore") or [], qc.get("format")
+    if not (isinstance(groups, dict) and all(isinstance(g, dict) and isinstance(g.get("targets", []), list)
+                                             and all(isinstance(t, str) for t in g.get("targets", []))
+                                             and isinstance(g.get("weights") or {}, dict) for g in groups.values())
+            and isinstance(ignore, list) and all(isinstance(i, str) for i in ignore)):
+        raise UserError(f"{where}/config.json: the compressed-tensors quantization_config is malformed; it needs "
+                        "config_groups {name: {targets: [names], weights: {...}}} and ignore [names].")
     out = {}
-    for group, scheme in (qc.get("config_groups") or {}).items():
+    for group, scheme in groups.items():
         if not scheme.get("weights"):
             continue  # activations only: the weights stay as they are
+        spec = spec_from_ct_scheme(scheme)
         fmt = scheme.get("format") or top
+        if fmt in (None, "mixed-precision"):  # unsaid: the format compressed-tensors infers for the scheme
+            fmt = formats.compressed_tensors_format(spec)
         if fmt not in CT_FORMATS:
             raise UserError(f"{where}/config.json: compressed-tensors format {fmt!r} (config group {group}) is not one "
                             f"moequant reads; accepted: {', '.join(CT_FORMATS)}.")
-        spec = spec_from_ct_scheme(scheme)
         if spec.is_int and fmt in ("int-quantized", "naive-quantized") and (not spec.symmetric or spec.bits != 8):
             raise UserError(f"{where}/config.json: {fmt} {spec.key} (config group {group}) is not one moequant reads; "
                             "accepted there: symmetric int8.")

@@ -15,7 +15,9 @@ the same thing. Everything else is copied from the source as is.
 A quantized source (FP8-block, compressed-tensors INT4, gpt-oss MXFP4, ...; see moequant.dequant)
 is read as its dequantized logical model. Its tensors that this export does not quantize (the
 recipe keeps them, or an MTP layer no adapter knows) are written **dense in the model's dtype**
-(config `torch_dtype`, bf16 by default), not re-encoded as the source had them: the output's
+(config `torch_dtype`, bf16 by default), not re-encoded as the source had them, with one exception:
+tensors no adapter knows (DeepSeek's MTP layers, `num_nextn_predict_layers`) go into a deepseek-fp8
+export in the source's own FP8-block codes and scales, unchanged. The output's
 `quantization_config` describes only what this export wrote (the source's is dropped), so every
 reader of the layout loads it. bf16 costs 2 bytes per kept weight where FP8 had 1, and rounds
 the dequantized value to bf16's 8 significant bits (the source's e4m3 code times its fp32 scale
@@ -124,6 +126,10 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
                   "deepseek-fp8": _DeepseekFp8, "gpt-oss-mxfp4": _GptOssMxfp4}[layout]
     writer = writer_for(ckpt, adapter, items, roles, target, int8_activations)
     writer.check()  # refuse before any work
+    # tensors no adapter knows (DeepSeek's MTP layers) that the source holds in the output's own
+    # encoding: carried through unchanged, codes and scales as stored
+    writer.carried = {n for n, enc in ckpt.encodings.items()
+                      if roles[n].role == "other" and n not in kept and writer.carries(enc)}
 
     dense_dtype = model_dtype(ckpt.config)
     out_dir = Path(out_dir)
@@ -133,6 +139,9 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
             if name in items:
                 for packed_name, tensor in writer.pack(name, items[name]).items():
                     shards.add(packed_name, tensor)
+            elif name in writer.carried:
+                for stored in ckpt.encodings[name].parts.values():
+                    shards.add(stored, ckpt.read_stored(stored))
             else:
                 tensor = kept[name] if name in kept else ckpt.get(name)
                 if name in ckpt.encodings:  # the source stored it quantized: kept tensors are written dense
@@ -265,9 +274,14 @@ class _Layout:
     def __init__(self, ckpt, adapter, items, roles, target, int8_activations):
         self.ckpt, self.adapter, self.items, self.roles = ckpt, adapter, items, roles
         self.target, self.int8_activations = target, int8_activations
+        self.carried: set[str] = set()  # source tensors written in their stored encoding
 
     def check(self) -> None:
         pass
+
+    def carries(self, encoding) -> bool:
+        """Whether a source tensor stored in `encoding` (moequant.dequant) can be written as it is."""
+        return False
 
     def pack(self, name: str, q: QuantizedTensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -293,7 +307,8 @@ class _Layout:
         """2-D weights left in bf16 whose module is a Linear (not a norm or an embedding)."""
         out = []
         for name in self.ckpt.keys():
-            if name in self.items or not name.endswith(".weight") or len(self.ckpt.shape(name)) != 2:
+            if (name in self.items or name in self.carried or not name.endswith(".weight")
+                    or len(self.ckpt.shape(name)) != 2):
                 continue
             if self.roles[name].role in _NOT_LINEAR_ROLES:
                 continue
@@ -544,6 +559,9 @@ class _DeepseekFp8(_Layout):
     def check(self) -> None:
         self._require_unfused()
         self._refuse_unless(lambda s: s.key == "fp8-block128", "fp8-block128 only (DeepSeek-V3's FP8 layout)")
+
+    def carries(self, encoding) -> bool:
+        return encoding.layout == "deepseek-fp8"
 
     def pack(self, name, q):
         module = _module(name)

@@ -194,6 +194,26 @@ def test_apply_from_the_quantized_source_equals_a_run_from_its_float32_copy(kind
         moequant.load(a / "checkpoint")  # loadable
 
 
+def test_an_fp8_block_export_carries_the_mtp_layer_unchanged(sources, tmp_path):
+    """DeepSeek's MTP layer (no transformers module, no adapter role): written in the source's own
+    FP8 codes and scales when the output is FP8-block, and listed as FP8 (not in modules_to_not_convert)."""
+    out = tmp_path / "fp8"
+    args = ["apply", "--recipe", "recipes/fp8-block.yaml", "--model", str(sources["deepseek"]), "--output", str(out)]
+    result = CliRunner().invoke(main, args + sum((["--set", s] for s in SMALL), []), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    src = open_checkpoint(sources["deepseek"], decode=False)
+    exported = open_checkpoint(out / "checkpoint", decode=False)
+    mtp = f"model.layers.{src.config['num_hidden_layers']}."
+    fp8 = [n for n in src.keys() if n.startswith(mtp) and src.dtype(n) == "F8_E4M3"]
+    assert fp8
+    for name in fp8 + [n[: -len("weight")] + "weight_scale_inv" for n in fp8]:
+        assert torch.equal(exported.get(name).view(torch.uint8), src.get(name).view(torch.uint8)), name
+    qc = exported.config["quantization_config"]
+    assert qc["quant_method"] == "fp8" and not any(m.startswith(mtp) and m + ".weight" in fp8
+                                                   for m in qc["modules_to_not_convert"])
+    assert f"{mtp}shared_head.head" in qc["modules_to_not_convert"]  # a bf16 Linear, as in the source
+
+
 def test_eval_reference_of_a_quantized_source_is_its_dequantized_weights(sources, copies, tmp_path):
     from moequant.evaluate import evaluate_checkpoints
 
@@ -316,8 +336,9 @@ def test_nan_mxfp4_scales_are_refused(sources, tmp_path):
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes', a source format moequant cannot read"),
     ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size [64, 64] is not a source format"),
     ({"quant_method": "compressed-tensors", "format": "sparse-24-bitmask",
-      "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}}}},
+      "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
      "compressed-tensors format 'sparse-24-bitmask'"),
+    ({"quant_method": "compressed-tensors", "config_groups": [{"targets": "Linear"}]}, "quantization_config is malformed"),
 ])
 def test_a_source_format_we_cannot_read_is_one_sentence_naming_it(qc, message, sources, tmp_path):
     bad = tmp_path / "other"

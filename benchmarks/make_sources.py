@@ -17,7 +17,8 @@ writes real-width layers for benchmarks. Quantization and packing are moequant.f
 Each checkpoint gets a small byte-level BPE tokenizer trained here on standard-library source,
 so `moequant apply` runs on it offline.
 
-    python benchmarks/make_sources.py deepseek-fp8 OUT [--set num_hidden_layers=4 --set hidden_size=7168 ...]
+    python benchmarks/make_sources.py deepseek-fp8 OUT                      # tiny, for tests
+    python benchmarks/make_sources.py deepseek-fp8 OUT --real --set num_hidden_layers=5   # real widths: 2 MoE layers
     python benchmarks/make_sources.py qwen-int4 OUT
     python benchmarks/make_sources.py gpt-oss-mxfp4 OUT
 """
@@ -33,6 +34,7 @@ import torch
 from moequant import formats
 from moequant.arch import adapter_for
 from moequant.checkpoint import ShardWriter, atomic_directory
+from moequant.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 DEEPSEEK_V3 = ROOT / "tests" / "data" / "configs" / "deepseek-v3.json"
@@ -266,10 +268,14 @@ def main(argv=None) -> None:
     for item in args.set:
         key, _, value = item.partition("=")
         overrides[key] = yaml.safe_load(value)
-    if args.kind == "deepseek-fp8":
-        path = make_deepseek_fp8(args.output, overrides if args.real else {**DEEPSEEK_TINY, **overrides}, seed=args.seed)
-    else:
-        path = MAKERS[args.kind](args.output, overrides=overrides, seed=args.seed)
+    try:
+        if args.kind == "deepseek-fp8":
+            path = make_deepseek_fp8(args.output, overrides if args.real else {**DEEPSEEK_TINY, **overrides},
+                                     seed=args.seed)
+        else:
+            path = MAKERS[args.kind](args.output, overrides=overrides, seed=args.seed)
+    except UserError as e:  # a config the overrides made impossible
+        raise SystemExit(f"error: {e}") from None
     total = sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
     print(f"{path}: {total / 1e6:.1f} MB of safetensors")
 

@@ -199,7 +199,7 @@ def test_an_fp8_block_export_carries_the_mtp_layer_unchanged(sources, tmp_path):
     FP8 codes and scales when the output is FP8-block, and listed as FP8 (not in modules_to_not_convert)."""
     out = tmp_path / "fp8"
     args = ["apply", "--recipe", "recipes/fp8-block.yaml", "--model", str(sources["deepseek"]), "--output", str(out)]
-    result = CliRunner().invoke(main, args + sum((["--set", s] for s in SMALL), []), catch_exceptions=False)
+    result = CliRunner().invoke(main, args + [a for s in SMALL for a in ("--set", s)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     src = open_checkpoint(sources["deepseek"], decode=False)
     exported = open_checkpoint(out / "checkpoint", decode=False)
@@ -258,7 +258,7 @@ def _broken_copy(source: Path, directory: Path, edit) -> Path:
 def _refused(model, tmp_path, *message):
     out = tmp_path / "out"
     result = CliRunner().invoke(main, ["apply", "--recipe", "recipes/uniform-int4.yaml", "--model", str(model),
-                                       "--output", str(out), *sum((["--set", s] for s in SMALL), [])])
+                                       "--output", str(out), *[a for s in SMALL for a in ("--set", s)]])
     assert result.exit_code == 2, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error: ")]  # beside progress bars
     assert len(errors) == 1 and "Traceback" not in result.output, result.output
@@ -359,8 +359,9 @@ def test_an_fp8_tensor_without_scales_is_refused(sources, tmp_path):
 
 def test_reading_the_source_never_writes_a_dense_copy(sources, tmp_path, monkeypatch):
     """moequant.load and the layer reads build the model in memory: no safetensors file is written."""
-    import moequant
     import safetensors.torch
+
+    import moequant
 
     def refuse(*args, **kwargs):
         raise AssertionError("a dense copy was written")

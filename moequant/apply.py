@@ -141,18 +141,31 @@ def _disk_full_is_a_user_error(fn):
 def apply(recipe_path=None, model=None, output=None, overrides=(), device: str = "cpu", progress=True,
           log=print) -> Path:
     """Run the whole chain; returns the path of report.html."""
-    from moequant.export import export_checkpoint
-    from moequant.quantize import quantize_model
-
     recipe = resolve_recipe(recipe_path, model, output, overrides)
-    timings: dict[str, float] = {}
-    ckpt = open_checkpoint(recipe.model)
+    out = Path(recipe.output)
+    ckpt = open_checkpoint(recipe.model)  # a bad or unreadable checkpoint is refused before anything is written
     adapter_for(ckpt.config)  # an unsupported architecture is the first thing to say, before its tokenizer
     for note in check_recipe(recipe, ckpt):  # what shapes alone refuse, before anything is written
         log(f"note: {note}")
+    load_tokenizer(ckpt.directory)  # a checkpoint without tokenizer files, too
+    if out.exists():
+        return _apply(recipe, out, ckpt, device, progress, log)
+    out.mkdir(parents=True)
+    try:
+        return _apply(recipe, out, ckpt, device, progress, log)
+    except UserError:
+        # bad input found while reading the weights (NaN scales, broken codes, ...): this call made
+        # `out`, so nothing in it is anyone's earlier work; leave nothing behind
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
+    from moequant.export import export_checkpoint
+    from moequant.quantize import quantize_model
+
+    timings: dict[str, float] = {}
     tokenizer = load_tokenizer(ckpt.directory)
-    out = Path(recipe.output)
-    out.mkdir(parents=True, exist_ok=True)
     settings = calibration_settings(recipe, device)
 
     t0 = time.perf_counter()

@@ -182,14 +182,27 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
 
 
 class Checkpoint:
-    """Read-only view of one checkpoint; tensors are read one at a time on request."""
+    """Read-only view of one checkpoint; tensors are read one at a time on request.
 
-    def __init__(self, path: Path, config: dict, entries: dict[str, TensorEntry], config_only: bool):
+    The view is the *logical* model: a weight stored quantized (see moequant.dequant) is listed
+    under its own name with its dense shape and dtype F32, and `get` returns it dequantized to
+    float32; its codes and scales are not listed. `stored` holds the tensors as the files hold
+    them (what `entries` is for an unquantized checkpoint, and for `open_checkpoint(..., decode=False)`),
+    `encodings` the logical weights that are decoded on read.
+    """
+
+    def __init__(self, path: Path, config: dict, entries: dict[str, TensorEntry], config_only: bool,
+                 decode: bool = True):
+        from moequant import dequant
+
         self.path = path
         self.config = config
-        self.entries = entries
+        self.stored = entries
         self.config_only = config_only
         self._handles: dict[Path, object] = {}
+        self._last: tuple[str, torch.Tensor] | None = None  # the last decoded tensor, for get_slice
+        self.encodings = dequant.encodings(config, entries, path, self.read_stored) if decode and entries else {}
+        self.entries = _logical_entries(entries, self.encodings)
 
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -210,16 +223,23 @@ class Checkpoint:
         return self.entries[name]
 
     def get(self, name: str) -> torch.Tensor:
-        """Read one tensor with a plain positioned read (not mmap), so memory holds only what
-        was asked for: reading every layer of a 600 GB checkpoint in turn never maps it all."""
-        entry = self._entry(name)
+        """Read one tensor (a quantized weight: dequantized to float32, from its codes and scales)."""
+        enc = self.encodings.get(name)
+        if enc is not None:
+            from moequant.dequant import decode
+
+            return decode(enc, self.read_stored)
+        self._entry(name)
+        return self.read_stored(name)
+
+    def read_stored(self, name: str) -> torch.Tensor:
+        """One stored tensor as the file holds it, with a plain positioned read (not mmap), so
+        memory holds only what was asked for: reading every layer of a 600 GB checkpoint in turn
+        never maps it all."""
+        entry = self.stored[name]
         dtype = TORCH_DTYPES.get(entry.dtype)
         if dtype is None:  # exotic dtypes (F4 …): let the safetensors library decode them
-            handle = self._handles.get(entry.shard)
-            if handle is None:
-                handle = safe_open(str(entry.shard), framework="pt")
-                self._handles[entry.shard] = handle
-            return handle.get_tensor(name)
+            return self._handle(entry.shard).get_tensor(name)
         buf = bytearray(entry.nbytes)
         with open(entry.shard, "rb") as f:
             f.seek(entry.offset)
@@ -229,36 +249,70 @@ class Checkpoint:
             return torch.empty(entry.shape, dtype=dtype)
         return torch.frombuffer(buf, dtype=dtype).reshape(entry.shape)
 
-    def get_slice(self, name: str):
-        entry = self._entry(name)
-        handle = self._handles.get(entry.shard)
+    def _handle(self, shard: Path):
+        handle = self._handles.get(shard)
         if handle is None:
-            handle = safe_open(str(entry.shard), framework="pt")
-            self._handles[entry.shard] = handle
-        return handle.get_slice(name)
+            handle = safe_open(str(shard), framework="pt")
+            self._handles[shard] = handle
+        return handle
+
+    def get_slice(self, name: str):
+        """Indexable view of one tensor (`[expert]` reads only that part of a stored tensor; an
+        encoded one is decoded whole once and kept until another is sliced)."""
+        if name in self.encodings:
+            if self._last is None or self._last[0] != name:
+                self._last = (name, self.get(name))
+            return self._last[1]
+        return self._handle(self._entry(name).shard).get_slice(name)
 
     def close(self) -> None:
         self._handles.clear()
+        self._last = None
 
     @property
     def directory(self) -> Path:
         return self.path if self.path.is_dir() else self.path.parent
 
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of the tensors as stored (codes and scales of quantized weights)."""
+        return sum(e.numel // 2 if e.dtype == "F4" else e.nbytes for e in self.stored.values())
 
-def open_checkpoint(spec: str | os.PathLike) -> Checkpoint:
-    """Open a checkpoint directory, a bare config.json, or `zoo:NAME`; validate what is there."""
+
+def _logical_entries(stored: dict[str, TensorEntry], encodings: dict) -> dict[str, TensorEntry]:
+    """The stored entries with each encoded weight's parts replaced by one F32 entry of its
+    logical shape, listed where its codes are."""
+    if not encodings:
+        return stored
+    first = {next(iter(e.parts.values())): e for e in encodings.values()}
+    parts = {p for e in encodings.values() for p in e.parts.values()}
+    out: dict[str, TensorEntry] = {}
+    for name, entry in stored.items():
+        if name in first:
+            e = first[name]
+            out[e.name] = TensorEntry(entry.shard, "F32", tuple(e.shape), entry.offset)
+        elif name not in parts:
+            out[name] = entry
+    return out
+
+
+def open_checkpoint(spec: str | os.PathLike, decode: bool = True) -> Checkpoint:
+    """Open a checkpoint directory, a bare config.json, or `zoo:NAME`; validate what is there.
+
+    decode=True (the default) presents the logical model, quantized weights dequantized on read
+    (see Checkpoint); decode=False lists and reads the stored tensors as they are."""
     path = resolve_model_path(spec)
     if path.is_file():
         if path.suffix != ".json":
             raise UserError(f"{path} is a file but not a config.json; give the checkpoint directory instead.")
-        return Checkpoint(path, _read_config(path), {}, config_only=True)
+        return Checkpoint(path, _read_config(path), {}, config_only=True, decode=decode)
     config_path = path / "config.json"
     if not config_path.exists():
         raise UserError(f"{path} has no config.json; a checkpoint directory needs config.json next to its safetensors.")
     config_path = _confined(path, "config.json", "config file")
     config = _read_config(config_path)
     entries = _read_entries(path)
-    return Checkpoint(path, config, entries, config_only=not entries)
+    return Checkpoint(path, config, entries, config_only=not entries, decode=decode)
 
 
 def _read_config(path: Path) -> dict:

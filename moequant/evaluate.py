@@ -1,7 +1,8 @@
 """Quality of a quantized MoE model against its original, on the same tokens.
 
-    quality = evaluate(reference_model, quantized_model, samples, batch_size=4)
-    quality = evaluate_checkpoints("out/checkpoint", "path/to/original")   # `moequant eval`
+    quality = evaluate(reference_model, quantized_model, samples, batch_size=4)     # two loaded models
+    quality = evaluate_streaming("out/checkpoint", "path/to/original", samples)    # the same, layer by layer
+    quality = evaluate_checkpoints("out/checkpoint", "path/to/original")   # `moequant eval` (streamed)
 
 Both models see the same token windows (an evaluation split disjoint from calibration, see
 data.py). What is measured, and on which positions:
@@ -31,6 +32,14 @@ data.py). What is measured, and on which positions:
 
 Batches bound memory: logits are turned into float64 statistics a few thousand positions at a
 time, and only per-position KL values (one float64 each) are kept across batches.
+
+Streaming (`evaluate_streaming`, what `moequant eval` and `apply`'s report run): neither model
+is loaded; both checkpoints run through moequant.layers.LayerRunner one decoder layer at a time
+(one layer of each in memory, quantized weights dequantized as they are read), each batch's
+hidden states carried layer to layer, and the same hooks and per-batch arithmetic (`_Tally`)
+as `evaluate`, which stays the reference implementation (tests/test_evaluate.py compares them).
+Host memory: two decoder layers + embeddings / heads + both models' hidden states of the
+evaluation tokens.
 """
 
 from __future__ import annotations
@@ -238,6 +247,179 @@ def _ppl(nll_sum: float, count: int) -> float:
     return math.exp(nll_sum / count) if count else float("nan")
 
 
+@dataclass
+class _Tally:
+    """Everything evaluate() accumulates over batches, and the result dict built from it. The
+    whole-model and the streaming evaluation feed it the same per-batch quantities."""
+
+    layers: list
+    num_experts: int
+    expert_errors: bool
+    kl_all: list = field(default_factory=list)
+    dom_all: list = field(default_factory=list)
+    top1_same: int = 0
+    positions: int = 0
+    nll: dict = field(default_factory=lambda: {"ref": defaultdict(float), "q": defaultdict(float)})
+    nll_count: dict = field(default_factory=lambda: defaultdict(int))
+    top1_dom: dict = field(default_factory=lambda: defaultdict(int))
+    pos_dom: dict = field(default_factory=lambda: defaultdict(int))
+    route_tokens: int = 0
+    route_tokens_dom: dict = field(default_factory=lambda: defaultdict(int))
+
+    def __post_init__(self):
+        L, E = len(self.layers), self.num_experts
+        self.route_same = {layer: 0 for layer in self.layers}
+        self.route_same_dom = defaultdict(lambda: {layer: 0 for layer in self.layers})
+        self.block_sq = {layer: [0.0, 0.0, 0.0] for layer in self.layers}  # |Δ|² (ref input), |Δ|² (own input), |y_ref|²
+        self.routed = torch.zeros(L, E, dtype=torch.int64)
+        self.exp_sq = torch.zeros(L, E, dtype=torch.float64)
+        self.exp_ref_sq = torch.zeros(L, E, dtype=torch.float64)
+
+    def add_tokens(self, doms: list, T: int) -> None:
+        """Count one batch's positions for routing (once per batch, before its layers)."""
+        self.route_tokens += len(doms) * T
+        for d in doms:
+            if d is not None:
+                self.route_tokens_dom[d] += T
+
+    def add_logits(self, ids: torch.Tensor, doms: list, ref_logits: torch.Tensor, q_logits: torch.Tensor) -> None:
+        B, T = ids.shape
+        if ref_logits.shape != q_logits.shape:
+            raise UserError(f"the two models' logits differ in shape ({list(ref_logits.shape)} vs "
+                            f"{list(q_logits.shape)}); they must share one vocabulary.")
+        targets = torch.full((B, T), -100, dtype=torch.long)
+        targets[:, :-1] = ids[:, 1:]
+        kl, same, nr, nq = token_statistics(ref_logits.reshape(B * T, -1), q_logits.reshape(B * T, -1),
+                                            targets.reshape(-1))
+        self.kl_all.append(kl)
+        self.dom_all.extend(d for d in doms for _ in range(T))
+        self.top1_same += int(same.sum())
+        self.positions += B * T
+        for b, d in enumerate(doms):
+            sl = slice(b * T, (b + 1) * T)
+            has = ~torch.isnan(nr[sl])
+            for key in (None, d) if d is not None else (None,):
+                self.nll["ref"][key] += float(nr[sl][has].sum())
+                self.nll["q"][key] += float(nq[sl][has].sum())
+                self.nll_count[key] += int(has.sum())
+            if d is not None:
+                self.top1_dom[d] += int(same[sl].sum())
+                self.pos_dom[d] += T
+
+    def add_moe_layer(self, li: int, L: int, adapter, ref_model, q_model, ref_cap, q_cap, doms: list, T: int) -> None:
+        """One batch of MoE layer L: routing agreement, block errors, per-expert errors. `ref_model` /
+        `q_model` hold layer L (with weights) and ref_cap / q_cap its captures for this batch."""
+        r_idx = ref_cap.indices[L]
+        q_idx = q_cap.indices[L].to(r_idx.device)
+        equal = (r_idx.sort(-1).values == q_idx.sort(-1).values).all(-1).cpu()
+        self.route_same[L] += int(equal.sum())
+        for b, d in enumerate(doms):
+            if d is not None:
+                self.route_same_dom[d][L] += int(equal[b * T:(b + 1) * T].sum())
+        self.routed[li] += torch.bincount(r_idx.reshape(-1).cpu(), minlength=self.num_experts)
+
+        y_ref = ref_cap.outputs[L].float()
+        y_own = q_cap.outputs[L].to(y_ref.device).float()
+        x_ref = ref_cap.inputs[L]
+        q_block = _moe_block(q_model, L)
+        x_q = _block_input_for(q_model, L, ref_cap.pre_norm.get(L), x_ref)
+        q_cap.active = False  # the second run on the reference input must not overwrite captures
+        try:
+            y_q = q_block(x_q.to(next(q_block.parameters()).device))
+        finally:
+            q_cap.active = True
+        y_q = (y_q[0] if isinstance(y_q, tuple) else y_q).reshape(-1, y_ref.shape[-1]).to(y_ref.device).float()
+        self.block_sq[L][0] += _sq(y_q - y_ref)
+        self.block_sq[L][1] += _sq(y_own - y_ref)
+        self.block_sq[L][2] += _sq(y_ref)
+        if not self.expert_errors:
+            return
+        x = x_ref.reshape(-1, x_ref.shape[-1])
+        xq = x_q.reshape(-1, x_q.shape[-1])
+        ref_experts = adapter.experts_module(ref_model, L)
+        q_experts = adapter.experts_module(q_model, L)
+        for e in range(self.num_experts):
+            tok = (r_idx == e).any(-1).nonzero()[:, 0]
+            if tok.numel() == 0:
+                continue
+            ye_ref = _expert_output(adapter, ref_experts, x[tok], e)
+            ye_q = _expert_output(adapter, q_experts, xq[tok].to(next(q_block.parameters()).device), e)
+            self.exp_sq[li, e] += _sq(ye_q.to(ye_ref.device) - ye_ref)
+            self.exp_ref_sq[li, e] += _sq(ye_ref)
+
+    def result(self, samples: int, seconds: float) -> dict:
+        kl_values = torch.cat(self.kl_all).numpy()
+        dom_arr = np.array([d if d is not None else "" for d in self.dom_all])
+        nll, nll_count = self.nll, self.nll_count
+        layer_rows = []
+        for L in self.layers:
+            d_ref, d_own, ref_sq = self.block_sq[L]
+            layer_rows.append({
+                "layer": L,
+                "tokens": self.route_tokens,
+                "routing_agreement": self.route_same[L] / self.route_tokens,
+                "moe_output_error": math.sqrt(d_ref / ref_sq) if ref_sq > 0 else float("nan"),
+                "moe_output_error_accumulated": math.sqrt(d_own / ref_sq) if ref_sq > 0 else float("nan"),
+            })
+        expert_rows = []
+        for li, L in enumerate(self.layers):
+            total = max(int(self.routed[li].sum()), 1)
+            for e in range(self.num_experts):
+                n = int(self.routed[li, e])
+                has = self.expert_errors and n > 0 and float(self.exp_ref_sq[li, e]) > 0
+                expert_rows.append({
+                    "layer": L, "expert": e, "tokens": n, "share": n / total,
+                    "error": math.sqrt(float(self.exp_sq[li, e]) / float(self.exp_ref_sq[li, e])) if has else None,
+                    "sq_error_per_token": float(self.exp_sq[li, e]) / n if (self.expert_errors and n > 0) else None,
+                })
+        by_domain = {}
+        for d in sorted({d for d in self.dom_all if d is not None}):
+            sel = kl_values[dom_arr == d]
+            by_domain[d] = {
+                "tokens": self.pos_dom[d],
+                "ppl_original": _ppl(nll["ref"][d], nll_count[d]),
+                "ppl_quantized": _ppl(nll["q"][d], nll_count[d]),
+                "kl_mean": float(sel.mean()),
+                "kl_p99": _quantile(sel, 0.99),
+                "top1_agreement": self.top1_dom[d] / self.pos_dom[d],
+                "routing_agreement": float(np.mean([self.route_same_dom[d][L] / self.route_tokens_dom[d]
+                                                    for L in self.layers])),
+            }
+        mean = lambda xs: float(np.mean(xs)) if xs else float("nan")  # noqa: E731
+        return {
+            "samples": samples,
+            "tokens": self.positions,
+            "ppl_original": _ppl(nll["ref"][None], nll_count[None]),
+            "ppl_quantized": _ppl(nll["q"][None], nll_count[None]),
+            "nll_original": nll["ref"][None] / nll_count[None],
+            "nll_quantized": nll["q"][None] / nll_count[None],
+            "kl_mean": float(kl_values.mean()),
+            "kl_p90": _quantile(kl_values, 0.90),
+            "kl_p99": _quantile(kl_values, 0.99),
+            "kl_max": float(kl_values.max()),
+            "top1_agreement": self.top1_same / self.positions,
+            "routing_agreement": mean([r["routing_agreement"] for r in layer_rows]),
+            "moe_output_error": mean([r["moe_output_error"] for r in layer_rows]),
+            "moe_output_error_accumulated": mean([r["moe_output_error_accumulated"] for r in layer_rows]),
+            "layers": layer_rows,
+            "experts": expert_rows,
+            "by_domain": by_domain,
+            "seconds": seconds,
+        }
+
+
+def _same_structure(adapter, q_adapter) -> None:
+    if (q_adapter.moe_layers, q_adapter.num_experts, q_adapter.top_k) != (
+            adapter.moe_layers, adapter.num_experts, adapter.top_k):
+        raise UserError("the quantized model's MoE structure (layers, experts, top-k) differs from the reference model's; "
+                        "compare a checkpoint with the model it was made from.")
+
+
+def _check_batch_size(batch_size) -> None:
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise UserError(f"batch_size must be a positive integer, got {batch_size!r}.")
+
+
 def evaluate(reference_model, quantized_model, samples, batch_size: int = 4, per_expert: bool = True,
              progress: bool = False) -> dict:
     """Compare `quantized_model` with `reference_model` (transformers causal LMs, already loaded,
@@ -249,39 +431,20 @@ def evaluate(reference_model, quantized_model, samples, batch_size: int = 4, per
     moe_output_error_accumulated, layers [{layer, routing_agreement, moe_output_error,
     moe_output_error_accumulated, tokens}], experts [{layer, expert, tokens, share, error,
     sq_error_per_token}], by_domain {domain: {...}}, seconds.
+
+    This whole-model version is the reference implementation of `evaluate_streaming`, which
+    computes the same numbers from checkpoints one decoder layer at a time.
     """
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise UserError(f"batch_size must be a positive integer, got {batch_size!r}.")
+    _check_batch_size(batch_size)
     adapter = _adapter(reference_model)
-    q_adapter = _adapter(quantized_model)
-    if (q_adapter.moe_layers, q_adapter.num_experts, q_adapter.top_k) != (
-            adapter.moe_layers, adapter.num_experts, adapter.top_k):
-        raise UserError("the quantized model's MoE structure (layers, experts, top-k) differs from the reference model's; "
-                        "compare a checkpoint with the model it was made from.")
+    _same_structure(adapter, _adapter(quantized_model))
     windows = _as_windows(samples)
     layers = list(adapter.moe_layers)
-    E, k = adapter.num_experts, adapter.top_k
     expert_errors = per_expert and all(_has_fused_experts(m, adapter, L)
                                        for m in (reference_model, quantized_model) for L in layers)
-
+    tally = _Tally(layers, adapter.num_experts, expert_errors)
     ref_cap = _Capture(reference_model, adapter, keep_inputs=True)
     q_cap = _Capture(quantized_model, adapter, keep_inputs=False)
-
-    kl_all, dom_all = [], []
-    top1_same = 0
-    positions = 0
-    nll = {"ref": defaultdict(float), "q": defaultdict(float)}
-    nll_count = defaultdict(int)
-    route_same = {L: 0 for L in layers}
-    route_same_dom = defaultdict(lambda: {L: 0 for L in layers})
-    route_tokens = 0
-    route_tokens_dom = defaultdict(int)
-    top1_dom = defaultdict(int)
-    pos_dom = defaultdict(int)
-    block_sq = {L: [0.0, 0.0, 0.0] for L in layers}  # sum |Δ|² (ref input), sum |Δ|² (own input), sum |y_ref|²
-    routed = torch.zeros(len(layers), E, dtype=torch.int64)
-    exp_sq = torch.zeros(len(layers), E, dtype=torch.float64)
-    exp_ref_sq = torch.zeros(len(layers), E, dtype=torch.float64)
 
     batches = list(_batches(windows, batch_size))
     it = batches
@@ -295,138 +458,116 @@ def evaluate(reference_model, quantized_model, samples, batch_size: int = 4, per
             for idx in it:
                 ids = torch.stack([windows[i][0] for i in idx])
                 doms = [windows[i][1] for i in idx]
-                B, T = ids.shape
                 ref_cap.clear()
                 q_cap.clear()
                 ref_logits = reference_model(input_ids=ids.to(_input_device(reference_model)), use_cache=False).logits
                 q_logits = quantized_model(input_ids=ids.to(_input_device(quantized_model)), use_cache=False).logits
-                if ref_logits.shape != q_logits.shape:
-                    raise UserError(f"the two models' logits differ in shape ({list(ref_logits.shape)} vs "
-                                    f"{list(q_logits.shape)}); they must share one vocabulary.")
-                targets = torch.full((B, T), -100, dtype=torch.long)
-                targets[:, :-1] = ids[:, 1:]
-                kl, same, nr, nq = token_statistics(ref_logits.reshape(B * T, -1), q_logits.reshape(B * T, -1),
-                                                    targets.reshape(-1))
+                tally.add_logits(ids, doms, ref_logits, q_logits)
                 del ref_logits, q_logits
-                tok_dom = [d for d in doms for _ in range(T)]
-                kl_all.append(kl)
-                dom_all.extend(tok_dom)
-                top1_same += int(same.sum())
-                positions += B * T
-                for b, d in enumerate(doms):
-                    sl = slice(b * T, (b + 1) * T)
-                    has = ~torch.isnan(nr[sl])
-                    for key in (None, d) if d is not None else (None,):
-                        nll["ref"][key] += float(nr[sl][has].sum())
-                        nll["q"][key] += float(nq[sl][has].sum())
-                        nll_count[key] += int(has.sum())
-                    if d is not None:
-                        top1_dom[d] += int(same[sl].sum())
-                        pos_dom[d] += T
-                        route_tokens_dom[d] += T
-
-                route_tokens += B * T
+                tally.add_tokens(doms, ids.shape[1])
                 for li, L in enumerate(layers):
-                    r_idx = ref_cap.indices[L]
-                    q_idx = q_cap.indices[L].to(r_idx.device)
-                    equal = (r_idx.sort(-1).values == q_idx.sort(-1).values).all(-1).cpu()
-                    route_same[L] += int(equal.sum())
-                    for b, d in enumerate(doms):
-                        if d is not None:
-                            route_same_dom[d][L] += int(equal[b * T:(b + 1) * T].sum())
-                    routed[li] += torch.bincount(r_idx.reshape(-1).cpu(), minlength=E)
-
-                    y_ref = ref_cap.outputs[L].float()
-                    y_own = q_cap.outputs[L].to(y_ref.device).float()
-                    x_ref = ref_cap.inputs[L]
-                    q_block = _moe_block(quantized_model, L)
-                    x_q = _block_input_for(quantized_model, L, ref_cap.pre_norm.get(L), x_ref)
-                    q_cap.active = False  # the second run on the reference input must not overwrite captures
-                    try:
-                        y_q = q_block(x_q.to(next(q_block.parameters()).device))
-                    finally:
-                        q_cap.active = True
-                    y_q = (y_q[0] if isinstance(y_q, tuple) else y_q).reshape(-1, y_ref.shape[-1]).to(y_ref.device).float()
-                    block_sq[L][0] += _sq(y_q - y_ref)
-                    block_sq[L][1] += _sq(y_own - y_ref)
-                    block_sq[L][2] += _sq(y_ref)
-
-                    if expert_errors:
-                        x = x_ref.reshape(-1, x_ref.shape[-1])
-                        xq = x_q.reshape(-1, x_q.shape[-1])
-                        ref_experts = adapter.experts_module(reference_model, L)
-                        q_experts = adapter.experts_module(quantized_model, L)
-                        for e in range(E):
-                            tok = (r_idx == e).any(-1).nonzero()[:, 0]
-                            if tok.numel() == 0:
-                                continue
-                            xe = x[tok]
-                            ye_ref = _expert_output(adapter, ref_experts, xe, e)
-                            ye_q = _expert_output(adapter, q_experts, xq[tok].to(next(q_block.parameters()).device), e)
-                            exp_sq[li, e] += _sq(ye_q.to(ye_ref.device) - ye_ref)
-                            exp_ref_sq[li, e] += _sq(ye_ref)
+                    tally.add_moe_layer(li, L, adapter, reference_model, quantized_model, ref_cap, q_cap, doms,
+                                        ids.shape[1])
                 ref_cap.clear()
                 q_cap.clear()
     finally:
         ref_cap.remove()
         q_cap.remove()
+    return tally.result(len(windows), time.perf_counter() - start)
 
-    kl_values = torch.cat(kl_all).numpy()
-    dom_arr = np.array([d if d is not None else "" for d in dom_all])
-    layer_rows = []
-    for li, L in enumerate(layers):
-        d_ref, d_own, ref_sq = block_sq[L]
-        layer_rows.append({
-            "layer": L,
-            "tokens": route_tokens,
-            "routing_agreement": route_same[L] / route_tokens,
-            "moe_output_error": math.sqrt(d_ref / ref_sq) if ref_sq > 0 else float("nan"),
-            "moe_output_error_accumulated": math.sqrt(d_own / ref_sq) if ref_sq > 0 else float("nan"),
-        })
-    expert_rows = []
-    for li, L in enumerate(layers):
-        total = max(int(routed[li].sum()), 1)
-        for e in range(E):
-            n = int(routed[li, e])
-            has = expert_errors and n > 0 and float(exp_ref_sq[li, e]) > 0
-            expert_rows.append({
-                "layer": L, "expert": e, "tokens": n, "share": n / total,
-                "error": math.sqrt(float(exp_sq[li, e]) / float(exp_ref_sq[li, e])) if has else None,
-                "sq_error_per_token": float(exp_sq[li, e]) / n if (expert_errors and n > 0) else None,
-            })
-    by_domain = {}
-    for d in sorted({d for d in dom_all if d is not None}):
-        sel = kl_values[dom_arr == d]
-        by_domain[d] = {
-            "tokens": pos_dom[d],
-            "ppl_original": _ppl(nll["ref"][d], nll_count[d]),
-            "ppl_quantized": _ppl(nll["q"][d], nll_count[d]),
-            "kl_mean": float(sel.mean()),
-            "kl_p99": _quantile(sel, 0.99),
-            "top1_agreement": top1_dom[d] / pos_dom[d],
-            "routing_agreement": float(np.mean([route_same_dom[d][L] / route_tokens_dom[d] for L in layers])),
-        }
-    mean = lambda xs: float(np.mean(xs)) if xs else float("nan")  # noqa: E731
-    return {
-        "samples": len(windows),
-        "tokens": positions,
-        "ppl_original": _ppl(nll["ref"][None], nll_count[None]),
-        "ppl_quantized": _ppl(nll["q"][None], nll_count[None]),
-        "nll_original": nll["ref"][None] / nll_count[None],
-        "nll_quantized": nll["q"][None] / nll_count[None],
-        "kl_mean": float(kl_values.mean()),
-        "kl_p90": _quantile(kl_values, 0.90),
-        "kl_p99": _quantile(kl_values, 0.99),
-        "kl_max": float(kl_values.max()),
-        "top1_agreement": top1_same / positions,
-        "routing_agreement": mean([r["routing_agreement"] for r in layer_rows]),
-        "moe_output_error": mean([r["moe_output_error"] for r in layer_rows]),
-        "moe_output_error_accumulated": mean([r["moe_output_error_accumulated"] for r in layer_rows]),
-        "layers": layer_rows,
-        "experts": expert_rows,
-        "by_domain": by_domain,
-        "seconds": time.perf_counter() - start,
-    }
+
+def _logits(runner, hidden: torch.Tensor) -> torch.Tensor:
+    """The causal LM's head on the last decoder layer's output (final norm, then lm_head)."""
+    model = runner.model
+    return model.get_output_embeddings()(model.model.norm(hidden.to(runner.device)))
+
+
+def _real_head(runner, adapter) -> None:
+    """Make the skeleton's lm_head real (build_skeleton leaves it on the meta device)."""
+    model = runner.model
+    head = model.get_output_embeddings()
+    if adapter.tie_embeddings:
+        head.weight = model.get_input_embeddings().weight
+    else:
+        head.to_empty(device=runner.device)
+        head.load_state_dict({"weight": runner.checkpoint.get("lm_head.weight").to(runner.dtype)})
+
+
+def evaluate_streaming(reference, quantized, samples, batch_size: int = 4, per_expert: bool = True,
+                       device: str = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False) -> dict:
+    """evaluate()'s numbers from two checkpoints (paths or open Checkpoints), without loading
+    either model: both run layer by layer over the evaluation tokens (moequant.layers.LayerRunner,
+    one decoder layer of each in memory at a time, the quantized one read through its
+    dequantizing reader), with the same hooks and the same per-batch arithmetic as evaluate().
+    Host memory: two decoder layers, the embedding and head, and both models' hidden states."""
+    from moequant.arch import adapter_for
+    from moequant.checkpoint import open_checkpoint
+    from moequant.layers import LayerRunner
+    from moequant.loader import require_complete
+
+    _check_batch_size(batch_size)
+    ref_ckpt = reference if hasattr(reference, "entries") else open_checkpoint(reference)
+    q_ckpt = quantized if hasattr(quantized, "entries") else open_checkpoint(quantized)
+    adapter, q_adapter = adapter_for(ref_ckpt.config), adapter_for(q_ckpt.config)
+    _same_structure(adapter, q_adapter)
+    for ckpt, ad in ((ref_ckpt, adapter), (q_ckpt, q_adapter)):
+        require_complete(ckpt, ad)
+    windows = _as_windows(samples)
+    layers = list(adapter.moe_layers)
+    by_len: dict[int, list[int]] = defaultdict(list)  # the batches of evaluate(): equal lengths, original order
+    for i, (ids, _) in enumerate(windows):
+        by_len[ids.numel()].append(i)
+    tally = None
+    start = time.perf_counter()
+    steps = [(length, L) for length in sorted(by_len) for L in range(adapter.num_layers)]
+    if progress:
+        from rich.progress import Progress
+
+        bar = Progress()
+        bar.start()
+        task = bar.add_task("evaluating (layer by layer)", total=len(steps))
+    try:
+        with torch.no_grad():
+            for length in sorted(by_len):
+                idx = by_len[length]
+                ids = torch.stack([windows[i][0] for i in idx])
+                doms = [windows[i][1] for i in idx]
+                batch_doms = [doms[s:s + batch_size] for s in range(0, len(idx), batch_size)]
+                ref_run = LayerRunner(ref_ckpt, adapter, ids, batch_size, device, dtype)
+                q_run = LayerRunner(q_ckpt, q_adapter, ids, batch_size, device, dtype)
+                if tally is None:
+                    expert_errors = per_expert and all(_has_fused_experts(r.model, adapter, L)
+                                                       for r in (ref_run, q_run) for L in layers)
+                    tally = _Tally(layers, adapter.num_experts, expert_errors)
+                for d in batch_doms:
+                    tally.add_tokens(d, length)
+                ref_cap = _Capture(ref_run.model, adapter, keep_inputs=True)
+                q_cap = _Capture(q_run.model, q_adapter, keep_inputs=False)
+                h_ref, h_q = list(ref_run.embedded), list(q_run.embedded)
+                try:
+                    for L in range(adapter.num_layers):
+                        with ref_run.materialized(L) as ref_layer, q_run.materialized(L) as q_layer:
+                            for b in range(len(h_ref)):
+                                ref_cap.clear()
+                                q_cap.clear()
+                                h_ref[b] = ref_run.run(ref_layer, L, b, h_ref[b])
+                                h_q[b] = q_run.run(q_layer, L, b, h_q[b])
+                                if L in layers:
+                                    tally.add_moe_layer(layers.index(L), L, adapter, ref_run.model, q_run.model,
+                                                        ref_cap, q_cap, batch_doms[b], length)
+                        if progress:
+                            bar.advance(task)
+                finally:
+                    ref_cap.remove()
+                    q_cap.remove()
+                _real_head(ref_run, adapter)
+                _real_head(q_run, q_adapter)
+                for b, batch_ids in enumerate(ref_run.batches):
+                    tally.add_logits(batch_ids, batch_doms[b], _logits(ref_run, h_ref[b]), _logits(q_run, h_q[b]))
+    finally:
+        if progress:
+            bar.stop()
+    return tally.result(len(windows), time.perf_counter() - start)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -444,9 +585,10 @@ def load_quantized(path, dtype=None, device: str = "cpu"):
     """A quantized checkpoint as a dense transformers model: moequant's loader first (any checkpoint
     moequant wrote, and the compressed-tensors / GPTQ / AWQ / FP8 / MXFP4 layouts it reads), else
     transformers' own loading (e.g. an llm-compressor checkpoint with `Linear` targets, decompressed)."""
-    from moequant.checkpoint import open_checkpoint
+    from moequant.checkpoint import resolve_model_path
 
-    directory = open_checkpoint(path).directory
+    directory = resolve_model_path(path)  # not opened here: a format moequant cannot read goes to transformers
+    directory = directory if directory.is_dir() else directory.parent
     try:
         from moequant.loader import load
     except ImportError:  # pragma: no cover - the loader is part of the package
@@ -474,29 +616,61 @@ def load_quantized(path, dtype=None, device: str = "cpu"):
 def evaluate_checkpoints(checkpoint, reference, dataset: str = "builtin:mix", samples: int = 64, seq_len: int = 512,
                          seed: int = 0, batch_size: int = 4, device: str | None = None, dtype=None,
                          lm_eval_tasks: list[str] | None = None, progress: bool = True) -> dict:
-    """`moequant eval CHECKPOINT --reference ORIGINAL`: load both, evaluate on the evaluation split of
-    `dataset` (tokenised with the reference's tokenizer). Returns evaluate()'s dict plus
-    `checkpoint`, `reference`, `dataset`, `seq_len`, `seed` and, when asked, `lm_eval`."""
+    """`moequant eval CHECKPOINT --reference ORIGINAL`: evaluate on the evaluation split of `dataset`
+    (tokenised with the reference's tokenizer). Returns evaluate()'s dict plus `checkpoint`,
+    `reference`, `dataset`, `seq_len`, `seed` and, when asked, `lm_eval`.
+
+    Streamed (evaluate_streaming: neither model is loaded whole) whenever moequant reads the
+    checkpoint; whole models only for lm-eval tasks, or for a checkpoint only transformers reads.
+    A quantized reference (an FP8 / INT4 / MXFP4 source) is its dequantized weights. dtype:
+    the compute dtype, by default the reference's config dtype (bf16 for most models)."""
     from moequant.calibrate import load_tokenizer
     from moequant.checkpoint import open_checkpoint
     from moequant.data import load_samples
-    from moequant.loader import from_pretrained_complete
+    from moequant.export import model_dtype
 
     if lm_eval_tasks:
         _require_lm_eval()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    ref_dir = open_checkpoint(reference).directory
-    tokenizer = load_tokenizer(ref_dir)
+    ref_ckpt = open_checkpoint(reference)
+    tokenizer = load_tokenizer(ref_ckpt.directory)
     windows = load_samples(dataset, tokenizer, samples, seq_len, split="evaluation", seed=seed)
-    ref_model = from_pretrained_complete(ref_dir, dtype or "auto").to(device).eval()
-    q_model = load_quantized(checkpoint, dtype=dtype, device=device)
-    result = evaluate(ref_model, q_model, windows, batch_size=batch_size, progress=progress)
+    q_ckpt = None if lm_eval_tasks else _readable(checkpoint)
+    if q_ckpt is not None:
+        result = evaluate_streaming(ref_ckpt, q_ckpt, windows, batch_size=batch_size, device=device,
+                                    dtype=dtype or model_dtype(ref_ckpt.config), progress=progress)
+    else:
+        ref_model = _load_reference(ref_ckpt, dtype, device)
+        q_model = load_quantized(checkpoint, dtype=dtype, device=device)
+        result = evaluate(ref_model, q_model, windows, batch_size=batch_size, progress=progress)
     result.update({"checkpoint": str(checkpoint), "reference": str(reference), "dataset": dataset,
                    "seq_len": seq_len, "seed": seed})
     if lm_eval_tasks:
         result["lm_eval"] = {"original": run_lm_eval(ref_model, tokenizer, lm_eval_tasks, batch_size),
                              "quantized": run_lm_eval(q_model, tokenizer, lm_eval_tasks, batch_size)}
     return result
+
+
+def _readable(checkpoint):
+    """The checkpoint opened through moequant's reader, or None when only transformers might read it
+    (a format moequant does not read, in a checkpoint moequant did not write)."""
+    from moequant.checkpoint import open_checkpoint, resolve_model_path
+
+    try:
+        return open_checkpoint(checkpoint)
+    except UserError:
+        directory = resolve_model_path(checkpoint)
+        if _is_moequant_checkpoint(directory if directory.is_dir() else directory.parent):
+            raise
+        return None
+
+
+def _load_reference(ref_ckpt, dtype, device):
+    from moequant.loader import from_pretrained_complete, load
+
+    if ref_ckpt.encodings:  # a quantized source: the reference is its dequantized weights
+        return load(ref_ckpt.directory, dtype=dtype, device=device)
+    return from_pretrained_complete(ref_ckpt.directory, dtype or "auto").to(device).eval()
 
 
 def format_quality(q: dict) -> str:

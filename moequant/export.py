@@ -12,6 +12,17 @@ instead of the source's (e.g. a norm or router an AWQ fold changed); a plain ten
 `quantized` (under its on-disk name, as `moequant.quantize.quantize_model` returns them) is
 the same thing. Everything else is copied from the source as is.
 
+A quantized source (FP8-block, compressed-tensors INT4, gpt-oss MXFP4, ...; see moequant.dequant)
+is read as its dequantized logical model. Its tensors that this export does not quantize (the
+recipe keeps them, or an MTP layer no adapter knows) are written **dense in the model's dtype**
+(config `torch_dtype`, bf16 by default), not re-encoded as the source had them, with one exception:
+tensors no adapter knows (DeepSeek's MTP layers, `num_nextn_predict_layers`) go into a deepseek-fp8
+export in the source's own FP8-block codes and scales, unchanged. The output's
+`quantization_config` describes only what this export wrote (the source's is dropped), so every
+reader of the layout loads it. bf16 costs 2 bytes per kept weight where FP8 had 1, and rounds
+the dequantized value to bf16's 8 significant bits (the source's e4m3 code times its fp32 scale
+can need more).
+
 Layouts (each refuses, before any work, a plan it cannot hold — one sentence, UserError):
 
 - "compressed-tensors" (default): one 2-D tensor set per module under the checkpoint's own names,
@@ -84,8 +95,6 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
     ckpt = open_checkpoint(source_dir)
     if ckpt.config_only:
         raise UserError(f"{source_dir} has no safetensors weights to export.")
-    if ckpt.config.get("quantization_config"):
-        raise UserError(f"{source_dir}/config.json already has a quantization_config; export from the bf16 checkpoint.")
     adapter = adapter_for(ckpt.config)
     kept = dict(kept or {})
     replacements = {k: v for k, v in quantized.items() if isinstance(v, torch.Tensor)}
@@ -115,7 +124,12 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
 
     writer = _WRITERS[layout](ckpt, adapter, items, roles, target, int8_activations)
     writer.check()  # refuse before any work
+    # tensors no adapter knows (DeepSeek's MTP layers) that the source holds in the output's own
+    # encoding: carried through unchanged, codes and scales as stored
+    writer.carried = {n for n, enc in ckpt.encodings.items()
+                      if roles[n].role == "other" and n not in kept and writer.carries(enc)}
 
+    dense_dtype = model_dtype(ckpt.config)
     out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:
         shards = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
@@ -123,10 +137,18 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
             if name in items:
                 for packed_name, tensor in writer.pack(name, items[name]).items():
                     shards.add(packed_name, tensor)
+            elif name in writer.carried:
+                for stored in ckpt.encodings[name].parts.values():
+                    shards.add(stored, ckpt.read_stored(stored))
             else:
-                shards.add(name, kept[name] if name in kept else ckpt.get(name))
+                tensor = kept[name] if name in kept else ckpt.get(name)
+                if name in ckpt.encodings:  # the source stored it quantized: kept tensors are written dense
+                    tensor = tensor.to(dense_dtype)
+                shards.add(name, tensor)
         shards.finish()
-        config = {k: v for k, v in ckpt.config.items() if k != "auto_map"}  # code we neither copy nor run
+        # auto_map: code we neither copy nor run; the source's own quantization_config described the
+        # source: the output's describes only what this export wrote
+        config = {k: v for k, v in ckpt.config.items() if k not in ("auto_map", "quantization_config")}
         config["quantization_config"] = writer.quantization_config()
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for fname, content in writer.extra_files().items():
@@ -135,6 +157,12 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
         copy_aux_files(ckpt.directory, tmp)
     return out_dir
+
+
+def model_dtype(config: dict) -> torch.dtype:
+    """The model's dense dtype from config.json (`dtype` / `torch_dtype`), bfloat16 when unsaid."""
+    name = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").replace("torch.", "")
+    return {"float16": torch.float16, "float32": torch.float32}.get(name, torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,9 +277,14 @@ class _Layout:
     def __init__(self, ckpt, adapter, items, roles, target, int8_activations):
         self.ckpt, self.adapter, self.items, self.roles = ckpt, adapter, items, roles
         self.target, self.int8_activations = target, int8_activations
+        self.carried: set[str] = set()  # source tensors written in their stored encoding
 
     def check(self) -> None:
         pass
+
+    def carries(self, encoding) -> bool:
+        """Whether a source tensor stored in `encoding` (moequant.dequant) can be written as it is."""
+        return False
 
     def pack(self, name: str, q: QuantizedTensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -278,7 +311,8 @@ class _Layout:
         """2-D weights left in bf16 whose module is a Linear (not a norm or an embedding)."""
         out = []
         for name in self.ckpt.keys():
-            if name in self.items or not name.endswith(".weight") or len(self.ckpt.shape(name)) != 2:
+            if (name in self.items or name in self.carried or not name.endswith(".weight")
+                    or len(self.ckpt.shape(name)) != 2):
                 continue
             if self.roles[name].role in _NOT_LINEAR_ROLES:
                 continue
@@ -546,6 +580,9 @@ class _DeepseekFp8(_Layout):
     def check(self) -> None:
         self._require_unfused()
         self._refuse_formats()
+
+    def carries(self, encoding) -> bool:
+        return encoding.layout == "deepseek-fp8"
 
     def pack(self, name, q):
         module = _module(name)

@@ -130,6 +130,12 @@ class LayerRunner:
         finally:
             module.to("meta")
 
+    def run(self, module: nn.Module, layer: int, b: int, h: torch.Tensor) -> torch.Tensor:
+        """One materialised layer on batch b's hidden states (its own attention masks and positions)."""
+        args, kwargs = self.layer_kwargs[b][layer]
+        y = module(h.to(self.device), *args, **kwargs)
+        return y[0] if isinstance(y, tuple) else y
+
     def forward(self, module: nn.Module, layer: int, hidden: list[torch.Tensor], before_batch=None) -> list[torch.Tensor]:
         """Run one materialised layer over every batch; `before_batch(b)` is called before batch b."""
         out = []
@@ -137,10 +143,7 @@ class LayerRunner:
             for b, h in enumerate(hidden):
                 if before_batch is not None:
                     before_batch(b)
-                args, kwargs = self.layer_kwargs[b][layer]
-                y = module(h.to(self.device), *args, **kwargs)
-                if isinstance(y, tuple):
-                    y = y[0]
+                y = self.run(module, layer, b, h)
                 if not torch.isfinite(y).all():
                     raise UserError(f"layer {layer} produced NaN or Inf activations on calibration batch {b}; "
                                     "the checkpoint's weights or the data are broken.")

@@ -154,4 +154,9 @@ def format_account(acc: dict, name: str) -> str:
             + "".join(f"{v['gpus_needed'][f'{s}GB']:>11}" for s in acc["gpu_sizes_gb"])
         )
     lines.append(f"(everything but routed experts bf16; GPUs with {int(100 * acc['kv_headroom'])}% headroom for KV cache)")
+    if "bytes_on_disk" in acc:
+        lines.append(f"on disk: {_fmt_bytes(acc['bytes_on_disk'])} in {acc['tensors_on_disk']} tensors, "
+                     f"{_fmt_count(acc['params_on_disk'])} parameters")
+        if acc.get("source_formats"):
+            lines.append("stored quantized: " + ", ".join(f"{n} weights {f}" for f, n in acc["source_formats"].items()))
     return "\n".join(lines)

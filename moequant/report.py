@@ -113,8 +113,9 @@ def checkpoint_bytes(path, adapter=None) -> dict:
     """Bytes of a checkpoint's tensors from its safetensors headers, by role and per routed expert.
 
     Returns {"by_role": {role: bytes}, "experts": {(layer, expert): bytes}, "fused_experts":
-    {layer: bytes} (tensors holding every expert of a layer), "total": bytes, "weights_by_role":
-    {role: elements} (meaningful for an unquantized checkpoint), "layout_metadata": bytes}.
+    {layer: bytes} (tensors holding every expert of a layer), "total": bytes (all as stored: codes
+    and scales of quantized weights), "weights_by_role": {role: elements of the logical model, each
+    quantized weight counted by its dense shape}, "layout_metadata": bytes}.
     Layout metadata (compressed-tensors `weight_shape`, GPTQ `g_idx`: formats.LAYOUT_METADATA) is
     counted in "total" only, not in a role's bytes: those are the weights' own bytes (codes, scales,
     zero points), the account `formats.nbytes` and so the plan keep.
@@ -133,13 +134,14 @@ def checkpoint_bytes(path, adapter=None) -> dict:
     experts: dict[tuple[int, int], int] = defaultdict(int)
     fused: dict[int, int] = defaultdict(int)
     metadata = 0
-    for name, entry in ckpt.entries.items():
+    for name, entry in ckpt.entries.items():  # the logical model: quantized weights by their dense shape
+        weights[adapter.classify(name).role] += entry.numel
+    for name, entry in ckpt.stored.items():  # bytes as stored: codes and scales
         if name.rsplit(".", 1)[-1] in LAYOUT_METADATA:
             metadata += entry.nbytes
             continue
         role = adapter.classify(original_tensor_name(name, expected))
         by_role[role.role] += entry.nbytes
-        weights[role.role] += entry.numel
         if role.role == "routed_expert":
             if role.expert is None:
                 fused[role.layer] += entry.nbytes

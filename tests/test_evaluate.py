@@ -273,13 +273,13 @@ def test_evaluate_checkpoints_moequant_and_foreign_compressed_tensors(tmp_path):
         assert r["kl_mean"] > 0 and 0 < r["moe_output_error"] < 0.05
         assert r["by_domain"].keys() == {"code"}
         assert r["dataset"] == "builtin:stdlib-code"
-    # two loaders, one set of int8 weights: moequant's keeps the dequantized values exactly, transformers'
-    # compressed-tensors path (the fallback) decompresses into the checkpoint's bf16 first
+    # one set of int8 weights under two spellings of the targets (exact names / Linear + ignore): moequant's
+    # reader (moequant.dequant) reads both and keeps the dequantized values exactly (transformers' own
+    # compressed-tensors path, the fallback for what it cannot read, would decompress into bf16 first)
     expected = quantized[(0, 1, "down")].dequantize(dtype=torch.float32)
     assert torch.equal(load_quantized(ours, dtype=torch.float32).model.layers[0].mlp.experts.down_proj[1], expected)
-    assert torch.equal(load_quantized(foreign, dtype=torch.float32).model.layers[0].mlp.experts.down_proj[1],
-                       expected.to(torch.bfloat16).float())
-    assert b["ppl_quantized"] == pytest.approx(a["ppl_quantized"], rel=1e-3)
+    assert torch.equal(load_quantized(foreign, dtype=torch.float32).model.layers[0].mlp.experts.down_proj[1], expected)
+    assert b["ppl_quantized"] == pytest.approx(a["ppl_quantized"], rel=1e-9)
     text = format_quality(a)
     assert "3 samples, 72 tokens of builtin:stdlib-code" in text and f"{a['ppl_original']:.4f}" in text
 
@@ -338,3 +338,48 @@ def test_a_checkpoint_under_other_tensor_names_is_refused_not_randomly_filled(tm
     result = CliRunner().invoke(main, ["eval", str(renamed), "--reference", str(src), "--samples", "1",
                                        "--seq-len", "16", "--dataset", "builtin:stdlib-code"])
     assert result.exit_code == 2 and "lacks" in result.output, result.output
+
+
+def _close(a, b, path=""):
+    """Recursive comparison of two evaluate() dicts: integers and None exactly, floats within 1e-5 relative."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            if k != "seconds":
+                _close(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, f"{path}[{i}]")
+    elif isinstance(a, float):
+        assert (math.isnan(a) and math.isnan(b)) or b == pytest.approx(a, rel=1e-5, abs=1e-12), (path, a, b)
+    else:
+        assert a == b, (path, a, b)
+
+
+@pytest.mark.parametrize("zoo", ["zoo:tiny-qwen2moe", "zoo:tiny-mixtral"])
+def test_streamed_evaluation_equals_the_whole_model_evaluation(zoo, tmp_path):
+    """evaluate_streaming (two checkpoints, one decoder layer of each in memory) gives evaluate()'s
+    numbers on the two loaded models: every metric, per layer, per expert and per domain."""
+    from moequant import formats
+    from moequant.arch import adapter_for
+    from moequant.calibrate import load_tokenizer
+    from moequant.checkpoint import open_checkpoint
+    from moequant.data import load_samples
+    from moequant.evaluate import evaluate_streaming
+    from moequant.export import export_checkpoint
+    from moequant.loader import load
+
+    src = open_checkpoint(zoo)
+    ad = adapter_for(src.config)
+    keys = ("int4-g32-sym", "int8-channel")  # a per-expert mix, read through the dequantizing reader
+    quantized = {(L, e, p): formats.quantize(ad.read_expert(src, L, e, p).float(), keys[(L + e) % 2])
+                 for L in ad.moe_layers for e in range(ad.num_experts) for p in ad.projections}
+    out = export_checkpoint(src.directory, quantized, tmp_path / "q", target="transformers")
+    windows = load_samples("builtin:mix", load_tokenizer(src.directory), 5, 48, split="evaluation", seed=0)
+    windows += [SimpleNamespace(input_ids=w.input_ids[:20], domain=w.domain) for w in windows[:2]]  # two lengths
+    whole = evaluate(load(src.directory, torch.float32), load(out, torch.float32), windows, batch_size=2)
+    streamed = evaluate_streaming(src.directory, out, windows, batch_size=2, dtype=torch.float32)
+    assert len(whole["by_domain"]) >= 2 and whole["kl_mean"] > 0
+    assert any(r["error"] is not None for r in whole["experts"])
+    _close(whole, streamed)

@@ -49,6 +49,19 @@ RECIPES = {
 }
 
 
+def build_fp8_block(config_name: str, layers: int, vocab: int, directory: Path, overrides=()) -> int:
+    """A random DeepSeek-style FP8-block source (benchmarks/make_sources.py) at the config's real widths,
+    `layers` MoE layers (no dense layer, no MTP layer)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from make_sources import make_deepseek_fp8
+
+    raw = json.loads((CONFIGS / f"{config_name}.json").read_text())
+    raw.update(num_hidden_layers=layers, first_k_dense_replace=0, vocab_size=vocab, num_nextn_predict_layers=0)
+    raw.update({k: json.loads(v) for k, v in (o.split("=", 1) for o in overrides)})
+    make_deepseek_fp8(directory, overrides=raw, config_path=CONFIGS / f"{config_name}.json")
+    return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+
+
 def build(config_name: str, layers: int, vocab: int, directory: Path, device: str, overrides=()) -> int:
     """A random-weight bf16 checkpoint of `config_name` with `layers` decoder layers; returns its bytes.
     `overrides`: config `key=value` pairs (JSON values), e.g. to shrink it for a CPU smoke run."""
@@ -114,12 +127,15 @@ def child_moequant(tool: str, model: str, out: str, samples: int, seq_len: int, 
     seconds = time.perf_counter() - t0
     report = json.loads((Path(out) / "report.json").read_text())
     q = report.get("quality") or {}
+    marker = Path(out) / "checkpoint.json"
+    layer_seconds = ({L: r.get("seconds") for L, r in json.loads(marker.read_text()).get("quantize", {}).items()}
+                     if marker.exists() else {})
     return {"seconds": seconds, "timings": report.get("timings", {}),
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "scratch_bytes": scratch["bytes"], "stats_bytes": _dir_bytes(Path(out) / "stats"),
             "kl": q.get("kl_mean"), "top1": q.get("top1_agreement"),
-            "bits": report["memory"].get("bits_per_weight_experts")}
+            "bits": report["memory"].get("bits_per_weight_experts"), "layer_seconds": layer_seconds}
 
 
 def child_llmc(model: str, out: str, samples: int, seq_len: int, eval_samples: int) -> dict:
@@ -183,7 +199,8 @@ def run_child(*args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="qwen3-30b-a3b")
-    p.add_argument("--layers", type=int, nargs=2, default=(2, 3))
+    p.add_argument("--layers", type=int, nargs="+", default=(2, 3),
+                   help="two layer counts (marginal seconds per layer), or one (the quantize pass's own per-layer seconds)")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--samples", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=512)
@@ -192,6 +209,8 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--work", default=None, help="directory for models and outputs (default: a temporary one)")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--source", choices=("bf16", "fp8-block"), default="bf16",
+                   help="fp8-block: the model is written as DeepSeek's FP8 128x128 blocks (moequant reads it natively)")
     p.add_argument("--set-config", action="append", default=[], help="config key=value (JSON) for the built model")
     p.add_argument("--child", nargs=7)
     a = p.parse_args()
@@ -207,11 +226,14 @@ def main() -> None:
     tools = [t for t in a.tools.split(",") if t]
     work = Path(a.work or tempfile.mkdtemp(prefix="bench-e2e-"))
     results: dict = {"config": a.config, "samples": a.samples, "seq_len": a.seq_len, "runs": {}}
+    if a.source == "fp8-block" and "llmc-gptq" in tools:
+        raise SystemExit("llm-compressor reads no FP8-block source (it needs a bf16 copy); pass --tools without llmc-gptq")
     for layers in a.layers:
-        model = work / f"{a.config}-{layers}L"
+        model = work / f"{a.config}-{a.source}-{layers}L"
         if not model.exists():
             t0 = time.perf_counter()
-            nbytes = build(a.config, layers, a.vocab, model, a.device, a.set_config)
+            nbytes = (build_fp8_block(a.config, layers, a.vocab, model, a.set_config) if a.source == "fp8-block"
+                      else build(a.config, layers, a.vocab, model, a.device, a.set_config))
             print(f"built {model.name}: {nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
         results.setdefault("model_bytes", {})[layers] = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         for tool in tools:
@@ -226,7 +248,7 @@ def main() -> None:
 
 
 def print_table(results: dict, tools, layer_counts) -> None:
-    lo, hi = layer_counts
+    lo, hi = layer_counts[0], layer_counts[-1]
     runs = results["runs"]
     mb = results["model_bytes"]
     print(f"\n{results['config']}, {results['samples']} x {results['seq_len']} calibration tokens; "
@@ -239,8 +261,12 @@ def print_table(results: dict, tools, layer_counts) -> None:
         if "seconds" not in a or "seconds" not in b:
             print(f"{tool:20s} failed")
             continue
-        per_layer = (b["seconds"] - a["seconds"]) / (hi - lo)
-        no_eval = per_layer - (b["timings"].get("evaluate", 0) - a["timings"].get("evaluate", 0)) / (hi - lo)
+        if hi == lo:  # one layer count: the pass's steady per-layer seconds (the last layer's)
+            last = b.get("layer_seconds") or {}
+            per_layer = no_eval = float(last[max(last, key=int)]) if last else float("nan")
+        else:
+            per_layer = (b["seconds"] - a["seconds"]) / (hi - lo)
+            no_eval = per_layer - (b["timings"].get("evaluate", 0) - a["timings"].get("evaluate", 0)) / (hi - lo)
         if tool == "llmc-gptq":
             base = per_layer
         stages = " ".join(f"{k}={v:.1f}" for k, v in b.get("timings", {}).items())
@@ -249,7 +275,7 @@ def print_table(results: dict, tools, layer_counts) -> None:
         print(f"{tool:20s} {per_layer:8.2f} {no_eval:8.2f} {a['seconds']:6.1f}/{b['seconds']:6.1f} {b['peak_gpu_gib']:13.1f} "
               f"{b['peak_rss_gib']:8.1f} {b['scratch_bytes'] / 1e6:11.1f} {b['stats_bytes'] / 1e6:9.2f} {kl:>9s} "
               f"{top1:>6s}  {stages}")
-    if base:
+    if base and hi > lo:
         for tool in tools:
             a, b = runs.get(f"{tool}@{lo}", {}), runs.get(f"{tool}@{hi}", {})
             if "seconds" in a and "seconds" in b and tool != "llmc-gptq":
@@ -257,8 +283,12 @@ def print_table(results: dict, tools, layer_counts) -> None:
                 no_eval = whole - (b["timings"].get("evaluate", 0) - a["timings"].get("evaluate", 0)) / (hi - lo)
                 print(f"  {tool}: {base / max(whole, 1e-9):.1f}x faster per layer than llm-compressor "
                       f"({base / max(no_eval, 1e-9):.1f}x without moequant's evaluation, which llm-compressor does not run)")
+    for key, r in runs.items():
+        if r.get("layer_seconds"):
+            print(f"  {key}: seconds per decoder layer in the quantize pass " +
+                  ", ".join(f"L{L}={v:.1f}" for L, v in sorted(r["layer_seconds"].items(), key=lambda kv: int(kv[0]))))
     fa, fb = runs.get(f"moequant-fp8@{lo}", {}), runs.get(f"moequant-fp8@{hi}", {})
-    if "timings" in fa and "timings" in fb:
+    if "timings" in fa and "timings" in fb and hi > lo:
         t = [r["timings"].get("quantize", 0) + r["timings"].get("export", 0) for r in (fa, fb)]
         rate = (mb[hi] - mb[lo]) / 1e9 / max(t[1] - t[0], 1e-9)
         print(f"  moequant-fp8: quantize + export {t[0]:.1f} / {t[1]:.1f} s: {rate:.2f} GB/s of source checkpoint per "

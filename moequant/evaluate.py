@@ -479,7 +479,10 @@ def evaluate(reference_model, quantized_model, samples, batch_size: int = 4, per
 def _logits(runner, hidden: torch.Tensor) -> torch.Tensor:
     """The causal LM's head on the last decoder layer's output (final norm, then lm_head)."""
     model = runner.model
-    return model.get_output_embeddings()(model.model.norm(hidden.to(runner.device)))
+    norm, head = model.model.norm, model.get_output_embeddings()
+    # the skeleton keeps its final norm (and a tied head) on the host, an untied head on the device
+    h = norm(hidden.to(norm.weight.device))
+    return head(h.to(head.weight.device))
 
 
 def _real_head(runner, adapter) -> None:

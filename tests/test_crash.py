@@ -262,13 +262,25 @@ def test_full_disk_during_export_fails_in_one_sentence_and_leaves_no_checkpoint(
 
 
 def test_full_disk_during_apply_is_one_line_and_the_run_continues_once_there_is_space(model_dir, reference,
-                                                                                     tmp_path):
+                                                                                     tmp_path, monkeypatch):
+    from moequant import quantize
+
     ref, _ = reference
-    disk = _small_filesystem(tmp_path / "disk", "370k")  # statistics (~110k) and plan fit; quantize or export does not
+    disk = _small_filesystem(tmp_path / "disk", "8m")
     if disk is None:
         pytest.skip("mounting a size-limited tmpfs needs root; the export-level test simulates ENOSPC instead")
+    real_pass = quantize.quantize_model
+
+    def pass_on_a_full_disk(*args, **kwargs):
+        # the statistics and the plan are written; now the disk fills up (4 kB left)
+        used = shutil.disk_usage(disk).used
+        subprocess.run(["mount", "-o", f"remount,size={used // 1024 + 64}k", str(disk)], check=True)
+        return real_pass(*args, **kwargs)
+
+    monkeypatch.setattr(quantize, "quantize_model", pass_on_a_full_disk)
     try:
         result = CliRunner().invoke(main, apply_args(model_dir, disk / "run"))
+        monkeypatch.setattr(quantize, "quantize_model", real_pass)
         assert result.exit_code == 2, result.output
         lines = result.output.strip().splitlines()
         # one sentence from the stage that hit it (the quantize pass or the checkpoint writer)

@@ -1,0 +1,97 @@
+"""The real-scale pipeline's memory and work bounds, measured on the CPU (not timings).
+
+- A random Qwen3-MoE of >= 1 GB quantized end to end by `moequant apply` (report included), in a
+  subprocess whose peak RSS is its own: peak RSS stays within a fixed overhead + two decoder layers +
+  the quantized codes the export holds, far below the model; stats/ is not written (a uniform recipe
+  calibrates nothing) and scratch stays below the model's size.
+- An all-RTN recipe runs no forward at all (no LayerRunner is built) and writes exactly the codes of
+  round-to-nearest applied to the checkpoint's own weights (an independent computation).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = dict(hidden_size=1024, moe_intermediate_size=512, num_experts=64, num_experts_per_tok=8,
+             num_attention_heads=8, num_key_value_heads=2, head_dim=128, intermediate_size=2048,
+             max_position_embeddings=1024, tie_word_embeddings=False, norm_topk_prob=True)
+
+
+def _build(directory: Path, layers: int) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moequant import zoo
+
+    config = AutoConfig.for_model("qwen3_moe", num_hidden_layers=layers, vocab_size=4096, **SHAPE)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).write_bytes((zoo.path("tiny-qwen2moe") / name).read_bytes())
+    return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("scale") / "qwen3-moe-1g"
+    nbytes = _build(directory, 6)
+    assert nbytes >= 1e9
+    return directory, nbytes
+
+
+def test_a_1gb_moe_end_to_end_in_bounded_memory(big_model, tmp_path):
+    directory, nbytes = big_model
+    out = tmp_path / "run"
+    code = ("import json, resource, sys; from moequant.apply import apply; "
+            f"apply({str(ROOT / 'recipes/uniform-int8.yaml')!r}, model={str(directory)!r}, output={str(out)!r}, "
+            "overrides=['evaluate.samples=2', 'evaluate.seq_len=64'], progress=False, log=lambda *a: None); "
+            "print(json.dumps({'rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rss = json.loads(done.stdout.strip().splitlines()[-1])["rss"]
+    layer_bytes = nbytes / 6
+    quantized = sum(p.stat().st_size for p in (out / "checkpoint").glob("*.safetensors"))
+    report = json.loads((out / "report.json").read_text())
+    assert report["quality"]["kl_mean"] < 0.01 and report["memory"]["bits_per_weight_experts"] < 8.2
+    assert not (out / "stats").exists() and not (out / "work").exists()
+    # imports + skeleton ~0.6 GB; two decoder layers in flight (read ahead); the codes the export holds
+    bound = 1.0e9 + 2 * layer_bytes + quantized
+    print(f"peak RSS {rss / 1e9:.2f} GB for a {nbytes / 1e9:.2f} GB model (bound {bound / 1e9:.2f} GB)")
+    assert rss < bound and rss < 1.2 * nbytes + 0.6e9
+
+
+def test_round_to_nearest_plans_run_no_forward_and_write_rtn_codes(big_model, tmp_path, monkeypatch):
+    from moequant import formats, layers
+    from moequant.apply import apply
+    from moequant.arch import adapter_for
+    from moequant.checkpoint import open_checkpoint
+    from moequant.loader import dequantized_state_dict
+
+    directory, _ = big_model
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("an all-RTN plan built a LayerRunner for the quantize pass")
+
+    import moequant.quantize as quantize
+
+    monkeypatch.setattr(quantize, "LayerRunner", no_forward)
+    monkeypatch.setattr(layers, "LayerRunner", layers.LayerRunner)  # evaluation still runs layer by layer
+    apply(str(ROOT / "recipes/uniform-int8.yaml"), model=str(directory), output=str(tmp_path / "run"),
+          overrides=["evaluate.samples=2", "evaluate.seq_len=32"], progress=False, log=lambda *a: None)
+    ckpt = open_checkpoint(directory)
+    adapter = adapter_for(ckpt.config)
+    written = dequantized_state_dict(tmp_path / "run" / "checkpoint", torch.float32)
+    L = adapter.moe_layers[-1]
+    for e in (0, adapter.num_experts - 1):
+        for proj in adapter.projections:
+            name = adapter.expert_tensor_name(L, e, proj)
+            w = ckpt.get(name).float()
+            expected = formats.quantize(w, formats.parse_key("int8-channel")).dequantize(torch.float32)
+            assert torch.equal(written[name], expected), name

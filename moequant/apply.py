@@ -231,8 +231,9 @@ def evaluate_into(checkpoint, reference, output, **settings) -> dict:
     with output_lock(out, "eval"):
         theirs, ours = file_fingerprint(out / "plan.json"), checkpoint_fingerprint(checkpoint)
         if theirs is not None and ours != theirs:
-            raise UserError(f"{out} holds run {theirs} (its plan.json) but {checkpoint} was made by "
-                            f"{'run ' + ours if ours else 'no moequant run'}; write this evaluation to another --output.")
+            made_by = f"run {ours}" if ours else "no moequant run"
+            raise UserError(f"{out} holds run {theirs} (its plan.json) but {checkpoint} was made by {made_by}; "
+                            "write this evaluation to another --output.")
         result = evaluate_checkpoints(checkpoint, reference, **settings)
         result[KEY] = ours
         atomic_write_text(out / "eval.json", json.dumps(result, indent=2, default=str) + "\n")

@@ -480,9 +480,8 @@ def evaluate_checkpoints(checkpoint, reference, dataset: str = "builtin:mix", sa
     from moequant.calibrate import load_tokenizer
     from moequant.checkpoint import open_checkpoint
     from moequant.data import load_samples
-    from moequant.loader import from_pretrained_complete
-
     from moequant.fingerprint import check_checkpoint_in_run
+    from moequant.loader import from_pretrained_complete
 
     check_checkpoint_in_run(checkpoint)  # OUTPUT/checkpoint swapped in from another run: say so, evaluate nothing
     if lm_eval_tasks:

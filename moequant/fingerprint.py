@@ -57,8 +57,8 @@ def _read(path: Path) -> dict | None:
 
 
 def checkpoint_fingerprint(checkpoint_dir) -> str | None:
-    config = _read(Path(checkpoint_dir) / "config.json") or {}
-    return (config.get("moequant") or {}).get(KEY) if isinstance(config.get("moequant"), dict) else None
+    ours = (_read(Path(checkpoint_dir) / "config.json") or {}).get("moequant")
+    return ours.get(KEY) if isinstance(ours, dict) else None
 
 
 def file_fingerprint(path) -> str | None:
@@ -90,7 +90,7 @@ def check_run_directory(output) -> str | None:
                        ("report.json", file_fingerprint)):
         if (output / name).exists():
             parts[name] = read(output / name)
-    found = {fp for fp in parts.values()}
+    found = set(parts.values())
     if len(found) > 1:
         listed = ", ".join(f"{name} {fp or 'without one'}" for name, fp in parts.items())
         raise UserError(f"{output} mixes the outputs of different runs (run fingerprints: {listed}); rerun its "

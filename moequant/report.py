@@ -329,7 +329,6 @@ def build_report(*, model: str, checkpoint, original=None, recipe: dict | None =
     """
     from moequant.arch import adapter_for
     from moequant.checkpoint import open_checkpoint
-
     from moequant.fingerprint import KEY, checkpoint_fingerprint
 
     run = (plan or {}).get(KEY)  # the run that made the plan; its checkpoint must carry the same one

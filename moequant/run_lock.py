@@ -50,7 +50,8 @@ def _holder_text(command: str) -> str:
         what = shlex.join(["moequant", *sys.argv[1:]])
     else:  # a library call: name the command and the program that made it
         what = f"moequant {command} from {shlex.join(sys.argv[:1]) or 'python'}"
-    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": what if len(what) <= 200 else what[:199] + "…",
+    what = what if len(what) <= 200 else what[:199] + "…"  # the refusal message quotes it
+    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": what,
                        "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
 
 

@@ -81,7 +81,8 @@ def wait_until_held_by(directory: Path, proc: subprocess.Popen, timeout: float =
 
 def snapshot(directory: Path) -> dict:
     """Every file (hidden ones too) with its size, mtime and content hash."""
-    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns,
+                                           hashlib.sha256(p.read_bytes()).hexdigest())
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 

@@ -154,12 +154,13 @@ def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, sett
     checkpoint (hard links where possible) and its evaluation are reused."""
     from moequant.evaluate import evaluate_checkpoints
     from moequant.export import export_checkpoint
-    from moequant.fingerprint import KEY, checkpoint_fingerprint, stamp_checkpoint
+    from moequant.fingerprint import KEY, checkpoint_fingerprint, run_fingerprint, stamp_checkpoint
     from moequant.policy import plan_to_dict, write_plan
     from moequant.quantize import quantize_model
     from moequant.recipe import recipe_to_dict
     from moequant.report import build_report
 
+    plan.run_fingerprint = run_fingerprint(recipe, ckpt, settings, plan)  # this run's, also for library callers
     plan_dict = json.loads(json.dumps(plan_to_dict(plan)))
     e = recipe.evaluate
     marker = {"plan": json.dumps(plan_dict, sort_keys=True),
@@ -294,7 +295,6 @@ def _pareto(recipe, budgets, targets, uniform, extra_reports, device, progress, 
     from moequant.apply import calibration_settings
     from moequant.calibrate import calibrate, load_tokenizer
     from moequant.checkpoint import atomic_write_text, open_checkpoint
-    from moequant.fingerprint import run_fingerprint
     from moequant.policy import make_plan, resolve_format
     from moequant.recipe import TARGETS, recipe_to_dict
 
@@ -351,7 +351,6 @@ def _pareto(recipe, budgets, targets, uniform, extra_reports, device, progress, 
     points = []
     done: dict[str, Path] = {}  # tensor_formats(plan) -> the run directory that made that checkpoint
     for name, kind, variant, plan, fields in runs:
-        plan.run_fingerprint = run_fingerprint(variant, ckpt, settings, plan)
         same = tensor_formats(plan)
         report = _run_one(name, variant, plan, out / name, ckpt, stats_dir, settings, progress, log,
                           same_as=done.get(same))

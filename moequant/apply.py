@@ -10,6 +10,9 @@ output/
 
 Every stage is resumable or cached, so an interrupted run continues where it stopped and a
 rerun with unchanged inputs does no calibration and no planning again.
+
+One run at a time writes a directory (moequant.run_lock), and plan.json, the checkpoint and the
+report carry one run fingerprint (moequant.fingerprint): a checkpoint of another run is remade.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from moequant.arch import adapter_for
 from moequant.calibrate import CalibrationSettings, calibrate, load_tokenizer
 from moequant.checkpoint import atomic_write_text, is_disk_full, open_checkpoint
 from moequant.errors import UserError
+from moequant.fingerprint import KEY, checkpoint_fingerprint, file_fingerprint, run_fingerprint, stamp_checkpoint
 from moequant.policy import make_plan, needs_statistics, plan_to_dict, read_plan, resolve_format, write_plan
 from moequant.precheck import check_recipe
 from moequant.recipe import Recipe, load_recipe
+from moequant.run_lock import output_lock
 
 
 # recipe name of an export format → export layout name
@@ -106,9 +111,11 @@ def resolve_recipe(recipe_path, model=None, output=None, overrides=()) -> Recipe
     return load_recipe(recipe_path, overrides)
 
 
-def plan_stage(recipe: Recipe, stats_dir: Path, plan_path: Path):
+def plan_stage(recipe: Recipe, stats_dir: Path, plan_path: Path, settings: CalibrationSettings):
     """Make the plan; rewrite plan.json only when its content changes (so a rerun reuses it)."""
-    plan = make_plan(recipe, open_checkpoint(recipe.model), stats_dir)
+    ckpt = open_checkpoint(recipe.model)
+    plan = make_plan(recipe, ckpt, stats_dir)
+    plan.run_fingerprint = run_fingerprint(recipe, ckpt, settings, plan)
     if plan_path.exists():
         try:
             if plan_to_dict(read_plan(plan_path)) == json.loads(json.dumps(plan_to_dict(plan))):
@@ -148,22 +155,21 @@ def apply(recipe_path=None, model=None, output=None, overrides=(), device: str =
     for note in check_recipe(recipe, ckpt):  # what shapes alone refuse, before anything is written
         log(f"note: {note}")
     load_tokenizer(ckpt.directory)  # a checkpoint without tokenizer files, too
-    if out.exists():
-        return _apply(recipe, out, ckpt, device, progress, log)
-    out.mkdir(parents=True)
-    try:
-        return _apply(recipe, out, ckpt, device, progress, log)
-    except UserError:
-        # bad input found while reading the weights (NaN scales, broken codes, ...): this call made
-        # `out`, so nothing in it is anyone's earlier work; leave nothing behind
-        shutil.rmtree(out, ignore_errors=True)
-        raise
+    made = not out.exists()
+    with output_lock(recipe.output, "apply"):  # before anything is written into the directory
+        try:
+            return _apply(recipe, out, ckpt, device, progress, log)
+        except UserError:
+            if made:  # bad input found while reading the weights (NaN scales, broken codes, ...): this call
+                shutil.rmtree(out, ignore_errors=True)  # made `out`, so nothing in it is anyone's earlier work
+            raise
 
 
 def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
     from moequant.export import export_checkpoint
     from moequant.quantize import quantize_model
 
+    out.mkdir(parents=True, exist_ok=True)  # the lock made it; not on ranks other than 0
     timings: dict[str, float] = {}
     tokenizer = load_tokenizer(ckpt.directory)
     settings = calibration_settings(recipe, device)
@@ -184,14 +190,19 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
     timings["calibrate"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    plan, reused_plan = plan_stage(recipe, stats_dir, out / "plan.json")
+    plan, reused_plan = plan_stage(recipe, stats_dir, out / "plan.json", settings)
     timings["plan"] = time.perf_counter() - t0
     log(f"plan: {out / 'plan.json'}" + (" (unchanged, reused)" if reused_plan else ""))
 
     checkpoint_dir = out / "checkpoint"
     done_marker = out / "checkpoint.json"
     plan_digest = json.dumps(plan_to_dict(plan), sort_keys=True)
-    if done_marker.exists() and checkpoint_dir.exists() and json.loads(done_marker.read_text()).get("plan") == plan_digest:
+    marker = json.loads(done_marker.read_text()) if done_marker.exists() else {}
+    found = checkpoint_fingerprint(checkpoint_dir) if checkpoint_dir.exists() else None
+    if checkpoint_dir.exists() and found != plan.run_fingerprint:  # e.g. a checkpoint copied in from another run
+        log(f"checkpoint: {checkpoint_dir} belongs to another run (run fingerprint {found or 'missing'}, this run's "
+            f"{plan.run_fingerprint}); quantizing again")
+    if marker.get("plan") == plan_digest and marker.get(KEY) == found == plan.run_fingerprint:
         log(f"checkpoint: {checkpoint_dir} (up to date, reused)")
         quant_report = json.loads(done_marker.read_text())["quantize"]
         timings["quantize"] = timings["export"] = 0.0
@@ -204,8 +215,10 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
         t0 = time.perf_counter()
         export_checkpoint(ckpt.directory, quantized, checkpoint_dir, **export_arguments(recipe))
         timings["export"] = time.perf_counter() - t0
+        stamp_checkpoint(checkpoint_dir, plan.run_fingerprint)
         quant_report = {str(k): v for k, v in quant_report.items()}
-        atomic_write_text(done_marker, json.dumps({"plan": plan_digest, "quantize": quant_report}))
+        atomic_write_text(done_marker, json.dumps({"plan": plan_digest, KEY: plan.run_fingerprint,
+                                                   "quantize": quant_report}))
         shutil.rmtree(out / "work", ignore_errors=True)
         log(f"checkpoint: {checkpoint_dir}")
 
@@ -231,3 +244,40 @@ def evaluate_stage(recipe: Recipe, ckpt, checkpoint_dir: Path, progress=True) ->
     e = recipe.evaluate
     return evaluate_checkpoints(checkpoint_dir, ckpt.directory, dataset=e.dataset, samples=e.samples,
                                 seq_len=e.seq_len, seed=recipe.seed, progress=progress)
+
+
+def run_plan(recipe_path=None, model=None, output=None, overrides=(), stats=None, device: str = "cpu"):
+    """`moequant plan`: the plan of a recipe (statistics from `stats`, default OUTPUT/stats, when they
+    exist) written to OUTPUT/plan.json with its run fingerprint. Returns (plan, path)."""
+    recipe = resolve_recipe(recipe_path, model, output, overrides)
+    out = Path(recipe.output)
+    ckpt = open_checkpoint(recipe.model)
+    check_recipe(recipe, ckpt)  # what shapes alone refuse, before the directory is touched
+    stats_dir = Path(stats) if stats else out / "stats"
+    found = (stats_dir / "summary.json").exists()
+    if not found and (stats or needs_statistics(recipe)):
+        same = " ".join(f"--{k} {v}" for k, v in (("recipe", recipe_path), ("model", model), ("output", output)) if v)
+        raise UserError(f"no calibration statistics in {stats_dir} (no summary.json there); run `moequant calibrate"
+                        f"{' ' + same if same else ''}` first (it writes them there), or pass --stats DIR.")
+    with output_lock(out, "plan"):
+        plan = make_plan(recipe, ckpt, stats_dir if found else None)
+        plan.run_fingerprint = run_fingerprint(recipe, ckpt, calibration_settings(recipe, device), plan)
+        return plan, write_plan(plan, out / "plan.json")
+
+
+def evaluate_into(checkpoint, reference, output, **settings) -> dict:
+    """`moequant eval --output DIR`: evaluate and write DIR/eval.json (with the checkpoint's run
+    fingerprint). Refused when DIR/plan.json belongs to another run than the checkpoint."""
+    from moequant.evaluate import evaluate_checkpoints
+
+    out = Path(output)
+    with output_lock(out, "eval"):
+        theirs, ours = file_fingerprint(out / "plan.json"), checkpoint_fingerprint(checkpoint)
+        if theirs is not None and ours != theirs:
+            made_by = f"run {ours}" if ours else "no moequant run"
+            raise UserError(f"{out} holds run {theirs} (its plan.json) but {checkpoint} was made by {made_by}; "
+                            "write this evaluation to another --output.")
+        result = evaluate_checkpoints(checkpoint, reference, **settings)
+        result[KEY] = ours
+        atomic_write_text(out / "eval.json", json.dumps(result, indent=2, default=str) + "\n")
+        return result

@@ -356,7 +356,15 @@ def sensitivity(weights: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]
 def calibrate(model: str, output: str | Path, settings: CalibrationSettings, overwrite: bool = False,
               tokenizer=None, progress=True, samples=None) -> Path:
     """Calibrate `model` on `settings.dataset`; writes `output/` (see stats.py). Returns the path."""
+    from moequant.run_lock import output_lock
+
+    with output_lock(output, "calibrate"):  # one writer per directory, before anything is read or written
+        return _calibrate(model, output, settings, overwrite, tokenizer, progress, samples)
+
+
+def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenizer, progress, samples) -> Path:
     from moequant.data import load_samples_with_holdout
+    from moequant.run_lock import clear_directory, is_lock_file
 
     ckpt = open_checkpoint(model)
     if ckpt.config_only:
@@ -376,11 +384,11 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
         if not overwrite:
             what = "another model" if old.get("fingerprint", {}).get("model") != fingerprint["model"] else "other settings"
             raise UserError(f"{output} already holds calibration statistics of {what}; pass --overwrite to replace them.")
-        shutil.rmtree(output)
-    elif output.exists() and any(output.iterdir()) and not (output / ".work").exists():
+        clear_directory(output)  # not rmtree: the held lock file stays
+    elif output.exists() and any(not is_lock_file(p) for p in output.iterdir()) and not (output / ".work").exists():
         if not overwrite:
             raise UserError(f"{output} exists and is not a statistics directory; choose another --output or pass --overwrite.")
-        shutil.rmtree(output)
+        clear_directory(output)
 
     max_pos = int(ckpt.config.get("max_position_embeddings") or 0)
     if max_pos and settings.seq_len > max_pos:

@@ -116,24 +116,10 @@ def calibrate(recipe_path, model, output, overrides, stats, dataset, samples, se
 @user_errors
 def plan(recipe_path, model, output, overrides, stats):
     """Decide a format for every tensor: writes OUTPUT/plan.json and prints a summary."""
-    from pathlib import Path
+    from moequant.apply import run_plan
+    from moequant.policy import format_summary
 
-    from moequant.apply import resolve_recipe
-    from moequant.checkpoint import open_checkpoint
-    from moequant.policy import format_summary, make_plan, needs_statistics, write_plan
-    from moequant.precheck import check_recipe
-
-    recipe = resolve_recipe(recipe_path, model, output, overrides)
-    ckpt = open_checkpoint(recipe.model)
-    check_recipe(recipe, ckpt)
-    stats_dir = Path(stats) if stats else Path(recipe.output) / "stats"
-    found = (stats_dir / "summary.json").exists()
-    if not found and (stats or needs_statistics(recipe)):
-        same = " ".join(f"--{k} {v}" for k, v in (("recipe", recipe_path), ("model", model), ("output", output)) if v)
-        raise UserError(f"no calibration statistics in {stats_dir} (no summary.json there); run `moequant calibrate"
-                        f"{' ' + same if same else ''}` first (it writes them there), or pass --stats DIR.")
-    result = make_plan(recipe, ckpt, stats_dir if found else None)
-    path = write_plan(result, Path(recipe.output) / "plan.json")
+    result, path = run_plan(recipe_path, model, output, overrides, stats)
     click.echo(format_summary(result))
     click.echo(f"plan written to {path}")
 
@@ -183,16 +169,42 @@ def pareto(recipe_path, model, output, overrides, budgets, targets, uniform, ext
 @click.option("--seq-len", default=256, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True, help="Print the full result as JSON.")
+@click.option("--output", default=None, type=click.Path(), help="Also write the result to OUTPUT/eval.json.")
 @user_errors
-def eval_command(checkpoint, reference, dataset, samples, seq_len, seed, as_json):
+def eval_command(checkpoint, reference, dataset, samples, seq_len, seed, as_json, output):
     """Quality of CHECKPOINT against the original: perplexity, KL, top-1 and routing agreement.
 
     Works on any compressed-tensors checkpoint, including one made by another tool."""
+    from moequant.apply import evaluate_into
     from moequant.evaluate import evaluate_checkpoints, format_quality
 
-    result = evaluate_checkpoints(checkpoint, reference, dataset=dataset, samples=samples, seq_len=seq_len, seed=seed,
-                                  progress=not as_json)  # --json: stdout holds the JSON alone
+    settings = dict(dataset=dataset, samples=samples, seq_len=seq_len, seed=seed,
+                    progress=not as_json)  # --json: stdout holds the JSON alone
+    result = (evaluate_into(checkpoint, reference, output, **settings) if output
+              else evaluate_checkpoints(checkpoint, reference, **settings))
     click.echo(json.dumps(result, indent=2, default=str) if as_json else format_quality(result))
+
+
+@main.command()
+@click.argument("output", type=click.Path())
+@user_errors
+def report(output):
+    """Print the report of an output directory (report.md), once its plan, checkpoint and report
+    are checked to come from one run."""
+    from pathlib import Path
+
+    from moequant.fingerprint import check_run_directory
+    from moequant.report import render_markdown
+
+    path = Path(output) / "report.json"
+    if not path.is_file():
+        raise UserError(f"{output} has no report.json; write it with `moequant apply`.")
+    check_run_directory(output)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise UserError(f"{path} is not valid JSON; rerun `moequant apply` to write it again.") from None
+    click.echo(render_markdown(data))
 
 
 if __name__ == "__main__":

@@ -631,7 +631,9 @@ def evaluate_checkpoints(checkpoint, reference, dataset: str = "builtin:mix", sa
     from moequant.checkpoint import open_checkpoint
     from moequant.data import load_samples
     from moequant.export import model_dtype
+    from moequant.fingerprint import check_checkpoint_in_run
 
+    check_checkpoint_in_run(checkpoint)  # OUTPUT/checkpoint swapped in from another run: say so, evaluate nothing
     if lm_eval_tasks:
         _require_lm_eval()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

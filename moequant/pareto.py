@@ -155,20 +155,23 @@ def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, sett
     from moequant.evaluate import evaluate_checkpoints
     from moequant.apply import export_arguments
     from moequant.export import export_checkpoint
+    from moequant.fingerprint import KEY, checkpoint_fingerprint, run_fingerprint, stamp_checkpoint
     from moequant.policy import plan_to_dict, write_plan
     from moequant.quantize import quantize_model
     from moequant.recipe import recipe_to_dict
     from moequant.report import build_report
 
+    plan.run_fingerprint = run_fingerprint(recipe, ckpt, settings, plan)  # this run's, also for library callers
     plan_dict = json.loads(json.dumps(plan_to_dict(plan)))
     e = recipe.evaluate
     marker = {"plan": json.dumps(plan_dict, sort_keys=True),
               "evaluate": {"dataset": e.dataset, "samples": e.samples, "seq_len": e.seq_len, "seed": recipe.seed},
               "calibration": settings.fingerprint_fields() | {"formats": list(settings.formats)},
-              "export": [recipe.export.format, recipe.target]}
+              "export": [recipe.export.format, recipe.target], KEY: plan.run_fingerprint}
     marker_path = run_dir / RUN_MARKER
     if (marker_path.exists() and (run_dir / "report.json").exists()
-            and json.loads(marker_path.read_text()) == marker):
+            and json.loads(marker_path.read_text()) == marker
+            and checkpoint_fingerprint(run_dir / "checkpoint") == plan.run_fingerprint):  # not one swapped in
         log(f"{name}: unchanged, reused")
         return json.loads((run_dir / "report.json").read_text())
     from moequant.checkpoint import atomic_write_text
@@ -182,6 +185,7 @@ def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, sett
     if same_as is not None and (same_as / "quality.json").exists() and \
             json.loads((same_as / RUN_MARKER).read_text()).get("export") == marker["export"]:
         shutil.copytree(same_as / "checkpoint", checkpoint_dir, copy_function=_link_or_copy)
+        stamp_checkpoint(checkpoint_dir, plan.run_fingerprint)  # replaces the linked config.json, not the sibling's
         quality = json.loads((same_as / "quality.json").read_text())
         quality["checkpoint"] = str(checkpoint_dir)
         log(f"{name}: quantizes every tensor as {same_as.name} does; its checkpoint and evaluation are reused")
@@ -192,6 +196,7 @@ def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, sett
         t1 = time.perf_counter()
         export_checkpoint(ckpt.directory, quantized, checkpoint_dir, **export_arguments(recipe))
         shutil.rmtree(run_dir / "work", ignore_errors=True)
+        stamp_checkpoint(checkpoint_dir, plan.run_fingerprint)
         t2 = time.perf_counter()
         quality = evaluate_checkpoints(checkpoint_dir, ckpt.directory, dataset=e.dataset, samples=e.samples,
                                        seq_len=e.seq_len, seed=recipe.seed, progress=progress)
@@ -279,14 +284,22 @@ def pareto(recipe_path=None, budgets: Sequence = ("int3", "int4", "int4..int8"),
            progress: bool = True, log=print) -> dict:
     """Run the budget plans (each budget x each target) and the uniform baselines against one set
     of statistics; write OUTPUT/pareto.json and OUTPUT/pareto.png. Returns pareto.json's dict."""
-    from moequant.apply import calibration_settings, resolve_recipe
+    from moequant.apply import resolve_recipe
+    from moequant.run_lock import output_lock
+
+    recipe = resolve_recipe(recipe_path, model, output, overrides)
+    with output_lock(recipe.output, "pareto"):  # before anything is written into the directory
+        return _pareto(recipe, budgets, targets, uniform, extra_reports, device, progress, log)
+
+
+def _pareto(recipe, budgets, targets, uniform, extra_reports, device, progress, log) -> dict:
+    from moequant.apply import calibration_settings
     from moequant.calibrate import calibrate, load_tokenizer
     from moequant.checkpoint import atomic_write_text, open_checkpoint
     from moequant.policy import make_plan, resolve_format
     from moequant.precheck import check_recipe
     from moequant.recipe import TARGETS, recipe_to_dict
 
-    recipe = resolve_recipe(recipe_path, model, output, overrides)
     for target in targets:
         if target not in TARGETS:
             raise UserError(f"target {target!r} is not a target; accepted: {', '.join(TARGETS)}.")

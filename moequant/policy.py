@@ -214,6 +214,7 @@ class Plan:
     summary: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     recipe: dict = field(default_factory=dict)
+    run_fingerprint: str | None = None  # of the run that made it (moequant.fingerprint), set by apply / plan / pareto
 
     def expert_formats(self) -> dict[tuple[int, int], str]:
         """(layer, expert) -> format key of its routed weights."""

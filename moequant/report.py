@@ -8,6 +8,7 @@ report.json (schema "moequant.report/1"; keys may be added, none of these remove
 ------------------------------------------------------------------------------------------
 {
   "schema": "moequant.report/1",
+  "run_fingerprint": str | null,      # the run of plan.json and the checkpoint (moequant.fingerprint)
   "model": str,                       # what the user named (path or zoo:NAME)
   "checkpoint": str,                  # the written checkpoint directory
   "recipe": dict | null,              # the resolved recipe
@@ -343,7 +344,13 @@ def build_report(*, model: str, checkpoint, original=None, recipe: dict | None =
     """
     from moequant.arch import adapter_for
     from moequant.checkpoint import open_checkpoint
+    from moequant.fingerprint import KEY, checkpoint_fingerprint
 
+    run = (plan or {}).get(KEY)  # the run that made the plan; its checkpoint must carry the same one
+    if run is not None and checkpoint_fingerprint(checkpoint) != run:
+        raise UserError(f"the report of {checkpoint} would mix two runs: the checkpoint's run fingerprint is "
+                        f"{checkpoint_fingerprint(checkpoint) or 'missing'} but its plan's is {run}; rerun "
+                        "`moequant apply` to remake the checkpoint.")
     original = original if original is not None else model
     adapter = adapter_for(open_checkpoint(original).config)
     stats = _load_stats(stats)
@@ -354,6 +361,7 @@ def build_report(*, model: str, checkpoint, original=None, recipe: dict | None =
             shares[r["layer"]][r["expert"]] = r["share"]
     report = {
         "schema": SCHEMA,
+        KEY: run,
         "model": str(model),
         "checkpoint": str(checkpoint),
         "recipe": recipe,

@@ -30,6 +30,7 @@ Layouts (each refuses, before any work, a plan it cannot hold — one sentence, 
 - "deepseek-fp8": weight float8_e4m3fn + weight_scale_inv per 128x128 block, `weight_block_size`.
 - "gpt-oss-mxfp4": gpt-oss experts as `*_blocks` / `*_scales` (gate/up interleaved as on disk),
   biases and every other tensor kept.
+- "gguf": one `model.gguf` for llama.cpp, ggml block types (moequant.export_gguf).
 
 The output directory is built in a temporary sibling and renamed into place at the end; a
 `moequant_export.json` beside the weights records the layout, target and every tensor's format.
@@ -58,8 +59,8 @@ from moequant.checkpoint import ShardWriter, atomic_directory, copy_aux_files, o
 from moequant.errors import UserError
 from moequant.formats import QuantizedTensor
 
-LAYOUTS = ("compressed-tensors", "gptq", "awq", "deepseek-fp8", "gpt-oss-mxfp4")
-TARGETS = ("vllm", "sglang", "transformers")
+LAYOUTS = ("compressed-tensors", "gptq", "awq", "deepseek-fp8", "gpt-oss-mxfp4", "gguf")
+TARGETS = ("vllm", "sglang", "transformers", "llama.cpp")
 EXPORT_INFO = "moequant_export.json"  # what was written, for moequant.load and reports
 
 # Linear modules a serving engine fuses into one: they must share one scheme.
@@ -73,7 +74,7 @@ _FUSED_NAMES = {("k_proj", "q_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_pr
 
 def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[str, torch.Tensor] | None = None,
                       layout: str = "compressed-tensors", target: str = "vllm", int8_activations: str = "none",
-                      max_shard_bytes: int = 2 * 1024**3) -> Path:
+                      max_shard_bytes: int = 2 * 1024**3, gguf_float: str = "bf16") -> Path:
     """Write `out_dir`: the source checkpoint with `quantized` tensors in `layout`. Returns the path."""
     if layout not in LAYOUTS:
         raise UserError(f"export layout {layout!r} is not supported; accepted: {', '.join(LAYOUTS)}.")
@@ -113,6 +114,11 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
         kept.setdefault(n, _from_linear(adapter, n, q.codes))
     roles = {n: adapter.classify(n) for n in ckpt.keys()}
 
+    if layout == "gguf":  # one file in llama.cpp's names and block layouts (moequant.export_gguf)
+        from moequant.export_gguf import export_gguf
+
+        info = {"layout": layout, "target": target, "formats": {n: q.spec.key for n, q in sorted(items.items())}}
+        return export_gguf(ckpt, adapter, {**items, **plain}, out_dir, kept=kept, float_type=gguf_float, info=info)
     writer_for = {"compressed-tensors": _CompressedTensors, "gptq": _Gptq, "awq": _Awq,
                   "deepseek-fp8": _DeepseekFp8, "gpt-oss-mxfp4": _GptOssMxfp4}[layout]
     writer = writer_for(ckpt, adapter, items, roles, target, int8_activations)

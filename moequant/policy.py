@@ -12,6 +12,10 @@ decision unit depends on the serving target:
   unquantized. So bf16 is offered as a whole-layer choice, never for single experts.
 * `sglang`: one format for all routed experts of the model. SGLang's compressed-tensors MoE
   schemes read the quantization arguments of the `Linear` target, not per layer.
+* `llama.cpp`: one ggml block type per (layer, projection): GGUF stacks a layer's experts per
+  projection (`blk.N.ffn_{gate,up,down}_exps`) into one tensor of one type, so gate, up and down
+  of a layer may differ, experts may not. Candidates are ggml types (q8_0 ... q2_k) or bf16; a
+  type whose block does not divide a projection's input dimension is not offered to it.
 
 Both engines load fused-MoE integer weights only at 4 or 8 bits (WNA16 kernels) and only
 symmetric ones, so for `vllm` / `sglang` the candidates int3 / int2 and asymmetric int4 are
@@ -128,7 +132,7 @@ from moequant.recipe import Recipe, is_format_key, recipe_to_dict
 SCHEMA = "moequant.plan/1"
 PROJECTIONS = ("gate", "up", "down")
 # The decision unit for routed experts per target (see the module docstring).
-GRANULARITY = {"transformers": "expert", "vllm": "layer", "sglang": "model"}
+GRANULARITY = {"transformers": "expert", "vllm": "layer", "sglang": "model", "llama.cpp": "layer_proj"}
 ALWAYS_BF16_ROLES = {
     "router": "the router always stays bf16",
     "shared_expert_gate": "the shared-expert gate always stays bf16",
@@ -240,6 +244,12 @@ def spec_params(spec) -> dict:
 
 def unservable_reason(target: str, spec, routed: bool) -> str | None:
     """Why `target` cannot load `spec` (None when it can)."""
+    if target == "llama.cpp":
+        if spec.is_ggml or spec.name == "bf16":
+            return None
+        return "llama.cpp (GGUF) stores ggml block types (q8_0, q6_k, q5_k, q4_k, q4_0, ...) or bf16, not " + spec.name
+    if spec.is_ggml:
+        return f"ggml block types are for target llama.cpp (GGUF), not {target}"
     if target == "transformers":
         return None
     engine = {"vllm": "vLLM", "sglang": "SGLang"}[target]
@@ -574,15 +584,20 @@ class _Context:
         scale = self.layer_scale[t.layer] if self.layer_scale else 1.0
         return float(scale * self.usage(t.layer)[t.expert] * self._sensitivity[(t.layer, t.proj, key)][t.expert])
 
-    def expert_loss(self, expert: tuple[int, int], key: str) -> float | None:
+    def members(self, expert: tuple) -> list[TensorInfo]:
+        """The routed tensors of (layer, expert), or of (layer, expert, proj) alone."""
+        ts = self.experts[expert[:2]]
+        return ts if len(expert) == 2 else [t for t in ts if t.proj == expert[2]]
+
+    def expert_loss(self, expert: tuple, key: str) -> float | None:
         cache_key = (expert, key)
         if cache_key not in self._loss:
-            parts = [self.tensor_loss(t, key) for t in self.experts[expert]]
+            parts = [self.tensor_loss(t, key) for t in self.members(expert)]
             self._loss[cache_key] = None if any(p is None for p in parts) else float(sum(parts))
         return self._loss[cache_key]
 
-    def expert_bytes(self, expert: tuple[int, int], spec) -> int:
-        return sum(self.nbytes(spec, t.shape, t.name) for t in self.experts[expert])
+    def expert_bytes(self, expert: tuple, spec) -> int:
+        return sum(self.nbytes(spec, t.shape, t.name) for t in self.members(expert))
 
 
 def _probe_scales(ctx: _Context) -> tuple[dict[int, float] | None, dict]:
@@ -636,6 +651,12 @@ def _groups(ctx: _Context, target: str, free: list[tuple[int, int]]) -> list[lis
     unit = GRANULARITY[target]
     if unit == "expert":
         return [[e] for e in free]
+    if unit == "layer_proj":  # one group per (layer, projection), of (layer, expert, proj) items
+        by_proj: dict[tuple, list] = defaultdict(list)
+        for L, e in free:
+            for t in ctx.experts[(L, e)]:
+                by_proj[(L, PROJECTIONS.index(t.proj))].append((L, e, t.proj))
+        return [by_proj[k] for k in sorted(by_proj)]
     if unit == "layer":
         by_layer: dict[int, list] = defaultdict(list)
         for e in free:
@@ -771,10 +792,10 @@ def _check_uniform_groups(ctx: _Context, target: str, assignment: dict) -> None:
         return
     keys = defaultdict(lambda: defaultdict(list))
     for (layer, expert), spec in sorted(assignment.items()):
-        keys[layer if unit == "layer" else "all"][spec.key].append(expert)
+        keys[layer if unit in ("layer", "layer_proj") else "all"][spec.key].append(expert)
     for scope, by_key in keys.items():
         if len(by_key) > 1:
-            where = f"layer {scope}" if unit == "layer" else "the model"
+            where = f"layer {scope}" if unit in ("layer", "layer_proj") else "the model"
             parts = "; ".join(f"{k} (experts {_short_list(v)})" for k, v in by_key.items())
             raise UserError(f"with target {target} every routed expert of {where} needs one format, but "
                             f"experts.rules give {where} {parts}; accepted: rules by layers only, or target transformers.")
@@ -841,12 +862,13 @@ def make_plan(recipe: Recipe, checkpoint_or_tensors, stats=None) -> Plan:
     free = [e for e in sorted(ctx.experts) if e not in kept_experts]
     unit = GRANULARITY[target]
     if unit != "expert" and kept_experts:
-        scopes = {L for L, _ in kept_experts} if unit == "layer" else {"all"}
+        per_layer = unit in ("layer", "layer_proj")
+        scopes = {L for L, _ in kept_experts} if per_layer else {"all"}
         for scope in scopes:
             members = [e for e in ctx.experts if unit == "model" or e[0] == scope]
             partial = [e for e in members if e not in kept_experts]
             if partial:
-                where = f"layer {scope}" if unit == "layer" else "the model"
+                where = f"layer {scope}" if per_layer else "the model"
                 raise UserError(f"keep holds only some routed experts of {where} in bf16, which target {target} "
                                 f"cannot serve (one format per {unit}); accepted: keep whole layers "
                                 f"(e.g. model.layers.3.mlp.experts.*), routed_experts, or target transformers.")
@@ -899,18 +921,19 @@ def make_plan(recipe: Recipe, checkpoint_or_tensors, stats=None) -> Plan:
                                 f"accepted: fp8, int8, symmetric int4, mxfp4, nvfp4, bf16, or target transformers.")
         _check_uniform_groups(ctx, target, assignment)
         specs = _dedupe(assignment.values())
-    for (layer, expert), spec in assignment.items():
+    for key, spec in assignment.items():
         try:
-            ctx.expert_bytes((layer, expert), spec)
+            ctx.expert_bytes(key, spec)
         except UserError as error:
-            raise UserError(f"format {spec.key} cannot hold layer {layer} expert {expert}: {str(error).rstrip('.')}.") from None
+            what = f"layer {key[0]} expert {key[1]}" + (f" ({key[2]})" if len(key) == 3 else "")
+            raise UserError(f"format {spec.key} cannot hold {what}: {str(error).rstrip('.')}.") from None
 
     for e in kept_experts:
         assignment[e] = bf16
     for t in tensors:
         if not t.is_routed_weight:
             continue
-        spec = assignment[(t.layer, t.expert)]
+        spec = assignment.get((t.layer, t.expert, t.proj)) or assignment[(t.layer, t.expert)]
         usage = ctx.usage(t.layer)
         loss = ctx.tensor_loss(t, spec.key) if stats is not None else None
         plans.append(TensorPlan(t.name, t.role, t.layer, t.expert, t.proj, t.shape, spec.key, spec_params(spec),

@@ -46,11 +46,13 @@ from typing_extensions import Annotated
 
 from moequant.errors import UserError
 
-FORMAT_NAMES = ("bf16", "fp8", "int8", "int4", "int3", "int2", "mxfp4", "nvfp4")
-TARGETS = ("vllm", "sglang", "transformers")
+FORMAT_NAMES = ("bf16", "fp8", "int8", "int4", "int3", "int2", "mxfp4", "nvfp4",
+                "q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "q3_k", "q2_k")  # the last: ggml types
+TARGETS = ("vllm", "sglang", "transformers", "llama.cpp")
 METHODS = ("budget", "rules", "uniform")
-ALGORITHMS = ("rtn", "gptq", "awq")
-EXPORT_FORMATS = ("compressed-tensors", "gptq", "awq", "fp8-block", "gpt-oss-mxfp4")
+# imatrix: round-to-nearest with the scale search weighted by the inputs' second moments (ggml types)
+ALGORITHMS = ("rtn", "gptq", "awq", "imatrix")
+EXPORT_FORMATS = ("compressed-tensors", "gptq", "awq", "fp8-block", "gpt-oss-mxfp4", "gguf")
 # Names `keep` accepts besides tensor-name patterns (anything containing '*' or '.').
 KEEP_GROUPS = (
     "router", "shared_expert_gate", "shared_experts", "attention", "dense_mlp",
@@ -60,6 +62,7 @@ KEEP_GROUPS = (
 DEFAULT_ALGORITHMS = {
     "bf16": "none", "fp8": "rtn", "int8": "rtn", "int4": "gptq", "int3": "gptq",
     "int2": "gptq", "mxfp4": "gptq", "nvfp4": "gptq",
+    **{name: "imatrix" for name in FORMAT_NAMES[8:]},
 }
 DEFAULT_MODEL = "zoo:tiny-qwen2moe"
 DEFAULT_DATASET = "builtin:mix"

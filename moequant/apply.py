@@ -159,7 +159,7 @@ def apply(recipe_path=None, model=None, output=None, overrides=(), device: str =
         t0 = time.perf_counter()
         export_checkpoint(ckpt.directory, quantized, checkpoint_dir, layout=EXPORT_LAYOUTS.get(recipe.export.format,
                           recipe.export.format), target=recipe.target,
-                          int8_activations=recipe.export.int8_activations)
+                          int8_activations=recipe.export.int8_activations, gguf_float=recipe.export.gguf_float)
         timings["export"] = time.perf_counter() - t0
         quant_report = {str(k): v for k, v in quant_report.items()}
         atomic_write_text(done_marker, json.dumps({"plan": plan_digest, "quantize": quant_report}))
@@ -186,5 +186,11 @@ def evaluate_stage(recipe: Recipe, ckpt, checkpoint_dir: Path, progress=True) ->
     from moequant.evaluate import evaluate_checkpoints
 
     e = recipe.evaluate
+    if recipe.export.format == "gguf":  # llama.cpp itself runs the GGUF (moequant.verify_llamacpp)
+        from moequant.export_gguf import GGUF_FILE
+        from moequant.verify_llamacpp import evaluate_gguf
+
+        return evaluate_gguf(checkpoint_dir / GGUF_FILE, ckpt.directory, dataset=e.dataset, samples=e.samples,
+                             seq_len=e.seq_len, seed=recipe.seed)
     return evaluate_checkpoints(checkpoint_dir, ckpt.directory, dataset=e.dataset, samples=e.samples,
                                 seq_len=e.seq_len, seed=recipe.seed, progress=progress)

@@ -251,7 +251,11 @@ def sensitivity(weights: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]
         H = torch.where(enough[:, None, None], H_routed, H_all).double()
         for key in format_keys:
             try:
-                q = formats.quantize(W, formats.parse_key(key))
+                spec = formats.parse_key(key)
+                if spec.is_ggml:  # as the quantize pass will: the scale search weighted by diag(H)
+                    q = formats.quantize_ggml(W, spec, importance=torch.diagonal(H, dim1=-2, dim2=-1).float())
+                else:
+                    q = formats.quantize(W, spec)
             except UserError:
                 skipped.append(f"{proj}:{key}")
                 continue

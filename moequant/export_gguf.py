@@ -288,3 +288,30 @@ def export_gguf(ckpt, adapter, items: dict, out_dir, *, kept: dict | None = None
         writer.close()
         (tmp / "moequant_export.json").write_text(json.dumps(info or {"layout": "gguf"}, indent=2) + "\n")
     return out_dir
+
+
+_ROLES = [(r"token_embd\.", "embedding"), (r"output\.", "lm_head"), (r".*norm\.", "norm"),
+          (r".*ffn_gate_inp_shexp\.", "shared_expert_gate"), (r".*ffn_gate_inp\.", "router"),
+          (r".*_shexp\.", "shared_expert"), (r".*_exps\.", "routed_expert"), (r".*attn_", "attention")]
+
+
+def gguf_bytes(path) -> dict:
+    """The byte account of a GGUF file as `report.checkpoint_bytes` gives it for safetensors:
+    bytes by role, per (layer, expert) (a stacked tensor's bytes split evenly: one type per tensor)."""
+    import gguf
+
+    from collections import defaultdict
+
+    reader = gguf.GGUFReader(str(path))
+    n_expert = next((int(f.parts[-1][0]) for k, f in reader.fields.items() if k.endswith(".expert_count")), 1)
+    by_role, weights, experts = defaultdict(int), defaultdict(int), defaultdict(int)
+    for t in reader.tensors:
+        role = next(r for p, r in _ROLES + [(r"", "other")] if re.match(p, t.name))
+        by_role[role] += int(t.n_bytes)
+        weights[role] += int(t.n_elements)
+        if role == "routed_expert":
+            layer = int(t.name.split(".")[1])
+            for e in range(n_expert):
+                experts[(layer, e)] += int(t.n_bytes) // n_expert
+    return {"by_role": dict(by_role), "weights_by_role": dict(weights), "experts": dict(experts),
+            "fused_experts": {}, "total": sum(by_role.values())}

@@ -674,7 +674,7 @@ def _group_options(ctx: _Context, group, specs, notes: list[str] | None):
         except UserError as error:
             if notes is not None:  # one note per format: the layers it skips and the first reason
                 layers, _ = ctx.unfit.setdefault(spec.key, (set(), str(error).rstrip(".")))
-                layers.update(L for L, _ in group)
+                layers.update(item[0] for item in group)
             continue
         losses = [ctx.expert_loss(e, spec.key) for e in group]
         loss = None if any(x is None for x in losses) else float(sum(losses))
@@ -684,7 +684,7 @@ def _group_options(ctx: _Context, group, specs, notes: list[str] | None):
 
 def _layer_text(group) -> str:
     """Layers of a group of (layer, expert) as compact ranges: '0-3, 7'."""
-    layers = sorted({L for L, _ in group})
+    layers = sorted({item[0] for item in group})
     runs: list[list[int]] = []
     for L in layers:
         if runs and L == runs[-1][1] + 1:

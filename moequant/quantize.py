@@ -334,6 +334,11 @@ def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, mi
                          for e in range(len(experts)) if not own[e]}
             fallbacks.update({str(experts[e]): why for e, why in rep.fallbacks().items()})
             entry["gptq"] = {"fallbacks": fallbacks, "damp": rep.damp}
+        elif algo == "imatrix" and collected is not None:  # ggml types: scale search weighted by diag(H)
+            _, _, H, _, _ = _chosen_statistics(collected, "down" if proj == "down" else "gate_up", idx,
+                                               adapter.num_experts, min_tokens)
+            q = formats.quantize_ggml(W, spec, name=f"layer {layer} {proj} experts",
+                                      importance=torch.diagonal(H, dim1=-2, dim2=-1).float())
         else:
             # RTN; for AWQ rows the weights were scaled by _awq_layer (its report is merged by the caller)
             q = formats.quantize(W, spec, name=f"layer {layer} {proj} experts")
@@ -450,7 +455,7 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
         expert_rows = [t for t in rows if t.role == "routed_expert" and t.expert is not None and t.proj in ("gate", "up", "down")]
         other_rows = [t for t in rows if t not in expert_rows]
         collected = None
-        needs_stats = any(t.algorithm in ("gptq", "awq") and t.format != "bf16" for t in expert_rows)
+        needs_stats = any(t.algorithm in ("gptq", "awq", "imatrix") and t.format != "bf16" for t in expert_rows)
         uses_awq = any(t.algorithm == "awq" and t.format != "bf16" for t in expert_rows)
         routing_before, routing_after, tokens = [], [], {}
         if L in adapter.moe_layers and needs_stats:

@@ -130,6 +130,8 @@ class Export(Strict):
     # int8 weights export as W8A16 (vLLM GPU Marlin) by default; "dynamic" writes W8A8 with dynamic
     # per-token int8 activations, which vLLM's CPU build needs
     int8_activations: Literal["none", "dynamic"] = "none"
+    # gguf: how tensors the plan leaves unquantized are stored (bf16 is exact for bf16 checkpoints)
+    gguf_float: Literal["bf16", "f16", "f32"] = "bf16"
 
 
 class Budget(Strict):
@@ -226,6 +228,13 @@ class Recipe(Strict):
             if name not in FORMAT_NAMES:
                 raise ValueError(f"'{name}' is not a format name; accepted: {', '.join(FORMAT_NAMES)}")
         return value
+
+    @model_validator(mode="after")
+    def _gguf_is_llama_cpp(self):
+        if (self.export.format == "gguf") != (self.target == "llama.cpp"):
+            raise ValueError("export format gguf and target llama.cpp go together (llama.cpp loads GGUF; the other "
+                             "targets load safetensors layouts); set both or neither")
+        return self
 
     def algorithm_for(self, format_name: str) -> str:
         if format_name == "bf16":

@@ -201,3 +201,42 @@ def test_an_architecture_llama_cpp_lacks_is_refused(tmp_path):
     with pytest.raises(UserError, match="GGUF export supports qwen2_moe and mixtral"):
         export_checkpoint(src, {}, tmp_path / "out", layout="gguf", target="llama.cpp")
     assert not (tmp_path / "out").exists()
+
+
+def test_apply_writes_the_planned_gguf_and_llama_cpp_evaluates_it(llama, tmp_path):
+    """`moequant apply --recipe recipes/gguf.yaml`: the solver's per-(layer, projection) types are the
+    GGUF's, llama.cpp computes the report's KL, and the byte account is the file's."""
+    import json
+
+    from moequant.apply import apply
+
+    out = tmp_path / "run"
+    apply("recipes/gguf.yaml", output=str(out), progress=False, log=lambda *_: None,
+          overrides=["calibration.samples=8", "calibration.seq_len=64", "calibration.probe_samples=4",
+                     "evaluate.samples=4", "evaluate.seq_len=64"])
+    plan = json.loads((out / "plan.json").read_text())
+    planned = {}
+    for t in plan["tensors"]:
+        if t["role"] == "routed_expert":
+            planned.setdefault(f"blk.{t['layer']}.ffn_{t['proj']}_exps.weight", set()).add(t["format"])
+    reader = gguf.GGUFReader(out / "checkpoint" / "model.gguf")
+    types = {t.name: t.tensor_type.name.lower() for t in reader.tensors}
+    assert all(len(v) == 1 and types[k] == next(iter(v)) for k, v in planned.items())
+    assert len(set(types[k] for k in planned)) > 1  # the budget mixes types
+    report = json.loads((out / "report.json").read_text())
+    assert report["quality"]["engine"] == "llama.cpp" and 0 < report["quality"]["kl_mean"] < 0.1
+    assert report["memory"]["bytes_quantized"] == sum(int(t.n_bytes) for t in reader.tensors)
+
+
+def test_cli_refuses_a_malformed_gguf_request(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "bad"
+    for extra in (["--set", "target=vllm"], ["--set", "experts.formats=[q4_k, int4]", "--set", "experts.method=uniform",
+                                             "--set", "experts.format=int4"]):
+        proc = subprocess.run([sys.executable, "-m", "moequant.cli", "apply", "--recipe", "recipes/gguf.yaml",
+                               "--output", str(out), *extra], capture_output=True, text=True)
+        assert proc.returncode == 2, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+        assert not out.exists() or not (out / "checkpoint").exists()

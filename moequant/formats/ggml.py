@@ -94,7 +94,7 @@ def _fit_symmetric(x, w, qmin: int, qmax: int):
     xm = x.gather(-1, idx).squeeze(-1)  # the signed extreme
     best_err = best_s = best_L = None
     for off in _SEARCH:
-        for end in (qmin, qmax):  # map the extreme to either end of the (possibly uneven) range
+        for end in ((qmin,) if qmin == -qmax else (qmin, qmax)):  # an uneven range: try both ends for the extreme
             denom = end - off if end < 0 else end + off
             if denom == 0:
                 continue

@@ -68,9 +68,11 @@ def inspect(model: str, as_json: bool):
 @click.option("--allow-fewer", is_flag=True, help="Accept fewer samples than asked when the data set is small.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--overwrite", is_flag=True, help="Replace statistics of another model or other settings in --output.")
+@click.option("--imatrix", default=None, type=click.Path(),
+              help="Also write llama.cpp's imatrix GGUF (for llama-quantize) from the statistics, e.g. out.gguf.")
 @user_errors
 def calibrate(model, dataset, samples, seq_len, seed, batch_size, output, all_experts, no_hessians, formats,
-              allow_fewer, device, overwrite):
+              allow_fewer, device, overwrite, imatrix):
     """Per-expert routing and input statistics of MODEL on a data set, layer by layer."""
     from moequant.calibrate import CalibrationSettings, calibrate as run
 
@@ -78,8 +80,14 @@ def calibrate(model, dataset, samples, seq_len, seed, batch_size, output, all_ex
                                    all_experts=all_experts, hessians=not no_hessians,
                                    formats=tuple(f.strip() for f in formats.split(",") if f.strip()),
                                    allow_fewer=allow_fewer, device=device)
+    if imatrix and not str(imatrix).endswith(".gguf"):  # refused before the calibration work
+        raise UserError(f"--imatrix {imatrix} must end in .gguf (llama.cpp's GGUF imatrix format).")
     out = run(model, output, settings, overwrite=overwrite)
     click.echo(f"statistics written to {out} (summary.json, routing.png)")
+    if imatrix:
+        from moequant.export_gguf import write_imatrix
+
+        click.echo(f"imatrix written to {write_imatrix(out, imatrix)}")
 
 
 def recipe_options(fn):

@@ -315,3 +315,54 @@ def gguf_bytes(path) -> dict:
                 experts[(layer, e)] += int(t.n_bytes) // n_expert
     return {"by_role": dict(by_role), "weights_by_role": dict(weights), "experts": dict(experts),
             "fused_experts": {}, "total": sum(by_role.values())}
+
+
+def write_imatrix(stats_dir, out_path) -> Path:
+    """llama.cpp's imatrix GGUF from our calibration statistics, for llama-quantize / llama_model_quantize.
+
+    Per routed-expert tensor `blk.N.ffn_{gate,up,down}_exps.weight`: `<name>.in_sum2` {n_in, n_expert}
+    = Σ x² over the expert's statistic tokens and `<name>.counts` {1, n_expert} = those tokens (with
+    all-experts coverage every token, so every expert has data; llama-imatrix sees only the routed
+    ones). qwen2moe's shared-expert gate / up take the same input: written from the all-token
+    statistics when calibration ran with all-experts coverage.
+    """
+    import gguf
+
+    from moequant.stats import load_stats
+
+    stats = load_stats(stats_dir, with_hessians=False)
+    out_path = Path(out_path)
+    if out_path.suffix != ".gguf":
+        raise UserError(f"the imatrix file {out_path} must end in .gguf (llama.cpp's GGUF imatrix format).")
+    entries = {}
+    for L, ls in sorted(stats.layers.items()):
+        for group, projs in (("gate_up", ("gate", "up")), ("down", ("down",))):
+            sq, n = ls.tensors.get(f"input.{group}.sq_mean"), ls.tensors.get(f"input.{group}.tokens")
+            if sq is None or n is None:
+                raise UserError(f"the statistics in {stats_dir} hold no input.{group}.sq_mean for layer {L}; "
+                                f"calibrate again with this version.")
+            sums = (sq.double() * n.double()[:, None]).float()
+            for p in projs:
+                entries[f"blk.{L}.ffn_{p}_exps.weight"] = (sums, n.float())
+        if stats.summary.get("all_experts") and stats.summary.get("model_type") == "qwen2_moe":
+            sums, n = entries[f"blk.{L}.ffn_gate_exps.weight"]
+            for p in ("gate", "up"):
+                entries[f"blk.{L}.ffn_{p}_shexp.weight"] = (sums[:1], n[:1])
+    dataset = stats.summary.get("fingerprint", {}).get("dataset", "moequant")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f".{out_path.name}.tmp")
+    writer = gguf.GGUFWriter(str(tmp), "imatrix")
+    writer.add_type("imatrix")
+    writer.add_array("imatrix.datasets", [str(dataset)])
+    tokens = max(int(ls.tokens) for ls in stats.layers.values())
+    writer.add_uint32("imatrix.chunk_count", 1)
+    writer.add_uint32("imatrix.chunk_size", tokens)
+    for name, (sums, n) in entries.items():
+        writer.add_tensor(name + ".in_sum2", sums.numpy())  # numpy [E, n_in] = ggml {n_in, E}
+        writer.add_tensor(name + ".counts", n.reshape(-1, 1).numpy())  # ggml {1, E}
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(out_path)
+    return out_path

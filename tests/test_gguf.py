@@ -240,3 +240,48 @@ def test_cli_refuses_a_malformed_gguf_request(tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
         assert not out.exists() or not (out / "checkpoint").exists()
+
+
+def test_imatrix_from_our_statistics_is_accepted_by_llama_model_quantize(llama, tmp_path):
+    """`moequant calibrate --imatrix`: llama.cpp's GGUF imatrix layout (in_sum2 {n_in, n_expert} = Σx²,
+    counts {1, n_expert}, every expert covered), which llama_model_quantize takes (and checks: a
+    truncated one is refused) and which changes the Q4_K_M it writes."""
+    import subprocess
+    import sys
+
+    from moequant.stats import load_stats
+
+    stats_dir, imat = tmp_path / "stats", tmp_path / "imatrix.gguf"
+    proc = subprocess.run([sys.executable, "-m", "moequant.cli", "calibrate", "--model", "zoo:tiny-qwen2moe",
+                           "--samples", "8", "--seq-len", "64", "--formats", "q4_k", "--output", str(stats_dir),
+                           "--imatrix", str(imat)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    stats = load_stats(stats_dir, with_hessians=False)
+    reader = gguf.GGUFReader(imat)
+    t = {x.name: x for x in reader.tensors}
+    ls = stats.layers[2]
+    E = ls.num_experts
+    sums = t["blk.2.ffn_down_exps.weight.in_sum2"]
+    assert [int(s) for s in sums.shape] == [ls.tensors["input.down.sq_mean"].shape[1], E]
+    expected = (ls.tensors["input.down.sq_mean"].double() * ls.tensors["input.down.tokens"].double()[:, None]).float()
+    assert np.allclose(np.asarray(sums.data).reshape(E, -1), expected.numpy(), rtol=1e-6)
+    counts = np.asarray(t["blk.2.ffn_down_exps.weight.counts"].data).reshape(-1)
+    assert (counts > 0).all() and np.array_equal(counts, ls.tensors["input.down.tokens"].float().numpy())
+
+    src = export_checkpoint(zoo_path("tiny-qwen2moe"), {}, tmp_path / "bf16", layout="gguf", target="llama.cpp")
+    with_imat = V.quantize(src / "model.gguf", tmp_path / "a.gguf", "Q4_K_M", imatrix=imat)
+    without = V.quantize(src / "model.gguf", tmp_path / "b.gguf", "Q4_K_M")
+    assert with_imat == {"rc": 0, "imatrix_entries": len(reader.tensors) // 2} and without["rc"] == 0
+    a, b = gguf.GGUFReader(tmp_path / "a.gguf"), gguf.GGUFReader(tmp_path / "b.gguf")
+    name = "blk.2.ffn_gate_exps.weight"
+    ta, tb = (next(x for x in r.tensors if x.name == name) for r in (a, b))
+    assert ta.tensor_type == tb.tensor_type and not np.array_equal(np.asarray(ta.data), np.asarray(tb.data))
+
+    # control: an imatrix of the wrong width for one tensor is refused by llama.cpp
+    bad = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(bad), "imatrix")
+    w.add_type("imatrix")
+    w.add_tensor(name + ".in_sum2", np.ones((E, 100), dtype=np.float32))
+    w.add_tensor(name + ".counts", np.ones((E, 1), dtype=np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()  # noqa: E702
+    assert V.quantize(src / "model.gguf", tmp_path / "c.gguf", "Q4_K_M", imatrix=bad)["rc"] != 0

@@ -376,6 +376,8 @@ class _CompressedTensors(_Layout):
                                 f"only 4- and 8-bit integer formats for target {self.target} (its kernels)")
             self._one_format_per_moe_layer()
             self._one_format_per_fused_group()
+        if self.target == "sglang":
+            self._sglang_routed_rule()
 
     def pack(self, name, q):
         module = _module(name)
@@ -384,6 +386,24 @@ class _CompressedTensors(_Layout):
             # W8A8 int-quantized stores the int8 codes unpacked, with an fp32 per-channel scale
             tensors = {"weight": q.codes.to(torch.int8), "weight_scale": q.scales.to(torch.float32)}
         return {f"{module}.{k}": v for k, v in tensors.items()}
+
+    def _sglang_routed_rule(self) -> None:
+        """Routed formats may differ per layer only as INT4 / INT8 weight-only groups of experts named
+        gate/up/down_proj (see moequant.policy's docstring for the SGLang code this comes from)."""
+        from moequant.policy import sglang_per_layer_block
+
+        routed = {n: q.spec for n, q in self.items.items() if self.roles[n].role == "routed_expert"}
+        keys = {s.key for s in routed.values()}
+        if len(keys) <= 1:
+            return
+        odd = sorted(s.key for s in routed.values() if not (s.is_int and s.symmetric and s.bits in (4, 8)))
+        if odd:
+            raise UserError(f"target sglang takes per-layer routed-expert formats only as INT4 / INT8 weight-only groups "
+                            f"(top-level format pack-quantized); the plan mixes {', '.join(sorted(keys))}, and {odd[0]} "
+                            f"would make the format mixed-precision, which SGLang's WNA16 MoE refuses.")
+        why = sglang_per_layer_block(routed)
+        if why:
+            raise UserError(f"target sglang cannot load per-layer routed-expert formats here: {why}; use one format.")
 
     def groups(self) -> list[tuple[dict, list[str]]]:
         by_scheme: dict[str, list[str]] = defaultdict(list)

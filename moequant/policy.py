@@ -10,8 +10,17 @@ decision unit depends on the serving target:
   fused-MoE buffer and resolves the quantization scheme from expert 0's gate / up / down only
   (compressed-tensors `get_moe_method`); a layer whose experts are all in `ignore` is loaded
   unquantized. So bf16 is offered as a whole-layer choice, never for single experts.
-* `sglang`: one format for all routed experts of the model. SGLang's compressed-tensors MoE
-  schemes read the quantization arguments of the `Linear` target, not per layer.
+* `sglang`: one format per layer when every routed format is an INT4 / INT8 weight-only group
+  (or bf16 for whole layers), else one format for all routed experts of the model. SGLang's
+  compressed-tensors MoE resolves each FusedMoE layer's scheme from the config group matching
+  its expert 0's `.0.gate_proj` / `.0.up_proj` / `.0.down_proj` (names hard-coded; sgl-project/sglang
+  PR #29761 passes that per-layer scheme to the WNA16 MoE method instead of the `Linear`
+  group's), while `CompressedTensorsWNA16MoE` (schemes/compressed_tensors_wNa16_moe.py) accepts
+  only the checkpoint's top-level format `pack-quantized`, 4 or 8 bits, symmetric. An FP8 / MXFP4
+  / NVFP4 group beside them makes the top-level format `mixed-precision`, which that check
+  refuses, and models whose experts are not named gate/up/down_proj (Mixtral's w1/w3/w2) do not
+  resolve per layer: both get one format for the model. A budget solves both ways and keeps the
+  better plan.
 * `llama.cpp`: one ggml block type per (layer, projection): GGUF stacks a layer's experts per
   projection (`blk.N.ffn_{gate,up,down}_exps`) into one tensor of one type, so gate, up and down
   of a layer may differ, experts may not. Candidates are ggml types (q8_0 ... q2_k) or bf16; a
@@ -141,6 +150,8 @@ ALWAYS_BF16_ROLES = {
     "other": "tensors of unknown role are not quantized",
 }
 NON_EXPERT_ROLES = ("attention", "shared_expert", "dense_mlp", "lm_head")
+SGLANG_PER_LAYER = ("int4", "int8", "bf16")  # format names SGLang's per-layer WNA16 MoE rule admits
+SGLANG_EXPERT_NAMES = {"gate_proj", "up_proj", "down_proj"}
 KEEP_GROUP_ROLES = {
     "router": "router", "shared_expert_gate": "shared_expert_gate", "shared_experts": "shared_expert",
     "attention": "attention", "dense_mlp": "dense_mlp", "embeddings": "embedding",
@@ -752,6 +763,32 @@ def _solve(ctx: _Context, target: str, free, specs, limit: int, notes) -> tuple[
     return assignment, used
 
 
+def sglang_per_layer_block(names) -> str | None:
+    """Why SGLang cannot resolve routed-expert schemes per layer for these on-disk expert tensor names."""
+    leaves = {n.rsplit(".", 2)[-2] if n.endswith(".weight") else n.rsplit(".", 1)[-1] for n in names}
+    if leaves <= SGLANG_EXPERT_NAMES:
+        return None
+    return (f"SGLang resolves a layer's scheme from its expert 0's gate_proj / up_proj / down_proj, and this "
+            f"model's experts are {', '.join(sorted(leaves - SGLANG_EXPERT_NAMES))}")
+
+
+def _solve_sglang(ctx: _Context, free, specs, limit: int, notes):
+    """SGLang: the better of one format for the model and one INT4 / INT8 (/ bf16) format per layer."""
+    best = _solve(ctx, "sglang", free, specs, limit, notes)
+    per_layer_specs = [s for s in specs if s.name in SGLANG_PER_LAYER]
+    why = sglang_per_layer_block({t.name for ts in ctx.experts.values() for t in ts})
+    if why:
+        if notes is not None:
+            notes.append(f"{why}: one routed-expert format for the whole model.")
+        return best
+    if not per_layer_specs:
+        return best
+    per_layer = _solve(ctx, "vllm", free, per_layer_specs, limit, None)  # vllm's unit: one format per layer
+    if per_layer is not None and (best is None or _predicted_loss(ctx, per_layer[0]) <= _predicted_loss(ctx, best[0])):
+        return per_layer
+    return best
+
+
 def _min_bytes(ctx: _Context, target: str, free, specs) -> int:
     return sum(min(o[1] for o in _group_options(ctx, g, specs, None)) for g in _groups(ctx, target, free))
 
@@ -788,6 +825,9 @@ def _apply_rules(ctx: _Context, recipe: Recipe, free) -> dict:
 
 def _check_uniform_groups(ctx: _Context, target: str, assignment: dict) -> None:
     unit = GRANULARITY[target]
+    if target == "sglang" and all(s.name in SGLANG_PER_LAYER for s in assignment.values()) and \
+            sglang_per_layer_block({t.name for ts in ctx.experts.values() for t in ts}) is None:
+        unit = "layer"  # INT4 / INT8 weight-only groups may differ per layer (see the module docstring)
     if unit == "expert":
         return
     keys = defaultdict(lambda: defaultdict(list))
@@ -862,7 +902,7 @@ def make_plan(recipe: Recipe, checkpoint_or_tensors, stats=None) -> Plan:
     free = [e for e in sorted(ctx.experts) if e not in kept_experts]
     unit = GRANULARITY[target]
     if unit != "expert" and kept_experts:
-        per_layer = unit in ("layer", "layer_proj")
+        per_layer = unit in ("layer", "layer_proj") or target == "sglang"  # sglang: kept layers are ignored ones
         scopes = {L for L, _ in kept_experts} if per_layer else {"all"}
         for scope in scopes:
             members = [e for e in ctx.experts if unit == "model" or e[0] == scope]
@@ -897,7 +937,8 @@ def make_plan(recipe: Recipe, checkpoint_or_tensors, stats=None) -> Plan:
                             f"({'; '.join(f'{k}: {v}' for k, v in dropped.items())}); accepted: fp8, int8, "
                             f"symmetric int4, mxfp4, nvfp4, bf16.")
         limit = _budget_limit(recipe, routed_numel, other_bytes, fixed_routed)
-        solved = _solve(ctx, target, free, specs, limit, notes) if free else ({}, 0)
+        solve = (lambda *a: _solve_sglang(ctx, *a)) if target == "sglang" else (lambda *a: _solve(ctx, target, *a))
+        solved = solve(free, specs, limit, notes) if free else ({}, 0)
         for key, (layers, why) in ctx.unfit.items():
             notes.append(f"{key} is not offered to layer(s) {_layer_text([(L, 0) for L in layers])}: {why}.")
         if solved is None:
@@ -1033,7 +1074,8 @@ def _alternative(ctx: _Context, target: str, free, entries, limit: int, fixed_by
             continue
         specs.append(spec)
     try:
-        solved = _solve(ctx, target, free, specs, limit, None) if specs else None
+        solver = _solve_sglang if target == "sglang" else (lambda c, *a: _solve(c, target, *a))
+        solved = solver(ctx, free, specs, limit, None) if specs else None
     except UserError:
         return None
     if solved is None:

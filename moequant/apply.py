@@ -159,7 +159,9 @@ def apply(recipe_path=None, model=None, output=None, overrides=(), device: str =
         t0 = time.perf_counter()
         export_checkpoint(ckpt.directory, quantized, checkpoint_dir, layout=EXPORT_LAYOUTS.get(recipe.export.format,
                           recipe.export.format), target=recipe.target,
-                          int8_activations=recipe.export.int8_activations, gguf_float=recipe.export.gguf_float)
+                          int8_activations=recipe.export.int8_activations, gguf_float=recipe.export.gguf_float,
+                          gguf_types={"token_embd.weight": recipe.export.gguf_token_embd,
+                                      "output.weight": recipe.export.gguf_output})
         timings["export"] = time.perf_counter() - t0
         quant_report = {str(k): v for k, v in quant_report.items()}
         atomic_write_text(done_marker, json.dumps({"plan": plan_digest, "quantize": quant_report}))

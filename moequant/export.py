@@ -74,7 +74,8 @@ _FUSED_NAMES = {("k_proj", "q_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_pr
 
 def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[str, torch.Tensor] | None = None,
                       layout: str = "compressed-tensors", target: str = "vllm", int8_activations: str = "none",
-                      max_shard_bytes: int = 2 * 1024**3, gguf_float: str = "bf16") -> Path:
+                      max_shard_bytes: int = 2 * 1024**3, gguf_float: str = "bf16",
+                      gguf_types: Mapping[str, str] | None = None) -> Path:
     """Write `out_dir`: the source checkpoint with `quantized` tensors in `layout`. Returns the path."""
     if layout not in LAYOUTS:
         raise UserError(f"export layout {layout!r} is not supported; accepted: {', '.join(LAYOUTS)}.")
@@ -118,7 +119,8 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
         from moequant.export_gguf import export_gguf
 
         info = {"layout": layout, "target": target, "formats": {n: q.spec.key for n, q in sorted(items.items())}}
-        return export_gguf(ckpt, adapter, {**items, **plain}, out_dir, kept=kept, float_type=gguf_float, info=info)
+        return export_gguf(ckpt, adapter, {**items, **plain}, out_dir, kept=kept, float_type=gguf_float, info=info,
+                           types=gguf_types)
     writer_for = {"compressed-tensors": _CompressedTensors, "gptq": _Gptq, "awq": _Awq,
                   "deepseek-fp8": _DeepseekFp8, "gpt-oss-mxfp4": _GptOssMxfp4}[layout]
     writer = writer_for(ckpt, adapter, items, roles, target, int8_activations)

@@ -35,6 +35,7 @@ import torch
 
 from moequant.checkpoint import atomic_directory
 from moequant.errors import UserError
+from moequant.formats import get_format, quantize_ggml
 
 GGUF_FILE = "model.gguf"
 FLOAT_TYPES = ("bf16", "f16", "f32")
@@ -202,7 +203,7 @@ def _add_hparams(writer, adapter, config: dict, file_type: int) -> None:
     writer.add_quantization_version(2)
 
 
-def _file_type(items: dict, float_type: str) -> int:
+def _file_type(items: dict, float_type: str) -> int:  # noqa: C901
     """general.file_type: the most common ggml type among the weights (llama.cpp's LLAMA_FTYPE)."""
     from collections import Counter
 
@@ -218,13 +219,19 @@ def _file_type(items: dict, float_type: str) -> int:
 
 
 def export_gguf(ckpt, adapter, items: dict, out_dir, *, kept: dict | None = None, float_type: str = "bf16",
-                info: dict | None = None, max_shard_bytes: int = 0) -> Path:
+                info: dict | None = None, max_shard_bytes: int = 0, types: dict | None = None) -> Path:
     """Write out_dir/model.gguf (split as llama.cpp names splits when max_shard_bytes > 0 and exceeded)."""
     import gguf
 
     if float_type not in FLOAT_TYPES:
         raise UserError(f"gguf float type {float_type!r} is not supported; accepted: {', '.join(FLOAT_TYPES)}.")
     check_gguf(ckpt, adapter, items)
+    types = {k: v for k, v in (types or {}).items() if v}  # GGUF name -> ggml type, e.g. output.weight: q6_k
+    unknown = sorted(set(types) - {"token_embd.weight", "output.weight"})
+    if unknown:
+        raise UserError(f"gguf types can be set for token_embd.weight and output.weight, not {unknown[0]}.")
+    for t in types.values():
+        get_format(t)
     kept = kept or {}
     read = lambda n: kept[n] if n in kept else ckpt.get(n)  # noqa: E731
     mt = adapter.model_type
@@ -254,6 +261,9 @@ def export_gguf(ckpt, adapter, items: dict, out_dir, *, kept: dict | None = None
             arr = _rope_permute(arr, n_head if ".attn_q." in out_name else n_kv)
         if raw is not None:
             return arr.numpy(), raw
+        if out_name in types:
+            q = quantize_ggml(arr.float(), types[out_name], name=out_name)
+            return q.codes.numpy(), _ggml_type(q.spec)
         if _KEEP_F32.match(out_name):
             arr = arr.reshape(-1) if "shexp" in out_name else arr
             return arr.to(torch.float32).numpy(), None

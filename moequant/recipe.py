@@ -132,6 +132,10 @@ class Export(Strict):
     int8_activations: Literal["none", "dynamic"] = "none"
     # gguf: how tensors the plan leaves unquantized are stored (bf16 is exact for bf16 checkpoints)
     gguf_float: Literal["bf16", "f16", "f32"] = "bf16"
+    # gguf: ggml types for the token embeddings and output.weight (null: gguf_float), as llama.cpp's
+    # --token-embedding-type / --output-tensor-type; round-to-nearest with our scale search
+    gguf_token_embd: Optional[Literal[FORMAT_NAMES[8:]]] = None
+    gguf_output: Optional[Literal[FORMAT_NAMES[8:]]] = None
 
 
 class Budget(Strict):

@@ -285,3 +285,21 @@ def test_imatrix_from_our_statistics_is_accepted_by_llama_model_quantize(llama, 
     w.add_tensor(name + ".counts", np.ones((E, 1), dtype=np.float32))
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()  # noqa: E702
     assert V.quantize(src / "model.gguf", tmp_path / "c.gguf", "Q4_K_M", imatrix=bad)["rc"] != 0
+
+
+def test_token_embedding_and_output_types(llama, tmp_path):
+    """export.gguf_token_embd / gguf_output (llama.cpp's --token-embedding-type / --output-tensor-type)."""
+    source = zoo_path("tiny-mixtral")
+    out = export_checkpoint(source, {}, tmp_path / "a", layout="gguf", target="llama.cpp",
+                            gguf_types={"token_embd.weight": "q4_k", "output.weight": "q6_k"})
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out / "model.gguf").tensors}
+    assert types["token_embd.weight"] == "Q4_K" and types["output.weight"] == "Q6_K"
+    from tokenizers import Tokenizer
+
+    text = _texts(1)[:2]
+    assert V.tokenize(out / "model.gguf", text) == [Tokenizer.from_file(str(source / "tokenizer.json")).encode(t).ids
+                                                     for t in text]
+    with pytest.raises(UserError, match="unknown format"):
+        export_checkpoint(source, {}, tmp_path / "b", layout="gguf", target="llama.cpp",
+                          gguf_types={"output.weight": "q7_k"})
+    assert not (tmp_path / "b").exists()

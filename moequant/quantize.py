@@ -323,7 +323,13 @@ def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, mi
         W = weights[proj][idx]
         spec = formats.parse_key(key)
         entry = {"experts": experts, "format": key, "algorithm": algo}
-        if algo == "gptq" and collected is not None:
+        if algo == "gptq" and collected is not None and spec.is_ggml:  # on the ggml type's grid
+            _, _, H, _, _ = _chosen_statistics(collected, "down" if proj == "down" else "gate_up", idx,
+                                               adapter.num_experts, min_tokens)
+            if input_scale is not None and proj != "down":
+                H = H / (input_scale[:, None] * input_scale[None, :])
+            q = formats.quantize_ggml(W, spec, name=f"layer {layer} {proj} experts", hessian=H)
+        elif algo == "gptq" and collected is not None:
             group = "down" if proj == "down" else "gate_up"
             own, tokens, H, _, _ = _chosen_statistics(collected, group, idx, adapter.num_experts, min_tokens)
             if input_scale is not None and group == "gate_up":

@@ -167,15 +167,20 @@ def _quantize_in_expert_chunks(weight, spec, name, global_scale) -> QuantizedTen
                            cat([p.zeros for p in parts]), cat([p.global_scale for p in parts]))
 
 
-def quantize_ggml(weight: torch.Tensor, spec, *, name: str | None = None, importance=None) -> QuantizedTensor:
+def quantize_ggml(weight: torch.Tensor, spec, *, name: str | None = None, importance=None,
+                  hessian=None) -> QuantizedTensor:
     """A ggml block type: codes are the packed blocks (uint8 [..., out, row bytes]); importance
-    per input column ([in] or [E, in], the inputs' second moments) weights the scale search."""
+    per input column ([in] or [E, in], the inputs' second moments) weights the scale search;
+    a Hessian ([in, in] or [E, in, in]) instead runs GPTQ on the type's grid (ggml.gptq_tensor)."""
     from moequant.formats import ggml
 
     spec = get_format(spec)
     x = _prepare(weight, spec, name)
     _check_finite(_absmax(x.flatten(), 0), x, name)
-    codes = ggml.quantize_tensor(x, spec.name, importance)
+    if hessian is not None:
+        codes = ggml.gptq_tensor(x, hessian, spec.name)
+    else:
+        codes = ggml.quantize_tensor(x, spec.name, importance)
     return QuantizedTensor(spec, tuple(weight.shape), codes.to(weight.device))
 
 

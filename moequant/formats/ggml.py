@@ -403,21 +403,106 @@ def unpack(name: str, blocks: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------- entry points
 
-def quantize_blocks(name: str, x: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 [N, block] (weights w, same shape, or None) -> packed uint8 [N, block_bytes]."""
+def fit_blocks(name: str, x: torch.Tensor, w: torch.Tensor | None = None) -> dict:
+    """float32 [N, block] (weights w, same shape, or None) -> the fields of N blocks (see `pack`)."""
     t = TYPES[name]
     x = x.to(torch.float32)
     w = torch.ones_like(x) if w is None else w.to(torch.float32).expand_as(x)
     if t.block == 32:
-        return pack(name, _q_simple(x, w, t))
+        return _q_simple(x, w, t)
     if name in ("q3_k", "q6_k"):
         d, sc, L = _q_k_symmetric(x, w, t)
-        return pack(name, {"d": d, "sc": sc, "q": L})
+        return {"d": d, "sc": sc, "q": L}
     d, dmin, sc, mn, L = _q_k_scale_min(x, w, t)
-    return pack(name, {"d": d, "dmin": dmin, "sc": sc, "mn": mn, "q": L})
+    return {"d": d, "dmin": dmin, "sc": sc, "mn": mn, "q": L}
+
+
+def quantize_blocks(name: str, x: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [N, block] (weights w, same shape, or None) -> packed uint8 [N, block_bytes]."""
+    return pack(name, fit_blocks(name, x, w))
+
+
+def grid(name: str, fields: dict):
+    """The affine grid of every element under fixed block fields: value = eff * code + off with
+    code in [lo, hi] in the fields' own "q" convention -> (eff [N, block], off [N, block], lo, hi)."""
+    t = TYPES[name]
+    d = fields["d"][:, None]
+    if name == "q8_0":
+        return d.expand(-1, 32), torch.zeros_like(d).expand(-1, 32), -127, 127
+    if name in ("q4_0", "q5_0"):
+        qmin = -(2 ** (t.bits - 1))
+        return d.expand(-1, 32), (d * qmin).expand(-1, 32), 0, 2 ** t.bits - 1
+    if name in ("q4_1", "q5_1"):
+        return d.expand(-1, 32), fields["m"][:, None].expand(-1, 32), 0, 2 ** t.bits - 1
+    sub = 16 if name in ("q2_k", "q3_k", "q6_k") else 32
+    eff = (d * fields["sc"].to(torch.float32))[..., None].expand(-1, -1, sub).reshape(-1, t.block)
+    if name in ("q3_k", "q6_k"):
+        lo, hi = (-4, 3) if name == "q3_k" else (-32, 31)
+        return eff, torch.zeros_like(eff), lo, hi
+    off = -(fields["dmin"][:, None] * fields["mn"].to(torch.float32))[..., None].expand(-1, -1, sub).reshape(-1, t.block)
+    return eff, off, 0, 2 ** t.bits - 1
+
+
+def gptq_tensor(weight: torch.Tensor, hessian: torch.Tensor, name: str, *, damp: float = 0.01,
+                block_size: int = 128, max_damp_tries: int = 6) -> torch.Tensor:
+    """GPTQ on the type's grid: block scales / mins fitted first from the weights (the scale search
+    weighted by diag(H)), then the column sweep (codes in order, the rounding error spread over the
+    remaining columns through the Cholesky factor of H^-1). weight [E, out, in] (or [out, in]),
+    hessian [E, in, in] (or [in, in]) -> packed uint8 like `quantize_tensor`."""
+    t = TYPES[name]
+    squeeze = weight.dim() == 2
+    W = (weight[None] if squeeze else weight).to(torch.float32).clone()
+    H = (hessian[None] if hessian.dim() == 2 else hessian).to(torch.float64).expand(W.shape[0], -1, -1).clone()
+    E, rows, n = W.shape
+    diag = H.diagonal(dim1=-2, dim2=-1)
+    dead = diag <= 0
+    W.masked_fill_(dead[:, None, :], 0.0)
+    diag.masked_fill_(dead, 1.0)
+    x = W.reshape(E, rows, n // t.block, t.block)
+    w = _block_weights(diag.to(torch.float32), x)  # as quantize_tensor with importance = diag(H)
+    fields = fit_blocks(name, x.reshape(-1, t.block), w.reshape(-1, t.block))
+    eff, off, lo, hi = grid(name, fields)
+    eff, off = eff.reshape(E, rows, n), off.reshape(E, rows, n)
+    U = torch.empty_like(H)
+    for e in range(E):  # upper Cholesky factor of H^-1, damping grown tenfold until it factorizes
+        mean = float(H[e].diagonal().mean())
+        for k in range(max_damp_tries):
+            Hd = H[e] + (damp * 10 ** k) * mean * torch.eye(n, dtype=H.dtype)
+            L, info = torch.linalg.cholesky_ex(Hd)
+            if int(info) == 0:
+                U[e] = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
+                break
+        else:
+            U[e] = torch.eye(n, dtype=H.dtype)  # round-to-nearest on the fixed grid
+    U = U.to(torch.float32)
+    Q = torch.zeros(E, rows, n, dtype=torch.float32)
+    for i1 in range(0, n, block_size):
+        i2 = min(i1 + block_size, n)
+        W1, Err1, U1 = W[..., i1:i2].clone(), torch.zeros(E, rows, i2 - i1), U[:, i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col, e_, o_ = W1[..., i], eff[..., i1 + i], off[..., i1 + i]
+            q = torch.clamp(torch.round((col - o_) / torch.where(e_ == 0, 1.0, e_)), lo, hi)
+            q = torch.where(e_ == 0, torch.zeros_like(q).clamp(lo, hi), q)
+            err = (col - (e_ * q + o_)) / U1[:, i, i][:, None]
+            W1[..., i + 1:] -= err[..., None] * U1[:, None, i, i + 1:]
+            Err1[..., i], Q[..., i1 + i] = err, q
+        if i2 < n:
+            W[..., i2:] -= torch.bmm(Err1, U[:, i1:i2, i2:])
+    fields["q"] = Q.reshape(-1, t.block)
+    out = pack(name, fields).reshape(E, rows, n // t.block * t.nbytes)
+    return out[0] if squeeze else out
 
 
 CHUNK_BLOCKS = 1 << 14
+
+
+def _block_weights(importance: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Per-column importance ([in] or [E, in]) -> weights shaped like x [E, rows, blocks, block], mean 1."""
+    nb, block = x.shape[-2:]
+    imp = importance.to(torch.float32).contiguous()  # one memory order: the same sums, the same search
+    imp = imp.reshape(-1, 1, nb, block) if imp.dim() > 1 else imp.reshape(1, 1, nb, block)
+    imp = imp / imp.mean(-1, keepdim=True).mean(-2, keepdim=True).clamp_min(1e-30)
+    return imp.expand_as(x).clamp_min(1e-8)
 
 
 def quantize_tensor(weight: torch.Tensor, name: str, importance: torch.Tensor | None = None) -> torch.Tensor:
@@ -431,13 +516,7 @@ def quantize_tensor(weight: torch.Tensor, name: str, importance: torch.Tensor | 
     rows, cols = shape[-2], shape[-1]
     nb = cols // t.block
     x = weight.to(torch.float32).reshape(-1, rows, nb, t.block)
-    if importance is None:
-        w = None
-    else:
-        imp = importance.to(torch.float32)
-        imp = imp.reshape(-1, 1, nb, t.block) if imp.dim() > 1 else imp.reshape(1, 1, nb, t.block)
-        imp = imp / imp.mean(-1, keepdim=True).mean(-2, keepdim=True).clamp_min(1e-30)
-        w = imp.expand_as(x).clamp_min(1e-8)
+    w = None if importance is None else _block_weights(importance, x)
     xf = x.reshape(-1, t.block)
     wf = None if w is None else w.reshape(-1, t.block)
     out = [quantize_blocks(name, xf[i:i + CHUNK_BLOCKS], None if wf is None else wf[i:i + CHUNK_BLOCKS])

@@ -205,10 +205,9 @@ def kl_per_token(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moequant.verify_llamacpp")
     parser.add_argument("--install-only", action="store_true", help="build / install llama-cpp-python and exit")
-    args = parser.parse_args(argv)
-    python = ensure_llama_cpp()
-    print(python)
-    return 0 if args.install_only or True else 1
+    parser.parse_args(argv)
+    print(ensure_llama_cpp())  # the venv's python; building it is all this command does
+    return 0
 
 
 if __name__ == "__main__":

@@ -41,7 +41,9 @@ EXPORT_LAYOUTS = {"fp8-block": "deepseek-fp8"}
 def export_arguments(recipe: Recipe) -> dict:
     """`export_checkpoint`'s layout, target and activation settings for a recipe (apply and pareto)."""
     return {"layout": EXPORT_LAYOUTS.get(recipe.export.format, recipe.export.format), "target": recipe.target,
-            "int8_activations": recipe.export.int8_activations}
+            "int8_activations": recipe.export.int8_activations, "gguf_float": recipe.export.gguf_float,
+            "gguf_types": {"token_embd.weight": recipe.export.gguf_token_embd,
+                           "output.weight": recipe.export.gguf_output}}
 
 
 def sensitivity_formats(recipe: Recipe) -> tuple[str, ...]:
@@ -242,6 +244,12 @@ def evaluate_stage(recipe: Recipe, ckpt, checkpoint_dir: Path, progress=True) ->
     from moequant.evaluate import evaluate_checkpoints
 
     e = recipe.evaluate
+    if recipe.export.format == "gguf":  # llama.cpp itself runs the GGUF (moequant.verify_llamacpp)
+        from moequant.export_gguf import GGUF_FILE
+        from moequant.verify_llamacpp import evaluate_gguf
+
+        return evaluate_gguf(checkpoint_dir / GGUF_FILE, ckpt.directory, dataset=e.dataset, samples=e.samples,
+                             seq_len=e.seq_len, seed=recipe.seed)
     return evaluate_checkpoints(checkpoint_dir, ckpt.directory, dataset=e.dataset, samples=e.samples,
                                 seq_len=e.seq_len, seed=recipe.seed, progress=progress)
 

@@ -343,7 +343,11 @@ def sensitivity(weights: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]
             H = H.to(dtype)
             w = W[lo:lo + chunk].to(dev, torch.float32)
             for key, spec in specs:
-                dW = w.to(dtype) - formats.quantize(w, spec).dequantize(dtype=dtype)
+                if spec.is_ggml:  # as the quantize pass will: the scale search weighted by diag(H)
+                    q = formats.quantize_ggml(w, spec, importance=torch.diagonal(H, dim1=-2, dim2=-1).float())
+                else:
+                    q = formats.quantize(w, spec)
+                dW = w.to(dtype) - q.dequantize(dtype=dtype)
                 parts[key].append(torch.einsum("eoi,eij,eoj->e", dW, H, dW).double())
         for key, _ in specs:
             out[f"sensitivity.{proj}.{key}"] = torch.cat(parts[key]).clamp_min(0)

@@ -81,9 +81,11 @@ def recipe_options(fn):
 @click.option("--allow-fewer", is_flag=True, help="Accept fewer samples than asked when the data set is small.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--overwrite", is_flag=True, help="Replace statistics of another model or other settings.")
+@click.option("--imatrix", default=None, type=click.Path(),
+              help="Also write llama.cpp's imatrix GGUF (for llama-quantize) from the statistics, e.g. out.gguf.")
 @user_errors
 def calibrate(recipe_path, model, output, overrides, stats, dataset, samples, seq_len, seed, batch_size, all_experts,
-              no_hessians, save_hessians, formats, allow_fewer, device, overwrite):
+              no_hessians, save_hessians, formats, allow_fewer, device, overwrite, imatrix):
     """Per-expert routing and input statistics, layer by layer, for the formats the recipe will ask for.
 
     Writes OUTPUT/stats (where `plan` and `apply` of the same recipe and output look for them);
@@ -106,8 +108,14 @@ def calibrate(recipe_path, model, output, overrides, stats, dataset, samples, se
         click.echo(f"note: {note}")
     settings = dataclasses.replace(calibration_settings(recipe, device, formats=keys), batch_size=batch_size,
                                    hessians=not no_hessians, save_hessians=save_hessians, allow_fewer=allow_fewer)
+    if imatrix and not str(imatrix).endswith(".gguf"):  # refused before the calibration work
+        raise UserError(f"--imatrix {imatrix} must end in .gguf (llama.cpp's GGUF imatrix format).")
     out = run(recipe.model, Path(stats) if stats else Path(recipe.output) / "stats", settings, overwrite=overwrite)
     click.echo(f"statistics of {', '.join(keys)} written to {out} (summary.json, routing.png)")
+    if imatrix:
+        from moequant.export_gguf import write_imatrix
+
+        click.echo(f"imatrix written to {write_imatrix(out, imatrix)}")
 
 
 @main.command()

@@ -41,6 +41,7 @@ Layouts (each refuses, before any work, a plan it cannot hold — one sentence, 
 - "deepseek-fp8": weight float8_e4m3fn + weight_scale_inv per 128x128 block, `weight_block_size`.
 - "gpt-oss-mxfp4": gpt-oss experts as `*_blocks` / `*_scales` (gate/up interleaved as on disk),
   biases and every other tensor kept.
+- "gguf": one `model.gguf` for llama.cpp, ggml block types (moequant.export_gguf).
 
 The output directory is built in a temporary sibling and renamed into place at the end; a
 `moequant_export.json` beside the weights records the layout, target and every tensor's format.
@@ -69,8 +70,8 @@ from moequant.checkpoint import ShardWriter, atomic_directory, copy_aux_files, o
 from moequant.errors import UserError
 from moequant.formats import QuantizedTensor
 
-LAYOUTS = ("compressed-tensors", "gptq", "awq", "deepseek-fp8", "gpt-oss-mxfp4")
-TARGETS = ("vllm", "sglang", "transformers")
+LAYOUTS = ("compressed-tensors", "gptq", "awq", "deepseek-fp8", "gpt-oss-mxfp4", "gguf")
+TARGETS = ("vllm", "sglang", "transformers", "llama.cpp")
 EXPORT_INFO = "moequant_export.json"  # what was written, for moequant.load and reports
 
 # Linear modules a serving engine fuses into one: they must share one scheme.
@@ -84,7 +85,8 @@ _FUSED_NAMES = {("k_proj", "q_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_pr
 
 def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[str, torch.Tensor] | None = None,
                       layout: str = "compressed-tensors", target: str = "vllm", int8_activations: str = "none",
-                      max_shard_bytes: int = 2 * 1024**3) -> Path:
+                      max_shard_bytes: int = 2 * 1024**3, gguf_float: str = "bf16",
+                      gguf_types: Mapping[str, str] | None = None) -> Path:
     """Write `out_dir`: the source checkpoint with `quantized` tensors in `layout`. Returns the path."""
     if layout not in LAYOUTS:
         raise UserError(f"export layout {layout!r} is not supported; accepted: {', '.join(LAYOUTS)}.")
@@ -122,6 +124,12 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
         kept.setdefault(n, _from_linear(adapter, n, q.codes))
     roles = {n: adapter.classify(n) for n in ckpt.keys()}
 
+    if layout == "gguf":  # one file in llama.cpp's names and block layouts (moequant.export_gguf)
+        from moequant.export_gguf import export_gguf
+
+        info = {"layout": layout, "target": target, "formats": {n: q.spec.key for n, q in sorted(items.items())}}
+        return export_gguf(ckpt, adapter, {**items, **plain}, out_dir, kept=kept, float_type=gguf_float, info=info,
+                           types=gguf_types)
     writer = _WRITERS[layout](ckpt, adapter, items, roles, target, int8_activations)
     writer.check()  # refuse before any work
     # tensors no adapter knows (DeepSeek's MTP layers) that the source holds in the output's own
@@ -413,6 +421,8 @@ class _CompressedTensors(_Layout):
         if self.target in ("vllm", "sglang"):
             self._one_format_per_moe_layer()
             self._one_format_per_fused_group()
+        if self.target == "sglang":
+            self._sglang_routed_rule()
 
     def pack(self, name, q):
         module = _module(name)
@@ -421,6 +431,24 @@ class _CompressedTensors(_Layout):
             # W8A8 int-quantized stores the int8 codes unpacked, with an fp32 per-channel scale
             tensors = {"weight": q.codes.to(torch.int8), "weight_scale": q.scales.to(torch.float32)}
         return {f"{module}.{k}": v for k, v in tensors.items()}
+
+    def _sglang_routed_rule(self) -> None:
+        """Routed formats may differ per layer only as INT4 / INT8 weight-only groups of experts named
+        gate/up/down_proj (see moequant.policy's docstring for the SGLang code this comes from)."""
+        from moequant.policy import sglang_per_layer_block
+
+        routed = {n: q.spec for n, q in self.items.items() if self.roles[n].role == "routed_expert"}
+        keys = {s.key for s in routed.values()}
+        if len(keys) <= 1:
+            return
+        odd = sorted(s.key for s in routed.values() if not (s.is_int and s.symmetric and s.bits in (4, 8)))
+        if odd:
+            raise UserError(f"target sglang takes per-layer routed-expert formats only as INT4 / INT8 weight-only groups "
+                            f"(top-level format pack-quantized); the plan mixes {', '.join(sorted(keys))}, and {odd[0]} "
+                            f"would make the format mixed-precision, which SGLang's WNA16 MoE refuses.")
+        why = sglang_per_layer_block(routed)
+        if why:
+            raise UserError(f"target sglang cannot load per-layer routed-expert formats here: {why}; use one format.")
 
     def groups(self) -> list[tuple[dict, list[str]]]:
         by_scheme: dict[str, list[str]] = defaultdict(list)
@@ -641,6 +669,14 @@ def layout_refusal(layout: str, spec, target: str, adapter, routed: bool = True)
     """Why `layout` cannot write a tensor in `spec` (a routed expert's, or another's) of this model for
     `target`, decided from the format and the architecture alone, so before any work (None: it can).
     The same rules as the layouts' own check() on a finished plan."""
+    if layout == "gguf":
+        from moequant.export_gguf import ARCHS
+
+        if adapter.model_type not in ARCHS:
+            return f"the gguf layout writes {', '.join(ARCHS)}, not {adapter.model_type}"
+        if spec.name != "bf16" and not spec.is_ggml:
+            return f"the gguf layout holds ggml block types (q8_0 ... q2_k) or bf16, not {spec.key}"
+        return None
     if layout not in _WRITERS:
         return f"export layout {layout!r} is not supported; accepted: {', '.join(LAYOUTS)}"
     if layout == "gpt-oss-mxfp4" and adapter.model_type != "gpt_oss":

@@ -10,8 +10,21 @@ decision unit depends on the serving target:
   fused-MoE buffer and resolves the quantization scheme from expert 0's gate / up / down only
   (compressed-tensors `get_moe_method`); a layer whose experts are all in `ignore` is loaded
   unquantized. So bf16 is offered as a whole-layer choice, never for single experts.
-* `sglang`: one format for all routed experts of the model. SGLang's compressed-tensors MoE
-  schemes read the quantization arguments of the `Linear` target, not per layer.
+* `sglang`: one format per layer when every routed format is an INT4 / INT8 weight-only group
+  (or bf16 for whole layers), else one format for all routed experts of the model. SGLang's
+  compressed-tensors MoE resolves each FusedMoE layer's scheme from the config group matching
+  its expert 0's `.0.gate_proj` / `.0.up_proj` / `.0.down_proj` (names hard-coded; sgl-project/sglang
+  PR #29761 passes that per-layer scheme to the WNA16 MoE method instead of the `Linear`
+  group's), while `CompressedTensorsWNA16MoE` (schemes/compressed_tensors_wNa16_moe.py) accepts
+  only the checkpoint's top-level format `pack-quantized`, 4 or 8 bits, symmetric. An FP8 / MXFP4
+  / NVFP4 group beside them makes the top-level format `mixed-precision`, which that check
+  refuses, and models whose experts are not named gate/up/down_proj (Mixtral's w1/w3/w2) do not
+  resolve per layer: both get one format for the model. A budget solves both ways and keeps the
+  better plan.
+* `llama.cpp`: one ggml block type per (layer, projection): GGUF stacks a layer's experts per
+  projection (`blk.N.ffn_{gate,up,down}_exps`) into one tensor of one type, so gate, up and down
+  of a layer may differ, experts may not. Candidates are ggml types (q8_0 ... q2_k) or bf16; a
+  type whose block does not divide a projection's input dimension is not offered to it.
 
 Both engines load fused-MoE integer weights only at 4 or 8 bits (WNA16 kernels) and only
 symmetric ones, so for `vllm` / `sglang` the candidates int3 / int2 and asymmetric int4 are
@@ -129,7 +142,7 @@ from moequant.recipe import Recipe, is_format_key, recipe_to_dict
 SCHEMA = "moequant.plan/1"
 PROJECTIONS = ("gate", "up", "down")
 # The decision unit for routed experts per target (see the module docstring).
-GRANULARITY = {"transformers": "expert", "vllm": "layer", "sglang": "model"}
+GRANULARITY = {"transformers": "expert", "vllm": "layer", "sglang": "model", "llama.cpp": "layer_proj"}
 ALWAYS_BF16_ROLES = {
     "router": "the router always stays bf16",
     "shared_expert_gate": "the shared-expert gate always stays bf16",
@@ -138,6 +151,8 @@ ALWAYS_BF16_ROLES = {
     "other": "tensors of unknown role are not quantized",
 }
 NON_EXPERT_ROLES = ("attention", "shared_expert", "dense_mlp", "lm_head")
+SGLANG_PER_LAYER = ("int4", "int8", "bf16")  # format names SGLang's per-layer WNA16 MoE rule admits
+SGLANG_EXPERT_NAMES = {"gate_proj", "up_proj", "down_proj"}
 KEEP_GROUP_ROLES = {
     "router": "router", "shared_expert_gate": "shared_expert_gate", "shared_experts": "shared_expert",
     "attention": "attention", "dense_mlp": "dense_mlp", "embeddings": "embedding",
@@ -246,6 +261,12 @@ def spec_params(spec) -> dict:
 
 def unservable_reason(target: str, spec, routed: bool) -> str | None:
     """Why `target` cannot load `spec` (None when it can)."""
+    if target == "llama.cpp":
+        if spec.is_ggml or spec.name == "bf16":
+            return None
+        return "llama.cpp (GGUF) stores ggml block types (q8_0, q6_k, q5_k, q4_k, q4_0, ...) or bf16, not " + spec.name
+    if spec.is_ggml:
+        return f"ggml block types are for target llama.cpp (GGUF), not {target}"
     if target == "transformers":
         return None
     engine = {"vllm": "vLLM", "sglang": "SGLang"}[target]
@@ -581,15 +602,20 @@ class _Context:
         scale = self.layer_scale[t.layer] if self.layer_scale else 1.0
         return float(scale * self.usage(t.layer)[t.expert] * self._sensitivity[(t.layer, t.proj, key)][t.expert])
 
-    def expert_loss(self, expert: tuple[int, int], key: str) -> float | None:
+    def members(self, expert: tuple) -> list[TensorInfo]:
+        """The routed tensors of (layer, expert), or of (layer, expert, proj) alone."""
+        ts = self.experts[expert[:2]]
+        return ts if len(expert) == 2 else [t for t in ts if t.proj == expert[2]]
+
+    def expert_loss(self, expert: tuple, key: str) -> float | None:
         cache_key = (expert, key)
         if cache_key not in self._loss:
-            parts = [self.tensor_loss(t, key) for t in self.experts[expert]]
+            parts = [self.tensor_loss(t, key) for t in self.members(expert)]
             self._loss[cache_key] = None if any(p is None for p in parts) else float(sum(parts))
         return self._loss[cache_key]
 
-    def expert_bytes(self, expert: tuple[int, int], spec) -> int:
-        return sum(self.nbytes(spec, t.shape, t.name) for t in self.experts[expert])
+    def expert_bytes(self, expert: tuple, spec) -> int:
+        return sum(self.nbytes(spec, t.shape, t.name) for t in self.members(expert))
 
 
 def _probe_scales(ctx: _Context) -> tuple[dict[int, float] | None, dict]:
@@ -643,6 +669,12 @@ def _groups(ctx: _Context, target: str, free: list[tuple[int, int]]) -> list[lis
     unit = GRANULARITY[target]
     if unit == "expert":
         return [[e] for e in free]
+    if unit == "layer_proj":  # one group per (layer, projection), of (layer, expert, proj) items
+        by_proj: dict[tuple, list] = defaultdict(list)
+        for L, e in free:
+            for t in ctx.experts[(L, e)]:
+                by_proj[(L, PROJECTIONS.index(t.proj))].append((L, e, t.proj))
+        return [by_proj[k] for k in sorted(by_proj)]
     if unit == "layer":
         by_layer: dict[int, list] = defaultdict(list)
         for e in free:
@@ -660,7 +692,7 @@ def _group_options(ctx: _Context, group, specs, notes: list[str] | None):
         except UserError as error:
             if notes is not None:  # one note per format: the layers it skips and the first reason
                 layers, _ = ctx.unfit.setdefault(spec.key, (set(), str(error).rstrip(".")))
-                layers.update(L for L, _ in group)
+                layers.update(item[0] for item in group)
             continue
         losses = [ctx.expert_loss(e, spec.key) for e in group]
         loss = None if any(x is None for x in losses) else float(sum(losses))
@@ -670,7 +702,7 @@ def _group_options(ctx: _Context, group, specs, notes: list[str] | None):
 
 def _layer_text(group) -> str:
     """Layers of a group of (layer, expert) as compact ranges: '0-3, 7'."""
-    layers = sorted({L for L, _ in group})
+    layers = sorted({item[0] for item in group})
     runs: list[list[int]] = []
     for L in layers:
         if runs and L == runs[-1][1] + 1:
@@ -744,6 +776,32 @@ def _solve(ctx: _Context, target: str, free, specs, limit: int, notes) -> tuple[
     return assignment, used
 
 
+def sglang_per_layer_block(names) -> str | None:
+    """Why SGLang cannot resolve routed-expert schemes per layer for these on-disk expert tensor names."""
+    leaves = {n.rsplit(".", 2)[-2] if n.endswith(".weight") else n.rsplit(".", 1)[-1] for n in names}
+    if leaves <= SGLANG_EXPERT_NAMES:
+        return None
+    return (f"SGLang resolves a layer's scheme from its expert 0's gate_proj / up_proj / down_proj, and this "
+            f"model's experts are {', '.join(sorted(leaves - SGLANG_EXPERT_NAMES))}")
+
+
+def _solve_sglang(ctx: _Context, free, specs, limit: int, notes):
+    """SGLang: the better of one format for the model and one INT4 / INT8 (/ bf16) format per layer."""
+    best = _solve(ctx, "sglang", free, specs, limit, notes)
+    per_layer_specs = [s for s in specs if s.name in SGLANG_PER_LAYER]
+    why = sglang_per_layer_block({t.name for ts in ctx.experts.values() for t in ts})
+    if why:
+        if notes is not None:
+            notes.append(f"{why}: one routed-expert format for the whole model.")
+        return best
+    if not per_layer_specs:
+        return best
+    per_layer = _solve(ctx, "vllm", free, per_layer_specs, limit, None)  # vllm's unit: one format per layer
+    if per_layer is not None and (best is None or _predicted_loss(ctx, per_layer[0]) <= _predicted_loss(ctx, best[0])):
+        return per_layer
+    return best
+
+
 def _min_bytes(ctx: _Context, target: str, free, specs) -> int:
     return sum(min(o[1] for o in _group_options(ctx, g, specs, None)) for g in _groups(ctx, target, free))
 
@@ -791,14 +849,17 @@ def _apply_rules(ctx: _Context, recipe: Recipe, free) -> dict:
 
 def _check_uniform_groups(ctx: _Context, target: str, assignment: dict) -> None:
     unit = GRANULARITY[target]
+    if target == "sglang" and all(s.name in SGLANG_PER_LAYER for s in assignment.values()) and \
+            sglang_per_layer_block({t.name for ts in ctx.experts.values() for t in ts}) is None:
+        unit = "layer"  # INT4 / INT8 weight-only groups may differ per layer (see the module docstring)
     if unit == "expert":
         return
     keys = defaultdict(lambda: defaultdict(list))
     for (layer, expert), spec in sorted(assignment.items()):
-        keys[layer if unit == "layer" else "all"][spec.key].append(expert)
+        keys[layer if unit in ("layer", "layer_proj") else "all"][spec.key].append(expert)
     for scope, by_key in keys.items():
         if len(by_key) > 1:
-            where = f"layer {scope}" if unit == "layer" else "the model"
+            where = f"layer {scope}" if unit in ("layer", "layer_proj") else "the model"
             parts = "; ".join(f"{k} (experts {_short_list(v)})" for k, v in by_key.items())
             raise UserError(f"with target {target} every routed expert of {where} needs one format, but "
                             f"experts.rules give {where} {parts}; accepted: rules by layers only, or target transformers.")
@@ -877,12 +938,13 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
     free = [e for e in sorted(ctx.experts) if e not in kept_experts]
     unit = GRANULARITY[target]
     if unit != "expert" and kept_experts:
-        scopes = {L for L, _ in kept_experts} if unit == "layer" else {"all"}
+        per_layer = unit in ("layer", "layer_proj") or target == "sglang"  # sglang: kept layers are ignored ones
+        scopes = {L for L, _ in kept_experts} if per_layer else {"all"}
         for scope in scopes:
             members = [e for e in ctx.experts if unit == "model" or e[0] == scope]
             partial = [e for e in members if e not in kept_experts]
             if partial:
-                where = f"layer {scope}" if unit == "layer" else "the model"
+                where = f"layer {scope}" if per_layer else "the model"
                 raise UserError(f"keep holds only some routed experts of {where} in bf16, which target {target} "
                                 f"cannot serve (one format per {unit}); accepted: keep whole layers "
                                 f"(e.g. model.layers.3.mlp.experts.*), routed_experts, or target transformers.")
@@ -920,7 +982,8 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
                 raise _infeasible_budget(recipe, minimum, routed_numel, other_bytes, fixed_routed,
                                          [s.key for s in specs])
             return notes
-        solved = _solve(ctx, target, free, specs, limit, notes) if free else ({}, 0)
+        solve = (lambda *a: _solve_sglang(ctx, *a)) if target == "sglang" else (lambda *a: _solve(ctx, target, *a))
+        solved = solve(free, specs, limit, notes) if free else ({}, 0)
         for key, (layers, why) in ctx.unfit.items():
             notes.append(f"{key} is not offered to layer(s) {_layer_text([(L, 0) for L in layers])}: {why}.")
         if solved is None:
@@ -953,11 +1016,12 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
                                 f"accepted: fp8, int8, symmetric int4, mxfp4, nvfp4, bf16, or target transformers.")
         _check_uniform_groups(ctx, target, assignment)
         specs = _dedupe(assignment.values())
-    for (layer, expert), spec in assignment.items():
+    for key, spec in assignment.items():
         try:
-            ctx.expert_bytes((layer, expert), spec)
+            ctx.expert_bytes(key, spec)
         except UserError as error:
-            raise UserError(f"format {spec.key} cannot hold layer {layer} expert {expert}: {str(error).rstrip('.')}.") from None
+            what = f"layer {key[0]} expert {key[1]}" + (f" ({key[2]})" if len(key) == 3 else "")
+            raise UserError(f"format {spec.key} cannot hold {what}: {str(error).rstrip('.')}.") from None
     if shapes_only:
         return notes
 
@@ -966,7 +1030,7 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
     for t in tensors:
         if not t.is_routed_weight:
             continue
-        spec = assignment[(t.layer, t.expert)]
+        spec = assignment.get((t.layer, t.expert, t.proj)) or assignment[(t.layer, t.expert)]
         usage = ctx.usage(t.layer)
         loss = ctx.tensor_loss(t, spec.key) if stats is not None else None
         plans.append(TensorPlan(t.name, t.role, t.layer, t.expert, t.proj, t.shape, spec.key, spec_params(spec),
@@ -1069,7 +1133,8 @@ def _alternative(ctx: _Context, target: str, free, entries, limit: int, fixed_by
             continue
         specs.append(spec)
     try:
-        solved = _solve(ctx, target, free, specs, limit, None) if specs else None
+        solver = _solve_sglang if target == "sglang" else (lambda c, *a: _solve(c, target, *a))
+        solved = solver(ctx, free, specs, limit, None) if specs else None
     except UserError:
         return None
     if solved is None:

@@ -193,7 +193,10 @@ def _probed_experts(adapter, checkpoint, layer: int, key: str, algorithm: str, s
     out = {}
     for proj in adapter.projections:
         W = adapter.read_experts(checkpoint, layer, proj).float()
-        if algorithm == "gptq":
+        if algorithm == "gptq" and spec.is_ggml:  # GPTQ on the ggml type's grid, as the quantize pass
+            H = layer_hessians(stats_dir, layer, proj, adapter.num_experts, min_tokens)
+            q = formats.quantize_ggml(W, spec, name=f"layer {layer} {proj} experts", hessian=H)
+        elif algorithm == "gptq":
             from moequant.algorithms.gptq import gptq
 
             H = layer_hessians(stats_dir, layer, proj, adapter.num_experts, min_tokens)

@@ -325,7 +325,13 @@ def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, mi
         W = weights[proj][idx]
         spec = formats.parse_key(key)
         entry = {"experts": experts, "format": key, "algorithm": algo}
-        if algo == "gptq" and collected is not None:
+        if algo == "gptq" and collected is not None and spec.is_ggml:  # on the ggml type's grid
+            _, _, H, _, _ = _chosen_statistics(collected, "down" if proj == "down" else "gate_up", idx,
+                                               adapter.num_experts, min_tokens)
+            if input_scale is not None and proj != "down":
+                H = H / (input_scale[:, None] * input_scale[None, :])
+            q = formats.quantize_ggml(W, spec, name=f"layer {layer} {proj} experts", hessian=H)
+        elif algo == "gptq" and collected is not None:
             group = "down" if proj == "down" else "gate_up"
             own, tokens, H, _, _ = _chosen_statistics(collected, group, idx, adapter.num_experts, min_tokens)
             if input_scale is not None and group == "gate_up":
@@ -336,6 +342,11 @@ def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, mi
                          for e in range(len(experts)) if not own[e]}
             fallbacks.update({str(experts[e]): why for e, why in rep.fallbacks().items()})
             entry["gptq"] = {"fallbacks": fallbacks, "damp": rep.damp}
+        elif algo == "imatrix" and collected is not None:  # ggml types: scale search weighted by diag(H)
+            _, _, H, _, _ = _chosen_statistics(collected, "down" if proj == "down" else "gate_up", idx,
+                                               adapter.num_experts, min_tokens)
+            q = formats.quantize_ggml(W, spec, name=f"layer {layer} {proj} experts",
+                                      importance=torch.diagonal(H, dim1=-2, dim2=-1).float())
         else:
             # RTN; for AWQ rows the weights were scaled by _awq_layer (its report is merged by the caller)
             q = formats.quantize(W, spec, name=f"layer {layer} {proj} experts")
@@ -553,7 +564,7 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
         expert_rows = [t for t in rows if t.role == "routed_expert" and t.expert is not None and t.proj in ("gate", "up", "down")]
         other_rows = [t for t in rows if t not in expert_rows]
         collected = None
-        needs_stats = any(t.algorithm in ("gptq", "awq") and t.format != "bf16" for t in expert_rows)
+        needs_stats = any(t.algorithm in ("gptq", "awq", "imatrix") and t.format != "bf16" for t in expert_rows)
         uses_awq = any(t.algorithm == "awq" and t.format != "bf16" for t in expert_rows)
         routing_before, routing_after, tokens = [], [], {}
         weights, routed_tokens = None, None

@@ -46,11 +46,13 @@ from typing_extensions import Annotated
 
 from moequant.errors import UserError
 
-FORMAT_NAMES = ("bf16", "fp8", "int8", "int4", "int3", "int2", "mxfp4", "nvfp4")
-TARGETS = ("vllm", "sglang", "transformers")
+FORMAT_NAMES = ("bf16", "fp8", "int8", "int4", "int3", "int2", "mxfp4", "nvfp4",
+                "q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "q3_k", "q2_k")  # the last: ggml types
+TARGETS = ("vllm", "sglang", "transformers", "llama.cpp")
 METHODS = ("budget", "rules", "uniform")
-ALGORITHMS = ("rtn", "gptq", "awq")
-EXPORT_FORMATS = ("compressed-tensors", "gptq", "awq", "fp8-block", "gpt-oss-mxfp4")
+# imatrix: round-to-nearest with the scale search weighted by the inputs' second moments (ggml types)
+ALGORITHMS = ("rtn", "gptq", "awq", "imatrix")
+EXPORT_FORMATS = ("compressed-tensors", "gptq", "awq", "fp8-block", "gpt-oss-mxfp4", "gguf")
 # Names `keep` accepts besides tensor-name patterns (anything containing '*' or '.').
 KEEP_GROUPS = (
     "router", "shared_expert_gate", "shared_experts", "attention", "dense_mlp",
@@ -60,6 +62,7 @@ KEEP_GROUPS = (
 DEFAULT_ALGORITHMS = {
     "bf16": "none", "fp8": "rtn", "int8": "rtn", "int4": "gptq", "int3": "gptq",
     "int2": "gptq", "mxfp4": "gptq", "nvfp4": "gptq",
+    **{name: "imatrix" for name in FORMAT_NAMES[8:]},
 }
 DEFAULT_MODEL = "zoo:tiny-qwen2moe"
 DEFAULT_DATASET = "builtin:mix"
@@ -129,6 +132,12 @@ class Export(Strict):
     # int8 weights export as W8A16 (vLLM GPU Marlin) by default; "dynamic" writes W8A8 with dynamic
     # per-token int8 activations, which vLLM's CPU build needs
     int8_activations: Literal["none", "dynamic"] = "none"
+    # gguf: how tensors the plan leaves unquantized are stored (bf16 is exact for bf16 checkpoints)
+    gguf_float: Literal["bf16", "f16", "f32"] = "bf16"
+    # gguf: ggml types for the token embeddings and output.weight (null: gguf_float), as llama.cpp's
+    # --token-embedding-type / --output-tensor-type; round-to-nearest with our scale search
+    gguf_token_embd: Optional[Literal[FORMAT_NAMES[8:]]] = None
+    gguf_output: Optional[Literal[FORMAT_NAMES[8:]]] = None
 
 
 class Budget(Strict):
@@ -225,6 +234,13 @@ class Recipe(Strict):
             if name not in FORMAT_NAMES:
                 raise ValueError(f"'{name}' is not a format name; accepted: {', '.join(FORMAT_NAMES)}")
         return value
+
+    @model_validator(mode="after")
+    def _gguf_is_llama_cpp(self):
+        if (self.export.format == "gguf") != (self.target == "llama.cpp"):
+            raise ValueError("export format gguf and target llama.cpp go together (llama.cpp loads GGUF; the other "
+                             "targets load safetensors layouts); set both or neither")
+        return self
 
     def algorithm_for(self, format_name: str) -> str:
         if format_name == "bf16":

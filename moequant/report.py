@@ -125,6 +125,10 @@ def checkpoint_bytes(path, adapter=None) -> dict:
     from moequant.arch import adapter_for
     from moequant.checkpoint import open_checkpoint
 
+    from moequant.export_gguf import GGUF_FILE, gguf_bytes
+
+    if (Path(path) / GGUF_FILE).exists():  # a GGUF export (moequant.export_gguf)
+        return gguf_bytes(Path(path) / GGUF_FILE)
     ckpt = open_checkpoint(path)
     if ckpt.config_only:
         raise UserError(f"{path} has no safetensors weights to account for.")

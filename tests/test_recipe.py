@@ -106,7 +106,7 @@ def test_unknown_keys():
 
 def test_wrong_types_and_values():
     assert error_of({"target": "tgi"}) == (
-        "recipe r.yaml: key 'target' has value 'tgi'; accepted: 'vllm', 'sglang' or 'transformers'.")
+        "recipe r.yaml: key 'target' has value 'tgi'; accepted: 'vllm', 'sglang', 'transformers' or 'llama.cpp'.")
     assert error_of({"experts": {"method": "sometimes"}}) == (
         "recipe r.yaml: key 'experts.method' has value 'sometimes'; accepted: 'budget', 'rules' or 'uniform'.")
     assert error_of({"experts": {"method": "budget", "budget": {"bits_per_weight": "lots"}}}) == (
@@ -122,10 +122,10 @@ def test_wrong_types_and_values():
         "recipe r.yaml: key 'calibration.probe_algorithm' has value 'awq'; accepted: 'auto', 'rtn' or 'gptq'.")
     assert error_of({"keep": "router"}) == "recipe r.yaml: key 'keep' has value 'router'; accepted: a list."
     assert error_of({"algorithms": {"int4": "magic"}}) == (
-        "recipe r.yaml: key 'algorithms.int4' has value 'magic'; accepted: 'rtn', 'gptq' or 'awq'.")
-    assert error_of({"export": {"format": "gguf"}}) == (
-        "recipe r.yaml: key 'export.format' has value 'gguf'; accepted: 'compressed-tensors', 'gptq', 'awq', "
-        "'fp8-block' or 'gpt-oss-mxfp4'.")
+        "recipe r.yaml: key 'algorithms.int4' has value 'magic'; accepted: 'rtn', 'gptq', 'awq' or 'imatrix'.")
+    assert error_of({"export": {"format": "onnx"}}) == (
+        "recipe r.yaml: key 'export.format' has value 'onnx'; accepted: 'compressed-tensors', 'gptq', 'awq', "
+        "'fp8-block', 'gpt-oss-mxfp4' or 'gguf'.")
 
 
 def test_negative_and_ambiguous_budgets():
@@ -142,14 +142,14 @@ def test_negative_and_ambiguous_budgets():
 
 
 def test_unknown_formats_and_bad_format_params():
-    accepted = "accepted: bf16, fp8, int8, int4, int3, int2, mxfp4, nvfp4 (or an exact key such as int4-g64-sym)."
+    accepted = "accepted: bf16, fp8, int8, int4, int3, int2, mxfp4, nvfp4, q8_0, q6_k, q5_k, q5_1, q5_0, q4_k, q4_1, q4_0, q3_k, q2_k (or an exact key such as int4-g64-sym)."
     assert error_of({"experts": {"method": "uniform", "format": "int5"}}) == (
         f"recipe r.yaml: key 'experts.format': 'int5' is not a format; {accepted}")
     assert error_of({"experts": {**BUDGET, "formats": ["fp8", "int9"]}}) == (
         f"recipe r.yaml: key 'experts.formats[1]': 'int9' is not a format; {accepted}")
     assert error_of({"formats": {"int5": {}}}) == (
         "recipe r.yaml: key 'formats': 'int5' is not a format name; accepted: bf16, fp8, int8, int4, int3, int2, "
-        "mxfp4, nvfp4.")
+        "mxfp4, nvfp4, q8_0, q6_k, q5_k, q5_1, q5_0, q4_k, q4_1, q4_0, q3_k, q2_k.")
     assert error_of({"formats": {"int4": {"group_size": 100}}}) == (
         "recipe r.yaml: key 'formats.int4' (int4): int4 group_size 100 is not supported; accepted: 32, 64, 128.")
     # the formats module words the reason; the recipe names the key and the entry

@@ -12,7 +12,7 @@ packing.py: compressed-tensors, GPTQ, AWQ, DeepSeek-FP8 and gpt-oss layouts and 
 """
 
 from moequant.formats.core import (  # noqa: F401
-    ColumnParams, ColumnQuantizer, QuantizedTensor, column_quantizer, dequantize, qdq, quantize, stack_experts,
+    ColumnParams, ColumnQuantizer, QuantizedTensor, column_quantizer, dequantize, qdq, quantize, quantize_ggml, stack_experts,
 )
 from moequant.formats.packing import (  # noqa: F401
     compressed_tensors_format, compressed_tensors_weight_args, pack_awq, pack_compressed_tensors, pack_deepseek_fp8, pack_e2m1, pack_gpt_oss_mxfp4,
@@ -20,5 +20,5 @@ from moequant.formats.packing import (  # noqa: F401
     unpack_gptq, unpack_int32,
 )
 from moequant.formats.specs import (  # noqa: F401
-    FORMAT_NAMES, LAYOUTS, FormatSpec, all_keys, check_shape, get_format, nbytes, parse_key,
+    ALL_FORMAT_NAMES, FORMAT_NAMES, GGML_FORMAT_NAMES, LAYOUTS, FormatSpec, all_keys, check_shape, get_format, nbytes, parse_key,
 )

@@ -121,6 +121,8 @@ def quantize(weight: torch.Tensor, spec, *, name: str | None = None, global_scal
     default 448 * 6 / amax of each expert.
     """
     spec = get_format(spec, **params)
+    if spec.is_ggml:
+        return quantize_ggml(weight, spec, name=name)
     if global_scale is not None and spec.name != "nvfp4":
         raise UserError("global_scale applies to nvfp4 only, not %s" % spec.key)
     if (spec.name != "bf16" and isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.shape[0] > 1
@@ -165,9 +167,30 @@ def _quantize_in_expert_chunks(weight, spec, name, global_scale) -> QuantizedTen
                            cat([p.zeros for p in parts]), cat([p.global_scale for p in parts]))
 
 
+def quantize_ggml(weight: torch.Tensor, spec, *, name: str | None = None, importance=None,
+                  hessian=None) -> QuantizedTensor:
+    """A ggml block type: codes are the packed blocks (uint8 [..., out, row bytes]); importance
+    per input column ([in] or [E, in], the inputs' second moments) weights the scale search;
+    a Hessian ([in, in] or [E, in, in]) instead runs GPTQ on the type's grid (ggml.gptq_tensor)."""
+    from moequant.formats import ggml
+
+    spec = get_format(spec)
+    x = _prepare(weight, spec, name)
+    _check_finite(_absmax(x.flatten(), 0), x, name)
+    if hessian is not None:
+        codes = ggml.gptq_tensor(x, hessian, spec.name)
+    else:
+        codes = ggml.quantize_tensor(x, spec.name, importance)
+    return QuantizedTensor(spec, tuple(weight.shape), codes.to(weight.device))
+
+
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Codes and scales -> weight in `dtype` (computed in float32, then cast once)."""
     spec = q.spec
+    if spec.is_ggml:
+        from moequant.formats import ggml
+
+        return ggml.dequantize_tensor(q.codes.cpu(), spec.name, q.shape).to(device=q.codes.device, dtype=dtype)
     if spec.name == "bf16":
         return q.codes.to(dtype)
     if spec.granularity == "block":

@@ -30,6 +30,9 @@ from dataclasses import dataclass
 from moequant.errors import UserError
 
 FORMAT_NAMES = ("bf16", "fp8", "int8", "int4", "int3", "int2", "mxfp4", "nvfp4")
+# llama.cpp's block types (moequant.formats.ggml): one per name, no parameters
+GGML_FORMAT_NAMES = ("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "q3_k", "q2_k")
+ALL_FORMAT_NAMES = FORMAT_NAMES + GGML_FORMAT_NAMES
 INT_GROUP_SIZES = (32, 64, 128)
 FP8_GRANULARITIES = ("channel", "block", "tensor")
 FP8_BLOCK = 128
@@ -57,7 +60,7 @@ class FormatSpec:
 
     @property
     def key(self) -> str:
-        if self.name in ("bf16", "mxfp4", "nvfp4"):
+        if self.name in ("bf16", "mxfp4", "nvfp4") or self.is_ggml:
             return self.name
         if self.name == "fp8":
             return "fp8-block%d" % self.group_size if self.granularity == "block" else "fp8-" + self.granularity
@@ -68,6 +71,10 @@ class FormatSpec:
     @property
     def is_int(self) -> bool:
         return self.name in ("int8", "int4", "int3", "int2")
+
+    @property
+    def is_ggml(self) -> bool:
+        return self.name in GGML_FORMAT_NAMES
 
     @property
     def is_fp4(self) -> bool:
@@ -100,12 +107,12 @@ def get_format(name, **params) -> FormatSpec:
         if params:
             raise UserError("format %s is already a spec; got extra parameters %s" % (name.key, sorted(params)))
         return name
-    if not isinstance(name, str) or name not in FORMAT_NAMES:
+    if not isinstance(name, str) or name not in ALL_FORMAT_NAMES:
         if isinstance(name, str) and _KEY_RE.match(name):
             if params:
                 raise UserError("format key %r already fixes its parameters; got extra %s" % (name, sorted(params)))
             return parse_key(name)
-        raise UserError("unknown format %r; accepted: %s" % (name, ", ".join(FORMAT_NAMES)))
+        raise UserError("unknown format %r; accepted: %s" % (name, ", ".join(ALL_FORMAT_NAMES)))
 
     def take(allowed: dict) -> dict:
         unknown = sorted(set(params) - set(allowed))
@@ -117,6 +124,12 @@ def get_format(name, **params) -> FormatSpec:
     if name == "bf16":
         take({})
         return FormatSpec("bf16", 16, "none")
+    if name in GGML_FORMAT_NAMES:
+        from moequant.formats.ggml import TYPES
+
+        take({})
+        t = TYPES[name]
+        return FormatSpec(name, t.bits, "group", t.block, name in ("q8_0", "q6_k", "q5_0", "q4_0", "q3_k"))
     if name in ("mxfp4", "nvfp4"):
         fixed = MX_GROUP if name == "mxfp4" else NV_GROUP
         p = take({"group_size": fixed, "symmetric": True})
@@ -151,7 +164,7 @@ def get_format(name, **params) -> FormatSpec:
     return FormatSpec(name, int(name[3:]), "group", p["group_size"], p["symmetric"])
 
 
-_KEY_RE = re.compile(r"^(bf16|mxfp4|nvfp4|fp8-channel|fp8-tensor|fp8-block(\d+)|int8-channel|(int[234])-g(\d+)-(sym|asym))$")
+_KEY_RE = re.compile(r"^(bf16|mxfp4|nvfp4|q8_0|q6_k|q5_k|q5_1|q5_0|q4_k|q4_1|q4_0|q3_k|q2_k|fp8-channel|fp8-tensor|fp8-block(\d+)|int8-channel|(int[234])-g(\d+)-(sym|asym))$")
 
 
 def parse_key(key: str) -> FormatSpec:
@@ -166,6 +179,8 @@ def parse_key(key: str) -> FormatSpec:
         return get_format(m.group(3), group_size=int(m.group(4)), symmetric=m.group(5) == "sym")
     if key.startswith("fp8-"):
         return get_format("fp8", granularity=key[4:])
+    if key in GGML_FORMAT_NAMES:
+        return get_format(key)
     if key == "int8-channel":
         return get_format("int8")
     return get_format(key)
@@ -207,6 +222,10 @@ def nbytes(spec, shape, layout: str = "compressed-tensors") -> int:
     check_shape(spec, (rows, cols))
     if spec.name == "bf16":
         per = 2 * rows * cols
+    elif spec.is_ggml:  # whole blocks: 34 / 18 / 20 / 22 / 24 bytes per 32, 84 ... 210 per 256
+        from moequant.formats.ggml import row_bytes
+
+        per = rows * row_bytes(spec.name, cols)
     elif spec.name == "fp8":
         if spec.granularity == "channel":
             n_scales = rows

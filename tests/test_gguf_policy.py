@@ -1,0 +1,110 @@
+"""The llama.cpp target: one ggml type per (layer, projection), the exact budget optimum (against
+brute force over those choices), byte counts from ggml's block sizes, what each target refuses."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from moequant.errors import UserError
+from moequant.policy import make_plan
+from moequant.recipe import recipe_from_dict
+from moequant.stats import LayerStats, Stats
+
+H = 512
+# bytes per block of 32 / 256 weights, from ggml's block layouts (ggml-common.h)
+BLOCK = {"q8_0": (32, 34), "q5_0": (32, 22), "q4_0": (32, 18), "q6_k": (256, 210), "q4_k": (256, 144),
+         "q3_k": (256, 110)}
+SCALE = {"q8_0": 1.0, "q6_k": 3.0, "q5_0": 8.0, "q4_k": 15.0, "q4_0": 25.0, "q3_k": 60.0}
+
+
+def tensors(layers, experts, inter):
+    out = [("model.embed_tokens.weight", "embedding", None, None, None, (100, H))]
+    for L in range(layers):
+        p = f"model.layers.{L}."
+        out += [(p + "mlp.gate.weight", "router", L, None, None, (experts, H)),
+                (p + "self_attn.q_proj.weight", "attention", L, None, None, (H, H))]
+        for e in range(experts):
+            for proj in ("gate", "up", "down"):
+                shape = (H, inter) if proj == "down" else (inter, H)
+                out.append((p + f"mlp.experts.{e}.{proj}_proj.weight", "routed_expert", L, e, proj, shape))
+    return out
+
+
+def stats(layers, experts, seed=0, tokens=1000, top_k=2):
+    rng = np.random.default_rng(seed)
+    out = {}
+    for L in range(layers):
+        counts = rng.multinomial(tokens * top_k, rng.dirichlet(np.full(experts, 0.7)))
+        t = {"routing.count": torch.tensor(counts, dtype=torch.int64)}
+        for proj in ("gate", "up", "down"):
+            for key, s in {**SCALE, "int8-channel": 1.0}.items():
+                t[f"sensitivity.{proj}.{key}"] = torch.tensor(rng.uniform(0.2, 1.8, experts) * s, dtype=torch.float64)
+        out[L] = LayerStats(L, top_k, tokens, t)
+    return Stats(None, {}, out)
+
+
+def plan_for(target, formats, bits, layers=2, experts=4, inter=256, seed=0, non_experts="bf16"):
+    r = recipe_from_dict({"target": target, "export": {"format": "gguf" if target == "llama.cpp" else "compressed-tensors"},
+                          "non_experts": {"format": non_experts},
+                          "experts": {"method": "budget", "budget": {"bits_per_weight": bits}, "formats": formats}},
+                         "t.yaml")
+    return make_plan(r, tensors(layers, experts, inter), stats(layers, experts, seed))
+
+
+def nbytes(key, shape):
+    block, size = BLOCK[key]
+    return shape[0] * shape[1] // block * size
+
+
+@pytest.mark.parametrize("seed,bits,inter", [(0, 4.9, 256), (1, 5.5, 256), (2, 4.2, 256), (3, 5.0, 64)])
+def test_one_type_per_layer_projection_at_the_exact_optimum(seed, bits, inter):
+    formats = list(SCALE)
+    plan = plan_for("llama.cpp", formats, bits, inter=inter, seed=seed)
+    st = stats(2, 4, seed)
+    routed = [t for t in plan.tensors if t.role == "routed_expert"]
+    chosen = {}
+    for t in routed:
+        chosen.setdefault((t.layer, t.proj), set()).add(t.format)
+        assert t.bytes == nbytes(t.format, t.shape)
+    assert all(len(v) == 1 for v in chosen.values())
+    if inter == 64:  # K types cannot hold 64 input columns: down gets 32-blocks, and the plan says why
+        assert all(next(iter(chosen[(L, "down")])) in ("q8_0", "q5_0", "q4_0") for L in range(2))
+        assert any("q4_k is not offered" in n for n in plan.notes)
+    # brute force over one type per (layer, projection)
+    counts = {L: st.layers[L].routed_count.double().numpy() for L in range(2)}
+    usage = {L: np.maximum(counts[L] / 1000, 0.05 * 2 / 4) for L in range(2)}
+    numel = 2 * 4 * 3 * inter * H
+    limit = math.floor(bits * numel / 8)
+    groups = [(L, p) for L in range(2) for p in ("gate", "up", "down")]
+    shape = {p: ((H, inter) if p == "down" else (inter, H)) for p in ("gate", "up", "down")}
+    options = {g: [k for k in formats if shape[g[1]][1] % BLOCK[k][0] == 0] for g in groups}
+    best = None
+    for combo in itertools.product(*[options[g] for g in groups]):
+        b = sum(4 * nbytes(k, shape[g[1]]) for g, k in zip(groups, combo))
+        if b > limit:
+            continue
+        loss = sum(float(np.dot(usage[g[0]], st.layers[g[0]].sensitivity[g[1]][k].numpy())) for g, k in zip(groups, combo))
+        best = loss if best is None or loss < best else best
+    assert plan.summary["predicted_loss"] == pytest.approx(best, rel=1e-9)
+    assert plan.summary["routed_bytes"] <= limit
+
+
+def test_targets_refuse_each_others_formats():
+    plan = plan_for("llama.cpp", ["q4_k", "int4", "q8_0"], 6.0)
+    assert "int4-g128-sym" in plan.dropped_candidates and "llama.cpp" in plan.dropped_candidates["int4-g128-sym"]
+    plan = plan_for("vllm", ["q4_k", "int8"], 8.5)
+    assert "q4_k" in plan.dropped_candidates
+    with pytest.raises(UserError, match="non_experts.format int4-g128-sym cannot be served by target llama.cpp"):
+        plan_for("llama.cpp", ["q4_k"], 6.0, non_experts="int4")
+    with pytest.raises(UserError, match="export format gguf and target llama.cpp go together"):
+        recipe_from_dict({"target": "llama.cpp"}, "t.yaml")
+
+
+def test_non_experts_in_a_ggml_type():
+    plan = plan_for("llama.cpp", ["q4_k", "q8_0"], 6.0, non_experts="q8_0")
+    attn = [t for t in plan.tensors if t.role == "attention"]
+    assert attn and all(t.format == "q8_0" and t.bytes == nbytes("q8_0", t.shape) for t in attn)
+    assert all(t.format == "bf16" for t in plan.tensors if t.role in ("router", "embedding"))

@@ -160,8 +160,10 @@ KEEP_GROUP_ROLES = {
 }
 # recipe export.format -> the layout family formats.nbytes counts (GPTQ / AWQ also store zero
 # points of symmetric formats), so the plan's bytes are the bytes the export writes
+# export format -> the byte account's layout (GPTQ / AWQ store zero points for symmetric formats too;
+# GGUF stores ggml blocks and plain tensors at the sizes compressed-tensors' account gives them)
 NBYTES_LAYOUT = {"compressed-tensors": "compressed-tensors", "gptq": "gptq", "awq": "awq", "fp8-block": "deepseek",
-                 "gpt-oss-mxfp4": "gpt-oss"}
+                 "gpt-oss-mxfp4": "gpt-oss", "gguf": "compressed-tensors"}
 MAP_CHARS = {"bf16": "B", "fp8": "F", "int8": "8", "int4": "4", "int3": "3", "int2": "2",
              "mxfp4": "M", "nvfp4": "N"}
 

@@ -104,13 +104,14 @@ def calibrate(recipe_path, model, output, overrides, stats, dataset, samples, se
     if recipe_path:  # a recipe whose plan shapes alone refuse is refused before the calibration it would waste
         check_recipe(recipe)
     keys = tuple(f.strip() for f in formats.split(",") if f.strip()) if formats else sensitivity_formats(recipe)
-    for note in unfit_notes(recipe.model, keys):
-        click.echo(f"note: {note}")
+    notes = unfit_notes(recipe.model, keys)  # said once the statistics exist (a refused run says only why)
     settings = dataclasses.replace(calibration_settings(recipe, device, formats=keys), batch_size=batch_size,
                                    hessians=not no_hessians, save_hessians=save_hessians, allow_fewer=allow_fewer)
     if imatrix and not str(imatrix).endswith(".gguf"):  # refused before the calibration work
         raise UserError(f"--imatrix {imatrix} must end in .gguf (llama.cpp's GGUF imatrix format).")
     out = run(recipe.model, Path(stats) if stats else Path(recipe.output) / "stats", settings, overwrite=overwrite)
+    for note in notes:
+        click.echo(f"note: {note}")
     click.echo(f"statistics of {', '.join(keys)} written to {out} (summary.json, routing.png)")
     if imatrix:
         from moequant.export_gguf import write_imatrix

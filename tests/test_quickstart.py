@@ -77,7 +77,8 @@ def run_of(quickstart, command: str) -> dict:
 def test_readme_quickstart_runs_verbatim_in_order(quickstart):
     runs = quickstart["runs"]
     assert [r["line"].split()[:2] for r in runs] == [["moequant", c] for c in
-                                                      ("inspect", "inspect", "calibrate", "plan", "apply", "eval")]
+                                                      ("inspect", "inspect", "calibrate", "plan", "apply", "eval",
+                                                       "report")]
     for r in runs:
         assert r["rc"] == 0, f"{r['line']}\n{r['out']}{r['err']}"
         assert "Traceback" not in r["err"]
@@ -97,6 +98,7 @@ def test_readme_quickstart_runs_verbatim_in_order(quickstart):
     assert "calibration statistics: runs/selective/stats (reused)" in applied["out"]  # calibrate's, not redone
     assert "report: runs/selective/report.html" in applied["out"]
     assert "KL per token" in run_of(quickstart, "eval")["out"]
+    assert "bits per weight, routed experts" in run_of(quickstart, "report")["out"]  # report.md, its parts one run
 
 
 def test_quickstart_writes_only_under_ignored_runs(quickstart):

@@ -109,7 +109,10 @@ def calibrate(recipe_path, model, output, overrides, stats, dataset, samples, se
                                    hessians=not no_hessians, save_hessians=save_hessians, allow_fewer=allow_fewer)
     if imatrix and not str(imatrix).endswith(".gguf"):  # refused before the calibration work
         raise UserError(f"--imatrix {imatrix} must end in .gguf (llama.cpp's GGUF imatrix format).")
-    out = run(recipe.model, Path(stats) if stats else Path(recipe.output) / "stats", settings, overwrite=overwrite)
+    from moequant.run_lock import output_lock
+
+    with output_lock(recipe.output, "calibrate"):  # the run directory, as apply / plan hold it
+        out = run(recipe.model, Path(stats) if stats else Path(recipe.output) / "stats", settings, overwrite=overwrite)
     for note in notes:
         click.echo(f"note: {note}")
     click.echo(f"statistics of {', '.join(keys)} written to {out} (summary.json, routing.png)")

@@ -42,7 +42,7 @@ def stamp_checkpoint(checkpoint_dir, fingerprint: str) -> None:
     """Record the run in the checkpoint's config.json (atomically; serving engines ignore the key)."""
     from moequant.checkpoint import atomic_write_text
 
-    path = Path(checkpoint_dir) / "config.json"
+    path = _record_file(checkpoint_dir)
     config = json.loads(path.read_text())
     config["moequant"] = {**(config.get("moequant") or {}), KEY: fingerprint}
     atomic_write_text(path, json.dumps(config, indent=2) + "\n")
@@ -56,8 +56,16 @@ def _read(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def _record_file(checkpoint_dir) -> Path:
+    """config.json, or for a checkpoint without one (GGUF: one model.gguf) moequant's export record."""
+    from moequant.export import EXPORT_INFO
+
+    config = Path(checkpoint_dir) / "config.json"
+    return config if config.exists() else Path(checkpoint_dir) / EXPORT_INFO
+
+
 def checkpoint_fingerprint(checkpoint_dir) -> str | None:
-    ours = (_read(Path(checkpoint_dir) / "config.json") or {}).get("moequant")
+    ours = (_read(_record_file(checkpoint_dir)) or {}).get("moequant")
     return ours.get(KEY) if isinstance(ours, dict) else None
 
 

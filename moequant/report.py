@@ -223,8 +223,8 @@ def memory_account(original, checkpoint, shares: dict | None = None) -> dict:
         "bytes_quantized": int(quant["total"]),
         "compression": orig["total"] / quant["total"] if quant["total"] else float("nan"),
         "weights": int(n_weights),
-        "layout_metadata_bytes": int(quant["layout_metadata"]),
-        "bits_per_weight": bpw(quant["total"] - quant["layout_metadata"], n_weights),
+        "layout_metadata_bytes": int(quant.get("layout_metadata", 0)),  # none in a GGUF file
+        "bits_per_weight": bpw(quant["total"] - quant.get("layout_metadata", 0), n_weights),
         "bits_per_weight_experts": bpw(quant["by_role"].get("routed_expert", 0), n_expert),
         "bits_per_weight_original": bpw(orig["total"], n_weights),
         "bits_per_weight_experts_original": bpw(orig["by_role"].get("routed_expert", 0), n_expert),

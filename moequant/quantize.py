@@ -628,7 +628,9 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
             if role.role == "routed_expert":
                 experts_dq[role.proj][role.expert] = t.float()
         forward_tensors = {**other_dq, **{n: t.float() for n, t in kept.items() if adapter.classify(n).role != "routed_expert"}}
-        if L < last_data_layer:  # a later layer's GPTQ / AWQ reads this layer's quantized output
+        # a later layer's GPTQ / AWQ reads this layer's quantized output; an AWQ layer's report also
+        # compares its routing before and after the folds
+        if L < last_data_layer or (uses_awq and routing_before):
             bar.stage("quantized forward")
             with runner.materialized(L, experts=experts_dq, tensors=forward_tensors) as module:
                 hook = _routing_recorder(adapter, module, routing_after) if uses_awq and routing_before else None

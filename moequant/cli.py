@@ -104,7 +104,7 @@ def calibrate(recipe_path, model, output, overrides, stats, dataset, samples, se
     if recipe_path:  # a recipe whose plan shapes alone refuse is refused before the calibration it would waste
         check_recipe(recipe)
     keys = tuple(f.strip() for f in formats.split(",") if f.strip()) if formats else sensitivity_formats(recipe)
-    notes = unfit_notes(recipe.model, keys)  # said once the statistics exist (a refused run says only why)
+    notes = unfit_notes(recipe.model, keys)
     settings = dataclasses.replace(calibration_settings(recipe, device, formats=keys), batch_size=batch_size,
                                    hessians=not no_hessians, save_hessians=save_hessians, allow_fewer=allow_fewer)
     if imatrix and not str(imatrix).endswith(".gguf"):  # refused before the calibration work
@@ -112,9 +112,9 @@ def calibrate(recipe_path, model, output, overrides, stats, dataset, samples, se
     from moequant.run_lock import output_lock
 
     with output_lock(recipe.output, "calibrate"):  # the run directory, as apply / plan hold it
+        for note in notes:  # once the directory is ours (a run the lock refuses says only why), before the work
+            click.echo(f"note: {note}")
         out = run(recipe.model, Path(stats) if stats else Path(recipe.output) / "stats", settings, overwrite=overwrite)
-    for note in notes:
-        click.echo(f"note: {note}")
     click.echo(f"statistics of {', '.join(keys)} written to {out} (summary.json, routing.png)")
     if imatrix:
         from moequant.export_gguf import write_imatrix

@@ -546,8 +546,9 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
         runner = LayerRunner(ckpt, adapter, input_ids, batch_size=settings.batch_size, device=settings.device,
                              dtype=compute_dtype(settings.compute_dtype, settings.device))
         start, hidden = load_carried(work, fingerprint, len(runner.batches))
-        if _finished_layers(work, fingerprint) > max(start, last_data_layer):  # past the last layer that reads data
-            start, hidden = _finished_layers(work, fingerprint), []
+        finished = _finished_layers(work, fingerprint)
+        if finished > max(start, last_data_layer):  # past the last layer that reads data
+            start, hidden = finished, []
     else:
         runner, start, hidden = None, _finished_layers(work, fingerprint), []
     if hidden is None:

@@ -9,7 +9,7 @@
 
     python benchmarks/bench_calibrate.py [--layers 12] [--device cpu] [--zoo tiny-qwen2moe]
 
-Each measurement runs in a fresh subprocess so peak RSS (ru_maxrss) is its own.
+Each measurement runs in a fresh subprocess so peak RSS (VmHWM) is its own.
 """
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ SHAPE = dict(hidden_size=512, moe_intermediate_size=384, num_experts=32, num_exp
              max_position_embeddings=1024, tie_word_embeddings=False)
 
 
+
+def peak_rss_bytes() -> int:
+    """This process's own peak resident size (VmHWM). Not ru_maxrss: Linux folds the parent's peak into a
+    child's at exec, so a child of a large process would report the parent's memory."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return int(status["VmHWM"].split()[0]) * 1024
+
 def build(directory: Path, layers: int) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -38,8 +45,7 @@ def build(directory: Path, layers: int) -> None:
 
 def child(model: str, out: str, samples: int, seq_len: int, device: str, hessians: bool) -> None:
     """Runs in the subprocess: calibrate, print peak RSS and time as JSON."""
-    import resource
-
+    
     import torch
 
     from moequant.calibrate import CalibrationSettings, calibrate
@@ -59,7 +65,7 @@ def child(model: str, out: str, samples: int, seq_len: int, device: str, hessian
     t0 = time.perf_counter()
     calibrate(model, out, settings, samples=samples_arg, progress=False, overwrite=True)
     seconds = time.perf_counter() - t0
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_kib = peak_rss_bytes() / 1024
     print(json.dumps({"seconds": seconds, "peak_rss_mb": peak_kib / 1024, "tokens": samples * seq_len}))
 
 

@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -72,6 +71,13 @@ RECIPES = {
     "moequant-fp8": ("uniform-fp8.yaml", []),
 }
 
+
+
+def peak_rss_bytes() -> int:
+    """This process's own peak resident size (VmHWM). Not ru_maxrss: Linux folds the parent's peak into a
+    child's at exec, so a child of a large process would report the parent's memory."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return int(status["VmHWM"].split()[0]) * 1024
 
 def build_fp8_block(config_name: str, layers: int, vocab: int, directory: Path, overrides=()) -> int:
     """A random DeepSeek-style FP8-block source (benchmarks/make_sources.py) at the config's real widths,
@@ -156,7 +162,7 @@ def child_moequant(tool: str, model: str, out: str, samples: int, seq_len: int, 
                      if marker.exists() else {})
     return {"seconds": seconds, "timings": report.get("timings", {}),
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
-            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "peak_rss_gib": peak_rss_bytes() / 2**30,
             "scratch_bytes": scratch["bytes"], "stats_bytes": _dir_bytes(Path(out) / "stats"),
             "kl": q.get("kl_mean"), "top1": q.get("top1_agreement"),
             "bits": report["memory"].get("bits_per_weight_experts"), "layer_seconds": layer_seconds}
@@ -189,7 +195,7 @@ def child_llmc(model: str, out: str, samples: int, seq_len: int, eval_samples: i
     except Exception as error:  # its timing still counts; say why there is no quality
         quality = {"kl": None, "top1": None, "bits": None, "eval_error": f"{type(error).__name__}: {error}"[:300]}
     return {"seconds": seconds, "timings": {}, "peak_gpu_gib": peak_gpu,
-            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "peak_rss_gib": peak_rss_bytes() / 2**30,
             "scratch_bytes": 0, "stats_bytes": 0, **quality}
 
 

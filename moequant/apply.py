@@ -212,10 +212,13 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
     else:
         t0 = time.perf_counter()
         # `quantized` also holds the full-precision tensors AWQ folds changed (plain tensors), exported as they are
-        quantized, quant_report = quantize_model(recipe.model, plan, settings, out / "work", progress=progress)
+        # lazy: the export reads each tensor's codes from work/ as it writes them (host RAM stays at one layer)
+        quantized, quant_report = quantize_model(recipe.model, plan, settings, out / "work", progress=progress,
+                                                 lazy=True)
         timings["quantize"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         export_checkpoint(ckpt.directory, quantized, checkpoint_dir, **export_arguments(recipe))
+        del quantized
         timings["export"] = time.perf_counter() - t0
         stamp_checkpoint(checkpoint_dir, plan.run_fingerprint)
         quant_report = {str(k): v for k, v in quant_report.items()}

@@ -481,18 +481,38 @@ def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | No
     os.chmod(path, 0o666 & ~current_umask())
 
 
-class ShardWriter:
-    """Write tensors into size-limited shards plus an index, inside an (already temporary) directory.
+SAFETENSORS_DTYPES = {
+    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2", torch.float8_e8m0fnu: "F8_E8M0", torch.int16: "I16", torch.uint16: "U16",
+    torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32", torch.uint32: "U32", torch.float32: "F32",
+    torch.int64: "I64", torch.uint64: "U64", torch.float64: "F64",
+}
 
-    Tensors are flushed to disk as each shard fills, so peak memory stays near one shard.
+
+def header_reserve(max_shard_bytes: int) -> int:
+    """Room for a shard's JSON header: 1/1024 of the shard (2 MiB of a 2 GiB shard, ~14,000 entries), at
+    least 64 KiB; a shard closes early when its entries fill it."""
+    return max(64 * 1024, max_shard_bytes // 1024 // 8 * 8)
+
+
+class ShardWriter:
+    """Write tensors into size-limited safetensors shards plus an index, inside an (already temporary)
+    directory, each tensor's bytes written to disk as it is added: memory stays at one tensor, never a shard.
+
+    A shard is opened with `header_reserve` bytes of room for its JSON header; the header is written there
+    when the shard closes, padded with spaces (the safetensors format allows trailing whitespace, and
+    safetensors' own writer pads the same way), so no tensor is held back until its shard is complete.
     """
 
     def __init__(self, directory: Path, max_shard_bytes: int = 2 * 1024**3, metadata: dict | None = None):
         self.directory = Path(directory)
         self.max_shard_bytes = max_shard_bytes
         self.metadata = {"format": "pt", **(metadata or {})}
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
+        self.reserve = header_reserve(max_shard_bytes)
+        self._file = None
+        self._header: dict = {}
+        self._header_bytes = 0
+        self._offset = 0
         self._shards: list[tuple[str, list[str]]] = []
         self._total_bytes = 0
         self._seen: set[str] = set()
@@ -500,26 +520,52 @@ class ShardWriter:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._seen:
             raise ValueError(f"tensor {name} written twice")
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name} has dtype {tensor.dtype}, which safetensors cannot store")
         self._seen.add(name)
         size = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
-            self._flush()
-        self._pending[name] = tensor.detach().contiguous().cpu()
-        self._pending_bytes += size
+        entry = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                 "data_offsets": [self._offset, self._offset + size]}
+        entry_bytes = len(json.dumps({name: entry})) + 1
+        if self._header and (self._offset + size > self.max_shard_bytes
+                             or self._header_bytes + entry_bytes > self.reserve):
+            self._close_shard()
+            entry["data_offsets"] = [0, size]
+            entry_bytes = len(json.dumps({name: entry})) + 1
+        if self._file is None:
+            self._open_shard()
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self._file.write(memoryview(data.numpy()))
+        self._header[name] = entry
+        self._header_bytes += entry_bytes
+        self._offset += size
         self._total_bytes += size
 
-    def _flush(self) -> None:
-        if not self._pending:
+    def _open_shard(self) -> None:
+        self._file = open(self.directory / f"shard-{len(self._shards):05d}.safetensors.part", "wb")
+        self._file.seek(8 + self.reserve)
+        self._header, self._offset = {}, 0
+        self._header_bytes = len(json.dumps({"__metadata__": self.metadata}))
+
+    def _close_shard(self) -> None:
+        if self._file is None:
             return
-        tmp_name = f"shard-{len(self._shards):05d}.safetensors.part"
-        save_safetensors(self._pending, self.directory / tmp_name, metadata=self.metadata)
-        self._shards.append((tmp_name, list(self._pending)))
-        self._pending = {}
-        self._pending_bytes = 0
+        header = json.dumps({"__metadata__": self.metadata, **self._header}, separators=(",", ":")).encode()
+        if len(header) > self.reserve:  # cannot happen: add() closes a shard before its header overflows
+            raise AssertionError(f"safetensors header of {len(header)} bytes exceeds its reserved room")
+        self._file.seek(0)
+        self._file.write(struct.pack("<Q", self.reserve) + header + b" " * (self.reserve - len(header)))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        name = f"shard-{len(self._shards):05d}.safetensors.part"
+        os.chmod(self.directory / name, 0o666 & ~current_umask())
+        self._shards.append((name, list(self._header)))
+        self._file = None
 
     def finish(self) -> list[str]:
-        """Flush, give shards their final names, write the index when there is more than one."""
-        self._flush()
+        """Close the last shard, give shards their final names, write the index when there is more than one."""
+        self._close_shard()
         n = len(self._shards)
         names = []
         if n == 1:

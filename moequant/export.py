@@ -118,15 +118,16 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
     both = sorted(set(items) & set(kept))
     if both:
         raise UserError(f"tensor {both[0]!r} is given both quantized and kept; give it once.")
+    # bf16 "quantized" tensors are written dense, read when written (their codes may still be on disk)
     plain = {n: q for n, q in items.items() if q.spec.name == "bf16"}
     items = {n: q for n, q in items.items() if q.spec.name != "bf16"}
-    for n, q in plain.items():
-        kept.setdefault(n, _from_linear(adapter, n, q.codes))
     roles = {n: adapter.classify(n) for n in ckpt.keys()}
 
     if layout == "gguf":  # one file in llama.cpp's names and block layouts (moequant.export_gguf)
         from moequant.export_gguf import export_gguf
 
+        for n, q in plain.items():
+            kept.setdefault(n, _from_linear(adapter, n, q.codes))
         info = {"layout": layout, "target": target, "formats": {n: q.spec.key for n, q in sorted(items.items())}}
         return export_gguf(ckpt, adapter, {**items, **plain}, out_dir, kept=kept, float_type=gguf_float, info=info,
                            types=gguf_types)
@@ -135,7 +136,7 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
     # tensors no adapter knows (DeepSeek's MTP layers) that the source holds in the output's own
     # encoding: carried through unchanged, codes and scales as stored
     writer.carried = {n for n, enc in ckpt.encodings.items()
-                      if roles[n].role == "other" and n not in kept and writer.carries(enc)}
+                      if roles[n].role == "other" and n not in kept and n not in plain and writer.carries(enc)}
 
     dense_dtype = model_dtype(ckpt.config)
     out_dir = Path(out_dir)
@@ -148,6 +149,8 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
             elif name in writer.carried:
                 for stored in ckpt.encodings[name].parts.values():
                     shards.add(stored, ckpt.read_stored(stored))
+            elif name in plain:
+                shards.add(name, _from_linear(adapter, name, plain[name].codes))
             else:
                 tensor = kept[name] if name in kept else ckpt.get(name)
                 if name in ckpt.encodings:  # the source stored it quantized: kept tensors are written dense

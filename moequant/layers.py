@@ -117,18 +117,20 @@ class LayerRunner:
     def materialized(self, layer: int, experts: dict | None = None, tensors: dict | None = None):
         """Decoder layer `layer` with its weights from disk (or the given replacements), on the device."""
         module = self.layers[layer]
-        module.to_empty(device=self.device)
         keys = list(module.state_dict().keys())
         state = self.adapter.layer_state_dict(self.checkpoint, layer, keys, self.dtype, experts=experts, tensors=tensors)
         missing = set(dict(module.named_buffers())) - set(state)
         if missing:
             raise RuntimeError(f"layer {layer} has buffers that are not in its state dict: {sorted(missing)}")
-        module.load_state_dict(state, strict=True)
+        # assign: the module takes the read tensors themselves (no second, empty copy of the layer to fill)
+        module.load_state_dict({k: v.to(self.device) for k, v in state.items()}, strict=True, assign=True)
+        del state
         module.eval()
         try:
             yield module
         finally:
             module.to("meta")
+            release_freed_memory()
 
     def run(self, module: nn.Module, layer: int, b: int, h: torch.Tensor) -> torch.Tensor:
         """One materialised layer on batch b's hidden states (its own attention masks and positions)."""
@@ -161,3 +163,22 @@ def _to_device(value, device):
     if isinstance(value, dict):
         return {k: _to_device(v, device) for k, v in value.items()}
     return value
+
+
+def release_freed_memory() -> None:
+    """Give the memory freed with a finished layer back to the OS. glibc keeps freed chunks below its
+    (self-raising, up to 32 MiB) mmap threshold in its per-thread arenas, so without this a process's
+    resident size creeps up layer by layer with torch's worker threads; malloc_trim(0) returns them."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None

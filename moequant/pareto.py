@@ -192,7 +192,7 @@ def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, sett
         timings = json.loads((same_as / "report.json").read_text()).get("timings", {})
     else:
         t0 = time.perf_counter()
-        quantized, _ = quantize_model(recipe.model, plan, settings, run_dir / "work", progress=progress)
+        quantized, _ = quantize_model(recipe.model, plan, settings, run_dir / "work", progress=progress, lazy=True)
         t1 = time.perf_counter()
         export_checkpoint(ckpt.directory, quantized, checkpoint_dir, **export_arguments(recipe))
         shutil.rmtree(run_dir / "work", ignore_errors=True)

@@ -52,7 +52,7 @@ from moequant.calibrate import (CalibrationSettings, _LayerCollector, _save_atom
                                 load_carried, load_tokenizer, save_carried)
 from moequant.checkpoint import atomic_write_text, open_checkpoint
 from moequant.errors import UserError
-from moequant.layers import LayerRunner, compute_dtype
+from moequant.layers import LayerRunner, compute_dtype, release_freed_memory
 from moequant.progress import LayerProgress
 from moequant.policy import Plan
 
@@ -98,20 +98,48 @@ def save_quantized(items: dict, path: Path) -> None:
     _save_atomic(tensors, path, {"index": json.dumps(index)})
 
 
-def load_quantized(path: Path) -> dict:
+class StoredQuantizedTensor(formats.QuantizedTensor):
+    """A QuantizedTensor whose codes and scales stay in its layer's work file until read: the export
+    streams a model's codes tensor by tensor instead of holding them all (host RAM would grow with the model)."""
+
+    def __init__(self, spec, shape, path: Path, prefix: str, parts: tuple[str, ...]):
+        for name, value in (("spec", spec), ("shape", shape), ("_path", path), ("_prefix", prefix), ("_parts", parts)):
+            object.__setattr__(self, name, value)
+
+    def _part(self, part: str):
+        if part not in self._parts:
+            return None
+        from safetensors import safe_open
+
+        with safe_open(str(self._path), "pt") as f:
+            return f.get_tensor(f"{self._prefix}.{part}")
+
+    codes = property(lambda self: self._part("codes"))
+    scales = property(lambda self: self._part("scales"))
+    zeros = property(lambda self: self._part("zeros"))
+    global_scale = property(lambda self: self._part("global_scale"))
+
+
+def load_quantized(path: Path, lazy: bool = False) -> dict:
+    """A layer's work file → {key: QuantizedTensor} (plain tensors as they are); `lazy`: codes and scales
+    are read from the file when used (StoredQuantizedTensor), so the file must outlive them."""
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
         index = json.loads(f.metadata()["index"])
-    tensors = load_file(str(path))
+        plain = {i: f.get_tensor(f"{i}.tensor") for i, entry in index.items() if entry.get("plain")}
+    tensors = {} if lazy else load_file(str(path))
     out = {}
     for i, entry in index.items():
+        key = _key_from_text(entry["key"])
         if entry.get("plain"):
-            out[_key_from_text(entry["key"])] = tensors[f"{i}.tensor"]
-            continue
-        parts = {p: tensors[f"{i}.{p}"] for p in entry["parts"]}
-        out[_key_from_text(entry["key"])] = formats.QuantizedTensor(
-            spec=formats.parse_key(entry["spec"]), shape=tuple(entry["shape"]), **parts)
+            out[key] = plain[i]
+        elif lazy:
+            out[key] = StoredQuantizedTensor(formats.parse_key(entry["spec"]), tuple(entry["shape"]), Path(path), i,
+                                             tuple(entry["parts"]))
+        else:
+            out[key] = formats.QuantizedTensor(spec=formats.parse_key(entry["spec"]), shape=tuple(entry["shape"]),
+                                               **{p: tensors[f"{i}.{p}"] for p in entry["parts"]})
     return out
 
 
@@ -504,9 +532,10 @@ def _finished_layers(work: Path, fingerprint: str) -> int:
 
 
 def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_dir: str | Path,
-                   samples=None, progress: bool = True) -> tuple[dict, dict]:
+                   samples=None, progress: bool = True, lazy: bool = False) -> tuple[dict, dict]:
     """Run the sequential pass. Returns (quantized tensors keyed as `export_checkpoint` takes them,
-    a per-layer report of algorithms and fallbacks).
+    a per-layer report of algorithms and fallbacks). `lazy`: their codes stay in the work directory's
+    layer files until the export reads them (which must happen before `work_dir` is removed).
 
     Where AWQ folded its scales into tensors that stay in full precision (post-attention norm,
     router, shared expert, experts the plan keeps), the mapping also holds them as plain tensors
@@ -684,6 +713,7 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
             if L + 1 in adapter.moe_layers and any(t.role == "routed_expert" for t in rows_by_layer.get(L + 1, [])):
                 read_ahead[L + 1] = reader.submit(read_layer_experts, L + 1)
             quantize_layer(L, pending.result() if pending is not None else None)
+            release_freed_memory()
             bar.done(L)
     finally:
         reader.shutdown(wait=True, cancel_futures=True)
@@ -693,6 +723,6 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
     q_top, _ = _quantize_other(ckpt, rows_by_layer.get(None, []))
     quantized_all, reports = dict(q_top), {}
     for L in range(adapter.num_layers):
-        quantized_all.update(load_quantized(work / f"layer_{L:03d}.safetensors"))
+        quantized_all.update(load_quantized(work / f"layer_{L:03d}.safetensors", lazy=lazy))
         reports[L] = json.loads((work / f"layer_{L:03d}.json").read_text())
     return quantized_all, reports

@@ -1,8 +1,8 @@
 """The real-scale pipeline's memory and work bounds, measured on the CPU (not timings).
 
 - A random Qwen3-MoE of >= 1 GB quantized end to end by `moequant apply` (report included), in a
-  subprocess whose peak RSS is its own: peak RSS stays within a fixed overhead + two decoder layers +
-  the quantized codes the export holds, far below the model; stats/ is not written (a uniform recipe
+  subprocess whose peak RSS is its own: peak RSS stays within a fixed overhead + a few decoder layers,
+  no term growing with the model (the export streams the codes); stats/ is not written (a uniform recipe
   calibrates nothing) and scratch stays below the model's size.
 - An all-RTN recipe runs no forward at all (no LayerRunner is built) and writes exactly the codes of
   round-to-nearest applied to the checkpoint's own weights (an independent computation).
@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -49,23 +48,27 @@ def big_model(tmp_path_factory):
 def test_a_1gb_moe_end_to_end_in_bounded_memory(big_model, tmp_path):
     directory, nbytes = big_model
     out = tmp_path / "run"
-    code = ("import json, resource, sys; from moequant.apply import apply; "
+    code = ("import json; from moequant.apply import apply; "
             f"apply({str(ROOT / 'recipes/uniform-int8.yaml')!r}, model={str(directory)!r}, output={str(out)!r}, "
             "overrides=['evaluate.samples=2', 'evaluate.seq_len=64'], progress=False, log=lambda *a: None); "
-            "print(json.dumps({'rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))")
+            "status = dict(l.split(':', 1) for l in open('/proc/self/status').read().splitlines()); "
+            "print(json.dumps({k: int(status[k].split()[0]) * 1024 for k in ('VmHWM', 'RssAnon', 'RssFile')}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    rss = json.loads(done.stdout.strip().splitlines()[-1])["rss"]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    # VmHWM: this process's own peak. Not ru_maxrss: Linux folds the parent's peak into it at exec (fs/exec.c
+    # exec_mmap), so a child of a large pytest process would report pytest's memory
+    rss = measured["VmHWM"]
     layer_bytes = nbytes / 6
-    quantized = sum(p.stat().st_size for p in (out / "checkpoint").glob("*.safetensors"))
     report = json.loads((out / "report.json").read_text())
     assert report["quality"]["kl_mean"] < 0.01 and report["memory"]["bits_per_weight_experts"] < 8.2
     assert not (out / "stats").exists() and not (out / "work").exists()
-    # what the pipeline holds today: imports + skeleton (~0.6 GB), two decoder layers as float32 working
-    # copies (one read ahead), and the quantized checkpoint twice (the export's codes and its shard
-    # buffer; a streaming export would drop that term, which grows with the model)
-    bound = 1.0e9 + 2 * 2 * layer_bytes + 2 * quantized
-    print(f"peak RSS {rss / 1e9:.2f} GB for a {nbytes / 1e9:.2f} GB model (bound {bound / 1e9:.2f} GB)")
+    # what the pipeline holds: imports + skeleton (~0.6 GB) and allocator slack, one decoder layer as a
+    # float32 working copy and its dequantized copy (the next layer read ahead in the checkpoint's dtype
+    # meanwhile). The export streams the codes from work/ tensor by tensor: no term grows with the model.
+    bound = 1.5e9 + 2 * 2 * layer_bytes
+    print(f"peak RSS {rss / 1e9:.2f} GB for a {nbytes / 1e9:.2f} GB model (bound {bound / 1e9:.2f} GB); "
+          f"(at the end: RssAnon {measured['RssAnon'] / 1e9:.2f} GB, RssFile {measured['RssFile'] / 1e9:.2f} GB)")
     assert rss < bound
 
 

@@ -270,11 +270,17 @@ class Adapter:
         out = {}
         for key in keys:
             if key.endswith("experts.gate_up_proj") and not self.fused_experts:
-                g = experts.get("gate", None)
-                u = experts.get("up", None)
-                g = self.read_experts(checkpoint, layer, "gate") if g is None else g
-                u = self.read_experts(checkpoint, layer, "up") if u is None else u
-                out[key] = torch.cat([g, u], dim=1).to(dtype)
+                # gate then up, each cast into its half as it arrives: one [E, 2I, H] tensor in `dtype`
+                # and one projection in flight (a cat of two float32 stacks held three)
+                fused = None
+                for half, proj in enumerate(("gate", "up")):
+                    part = experts.get(proj)
+                    part = self.read_experts(checkpoint, layer, proj) if part is None else part
+                    if fused is None:
+                        fused = torch.empty((part.shape[0], 2 * part.shape[1], part.shape[2]), dtype=dtype)
+                    fused[:, half * part.shape[1]:(half + 1) * part.shape[1]] = part
+                    del part
+                out[key] = fused
             elif key.endswith("experts.down_proj") and not self.fused_experts:
                 d = experts.get("down", None)
                 out[key] = (self.read_experts(checkpoint, layer, "down") if d is None else d).to(dtype)

@@ -30,6 +30,7 @@ from moequant.calibrate import CalibrationSettings, calibrate, load_tokenizer
 from moequant.checkpoint import atomic_write_text, is_disk_full, open_checkpoint
 from moequant.errors import UserError
 from moequant.fingerprint import KEY, checkpoint_fingerprint, file_fingerprint, run_fingerprint, stamp_checkpoint
+from moequant.formats import parse_key
 from moequant.policy import make_plan, needs_statistics, plan_to_dict, read_plan, resolve_format, write_plan
 from moequant.precheck import check_recipe
 from moequant.recipe import Recipe, load_recipe
@@ -162,6 +163,9 @@ def apply(recipe_path=None, model=None, output=None, overrides=(), device: str =
     for note in check_recipe(recipe, ckpt):  # what shapes alone refuse, before anything is written
         log(f"note: {note}")
     load_tokenizer(ckpt.directory)  # a checkpoint without tokenizer files, too
+    if parallel.world_size() > 1 and "awq" in {recipe.algorithm_for(parse_key(k).name) for k in sensitivity_formats(recipe)}:
+        raise UserError("algorithm awq runs in one process only (its shared gate/up scale is searched over all of a "
+                        "layer's experts together); run it without torchrun, or use gptq or rtn.")
     device = parallel.start(adapter.num_experts, device)  # joins the torchrun job when WORLD_SIZE > 1
     made = not out.exists()
     with contextlib.ExitStack() as held:  # the lock before anything is written into the directory (rank 0 takes it)

@@ -23,7 +23,10 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            click.echo(f"error: {e}", err=True)
+            from moequant.parallel import says_errors
+
+            if says_errors() and not getattr(e, "said_by_rank0", False):  # a torchrun job says a refusal once
+                click.echo(f"error: {e}", err=True)
             sys.exit(2)
         except RankLost as e:
             click.echo(f"error: {e}", err=True)

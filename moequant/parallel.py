@@ -43,6 +43,7 @@ from moequant.errors import RankLost, UserError
 
 DEFAULT_TIMEOUT_S = 1800.0
 _WORLD: "World | None" = None
+_JOINED = False  # this process has joined a torchrun job (stays True after `finish`)
 
 
 def world_size() -> int:
@@ -60,6 +61,12 @@ def world() -> "World | None":
     return _WORLD
 
 
+def says_errors() -> bool:
+    """Whether this process prints a UserError: rank 0 always; another rank only once it has joined
+    the job (before, every rank refuses the same input, and rank 0 says it once)."""
+    return not is_helper_rank() or _JOINED
+
+
 def expert_range(num_experts: int, rank: int, size: int) -> range:
     """Rank `rank`'s contiguous slice of `num_experts` experts (sizes differ by at most one)."""
     return range(rank * num_experts // size, (rank + 1) * num_experts // size)
@@ -68,7 +75,7 @@ def expert_range(num_experts: int, rank: int, size: int) -> range:
 def start(num_experts: int, device: str = "cpu") -> str:
     """Join the torchrun job (once per process) when WORLD_SIZE > 1; returns this rank's device
     (`cuda` becomes `cuda:LOCAL_RANK`). More ranks than experts are refused before the rendezvous."""
-    global _WORLD
+    global _WORLD, _JOINED
     size = world_size()
     if size <= 1:
         return device
@@ -87,6 +94,7 @@ def start(num_experts: int, device: str = "cpu") -> str:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout))
         _WORLD = World(rank=dist.get_rank(), size=dist.get_world_size(), timeout=timeout,
                        device=torch.device(device) if cuda else torch.device("cpu"))
+        _JOINED = True
     return device
 
 
@@ -115,7 +123,9 @@ def shared(fn, what: str):
             raise
     outcome = w.broadcast(outcome, what)
     if outcome[0] == "error":
-        raise UserError(outcome[1])
+        error = UserError(outcome[1])
+        error.said_by_rank0 = True  # the command line prints it once, on rank 0
+        raise error
     return outcome[1]
 
 

@@ -24,7 +24,8 @@ from moequant.cli import main
 from moequant.parallel import expert_range
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST = ["calibration.samples=4", "calibration.seq_len=32", "calibration.dataset=builtin:stdlib-prose",
+# 512 calibration tokens: enough that some experts get their own routed-token Hessian (>= 64 tokens), some not
+FAST = ["calibration.samples=8", "calibration.seq_len=64", "calibration.dataset=builtin:stdlib-prose",
         "calibration.probe_samples=0", "evaluate.samples=2", "evaluate.seq_len=32",
         "evaluate.dataset=builtin:stdlib-prose"]
 
@@ -100,6 +101,17 @@ def assert_same_run(ref: Path, out: Path, ranks: int) -> None:
     assert [r["share"] for r in theirs["experts"]] == shares
     assert theirs == report
     assert f"expert-parallel over {ranks} ranks" in (out / "report.md").read_text()
+    # the quantize pass's own report (GPTQ damping and Hessian fallbacks per expert), merged from the ranks
+    ours, one = (json.loads((d / "checkpoint.json").read_text())["quantize"] for d in (out, ref))
+    for layer in one.values():
+        layer.pop("seconds")
+    for layer in ours.values():
+        layer.pop("seconds")
+    assert ours == one
+    fallbacks = [e for layer in one.values() for k, v in layer.items() if k.endswith(":int4-g32-sym")
+                 for e in v["gptq"]["fallbacks"]]
+    experts = [e for layer in one.values() for k, v in layer.items() if k.endswith(":int4-g32-sym") for e in v["experts"]]
+    assert 0 < len(fallbacks) < len(experts)  # both Hessians (own routed tokens, all tokens) are compared
 
 
 def test_expert_slices_are_contiguous_and_cover_every_expert():
@@ -176,4 +188,15 @@ def test_more_ranks_than_experts_is_one_sentence(tmp_path, monkeypatch):
     assert result.output.strip().splitlines()[-1] == (
         "error: 9 processes were started but the model has 8 routed experts per MoE layer; every process needs at "
         "least one expert: start at most 8 (torchrun --nproc-per-node 8).")
+    assert not out.exists() and not torch.distributed.is_initialized()
+
+
+def test_awq_under_torchrun_is_one_sentence_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    out = tmp_path / "run"
+    args = ["apply", "--recipe", str(ROOT / "recipes" / "uniform-int4-awq.yaml"), "--output", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1].startswith("error: algorithm awq runs in one process only")
     assert not out.exists() and not torch.distributed.is_initialized()

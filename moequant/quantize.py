@@ -643,6 +643,8 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
                     if (L, e, proj) not in quantized:
                         name = adapter.expert_tensor_name(L, e, proj)
                         replaced[name] = weights[proj][e]
+        if world is not None and world.rank != 0 and L >= last_data_layer:
+            other_rows = []  # rank 0 quantizes them; this rank runs no forward of the layer that would need them
         q_other, other_dq = _quantize_other(ckpt, other_rows, replaced)
         if world is None or world.rank == 0:  # rank 0's work/ file holds the layer's non-expert tensors
             quantized.update(q_other)

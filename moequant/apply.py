@@ -17,17 +17,20 @@ report carry one run fingerprint (moequant.fingerprint): a checkpoint of another
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import shutil
 import time
 from pathlib import Path
 
+from moequant import parallel
 from moequant.arch import adapter_for
 from moequant.calibrate import CalibrationSettings, calibrate, load_tokenizer
 from moequant.checkpoint import atomic_write_text, is_disk_full, open_checkpoint
 from moequant.errors import UserError
 from moequant.fingerprint import KEY, checkpoint_fingerprint, file_fingerprint, run_fingerprint, stamp_checkpoint
+from moequant.formats import parse_key
 from moequant.policy import make_plan, needs_statistics, plan_to_dict, read_plan, resolve_format, write_plan
 from moequant.precheck import check_recipe
 from moequant.recipe import Recipe, load_recipe
@@ -149,22 +152,34 @@ def _disk_full_is_a_user_error(fn):
 @_disk_full_is_a_user_error
 def apply(recipe_path=None, model=None, output=None, overrides=(), device: str = "cpu", progress=True,
           log=print) -> Path:
-    """Run the whole chain; returns the path of report.html."""
+    """Run the whole chain; returns the path of report.html (None on the other ranks of an expert-parallel run:
+    under torchrun, moequant.parallel, rank 0 prints, writes and reports)."""
+    if parallel.is_helper_rank():
+        progress, log = False, _silent
     recipe = resolve_recipe(recipe_path, model, output, overrides)
     out = Path(recipe.output)
     ckpt = open_checkpoint(recipe.model)  # a bad or unreadable checkpoint is refused before anything is written
-    adapter_for(ckpt.config)  # an unsupported architecture is the first thing to say, before its tokenizer
+    adapter = adapter_for(ckpt.config)  # an unsupported architecture is the first thing to say, before its tokenizer
     for note in check_recipe(recipe, ckpt):  # what shapes alone refuse, before anything is written
         log(f"note: {note}")
     load_tokenizer(ckpt.directory)  # a checkpoint without tokenizer files, too
+    if parallel.world_size() > 1 and "awq" in {recipe.algorithm_for(parse_key(k).name) for k in sensitivity_formats(recipe)}:
+        raise UserError("algorithm awq runs in one process only (its shared gate/up scale is searched over all of a "
+                        "layer's experts together); run it without torchrun, or use gptq or rtn.")
+    device = parallel.start(adapter.num_experts, device)  # joins the torchrun job when WORLD_SIZE > 1
     made = not out.exists()
-    with output_lock(recipe.output, "apply"):  # before anything is written into the directory
+    with contextlib.ExitStack() as held:  # the lock before anything is written into the directory (rank 0 takes it)
+        parallel.shared(lambda: held.enter_context(output_lock(recipe.output, "apply")), "the run directory's lock")
         try:
             return _apply(recipe, out, ckpt, device, progress, log)
         except UserError:
-            if made:  # bad input found while reading the weights (NaN scales, broken codes, ...): this call
-                shutil.rmtree(out, ignore_errors=True)  # made `out`, so nothing in it is anyone's earlier work
+            if made and not parallel.is_helper_rank():  # bad input found while reading the weights (NaN scales,
+                shutil.rmtree(out, ignore_errors=True)  # broken codes, ...): this call made `out`, nobody's earlier work
             raise
+
+
+def _silent(*_args, **_kwargs) -> None:
+    """The log of a rank other than 0 (rank 0 says it once)."""
 
 
 def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
@@ -172,6 +187,8 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
     from moequant.quantize import quantize_model
 
     out.mkdir(parents=True, exist_ok=True)  # the lock made it; not on ranks other than 0
+    world = parallel.world()
+    ranks = world.size if world is not None else 1
     timings: dict[str, float] = {}
     tokenizer = load_tokenizer(ckpt.directory)
     settings = calibration_settings(recipe, device)
@@ -186,13 +203,14 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
     else:
         # the plan reads no statistics; GPTQ / AWQ collect their inputs in the quantize pass and the
         # report's routing shares come from the evaluation tokens
-        shutil.rmtree(stats_dir, ignore_errors=True)  # never report another run's statistics
+        if not parallel.is_helper_rank():
+            shutil.rmtree(stats_dir, ignore_errors=True)  # never report another run's statistics
         stats_dir = None
         log("calibration: not needed by this recipe (its plan reads no statistics)")
     timings["calibrate"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    plan, reused_plan = plan_stage(recipe, stats_dir, out / "plan.json", settings)
+    plan, reused_plan = parallel.shared(lambda: plan_stage(recipe, stats_dir, out / "plan.json", settings), "the plan")
     timings["plan"] = time.perf_counter() - t0
     log(f"plan: {out / 'plan.json'}" + (" (unchanged, reused)" if reused_plan else ""))
 
@@ -204,7 +222,11 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
     if checkpoint_dir.exists() and found != plan.run_fingerprint:  # e.g. a checkpoint copied in from another run
         log(f"checkpoint: {checkpoint_dir} belongs to another run (run fingerprint {found or 'missing'}, this run's "
             f"{plan.run_fingerprint}); quantizing again")
-    if marker.get("plan") == plan_digest and marker.get(KEY) == found == plan.run_fingerprint:
+    reuse = marker.get("plan") == plan_digest and marker.get(KEY) == found == plan.run_fingerprint
+    if parallel.shared(lambda: reuse, "the checkpoint's reuse check"):
+        parallel.finish()
+        if world is not None and world.rank != 0:
+            return None
         log(f"checkpoint: {checkpoint_dir} (up to date, reused)")
         quant_report = json.loads(done_marker.read_text())["quantize"]
         timings["quantize"] = timings["export"] = 0.0
@@ -215,6 +237,9 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
         # lazy: the export reads each tensor's codes from work/ as it writes them (host RAM stays at one layer)
         quantized, quant_report = quantize_model(recipe.model, plan, settings, out / "work", progress=progress,
                                                  lazy=True)
+        parallel.finish()  # the expert-parallel part ends: rank 0 alone exports, evaluates and reports
+        if world is not None and world.rank != 0:
+            return None
         timings["quantize"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         export_checkpoint(ckpt.directory, quantized, checkpoint_dir, **export_arguments(recipe))
@@ -236,7 +261,7 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
 
     report = build_report(model=recipe.model, checkpoint=checkpoint_dir, original=ckpt.directory,
                           recipe=recipe_to_dict(recipe), target=recipe.target, plan=plan_to_dict(plan),
-                          quality=quality, stats=stats_dir, timings=timings, output_dir=out)
+                          quality=quality, stats=stats_dir, timings=timings, output_dir=out, ranks=ranks)
     q = report.get("quality") or {}
     log(f"KL {q.get('kl_mean', float('nan')):.4g}, top-1 agreement {q.get('top1_agreement', float('nan')):.3f}, "
         f"{report['memory'].get('bits_per_weight_experts', float('nan')):.3f} bits per routed-expert weight")

@@ -367,9 +367,10 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
 
 
 def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenizer, progress, samples) -> Path:
+    from moequant import parallel
     from moequant.data import load_samples_with_holdout
-    from moequant.run_lock import clear_directory, is_lock_file
 
+    world = parallel.world()  # None: one process; else this rank collects its slice of every layer's experts
     ckpt = open_checkpoint(model)
     if ckpt.config_only:
         raise UserError(f"{model} has no weights (config only); calibration needs a full checkpoint.")
@@ -379,20 +380,8 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
     fingerprint = {"model": model_fingerprint(ckpt), **settings.fingerprint_fields()}
     fingerprint["formats"] = list(fingerprint["formats"])
     fingerprint["probe_tokens"] = "held-out" if samples is None else "in-sample"
-
-    summary_path = output / "summary.json"
-    if summary_path.exists():
-        old = json.loads(summary_path.read_text())
-        if old.get("fingerprint") == fingerprint:
-            return output  # complete and identical: reuse
-        if not overwrite:
-            what = "another model" if old.get("fingerprint", {}).get("model") != fingerprint["model"] else "other settings"
-            raise UserError(f"{output} already holds calibration statistics of {what}; pass --overwrite to replace them.")
-        clear_directory(output)  # not rmtree: the held lock file stays
-    elif output.exists() and any(not is_lock_file(p) for p in output.iterdir()) and not (output / ".work").exists():
-        if not overwrite:
-            raise UserError(f"{output} exists and is not a statistics directory; choose another --output or pass --overwrite.")
-        clear_directory(output)
+    if parallel.shared(lambda: _reusable_or_cleared(output, fingerprint, overwrite), "the statistics' reuse check"):
+        return output  # complete and identical: reuse
 
     max_pos = int(ckpt.config.get("max_position_embeddings") or 0)
     if max_pos and settings.seq_len > max_pos:
@@ -419,7 +408,10 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
                          dtype=compute_dtype(settings.compute_dtype, settings.device))
     start_layer, hidden = load_carried(work, fingerprint, len(runner.batches))
     hidden = runner.embedded if hidden is None else hidden
-    atomic_write_text(work / "fingerprint.json", json.dumps(fingerprint))
+    writer = world is None or world.rank == 0  # the one process that writes stats/
+    if writer:
+        atomic_write_text(work / "fingerprint.json", json.dumps(fingerprint))
+    own = world.experts(adapter.num_experts) if world is not None else range(adapter.num_experts)
 
     timings = {}
     bs = settings.batch_size
@@ -427,20 +419,27 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
                             and settings.probe_algorithm == "gptq" and settings.hessians)
     for L in _progress(range(start_layer, adapter.num_layers), progress, "calibrating", adapter.num_layers, start_layer):
         t0 = time.perf_counter()
-        with _naming_damaged_weights(ckpt, adapter, L), runner.materialized(L) as module:
+        # expert-parallel: each rank reads its own experts, the layer's others are all-gathered (moequant.parallel)
+        whole = parallel.whole_layer_experts(adapter, ckpt, L, world) if world and L in adapter.moe_layers else None
+        with _naming_damaged_weights(ckpt, adapter, L), runner.materialized(L, experts=whole) as module:
+            del whole
             if L in adapter.moe_layers:
                 col = _LayerCollector(adapter, module.mlp.experts, adapter.num_experts, adapter.top_k, domains,
-                                      settings.all_experts, settings.hessians)
+                                      settings.all_experts, settings.hessians,
+                                      first_expert=own.start, chunk_experts=len(own))
 
                 def set_domains(b, col=col):
                     col.token_domains = token_domain[b * bs * settings.seq_len:(b + 1) * bs * settings.seq_len]
 
                 hidden = collect_moe_stats(runner, module, L, col, hidden, before_batch=set_domains)
                 tensors = col.finish()
-                weights = {p: adapter.read_experts(ckpt, L, p) for p in adapter.projections}
+                weights = {p: parallel.read_experts(adapter, ckpt, L, p, own) for p in adapter.projections}
                 sens, skipped = sensitivity(weights, tensors, settings.formats, settings.min_tokens)
                 tensors.update(sens)
                 _check_finite(tensors, L)
+                if world is not None:
+                    tensors = _gathered_statistics(world, tensors, adapter.num_experts, settings.all_experts, L)
+            if L in adapter.moe_layers and writer:
                 # the full [E, d, d] Hessians live only inside this layer; the statistics keep
                 # their diagonals (stats.py); the GPTQ probe gets its own scratch copy
                 hessians = {k: v for k, v in tensors.items() if k.startswith("hessian")}
@@ -454,10 +453,14 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
                 _save_atomic(kept, layer_file(output, L), {"layer": str(L), "tokens": str(col.tokens)})
                 del tensors, hessians, kept, weights
                 (work / f"skipped_{L:03d}.json").write_text(json.dumps(skipped))
-            else:
+            elif L not in adapter.moe_layers:
                 hidden = runner.forward(module, L, hidden)
-        save_carried(work, fingerprint, L + 1, hidden)
+        if writer:
+            save_carried(work, fingerprint, L + 1, hidden)
         timings[L] = time.perf_counter() - t0
+    if not writer:  # rank 0 alone runs the probe and writes the summary; the others wait for it
+        world.barrier("the calibration's probe and summary on rank 0")
+        return output
 
     # The per-layer KL probe reads the layers' sensitivities just written; it runs before
     # summary.json, so a run killed during it resumes here (every layer already done).
@@ -484,7 +487,41 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
         plot_routing(output)
     except Exception as e:  # a plot must never lose the statistics
         print(f"warning: routing plot not written ({e})")
+    if world is not None:
+        world.barrier("the calibration's probe and summary on rank 0")
     return output
+
+
+def _reusable_or_cleared(output: Path, fingerprint: dict, overwrite: bool) -> bool:
+    """True when `output` holds complete statistics of this fingerprint; else it is made ready (cleared
+    when `overwrite`), or refused."""
+    from moequant.run_lock import clear_directory, is_lock_file
+
+    summary_path = output / "summary.json"
+    if summary_path.exists():
+        old = json.loads(summary_path.read_text())
+        if old.get("fingerprint") == fingerprint:
+            return True
+        if not overwrite:
+            what = "another model" if old.get("fingerprint", {}).get("model") != fingerprint["model"] else "other settings"
+            raise UserError(f"{output} already holds calibration statistics of {what}; pass --overwrite to replace them.")
+        clear_directory(output)  # not rmtree: the held lock file stays
+    elif output.exists() and any(not is_lock_file(p) for p in output.iterdir()) and not (output / ".work").exists():
+        if not overwrite:
+            raise UserError(f"{output} exists and is not a statistics directory; choose another --output or pass --overwrite.")
+        clear_directory(output)
+    return False
+
+
+def _gathered_statistics(world, tensors: dict, num_experts: int, all_experts: bool, layer: int) -> dict | None:
+    """One rank's statistics of its experts -> the whole layer's on rank 0 (None elsewhere). The routing
+    counts and the all-tokens gate/up Hessian ([1, d, d]) are the same on every rank: rank 0's are kept."""
+    out = {}
+    for key in sorted(tensors):
+        same_everywhere = key.startswith("routing.") or (all_experts and key in ("hessian.gate_up",))
+        out[key] = tensors[key] if same_everywhere else world.gather_experts(tensors[key], num_experts,
+                                                                             f"layer {layer}'s statistic {key}")
+    return out if world.rank == 0 else None
 
 
 def _summary(ckpt, adapter, output, fingerprint, settings, domains, n_samples, work) -> dict:

@@ -11,27 +11,42 @@ import sys
 
 import click
 
-from moequant.errors import UserError
+from moequant.errors import RankLost, UserError
 
 
 def user_errors(fn):
-    """Turn a UserError into one line on stderr and exit code 2 (no traceback)."""
+    """Turn a UserError into one line on stderr and exit code 2 (no traceback); a lost rank of an
+    expert-parallel run (RankLost) into one line and exit code 1."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            click.echo(f"error: {e}", err=True)
+            from moequant.parallel import says_errors
+
+            if says_errors() and not getattr(e, "said_by_rank0", False):  # a torchrun job says a refusal once
+                click.echo(f"error: {e}", err=True)
             sys.exit(2)
+        except RankLost as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
 
     return wrapper
 
 
+EXPERT_PARALLEL = ("apply", "calibrate")  # commands that split experts across torchrun's ranks (moequant.parallel)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="moequant")
-def main():
+@click.pass_context
+def main(ctx):
     """Per-expert quantization for Mixture-of-Experts language models."""
+    from moequant.parallel import is_helper_rank
+
+    if is_helper_rank() and ctx.invoked_subcommand not in EXPERT_PARALLEL:
+        ctx.exit(0)  # under torchrun the other commands run on rank 0 alone
 
 
 @main.command()
@@ -109,12 +124,25 @@ def calibrate(recipe_path, model, output, overrides, stats, dataset, samples, se
                                    hessians=not no_hessians, save_hessians=save_hessians, allow_fewer=allow_fewer)
     if imatrix and not str(imatrix).endswith(".gguf"):  # refused before the calibration work
         raise UserError(f"--imatrix {imatrix} must end in .gguf (llama.cpp's GGUF imatrix format).")
+    import contextlib
+
+    from moequant import parallel
+    from moequant.arch import adapter_for
+    from moequant.checkpoint import open_checkpoint
     from moequant.run_lock import output_lock
 
-    with output_lock(recipe.output, "calibrate"):  # the run directory, as apply / plan hold it
-        for note in notes:  # once the directory is ours (a run the lock refuses says only why), before the work
+    helper = parallel.is_helper_rank()  # under torchrun rank 0 alone prints
+    num_experts = adapter_for(open_checkpoint(recipe.model).config).num_experts
+    settings = dataclasses.replace(settings, device=parallel.start(num_experts, device))  # joins torchrun's job
+    with contextlib.ExitStack() as held:  # the run directory, as apply / plan hold it
+        parallel.shared(lambda: held.enter_context(output_lock(recipe.output, "calibrate")), "the run directory's lock")
+        for note in notes if not helper else ():  # once the directory is ours (a refused run says only why)
             click.echo(f"note: {note}")
-        out = run(recipe.model, Path(stats) if stats else Path(recipe.output) / "stats", settings, overwrite=overwrite)
+        out = run(recipe.model, Path(stats) if stats else Path(recipe.output) / "stats", settings, overwrite=overwrite,
+                  progress=not helper)
+    parallel.finish()
+    if helper:
+        return
     click.echo(f"statistics of {', '.join(keys)} written to {out} (summary.json, routing.png)")
     if imatrix:
         from moequant.export_gguf import write_imatrix
@@ -148,7 +176,8 @@ def apply(recipe_path, model, output, overrides, device):
 
     t0 = time.perf_counter()
     report = run(recipe_path, model, output, overrides, device=device, log=click.echo)
-    click.echo(f"done in {time.perf_counter() - t0:.0f} s; report: {report}")
+    if report is not None:  # None: a rank other than 0 of an expert-parallel run
+        click.echo(f"done in {time.perf_counter() - t0:.0f} s; report: {report}")
 
 
 @main.command()

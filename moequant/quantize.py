@@ -403,7 +403,8 @@ def _experts_per_chunk(adapter, device) -> int:
     return max(1, min(adapter.num_experts, STATISTICS_MEMORY_BYTES // per_expert))
 
 
-def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expert_rows, host: dict, settings):
+def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expert_rows, host: dict, settings,
+                                       own: range | None = None):
     """GPTQ / RTN of one MoE layer's routed experts from one forward of the original layer.
 
     The forward records the MoE block's input and the router's choices (bf16 on the device, one
@@ -411,8 +412,14 @@ def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expe
     and Hessians are built from that record, its weights (float32 on the device) quantized and
     its dequantized weights kept in the compute dtype, and the chunk's Hessians freed. With one
     chunk (the CPU, small layers) this is the whole-layer computation itself.
+    With `own` (an expert-parallel rank's slice, moequant.parallel), `host` and the returned
+    dequantized experts hold those experts only; the others are zeros in the recording forward.
     Returns (quantized, report, dequantized experts {proj: [E, out, in]}, routed tokens per expert)."""
     E, dev, dtype = adapter.num_experts, runner.device, runner.dtype
+    first, last = (own.start, own.stop) if own is not None else (0, E)
+    if own is not None:  # the forward only records the experts' input: other ranks' experts need not be read
+        host = {p: torch.cat([torch.zeros((first,) + tuple(h.shape[1:]), dtype=h.dtype), h,
+                              torch.zeros((E - last,) + tuple(h.shape[1:]), dtype=h.dtype)]) for p, h in host.items()}
     record = {"x": [], "indices": []}
 
     def on_router(_module, _args, output):
@@ -432,11 +439,11 @@ def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expe
             for hook in hooks:
                 hook.remove()
         routed_tokens = torch.bincount(torch.cat(record["indices"]).reshape(-1), minlength=E).tolist()
-        dequant = {p: torch.empty((E,) + tuple(adapter.expert_shape(p)), dtype=dtype, device=dev)
+        dequant = {p: torch.empty((last - first,) + tuple(adapter.expert_shape(p)), dtype=dtype, device=dev)
                    for p in adapter.projections}
         chunk = _experts_per_chunk(adapter, dev)
-        for lo in range(0, E, chunk):
-            hi = min(E, lo + chunk)
+        for lo in range(first, last, chunk):
+            hi = min(last, lo + chunk)
             col = _LayerCollector(adapter, module.mlp.experts, E, adapter.top_k, [], True, True,
                                   first_expert=lo, chunk_experts=hi - lo)
             for x, indices in zip(record["x"], record["indices"]):
@@ -448,7 +455,7 @@ def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expe
             q, rep, dq = _quantize_experts(adapter, layer, rows, collected, settings.min_tokens, dev,
                                            weights=weights, first_expert=lo)
             for p in adapter.projections:
-                dequant[p][lo:hi] = dq[p].to(dtype)
+                dequant[p][lo - first:hi - first] = dq[p].to(dtype)
             quantized.update(q)
             _merge_chunk_report(report, rep)
             del collected, weights, dq
@@ -517,6 +524,11 @@ def _routing_recorder(adapter, module, store: list):
 # ----------------------------------------------------------------------------- the pass
 
 
+def _layer_file(work: Path, layer: int, rank: int) -> Path:
+    """A layer's quantized tensors in work/; in an expert-parallel run each rank's experts in its own file."""
+    return work / (f"layer_{layer:03d}.safetensors" if rank == 0 else f"layer_{layer:03d}.rank{rank}.safetensors")
+
+
 def _mark_finished(work: Path, fingerprint: str, next_layer: int) -> None:
     """Progress of the part of the pass that needs no activations (after the last GPTQ / AWQ layer)."""
     atomic_write_text(work / "weights_only.json", json.dumps({"fingerprint": fingerprint, "next_layer": next_layer}))
@@ -540,8 +552,10 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
     Where AWQ folded its scales into tensors that stay in full precision (post-attention norm,
     router, shared expert, experts the plan keeps), the mapping also holds them as plain tensors
     under their on-disk names, in the checkpoint's dtype: `export_checkpoint` writes them as they are."""
+    from moequant import parallel
     from moequant.data import load_samples
 
+    world = parallel.world()  # None: one process; else this rank quantizes its slice of every layer's experts
     ckpt = open_checkpoint(model)
     adapter = adapter_for(ckpt.config)
     work = Path(work_dir)
@@ -551,12 +565,17 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
         samples = load_samples(settings.dataset, tokenizer, settings.samples, settings.seq_len, split="calibration",
                                seed=settings.seed, allow_fewer=settings.allow_fewer)
     input_ids = torch.stack([s.input_ids for s in samples])
-    fingerprint = _plan_fingerprint(plan, settings, hashlib.sha256(input_ids.numpy().tobytes()).hexdigest())
+    fingerprint = _plan_fingerprint(plan, settings, hashlib.sha256(input_ids.numpy().tobytes()).hexdigest()
+                                    + (f" ranks {world.size}" if world is not None else ""))  # work/ files per rank
+    own = world.experts(adapter.num_experts) if world is not None else None
 
     awq_layers = sorted({t.layer for t in plan.tensors if t.algorithm == "awq" and t.format != "bf16"
                          and t.role == "routed_expert"})
     for L in awq_layers:  # refused before any work
         _check_awq_supported(adapter, L)
+    if awq_layers and world is not None:
+        raise UserError("algorithm awq runs in one process only (its shared gate/up scale is searched over all of a "
+                        "layer's experts together); run it without torchrun, or use gptq or rtn.")
     other_awq = sorted({t.name for t in plan.tensors if t.algorithm == "awq" and t.format != "bf16"
                         and t.role != "routed_expert"})
     if other_awq:
@@ -582,9 +601,11 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
         runner, start, hidden = None, _finished_layers(work, fingerprint), []
     if hidden is None:
         hidden = runner.embedded
-    if start == 0:
+    if start == 0 and (world is None or world.rank == 0):
         for p in [*work.glob("layer_*"), *work.glob("awq_*")]:
             p.unlink()
+    if world is not None:  # no rank writes into work/ before rank 0 has cleared it
+        world.barrier("the start of the quantize pass")
 
     def quantize_layer(L, host_experts):
         """One decoder layer of the pass (module docstring); `host_experts` read ahead, or None."""
@@ -593,6 +614,7 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
         rows = rows_by_layer.get(L, [])
         expert_rows = [t for t in rows if t.role == "routed_expert" and t.expert is not None and t.proj in ("gate", "up", "down")]
         other_rows = [t for t in rows if t not in expert_rows]
+        mine = expert_rows if own is None else [t for t in expert_rows if t.expert in own]  # what this rank quantizes
         collected = None
         needs_stats = any(t.algorithm in ("gptq", "awq", "imatrix") and t.format != "bf16" for t in expert_rows)
         uses_awq = any(t.algorithm == "awq" and t.format != "bf16" for t in expert_rows)
@@ -600,14 +622,14 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
         weights, routed_tokens = None, None
         if expert_rows and (uses_awq or not needs_stats):
             dev = "cpu" if uses_awq else settings.device  # AWQ's search runs on host copies
-            host = host_experts or {p: adapter.read_experts(ckpt, L, p) for p in adapter.projections}
+            host = host_experts or read_layer_experts(L)
             weights = {p: host[p].to(dev, torch.float32) for p in adapter.projections}
             del host
         chunked = None
         if L in adapter.moe_layers and needs_stats and not uses_awq:
             bar.stage("statistics and GPTQ")
-            host = host_experts or {p: adapter.read_experts(ckpt, L, p) for p in adapter.projections}
-            chunked = _statistics_and_quantize_in_chunks(runner, adapter, L, hidden, expert_rows, host, settings)
+            host = host_experts or read_layer_experts(L)
+            chunked = _statistics_and_quantize_in_chunks(runner, adapter, L, hidden, mine, host, settings, own)
             del host
         elif L in adapter.moe_layers and needs_stats:
             bar.stage("statistics")
@@ -640,17 +662,21 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
                 input_scale, replaced, changed, awq_report = _awq_layer(adapter, ckpt, L, expert_rows, weights,
                                                                         collected, settings.min_tokens, settings.device,
                                                                         tokens)
-            quantized, report, experts_dq = _quantize_experts(adapter, L, expert_rows, collected,
+            quantized, report, experts_dq = _quantize_experts(adapter, L, mine, collected,
                                                               settings.min_tokens, settings.device, weights=weights,
-                                                              input_scale=input_scale)
+                                                              input_scale=input_scale,
+                                                              first_expert=own.start if own is not None else 0)
             # experts the folds changed but the plan keeps in full precision: written as folded
             for proj, mask in changed.items():
                 for e in mask.nonzero().flatten().tolist():
                     if (L, e, proj) not in quantized:
                         name = adapter.expert_tensor_name(L, e, proj)
                         replaced[name] = weights[proj][e]
+        if world is not None and world.rank != 0 and L >= last_data_layer:
+            other_rows = []  # rank 0 quantizes them; this rank runs no forward of the layer that would need them
         q_other, other_dq = _quantize_other(ckpt, other_rows, replaced)
-        quantized.update(q_other)
+        if world is None or world.rank == 0:  # rank 0's work/ file holds the layer's non-expert tensors
+            quantized.update(q_other)
         # full-precision replacements keep their checkpoint dtype; the forward sees them as exported
         kept = {n: t.to(ckpt.get(n).dtype) for n, t in replaced.items() if n not in q_other}
         for name, t in kept.items():
@@ -662,6 +688,9 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
         # compares its routing before and after the folds
         if L < last_data_layer or (uses_awq and routing_before):
             bar.stage("quantized forward")
+            if world is not None and experts_dq is not None:  # every rank runs the whole quantized layer
+                experts_dq = {p: world.all_gather_experts(t, adapter.num_experts, f"layer {L}'s quantized {p} experts")
+                              for p, t in experts_dq.items()}
             with runner.materialized(L, experts=experts_dq, tensors=forward_tensors) as module:
                 hook = _routing_recorder(adapter, module, routing_after) if uses_awq and routing_before else None
                 try:
@@ -686,7 +715,14 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
                     "top-k expert sets of the calibration tokens, original layer vs. the exported one (folded "
                     "norm/router in their dtype" + (", quantized attention" if q_other else "") + ")")
         quantized.update(kept)
-        save_quantized(quantized, work / f"layer_{L:03d}.safetensors")
+        save_quantized(quantized, _layer_file(work, L, world.rank if world is not None else 0))
+        if world is not None:  # written by every rank before rank 0 records the layer as finished
+            parts = world.gather_objects(report, f"layer {L}'s quantize report")
+            if world.rank != 0:
+                return
+            report = {}
+            for part in parts:  # rank order = expert order, as one process's chunks
+                _merge_chunk_report(report, part)
         if routed_tokens is not None:
             report["routed_tokens"] = routed_tokens
         report["seconds"] = time.perf_counter() - t0
@@ -701,8 +737,8 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
     # the next layer's experts are read from disk (into host memory) while this one computes
     from concurrent.futures import ThreadPoolExecutor
 
-    def read_layer_experts(L):
-        return {p: adapter.read_experts(ckpt, L, p) for p in adapter.projections}
+    def read_layer_experts(L):  # this rank's experts only
+        return {p: parallel.read_experts(adapter, ckpt, L, p, own) for p in adapter.projections}
 
     reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moequant-read")
     read_ahead = {}
@@ -719,10 +755,13 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
         reader.shutdown(wait=True, cancel_futures=True)
         bar.close()
 
+    if world is not None and world.rank != 0:  # rank 0 exports: it reads every rank's work/ files
+        return {}, {}
     # tensors outside the decoder layers (lm_head when the plan quantizes it)
     q_top, _ = _quantize_other(ckpt, rows_by_layer.get(None, []))
     quantized_all, reports = dict(q_top), {}
     for L in range(adapter.num_layers):
-        quantized_all.update(load_quantized(work / f"layer_{L:03d}.safetensors", lazy=lazy))
+        for rank in range(world.size if world is not None else 1):
+            quantized_all.update(load_quantized(_layer_file(work, L, rank), lazy=lazy))
         reports[L] = json.loads((work / f"layer_{L:03d}.json").read_text())
     return quantized_all, reports

@@ -340,11 +340,12 @@ def _finite(obj):
 
 def build_report(*, model: str, checkpoint, original=None, recipe: dict | None = None, target: str | None = None,
                  plan: dict | None = None, quality: dict | None = None, stats=None, timings: dict | None = None,
-                 output_dir=None) -> dict:
+                 output_dir=None, ranks: int = 1) -> dict:
     """report.json's dict from plain inputs; also writes report.json / .md / .html when output_dir is given.
 
     `original` is the original checkpoint (defaults to `model`), `stats` a stats directory or a
-    loaded Stats, `quality` the dict of moequant.evaluate.evaluate().
+    loaded Stats, `quality` the dict of moequant.evaluate.evaluate(), `ranks` the processes of the
+    run (more than 1: expert-parallel over torchrun, moequant.parallel).
     """
     from moequant.arch import adapter_for
     from moequant.checkpoint import open_checkpoint
@@ -375,6 +376,7 @@ def build_report(*, model: str, checkpoint, original=None, recipe: dict | None =
         "experts": rows,
         "plan": _plan_summary(plan),
         "timings": {k: float(v) for k, v in (timings or {}).items()},
+        "ranks": int(ranks),
     }
     report = _finite(report)
     if output_dir is not None:
@@ -561,7 +563,8 @@ def _headline(report: dict) -> str:
 
 def render_markdown(report: dict, top_experts: int = 20) -> str:
     lines = [f"# moequant report: {report['model']}", "",
-             f"target: {report.get('target') or '–'} · checkpoint: `{report['checkpoint']}`", "",
+             f"target: {report.get('target') or '–'} · checkpoint: `{report['checkpoint']}`"
+             + (f" · expert-parallel over {report['ranks']} ranks" if report.get("ranks", 1) > 1 else ""), "",
              _headline(report), ""]
     for title, header, rows in _summary_tables(report):
         lines += [f"## {title}", "", _md_table(header, rows), ""]

@@ -215,7 +215,7 @@ def gptq_shared_hessian(
         dead_columns=[0] * num_experts, proxy_loss=[None] * num_experts,
         tokens=None if token_counts is None else [int(t) for t in token_counts],
         settings=dict(spec=spec.key, block_size=block_size, damp=damp, act_order=act_order,
-                      static_groups=static_groups, min_tokens=min_tokens),
+                      static_groups=static_groups, min_tokens=min_tokens, grid=grid),
     )
 
     rows = [w.shape[1] for w in ws]

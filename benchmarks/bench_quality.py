@@ -34,7 +34,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MOE_KEYS = ("int4-g32-sym", "int4-g64-asym", "int4-g32-asym")
+# (format, algorithm, grid, Hessian weighting): the grids alone (RTN), GPTQ on each grid, the
+# Hessian weightings on the best of them, and the asymmetric formats
+OURS = (
+    ("int4-g32-sym", "rtn", "minmax", "tokens"), ("int4-g32-sym", "rtn", "searched", "tokens"),
+    ("int4-g32-sym", "gptq", "minmax", "tokens"), ("int4-g32-sym", "gptq", "searched", "tokens"),
+    ("int4-g32-sym", "gptq", "searched", "routing"), ("int4-g32-sym", "gptq", "searched", "routing2"),
+    ("int4-g64-asym", "gptq", "minmax", "tokens"), ("int4-g64-asym", "gptq", "searched", "tokens"),
+    ("int4-g32-asym", "gptq", "minmax", "tokens"), ("int4-g32-asym", "gptq", "searched", "tokens"),
+)
 LLAMA_TYPES = ("q4_0", "q4_k")
 
 
@@ -76,7 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--eval-samples", type=int, default=32)
     p.add_argument("--weightings", default="tokens,routing,routing2")
     p.add_argument("--q4-k-m", action="store_true", help="also Q4_K_M's mixture (a BF16 GGUF through llama_model_quantize)")
-    p.add_argument("--scopes", default="experts,gate_up",
+    p.add_argument("--scopes", default="experts",
                    help="experts: every routed projection quantized; gate_up: gate / up only (down kept)")
     p.add_argument("--output", default=str(ROOT / "runs" / "bench_quality"))
     args = p.parse_args(argv)
@@ -136,26 +144,24 @@ def main(argv=None) -> int:
                 deq[(L, pj)] = torch.stack([dequantize_tensor(torch.from_numpy(b), t, (o, i)) for b in blocks])
                 nbytes[(L, pj)] = sum(b.nbytes for b in blocks)
             variants[label] = (deq, nbytes, used)
-        for wt in weightings:  # moequant, per Hessian weighting
-            for key in MOE_KEYS:
-                spec = formats.parse_key(key)
-                nbytes = {k: formats.nbytes(spec, tuple(w.shape)) for k, w in original.items()}
-                for algo, grid in (("rtn", "minmax"), ("rtn", "searched"), ("gptq", "minmax"), ("gptq", "searched")):
-                    if algo == "rtn" and wt != weightings[0]:
-                        continue  # RTN uses no Hessian
-                    deq = {}
-                    for (L, pj), w in original.items():
-                        group = "down" if pj == "down" else "gate_up"
-                        if algo == "rtn":
-                            imp = importance[(L, pj)] if grid == "searched" else None
-                            deq[(L, pj)] = formats.quantize(w, spec, grid=grid, importance=imp).dequantize()
-                        else:
-                            _, H = chosen_hessian(stats[wt].layers[L].tensors, group, torch.arange(ad.num_experts),
-                                                  MIN_ROUTED_TOKENS)
-                            q, _ = gptq(w, H.float(), spec, act_order=True, static_groups=True, grid=grid)
-                            deq[(L, pj)] = q.dequantize()
-                    label = f"{key} {algo} {grid}" + (f" H:{wt}" if algo == "gptq" else "")
-                    variants[label] = (deq, nbytes, None)
+        for key, algo, grid, wt in OURS:  # moequant
+            if wt not in stats:
+                continue
+            spec = formats.parse_key(key)
+            nbytes = {k: formats.nbytes(spec, tuple(w.shape)) for k, w in original.items()}
+            deq = {}
+            for (L, pj), w in original.items():
+                group = "down" if pj == "down" else "gate_up"
+                if algo == "rtn":
+                    imp = importance[(L, pj)] if grid == "searched" else None
+                    deq[(L, pj)] = formats.quantize(w, spec, grid=grid, importance=imp).dequantize()
+                else:
+                    _, H = chosen_hessian(stats[wt].layers[L].tensors, group, torch.arange(ad.num_experts),
+                                          MIN_ROUTED_TOKENS)
+                    q, _ = gptq(w, H.float(), spec, act_order=True, static_groups=True, grid=grid)
+                    deq[(L, pj)] = q.dequantize()
+            label = f"{key} {algo} {grid}" + (f" H:{wt}" if algo == "gptq" else "")
+            variants[label] = (deq, nbytes, None)
 
         for scope_name in args.scopes.split(","):
             scope = ad.projections if scope_name == "experts" else ("gate", "up")

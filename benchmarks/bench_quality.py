@@ -22,6 +22,29 @@ experts are written into a copy of the float32 model:
 
 bits = stored bits per routed-expert weight (codes, scales, zero points / block bytes). Prints a
 table and writes runs/bench_quality/results.json. Prints numbers; asserts nothing.
+
+Measured 2026-12-01 on this (shared, heavily loaded) 2-core CPU, a reduced run: tiny-qwen2moe only,
+`--samples 16 --eval-samples 8 --weightings tokens` (16 x 256 calibration, 8 x 256 held-out tokens),
+the earlier variant list (every format x RTN / GPTQ x grid):
+
+| routed experts as | bits | KL mean | KL p99 | top-1 |
+|---|---|---|---|---|
+| llama.cpp Q4_0 (no data) | 4.500 | 0.01316 | 0.0886 | 0.930 |
+| llama.cpp Q4_K (no data; down_proj Q5_0, its rows have 64 inputs) | 4.833 | 0.00598 | 0.0443 | 0.956 |
+| llama.cpp Q4_K + our imatrix | 4.833 | 0.00565 | 0.0465 | 0.958 |
+| llama.cpp Q4_K_M (Q4_K / Q5_0 / Q8_0) | 5.333 | 0.00535 | 0.0393 | 0.956 |
+| llama.cpp Q4_K_M + our imatrix | 5.333 | 0.00513 | 0.0391 | 0.961 |
+| int4-g32-sym RTN, min/max grid | 4.500 | 0.01530 | 0.1077 | 0.925 |
+| int4-g32-sym RTN, searched grid | 4.500 | 0.01320 | 0.0940 | 0.939 |
+| int4-g32-sym GPTQ, min/max grid (the vLLM default) | 4.500 | 0.01247 | 0.0881 | 0.933 |
+| int4-g32-sym GPTQ, searched grid | 4.500 | 0.01116 | 0.0851 | 0.937 |
+| int4-g64-asym GPTQ, min/max / searched | 4.312 | 0.01230 / 0.01137 | | |
+| int4-g32-asym GPTQ, min/max / searched | 4.625 | 0.00912 / 0.00941 | | |
+
+The searched grid takes 14% off RTN's KL and 10% off GPTQ's at int4-g32-sym (7.5% at g64-asym);
+moequant's best vLLM-servable 4.5-bit variant beats llama.cpp's Q4_0 (0.85x its KL) but is 1.87x
+llama.cpp's Q4_K, which on these models spends 4.83 bits (down_proj falls back to Q5_0). The
+Hessian weightings (routing / routing2) were not measured in this reduced run.
 """
 
 from __future__ import annotations

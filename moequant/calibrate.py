@@ -58,11 +58,24 @@ class CalibrationSettings:
     probe_algorithm: str = "rtn"  # how the probe quantizes its layer: rtn | gptq (see probe.py)
     compute_dtype: str = "auto"  # the layers' forward: auto (bf16 on CUDA, float32 on CPU) | float32 | bfloat16
     save_hessians: bool = False  # also write the full [E, d, d] Hessians into stats/ (inspection; large)
+    # each routed token's weight in its expert's routed Hessian (HESSIAN_WEIGHTINGS)
+    hessian_weighting: str = "tokens"
 
     def fingerprint_fields(self) -> dict:
-        return {k: getattr(self, k) for k in ("dataset", "samples", "seq_len", "seed", "all_experts", "hessians",
-                                              "formats", "min_tokens", "allow_fewer", "probe_samples",
-                                              "probe_algorithm", "compute_dtype", "save_hessians")}
+        fields = {k: getattr(self, k) for k in ("dataset", "samples", "seq_len", "seed", "all_experts", "hessians",
+                                                "formats", "min_tokens", "allow_fewer", "probe_samples",
+                                                "probe_algorithm", "compute_dtype", "save_hessians")}
+        if self.hessian_weighting != "tokens":  # absent at the default: earlier statistics keep their fingerprint
+            fields["hessian_weighting"] = self.hessian_weighting
+        return fields
+
+
+# How a routed token counts in its expert's Hessian hessian_routed.{group} = sum_t c_t x_t x_t^T / sum_t c_t:
+# "tokens": c = 1 (every routed token alike); "routing": c = r, the token's routing weight for the
+# expert (MoEQuant's affinity-guided GPTQ); "routing2": c = r^2, the exact weight of the squared
+# output error, since the expert's output reaches the layer multiplied by r. The all-tokens Hessians
+# (all-experts coverage) stay unweighted.
+HESSIAN_WEIGHTINGS = ("tokens", "routing", "routing2")
 
 
 def model_fingerprint(checkpoint) -> str:
@@ -105,14 +118,18 @@ class _LayerCollector:
     # built, used and freed one chunk of experts at a time (bounded device memory)
     first_expert: int = 0
     chunk_experts: int | None = None
+    hessian_weighting: str = "tokens"  # HESSIAN_WEIGHTINGS
 
     @property
     def local_experts(self) -> int:
         return self.chunk_experts if self.chunk_experts is not None else self.num_experts - self.first_expert
 
-    def add_batch(self, x: torch.Tensor, indices: torch.Tensor) -> None:
-        """The experts' statistics of one recorded batch (MoE-block input x, router's top-k indices)."""
-        self._routing = (indices.reshape(-1, self.top_k), None)
+    def add_batch(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """The experts' statistics of one recorded batch (MoE-block input x, router's top-k indices
+        and, for routing-weighted Hessians, its top-k weights)."""
+        if weights is None and self.hessians and self.hessian_weighting != "tokens":
+            raise ValueError(f"hessian_weighting={self.hessian_weighting!r} needs the batch's routing weights")
+        self._routing = (indices.reshape(-1, self.top_k), None if weights is None else weights.reshape(-1, self.top_k))
         self.on_experts(None, (x,), {})
 
     def _zeros(self, key, shape, dtype, device):
@@ -162,7 +179,7 @@ class _LayerCollector:
         each expert's routed statistics then come from its contiguous slice."""
         x = (args[0] if args else kwargs["hidden_states"]).detach()
         x = x.reshape(-1, x.shape[-1])
-        indices, _ = self._routing
+        indices, routing_weights = self._routing
         E, n, d, dev = self.local_experts, x.shape[0], x.shape[1], x.device
         acc = torch.float64 if dev.type == "cpu" else torch.float32
         flat = indices.reshape(-1)
@@ -173,6 +190,7 @@ class _LayerCollector:
         order = torch.argsort(flat, stable=True)
         token_of_pair = pair[order] // self.top_k
         expert_of_pair = flat[order]
+        coef = self._hessian_coefficients(routing_weights, pair[order])  # per sorted pair, or None
         counts = torch.bincount(flat, minlength=E)
         offsets = [0] + torch.cumsum(counts, 0).tolist()  # the one host sync of the batch
         xf = x.float()
@@ -202,13 +220,27 @@ class _LayerCollector:
                 for e in range(E):
                     if offsets[e + 1] > offsets[e]:
                         seg = x_sorted[offsets[e]:offsets[e + 1]]
-                        h_routed[e] += seg.T @ seg
+                        h_routed[e] += seg.T @ (seg if coef is None else seg * coef[offsets[e]:offsets[e + 1], None])
+                if coef is not None:
+                    self._zeros("hessian_coef_sum", E, torch.float64, dev).index_add_(
+                        0, expert_of_pair, coef.to(torch.float64))
             del x_sorted
             if self.all_experts:
                 self._acc("input.down.tokens", torch.full((E,), n, dtype=torch.int64, device=dev))
-            self._down_statistics(x, token_of_pair, offsets, acc)
+            self._down_statistics(x, token_of_pair, offsets, acc, coef)
 
-    def _down_statistics(self, x, token_of_pair, offsets, acc):
+    def _hessian_coefficients(self, routing_weights, pair_sorted):
+        """Each sorted token-expert pair's weight c in its expert's routed Hessian (None: all 1)."""
+        if not self.hessians or self.hessian_weighting == "tokens":
+            return None
+        if self.hessian_weighting not in HESSIAN_WEIGHTINGS:
+            raise UserError(f"hessian_weighting {self.hessian_weighting!r} is not one of {', '.join(HESSIAN_WEIGHTINGS)}.")
+        if routing_weights is None:
+            raise ValueError(f"hessian_weighting={self.hessian_weighting!r} needs the router's weights")
+        r = routing_weights.reshape(-1)[pair_sorted].float()
+        return r if self.hessian_weighting == "routing" else r * r
+
+    def _down_statistics(self, x, token_of_pair, offsets, acc, coef=None):
         """down_proj's input is each expert's own intermediate activation act(x Wg) * (x Wu):
         over every token (all-experts coverage) in chunks of experts by one batched matmul,
         and over each expert's routed tokens (its slice of the sorted pairs)."""
@@ -243,7 +275,8 @@ class _LayerCollector:
                     if he.shape[0]:
                         mx[e] = torch.maximum(mx[e], he.abs().amax(0))
                     if self.hessians:
-                        self._zeros("hessian_sum_routed.down", (E, inter, inter), torch.float32, dev)[e] += he.T @ he
+                        hw = he if coef is None else he * coef[offsets[e]:offsets[e + 1], None]
+                        self._zeros("hessian_sum_routed.down", (E, inter, inter), torch.float32, dev)[e] += he.T @ hw
 
     def finish(self) -> dict[str, torch.Tensor]:
         """Turn sums into the documented per-expert statistics (means, normalised Hessians)."""
@@ -256,7 +289,10 @@ class _LayerCollector:
             out[f"input_routed.{group}.abs_mean"] = t[f"input_routed.{group}.abssum"] / n_r.clamp_min(1)[:, None]
             out[f"input_routed.{group}.absmax"] = t[f"input_routed.{group}.absmax"]
             if self.hessians:
-                out[f"hessian_routed.{group}"] = t[f"hessian_sum_routed.{group}"] / n_r.clamp_min(1)[:, None, None]
+                # a weighted mean of x x^T (the same scale as the unweighted one) when tokens are weighted
+                norm = t.get("hessian_coef_sum", n_r)
+                norm = torch.where(norm > 0, norm, torch.ones_like(norm)).to(torch.float32)
+                out[f"hessian_routed.{group}"] = t[f"hessian_sum_routed.{group}"] / norm[:, None, None]
         if self.all_experts:
             n_all = t["input.gate_up.tokens_all"]
             out["input.gate_up.tokens"] = n_all.repeat(E)
@@ -362,6 +398,9 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
     """Calibrate `model` on `settings.dataset`; writes `output/` (see stats.py). Returns the path."""
     from moequant.run_lock import output_lock
 
+    if settings.hessian_weighting not in HESSIAN_WEIGHTINGS:
+        raise UserError(f"hessian_weighting {settings.hessian_weighting!r} is not one of {', '.join(HESSIAN_WEIGHTINGS)}.")
+
     with output_lock(output, "calibrate"):  # one writer per directory, before anything is read or written
         return _calibrate(model, output, settings, overwrite, tokenizer, progress, samples)
 
@@ -426,7 +465,8 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
             if L in adapter.moe_layers:
                 col = _LayerCollector(adapter, module.mlp.experts, adapter.num_experts, adapter.top_k, domains,
                                       settings.all_experts, settings.hessians,
-                                      first_expert=own.start, chunk_experts=len(own))
+                                      first_expert=own.start, chunk_experts=len(own),
+                                      hessian_weighting=settings.hessian_weighting)
 
                 def set_domains(b, col=col):
                     col.token_domains = token_domain[b * bs * settings.seq_len:(b + 1) * bs * settings.seq_len]

@@ -123,6 +123,7 @@ def gptq(
     shared_hessian: torch.Tensor | None = None,
     max_damp_tries: int = 6,
     device: torch.device | str | None = None,
+    grid: str = "minmax",
 ):
     """GPTQ-quantize the experts of one projection; returns (QuantizedTensor, GPTQReport).
 
@@ -141,12 +142,15 @@ def gptq(
     chunk_experts: experts per batch; default sized to the device's free memory.
     tokens, min_tokens, shared_hessian: per-expert token counts and the fallback (module doc).
     device: where to compute; default the weight's device. Results come back on the weight's device.
+    grid: "minmax" (the format's own scales) or "searched" (integer formats, static groups: each
+        group's scale / zero point searched for the least diag(H)-weighted error of rounding the
+        original weights, `formats.searched_fit`; the grid GPTQ then rounds onto).
     """
     quantized, report = gptq_shared_hessian(
         [weight], hessian, spec,
         block_size=block_size, damp=damp, act_order=act_order, static_groups=static_groups,
         chunk_experts=chunk_experts, tokens=tokens, min_tokens=min_tokens,
-        shared_hessian=shared_hessian, max_damp_tries=max_damp_tries, device=device,
+        shared_hessian=shared_hessian, max_damp_tries=max_damp_tries, device=device, grid=grid,
     )
     return quantized[0], report
 
@@ -166,6 +170,7 @@ def gptq_shared_hessian(
     shared_hessian: torch.Tensor | None = None,
     max_damp_tries: int = 6,
     device: torch.device | str | None = None,
+    grid: str = "minmax",
 ):
     """GPTQ of several projections that read the same input (gate and up): one factorization.
 
@@ -183,6 +188,11 @@ def gptq_shared_hessian(
         )
     if not weights:
         raise UserError("gptq_shared_hessian needs at least one weight tensor.")
+    if grid not in formats.GRIDS:
+        raise UserError(f"unknown GPTQ grid {grid!r}; accepted: {', '.join(formats.GRIDS)}.")
+    if grid == "searched" and not (spec.is_int and static_groups):
+        raise UserError(f"GPTQ's searched grid needs an integer format and static_groups=True (got {spec.key}, "
+                        f"static_groups={static_groups}).")
     single = weights[0].dim() == 2
     ws = [w.unsqueeze(0) if single else w for w in weights]
     h_all = hessian.unsqueeze(0) if hessian.dim() == 2 else hessian
@@ -205,7 +215,7 @@ def gptq_shared_hessian(
         dead_columns=[0] * num_experts, proxy_loss=[None] * num_experts,
         tokens=None if token_counts is None else [int(t) for t in token_counts],
         settings=dict(spec=spec.key, block_size=block_size, damp=damp, act_order=act_order,
-                      static_groups=static_groups, min_tokens=min_tokens),
+                      static_groups=static_groups, min_tokens=min_tokens, grid=grid),
     )
 
     rows = [w.shape[1] for w in ws]
@@ -221,7 +231,7 @@ def gptq_shared_hessian(
             quantized = _solve_chunk(ws, h_all, spec, experts, report, device, work_dtype, token_counts,
                                      min_tokens, shared_hessian, block_size=block_size, damp=damp,
                                      act_order=act_order, static_groups=static_groups,
-                                     max_damp_tries=max_damp_tries, squeeze=single)
+                                     max_damp_tries=max_damp_tries, squeeze=single, grid=grid)
         except torch.OutOfMemoryError:
             if chunk_experts == 1:
                 raise
@@ -254,7 +264,7 @@ def _solve_chunk(ws, h_all, spec, experts, report, device, work_dtype, token_cou
 
 
 def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, static_groups,
-                max_damp_tries, squeeze):
+                max_damp_tries, squeeze, grid="minmax"):
     """GPTQ of one chunk of experts. ws: list of [c, out_k, in] float32; h: [c, in, in] float32.
 
     Experts whose report says "rtn" (set by _choose_hessians) are quantized with one pass of
@@ -285,8 +295,10 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     for j, e in enumerate(idx):
         report.dead_columns[e] = 0 if report.method[e] == RTN else int(dead[j].sum())
 
+    # The searched grid weighs each column's rounding error by H_ii (original column order).
+    importance = diag.clone() if grid == "searched" else None  # [c, in]
     # The column quantizers see each whole (zeroed) weight once, e.g. for per-tensor scales.
-    cqs = [formats.column_quantizer(spec, w[0] if squeeze else w) for w in ws]
+    cqs = [formats.column_quantizer(spec, w[0] if squeeze else w, grid=grid) for w in ws]
     group_width = cqs[0].group_width
     per_row = group_width >= num_in  # per-channel / per-tensor scales: one fit for all columns
     if not per_row:
@@ -301,13 +313,15 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     # Scales fitted before the sweep: per-row formats, static groups (always with act_order).
     fixed_params = None
     if per_row:
-        fixed_params = [[cq_fit(cq, w, squeeze)] for cq, w in zip(cqs, ws)]
+        imp = None if importance is None else importance[:, None, :]
+        fixed_params = [[cq_fit(cq, w, squeeze, imp)] for cq, w in zip(cqs, ws)]
     elif static_groups and spec.is_int and spec.granularity == "group" and num_in % group_width == 0:
         # all groups in one call (the fit is elementwise per group: same numbers as group by group)
         fixed_params = []
+        imp = None if importance is None else importance.unflatten(-1, (num_in // group_width, group_width))[:, :, None]
         for cq, w in zip(cqs, ws):
             groups = w.unflatten(-1, (num_in // group_width, group_width)).transpose(-3, -2)  # [c, G, out, width]
-            fitted = cq_fit(cq, groups, squeeze)
+            fitted = cq_fit(cq, groups, squeeze, imp)
             fixed_params.append([_tree_map(lambda t: t[:, g], fitted) for g in range(num_in // group_width)])
     elif static_groups:
         fixed_params = [
@@ -773,8 +787,11 @@ def cq_call(method, cols, params, squeeze):
     return method(cols, params)
 
 
-def cq_fit(cq, w_group, squeeze):
-    params = cq.fit(w_group[0] if squeeze else w_group)
+def cq_fit(cq, w_group, squeeze, importance=None):
+    if importance is not None and squeeze:
+        importance = importance[0]
+    params = cq.fit(w_group[0] if squeeze else w_group) if importance is None else \
+        cq.fit(w_group[0] if squeeze else w_group, importance)
     return _tree_map(lambda t: t.unsqueeze(0), params) if squeeze else params
 
 

@@ -12,7 +12,8 @@ packing.py: compressed-tensors, GPTQ, AWQ, DeepSeek-FP8 and gpt-oss layouts and 
 """
 
 from moequant.formats.core import (  # noqa: F401
-    ColumnParams, ColumnQuantizer, QuantizedTensor, column_quantizer, dequantize, qdq, quantize, quantize_ggml, stack_experts,
+    GRIDS, ColumnParams, ColumnQuantizer, QuantizedTensor, column_quantizer, dequantize, qdq, quantize, quantize_ggml,
+    searched_fit, stack_experts,
 )
 from moequant.formats.packing import (  # noqa: F401
     compressed_tensors_format, compressed_tensors_weight_args, pack_awq, pack_compressed_tensors, pack_deepseek_fp8, pack_e2m1, pack_gpt_oss_mxfp4,

@@ -112,28 +112,42 @@ def stack_experts(qs: list) -> QuantizedTensor:
 
 # ---------------------------------------------------------------- entry points
 
-def quantize(weight: torch.Tensor, spec, *, name: str | None = None, global_scale=None, **params) -> QuantizedTensor:
+def quantize(weight: torch.Tensor, spec, *, name: str | None = None, global_scale=None, grid: str = "minmax",
+             importance: torch.Tensor | None = None, **params) -> QuantizedTensor:
     """Quantize `weight` ([out, in] or [E, out, in], any float dtype, CPU or CUDA) to `spec`.
 
     spec: a FormatSpec, a format name with its parameters (quantize(w, "int4", group_size=64)),
     or a key ("int4-g64-asym"). name: the tensor's name, used in error messages.
     global_scale: nvfp4 only, to impose the per-expert global scale(s) (shape [] or [E]);
     default 448 * 6 / amax of each expert.
+    grid: "minmax" (the rules in the module doc) or "searched" (integer formats: per group the
+    scale / zero point of least importance-weighted error, `searched_fit`).
+    importance: per input column ([in] or [E, in], the inputs' second moments), weighting the
+    searched grid's error (ggml types: their scale search); None weighs all columns alike.
     """
     spec = get_format(spec, **params)
     if spec.is_ggml:
-        return quantize_ggml(weight, spec, name=name)
+        return quantize_ggml(weight, spec, name=name, importance=importance)
+    if grid not in GRIDS:
+        raise UserError("unknown grid %r; accepted: %s" % (grid, ", ".join(GRIDS)))
+    if grid == "searched" and not spec.is_int:
+        raise UserError("the searched grid applies to integer formats (int8, int4, int3, int2), not %s" % spec.key)
+    if importance is not None and grid != "searched":
+        raise UserError("importance weights the searched grid only; pass grid='searched' (format %s)" % spec.key)
     if global_scale is not None and spec.name != "nvfp4":
         raise UserError("global_scale applies to nvfp4 only, not %s" % spec.key)
     if (spec.name != "bf16" and isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.shape[0] > 1
             and weight.numel() > _chunk_elements(weight.device)):
-        return _quantize_in_expert_chunks(weight, spec, name, global_scale)
+        return _quantize_in_expert_chunks(weight, spec, name, global_scale, grid, importance)
     x = _prepare(weight, spec, name)
     if spec.name == "bf16":
         return QuantizedTensor(spec, tuple(weight.shape), weight.to(torch.bfloat16))
     gs = _global_scale(spec, x, global_scale, name)
     xg = _reduction_view(spec, x)
-    scales, zeros = _fit(spec, xg, _bcast_gs(gs, xg.dim() - 1), name)
+    if grid == "searched":
+        scales, zeros = searched_fit(spec, xg, _importance_view(spec, importance, x, name), name)
+    else:
+        scales, zeros = _fit(spec, xg, _bcast_gs(gs, xg.dim() - 1), name)
     if spec.granularity == "block":
         codes = _encode(spec, x, _expand_block(scales, spec.group_size, *x.shape[-2:]), None, None)
     else:
@@ -154,13 +168,16 @@ def _chunk_elements(device: torch.device) -> int:
     return CHUNK_ELEMENTS if device.type == "cpu" else 8 * CHUNK_ELEMENTS
 
 
-def _quantize_in_expert_chunks(weight, spec, name, global_scale) -> QuantizedTensor:
+def _quantize_in_expert_chunks(weight, spec, name, global_scale, grid="minmax", importance=None) -> QuantizedTensor:
     per = max(1, _chunk_elements(weight.device) // weight[0].numel())
+    # per-expert importance [E, in] is sliced with its experts; [in] (or [1, in]) is shared by all
+    per_expert = importance is not None and importance.dim() == 2 and importance.shape[0] > 1
     gs = None if global_scale is None else torch.as_tensor(global_scale, dtype=torch.float32, device=weight.device)
     if gs is not None and tuple(gs.shape) != (weight.shape[0],):
         raise UserError("nvfp4 global_scale for %s must have shape %s, got %s"
                         % (_label(name), (weight.shape[0],), tuple(gs.shape)))
-    parts = [quantize(weight[i : i + per], spec, name=name, global_scale=None if gs is None else gs[i : i + per])
+    parts = [quantize(weight[i : i + per], spec, name=name, global_scale=None if gs is None else gs[i : i + per],
+                      grid=grid, importance=importance[i : i + per] if per_expert else importance)
              for i in range(0, weight.shape[0], per)]
     cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
     return QuantizedTensor(spec, tuple(weight.shape), cat([p.codes for p in parts]), cat([p.scales for p in parts]),
@@ -229,10 +246,17 @@ class ColumnQuantizer:
     unchanged weight this gives exactly `quantize(weight, spec)`.
     """
 
-    def __init__(self, spec, weight: torch.Tensor, *, name: str | None = None, global_scale=None):
+    def __init__(self, spec, weight: torch.Tensor, *, name: str | None = None, global_scale=None,
+                 grid: str = "minmax"):
         self.spec = get_format(spec)
         if self.spec.name == "bf16":
             raise UserError("format bf16 keeps weights as they are; there is nothing to quantize column by column")
+        if grid not in GRIDS:
+            raise UserError("unknown grid %r; accepted: %s" % (grid, ", ".join(GRIDS)))
+        if grid == "searched" and not (self.spec.is_int and self.spec.granularity in ("group", "channel")):
+            raise UserError("the searched grid applies to integer formats (int8, int4, int3, int2), not %s"
+                            % self.spec.key)
+        self.grid = grid
         x = _prepare(weight, self.spec, name)
         _check_finite(_absmax(x.flatten(), 0), x, name)  # fail before any column work, as quantize() does
         self.name = name
@@ -241,10 +265,15 @@ class ColumnQuantizer:
         self.group_width = self.spec.group_size if self.spec.granularity in ("group", "block") else self.cols
         self.global_scale = _global_scale(self.spec, x, global_scale, name)
 
-    def fit(self, w_group: torch.Tensor) -> ColumnParams:
-        """Scales / zero points of one group from its columns [..., out, k], k <= group_width."""
+    def fit(self, w_group: torch.Tensor, importance: torch.Tensor | None = None) -> ColumnParams:
+        """Scales / zero points of one group from its columns [..., out, k], k <= group_width.
+        With the searched grid, importance (broadcasting against w_group, e.g. [..., 1, k]: the
+        group's columns' diag(H)) weighs each element's error in the search."""
         x = w_group.to(torch.float32)
         spec = self.spec
+        if self.grid == "searched":
+            return ColumnParams(*searched_fit(spec, x.unsqueeze(-2), None if importance is None
+                                              else importance.unsqueeze(-2), self.name))
         if spec.granularity == "block":
             b = spec.group_size
             pad = -x.shape[-2] % b
@@ -297,9 +326,10 @@ class ColumnQuantizer:
         return QuantizedTensor(self.spec, self.shape, codes, scales, zeros, self.global_scale)
 
 
-def column_quantizer(spec, weight: torch.Tensor, *, name: str | None = None, global_scale=None) -> ColumnQuantizer:
+def column_quantizer(spec, weight: torch.Tensor, *, name: str | None = None, global_scale=None,
+                     grid: str = "minmax") -> ColumnQuantizer:
     """A ColumnQuantizer for `weight` ([out, in] or [E, out, in]) in format `spec`."""
-    return ColumnQuantizer(spec, weight, name=name, global_scale=global_scale)
+    return ColumnQuantizer(spec, weight, name=name, global_scale=global_scale, grid=grid)
 
 
 # ---------------------------------------------------------------- internals
@@ -343,6 +373,24 @@ def _global_scale(spec: FormatSpec, x: torch.Tensor, given, name):
     _check_finite(amax, x, name)
     g = (FP8_MAX * E2M1_MAX) / amax
     return torch.where(amax > 0, g, torch.ones_like(g))
+
+
+def _importance_view(spec: FormatSpec, importance, x: torch.Tensor, name):
+    """Per-column importance ([in] or [E, in]) shaped to broadcast against _reduction_view(spec, x)."""
+    if importance is None:
+        return None
+    imp = torch.as_tensor(importance, dtype=torch.float32, device=x.device)
+    cols = x.shape[-1]
+    if imp.dim() not in (1, 2) or imp.shape[-1] != cols or (imp.dim() == 2 and (x.dim() != 3 or imp.shape[0] not in (1, x.shape[0]))):
+        raise UserError("importance for %s must have shape [%d] or [experts, %d] matching the weight %s, got %s"
+                        % (_label(name), cols, cols, tuple(x.shape), tuple(imp.shape)))
+    if not bool((torch.isfinite(imp) & (imp >= 0)).all()):
+        raise UserError("importance for %s must be finite and non-negative" % _label(name))
+    if imp.dim() == 2:
+        imp = imp[:, None, :]  # [E, 1 (rows), in]
+    if spec.granularity == "group":
+        return imp.unflatten(-1, (cols // spec.group_size, spec.group_size))
+    return imp.unsqueeze(-2)  # channel: [..., 1, 1, in]
 
 
 def _reduction_view(spec: FormatSpec, x: torch.Tensor) -> torch.Tensor:
@@ -449,3 +497,82 @@ def _decode(spec: FormatSpec, codes: torch.Tensor, s, z, gs) -> torch.Tensor:
     if z is not None:
         q = q - z.to(torch.float32)
     return q * s.to(torch.float32)
+
+
+# ---------------------------------------------------------------- searched integer grids
+
+GRIDS = ("minmax", "searched")
+# Candidates per group of the searched grid. Symmetric: the scale amax / d for divisors d from
+# qmax to 1.6 qmax (clipping up to 37% of amax), the -2^(B-1) end level (d = 2^(B-1)) and the
+# default d = qmax + 1/2. Asymmetric: (max - min) / (2^B - 1 + delta) for delta in [-1, 1] on the
+# group's own min, as llama.cpp's make_qkx2_quants searches its k-quant mins. Every candidate is
+# also refitted by weighted least squares on its own codes (llama.cpp's rule too).
+SEARCH_STEPS = 21
+
+
+def searched_fit(spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name: str | None = None):
+    """Scales (and zero points) over the last axis of xg ([..., k] elements per group) that minimise
+    sum_i importance_i * (x_i - dequantized_i)^2 over a candidate set that contains the format's
+    own min/max rule (so the result is never worse than `_fit`'s on that objective).
+
+    Integer group / channel formats only. importance broadcasts against xg (the inputs' second
+    moments per column, i.e. diag(H)); None weighs every element alike. Scales are stored (bf16)
+    before their codes and error are computed, as everywhere else. Returns (scales, zeros)
+    shaped xg.shape[:-1], like `_fit`."""
+    spec = get_format(spec)
+    if not spec.is_int:
+        raise UserError("the searched grid applies to integer formats (int8, int4, int3, int2), not %s" % spec.key)
+    x = xg.to(torch.float32)
+    w = torch.ones_like(x) if importance is None else importance.to(torch.float32).expand_as(x)
+    qmin, qmax = -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1
+    best_s, best_z = _fit(spec, x, None, name)
+
+    def error(s, z):
+        codes = _encode(spec, x, s.unsqueeze(-1), None if z is None else z.unsqueeze(-1), None)
+        back = _decode(spec, codes, s.unsqueeze(-1), None if z is None else z.unsqueeze(-1), None)
+        return (w * (x - back).square()).sum(-1)
+
+    best = error(best_s, best_z)
+
+    def consider(s32, z):
+        nonlocal best, best_s, best_z
+        s32 = torch.where(torch.isfinite(s32) & (s32 > 0), s32, torch.zeros_like(s32))
+        s = s32.to(torch.bfloat16)
+        if z is not None:  # zero point on the stored scale: w = (q - z) * s
+            z = torch.nan_to_num(z(s.to(torch.float32)), nan=0.0, posinf=qmax, neginf=qmin).clamp(qmin, qmax)
+            z = torch.where(s > 0, z, torch.zeros_like(z)).to(torch.int8)
+        err = error(s, z)
+        better = err < best
+        best = torch.where(better, err, best)
+        best_s = torch.where(better, s, best_s)
+        if z is not None:
+            best_z = torch.where(better, z, best_z)
+
+    def refit_sym(s32):
+        codes = torch.clamp(torch.round(x / torch.where(s32 > 0, s32, 1.0).unsqueeze(-1)), qmin, qmax)
+        return (w * x * codes).sum(-1) / (w * codes.square()).sum(-1)
+
+    if spec.symmetric:
+        amax = _absmax(x, -1)
+        divisors = torch.linspace(qmax, 1.6 * qmax, SEARCH_STEPS).tolist() + [qmax + 0.5, -qmin]
+        for d in divisors:
+            s32 = amax / d
+            consider(s32, None)
+            consider(refit_sym(s32), None)
+        return best_s, None
+
+    lo, hi = x.amin(-1), x.amax(-1)
+    steps = 2 ** spec.bits - 1
+    sw, sx = w.sum(-1), (w * x).sum(-1)
+    for delta in torch.linspace(-1.0, 1.0, SEARCH_STEPS).tolist():
+        s0 = (hi - lo) / (steps + delta)
+        consider(s0, lambda s, lo=lo: qmin + torch.round(-lo / s))
+        # weighted least squares x ~ s * l + m on the candidate's codes l in 0..2^B-1
+        l = torch.clamp(torch.round((x - lo.unsqueeze(-1)) / torch.where(s0 > 0, s0, 1.0).unsqueeze(-1)), 0, steps)
+        sl, sll, slx = (w * l).sum(-1), (w * l * l).sum(-1), (w * l * x).sum(-1)
+        det = sw * sll - sl * sl
+        s_ls = (sw * slx - sl * sx) / det
+        m_ls = (sll * sx - sl * slx) / det
+        # x ~ s * (q - qmin) + m = s * (q - z) with z = qmin - m / s
+        consider(s_ls, lambda s, m=m_ls: qmin + torch.round(-m / s))
+    return best_s, best_z

@@ -90,7 +90,7 @@ def encodings(config: dict, stored: dict, where, read: Callable[[str], torch.Ten
     method = qc.get("quant_method")
     readers = {"compressed-tensors": _compressed_tensors, "fp8": _deepseek_fp8, "mxfp4": _gpt_oss_mxfp4,
                "gptq": _gptq, "awq": _awq,
-               "moequant": _compressed_tensors}  # compressed-tensors plus a per-expert format map (moequant.vllm_plugin)
+               "moequant": _compressed_tensors}  # compressed-tensors + a per-expert format map (moequant.vllm_plugin)
     if method not in readers:
         raise UserError(f"{where}/config.json has quantization_config.quant_method {method!r}, a source format "
                         f"moequant cannot read; accepted: {', '.join(QUANT_METHODS)}.")

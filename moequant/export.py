@@ -33,7 +33,10 @@ Layouts (each refuses, before any work, a plan it cannot hold — one sentence, 
   `int-quantized` with dynamic per-token int8 activations when int8_activations="dynamic".
   target "vllm"/"sglang" needs one format per MoE layer's routed experts, one format per fused
   module group (q/k/v, gate/up) and int formats of 4 or 8 bits; target "transformers" takes any
-  per-expert mix (loaded by moequant.load()).
+  per-expert mix (loaded by moequant.load()); target "vllm-moequant" takes a per-expert mix too,
+  one format per expert (its gate, up and down), and writes `quant_method: moequant` with
+  `expert_formats` = {MoE layer module: [format key per expert]} for moequant's vLLM plugin
+  (moequant.vllm_plugin), which serves it; moequant.load reads it as compressed-tensors.
 - "gptq": GPTQ v1 symmetric int4 / int8 (qweight, qzeros, scales fp16, g_idx), quantize_config.json,
   per-module `dynamic` overrides: "+:" for modules whose bits / group differ from the base,
   "-:" for Linear modules kept in bf16.
@@ -93,6 +96,9 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
         raise UserError(f"export layout {layout!r} is not supported; accepted: {', '.join(LAYOUTS)}.")
     if target not in TARGETS:
         raise UserError(f"export target {target!r} is not supported; accepted: {', '.join(TARGETS)}.")
+    why = _target_refusal(layout, target)
+    if why:
+        raise UserError(why + ".")
     if int8_activations not in ("none", "dynamic"):
         raise UserError(f"int8_activations {int8_activations!r} is not supported; accepted: none, dynamic.")
     ckpt = open_checkpoint(source_dir)
@@ -701,10 +707,20 @@ def _unfused_refusal(layout: str, adapter) -> str | None:
     return None
 
 
+def _target_refusal(layout: str, target: str) -> str | None:
+    if target == "vllm-moequant" and layout != "compressed-tensors":
+        return (f"target vllm-moequant (moequant's vLLM plugin) reads the compressed-tensors layout, not {layout}; "
+                "set export.format compressed-tensors")
+    return None
+
+
 def layout_refusal(layout: str, spec, target: str, adapter, routed: bool = True) -> str | None:
     """Why `layout` cannot write a tensor in `spec` (a routed expert's, or another's) of this model for
     `target`, decided from the format and the architecture alone, so before any work (None: it can).
     The same rules as the layouts' own check() on a finished plan."""
+    why = _target_refusal(layout, target)
+    if why:
+        return why
     if layout == "gguf":
         from moequant.export_gguf import ARCHS
 

@@ -90,6 +90,30 @@ def ensure_vllm_env(venv: str | os.PathLike | None = None, log=print) -> Path:
     return python
 
 
+def ensure_vllm_plugin(python: Path | None = None, log=print) -> Path:
+    """Make moequant's vLLM plugin (entry point `vllm.general_plugins`: moequant.vllm_plugin) load from
+    THIS checkout inside the vLLM venv: `pip install -e <repo> --no-deps` there when it is missing or
+    points elsewhere (the venv keeps its own torch / transformers; the plugin imports only vLLM)."""
+    python = python or ensure_vllm_env()
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "pyproject.toml").is_file():
+        raise RuntimeError(f"moequant is not installed from a source checkout ({root} has no pyproject.toml), so "
+                           "its vLLM plugin cannot be installed editable; pip install moequant into the vLLM env.")
+    probe = ("import importlib.metadata as m, moequant.vllm_plugin as p; "
+             "assert any(e.value == 'moequant.vllm_plugin:register' "
+             "for e in m.entry_points(group='vllm.general_plugins')); print(p.__file__)")
+    found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, cwd="/")
+    if found.returncode == 0 and Path(found.stdout.strip()).resolve().is_relative_to(root):
+        return python
+    log(f"installing moequant's vLLM plugin from {root} into {python.parent.parent}")
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(root)], check=True)
+    found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, cwd="/")
+    if found.returncode != 0 or not Path(found.stdout.strip()).resolve().is_relative_to(root):
+        raise RuntimeError(f"moequant's vLLM plugin does not load from {root} after installing it:\n"
+                           f"{found.stderr[-2000:]}")
+    return python
+
+
 # The worker runs inside the vLLM venv; it imports only vllm and the standard library.
 _WORKER = r"""
 import gc, json, sys

@@ -140,8 +140,9 @@ class MixedExpertsMoEMethod(FusedMoEMethodBase):
             except (ValueError, RuntimeError, NotImplementedError, AssertionError) as e:
                 raise _refusal(prefix, fmt, e) from None
             if method.is_monolithic and len(by_format) > 1:
-                raise _refusal(prefix, fmt, f"its {type(method).__name__} kernel routes inside itself, so it cannot "
-                                            "run one format group of a mixed layer; on AMD CPUs set VLLM_CPU_INT4_W4A8=0")
+                why = (f"its {type(method).__name__} kernel routes inside itself, so it cannot run one format group "
+                       "of a mixed layer; on AMD CPUs set VLLM_CPU_INT4_W4A8=0")
+                raise _refusal(prefix, fmt, why)
             self.groups.append(group)
             self.methods.append(method)
             self.owner.update({e: (group, i) for i, e in enumerate(experts)})

@@ -89,8 +89,8 @@ def throughput(python: Path, checkpoint: Path, batch: int, tokens: int, prompt_l
         script.write_text(_WORKER)
         job.write_text(json.dumps({"checkpoint": str((checkpoint / "checkpoint").resolve()), "batch": batch,
                                    "tokens": tokens, "prompt_len": prompt_len}))
-        proc = subprocess.run([str(python), str(script), str(job), str(result)], env=env, capture_output=True, check=False,
-                              text=True, cwd=tmp)
+        proc = subprocess.run([str(python), str(script), str(job), str(result)], env=env, capture_output=True,
+                              check=False, text=True, cwd=tmp)
         if proc.returncode != 0 or not result.exists():
             raise RuntimeError(f"vLLM failed on {checkpoint}:\n{_error_summary(proc.stdout + proc.stderr)}")
         return json.loads(result.read_text())

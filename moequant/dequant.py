@@ -24,6 +24,8 @@ read is ever dense in memory. Readable sources (quantization_config.quant_method
 - `mxfp4` (gpt-oss): `X_blocks` uint8 [E, out, in/32, 16] + `X_scales` e8m0 [E, out, in/32]
   encode the fused expert parameter `X` [E, in, out].
 - `gptq` (v1, no act-order) and `awq` (GEMM 4-bit), as moequant exports them.
+- `moequant` (export target vllm-moequant): compressed-tensors with a per-expert format map
+  (`expert_formats`, read by moequant.vllm_plugin), read as compressed-tensors.
 
 Bad input is one UserError sentence naming the tensor: a missing part, codes or scales of the
 wrong dtype / shape (checked from the headers when the checkpoint is opened), NaN or infinite
@@ -44,7 +46,7 @@ from moequant import formats
 from moequant.errors import UserError
 from moequant.formats import QuantizedTensor
 
-QUANT_METHODS = ("compressed-tensors", "fp8", "mxfp4", "gptq", "awq")
+QUANT_METHODS = ("compressed-tensors", "fp8", "mxfp4", "gptq", "awq", "moequant")
 CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized", "mxfp4-pack-quantized",
               "nvfp4-pack-quantized")
 FLOAT8 = ("F8_E4M3", "F8_E5M2")
@@ -87,7 +89,8 @@ def encodings(config: dict, stored: dict, where, read: Callable[[str], torch.Ten
         raise UserError(f"{where}/config.json has a quantization_config that is not a JSON object.")
     method = qc.get("quant_method")
     readers = {"compressed-tensors": _compressed_tensors, "fp8": _deepseek_fp8, "mxfp4": _gpt_oss_mxfp4,
-               "gptq": _gptq, "awq": _awq}
+               "gptq": _gptq, "awq": _awq,
+               "moequant": _compressed_tensors}  # compressed-tensors + a per-expert format map (moequant.vllm_plugin)
     if method not in readers:
         raise UserError(f"{where}/config.json has quantization_config.quant_method {method!r}, a source format "
                         f"moequant cannot read; accepted: {', '.join(QUANT_METHODS)}.")

@@ -33,7 +33,10 @@ Layouts (each refuses, before any work, a plan it cannot hold — one sentence, 
   `int-quantized` with dynamic per-token int8 activations when int8_activations="dynamic".
   target "vllm"/"sglang" needs one format per MoE layer's routed experts, one format per fused
   module group (q/k/v, gate/up) and int formats of 4 or 8 bits; target "transformers" takes any
-  per-expert mix (loaded by moequant.load()).
+  per-expert mix (loaded by moequant.load()); target "vllm-moequant" takes a per-expert mix too,
+  one format per expert (its gate, up and down), and writes `quant_method: moequant` with
+  `expert_formats` = {MoE layer module: [format key per expert]} for moequant's vLLM plugin
+  (moequant.vllm_plugin), which serves it; moequant.load reads it as compressed-tensors.
 - "gptq": GPTQ v1 symmetric int4 / int8 (qweight, qzeros, scales fp16, g_idx), quantize_config.json,
   per-module `dynamic` overrides: "+:" for modules whose bits / group differ from the base,
   "-:" for Linear modules kept in bf16.
@@ -71,7 +74,8 @@ from moequant.errors import UserError
 from moequant.formats import QuantizedTensor
 
 LAYOUTS = ("compressed-tensors", "gptq", "awq", "deepseek-fp8", "gpt-oss-mxfp4", "gguf")
-TARGETS = ("vllm", "sglang", "transformers", "llama.cpp")
+TARGETS = ("vllm", "sglang", "transformers", "llama.cpp", "vllm-moequant")
+ENGINE_TARGETS = ("vllm", "sglang", "vllm-moequant")  # load through an engine's own kernels: int formats of 4 or 8 bits
 EXPORT_INFO = "moequant_export.json"  # what was written, for moequant.load and reports
 
 # Linear modules a serving engine fuses into one: they must share one scheme.
@@ -92,6 +96,9 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
         raise UserError(f"export layout {layout!r} is not supported; accepted: {', '.join(LAYOUTS)}.")
     if target not in TARGETS:
         raise UserError(f"export target {target!r} is not supported; accepted: {', '.join(TARGETS)}.")
+    why = _target_refusal(layout, target)
+    if why:
+        raise UserError(why + ".")
     if int8_activations not in ("none", "dynamic"):
         raise UserError(f"int8_activations {int8_activations!r} is not supported; accepted: none, dynamic.")
     ckpt = open_checkpoint(source_dir)
@@ -411,7 +418,7 @@ class _CompressedTensors(_Layout):
 
     @staticmethod
     def refuses(spec, target):
-        if target in ("vllm", "sglang") and spec.is_int and spec.bits not in (4, 8):
+        if target in ENGINE_TARGETS and spec.is_int and spec.bits not in (4, 8):
             return f"only 4- and 8-bit integer formats for target {target} (its kernels)"
         return None
 
@@ -423,7 +430,10 @@ class _CompressedTensors(_Layout):
         self._refuse_formats()
         if self.target in ("vllm", "sglang"):
             self._one_format_per_moe_layer()
+        if self.target in ENGINE_TARGETS:
             self._one_format_per_fused_group()
+        if self.target == "vllm-moequant":
+            self._one_format_per_expert()
         if self.target == "sglang":
             self._sglang_routed_rule()
 
@@ -471,9 +481,41 @@ class _CompressedTensors(_Layout):
             global_format = "mixed-precision"
         if self.target == "sglang" and any(f in ("pack-quantized", "int-quantized") for f in group_formats | {global_format}):
             global_format = "pack-quantized"
-        return {"quant_method": "compressed-tensors", "format": global_format, "quantization_status": "compressed",
-                "config_groups": config_groups, "ignore": sorted(self._linear_modules_kept()),
-                "kv_cache_scheme": None, "global_compression_ratio": None}
+        config = {"quant_method": "compressed-tensors", "format": global_format, "quantization_status": "compressed",
+                  "config_groups": config_groups, "ignore": sorted(self._linear_modules_kept()),
+                  "kv_cache_scheme": None, "global_compression_ratio": None}
+        if self.target == "vllm-moequant":  # served by moequant's vLLM plugin (moequant.vllm_plugin)
+            from moequant.vllm_plugin import EXPERT_FORMATS, QUANT_METHOD
+
+            config.update({"quant_method": QUANT_METHOD, EXPERT_FORMATS: self._expert_formats()})
+        return config
+
+    def _one_format_per_expert(self) -> None:
+        """The plugin groups a layer's experts by format: an expert's gate, up and down share one."""
+        per_expert: dict[tuple, dict[str, str]] = defaultdict(dict)
+        for name in self.ckpt.keys():
+            role = self.roles[name]
+            if role.role == "routed_expert" and role.expert is not None and name.endswith(".weight"):
+                q = self.items.get(name)
+                per_expert[(role.layer, role.expert)][role.proj] = q.spec.key if q is not None else "bf16"
+        for (layer, expert), projs in sorted(per_expert.items()):
+            if len(set(projs.values())) > 1:
+                desc = ", ".join(f"{p}={k}" for p, k in sorted(projs.items()))
+                raise UserError(f"target vllm-moequant serves each routed expert in one format (vLLM stacks an "
+                                f"expert's gate, up and down together); expert {expert} of layer {layer} has {desc}.")
+
+    def _expert_formats(self) -> dict[str, list[str]]:
+        """{MoE layer module (vLLM's fused experts module): [format key of each expert]}."""
+        out = {}
+        for layer in self.adapter.moe_layers:
+            keys = []
+            for expert in range(self.adapter.num_experts):
+                name = self.adapter.expert_tensor_name(layer, expert, "gate")
+                q = self.items.get(name)
+                keys.append(q.spec.key if q is not None else "bf16")
+            module = self.adapter.expert_tensor_name(layer, 0, "gate").rsplit(".", 3)[0]  # ....experts
+            out[module] = keys
+        return out
 
 
 # ---- GPTQ v1 --------------------------------------------------------------------------------------
@@ -668,10 +710,20 @@ def _unfused_refusal(layout: str, adapter) -> str | None:
     return None
 
 
+def _target_refusal(layout: str, target: str) -> str | None:
+    if target == "vllm-moequant" and layout != "compressed-tensors":
+        return (f"target vllm-moequant (moequant's vLLM plugin) reads the compressed-tensors layout, not {layout}; "
+                "set export.format compressed-tensors")
+    return None
+
+
 def layout_refusal(layout: str, spec, target: str, adapter, routed: bool = True) -> str | None:
     """Why `layout` cannot write a tensor in `spec` (a routed expert's, or another's) of this model for
     `target`, decided from the format and the architecture alone, so before any work (None: it can).
     The same rules as the layouts' own check() on a finished plan."""
+    why = _target_refusal(layout, target)
+    if why:
+        return why
     if layout == "gguf":
         from moequant.export_gguf import ARCHS
 

@@ -21,6 +21,9 @@ decision unit depends on the serving target:
   refuses, and models whose experts are not named gate/up/down_proj (Mixtral's w1/w3/w2) do not
   resolve per layer: both get one format for the model. A budget solves both ways and keeps the
   better plan.
+* `vllm-moequant`: every expert on its own, served by moequant's vLLM plugin (moequant.vllm_plugin:
+  one vLLM fused-MoE method per format group of a layer) in the formats vLLM's CPU backend has
+  fused-MoE kernels for (`VLLM_MOEQUANT_ROUTED`: bf16, int8 per channel as W8A8, symmetric int4).
 * `llama.cpp`: one ggml block type per (layer, projection): GGUF stacks a layer's experts per
   projection (`blk.N.ffn_{gate,up,down}_exps`) into one tensor of one type, so gate, up and down
   of a layer may differ, experts may not. Candidates are ggml types (q8_0 ... q2_k) or bf16; a
@@ -85,7 +88,7 @@ plan.json (schema "moequant.plan/1")
 ------------------------------------
 {
   "schema": "moequant.plan/1",
-  "model": str, "target": "vllm" | "sglang" | "transformers",
+  "model": str, "target": "vllm" | "sglang" | "transformers" | "vllm-moequant" | "llama.cpp",
   "method": "budget" | "rules" | "uniform",
   "budget": null | {"bits_per_weight": float | null, "gigabytes": float | null,
                     "routed_bytes_limit": int},      # bytes the routed experts may use
@@ -142,7 +145,12 @@ from moequant.recipe import Recipe, is_format_key, recipe_to_dict
 SCHEMA = "moequant.plan/1"
 PROJECTIONS = ("gate", "up", "down")
 # The decision unit for routed experts per target (see the module docstring).
-GRANULARITY = {"transformers": "expert", "vllm": "layer", "sglang": "model", "llama.cpp": "layer_proj"}
+GRANULARITY = {"transformers": "expert", "vllm": "layer", "sglang": "model", "llama.cpp": "layer_proj",
+               "vllm-moequant": "expert"}
+# Routed-expert formats moequant's vLLM plugin serves on vLLM's CPU backend (vLLM 0.32 there has
+# fused-MoE kernels for symmetric int4 groups (W4A16), int8 per channel with dynamic per-token int8
+# activations (W8A8; export.int8_activations: dynamic) and bf16; FP8 / MXFP4 / NVFP4 MoE need a GPU).
+VLLM_MOEQUANT_ROUTED = ("bf16", "int8", "int4")
 ALWAYS_BF16_ROLES = {
     "router": "the router always stays bf16",
     "shared_expert_gate": "the shared-expert gate always stays bf16",
@@ -271,12 +279,22 @@ def unservable_reason(target: str, spec, routed: bool) -> str | None:
         return f"ggml block types are for target llama.cpp (GGUF), not {target}"
     if target == "transformers":
         return None
-    engine = {"vllm": "vLLM", "sglang": "SGLang"}[target]
+    if target == "vllm-moequant" and routed and (spec.name not in VLLM_MOEQUANT_ROUTED or (
+            spec.name == "int8" and spec.granularity != "channel")):
+        return ("moequant's vLLM plugin serves routed experts in bf16, per-channel int8 (W8A8) and symmetric int4 "
+                f"on vLLM's CPU backend, not {spec.key}")
+    engine = {"vllm": "vLLM", "sglang": "SGLang", "vllm-moequant": "vLLM"}[target]
     if spec.name in ("int3", "int2"):
         return f"{engine} loads integer weights only at 4 or 8 bits (WNA16 kernels)"
     if routed and spec.name in ("int4", "int8") and not spec.symmetric:
         return f"{engine}'s fused MoE loads only symmetric integer experts"
     return None
+
+
+def _servable_routed(target: str) -> str:
+    if target == "vllm-moequant":
+        return "int8 (per channel), symmetric int4, bf16"
+    return "fp8, int8, symmetric int4, mxfp4, nvfp4, bf16"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1006,8 +1024,7 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
                 why = unservable_reason(target, spec, routed=True)
                 if why:
                     raise UserError(f"experts.rules gives routed experts {spec.key}, which target {target} cannot "
-                                    f"serve: {why}; accepted: fp8, int8, symmetric int4, mxfp4, nvfp4, bf16, "
-                                    f"or target transformers.")
+                                    f"serve: {why}; accepted: {_servable_routed(target)}, or target transformers.")
         else:
             assignment = _apply_rules(ctx, recipe, free)
         for spec in _dedupe(assignment.values()):
@@ -1015,7 +1032,7 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
             if why:
                 key = "experts.format" if method == "uniform" else "experts.rules"
                 raise UserError(f"{key} gives routed experts {spec.key}, which target {target} cannot serve: {why}; "
-                                f"accepted: fp8, int8, symmetric int4, mxfp4, nvfp4, bf16, or target transformers.")
+                                f"accepted: {_servable_routed(target)}, or target transformers.")
         _check_uniform_groups(ctx, target, assignment)
         specs = _dedupe(assignment.values())
     for key, spec in assignment.items():

@@ -48,7 +48,7 @@ from moequant.errors import UserError
 
 FORMAT_NAMES = ("bf16", "fp8", "int8", "int4", "int3", "int2", "mxfp4", "nvfp4",
                 "q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "q3_k", "q2_k")  # the last: ggml types
-TARGETS = ("vllm", "sglang", "transformers", "llama.cpp")
+TARGETS = ("vllm", "sglang", "transformers", "llama.cpp", "vllm-moequant")
 METHODS = ("budget", "rules", "uniform")
 # imatrix: round-to-nearest with the scale search weighted by the inputs' second moments (ggml types)
 ALGORITHMS = ("rtn", "gptq", "awq", "imatrix")

@@ -90,6 +90,30 @@ def ensure_vllm_env(venv: str | os.PathLike | None = None, log=print) -> Path:
     return python
 
 
+def ensure_vllm_plugin(python: Path | None = None, log=print) -> Path:
+    """Make moequant's vLLM plugin (entry point `vllm.general_plugins`: moequant.vllm_plugin) load from
+    THIS checkout inside the vLLM venv: `pip install -e <repo> --no-deps` there when it is missing or
+    points elsewhere (the venv keeps its own torch / transformers; the plugin imports only vLLM)."""
+    python = python or ensure_vllm_env()
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "pyproject.toml").is_file():
+        raise RuntimeError(f"moequant is not installed from a source checkout ({root} has no pyproject.toml), so "
+                           "its vLLM plugin cannot be installed editable; pip install moequant into the vLLM env.")
+    probe = ("import importlib.metadata as m, moequant.vllm_plugin as p; "
+             "assert any(e.value == 'moequant.vllm_plugin:register' "
+             "for e in m.entry_points(group='vllm.general_plugins')); print(p.__file__)")
+    found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, cwd="/")
+    if found.returncode == 0 and Path(found.stdout.strip()).resolve().is_relative_to(root):
+        return python
+    log(f"installing moequant's vLLM plugin from {root} into {python.parent.parent}")
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(root)], check=True)
+    found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, cwd="/")
+    if found.returncode != 0 or not Path(found.stdout.strip()).resolve().is_relative_to(root):
+        raise RuntimeError(f"moequant's vLLM plugin does not load from {root} after installing it:\n"
+                           f"{found.stderr[-2000:]}")
+    return python
+
+
 # The worker runs inside the vLLM venv; it imports only vllm and the standard library.
 _WORKER = r"""
 import gc, json, sys
@@ -114,8 +138,9 @@ def main(job_path, result_path):
     results = {}
     for ckpt, dtype in zip(job["checkpoints"], job["dtypes"]):
         llm = LLM(model=ckpt, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
-                  max_model_len=job["max_model_len"], seed=0)
+                  max_model_len=job["max_model_len"], seed=0, max_logprobs=max(20, job["top_k"]))
         params = SamplingParams(temperature=0.0, max_tokens=job["steps"], logprobs=job["top_k"],
+                                prompt_logprobs=job["top_k"] if job.get("prompt_logprobs") else None,
                                 detokenize=False, ignore_eos=True)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"][ckpt]], params)
         per_prompt = []
@@ -125,6 +150,9 @@ def main(job_path, result_path):
                 "tokens": list(c.token_ids),
                 "top": [{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs],
             })
+            if job.get("prompt_logprobs"):  # position 0 has none
+                per_prompt[-1]["prompt_top"] = [None if step is None else {str(t): lp.logprob for t, lp in step.items()}
+                                                for step in out.prompt_logprobs]
         results[ckpt] = per_prompt
         json.dump(results, open(result_path, "w"))  # after each: a crash keeps what ran
         del llm
@@ -138,13 +166,16 @@ if __name__ == "__main__":
 
 def run_vllm(checkpoints: list[str | os.PathLike], prompts: list[list[int]] | dict, *, steps: int = 32,
              top_k: int = 5, dtype: str | list[str] = "bfloat16", max_model_len: int = 256,
-             python: Path | None = None, timeout: float = 1800) -> dict[str, list[dict] | str]:
+             python: Path | None = None, timeout: float = 1800, prompt_logprobs: bool = False
+             ) -> dict[str, list[dict] | str]:
     """Greedy-decode every prompt with vLLM for every checkpoint, in as few worker processes as possible.
 
     `prompts`: token-id lists for every checkpoint, or {checkpoint: token-id lists}.
     Returns {checkpoint: [{"tokens": [...], "top": [{token_id: logprob} per step]} per prompt]}, or
     {checkpoint: "error text"} for a checkpoint vLLM could not load or run (a crash in one
-    checkpoint restarts the worker on the remaining ones).
+    checkpoint restarts the worker on the remaining ones). `prompt_logprobs`: also "prompt_top",
+    the top-k log-probabilities at every prompt position (None at position 0); top_k = the vocabulary
+    size gives whole distributions.
     """
     python = python or ensure_vllm_env()
     if isinstance(prompts, dict):
@@ -180,6 +211,7 @@ def run_vllm(checkpoints: list[str | os.PathLike], prompts: list[list[int]] | di
             result.unlink(missing_ok=True)
             job.write_text(json.dumps({"checkpoints": todo, "prompts": {c: prompts[c] for c in todo},
                                        "steps": steps, "top_k": top_k, "hide_zentorch": hide_zentorch,
+                                       "prompt_logprobs": prompt_logprobs,
                                        "dtypes": [dtypes[c] for c in todo], "max_model_len": max_model_len}))
             proc = subprocess.run([str(python), str(script), str(job), str(result)], env=env,
                                   capture_output=True, text=True, timeout=timeout, cwd=tmp)

@@ -431,3 +431,30 @@ def test_kept_tensors_and_bf16_plans_are_written_as_given(mixtral, tmp_path):
         export_checkpoint(mixtral, q, tmp_path / "p", kept={"model.layers.0.self_attn.o_proj.weight": attn.codes})
     with pytest.raises(UserError, match=r"kept tensor 'model.norm.weight' has shape \[4, 256\]"):
         export_checkpoint(mixtral, {}, tmp_path / "p", kept={"model.norm.weight": router})
+
+
+def test_vllm_moequant_target_writes_the_per_expert_format_map(qwen2, tmp_path):
+    """Target vllm-moequant: quant_method moequant, expert_formats per MoE layer module in expert order,
+    the compressed-tensors groups otherwise as for vllm, and moequant.load reads it as compressed-tensors."""
+    fmt = lambda L, e, p: "int4-g32-sym" if (L + e) % 2 == 0 else "int8-channel"
+    q = quantize_experts(qwen2, fmt)
+    out = export_checkpoint(qwen2, q, tmp_path / "plugin", target="vllm-moequant", int8_activations="dynamic")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    adapter = adapter_for(open_checkpoint(qwen2).config)
+    assert qc["quant_method"] == "moequant"
+    assert qc["expert_formats"] == {f"model.layers.{L}.mlp.experts": [fmt(L, e, "gate") for e in
+                                                                      range(adapter.num_experts)]
+                                    for L in adapter.moe_layers}
+    assert {g["format"] for g in qc["config_groups"].values()} == {"pack-quantized", "int-quantized"}
+    ours = dequantized_state_dict(out, torch.float32)
+    for (L, e, p), qt in q.items():
+        assert torch.equal(ours[adapter.expert_tensor_name(L, e, p)], formats.dequantize(qt).float())
+    with pytest.raises(UserError) as info:  # the plugin stacks an expert's gate, up and down in one group
+        split = quantize_experts(qwen2, lambda L, e, p: "int8-channel" if p == "down" else "int4-g32-sym")
+        export_checkpoint(qwen2, split, tmp_path / "split", target="vllm-moequant")
+    assert str(info.value).startswith("target vllm-moequant serves each routed expert in one format")
+    with pytest.raises(UserError) as info:
+        export_checkpoint(qwen2, q, tmp_path / "gptq", target="vllm-moequant", layout="gptq")
+    assert str(info.value) == ("target vllm-moequant (moequant's vLLM plugin) reads the compressed-tensors layout, "
+                               "not gptq; set export.format compressed-tensors.")
+    assert not (tmp_path / "split").exists() and not (tmp_path / "gptq").exists()

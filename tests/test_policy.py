@@ -621,3 +621,32 @@ def test_rules_and_uniform_plans_show_the_budget_plan_at_their_bytes():
                               bits_per_weight=plan.summary["bits_per_weight"]["routed_experts"]), model_tensors(), stats)
     assert alt["predicted_loss"] == pytest.approx(solved.summary["predicted_loss"], rel=1e-9)
     assert solved.summary["budget_alternative"] is None
+
+
+def test_vllm_moequant_serves_per_expert_mixes_of_the_plugins_formats():
+    """Target vllm-moequant (moequant's vLLM plugin) decides per expert, like transformers, but only
+    among the formats vLLM's CPU backend has fused-MoE kernels for."""
+    stats = make_stats(layers=4, experts=6, seed=5)
+    tensors = model_tensors(4, 6)
+    names = ["int8", "int4", "bf16"]
+    for bpw in (4.6, 5.5, 7.0):
+        plugin = make_plan(budget("vllm-moequant", names, bits_per_weight=bpw), tensors, stats)
+        per_expert = make_plan(budget("transformers", names, bits_per_weight=bpw), tensors, stats)
+        assert plugin.expert_formats() == per_expert.expert_formats()  # the same candidates: the same optimum
+        vllm = make_plan(budget("vllm", names, bits_per_weight=bpw), tensors, stats)
+        assert plugin.summary["predicted_loss"] <= vllm.summary["predicted_loss"] + 1e-12
+    mixed = make_plan(budget("vllm-moequant", names, bits_per_weight=5.5), tensors, stats)
+    assert any(len(keys) > 1 for keys in mixed.layer_formats().values())  # formats differ inside a layer
+    dropped = make_plan(budget("vllm-moequant", ["int8", "int4", "fp8", "mxfp4", "int3"], bits_per_weight=6.0),
+                        tensors, stats)
+    assert dropped.candidates == ["int8-channel", "int4-g32-sym"]
+    assert set(dropped.dropped_candidates) == {"fp8-channel", "mxfp4", "int3-g32-sym"}
+    assert dropped.dropped_candidates["mxfp4"] == (
+        "moequant's vLLM plugin serves routed experts in bf16, per-channel int8 (W8A8) and symmetric int4 on "
+        "vLLM's CPU backend, not mxfp4")
+    with pytest.raises(UserError) as info:
+        make_plan(recipe("vllm-moequant", {"method": "uniform", "format": "fp8"}), tensors, None)
+    assert str(info.value).endswith("accepted: int8 (per channel), symmetric int4, bf16, or target transformers.")
+    rules = {"method": "rules", "rules": [{"share_at_least": 1.0, "format": "int8"}, {"format": "int4"}]}
+    by_expert = make_plan(recipe("vllm-moequant", rules), tensors, stats)  # per-expert rules: allowed
+    assert any(len(keys) > 1 for keys in by_expert.layer_formats().values())

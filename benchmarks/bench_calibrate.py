@@ -45,7 +45,7 @@ def build(directory: Path, layers: int) -> None:
 
 def child(model: str, out: str, samples: int, seq_len: int, device: str, hessians: bool) -> None:
     """Runs in the subprocess: calibrate, print peak RSS and time as JSON."""
-    
+
     import torch
 
     from moequant.calibrate import CalibrationSettings, calibrate

@@ -505,7 +505,8 @@ def profile(device, shape, experts, out_dir=None):
     """Where a GPTQ solve's time goes, for the first `experts` experts of one layer shape: the
     factorization variants alone, then gate+up and down with the torch sweep and with the fused
     Triton sweep (phase times from the report, plus the top CUDA kernels from torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     from moequant.algorithms import gptq
 

@@ -51,7 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moequant.verify_vllm import _error_summary, ensure_vllm_env, ensure_vllm_plugin
+from moequant.verify_vllm import _error_summary, ensure_vllm_env, ensure_vllm_plugin  # noqa: E402
 
 GROUP = {"tiny-qwen2moe": 64, "tiny-mixtral": 128}
 

@@ -21,7 +21,8 @@ import time
 import traceback
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 CASE_SECONDS = 5
 HUGE = False

@@ -23,8 +23,8 @@ import time
 
 
 def tokens(model: str, out: str, samples: int, seq_len: int, seed: int) -> None:
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     from moequant.calibrate import load_tokenizer
     from moequant.checkpoint import open_checkpoint

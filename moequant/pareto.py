@@ -152,8 +152,8 @@ def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, sett
     """Quantize, export, evaluate and report one plan into run_dir (reused when unchanged).
     `same_as`: a finished run directory whose plan quantizes every tensor the same way: its
     checkpoint (hard links where possible) and its evaluation are reused."""
-    from moequant.evaluate import evaluate_checkpoints
     from moequant.apply import export_arguments
+    from moequant.evaluate import evaluate_checkpoints
     from moequant.export import export_checkpoint
     from moequant.fingerprint import KEY, checkpoint_fingerprint, run_fingerprint, stamp_checkpoint
     from moequant.policy import plan_to_dict, write_plan

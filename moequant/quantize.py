@@ -48,13 +48,21 @@ from safetensors.torch import load_file
 
 from moequant import formats
 from moequant.arch import adapter_for
-from moequant.calibrate import (CalibrationSettings, _LayerCollector, _save_atomic, chosen_hessian, collect_moe_stats,
-                                load_carried, load_tokenizer, save_carried)
+from moequant.calibrate import (
+    CalibrationSettings,
+    _LayerCollector,
+    _save_atomic,
+    chosen_hessian,
+    collect_moe_stats,
+    load_carried,
+    load_tokenizer,
+    save_carried,
+)
 from moequant.checkpoint import atomic_write_text, open_checkpoint
 from moequant.errors import UserError
 from moequant.layers import LayerRunner, compute_dtype, release_freed_memory
-from moequant.progress import LayerProgress
 from moequant.policy import Plan
+from moequant.progress import LayerProgress
 
 
 def _plan_fingerprint(plan: Plan, settings: CalibrationSettings, extra: str) -> str:

@@ -402,15 +402,30 @@ def check_format_params(recipe: Recipe, source: str) -> None:
             raise UserError(f"recipe {source}: key '{key}' ({entry}): {str(error).rstrip('.')}.") from None
 
 
+BUNDLED_RECIPES = Path(__file__).resolve().parent / "recipes"
+
+
+def bundled_recipe(path: str | Path) -> Path:
+    """`path` itself, or, when no such file exists and it is a bare name (`selective`, `uniform-int4.yaml`),
+    the recipe of that name shipped with moequant."""
+    path = Path(path)
+    if not path.is_file() and path.parent == Path(".") and path.suffix in ("", ".yaml"):
+        shipped = BUNDLED_RECIPES / f"{path.stem}.yaml"
+        if shipped.is_file():
+            return shipped
+    return path
+
+
 def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
     """Read a recipe YAML (None: all defaults), apply `dotted.key=value` overrides, validate."""
     if path is None:
         data, source = {}, "<defaults>"
     else:
-        path = Path(path)
+        path = bundled_recipe(path)
         source = str(path)
         if not path.is_file():
-            raise UserError(f"recipe {source} does not exist or is not a file.")
+            names = ", ".join(sorted(p.stem for p in BUNDLED_RECIPES.glob("*.yaml")))
+            raise UserError(f"recipe {source} does not exist or is not a file (bundled recipes, by name: {names}).")
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8"))
         except UnicodeDecodeError:

@@ -121,11 +121,10 @@ def checkpoint_bytes(path, adapter=None) -> dict:
     counted in "total" only, not in a role's bytes: those are the weights' own bytes (codes, scales,
     zero points), the account `formats.nbytes` and so the plan keep.
     """
-    from moequant.formats import LAYOUT_METADATA
     from moequant.arch import adapter_for
     from moequant.checkpoint import open_checkpoint
-
     from moequant.export_gguf import GGUF_FILE, gguf_bytes
+    from moequant.formats import LAYOUT_METADATA
 
     if (Path(path) / GGUF_FILE).exists():  # a GGUF export (moequant.export_gguf)
         return gguf_bytes(Path(path) / GGUF_FILE)

@@ -56,6 +56,9 @@ KL_EVALUATION = (64, 256)  # end-to-end KL: the EVALUATION windows and 48 more o
 SMALL_TOKENS = EVALUATION[0] * EVALUATION[1]
 
 
+pytestmark = pytest.mark.slow
+
+
 def recipe_for(model: str, fmt: str, algorithm: str, *extra):
     return load_recipe("recipes/uniform-int4.yaml", [f"model={model}", f"experts.format={fmt}",
                                                      f"algorithms.{fmt}={algorithm}", *extra])
@@ -407,8 +410,9 @@ def test_awq_experts_no_token_reaches_are_quantized_finite_and_reported(tmp_path
     """Layer 1's router can only pick experts 0 and 1 (as in test_crash): experts 2..5 see no token.
     AWQ gives them the all-tokens statistics (down) and the layer's shared scale (gate/up), says so
     per expert, and writes finite quantized weights for every expert."""
-    from moequant.loader import dequantized_state_dict
     from tiny import build_tiny_with_tokenizer, route_only_to_experts_0_and_1
+
+    from moequant.loader import dequantized_state_dict
 
     directory = build_tiny_with_tokenizer("qwen2_moe", tmp_path / "tiny")
     route_only_to_experts_0_and_1(directory)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from tiny import build_tiny_with_tokenizer
 
 from moequant.cli import main
-from tiny import build_tiny_with_tokenizer
 
 SMALL = ["calibration.samples=8", "calibration.seq_len=64", "evaluate.samples=4", "evaluate.seq_len=64"]
 

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from tiny import TINY_CONFIGS, build_tiny
 
 from moequant.arch import adapter_for
 from moequant.calibrate import CalibrationSettings, calibrate
@@ -15,7 +16,6 @@ from moequant.cli import main
 from moequant.data import Sample
 from moequant.errors import UserError
 from moequant.stats import load_stats
-from tiny import TINY_CONFIGS, build_tiny
 
 SEQ, N, BS = 24, 6, 3
 FORMATS = ("int8-channel", "fp8-channel")

@@ -23,14 +23,17 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
+from tiny import build_tiny_with_tokenizer, route_only_to_experts_0_and_1
 
 from moequant.cli import main
 from moequant.errors import UserError
-from tiny import build_tiny_with_tokenizer, route_only_to_experts_0_and_1
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["calibration.samples=2", "calibration.seq_len=32", "calibration.dataset=builtin:stdlib-prose",
         "evaluate.samples=2", "evaluate.seq_len=32", "evaluate.dataset=builtin:stdlib-prose"]
+
+
+pytestmark = pytest.mark.slow
 
 
 def apply_args(model_dir, out, *extra):

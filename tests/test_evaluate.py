@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from tiny import build_tiny
 
 from moequant.errors import UserError
 from moequant.evaluate import evaluate, evaluate_checkpoints, format_quality, load_quantized, token_statistics
-from tiny import build_tiny
 
 
 def _load(directory):
@@ -77,7 +77,7 @@ def test_perplexity_kl_top1_match_float64_reference(sharp_reference):
     got = evaluate(ref, q, samples, batch_size=2)
 
     # the reference computation: one window at a time, float64 log-softmax written out
-    nll_r, nll_q, kls, top1, doms = [], [], [], [], []
+    nll_r, nll_q, kls, top1 = [], [], [], []
     per_dom = {}
     with torch.no_grad():
         for s in samples:
@@ -312,11 +312,10 @@ def test_a_checkpoint_under_other_tensor_names_is_refused_not_randomly_filled(tm
     moequant's loaders refuse such a checkpoint with one sentence, and `moequant eval` exits 2."""
     from click.testing import CliRunner
     from safetensors.torch import load_file, save_file
+    from tiny import build_tiny_with_tokenizer
 
     import moequant
     from moequant.cli import main
-
-    from tiny import build_tiny_with_tokenizer
 
     src = build_tiny_with_tokenizer("mixtral", tmp_path / "orig")
     renamed = tmp_path / "renamed"

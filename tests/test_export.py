@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_export_models import build_model, quantize_experts, quantize_named
 
 from moequant import formats
 from moequant.arch import adapter_for
@@ -20,7 +21,6 @@ from moequant.checkpoint import open_checkpoint
 from moequant.errors import UserError
 from moequant.export import export_checkpoint
 from moequant.loader import dequantized_state_dict, load
-from test_export_models import build_model, quantize_experts, quantize_named
 
 # every format moequant has, cycled over the experts of one model: a per-expert mix
 ALL_KEYS = ["int4-g128-sym", "int4-g32-asym", "int3-g64-sym", "int2-g32-asym", "int8-channel", "fp8-channel",

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_export_models import VOCAB, build_model
+from test_vllm import gptq_experts
 
 from moequant.export import export_checkpoint
 from moequant.verify_vllm import compare_logprobs, default_prompts, ensure_gptqmodel_env, run_gptqmodel
-from test_export_models import VOCAB, build_model
-from test_vllm import gptq_experts
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])

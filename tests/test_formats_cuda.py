@@ -9,7 +9,7 @@ import torch
 from moequant import formats
 from tests.test_formats import make_weight
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def _same(a, b):

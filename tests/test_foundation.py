@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from tiny import TINY_CONFIGS, build_tiny
 
 from moequant.arch import adapter_for, supported_model_types
 from moequant.checkpoint import ShardWriter, atomic_directory, open_checkpoint, read_safetensors_header
 from moequant.cli import main
 from moequant.errors import UserError
-from tiny import TINY_CONFIGS, build_tiny
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 PUBLISHED = json.loads((CONFIGS / "published.json").read_text())

@@ -20,16 +20,30 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moequant.checkpoint import DTYPE_SIZES, open_checkpoint, read_safetensors_header
 from moequant.errors import UserError
-from moequant.recipe import (ALGORITHMS, EXPORT_FORMATS, FORMAT_NAMES, KEEP_GROUPS, METHODS, TARGETS, apply_overrides,
-                             load_recipe, recipe_from_dict, recipe_to_dict)
+from moequant.recipe import (
+    ALGORITHMS,
+    EXPORT_FORMATS,
+    FORMAT_NAMES,
+    KEEP_GROUPS,
+    METHODS,
+    TARGETS,
+    apply_overrides,
+    load_recipe,
+    recipe_from_dict,
+    recipe_to_dict,
+)
 
 CASES = int(os.environ.get("MOEQUANT_FUZZ_CASES", "40"))
+
+
+pytestmark = pytest.mark.slow
 
 
 def fuzz_settings(cases: int = CASES, shrink: bool = True):

@@ -23,6 +23,9 @@ from moequant.zoo import path as zoo_path
 MODELS = ("tiny-qwen2moe", "tiny-mixtral")
 
 
+pytestmark = pytest.mark.slow
+
+
 def _weights(rows=48, cols=512, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g)
@@ -88,11 +91,10 @@ def test_a_type_that_cannot_hold_a_dimension_is_refused():
 
 def _reference_model(source, dequantized: dict, tmp):
     """transformers model of `source` with the dequantized expert weights (float32)."""
-    from transformers import AutoModelForCausalLM
-
     import shutil
 
     from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
 
     ckpt = open_checkpoint(source)
     ad = adapter_for(ckpt.config)

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from moequant import formats
 from moequant.algorithms import gptq, rtn
 from moequant.errors import UserError
 

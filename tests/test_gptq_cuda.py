@@ -14,6 +14,7 @@ from moequant.algorithms import gptq, gptq_triton, rtn
 from tests.test_gptq import make_layer, output_error
 
 pytestmark = [
+    pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(gptq_triton.triton is None, reason="needs Triton (the fused sweep is optional)"),
 ]

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import TINY_CONFIGS, build_tiny
 
 from moequant.arch import adapter_for
 from moequant.calibrate import _LayerCollector, collect_moe_stats
 from moequant.checkpoint import open_checkpoint
 from moequant.layers import LayerRunner
-from tiny import TINY_CONFIGS, build_tiny
 
 SEQ, N, BS = 16, 4, 2
 
@@ -142,12 +142,13 @@ def test_cuda_bf16_grouped_statistics_agree_with_float32_cpu(tiny_dirs, model_ty
 def test_quantize_pass_in_expert_chunks_equals_the_whole_layer(tiny_dirs, tmp_path, monkeypatch):
     """Bounded device memory: a layer's Hessians built, used and freed a chunk of experts at a time
     give the same GPTQ codes, report and carried activations as the whole layer at once."""
+    from pathlib import Path
+
     from moequant import quantize
     from moequant.calibrate import CalibrationSettings
     from moequant.data import Sample
     from moequant.policy import make_plan
     from moequant.recipe import load_recipe
-    from pathlib import Path
 
     d = tiny_dirs["qwen3_moe"]
     recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "uniform-int4.yaml",

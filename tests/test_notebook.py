@@ -26,6 +26,9 @@ MODELS = ["zoo:tiny-qwen2moe", "zoo:tiny-mixtral"]
 GROUP = {"zoo:tiny-qwen2moe": 64, "zoo:tiny-mixtral": 128}
 
 
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
     out = tmp_path_factory.mktemp("nb")

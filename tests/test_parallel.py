@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
@@ -28,6 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 FAST = ["calibration.samples=8", "calibration.seq_len=64", "calibration.dataset=builtin:stdlib-prose",
         "calibration.probe_samples=0", "evaluate.samples=2", "evaluate.seq_len=32",
         "evaluate.dataset=builtin:stdlib-prose"]
+
+
+pytestmark = pytest.mark.slow
 
 
 def apply_args(model: str, out: Path) -> list[str]:

@@ -30,6 +30,9 @@ MODEL = "zoo:tiny-qwen2moe"
 SIZES = ["calibration.samples=16", "calibration.seq_len=128", "evaluate.samples=8", "evaluate.seq_len=128"]
 
 
+pytestmark = pytest.mark.slow
+
+
 def routed_bytes_of(spec_entry, **params) -> tuple[int, int]:
     """(bytes, weights) of every routed expert of MODEL in one format (a name with params, or a
     spec), from the format definition."""

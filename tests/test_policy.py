@@ -15,7 +15,13 @@ import torch
 
 from moequant.errors import UserError
 from moequant.policy import (
-    SCHEMA, format_summary, make_plan, read_plan, solve_choices, tensors_from_checkpoint, write_plan,
+    SCHEMA,
+    format_summary,
+    make_plan,
+    read_plan,
+    solve_choices,
+    tensors_from_checkpoint,
+    write_plan,
 )
 from moequant.recipe import recipe_from_dict
 from moequant.stats import LayerStats, Stats
@@ -559,10 +565,10 @@ def test_fused_experts_are_planned_per_expert():
 
 @pytest.mark.parametrize("model_type", ["qwen2_moe", "gpt_oss", "deepseek_v3"])
 def test_plan_from_a_real_checkpoint_covers_every_tensor(tmp_path, model_type):
+    from tiny import build_tiny
+
     from moequant.arch import adapter_for
     from moequant.checkpoint import open_checkpoint
-
-    from tiny import build_tiny
 
     ckpt = open_checkpoint(build_tiny(model_type, tmp_path / model_type))
     adapter = adapter_for(ckpt.config)

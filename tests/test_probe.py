@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny import build_tiny
 
 from moequant import formats
 from moequant.calibrate import CalibrationSettings, calibrate
@@ -19,7 +20,6 @@ from moequant.policy import format_summary, make_plan
 from moequant.probe import choose_probe_format, probe_algorithm_for, probe_indices
 from moequant.recipe import recipe_from_dict
 from moequant.stats import LayerStats, Stats, load_stats
-from tiny import build_tiny
 
 SEQ, N, BS = 16, 4, 2
 FORMATS = ("int8-channel", "int4-g32-sym", "int2-g32-asym")

@@ -28,6 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 UMASK = 0o027
 
 
+pytestmark = pytest.mark.slow
+
+
 def quickstart_lines(readme: str) -> list[str]:
     section = readme.split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from tiny import build_tiny, tiny_config
 
 from moequant import formats
 from moequant.arch import adapter_for
 from moequant.checkpoint import open_checkpoint
 from moequant.export import export_checkpoint
 from moequant.report import build_report, checkpoint_bytes, gpus_needed, memory_account
-from tiny import build_tiny, tiny_config
 
 # ---------------------------------------------------------------- independent byte counting
 

@@ -24,6 +24,9 @@ SHAPE = dict(hidden_size=1024, moe_intermediate_size=512, num_experts=64, num_ex
              max_position_embeddings=1024, tie_word_embeddings=False, norm_topk_prob=True)
 
 
+pytestmark = pytest.mark.slow
+
+
 def _build(directory: Path, layers: int) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -8,14 +8,14 @@ modules at import time, so its scheme resolution cannot be imported on this CPU 
 import json
 
 import pytest
+from test_export_models import quantize_experts
+from test_policy import make_stats, model_tensors
 
 from moequant.errors import UserError
 from moequant.export import export_checkpoint
 from moequant.policy import make_plan
 from moequant.recipe import recipe_from_dict
 from moequant.zoo import path as zoo_path
-from test_export_models import quantize_experts
-from test_policy import make_stats, model_tensors
 
 
 def plan(formats, bits, tensors, stats):

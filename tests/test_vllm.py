@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_export_models import quantize_experts
 
 from moequant.algorithms.gptq import gptq
 from moequant.arch import adapter_for
@@ -19,9 +20,11 @@ from moequant.checkpoint import open_checkpoint
 from moequant.export import export_checkpoint
 from moequant.verify_vllm import compare_with_moequant, engine_dtype, ensure_vllm_env, run_vllm
 from moequant.zoo import path as zoo_path
-from test_export_models import quantize_experts
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "def main(argv):", "In the beginning God created"]
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 def prompts_for(model: str) -> list[list[int]]:

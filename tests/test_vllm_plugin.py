@@ -55,6 +55,9 @@ STEPS = 16
 TIE_NATS = 0.5
 
 
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
 def prompts() -> list[list[int]]:
     from tokenizers import Tokenizer
 

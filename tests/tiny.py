@@ -61,14 +61,15 @@ def build_tiny(model_type: str, directory: Path, seed: int = 0, dtype=torch.bflo
 def build_tiny_with_tokenizer(model_type: str, directory: Path, seed: int = 0, vocab_size: int = 320) -> Path:
     """A tiny model plus a byte-level BPE tokenizer trained here on standard-library source,
     so the whole pipeline (data → calibrate → … → evaluate) can run on it offline."""
+    import argparse  # noqa: E401  (their source is the training text)
     import inspect
+    import json
     import json as _json
+    import textwrap
 
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
-    import argparse, textwrap, json  # noqa: E401  (their source is the training text)
 
     text = [inspect.getsource(m) for m in (argparse, textwrap, json)]
     tok = tokenizers.Tokenizer(models.BPE())

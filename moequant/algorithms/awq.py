@@ -478,8 +478,8 @@ def awq_clip(weight: torch.Tensor, spec, hessian: torch.Tensor, *, steps: int = 
         clipped = best_w.reshape(e, out_features, n_in)
 
         def row_errors(v):
-            d = formats.quantize(v, spec).dequantize(torch.float32) - w
-            return ((d @ h) * d).sum(-1).double()  # [e, out]
+            d = formats.quantize(v, spec).dequantize(torch.float32) - w  # noqa: F821
+            return ((d @ h) * d).sum(-1).double()  # [e, out]  # noqa: F821
 
         rows_plain, rows_clipped = row_errors(w), row_errors(clipped)
         keep = rows_clipped < rows_plain

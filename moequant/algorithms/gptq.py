@@ -392,11 +392,11 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
 
     def _block_params_per_weight(i1, i2):
         if per_row:
-            group = torch.zeros(c, i2 - i1, dtype=torch.long, device=w_all.device)
+            group = torch.zeros(c, i2 - i1, dtype=torch.long, device=w_all.device)  # noqa: F821
         elif perm is not None:
             group = perm[:, i1:i2] // group_width  # each expert's own column order
         else:
-            group = (torch.arange(i1, i2, device=w_all.device) // group_width).expand(c, -1)
+            group = (torch.arange(i1, i2, device=w_all.device) // group_width).expand(c, -1)  # noqa: F821
         return [_tree_map(lambda t: _widen(_gather_last(t, group[:, None, :].expand(-1, t.shape[1], -1))), st)
                 for st in stacked]
 

@@ -44,9 +44,16 @@ import torch.nn.functional as F
 
 from moequant.errors import UserError
 from moequant.formats.elements import (
-    E2M1_MAX, FP8_MAX, decode_e2m1, e8m0_from_amax, e8m0_to_float, encode_e2m1, to_e4m3,
+    E2M1_MAX,
+    FP8_MAX,
+    decode_e2m1,
+    e8m0_from_amax,
+    e8m0_to_float,
+    encode_e2m1,
+    to_e4m3,
 )
-from moequant.formats.specs import FormatSpec, _label, check_shape, get_format, nbytes as _nbytes
+from moequant.formats.specs import FormatSpec, _label, check_shape, get_format
+from moequant.formats.specs import nbytes as _nbytes
 
 
 @dataclass(frozen=True)

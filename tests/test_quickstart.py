@@ -43,7 +43,10 @@ def clone(destination: Path) -> Path:
                            check=True, capture_output=True).stdout.decode().split("\0")
     for name in filter(None, files):
         src = ROOT / name
-        if src.is_file():  # a file deleted in the work tree but still in the index is not in a clone
+        if src.is_symlink():  # recipes/, calibration/: links into the package, as git stores them
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(os.readlink(src), destination / name)
+        elif src.is_file():  # a file deleted in the work tree but still in the index is not in a clone
             (destination / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, destination / name)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]

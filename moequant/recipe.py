@@ -425,7 +425,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         source = str(path)
         if not path.is_file():
             names = ", ".join(sorted(p.stem for p in BUNDLED_RECIPES.glob("*.yaml")))
-            raise UserError(f"recipe {source} does not exist or is not a file (bundled recipes, by name: {names}).")
+            bare = path.parent == Path(".")  # a name, perhaps meant as a bundled recipe's
+            raise UserError(f"recipe {source} does not exist or is not a file"
+                            + (f" (bundled recipes, by name: {names})." if bare else "."))
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8"))
         except UnicodeDecodeError:

@@ -22,17 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from measure import peak_rss_bytes  # benchmarks/measure.py (the script's own directory)
+
 SHAPE = dict(hidden_size=512, moe_intermediate_size=384, num_experts=32, num_experts_per_tok=4,
              num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=512, intermediate_size=1024,
              max_position_embeddings=1024, tie_word_embeddings=False)
 
-
-
-def peak_rss_bytes() -> int:
-    """This process's own peak resident size (VmHWM). Not ru_maxrss: Linux folds the parent's peak into a
-    child's at exec, so a child of a large process would report the parent's memory."""
-    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-    return int(status["VmHWM"].split()[0]) * 1024
 
 def build(directory: Path, layers: int) -> None:
     import torch

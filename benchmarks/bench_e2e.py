@@ -83,6 +83,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from measure import peak_rss_bytes  # benchmarks/measure.py (the script's own directory)
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "data" / "configs"
 TOOLS = ("moequant-gptq", "moequant-selective", "moequant-fp8", "llmc-gptq")
@@ -93,13 +95,6 @@ RECIPES = {
     "moequant-fp8": ("uniform-fp8.yaml", []),
 }
 
-
-
-def peak_rss_bytes() -> int:
-    """This process's own peak resident size (VmHWM). Not ru_maxrss: Linux folds the parent's peak into a
-    child's at exec, so a child of a large process would report the parent's memory."""
-    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-    return int(status["VmHWM"].split()[0]) * 1024
 
 def build_fp8_block(config_name: str, layers: int, vocab: int, directory: Path, overrides=()) -> int:
     """A random DeepSeek-style FP8-block source (benchmarks/make_sources.py) at the config's real widths,

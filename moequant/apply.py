@@ -29,6 +29,7 @@ from moequant.arch import adapter_for
 from moequant.calibrate import CalibrationSettings, calibrate, load_tokenizer
 from moequant.checkpoint import atomic_write_text, is_disk_full, open_checkpoint
 from moequant.errors import UserError
+from moequant.export import layout_for
 from moequant.fingerprint import KEY, checkpoint_fingerprint, file_fingerprint, run_fingerprint, stamp_checkpoint
 from moequant.formats import parse_key
 from moequant.policy import make_plan, needs_statistics, plan_to_dict, read_plan, resolve_format, write_plan
@@ -36,13 +37,10 @@ from moequant.precheck import check_recipe
 from moequant.recipe import Recipe, load_recipe
 from moequant.run_lock import output_lock
 
-# recipe name of an export format → export layout name
-EXPORT_LAYOUTS = {"fp8-block": "deepseek-fp8"}
-
 
 def export_arguments(recipe: Recipe) -> dict:
     """`export_checkpoint`'s layout, target and activation settings for a recipe (apply and pareto)."""
-    return {"layout": EXPORT_LAYOUTS.get(recipe.export.format, recipe.export.format), "target": recipe.target,
+    return {"layout": layout_for(recipe.export.format).name, "target": recipe.target,
             "int8_activations": recipe.export.int8_activations, "gguf_float": recipe.export.gguf_float,
             "gguf_types": {"token_embd.weight": recipe.export.gguf_token_embd,
                            "output.weight": recipe.export.gguf_output}}
@@ -57,9 +55,9 @@ def sensitivity_formats(recipe: Recipe) -> tuple[str, ...]:
         entries.append(rule.format)
     keys = []
     for entry in entries:
-        key = resolve_format(recipe, entry).key
-        if key != "bf16" and key not in keys:
-            keys.append(key)
+        spec = resolve_format(recipe, entry)
+        if spec.quantized and spec.key not in keys:
+            keys.append(spec.key)
     return tuple(keys)
 
 

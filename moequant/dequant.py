@@ -49,6 +49,13 @@ from moequant.formats import QuantizedTensor
 QUANT_METHODS = ("compressed-tensors", "fp8", "mxfp4", "gptq", "awq", "moequant")
 CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized", "mxfp4-pack-quantized",
               "nvfp4-pack-quantized")
+
+
+def _ct_formats() -> tuple[str, ...]:
+    """The compressed-tensors formats moequant reads: those above and every registered format's own."""
+    return tuple(dict.fromkeys(CT_FORMATS + tuple(f.ct_format for f in formats.REGISTRY.values() if f.quantized)))
+
+
 FLOAT8 = ("F8_E4M3", "F8_E5M2")
 FLOATS = ("F32", "BF16", "F16")
 
@@ -207,8 +214,21 @@ def spec_from_ct_scheme(scheme: dict):
             return formats.get_format("nvfp4")
     except UserError:
         pass
+    spec = _registered_ct_spec(w)
+    if spec is not None:
+        return spec
     raise UserError(f"compressed-tensors weights scheme {w} is not a format moequant reads (int2..int8 group, int8 "
                     "channel, fp8 tensor / channel / 128x128 block, mxfp4, nvfp4).")
+
+
+def _registered_ct_spec(w: dict):
+    """The registered format whose own compressed-tensors weight args the scheme has (None if none)."""
+    given = {"symmetric": True, "dynamic": False, **w}
+    for key in formats.all_keys():
+        args = formats.compressed_tensors_weight_args(key) or {}
+        if args and all(given.get(k) == v for k, v in args.items()):
+            return formats.parse_key(key)
+    return None
 
 
 def _matches(pattern: str, module: str) -> bool:
@@ -246,9 +266,9 @@ def _compressed_tensors(qc, stored, where, read):
         fmt = scheme.get("format") or top
         if fmt in (None, "mixed-precision"):  # unsaid: the format compressed-tensors infers for the scheme
             fmt = formats.compressed_tensors_format(spec)
-        if fmt not in CT_FORMATS:
+        if fmt not in _ct_formats():
             raise UserError(f"{where}/config.json: compressed-tensors format {fmt!r} (config group {group}) is not one "
-                            f"moequant reads; accepted: {', '.join(CT_FORMATS)}.")
+                            f"moequant reads; accepted: {', '.join(_ct_formats())}.")
         if spec.is_int and fmt in ("int-quantized", "naive-quantized") and (not spec.symmetric or spec.bits != 8):
             raise UserError(f"{where}/config.json: {fmt} {spec.key} (config group {group}) is not one moequant reads; "
                             "accepted there: symmetric int8.")
@@ -266,6 +286,8 @@ def _compressed_tensors(qc, stored, where, read):
 def _ct_encoding(stored, where, module: str, spec, fmt: str, read) -> Encoding:
     p = lambda role: f"{module}.{role}"  # noqa: E731
     name = p("weight")
+    if spec.family.ct_format == fmt and fmt not in CT_FORMATS:  # a registered format with no rules below
+        return _registered_ct_encoding(stored, where, module, spec, fmt)
     if spec.name == "fp8":
         _need(stored, where, name, FLOAT8[:1])
         rows, cols = _dims(stored, where, name, 2)
@@ -320,6 +342,28 @@ def _ct_encoding(stored, where, module: str, spec, fmt: str, read) -> Encoding:
         parts["weight_zero_point"] = p("weight_zero_point")
         _need(stored, where, parts["weight_zero_point"], ("I32",), (math.ceil(rows * spec.bits / 32), groups))
     return Encoding(name, (rows, cols), spec, fmt, parts)
+
+
+def _registered_ct_encoding(stored, where, module: str, spec, fmt: str) -> Encoding:
+    """A registered format's compressed-tensors tensors, checked against what its own packer writes for
+    one group (names, dtypes; how many logical columns one stored column of the codes holds)."""
+    probe_cols = spec.group_size or 1
+    probe = formats.pack_compressed_tensors(formats.quantize(torch.zeros(1, probe_cols), spec))
+    codes_role = next(iter(probe))
+    parts = {role: f"{module}.{role}" for role in probe}
+    for role, t in probe.items():
+        _need(stored, where, parts[role], (_SAFETENSORS_DTYPE[t.dtype],))
+    rows, stored_cols = _dims(stored, where, parts[codes_role], 2)
+    cols = stored_cols * probe_cols // probe[codes_role].shape[-1]
+    formats.check_shape(spec, (rows, cols), parts[codes_role])
+    one_row = formats.pack_compressed_tensors(formats.quantize(torch.zeros(1, cols), spec))  # per row: shapes [1, ...]
+    for role, t in one_row.items():
+        _need(stored, where, parts[role], (_SAFETENSORS_DTYPE[t.dtype],), (rows,) + tuple(t.shape[1:]))
+    return Encoding(f"{module}.weight", (rows, cols), spec, fmt, parts)
+
+
+_SAFETENSORS_DTYPE = {torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64",
+                      torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8"}
 
 
 # ---- DeepSeek FP8 / gpt-oss MXFP4 ----------------------------------------------------------------

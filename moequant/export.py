@@ -73,7 +73,6 @@ from moequant.checkpoint import ShardWriter, atomic_directory, copy_aux_files, o
 from moequant.errors import UserError
 from moequant.formats import QuantizedTensor
 
-LAYOUTS = ("compressed-tensors", "gptq", "awq", "deepseek-fp8", "gpt-oss-mxfp4", "gguf")
 TARGETS = ("vllm", "sglang", "transformers", "llama.cpp", "vllm-moequant")
 ENGINE_TARGETS = ("vllm", "sglang", "vllm-moequant")  # load through an engine's own kernels: int formats of 4 or 8 bits
 EXPORT_INFO = "moequant_export.json"  # what was written, for moequant.load and reports
@@ -126,8 +125,8 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
     if both:
         raise UserError(f"tensor {both[0]!r} is given both quantized and kept; give it once.")
     # bf16 "quantized" tensors are written dense, read when written (their codes may still be on disk)
-    plain = {n: q for n, q in items.items() if q.spec.name == "bf16"}
-    items = {n: q for n, q in items.items() if q.spec.name != "bf16"}
+    plain = {n: q for n, q in items.items() if not q.spec.quantized}
+    items = {n: q for n, q in items.items() if q.spec.quantized}
     roles = {n: adapter.classify(n) for n in ckpt.keys()}
 
     if layout == "gguf":  # one file in llama.cpp's names and block layouts (moequant.export_gguf)
@@ -138,7 +137,7 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
         info = {"layout": layout, "target": target, "formats": {n: q.spec.key for n, q in sorted(items.items())}}
         return export_gguf(ckpt, adapter, {**items, **plain}, out_dir, kept=kept, float_type=gguf_float, info=info,
                            types=gguf_types)
-    writer = _WRITERS[layout](ckpt, adapter, items, roles, target, int8_activations)
+    writer = LAYOUTS[layout](ckpt, adapter, items, roles, target, int8_activations)
     writer.check()  # refuse before any work
     # tensors no adapter knows (DeepSeek's MTP layers) that the source holds in the output's own
     # encoding: carried through unchanged, codes and scales as stored
@@ -285,11 +284,24 @@ def _layer_of_experts(roles, name):
 
 
 class _Layout:
+    """One export layout: registered in LAYOUTS by `name`, the only place that lists them."""
+
     name = ""
+    recipe_name = ""  # what a recipe's export.format calls it, when not `name`
+    symmetric_zeros = False  # stores zero points for symmetric formats too (the byte account counts them)
+    routed_only = False  # quantizes routed experts only
 
     @staticmethod
     def refuses(spec, target: str) -> str | None:
         """What the layout holds, when it cannot hold `spec` for `target` (None: it can)."""
+        return None
+
+    @classmethod
+    def refuses_model(cls, adapter) -> str | None:
+        """Why the layout cannot write this architecture at all (None: it can)."""
+        if adapter.fused_experts:
+            return (f"the {cls.name} layout needs one tensor per expert on disk; {adapter.model_type} stores its "
+                    f"experts fused (use layout gpt-oss-mxfp4)")
         return None
 
     def __init__(self, ckpt, adapter, items, roles, target, int8_activations):
@@ -321,7 +333,7 @@ class _Layout:
                 raise UserError(f"the {self.name} layout holds {what}; tensor {name} is planned as {q.spec.key}.")
 
     def _require_unfused(self) -> None:
-        why = _unfused_refusal(self.name, self.adapter)
+        why = self.refuses_model(self.adapter)
         if why:
             raise UserError(why + ".")
 
@@ -373,40 +385,24 @@ class _Layout:
 
 # ---- compressed-tensors -----------------------------------------------------------------------
 
+_CT_ACTIVATIONS = {"num_bits": 8, "symmetric": True, "dynamic": True, "block_structure": None, "actorder": None,
+                   "observer": None, "observer_kwargs": {}}
+
+
 def _ct_scheme(spec, int8_activations: str) -> dict:
-    """compressed-tensors QuantizationScheme (without targets) for one format."""
-    weights = {"num_bits": spec.bits, "symmetric": spec.symmetric, "dynamic": False, "actorder": None,
-               "block_structure": None, "group_size": None, "observer": "minmax", "observer_kwargs": {}}
-    inputs = None
+    """compressed-tensors QuantizationScheme (without targets) for one format: the format's own
+    weight args (moequant.formats), and the dynamic activations its kernels quantize inputs with."""
+    weights = {"actorder": None, "block_structure": None, "group_size": None, "observer": "minmax",
+               "observer_kwargs": {}, **formats.compressed_tensors_weight_args(spec)}
     fmt = formats.compressed_tensors_format(spec)
-    if spec.is_int:
-        weights["type"] = "int"
-        if spec.granularity == "channel":
-            weights["strategy"] = "channel"
-        else:
-            weights.update(strategy="group", group_size=spec.group_size)
-        if spec.name == "int8" and int8_activations == "dynamic":
-            fmt = "int-quantized"
-            inputs = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True,
-                      "group_size": None, "block_structure": None, "actorder": None, "observer": None,
-                      "observer_kwargs": {}}
-    elif spec.name == "fp8":
-        weights["type"] = "float"
-        if spec.granularity == "block":
-            weights.update(strategy="block", block_structure=[spec.group_size, spec.group_size])
-            act_strategy, act_group = "group", spec.group_size
-        else:
-            weights["strategy"] = spec.granularity
-            act_strategy, act_group = "token", None
-        inputs = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": act_strategy,
-                  "group_size": act_group, "dynamic": True, "block_structure": None, "actorder": None,
-                  "observer": None, "observer_kwargs": {}}
-    elif spec.name == "mxfp4":
-        weights.update(type="float", strategy="group", group_size=32, scale_dtype="torch.uint8")
-    elif spec.name == "nvfp4":
-        weights.update(type="float", strategy="tensor_group", group_size=16)
-    else:
-        raise UserError(f"format {spec.key} has no compressed-tensors scheme.")
+    inputs = None
+    if weights["type"] == "float" and spec.bits == 8:  # fp8 W8A8: per token, or per 128 inputs with blocks
+        block = spec.granularity == "block"
+        inputs = {**_CT_ACTIVATIONS, "type": "float", "strategy": "group" if block else "token",
+                  "group_size": spec.group_size if block else None}
+    elif weights["type"] == "int" and spec.bits == 8 and int8_activations == "dynamic":
+        fmt = "int-quantized"  # W8A8 with dynamic per-token int8 activations
+        inputs = {**_CT_ACTIVATIONS, "type": "int", "strategy": "token", "group_size": None}
     return {"weights": weights, "input_activations": inputs, "output_activations": None, "format": fmt}
 
 
@@ -440,7 +436,7 @@ class _CompressedTensors(_Layout):
     def pack(self, name, q):
         module = _module(name)
         tensors = formats.pack_compressed_tensors(q)
-        if q.spec.name == "int8" and self.int8_activations == "dynamic":
+        if _ct_scheme(q.spec, self.int8_activations)["format"] == "int-quantized":
             # W8A8 int-quantized stores the int8 codes unpacked, with an fp32 per-channel scale
             tensors = {"weight": q.codes.to(torch.int8), "weight_scale": q.scales.to(torch.float32)}
         return {f"{module}.{k}": v for k, v in tensors.items()}
@@ -526,6 +522,7 @@ def _gptq_group(spec) -> int:
 
 class _Gptq(_Layout):
     name = "gptq"
+    symmetric_zeros = True
 
     @staticmethod
     def refuses(spec, target):
@@ -616,6 +613,7 @@ def _module_patterns(modules: list[str], all_modules: set[str]) -> list[str]:
 
 class _Awq(_Layout):
     name = "awq"
+    symmetric_zeros = True
 
     @staticmethod
     def refuses(spec, target):
@@ -645,6 +643,7 @@ class _Awq(_Layout):
 
 class _DeepseekFp8(_Layout):
     name = "deepseek-fp8"
+    recipe_name = "fp8-block"
 
     @staticmethod
     def refuses(spec, target):
@@ -670,10 +669,17 @@ class _DeepseekFp8(_Layout):
 
 class _GptOssMxfp4(_Layout):
     name = "gpt-oss-mxfp4"
+    routed_only = True
 
     @staticmethod
     def refuses(spec, target):
         return None if spec.name == "mxfp4" else "mxfp4 only (gpt-oss's own layout)"
+
+    @classmethod
+    def refuses_model(cls, adapter):
+        if adapter.model_type != "gpt_oss":
+            return f"the gpt-oss-mxfp4 layout is gpt-oss's own; this checkpoint is {adapter.model_type}"
+        return None
 
     def check(self) -> None:
         if self.adapter.model_type != "gpt_oss":
@@ -699,15 +705,36 @@ class _GptOssMxfp4(_Layout):
             "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
 
 
-_WRITERS = {"compressed-tensors": _CompressedTensors, "gptq": _Gptq, "awq": _Awq,
-            "deepseek-fp8": _DeepseekFp8, "gpt-oss-mxfp4": _GptOssMxfp4}
+# ---- GGUF (llama.cpp) ----------------------------------------------------------------------------
+
+class _Gguf(_Layout):
+    """One file in llama.cpp's names and block layouts, written by moequant.export_gguf."""
+
+    name = "gguf"
+
+    @staticmethod
+    def refuses(spec, target):
+        return None if spec.is_ggml else "ggml block types (q8_0 ... q2_k) or bf16"
+
+    @classmethod
+    def refuses_model(cls, adapter):
+        from moequant.export_gguf import ARCHS
+
+        if adapter.model_type not in ARCHS:
+            return f"the gguf layout writes {', '.join(ARCHS)}, not {adapter.model_type}"
+        return None
 
 
-def _unfused_refusal(layout: str, adapter) -> str | None:
-    if layout != "gpt-oss-mxfp4" and adapter.fused_experts:
-        return (f"the {layout} layout needs one tensor per expert on disk; {adapter.model_type} stores its experts "
-                f"fused (use layout gpt-oss-mxfp4)")
-    return None
+LAYOUTS = {layout.name: layout for layout in (_CompressedTensors, _Gptq, _Awq, _DeepseekFp8, _GptOssMxfp4, _Gguf)}
+RECIPE_LAYOUTS = {layout.recipe_name or name: layout for name, layout in LAYOUTS.items()}  # recipe export.format
+
+
+def layout_for(export_format: str) -> type[_Layout]:
+    """The layout a recipe's `export.format` names (a layout's own name is accepted too)."""
+    layout = RECIPE_LAYOUTS.get(export_format) or LAYOUTS.get(export_format)
+    if layout is None:
+        raise UserError(f"export layout {export_format!r} is not supported; accepted: {', '.join(RECIPE_LAYOUTS)}.")
+    return layout
 
 
 def _target_refusal(layout: str, target: str) -> str | None:
@@ -724,24 +751,15 @@ def layout_refusal(layout: str, spec, target: str, adapter, routed: bool = True)
     why = _target_refusal(layout, target)
     if why:
         return why
-    if layout == "gguf":
-        from moequant.export_gguf import ARCHS
-
-        if adapter.model_type not in ARCHS:
-            return f"the gguf layout writes {', '.join(ARCHS)}, not {adapter.model_type}"
-        if spec.name != "bf16" and not spec.is_ggml:
-            return f"the gguf layout holds ggml block types (q8_0 ... q2_k) or bf16, not {spec.key}"
-        return None
-    if layout not in _WRITERS:
+    if layout not in LAYOUTS:
         return f"export layout {layout!r} is not supported; accepted: {', '.join(LAYOUTS)}"
-    if layout == "gpt-oss-mxfp4" and adapter.model_type != "gpt_oss":
-        return f"the gpt-oss-mxfp4 layout is gpt-oss's own; this checkpoint is {adapter.model_type}"
-    why = _unfused_refusal(layout, adapter)
+    writer = LAYOUTS[layout]
+    why = writer.refuses_model(adapter)
     if why:
         return why
-    if spec.name == "bf16":
+    if not spec.quantized:
         return None
-    if layout == "gpt-oss-mxfp4" and not routed:
-        return f"the gpt-oss-mxfp4 layout quantizes routed experts only, not {spec.key} non-expert tensors"
-    what = _WRITERS[layout].refuses(spec, target)
+    if writer.routed_only and not routed:
+        return f"the {layout} layout quantizes routed experts only, not {spec.key} non-expert tensors"
+    what = writer.refuses(spec, target)
     return f"the {layout} layout holds {what}, not {spec.key}" if what else None

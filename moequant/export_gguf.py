@@ -115,7 +115,7 @@ def check_gguf(ckpt, adapter, items: dict) -> None:
                         f"{ckpt.directory}/tokenizer.json has model {model.get('type')!r} with pre-tokenizer "
                         f"{pre.get('type')!r}{' and a normalizer' if tok.get('normalizer') else ''}.")
     for name, q in items.items():
-        if not (q.spec.is_ggml or q.spec.name == "bf16"):
+        if q.spec.quantized and not q.spec.is_ggml:
             raise UserError(f"the gguf layout holds ggml block types (q8_0 ... q2_k) or bf16; tensor {name} is planned "
                             f"as {q.spec.key} (use target llama.cpp).")
         role = adapter.classify(name)

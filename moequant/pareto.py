@@ -72,10 +72,10 @@ def _budget_recipe(recipe, target: str, bits: float):
 
 
 def _uniform_recipe(recipe, entry: str):
-    from moequant.policy import resolve_format, unservable_reason
+    from moequant.policy import resolve_format
 
     spec = resolve_format(recipe, entry)
-    target = "vllm" if unservable_reason("vllm", spec, routed=True) is None else "transformers"
+    target = "vllm" if spec.refuses("vllm", routed=True) is None else "transformers"
     return _variant(recipe, target=target, method="uniform", format=entry), spec
 
 
@@ -329,9 +329,9 @@ def _pareto(recipe, budgets, targets, uniform, extra_reports, device, progress, 
     out.mkdir(parents=True, exist_ok=True)
     keys: list[str] = []
     for entry in [*recipe.experts.formats, *uniform]:
-        key = resolve_format(recipe, entry).key
-        if key != "bf16" and key not in keys:
-            keys.append(key)
+        spec = resolve_format(recipe, entry)
+        if spec.quantized and spec.key not in keys:
+            keys.append(spec.key)
     c = recipe.calibration
     settings = calibration_settings(recipe, device, formats=tuple(keys))
     stats_dir = out / "stats"

@@ -23,7 +23,7 @@ decision unit depends on the serving target:
   better plan.
 * `vllm-moequant`: every expert on its own, served by moequant's vLLM plugin (moequant.vllm_plugin:
   one vLLM fused-MoE method per format group of a layer) in the formats vLLM's CPU backend has
-  fused-MoE kernels for (`VLLM_MOEQUANT_ROUTED`: bf16, int8 per channel as W8A8, symmetric int4).
+  fused-MoE kernels for (bf16, int8 per channel as W8A8, symmetric int4: each format's `refuses`).
 * `llama.cpp`: one ggml block type per (layer, projection): GGUF stacks a layer's experts per
   projection (`blk.N.ffn_{gate,up,down}_exps`) into one tensor of one type, so gate, up and down
   of a layer may differ, experts may not. Candidates are ggml types (q8_0 ... q2_k) or bf16; a
@@ -150,7 +150,6 @@ GRANULARITY = {"transformers": "expert", "vllm": "layer", "sglang": "model", "ll
 # Routed-expert formats moequant's vLLM plugin serves on vLLM's CPU backend (vLLM 0.32 there has
 # fused-MoE kernels for symmetric int4 groups (W4A16), int8 per channel with dynamic per-token int8
 # activations (W8A8; export.int8_activations: dynamic) and bf16; FP8 / MXFP4 / NVFP4 MoE need a GPU).
-VLLM_MOEQUANT_ROUTED = ("bf16", "int8", "int4")
 ALWAYS_BF16_ROLES = {
     "router": "the router always stays bf16",
     "shared_expert_gate": "the shared-expert gate always stays bf16",
@@ -159,21 +158,16 @@ ALWAYS_BF16_ROLES = {
     "other": "tensors of unknown role are not quantized",
 }
 NON_EXPERT_ROLES = ("attention", "shared_expert", "dense_mlp", "lm_head")
-SGLANG_PER_LAYER = ("int4", "int8", "bf16")  # format names SGLang's per-layer WNA16 MoE rule admits
 SGLANG_EXPERT_NAMES = {"gate_proj", "up_proj", "down_proj"}
 KEEP_GROUP_ROLES = {
     "router": "router", "shared_expert_gate": "shared_expert_gate", "shared_experts": "shared_expert",
     "attention": "attention", "dense_mlp": "dense_mlp", "embeddings": "embedding",
     "lm_head": "lm_head", "routed_experts": "routed_expert",
 }
-# recipe export.format -> the layout family formats.nbytes counts (GPTQ / AWQ also store zero
-# points of symmetric formats), so the plan's bytes are the bytes the export writes
-# export format -> the byte account's layout (GPTQ / AWQ store zero points for symmetric formats too;
-# GGUF stores ggml blocks and plain tensors at the sizes compressed-tensors' account gives them)
-NBYTES_LAYOUT = {"compressed-tensors": "compressed-tensors", "gptq": "gptq", "awq": "awq", "fp8-block": "deepseek",
-                 "gpt-oss-mxfp4": "gpt-oss", "gguf": "compressed-tensors"}
-MAP_CHARS = {"bf16": "B", "fp8": "F", "int8": "8", "int4": "4", "int3": "3", "int2": "2",
-             "mxfp4": "M", "nvfp4": "N"}
+def _layout_for(export_format: str):
+    from moequant.export import layout_for  # the export layout registry
+
+    return layout_for(export_format)
 
 
 def _formats():
@@ -222,6 +216,11 @@ class TensorPlan:
     bytes: int
     kept: str | None = None
     usage: float | None = None
+
+    @property
+    def quantized(self) -> bool:
+        """False for a tensor the plan keeps as it is (its format's family does not quantize: bf16)."""
+        return _formats().spec_of(self.format).quantized
     predicted_loss: float | None = None
 
 
@@ -267,28 +266,6 @@ def resolve_format(recipe: Recipe, entry: str):
 
 def spec_params(spec) -> dict:
     return {k: v for k, v in dataclasses.asdict(spec).items() if k != "name"}
-
-
-def unservable_reason(target: str, spec, routed: bool) -> str | None:
-    """Why `target` cannot load `spec` (None when it can)."""
-    if target == "llama.cpp":
-        if spec.is_ggml or spec.name == "bf16":
-            return None
-        return "llama.cpp (GGUF) stores ggml block types (q8_0, q6_k, q5_k, q4_k, q4_0, ...) or bf16, not " + spec.name
-    if spec.is_ggml:
-        return f"ggml block types are for target llama.cpp (GGUF), not {target}"
-    if target == "transformers":
-        return None
-    if target == "vllm-moequant" and routed and (spec.name not in VLLM_MOEQUANT_ROUTED or (
-            spec.name == "int8" and spec.granularity != "channel")):
-        return ("moequant's vLLM plugin serves routed experts in bf16, per-channel int8 (W8A8) and symmetric int4 "
-                f"on vLLM's CPU backend, not {spec.key}")
-    engine = {"vllm": "vLLM", "sglang": "SGLang", "vllm-moequant": "vLLM"}[target]
-    if spec.name in ("int3", "int2"):
-        return f"{engine} loads integer weights only at 4 or 8 bits (WNA16 kernels)"
-    if routed and spec.name in ("int4", "int8") and not spec.symmetric:
-        return f"{engine}'s fused MoE loads only symmetric integer experts"
-    return None
 
 
 def _servable_routed(target: str) -> str:
@@ -575,7 +552,7 @@ class _Context:
     def __init__(self, recipe: Recipe, tensors: list[TensorInfo], stats):
         self.recipe, self.tensors, self.stats = recipe, tensors, stats
         self.formats = _formats()
-        self.layout = NBYTES_LAYOUT[recipe.export.format]
+        self.symmetric_zeros = _layout_for(recipe.export.format).symmetric_zeros
         self.experts: dict[tuple[int, int], list[TensorInfo]] = defaultdict(list)
         for t in tensors:
             if t.is_routed_weight:
@@ -596,7 +573,7 @@ class _Context:
         key = (spec.key, tuple(shape))
         if key not in self._nbytes:
             try:
-                self._nbytes[key] = self.formats.nbytes(spec, tuple(shape), self.layout)
+                self._nbytes[key] = self.formats.nbytes(spec, tuple(shape), symmetric_zeros=self.symmetric_zeros)
             except UserError:
                 self.formats.check_shape(spec, tuple(shape), name)  # the same refusal, naming the tensor
                 raise
@@ -612,7 +589,7 @@ class _Context:
     def tensor_loss(self, t: TensorInfo, key: str) -> float | None:
         if self.stats is None:
             return None
-        if key == "bf16":
+        if not self.formats.spec_of(key).quantized:
             return 0.0
         if (t.layer, t.proj, key) not in self._sensitivity:
             if t.layer not in self.stats.layers:
@@ -805,10 +782,15 @@ def sglang_per_layer_block(names) -> str | None:
             f"model's experts are {', '.join(sorted(leaves - SGLANG_EXPERT_NAMES))}")
 
 
+def _sglang_per_layer(spec) -> bool:
+    """SGLang's WNA16 MoE takes per-layer schemes only in a pack-quantized checkpoint (int, or bf16 kept)."""
+    return spec.family.ct_format in ("pack-quantized", "dense")
+
+
 def _solve_sglang(ctx: _Context, free, specs, limit: int, notes):
     """SGLang: the better of one format for the model and one INT4 / INT8 (/ bf16) format per layer."""
     best = _solve(ctx, "sglang", free, specs, limit, notes)
-    per_layer_specs = [s for s in specs if s.name in SGLANG_PER_LAYER]
+    per_layer_specs = [s for s in specs if _sglang_per_layer(s)]
     why = sglang_per_layer_block({t.name for ts in ctx.experts.values() for t in ts})
     if why:
         if notes is not None:
@@ -869,7 +851,7 @@ def _apply_rules(ctx: _Context, recipe: Recipe, free) -> dict:
 
 def _check_uniform_groups(ctx: _Context, target: str, assignment: dict) -> None:
     unit = GRANULARITY[target]
-    if target == "sglang" and all(s.name in SGLANG_PER_LAYER for s in assignment.values()) and \
+    if target == "sglang" and all(_sglang_per_layer(s) for s in assignment.values()) and \
             sglang_per_layer_block({t.name for ts in ctx.experts.values() for t in ts}) is None:
         unit = "layer"  # INT4 / INT8 weight-only groups may differ per layer (see the module docstring)
     if unit == "expert":
@@ -922,8 +904,8 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
     # Non-routed tensors: fixed formats.
     plans: list[TensorPlan] = []
     non_expert_spec = resolve_format(recipe, recipe.non_experts.format)
-    reason = unservable_reason(target, non_expert_spec, routed=False)
-    if reason and non_expert_spec.name != "bf16":
+    reason = non_expert_spec.refuses(target, routed=False)
+    if reason and non_expert_spec.quantized:
         raise UserError(f"non_experts.format {non_expert_spec.key} cannot be served by target {target}: {reason}; "
                         f"accepted: bf16, fp8, int8, int4 (symmetric or not), mxfp4, nvfp4.")
     bf16 = _formats().get_format("bf16")
@@ -942,14 +924,14 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
         if why is None and t.role not in NON_EXPERT_ROLES:
             why = f"role {t.role} is not quantized"
         spec = bf16 if why else non_expert_spec
-        if spec.name == "bf16" and not why:
+        if not spec.quantized and not why:
             why = "non_experts.format is bf16"
         try:
-            nbytes = 2 * t.numel if spec.name == "bf16" else ctx.nbytes(spec, t.shape, t.name)
+            nbytes = 2 * t.numel if not spec.quantized else ctx.nbytes(spec, t.shape, t.name)
         except UserError as error:
             raise UserError(f"non_experts.format {spec.key} cannot hold tensor {t.name}: {str(error).rstrip('.')}.") from None
         plans.append(TensorPlan(t.name, t.role, t.layer, t.expert, t.proj, t.shape, spec.key, spec_params(spec),
-                                recipe.algorithm_for(spec.name), nbytes, kept=why if spec.name == "bf16" else None))
+                                recipe.algorithm_for(spec.name), nbytes, kept=None if spec.quantized else why))
     for (layer, expert), why in kept_experts.items():
         projs = {t.proj for t in ctx.experts[(layer, expert)] if _keep_match(recipe, t)}
         if len(projs) < len(ctx.experts[(layer, expert)]):
@@ -983,7 +965,7 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
         all_specs = _dedupe(resolve_format(recipe, f) for f in recipe.experts.formats)
         specs = []
         for spec in all_specs:
-            why = unservable_reason(target, spec, routed=True)
+            why = spec.refuses(target, routed=True)
             if why:
                 dropped[spec.key] = why
             else:
@@ -1021,14 +1003,14 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
             assignment = {}
             for rule in recipe.experts.rules:
                 spec = resolve_format(recipe, rule.format)
-                why = unservable_reason(target, spec, routed=True)
+                why = spec.refuses(target, routed=True)
                 if why:
                     raise UserError(f"experts.rules gives routed experts {spec.key}, which target {target} cannot "
                                     f"serve: {why}; accepted: {_servable_routed(target)}, or target transformers.")
         else:
             assignment = _apply_rules(ctx, recipe, free)
         for spec in _dedupe(assignment.values()):
-            why = unservable_reason(target, spec, routed=True)
+            why = spec.refuses(target, routed=True)
             if why:
                 key = "experts.format" if method == "uniform" else "experts.rules"
                 raise UserError(f"{key} gives routed experts {spec.key}, which target {target} cannot serve: {why}; "
@@ -1143,7 +1125,7 @@ def _alternative(ctx: _Context, target: str, free, entries, limit: int, fixed_by
     """The budget plan for `target` over `entries` (servable, with sensitivities) within `limit`."""
     specs = []
     for spec in _dedupe(resolve_format(ctx.recipe, f) for f in entries):
-        if unservable_reason(target, spec, routed=True):
+        if spec.refuses(target, routed=True):
             continue
         try:
             for e in free:
@@ -1169,7 +1151,8 @@ def _legend(keys: list[str]) -> dict[str, str]:
     legend: dict[str, str] = {}
     spare = iter("abcdefghijklmnopqrstuvwxyz")
     for key in keys:
-        char = MAP_CHARS.get(key.split("-")[0])
+        spec = _formats().parse_key(key)
+        char = spec.family.map_char(spec)
         if char is None or char in legend:
             char = next(spare)
         legend[char] = key

@@ -33,20 +33,19 @@ def plan_formats(recipe) -> list:
 def check_recipe(recipe, ckpt=None) -> list[str]:
     """Raise UserError for what shapes alone refuse; return the plan's notes (e.g. a candidate not
     offered to some layers because it cannot hold their dimensions, and why)."""
-    from moequant.apply import EXPORT_LAYOUTS
     from moequant.arch import adapter_for
     from moequant.checkpoint import open_checkpoint
-    from moequant.export import layout_refusal
-    from moequant.policy import check_plan, resolve_format, unservable_reason
+    from moequant.export import layout_for, layout_refusal
+    from moequant.policy import check_plan, resolve_format
 
     ckpt = ckpt or open_checkpoint(recipe.model)
     adapter = adapter_for(ckpt.config)
     if adapter.fused_experts and any(a == "awq" for a in recipe.algorithms.values()):
         raise UserError(f"algorithms: awq is not supported for {adapter.model_type} (fused experts whose activation "
                         "clamps up_proj, so the down_proj scale cannot be folded exactly); accepted there: gptq or rtn.")
-    layout = EXPORT_LAYOUTS.get(recipe.export.format, recipe.export.format)
+    layout = layout_for(recipe.export.format).name
     for spec in plan_formats(recipe):
-        if recipe.experts.method == "budget" and unservable_reason(recipe.target, spec, routed=True):
+        if recipe.experts.method == "budget" and spec.refuses(recipe.target, routed=True):
             continue  # the plan drops it for the target and says so
         why = layout_refusal(layout, spec, recipe.target, adapter)
         if why:

@@ -91,7 +91,7 @@ def choose_probe_format(format_keys, shapes) -> str | None:
     fits = []
     for key in format_keys:
         spec = formats.parse_key(key)
-        if spec.name == "bf16":
+        if not spec.quantized:
             continue
         try:
             bits = sum(formats.nbytes(spec, s) for s in shapes) * 8 / sum(math.prod(s) for s in shapes)

@@ -214,7 +214,7 @@ def _awq_layer(adapter, ckpt, layer: int, plan_rows, weights: dict, collected: d
     down_scales = torch.ones(E, adapter.expert_intermediate)
     by = {}
     for t in plan_rows:
-        if t.algorithm == "awq" and t.format != "bf16":
+        if t.algorithm == "awq" and t.quantized:
             by.setdefault((t.proj, t.format), []).append(t.expert)
 
     # down_proj: per expert, folded into the output rows of the same expert's up_proj
@@ -259,14 +259,14 @@ def _awq_layer(adapter, ckpt, layer: int, plan_rows, weights: dict, collected: d
         if tokens and tokens.get("x"):
             specs = [None] * E
             for t in plan_rows:
-                if t.algorithm == "awq" and t.format != "bf16" and t.proj in ("gate", "up"):
+                if t.algorithm == "awq" and t.quantized and t.proj in ("gate", "up"):
                     pair = list(specs[t.expert] or (None, None))
                     pair[("gate", "up").index(t.proj)] = t.format
                     specs[t.expert] = tuple(pair)
             # down_proj as the quantized block will have it: AWQ rows are round-to-nearest of the
             # scaled, clipped weights; other quantized rows are approximated by round-to-nearest
             down_hat = weights["down"].clone()
-            for key in sorted({t.format for t in plan_rows if t.proj == "down" and t.format != "bf16"}):
+            for key in sorted({t.format for t in plan_rows if t.proj == "down" and t.quantized}):
                 idx = torch.tensor(sorted(t.expert for t in plan_rows if t.proj == "down" and t.format == key))
                 down_hat[idx] = formats.quantize(down_hat[idx], key).dequantize(torch.float32)
             res = awq_shared_scale_moe(torch.cat(tokens["x"]), torch.cat(tokens["indices"]),
@@ -348,7 +348,7 @@ def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, mi
 
     groups: dict[tuple[str, str, str], list[int]] = {}
     for t in plan_rows:
-        if t.format == "bf16":
+        if not t.quantized:
             continue
         groups.setdefault((t.proj, t.format, t.algorithm), []).append(t.expert)
     quantized, report = {}, {}
@@ -489,7 +489,7 @@ def _quantize_other(ckpt, rows, replaced: dict | None = None) -> tuple[dict, dic
     quantized, dequant = {}, {}
     replaced = replaced or {}
     for t in rows:
-        if t.format == "bf16":
+        if not t.quantized:
             continue
         w = replaced[t.name] if t.name in replaced else ckpt.get(t.name).float()
         q = formats.quantize(w, formats.parse_key(t.format), name=t.name)
@@ -577,14 +577,14 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
                                     + (f" ranks {world.size}" if world is not None else ""))  # work/ files per rank
     own = world.experts(adapter.num_experts) if world is not None else None
 
-    awq_layers = sorted({t.layer for t in plan.tensors if t.algorithm == "awq" and t.format != "bf16"
+    awq_layers = sorted({t.layer for t in plan.tensors if t.algorithm == "awq" and t.quantized
                          and t.role == "routed_expert"})
     for L in awq_layers:  # refused before any work
         _check_awq_supported(adapter, L)
     if awq_layers and world is not None:
         raise UserError("algorithm awq runs in one process only (its shared gate/up scale is searched over all of a "
                         "layer's experts together); run it without torchrun, or use gptq or rtn.")
-    other_awq = sorted({t.name for t in plan.tensors if t.algorithm == "awq" and t.format != "bf16"
+    other_awq = sorted({t.name for t in plan.tensors if t.algorithm == "awq" and t.quantized
                         and t.role != "routed_expert"})
     if other_awq:
         raise UserError(f"algorithm awq is implemented for routed experts only; the plan asks it for {other_awq[0]} "
@@ -595,7 +595,7 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
 
     # layers whose quantization reads calibration activations (GPTQ / AWQ experts); after the
     # last of them no forward is needed at all (round-to-nearest reads only the weights)
-    data_layers = sorted({t.layer for t in plan.tensors if t.role == "routed_expert" and t.format != "bf16"
+    data_layers = sorted({t.layer for t in plan.tensors if t.role == "routed_expert" and t.quantized
                           and t.algorithm in ("gptq", "awq") and t.layer in adapter.moe_layers})
     last_data_layer = data_layers[-1] if data_layers else -1
     if data_layers:
@@ -624,8 +624,8 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
         other_rows = [t for t in rows if t not in expert_rows]
         mine = expert_rows if own is None else [t for t in expert_rows if t.expert in own]  # what this rank quantizes
         collected = None
-        needs_stats = any(t.algorithm in ("gptq", "awq", "imatrix") and t.format != "bf16" for t in expert_rows)
-        uses_awq = any(t.algorithm == "awq" and t.format != "bf16" for t in expert_rows)
+        needs_stats = any(t.algorithm in ("gptq", "awq", "imatrix") and t.quantized for t in expert_rows)
+        uses_awq = any(t.algorithm == "awq" and t.quantized for t in expert_rows)
         routing_before, routing_after, tokens = [], [], {}
         weights, routed_tokens = None, None
         if expert_rows and (uses_awq or not needs_stats):

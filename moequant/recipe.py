@@ -45,25 +45,21 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from typing_extensions import Annotated
 
 from moequant.errors import UserError
+from moequant.export import RECIPE_LAYOUTS
+from moequant.formats import REGISTRY, format_names
 
-FORMAT_NAMES = ("bf16", "fp8", "int8", "int4", "int3", "int2", "mxfp4", "nvfp4",
-                "q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "q3_k", "q2_k")  # the last: ggml types
+FORMAT_NAMES = format_names()  # every registered format (moequant.formats), llama.cpp's block types last
+GGML_TYPES = format_names(ggml=True)
 TARGETS = ("vllm", "sglang", "transformers", "llama.cpp", "vllm-moequant")
 METHODS = ("budget", "rules", "uniform")
 # imatrix: round-to-nearest with the scale search weighted by the inputs' second moments (ggml types)
 ALGORITHMS = ("rtn", "gptq", "awq", "imatrix")
-EXPORT_FORMATS = ("compressed-tensors", "gptq", "awq", "fp8-block", "gpt-oss-mxfp4", "gguf")
+EXPORT_FORMATS = tuple(RECIPE_LAYOUTS)  # the export layouts (moequant.export.LAYOUTS) by their recipe names
 # Names `keep` accepts besides tensor-name patterns (anything containing '*' or '.').
 KEEP_GROUPS = (
     "router", "shared_expert_gate", "shared_experts", "attention", "dense_mlp",
     "embeddings", "lm_head", "routed_experts",
 )
-# Algorithm used for a format when the recipe's `algorithms` map does not name it.
-DEFAULT_ALGORITHMS = {
-    "bf16": "none", "fp8": "rtn", "int8": "rtn", "int4": "gptq", "int3": "gptq",
-    "int2": "gptq", "mxfp4": "gptq", "nvfp4": "gptq",
-    **{name: "imatrix" for name in FORMAT_NAMES[8:]},
-}
 DEFAULT_MODEL = "zoo:tiny-qwen2moe"
 DEFAULT_DATASET = "builtin:mix"
 
@@ -136,8 +132,8 @@ class Export(Strict):
     gguf_float: Literal["bf16", "f16", "f32"] = "bf16"
     # gguf: ggml types for the token embeddings and output.weight (null: gguf_float), as llama.cpp's
     # --token-embedding-type / --output-tensor-type; round-to-nearest with our scale search
-    gguf_token_embd: Optional[Literal[FORMAT_NAMES[8:]]] = None
-    gguf_output: Optional[Literal[FORMAT_NAMES[8:]]] = None
+    gguf_token_embd: Optional[Literal[GGML_TYPES]] = None
+    gguf_output: Optional[Literal[GGML_TYPES]] = None
 
 
 class Budget(Strict):
@@ -243,9 +239,10 @@ class Recipe(Strict):
         return self
 
     def algorithm_for(self, format_name: str) -> str:
-        if format_name == "bf16":
+        family = REGISTRY[format_name]
+        if not family.quantized:
             return "none"
-        return self.algorithms.get(format_name, DEFAULT_ALGORITHMS[format_name])
+        return self.algorithms.get(format_name, family.default_algorithm(format_name))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -137,3 +137,41 @@ def test_floors_import_only_downwards():
 def test_the_lazy_import_cycle_does_not_grow():
     cycles = _cycles(_graph(lazy=True))
     assert all(c <= KNOWN_CYCLE for c in cycles), [sorted(c - KNOWN_CYCLE) for c in cycles]
+
+
+# Comparisons of a format's name or key outside moequant/formats/, e.g. `spec.name == "int4"`: 44 on
+# 2026-12-01, 9 on 2026-12-02 (a reader of other tools' fp8 / fp4 tensors, three layouts that hold one
+# format each, two "bf16" map entries). Code asks the spec instead (`spec.quantized`, `spec.refuses(target)`,
+# the registry in moequant.formats); this count may only shrink.
+FORMAT_NAME_COMPARISONS = 9
+
+
+def _format_name_comparisons() -> list[str]:
+    from moequant import formats
+
+    names = set(formats.format_names()) | set(formats.all_keys())
+
+    def is_format(node) -> bool:
+        items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return bool(items) and all(isinstance(i, ast.Constant) and i.value in names for i in items)
+
+    found = []
+    for module, path in sorted(_modules().items()):
+        if module.startswith("moequant.formats"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(is_format(x) for x in [node.left, *node.comparators]):
+                found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_comparison_reader_sees_format_names():
+    from moequant import formats
+
+    assert "int4-g128-sym" in formats.all_keys() and "q4_k" in formats.format_names()
+    assert any("layout_refusal" not in f and "'mxfp4'" in f for f in _format_name_comparisons())  # gpt-oss's layout
+
+
+def test_format_names_are_compared_only_inside_the_formats_package():
+    found = _format_name_comparisons()
+    assert len(found) <= FORMAT_NAME_COMPARISONS, "\n".join(found)

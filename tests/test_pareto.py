@@ -122,12 +122,12 @@ def test_outputs_and_reuse(frontier):
     # the second call reused the statistics and the uniform runs of the first
     assert "uniform-int4-g32-sym: unchanged, reused" in logs and "uniform-int8-channel: unchanged, reused" in logs
     # vLLM cannot go below its cheapest servable candidate here: the int3 budget is reported, not run
-    from moequant.policy import resolve_format, unservable_reason
+    from moequant.policy import resolve_format
 
     recipe = resolve_recipe(RECIPE, MODEL)
     specs = [resolve_format(recipe, f) for f in recipe.experts.formats]
     cheapest = min(8 * routed_bytes_of(s)[0] / routed_bytes_of(s)[1] for s in specs
-                   if not unservable_reason("vllm", s, routed=True))
+                   if not s.refuses("vllm", routed=True))
     (skip,) = second["skipped"]
     assert skip["target"] == "vllm" and f"{math.ceil(cheapest * 10**4) / 10**4:.4f}" in skip["error"]
     for p in first["points"] + second["points"]:

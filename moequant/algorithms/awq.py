@@ -443,7 +443,7 @@ def awq_clip(weight: torch.Tensor, spec, hessian: torch.Tensor, *, steps: int = 
     E, out_features, n_in = weight.shape
     device = torch.device(device) if device is not None else weight.device
     size = spec.group_size if spec.granularity == "group" else n_in
-    if spec.name == "bf16" or spec.granularity in ("block", "tensor") or n_in % size:
+    if not spec.quantized or spec.granularity in ("block", "tensor") or n_in % size:
         zero = torch.zeros(E, dtype=torch.float64)
         return AWQClip(weight, torch.ones(E, out_features, 1), zero, zero.clone())
     n_groups = n_in // size

@@ -379,7 +379,7 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
 
     # Rows of projections with per-row scales and nothing per tensor (not nvfp4's global scale,
     # fp8's tensor scale or 128-row blocks) are quantized by one call: fewer kernels per column.
-    merge = fixed and len(cqs) > 1 and spec.granularity in ("group", "channel") and spec.name != "nvfp4"
+    merge = fixed and len(cqs) > 1 and spec.granularity in ("group", "channel") and not spec.family.global_scale
     sweep_cqs, sweep_rows = ([cqs[0]], [sum(out_rows)]) if merge else (cqs, out_rows)
 
     def block_params(i1, i2):

@@ -6,9 +6,13 @@
     w_hat = q.dequantize(torch.float32); q.nbytes
     tensors = formats.pack_compressed_tensors(q)
 
-specs.py: what a format is and what it costs; elements.py: e2m1 / e8m0 / e4m3 encodings;
-core.py: quantize, dequantize and the GPTQ column quantizer (scale rules documented there);
-packing.py: compressed-tensors, GPTQ, AWQ, DeepSeek-FP8 and gpt-oss layouts and their readers.
+specs.py: FormatSpec, the `Format` family interface and its registry; one file per family,
+registering itself: bf16.py, fp8.py, integer.py (int8 / int4 / int3 / int2), mxfp4.py, nvfp4.py,
+ggml.py (llama.cpp's block types). Each holds its spec parsing, key, byte cost, scale rule,
+element encoding, compressed-tensors packing and which serving targets load it.
+elements.py: e2m1 / e8m0 / e4m3 encodings; core.py: quantize, dequantize and the GPTQ column
+quantizer (shape-generic, asking the family for the element math); packing.py: bit streams and
+the GPTQ, AWQ, DeepSeek-FP8 and gpt-oss layouts and their readers.
 """
 
 from moequant.formats.core import (  # noqa: F401
@@ -44,14 +48,27 @@ from moequant.formats.packing import (  # noqa: F401
     unpack_int32,
 )
 from moequant.formats.specs import (  # noqa: F401
-    ALL_FORMAT_NAMES,
-    FORMAT_NAMES,
-    GGML_FORMAT_NAMES,
-    LAYOUTS,
+    REGISTRY,
+    Format,
     FormatSpec,
     all_keys,
     check_shape,
+    format_names,
     get_format,
     nbytes,
     parse_key,
+    register,
+    spec_of,
 )
+
+
+def _register_every_format() -> None:
+    """Import every module of this package: each format family registers itself (one file per family)."""
+    import importlib
+    import pkgutil
+
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+_register_every_format()

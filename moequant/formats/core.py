@@ -1,37 +1,20 @@
 """Quantize / dequantize for every format, on [out, in] or stacked [E, out, in] weights.
 
 Plain tensor math, vectorised over experts, rows and groups; CPU or CUDA, any float dtype in
-(the arithmetic is float32; every scale is rounded once to its storage dtype). Scales are per expert always: a [E, out, in] weight gets exactly the scales that E
-separate [out, in] calls would give.
+(the arithmetic is float32; every scale is rounded once to its storage dtype). Scales are per
+expert always: a [E, out, in] weight gets exactly the scales that E separate [out, in] calls would give.
 
-Scale-selection rules (w = dequantized weight, q = code, s = scale, z = zero point):
-
-- fp8 (e4m3):  s = amax / 448 in fp32 (amax over the row / 128x128 block / tensor), q = e4m3(w / s).
-  128x128 blocks follow DeepSeek-V3: ceil(out/128) x ceil(in/128) scales, the last block row and
-  column cover what is left (ragged). `scales` is what DeepSeek calls weight_scale_inv: the
-  multiplier applied at dequantization, w = q * s.
-- int B symmetric: s = bf16(amax / (2^(B-1) - 1/2)), q = clamp(round(w / s), -2^(B-1), 2^(B-1)-1).
-  The grid is the 2^B levels -2^(B-1)..2^(B-1)-1 (GPTQ's and compressed-tensors' convention):
-  +-amax land on +-(2^(B-1) - 1/2), half a step from the end levels, so the largest element
-  is off by at most the ordinary rounding error while the step is 2^(B-1)-1/2 : 2^(B-1)-1
-  finer than with amax / (2^(B-1) - 1).
-- int B asymmetric: the range [min(w, 0), max(w, 0)] is spread over 2^B - 1 steps,
-  s = bf16((max - min) / (2^B - 1)), z = clamp(-2^(B-1) + round(-min / s)), q = clamp(round(w / s) + z)
-  in signed codes -2^(B-1)..2^(B-1)-1, w = (q - z) * s (zero is exactly representable).
-- mxfp4: e8m0 scale per 32 inputs, rule documented in `elements.e8m0_from_amax`; q = e2m1(w / s).
-- nvfp4 (compressed-tensors / ModelOpt convention): per expert a global scale
-  g = 448 * 6 / amax(tensor) (fp32; 1 for an all-zero tensor); per 16 inputs
-  s = e4m3(g * (amax / 6)); q = e2m1(w / (s / g)); w = q * (s / g).
+This module is shape-generic: it lays a weight out so that the elements sharing one scale sit on
+the last axis (per row, per group, per 128x128 block, per tensor), and asks the format's family
+(`spec.family`, one file per family in this package) for the element math: `fit` (the scale
+rule), `encode`, `decode`. The scale rules are documented there (integer.py, fp8.py, mxfp4.py,
+nvfp4.py); ggml block types quantize whole rows with their own search (ggml.py).
 
 Codes are signed int8 for integer formats, float8_e4m3fn for fp8, uint8 e2m1 codes (0..15,
 one per byte, unpacked) for mxfp4 / nvfp4. Rounding is half-to-even everywhere. Values beyond
-a format's range saturate to its largest code (fp8 +-448, e2m1 +-6, int clamps). Integer
-scales are computed in float32 and rounded once to bfloat16, and codes are computed with that
-stored scale. A bf16 scale is exactly representable in fp16 (when within fp16's normal range,
-which the GPTQ / AWQ packers check) and fp32, so whatever dtype a serving engine casts the
-scales to (vLLM casts them to the model's dtype), it multiplies by exactly the scale we used.
-All-zero groups get scale 0 (fp8, int; e8m0 2^-127 for mxfp4), codes equal to the zero point,
-and exact zeros back.
+a format's range saturate to its largest code (fp8 +-448, e2m1 +-6, int clamps). All-zero
+groups get scale 0 (fp8, int; e8m0 2^-127 for mxfp4), codes equal to the zero point, and exact
+zeros back.
 """
 
 from __future__ import annotations
@@ -43,15 +26,6 @@ import torch
 import torch.nn.functional as F
 
 from moequant.errors import UserError
-from moequant.formats.elements import (
-    E2M1_MAX,
-    FP8_MAX,
-    decode_e2m1,
-    e8m0_from_amax,
-    e8m0_to_float,
-    encode_e2m1,
-    to_e4m3,
-)
 from moequant.formats.specs import FormatSpec, _label, check_shape, get_format
 from moequant.formats.specs import nbytes as _nbytes
 
@@ -79,7 +53,7 @@ class QuantizedTensor:
     @property
     def nbytes(self) -> int:
         """Bytes of codes + scales + zero points as compressed-tensors stores them
-        (formats.nbytes(spec, shape, layout) for GPTQ / AWQ, which add zeros to symmetric formats)."""
+        (formats.nbytes(spec, shape, symmetric_zeros=True) for GPTQ / AWQ, which add zeros to symmetric formats)."""
         return _nbytes(self.spec, self.shape)
 
     @property
@@ -141,13 +115,13 @@ def quantize(weight: torch.Tensor, spec, *, name: str | None = None, global_scal
         raise UserError("the searched grid applies to integer formats (int8, int4, int3, int2), not %s" % spec.key)
     if importance is not None and grid != "searched":
         raise UserError("importance weights the searched grid only; pass grid='searched' (format %s)" % spec.key)
-    if global_scale is not None and spec.name != "nvfp4":
+    if global_scale is not None and not spec.family.global_scale:
         raise UserError("global_scale applies to nvfp4 only, not %s" % spec.key)
-    if (spec.name != "bf16" and isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.shape[0] > 1
+    if (spec.quantized and isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.shape[0] > 1
             and weight.numel() > _chunk_elements(weight.device)):
         return _quantize_in_expert_chunks(weight, spec, name, global_scale, grid, importance)
     x = _prepare(weight, spec, name)
-    if spec.name == "bf16":
+    if not spec.quantized:
         return QuantizedTensor(spec, tuple(weight.shape), weight.to(torch.bfloat16))
     gs = _global_scale(spec, x, global_scale, name)
     xg = _reduction_view(spec, x)
@@ -196,15 +170,10 @@ def quantize_ggml(weight: torch.Tensor, spec, *, name: str | None = None, import
     """A ggml block type: codes are the packed blocks (uint8 [..., out, row bytes]); importance
     per input column ([in] or [E, in], the inputs' second moments) weights the scale search;
     a Hessian ([in, in] or [E, in, in]) instead runs GPTQ on the type's grid (ggml.gptq_tensor)."""
-    from moequant.formats import ggml
-
     spec = get_format(spec)
     x = _prepare(weight, spec, name)
-    _check_finite(_absmax(x.flatten(), 0), x, name)
-    if hessian is not None:
-        codes = ggml.gptq_tensor(x, hessian, spec.name)
-    else:
-        codes = ggml.quantize_tensor(x, spec.name, importance)
+    check_finite(_absmax(x.flatten(), 0), x, name)
+    codes = spec.family.quantize(x, spec, importance=importance, hessian=hessian)
     return QuantizedTensor(spec, tuple(weight.shape), codes.to(weight.device))
 
 
@@ -212,10 +181,8 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     """Codes and scales -> weight in `dtype` (computed in float32, then cast once)."""
     spec = q.spec
     if spec.is_ggml:
-        from moequant.formats import ggml
-
-        return ggml.dequantize_tensor(q.codes.cpu(), spec.name, q.shape).to(device=q.codes.device, dtype=dtype)
-    if spec.name == "bf16":
+        return spec.family.dequantize(q.codes, spec, q.shape).to(device=q.codes.device, dtype=dtype)
+    if not spec.quantized:
         return q.codes.to(dtype)
     if spec.granularity == "block":
         w = _decode(spec, q.codes, _expand_block(q.scales, spec.group_size, *q.codes.shape[-2:]), None, None)
@@ -256,7 +223,7 @@ class ColumnQuantizer:
     def __init__(self, spec, weight: torch.Tensor, *, name: str | None = None, global_scale=None,
                  grid: str = "minmax"):
         self.spec = get_format(spec)
-        if self.spec.name == "bf16":
+        if not self.spec.quantized:
             raise UserError("format bf16 keeps weights as they are; there is nothing to quantize column by column")
         if grid not in GRIDS:
             raise UserError("unknown grid %r; accepted: %s" % (grid, ", ".join(GRIDS)))
@@ -265,7 +232,7 @@ class ColumnQuantizer:
                             % self.spec.key)
         self.grid = grid
         x = _prepare(weight, self.spec, name)
-        _check_finite(_absmax(x.flatten(), 0), x, name)  # fail before any column work, as quantize() does
+        check_finite(_absmax(x.flatten(), 0), x, name)  # fail before any column work, as quantize() does
         self.name = name
         self.shape = tuple(weight.shape)
         self.rows, self.cols = self.shape[-2:]
@@ -347,13 +314,13 @@ def _prepare(weight, spec: FormatSpec, name) -> torch.Tensor:
     if weight.dim() not in (2, 3):
         raise UserError("%s has shape %s; accepted: [out, in] or [experts, out, in]" % (_label(name), tuple(weight.shape)))
     check_shape(spec, weight.shape, name)
-    if spec.name == "bf16":
-        _check_finite(_absmax(weight.flatten().float(), 0), weight, name)
+    if not spec.quantized:
+        check_finite(_absmax(weight.flatten().float(), 0), weight, name)
         return weight
     return weight.to(torch.float32)
 
 
-def _check_finite(stat: torch.Tensor, x: torch.Tensor, name) -> None:
+def check_finite(stat: torch.Tensor, x: torch.Tensor, name) -> None:
     """Reductions (amax / amin) propagate NaN and Inf, so checking them covers the whole weight."""
     if not bool(torch.isfinite(stat).all()):
         bad = x.to(torch.float32)
@@ -362,8 +329,8 @@ def _check_finite(stat: torch.Tensor, x: torch.Tensor, name) -> None:
 
 
 def _global_scale(spec: FormatSpec, x: torch.Tensor, given, name):
-    """nvfp4's per-expert fp32 global scale g = 448 * 6 / amax (1 for all-zero experts)."""
-    if spec.name != "nvfp4":
+    """The per-expert fp32 global scale of formats that have one (nvfp4), given or from each expert's amax."""
+    if not spec.family.global_scale:
         if given is not None:
             raise UserError("global_scale applies to nvfp4 only, not %s" % spec.key)
         return None
@@ -376,10 +343,7 @@ def _global_scale(spec: FormatSpec, x: torch.Tensor, given, name):
             raise UserError("nvfp4 global_scale for %s must be positive, finite and of shape %s, got %s"
                             % (_label(name), tuple(lead), tuple(g.shape)))
         return g
-    amax = _absmax(x.flatten(-2), -1)
-    _check_finite(amax, x, name)
-    g = (FP8_MAX * E2M1_MAX) / amax
-    return torch.where(amax > 0, g, torch.ones_like(g))
+    return spec.family.default_global_scale(absmax_checked(x.flatten(-2), name))
 
 
 def _importance_view(spec: FormatSpec, importance, x: torch.Tensor, name):
@@ -440,70 +404,27 @@ def _absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.maximum(x.amax(dim), -x.amin(dim)).abs()
 
 
-def _int_scale(s32: torch.Tensor, name) -> torch.Tensor:
-    """float32 scales -> bf16 (one rounding); overflowing ranges are a user error."""
-    if not bool(torch.isfinite(s32).all()):
-        raise UserError("%s spans a range too wide for integer scales (max - min overflows float32); "
-                        "rescale the weight or keep it in bf16" % _label(name))
-    return s32.to(torch.bfloat16)
+def absmax_checked(xg: torch.Tensor, name) -> torch.Tensor:
+    """max |x| over the last axis, refusing NaN / Inf (which the reduction propagates)."""
+    amax = _absmax(xg, -1)
+    check_finite(amax, xg, name)
+    return amax
 
 
 def _fit(spec: FormatSpec, xg: torch.Tensor, gs, name):
     """Scales (and zero points) over the last axis of xg -> tensors of shape xg.shape[:-1]."""
-    if spec.is_int and not spec.symmetric:
-        lo, hi = xg.amin(-1), xg.amax(-1)
-        _check_finite(lo + hi, xg, name)
-        lo = lo.clamp(max=0.0)
-        hi = hi.clamp(min=0.0)
-        scale = _int_scale((hi - lo) / float(2 ** spec.bits - 1), name)
-        s = scale.to(torch.float32)
-        qmin, qmax = -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1
-        z = torch.clamp(qmin + torch.round(-lo / torch.where(s > 0, s, 1.0)), qmin, qmax)
-        z = torch.where(s > 0, z, torch.zeros_like(z))
-        return scale, z.to(torch.int8)
-    amax = _absmax(xg, -1)
-    _check_finite(amax, xg, name)
-    if spec.name == "fp8":
-        return (amax.double() / FP8_MAX).to(torch.float32), None
-    if spec.is_int:
-        return _int_scale(amax / (2 ** (spec.bits - 1) - 0.5), name), None
-    if spec.name == "mxfp4":
-        return e8m0_from_amax(amax), None
-    # nvfp4, in compressed-tensors' float32 operation order: e4m3(g * (amax / 6))
-    return to_e4m3(gs * (amax / E2M1_MAX)), None
+    return spec.family.fit(spec, xg, gs, name)
 
 
 def _encode(spec: FormatSpec, x: torch.Tensor, s, z, gs) -> torch.Tensor:
     """float32 values -> codes, with scales (zero points, global scale) broadcast against x.
-
-    A zero scale (all-zero group) divides by +inf instead, so its codes are +-0 (the zero point).
-    """
-    if spec.name == "mxfp4":
-        return encode_e2m1(x / e8m0_to_float(s))
-    s = s.to(torch.float32)
-    if spec.name == "nvfp4":
-        s = s / gs
-    y = x / torch.where(s > 0, s, torch.inf)
-    if spec.name == "fp8":
-        return y.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    if spec.name == "nvfp4":
-        return encode_e2m1(y)
-    y = y.round_()
-    if z is not None:
-        y += z.to(torch.float32)
-    return y.clamp_(-(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1).to(torch.int8)
+    A zero scale (all-zero group) divides by +inf instead, so its codes are +-0 (the zero point)."""
+    return spec.family.encode(spec, x, s, z, gs)
 
 
 def _decode(spec: FormatSpec, codes: torch.Tensor, s, z, gs) -> torch.Tensor:
     """codes -> float32 values."""
-    if spec.name == "mxfp4":
-        return decode_e2m1(codes) * e8m0_to_float(s)
-    if spec.name == "nvfp4":
-        return decode_e2m1(codes) * (s.to(torch.float32) / gs)
-    q = codes.to(torch.float32)
-    if z is not None:
-        q = q - z.to(torch.float32)
-    return q * s.to(torch.float32)
+    return spec.family.decode(spec, codes, s, z, gs)
 
 
 # ---------------------------------------------------------------- searched integer grids

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moequant.formats.specs import Format, FormatSpec, register, take_params
+
 GGML_TYPES = ("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "q3_k", "q2_k")
 
 
@@ -537,3 +539,44 @@ def bits_per_weight(name: str) -> float:
 
 def check_cols(name: str, cols: int) -> bool:
     return cols % TYPES[name].block == 0 and math.isfinite(cols)
+
+
+# ---------------------------------------------------------------- the registered format
+
+_SYMMETRIC = ("q8_0", "q6_k", "q5_0", "q4_0", "q3_k")  # no per-block minimum
+
+
+class GgmlBlocks(Format):
+    """llama.cpp's block types as formats: one name per type, no parameters; only GGUF holds them."""
+
+    names = GGML_TYPES
+    ggml = True
+
+    def spec(self, name, params):
+        take_params(name, params, {})
+        t = TYPES[name]
+        return FormatSpec(name, t.bits, "group", t.block, name in _SYMMETRIC)
+
+    def map_char(self, spec):
+        return None
+
+    def default_algorithm(self, name):
+        return "imatrix"  # round-to-nearest with the scale search weighted by the inputs' second moments
+
+    def nbytes(self, spec, rows, cols, symmetric_zeros):  # whole blocks: 34 / 18 / ... per 32, 84 ... 210 per 256
+        return rows * row_bytes(spec.name, cols)
+
+    def quantize(self, x: torch.Tensor, spec, importance=None, hessian=None) -> torch.Tensor:
+        """float32 weight [..., out, in] -> packed blocks; a Hessian runs GPTQ on the type's grid."""
+        if hessian is not None:
+            return gptq_tensor(x, hessian, spec.name)
+        return quantize_tensor(x, spec.name, importance)
+
+    def dequantize(self, codes: torch.Tensor, spec, shape) -> torch.Tensor:
+        return dequantize_tensor(codes.cpu(), spec.name, shape)
+
+    def refuses(self, spec, target, routed):
+        return None if target == "llama.cpp" else f"ggml block types are for target llama.cpp (GGUF), not {target}"
+
+
+register(GgmlBlocks())

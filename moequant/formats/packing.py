@@ -127,21 +127,21 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
 
 
-def _unsigned(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def unsigned(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Signed int8 codes -> offset unsigned codes (two's complement wraps to exactly q + 2^(B-1))."""
     return codes.view(torch.uint8) + (1 << (bits - 1))
 
 
-def _signed(u: torch.Tensor, bits: int) -> torch.Tensor:
+def signed(u: torch.Tensor, bits: int) -> torch.Tensor:
     return (u.to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
 
 
-def _along_rows(fn, t: torch.Tensor, *args):
+def along_rows(fn, t: torch.Tensor, *args):
     """Apply a last-axis packer along the second-to-last axis instead."""
     return fn(t.transpose(-2, -1), *args).transpose(-2, -1).contiguous()
 
 
-def _per_expert_scalar(t: torch.Tensor) -> torch.Tensor:
+def per_expert_scalar(t: torch.Tensor) -> torch.Tensor:
     """[] -> [1] and [E] -> [E, 1]: how per-tensor scalars are written."""
     return t.reshape(t.shape + (1,)).contiguous()
 
@@ -150,32 +150,13 @@ def _per_expert_scalar(t: torch.Tensor) -> torch.Tensor:
 
 def compressed_tensors_format(spec) -> str:
     """compressed-tensors `format` string for a spec."""
-    spec = get_format(spec)
-    return {"bf16": "dense", "fp8": "float-quantized", "mxfp4": "mxfp4-pack-quantized",
-            "nvfp4": "nvfp4-pack-quantized"}.get(spec.name, "pack-quantized")
+    return get_format(spec).family.ct_format
 
 
 def compressed_tensors_weight_args(spec) -> dict | None:
     """The `weights` quantization args of a compressed-tensors config group for `spec`, as
     plain JSON data (None for bf16, which stays unquantized)."""
-    spec = get_format(spec)
-    if spec.name == "bf16":
-        return None
-    args = {"num_bits": spec.bits, "type": "int" if spec.is_int else "float", "symmetric": spec.symmetric,
-            "dynamic": False}
-    if spec.name == "fp8":
-        args["strategy"] = spec.granularity
-        if spec.granularity == "block":
-            args["block_structure"] = [spec.group_size, spec.group_size]
-    elif spec.name == "int8":
-        args["strategy"] = "channel"
-    elif spec.name == "mxfp4":
-        args.update(strategy="group", group_size=32, scale_dtype="torch.uint8")
-    elif spec.name == "nvfp4":
-        args.update(strategy="tensor_group", group_size=16, scale_dtype="torch.float8_e4m3fn")
-    else:
-        args.update(strategy="group", group_size=spec.group_size)
-    return args
+    return get_format(spec).family.ct_weight_args(get_format(spec))
 
 
 def pack_compressed_tensors(q: QuantizedTensor) -> dict:
@@ -186,50 +167,15 @@ def pack_compressed_tensors(q: QuantizedTensor) -> dict:
     mxfp4: weight_packed uint8 [out, in/2], weight_scale uint8 e8m0 [out, in/32]
     nvfp4: weight_packed uint8 [out, in/2], weight_scale float8_e4m3fn [out, in/16], weight_global_scale fp32 [1]
     bf16:  weight bfloat16
+    (each format's family, moequant.formats.<family>.pack_ct, writes its own)
     """
-    spec = q.spec
-    if spec.name == "bf16":
-        return {"weight": q.codes}
-    if spec.name == "fp8":
-        scale = q.scales if spec.granularity != "tensor" else _per_expert_scalar(q.scales.reshape(q.scales.shape[:-2]))
-        return {"weight": q.codes, "weight_scale": scale}
-    if spec.is_fp4:
-        out = {"weight_packed": pack_e2m1(q.codes), "weight_scale": q.scales}
-        if spec.name == "nvfp4":
-            out["weight_global_scale"] = _per_expert_scalar(q.global_scale)
-        return out
-    out = {"weight_packed": pack_int32(_unsigned(q.codes, spec.bits), spec.bits),
-           "weight_scale": q.scales,
-           "weight_shape": torch.tensor(q.shape, dtype=torch.int64)}
-    if q.zeros is not None:
-        out["weight_zero_point"] = _along_rows(pack_int32, _unsigned(q.zeros, spec.bits), spec.bits)
-    return out
+    return q.spec.family.pack_ct(q)
 
 
 def unpack_compressed_tensors(tensors: dict, spec) -> QuantizedTensor:
     """Inverse of pack_compressed_tensors."""
     spec = get_format(spec)
-    if spec.name == "bf16":
-        w = tensors["weight"]
-        return QuantizedTensor(spec, tuple(w.shape), w.to(torch.bfloat16))
-    if spec.name == "fp8":
-        w, s = tensors["weight"], tensors["weight_scale"].to(torch.float32)
-        if spec.granularity == "tensor":
-            s = s.reshape(w.shape[:-2] + (1, 1))
-        return QuantizedTensor(spec, tuple(w.shape), w, s)
-    if spec.is_fp4:
-        codes = unpack_e2m1(tensors["weight_packed"])
-        gs = None
-        if spec.name == "nvfp4":
-            gs = tensors["weight_global_scale"].to(torch.float32).reshape(codes.shape[:-2])
-        return QuantizedTensor(spec, tuple(codes.shape), codes, tensors["weight_scale"], None, gs)
-    shape = tuple(int(v) for v in tensors["weight_shape"].tolist())
-    codes = _signed(unpack_int32(tensors["weight_packed"], spec.bits, shape[-1]), spec.bits)
-    zeros = None
-    if not spec.symmetric:
-        zp = tensors["weight_zero_point"]
-        zeros = _signed(unpack_int32(zp.transpose(-2, -1), spec.bits, shape[-2]).transpose(-2, -1), spec.bits)
-    return QuantizedTensor(spec, shape, codes, tensors["weight_scale"], zeros.contiguous() if zeros is not None else None)
+    return spec.family.unpack_ct(tensors, spec)
 
 
 # ---------------------------------------------------------------- GPTQ
@@ -260,12 +206,12 @@ def pack_gptq(q: QuantizedTensor, version: int = 1) -> dict:
     spec = q.spec
     _int_spec_for(spec, "GPTQ", (2, 3, 4, 8))
     bits, cols = spec.bits, q.shape[-1]
-    u = _unsigned(q.codes, bits)
+    u = unsigned(q.codes, bits)
     qweight = pack_int32(u, bits).transpose(-2, -1).contiguous()  # stream along the input axis
     if q.zeros is None:
         zeros = torch.full(q.scales.shape, 1 << (bits - 1), dtype=torch.int16, device=u.device)
     else:
-        zeros = _unsigned(q.zeros, bits).to(torch.int16)
+        zeros = unsigned(q.zeros, bits).to(torch.int16)
     if version == 1:
         if bool((zeros == 0).any()):
             raise UserError("GPTQ v1 cannot store a zero point of 0 (it writes zero - 1): %d groups of this "
@@ -286,13 +232,13 @@ def unpack_gptq(tensors: dict, spec, shape, version: int = 1) -> QuantizedTensor
     _int_spec_for(spec, "GPTQ", (2, 3, 4, 8))
     bits, shape = spec.bits, tuple(shape)
     rows, cols = shape[-2:]
-    codes = _signed(unpack_int32(tensors["qweight"].transpose(-2, -1).contiguous(), bits, cols), bits)
+    codes = signed(unpack_int32(tensors["qweight"].transpose(-2, -1).contiguous(), bits, cols), bits)
     scales = tensors["scales"].transpose(-2, -1).contiguous()
     zeros = None
     if not spec.symmetric:
         z = unpack_int32(tensors["qzeros"], bits, rows).to(torch.int16)
         z = z + 1 if version == 1 else z  # v1 readers add 1 after unpacking: a stored 2^B - 1 means 2^B
-        zeros = _signed(z, bits).transpose(-2, -1).contiguous()
+        zeros = signed(z, bits).transpose(-2, -1).contiguous()
     return QuantizedTensor(spec, shape, codes, scales, zeros)
 
 
@@ -311,11 +257,11 @@ def pack_awq(q: QuantizedTensor) -> dict:
         v = u_t.unflatten(-1, (rows // 8, 8))[..., order]
         return pack_int32(v.flatten(-2), 4)
 
-    u = _unsigned(q.codes, 4).transpose(-2, -1).contiguous()
+    u = unsigned(q.codes, 4).transpose(-2, -1).contiguous()
     if q.zeros is None:
         z = torch.full(q.scales.shape, 8, dtype=torch.uint8, device=u.device)
     else:
-        z = _unsigned(q.zeros, 4)
+        z = unsigned(q.zeros, 4)
     return {"qweight": interleave(u), "qzeros": interleave(z.transpose(-2, -1).contiguous()),
             "scales": _fp16_scales(q, "AWQ")}
 
@@ -332,8 +278,8 @@ def unpack_awq(tensors: dict, spec, shape) -> QuantizedTensor:
         v = unpack_int32(words, 4, rows).unflatten(-1, (rows // 8, 8))[..., inverse]
         return v.flatten(-2)
 
-    codes = _signed(deinterleave(tensors["qweight"]), 4).transpose(-2, -1).contiguous()
-    zeros = None if spec.symmetric else _signed(deinterleave(tensors["qzeros"]), 4).transpose(-2, -1).contiguous()
+    codes = signed(deinterleave(tensors["qweight"]), 4).transpose(-2, -1).contiguous()
+    zeros = None if spec.symmetric else signed(deinterleave(tensors["qzeros"]), 4).transpose(-2, -1).contiguous()
     return QuantizedTensor(spec, shape, codes, tensors["scales"].transpose(-2, -1).contiguous(), zeros)
 
 

@@ -1,8 +1,10 @@
-"""Format configs: what a number format is, its canonical key, and its exact byte cost.
+"""What a number format is: `FormatSpec` (plain data), the `Format` family interface, the registry.
 
 A format is one frozen `FormatSpec`. Every spec has a canonical `key` ("int4-g128-sym",
 "fp8-block128", "mxfp4", ...) that round-trips through `parse_key`, so plans and reports can
-name formats with plain strings.
+name formats with plain strings. Everything a format does is its family's (`spec.family`): one
+`Format` subclass per file of this package, registered by name; the rest of moequant asks the
+spec (`spec.quantized`, `spec.refuses(target)`, `nbytes(spec, shape)`) instead of comparing names.
 
 Storage (what the packers in `moequant.formats.packing` write, and what `nbytes` counts):
 
@@ -23,16 +25,12 @@ carry (compressed-tensors' `weight_shape`, GPTQ's `g_idx`): those do not scale w
 
 from __future__ import annotations
 
+import functools
 import math
-import re
 from dataclasses import dataclass
 
 from moequant.errors import UserError
 
-FORMAT_NAMES = ("bf16", "fp8", "int8", "int4", "int3", "int2", "mxfp4", "nvfp4")
-# llama.cpp's block types (moequant.formats.ggml): one per name, no parameters
-GGML_FORMAT_NAMES = ("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "q3_k", "q2_k")
-ALL_FORMAT_NAMES = FORMAT_NAMES + GGML_FORMAT_NAMES
 INT_GROUP_SIZES = (32, 64, 128)
 FP8_GRANULARITIES = ("channel", "block", "tensor")
 FP8_BLOCK = 128
@@ -44,12 +42,15 @@ NV_GROUP = 16
 class FormatSpec:
     """One number format.
 
-    name:        "bf16" | "fp8" | "int8" | "int4" | "int3" | "int2" | "mxfp4" | "nvfp4"
+    name:        a registered format name ("bf16", "fp8", "int4", "mxfp4", "q4_k", ...)
     bits:        bits per element code (16, 8, 4, 3, 2)
     granularity: "none" (bf16) | "channel" (one scale per output row) | "tensor" |
                  "block" (fp8 128x128) | "group" (one scale per `group_size` inputs)
     group_size:  input columns per scale for "group"; block edge for "block"; else None
     symmetric:   False only for asymmetric integer groups (they store zero points)
+
+    What the format *does* (its key, bytes, scale rule, packing, which engines load it) is its
+    family's, `spec.family`: one `Format` registered per name (see `Format`).
     """
 
     name: str
@@ -59,26 +60,29 @@ class FormatSpec:
     symmetric: bool = True
 
     @property
+    def family(self) -> "Format":
+        return REGISTRY[self.name]
+
+    @property
     def key(self) -> str:
-        if self.name in ("bf16", "mxfp4", "nvfp4") or self.is_ggml:
-            return self.name
-        if self.name == "fp8":
-            return "fp8-block%d" % self.group_size if self.granularity == "block" else "fp8-" + self.granularity
-        if self.name == "int8":
-            return "int8-channel"
-        return "%s-g%d-%s" % (self.name, self.group_size, "sym" if self.symmetric else "asym")
+        return self.family.key(self)
+
+    @property
+    def quantized(self) -> bool:
+        """False for bf16, which keeps the weights as they are."""
+        return self.family.quantized
 
     @property
     def is_int(self) -> bool:
-        return self.name in ("int8", "int4", "int3", "int2")
+        return self.family.integer
 
     @property
     def is_ggml(self) -> bool:
-        return self.name in GGML_FORMAT_NAMES
+        return self.family.ggml
 
     @property
     def is_fp4(self) -> bool:
-        return self.name in ("mxfp4", "nvfp4")
+        return self.family.e2m1
 
     @property
     def group_width(self) -> int | None:
@@ -91,8 +95,122 @@ class FormatSpec:
         """Stored bits per weight element, scales and zero points included."""
         return 8.0 * nbytes(self, shape) / math.prod(shape)
 
+    def refuses(self, target: str, routed: bool = False) -> str | None:
+        """Why serving target `target` cannot load this format (None when it can); `routed`:
+        for a routed expert of a fused-MoE layer, whose kernels are narrower than linear ones."""
+        return self.family.refuses(self, target, routed)
+
+    def servable_by(self, target: str, routed: bool = False) -> bool:
+        return self.refuses(target, routed) is None
+
     def __str__(self) -> str:
         return self.key
+
+
+class Format:
+    """A family of number formats: everything that depends on which format a tensor is in.
+
+    Adding a format is one file in moequant/formats/ that subclasses this and calls `register`
+    at import (the package imports every module in it). Methods take the spec, so one family
+    serves several names (int8 / int4 / int3 / int2) and parameters (group sizes, symmetry).
+    Shape-generic machinery (scale views by granularity, expert chunking, GPTQ's column walk)
+    stays in moequant.formats.core and asks the family for the element math only.
+    """
+
+    names: tuple[str, ...] = ()
+    quantized = True   # False: bf16, the weights as they are
+    integer = False    # signed integer codes, bit-packed in int32 words
+    ggml = False       # a llama.cpp block type: codes are the packed blocks (own quantizer)
+    e2m1 = False       # 4-bit float elements, two per byte
+    global_scale = False  # a per-expert fp32 scale on top of the block scales (nvfp4)
+    ct_format = "pack-quantized"  # compressed-tensors' `format` of a group in this format
+
+    # ---- what the format is
+    def spec(self, name: str, params: dict) -> FormatSpec:
+        """The spec of `name` with the user's parameters (validated; `take_params` helps)."""
+        raise NotImplementedError
+
+    def key(self, spec: FormatSpec) -> str:
+        return spec.name
+
+    def keys(self) -> list[str]:
+        """Every key of the family (for all_keys; ggml types list theirs separately)."""
+        return list(self.names)
+
+    def map_char(self, spec: FormatSpec) -> str | None:
+        """The letter of a format in a plan's expert map (bf16 "B", fp8 "F", mxfp4 "M", ...; None: a spare one)."""
+        return spec.name[0].upper()
+
+    def keys_help(self) -> str:
+        """The family's keys as an error message lists them."""
+        return ", ".join(self.keys())
+
+    def parse_key(self, key: str) -> FormatSpec | None:
+        return get_format(key) if key in self.names else None
+
+    def nbytes(self, spec: FormatSpec, rows: int, cols: int, symmetric_zeros: bool) -> int:
+        """Bytes of codes + scales (+ zero points) of one [rows, cols] weight; symmetric_zeros:
+        the layout stores zero points for symmetric formats too (GPTQ, AWQ)."""
+        raise NotImplementedError
+
+    def check_cols(self, spec: FormatSpec, cols: int) -> str | None:
+        """Why `cols` input columns cannot be stored (None when they can)."""
+        if spec.granularity == "group" and cols % spec.group_size:
+            return "not a multiple of the group size %d" % spec.group_size
+        return None
+
+    def default_algorithm(self, name: str) -> str:
+        """What quantizes format `name` when a recipe's `algorithms` map does not name it."""
+        return "gptq"
+
+    # ---- the element math (float32 in and out; scales broadcast against x)
+    def fit(self, spec: FormatSpec, xg, gs, name):
+        """Scales (and zero points) over the last axis of xg -> tensors shaped xg.shape[:-1]."""
+        raise NotImplementedError
+
+    def encode(self, spec: FormatSpec, x, s, z, gs):
+        raise NotImplementedError
+
+    def decode(self, spec: FormatSpec, codes, s, z, gs):
+        raise NotImplementedError
+
+    # ---- compressed-tensors
+    def ct_weight_args(self, spec: FormatSpec) -> dict | None:
+        """The `weights` quantization args of a compressed-tensors config group (JSON data)."""
+        raise UserError(f"format {spec.key} has no compressed-tensors scheme.")
+
+    def pack_ct(self, q) -> dict:
+        raise UserError(f"format {q.spec.key} has no compressed-tensors scheme.")
+
+    def unpack_ct(self, tensors: dict, spec: FormatSpec):
+        raise UserError(f"format {spec.key} has no compressed-tensors scheme.")
+
+    # ---- serving
+    def refuses(self, spec: FormatSpec, target: str, routed: bool) -> str | None:
+        if target == "llama.cpp":
+            return "llama.cpp (GGUF) stores ggml block types (q8_0, q6_k, q5_k, q4_k, q4_0, ...) or bf16, not " + spec.name
+        if target == "vllm-moequant" and routed:
+            return ("moequant's vLLM plugin serves routed experts in bf16, per-channel int8 (W8A8) and symmetric "
+                    "int4 on vLLM's CPU backend, not %s" % spec.key)
+        return None
+
+
+REGISTRY: dict[str, Format] = {}
+
+
+def register(family: Format) -> Format:
+    for name in family.names:
+        if name in REGISTRY:
+            raise ValueError("format name %r is registered twice" % name)
+        REGISTRY[name] = family
+    return family
+
+
+def format_names(ggml: bool | None = None) -> tuple[str, ...]:
+    """Registered format names, llama.cpp's block types last; ggml=False / True: without / only those."""
+    if ggml is None:
+        return format_names(False) + format_names(True)
+    return tuple(n for n, f in REGISTRY.items() if f.ggml == ggml)
 
 
 def get_format(name, **params) -> FormatSpec:
@@ -102,97 +220,70 @@ def get_format(name, **params) -> FormatSpec:
     fp8:  granularity="channel" (default) | "block" | "tensor"; block_size=128 for "block".
     int8: symmetric per output channel only.
     int4, int3, int2: group_size 32 | 64 | 128 (default 128), symmetric=True (default) | False.
+    A format key ("int4-g64-asym") is accepted too, without parameters.
     """
     if isinstance(name, FormatSpec):
         if params:
             raise UserError("format %s is already a spec; got extra parameters %s" % (name.key, sorted(params)))
         return name
-    if not isinstance(name, str) or name not in ALL_FORMAT_NAMES:
-        if isinstance(name, str) and _KEY_RE.match(name):
+    if not isinstance(name, str) or name not in REGISTRY:
+        spec = _parse(name) if isinstance(name, str) else None
+        if spec is not None:
             if params:
                 raise UserError("format key %r already fixes its parameters; got extra %s" % (name, sorted(params)))
-            return parse_key(name)
-        raise UserError("unknown format %r; accepted: %s" % (name, ", ".join(ALL_FORMAT_NAMES)))
-
-    def take(allowed: dict) -> dict:
-        unknown = sorted(set(params) - set(allowed))
-        if unknown:
-            accepted = ", ".join(sorted(allowed)) or "none"
-            raise UserError("format %s does not take parameter(s) %s; accepted: %s" % (name, ", ".join(unknown), accepted))
-        return {k: params.get(k, v) for k, v in allowed.items()}
-
-    if name == "bf16":
-        take({})
-        return FormatSpec("bf16", 16, "none")
-    if name in GGML_FORMAT_NAMES:
-        from moequant.formats.ggml import TYPES
-
-        take({})
-        t = TYPES[name]
-        return FormatSpec(name, t.bits, "group", t.block, name in ("q8_0", "q6_k", "q5_0", "q4_0", "q3_k"))
-    if name in ("mxfp4", "nvfp4"):
-        fixed = MX_GROUP if name == "mxfp4" else NV_GROUP
-        p = take({"group_size": fixed, "symmetric": True})
-        if p["group_size"] != fixed or p["symmetric"] is not True:
-            raise UserError("format %s has fixed group_size=%d and is symmetric; got group_size=%r, symmetric=%r"
-                            % (name, fixed, p["group_size"], p["symmetric"]))
-        return FormatSpec(name, 4, "group", fixed, True)
-    if name == "fp8":
-        p = take({"granularity": "channel", "block_size": FP8_BLOCK})
-        if p["granularity"] not in FP8_GRANULARITIES:
-            raise UserError("fp8 granularity %r is not supported; accepted: %s"
-                            % (p["granularity"], ", ".join(FP8_GRANULARITIES)))
-        if p["granularity"] == "block":
-            if p["block_size"] != FP8_BLOCK:
-                raise UserError("fp8 block_size %r is not supported; accepted: %d" % (p["block_size"], FP8_BLOCK))
-            return FormatSpec("fp8", 8, "block", FP8_BLOCK)
-        if "block_size" in params:
-            raise UserError("fp8 block_size applies only to granularity='block', not %r" % p["granularity"])
-        return FormatSpec("fp8", 8, p["granularity"])
-    if name == "int8":
-        p = take({"symmetric": True, "granularity": "channel"})
-        if p["symmetric"] is not True or p["granularity"] != "channel":
-            raise UserError("int8 is symmetric per output channel only; got symmetric=%r, granularity=%r"
-                            % (p["symmetric"], p["granularity"]))
-        return FormatSpec("int8", 8, "channel")
-    p = take({"group_size": 128, "symmetric": True})
-    if p["group_size"] not in INT_GROUP_SIZES:
-        raise UserError("%s group_size %r is not supported; accepted: %s"
-                        % (name, p["group_size"], ", ".join(map(str, INT_GROUP_SIZES))))
-    if not isinstance(p["symmetric"], bool):
-        raise UserError("%s symmetric must be true or false, got %r" % (name, p["symmetric"]))
-    return FormatSpec(name, int(name[3:]), "group", p["group_size"], p["symmetric"])
+            return spec
+        raise UserError("unknown format %r; accepted: %s" % (name, ", ".join(format_names())))
+    return REGISTRY[name].spec(name, params)
 
 
-_KEY_RE = re.compile(r"^(bf16|mxfp4|nvfp4|q8_0|q6_k|q5_k|q5_1|q5_0|q4_k|q4_1|q4_0|q3_k|q2_k|fp8-channel|fp8-tensor|fp8-block(\d+)|int8-channel|(int[234])-g(\d+)-(sym|asym))$")
+def take_params(name: str, params: dict, allowed: dict) -> dict:
+    """`params` over the defaults `allowed`, refusing any parameter format `name` does not take."""
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        accepted = ", ".join(sorted(allowed)) or "none"
+        raise UserError("format %s does not take parameter(s) %s; accepted: %s" % (name, ", ".join(unknown), accepted))
+    return {k: params.get(k, v) for k, v in allowed.items()}
+
+
+def fixed_group_spec(name: str, params: dict, group: int, bits: int) -> FormatSpec:
+    """A symmetric format with one fixed group size (mxfp4, nvfp4): its spec, refusing other parameters."""
+    p = take_params(name, params, {"group_size": group, "symmetric": True})
+    if p["group_size"] != group or p["symmetric"] is not True:
+        raise UserError("format %s has fixed group_size=%d and is symmetric; got group_size=%r, symmetric=%r"
+                        % (name, group, p["group_size"], p["symmetric"]))
+    return FormatSpec(name, bits, "group", group, True)
+
+
+def _parse(key: str) -> FormatSpec | None:
+    for family in dict.fromkeys(REGISTRY.values()):
+        spec = family.parse_key(key)
+        if spec is not None:
+            return spec
+    return None
 
 
 def parse_key(key: str) -> FormatSpec:
     """Inverse of `FormatSpec.key`: "int4-g128-asym" -> the spec."""
-    m = _KEY_RE.match(key) if isinstance(key, str) else None
-    if m is None:
-        raise UserError("unknown format key %r; accepted: bf16, fp8-channel, fp8-block128, fp8-tensor, "
-                        "int8-channel, int{4,3,2}-g{32,64,128}-{sym,asym}, mxfp4, nvfp4" % (key,))
-    if m.group(2):
-        return get_format("fp8", granularity="block", block_size=int(m.group(2)))
-    if m.group(3):
-        return get_format(m.group(3), group_size=int(m.group(4)), symmetric=m.group(5) == "sym")
-    if key.startswith("fp8-"):
-        return get_format("fp8", granularity=key[4:])
-    if key in GGML_FORMAT_NAMES:
-        return get_format(key)
-    if key == "int8-channel":
-        return get_format("int8")
-    return get_format(key)
+    spec = _parse(key) if isinstance(key, str) else None
+    if spec is None:
+        families = dict.fromkeys(REGISTRY.values())
+        raise UserError("unknown format key %r; accepted: %s" % (key, ", ".join(f.keys_help() for f in families)))
+    return spec
+
+
+@functools.lru_cache(maxsize=None)
+def spec_of(key: str) -> FormatSpec:
+    """parse_key, remembered: plans name their formats by key, row by row."""
+    return parse_key(key)
 
 
 def all_keys() -> list[str]:
-    """Every valid format key, cheapest-first within a family."""
-    keys = ["bf16", "fp8-channel", "fp8-block128", "fp8-tensor", "int8-channel"]
-    for bits in (4, 3, 2):
-        for g in INT_GROUP_SIZES:
-            keys += ["int%d-g%d-sym" % (bits, g), "int%d-g%d-asym" % (bits, g)]
-    return keys + ["mxfp4", "nvfp4"]
+    """Every valid format key but llama.cpp's block types, cheapest-first within a family."""
+    out = []
+    for family in dict.fromkeys(REGISTRY.values()):
+        if not family.ggml:
+            out += family.keys()
+    return out
 
 
 def _split_shape(shape) -> tuple[int, int, int]:
@@ -204,47 +295,19 @@ def _split_shape(shape) -> tuple[int, int, int]:
     raise UserError("weight shape %s is not supported; accepted: [out, in] or [experts, out, in]" % (shape,))
 
 
-LAYOUTS = ("compressed-tensors", "gptq", "awq", "deepseek", "gpt-oss")
-
-
-def nbytes(spec, shape, layout: str = "compressed-tensors") -> int:
-    """Exact bytes of codes + scales + zero points for a weight of `shape` ([out, in] or [E, out, in]).
+def nbytes(spec, shape, symmetric_zeros: bool = False) -> int:
+    """Exact bytes of codes + scales + zero points for a weight of `shape` ([out, in] or [E, out, in]):
+    the one byte account that inspect, the budget solver, the plan summary and the report share.
 
     Equal to the bytes of the tensors the packers write (per-expert scales for [E, out, in]).
-    All layouts of a format cost the same, except that GPTQ and AWQ also store zero points
-    for symmetric integer formats (layout="gptq" / "awq" counts them).
+    All layouts of a format cost the same, except that some also store zero points for symmetric
+    integer formats (GPTQ, AWQ: their export layout's `symmetric_zeros`, which counts them here).
     Shapes the format cannot hold raise UserError, as `quantize` would.
     """
     spec = get_format(spec)
-    if layout not in LAYOUTS:
-        raise UserError("unknown layout %r; accepted: %s" % (layout, ", ".join(LAYOUTS)))
     experts, rows, cols = _split_shape(shape)
     check_shape(spec, (rows, cols))
-    if spec.name == "bf16":
-        per = 2 * rows * cols
-    elif spec.is_ggml:  # whole blocks: 34 / 18 / 20 / 22 / 24 bytes per 32, 84 ... 210 per 256
-        from moequant.formats.ggml import row_bytes
-
-        per = rows * row_bytes(spec.name, cols)
-    elif spec.name == "fp8":
-        if spec.granularity == "channel":
-            n_scales = rows
-        elif spec.granularity == "tensor":
-            n_scales = 1
-        else:
-            n_scales = math.ceil(rows / spec.group_size) * math.ceil(cols / spec.group_size)
-        per = rows * cols + 4 * n_scales
-    elif spec.is_int:
-        words_per_row = math.ceil(cols * spec.bits / 32)
-        groups = 1 if spec.granularity == "channel" else cols // spec.group_size
-        per = 4 * rows * words_per_row + 2 * rows * groups
-        if not spec.symmetric or layout in ("gptq", "awq"):
-            per += 4 * math.ceil(rows * spec.bits / 32) * groups
-    elif spec.name == "mxfp4":
-        per = rows * cols // 2 + rows * cols // MX_GROUP
-    else:  # nvfp4
-        per = rows * cols // 2 + rows * cols // NV_GROUP + 4
-    return experts * per
+    return experts * spec.family.nbytes(spec, rows, cols, symmetric_zeros)
 
 
 def check_shape(spec: FormatSpec, shape, name: str | None = None) -> None:
@@ -253,10 +316,12 @@ def check_shape(spec: FormatSpec, shape, name: str | None = None) -> None:
     if rows < 1 or cols < 1:
         raise UserError("%s has empty shape %s; format %s needs at least one row and column"
                         % (_label(name), tuple(shape), spec.key))
-    if spec.granularity == "group" and cols % spec.group_size:
-        raise UserError("%s has %d input columns, not a multiple of the group size %d of format %s; "
+    why = spec.family.check_cols(spec, cols)
+    if why:
+        size = spec.group_size
+        raise UserError("%s has %d input columns, %s of format %s; "
                         "accepted: input columns divisible by %d (or a format with a smaller group)"
-                        % (_label(name), cols, spec.group_size, spec.key, spec.group_size))
+                        % (_label(name), cols, why, spec.key, size))
 
 
 def _label(name: str | None) -> str:

@@ -40,7 +40,7 @@ def shape_for(key, experts=None):
 
 def test_every_key_round_trips_and_params_build_the_same_spec():
     keys = formats.all_keys()
-    assert len(keys) == len(set(keys)) == 5 + 3 * 3 * 2 + 2
+    assert len(keys) == len(set(keys)) == 5 + 3 * 3 * 2 + 3  # bf16, fp8 x3, int8; int4/3/2; mxfp4, mxfp8, nvfp4
     for key in keys:
         spec = formats.parse_key(key)
         assert spec.key == key and formats.get_format(key) == spec

@@ -43,9 +43,9 @@ def child(model: str, out: str, samples: int, seq_len: int, device: str, hessian
 
     import torch
 
-    from moequant.calibrate import CalibrationSettings, calibrate
-    from moequant.checkpoint import open_checkpoint
-    from moequant.data import Sample
+    from moequant.calib.calibrate import CalibrationSettings, calibrate
+    from moequant.calib.data import Sample
+    from moequant.io.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(model)
     vocab = int(ckpt.config["vocab_size"])
@@ -90,7 +90,7 @@ def main() -> None:
         build(tmp / "one", 1)
         build(tmp / "many", a.layers)
         from moequant.arch import adapter_for
-        from moequant.checkpoint import open_checkpoint
+        from moequant.io.checkpoint import open_checkpoint
 
         ck = open_checkpoint(tmp / "many")
         ad = adapter_for(ck.config)

@@ -146,10 +146,10 @@ def child_moequant(tool: str, model: str, out: str, samples: int, seq_len: int, 
     """Runs in the subprocess: one `moequant apply`; counts every byte written under stats/ and work/."""
     import torch
 
-    import moequant.calibrate as cal
-    import moequant.checkpoint as ck
-    import moequant.quantize as qz
-    from moequant.apply import apply
+    import moequant.calib.calibrate as cal
+    import moequant.io.checkpoint as ck
+    import moequant.pipeline.quantize as qz
+    from moequant.pipeline.apply import apply
 
     scratch = {"bytes": 0}
     real_save, real_text = cal._save_atomic, ck.atomic_write_text
@@ -220,8 +220,8 @@ def calibration_ids(model: str, samples: int, seq_len: int):
     """The calibration tokens moequant's quantize pass draws for these settings (same seed and split)."""
     import torch
 
-    from moequant.calibrate import load_tokenizer
-    from moequant.data import load_samples
+    from moequant.calib.calibrate import load_tokenizer
+    from moequant.calib.data import load_samples
 
     s = load_samples("builtin:mix", load_tokenizer(Path(model)), samples, seq_len, split="calibration", seed=0)
     return torch.stack([x.input_ids for x in s])

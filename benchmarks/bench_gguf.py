@@ -4,7 +4,7 @@ at no more file bytes, KL measured by llama.cpp on held-out text (the evaluation
     python benchmarks/bench_gguf.py [--models tiny-qwen2moe,tiny-mixtral] [--samples 64] [--seq-len 256]
 
 Per model: one calibration (all-experts statistics, sensitivities of the ggml candidates); its
-imatrix (`moequant.export_gguf.write_imatrix`); a BF16 GGUF that llama_model_quantize turns into
+imatrix (`moequant.export.gguf.write_imatrix`); a BF16 GGUF that llama_model_quantize turns into
 Q4_K_M with and without that imatrix; then `moequant apply` with recipes/gguf.yaml, token_embd /
 output in Q4_K_M's own types (Q4_K / Q6_K), and the routed-expert budget set so that the whole
 file is no larger than llama.cpp's Q4_K_M. All three GGUFs are run by llama.cpp on the same
@@ -43,14 +43,14 @@ def main(argv=None) -> int:
     import torch
 
     from moequant import formats
-    from moequant.apply import apply
     from moequant.arch import adapter_for
-    from moequant.calibrate import CalibrationSettings, calibrate
-    from moequant.checkpoint import open_checkpoint
-    from moequant.export import export_checkpoint
-    from moequant.export_gguf import GGUF_FILE, gguf_bytes, write_imatrix
-    from moequant.recipe import load_recipe
-    from moequant.verify_llamacpp import evaluate_gguf, quantize
+    from moequant.calib.calibrate import CalibrationSettings, calibrate
+    from moequant.export.gguf import GGUF_FILE, gguf_bytes, write_imatrix
+    from moequant.export.layouts import export_checkpoint
+    from moequant.export.verify_llamacpp import evaluate_gguf, quantize
+    from moequant.io.checkpoint import open_checkpoint
+    from moequant.pipeline.apply import apply
+    from moequant.plan.recipe import load_recipe
     from moequant.zoo import path as zoo_path
 
     p = argparse.ArgumentParser()

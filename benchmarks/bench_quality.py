@@ -84,20 +84,20 @@ def main(argv=None) -> int:
     from moequant import formats
     from moequant.algorithms.gptq import gptq
     from moequant.arch import adapter_for
-    from moequant.calibrate import (
+    from moequant.calib.calibrate import (
         MIN_ROUTED_TOKENS,
         CalibrationSettings,
         calibrate,
         chosen_hessian,
         load_tokenizer,
     )
-    from moequant.checkpoint import open_checkpoint
-    from moequant.data import load_samples
+    from moequant.calib.data import load_samples
+    from moequant.calib.stats import load_stats
     from moequant.evaluate import evaluate
+    from moequant.export.verify_llamacpp import ggml_quantize
     from moequant.formats.ggml import dequantize_tensor
-    from moequant.loader import from_pretrained_complete
-    from moequant.stats import load_stats
-    from moequant.verify_llamacpp import ggml_quantize
+    from moequant.io.checkpoint import open_checkpoint
+    from moequant.io.loader import from_pretrained_complete
     from moequant.zoo import path as zoo_path
 
     p = argparse.ArgumentParser()
@@ -207,9 +207,9 @@ def main(argv=None) -> int:
 
 def q4_k_m_types(src, out: Path, ad) -> dict:
     """{(layer, proj): ggml type} that llama_model_quantize's Q4_K_M gives the routed-expert tensors."""
-    from moequant.export import export_checkpoint
-    from moequant.export_gguf import GGUF_FILE
-    from moequant.verify_llamacpp import quantize, tensor_types
+    from moequant.export.gguf import GGUF_FILE
+    from moequant.export.layouts import export_checkpoint
+    from moequant.export.verify_llamacpp import quantize, tensor_types
 
     bf16 = export_checkpoint(src, {}, out / "bf16", layout="gguf", target="llama.cpp")
     dst = out / "q4_k_m.gguf"

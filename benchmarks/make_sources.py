@@ -33,8 +33,8 @@ import torch
 
 from moequant import formats
 from moequant.arch import adapter_for
-from moequant.checkpoint import ShardWriter, atomic_directory
 from moequant.errors import UserError
+from moequant.io.checkpoint import ShardWriter, atomic_directory
 
 ROOT = Path(__file__).resolve().parent.parent
 DEEPSEEK_V3 = ROOT / "tests" / "data" / "configs" / "deepseek-v3.json"

@@ -23,7 +23,7 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            from moequant.parallel import says_errors
+            from moequant.pipeline.parallel import says_errors
 
             if says_errors() and not getattr(e, "said_by_rank0", False):  # a torchrun job says a refusal once
                 click.echo(f"error: {e}", err=True)
@@ -35,7 +35,7 @@ def user_errors(fn):
     return wrapper
 
 
-EXPERT_PARALLEL = ("apply", "calibrate")  # commands that split experts across torchrun's ranks (moequant.parallel)
+EXPERT_PARALLEL = ("apply", "calibrate")  # commands that split experts across torchrun's ranks (moequant.pipeline.parallel)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -43,7 +43,7 @@ EXPERT_PARALLEL = ("apply", "calibrate")  # commands that split experts across t
 @click.pass_context
 def main(ctx):
     """Per-expert quantization for Mixture-of-Experts language models."""
-    from moequant.parallel import is_helper_rank
+    from moequant.pipeline.parallel import is_helper_rank
 
     if is_helper_rank() and ctx.invoked_subcommand not in EXPERT_PARALLEL:
         ctx.exit(0)  # under torchrun the other commands run on rank 0 alone
@@ -55,13 +55,13 @@ def main(ctx):
 @user_errors
 def inspect(model: str, as_json: bool):
     """Memory account of MODEL (a checkpoint directory, a config.json, or zoo:NAME), no weights loaded."""
-    from moequant.inspect import inspect_model
+    from moequant.plan.inspect import inspect_model
 
     acc = inspect_model(model)
     if as_json:
         click.echo(json.dumps(acc, indent=2))
     else:
-        from moequant.memory import format_account
+        from moequant.plan.memory import format_account
 
         click.echo(format_account(acc, model))
 
@@ -108,9 +108,9 @@ def calibrate(recipe_path, model, output, overrides, stats, dataset, samples, se
     import dataclasses
     from pathlib import Path
 
-    from moequant.apply import calibration_settings, resolve_recipe, sensitivity_formats
-    from moequant.calibrate import calibrate as run
-    from moequant.precheck import check_recipe, unfit_notes
+    from moequant.calib.calibrate import calibrate as run
+    from moequant.pipeline.apply import calibration_settings, resolve_recipe, sensitivity_formats
+    from moequant.pipeline.precheck import check_recipe, unfit_notes
 
     flags = {"calibration.dataset": dataset, "calibration.samples": samples, "calibration.seq_len": seq_len,
              "seed": seed, "calibration.all_experts": all_experts}
@@ -126,10 +126,10 @@ def calibrate(recipe_path, model, output, overrides, stats, dataset, samples, se
         raise UserError(f"--imatrix {imatrix} must end in .gguf (llama.cpp's GGUF imatrix format).")
     import contextlib
 
-    from moequant import parallel
     from moequant.arch import adapter_for
-    from moequant.checkpoint import open_checkpoint
-    from moequant.run_lock import output_lock
+    from moequant.io.checkpoint import open_checkpoint
+    from moequant.pipeline import parallel
+    from moequant.pipeline.run_lock import output_lock
 
     helper = parallel.is_helper_rank()  # under torchrun rank 0 alone prints
     num_experts = adapter_for(open_checkpoint(recipe.model).config).num_experts
@@ -145,7 +145,7 @@ def calibrate(recipe_path, model, output, overrides, stats, dataset, samples, se
         return
     click.echo(f"statistics of {', '.join(keys)} written to {out} (summary.json, routing.png)")
     if imatrix:
-        from moequant.export_gguf import write_imatrix
+        from moequant.export.gguf import write_imatrix
 
         click.echo(f"imatrix written to {write_imatrix(out, imatrix)}")
 
@@ -156,8 +156,8 @@ def calibrate(recipe_path, model, output, overrides, stats, dataset, samples, se
 @user_errors
 def plan(recipe_path, model, output, overrides, stats):
     """Decide a format for every tensor: writes OUTPUT/plan.json and prints a summary."""
-    from moequant.apply import run_plan
-    from moequant.policy import format_summary
+    from moequant.pipeline.apply import run_plan
+    from moequant.plan.policy import format_summary
 
     result, path = run_plan(recipe_path, model, output, overrides, stats)
     click.echo(format_summary(result))
@@ -172,7 +172,7 @@ def apply(recipe_path, model, output, overrides, device):
     """Calibrate, plan, quantize, export, evaluate and report — the whole job."""
     import time
 
-    from moequant.apply import apply as run
+    from moequant.pipeline.apply import apply as run
 
     t0 = time.perf_counter()
     report = run(recipe_path, model, output, overrides, device=device, log=click.echo)
@@ -193,8 +193,8 @@ def apply(recipe_path, model, output, overrides, device):
 @user_errors
 def pareto(recipe_path, model, output, overrides, budgets, targets, uniform, extra, device):
     """KL vs bytes for several budgets and targets against one calibration: OUTPUT/pareto.json + .png."""
-    from moequant.pareto import DEFAULT_UNIFORM
-    from moequant.pareto import pareto as run
+    from moequant.pipeline.pareto import DEFAULT_UNIFORM
+    from moequant.pipeline.pareto import pareto as run
 
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
     result = run(recipe_path, budgets=split(budgets), model=model, output=output, overrides=overrides,
@@ -217,8 +217,8 @@ def eval_command(checkpoint, reference, dataset, samples, seq_len, seed, as_json
     """Quality of CHECKPOINT against the original: perplexity, KL, top-1 and routing agreement.
 
     Works on any compressed-tensors checkpoint, including one made by another tool."""
-    from moequant.apply import evaluate_into
     from moequant.evaluate import evaluate_checkpoints, format_quality
+    from moequant.pipeline.apply import evaluate_into
 
     settings = dict(dataset=dataset, samples=samples, seq_len=seq_len, seed=seed,
                     progress=not as_json)  # --json: stdout holds the JSON alone
@@ -235,7 +235,7 @@ def report(output):
     are checked to come from one run."""
     from pathlib import Path
 
-    from moequant.fingerprint import check_run_directory
+    from moequant.pipeline.fingerprint import check_run_directory
     from moequant.report import render_markdown
 
     path = Path(output) / "report.json"

@@ -34,7 +34,7 @@ Batches bound memory: logits are turned into float64 statistics a few thousand p
 time, and only per-position KL values (one float64 each) are kept across batches.
 
 Streaming (`evaluate_streaming`, what `moequant eval` and `apply`'s report run): neither model
-is loaded; both checkpoints run through moequant.layers.LayerRunner one decoder layer at a time
+is loaded; both checkpoints run through moequant.io.layers.LayerRunner one decoder layer at a time
 (one layer of each in memory, quantized weights dequantized as they are read), each batch's
 hidden states carried layer to layer, and the same hooks and per-batch arithmetic (`_Tally`)
 as `evaluate`, which stays the reference implementation (tests/test_evaluate.py compares them).
@@ -423,7 +423,7 @@ def _check_batch_size(batch_size) -> None:
 def evaluate(reference_model, quantized_model, samples, batch_size: int = 4, per_expert: bool = True,
              progress: bool = False) -> dict:
     """Compare `quantized_model` with `reference_model` (transformers causal LMs, already loaded,
-    eval mode) on `samples` (moequant.data Samples, 1-D token tensors, or a [N, T] tensor).
+    eval mode) on `samples` (moequant.calib.data Samples, 1-D token tensors, or a [N, T] tensor).
 
     Returns a plain dict (JSON-ready); keys are described in the module docstring and below:
     tokens, samples, ppl_original, ppl_quantized, nll_original, nll_quantized, kl_mean, kl_p90,
@@ -499,14 +499,14 @@ def _real_head(runner, adapter) -> None:
 def evaluate_streaming(reference, quantized, samples, batch_size: int = 4, per_expert: bool = True,
                        device: str = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False) -> dict:
     """evaluate()'s numbers from two checkpoints (paths or open Checkpoints), without loading
-    either model: both run layer by layer over the evaluation tokens (moequant.layers.LayerRunner,
+    either model: both run layer by layer over the evaluation tokens (moequant.io.layers.LayerRunner,
     one decoder layer of each in memory at a time, the quantized one read through its
     dequantizing reader), with the same hooks and the same per-batch arithmetic as evaluate().
     Host memory: two decoder layers, the embedding and head, and both models' hidden states."""
     from moequant.arch import adapter_for
-    from moequant.checkpoint import open_checkpoint
-    from moequant.layers import LayerRunner
-    from moequant.loader import require_complete
+    from moequant.io.checkpoint import open_checkpoint
+    from moequant.io.layers import LayerRunner
+    from moequant.io.loader import require_complete
 
     _check_batch_size(batch_size)
     ref_ckpt = reference if hasattr(reference, "entries") else open_checkpoint(reference)
@@ -579,7 +579,7 @@ def evaluate_streaming(reference, quantized, samples, batch_size: int = 4, per_e
 def _is_moequant_checkpoint(directory) -> bool:
     from pathlib import Path
 
-    from moequant.export import EXPORT_INFO
+    from moequant.export.layouts import EXPORT_INFO
 
     return (Path(directory) / EXPORT_INFO).exists()
 
@@ -588,12 +588,12 @@ def load_quantized(path, dtype=None, device: str = "cpu"):
     """A quantized checkpoint as a dense transformers model: moequant's loader first (any checkpoint
     moequant wrote, and the compressed-tensors / GPTQ / AWQ / FP8 / MXFP4 layouts it reads), else
     transformers' own loading (e.g. an llm-compressor checkpoint with `Linear` targets, decompressed)."""
-    from moequant.checkpoint import resolve_model_path
+    from moequant.io.checkpoint import resolve_model_path
 
     directory = resolve_model_path(path)  # not opened here: a format moequant cannot read goes to transformers
     directory = directory if directory.is_dir() else directory.parent
     try:
-        from moequant.loader import load
+        from moequant.io.loader import load
     except ImportError:  # pragma: no cover - the loader is part of the package
         load = None
     first_error = None
@@ -604,7 +604,7 @@ def load_quantized(path, dtype=None, device: str = "cpu"):
             if _is_moequant_checkpoint(directory):
                 raise  # moequant wrote it: its loader's word is final
             first_error = e
-    from moequant.loader import from_pretrained_complete
+    from moequant.io.loader import from_pretrained_complete
 
     try:
         model = from_pretrained_complete(directory, dtype or "auto").to(device)
@@ -627,11 +627,11 @@ def evaluate_checkpoints(checkpoint, reference, dataset: str = "builtin:mix", sa
     checkpoint; whole models only for lm-eval tasks, or for a checkpoint only transformers reads.
     A quantized reference (an FP8 / INT4 / MXFP4 source) is its dequantized weights. dtype:
     the compute dtype, by default the reference's config dtype (bf16 for most models)."""
-    from moequant.calibrate import load_tokenizer
-    from moequant.checkpoint import open_checkpoint
-    from moequant.data import load_samples
-    from moequant.export import model_dtype
-    from moequant.fingerprint import check_checkpoint_in_run
+    from moequant.calib.calibrate import load_tokenizer
+    from moequant.calib.data import load_samples
+    from moequant.export.layouts import model_dtype
+    from moequant.io.checkpoint import open_checkpoint
+    from moequant.pipeline.fingerprint import check_checkpoint_in_run
 
     check_checkpoint_in_run(checkpoint)  # OUTPUT/checkpoint swapped in from another run: say so, evaluate nothing
     if lm_eval_tasks:
@@ -659,7 +659,7 @@ def evaluate_checkpoints(checkpoint, reference, dataset: str = "builtin:mix", sa
 def _readable(checkpoint):
     """The checkpoint opened through moequant's reader, or None when only transformers might read it
     (a format moequant does not read, in a checkpoint moequant did not write)."""
-    from moequant.checkpoint import open_checkpoint, resolve_model_path
+    from moequant.io.checkpoint import open_checkpoint, resolve_model_path
 
     try:
         return open_checkpoint(checkpoint)
@@ -671,7 +671,7 @@ def _readable(checkpoint):
 
 
 def _load_reference(ref_ckpt, dtype, device):
-    from moequant.loader import from_pretrained_complete, load
+    from moequant.io.loader import from_pretrained_complete, load
 
     if ref_ckpt.encodings:  # a quantized source: the reference is its dequantized weights
         return load(ref_ckpt.directory, dtype=dtype, device=device)

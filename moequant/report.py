@@ -8,7 +8,7 @@ report.json (schema "moequant.report/1"; keys may be added, none of these remove
 ------------------------------------------------------------------------------------------
 {
   "schema": "moequant.report/1",
-  "run_fingerprint": str | null,      # the run of plan.json and the checkpoint (moequant.fingerprint)
+  "run_fingerprint": str | null,      # the run of plan.json and the checkpoint (moequant.pipeline.fingerprint)
   "model": str,                       # what the user named (path or zoo:NAME)
   "checkpoint": str,                  # the written checkpoint directory
   "recipe": dict | null,              # the resolved recipe
@@ -57,7 +57,7 @@ report.json (schema "moequant.report/1"; keys may be added, none of these remove
   "timings": {stage: seconds}
 }
 
-Memory conventions are those of moequant.memory: bytes per decoded token = weights read for one
+Memory conventions are those of moequant.plan.memory: bytes per decoded token = weights read for one
 token at batch size 1 = every tensor except the routed experts and the embedding table (one row
 of it is read; when lm_head is tied to it the table is read in full), plus the routed experts
 weighted by their expected use, top_k * share per layer (top_k / E each when shares are unknown);
@@ -81,7 +81,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from moequant.errors import UserError
-from moequant.memory import GPU_SIZES_GB, KV_HEADROOM, bits_per_weight
+from moequant.plan.memory import GPU_SIZES_GB, KV_HEADROOM, bits_per_weight
 
 SCHEMA = "moequant.report/1"
 
@@ -122,11 +122,11 @@ def checkpoint_bytes(path, adapter=None) -> dict:
     zero points), the account `formats.nbytes` and so the plan keep.
     """
     from moequant.arch import adapter_for
-    from moequant.checkpoint import open_checkpoint
-    from moequant.export_gguf import GGUF_FILE, gguf_bytes
+    from moequant.export.gguf import GGUF_FILE, gguf_bytes
     from moequant.formats import LAYOUT_METADATA
+    from moequant.io.checkpoint import open_checkpoint
 
-    if (Path(path) / GGUF_FILE).exists():  # a GGUF export (moequant.export_gguf)
+    if (Path(path) / GGUF_FILE).exists():  # a GGUF export (moequant.export.gguf)
         return gguf_bytes(Path(path) / GGUF_FILE)
     ckpt = open_checkpoint(path)
     if ckpt.config_only:
@@ -191,7 +191,7 @@ def _bytes_per_token(account: dict, adapter, shares: dict | None) -> int:
 
 
 def gpus_needed(nbytes: int) -> dict:
-    """GPUs of each size needed to hold `nbytes` of weights with KV headroom (moequant.memory convention)."""
+    """GPUs of each size needed to hold `nbytes` of weights with KV headroom (moequant.plan.memory convention)."""
     return {f"{g}GB": math.ceil(nbytes * (1 + KV_HEADROOM) / (g * 1e9)) for g in GPU_SIZES_GB}
 
 
@@ -201,7 +201,7 @@ def memory_account(original, checkpoint, shares: dict | None = None) -> dict:
     `shares` maps layer -> [share per expert] (routing shares) for the bytes-per-token estimate.
     """
     from moequant.arch import adapter_for
-    from moequant.checkpoint import open_checkpoint
+    from moequant.io.checkpoint import open_checkpoint
 
     orig_ckpt = open_checkpoint(original)
     adapter = adapter_for(orig_ckpt.config)
@@ -242,7 +242,7 @@ def memory_account(original, checkpoint, shares: dict | None = None) -> dict:
 def _load_stats(stats):
     if stats is None or hasattr(stats, "layers"):
         return stats
-    from moequant.stats import load_stats
+    from moequant.calib.stats import load_stats
 
     return load_stats(stats, with_hessians=False)
 
@@ -255,7 +255,7 @@ def _expert_formats(plan: dict | None, checkpoint, adapter) -> dict[tuple[int, i
             if t.get("role") == "routed_expert" and t.get("expert") is not None:
                 per[(t["layer"], t["expert"])].append(t["format"])
     elif checkpoint is not None:
-        from moequant.export import EXPORT_INFO
+        from moequant.export.layouts import EXPORT_INFO
 
         info_path = Path(checkpoint) / EXPORT_INFO
         if info_path.exists():
@@ -344,11 +344,11 @@ def build_report(*, model: str, checkpoint, original=None, recipe: dict | None =
 
     `original` is the original checkpoint (defaults to `model`), `stats` a stats directory or a
     loaded Stats, `quality` the dict of moequant.evaluate.evaluate(), `ranks` the processes of the
-    run (more than 1: expert-parallel over torchrun, moequant.parallel).
+    run (more than 1: expert-parallel over torchrun, moequant.pipeline.parallel).
     """
     from moequant.arch import adapter_for
-    from moequant.checkpoint import open_checkpoint
-    from moequant.fingerprint import KEY, checkpoint_fingerprint
+    from moequant.io.checkpoint import open_checkpoint
+    from moequant.pipeline.fingerprint import KEY, checkpoint_fingerprint
 
     run = (plan or {}).get(KEY)  # the run that made the plan; its checkpoint must carry the same one
     if run is not None and checkpoint_fingerprint(checkpoint) != run:
@@ -385,7 +385,7 @@ def build_report(*, model: str, checkpoint, original=None, recipe: dict | None =
 
 def write_report(report: dict, output_dir) -> dict[str, Path]:
     """Write report.json, report.md and report.html into output_dir (each atomically)."""
-    from moequant.checkpoint import atomic_write_text
+    from moequant.io.checkpoint import atomic_write_text
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -38,14 +38,14 @@ import torch
 
 import moequant
 from moequant.arch import adapter_for
-from moequant.calibrate import CalibrationSettings, load_tokenizer
-from moequant.checkpoint import open_checkpoint
-from moequant.data import load_samples, load_samples_with_holdout
+from moequant.calib.calibrate import CalibrationSettings, load_tokenizer
+from moequant.calib.data import load_samples, load_samples_with_holdout
 from moequant.evaluate import evaluate
-from moequant.export import export_checkpoint
-from moequant.policy import make_plan
-from moequant.quantize import load_awq_scales, quantize_model
-from moequant.recipe import load_recipe
+from moequant.export.layouts import export_checkpoint
+from moequant.io.checkpoint import open_checkpoint
+from moequant.pipeline.quantize import load_awq_scales, quantize_model
+from moequant.plan.policy import make_plan
+from moequant.plan.recipe import load_recipe
 
 MODELS = ("zoo:tiny-qwen2moe", "zoo:tiny-mixtral")
 FORMATS = ("int4", "mxfp4")  # int4: group 32 symmetric, as the recipes use
@@ -380,7 +380,7 @@ def test_awq_folds_are_exact_in_float_and_rounded_once_in_the_export(tmp_path):
 
 
 def test_interrupted_awq_pass_resumes_to_an_identical_checkpoint(tmp_path, monkeypatch):
-    from moequant import layers
+    from moequant.io import layers
 
     model = "zoo:tiny-qwen2moe"
     samples = load_samples("builtin:mix", load_tokenizer(open_checkpoint(model).directory), *SMALL,
@@ -412,7 +412,7 @@ def test_awq_experts_no_token_reaches_are_quantized_finite_and_reported(tmp_path
     per expert, and writes finite quantized weights for every expert."""
     from tiny import build_tiny_with_tokenizer, route_only_to_experts_0_and_1
 
-    from moequant.loader import dequantized_state_dict
+    from moequant.io.loader import dequantized_state_dict
 
     directory = build_tiny_with_tokenizer("qwen2_moe", tmp_path / "tiny")
     route_only_to_experts_0_and_1(directory)

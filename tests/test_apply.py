@@ -66,7 +66,7 @@ def _layer_formats(plan):
 def test_interrupted_quantize_resumes_to_an_identical_checkpoint(model_dir, tmp_path, monkeypatch):
     whole = tmp_path / "whole"
     run_apply(model_dir, whole)
-    from moequant import layers
+    from moequant.io import layers
 
     real_forward = layers.LayerRunner.forward
     state = {"calls": 0}
@@ -121,8 +121,8 @@ def test_awq_apply_on_a_zoo_model_writes_a_checkpoint_both_readers_take(tmp_path
     from safetensors.torch import load_file
 
     import moequant
-    from moequant.checkpoint import open_checkpoint
-    from moequant.loader import dequantized_state_dict
+    from moequant.io.checkpoint import open_checkpoint
+    from moequant.io.loader import dequantized_state_dict
 
     out = tmp_path / "awq"
     args = ["apply", "--recipe", "recipes/uniform-int4-awq.yaml", "--model", "zoo:tiny-mixtral", "--output", str(out)]

@@ -10,12 +10,12 @@ from click.testing import CliRunner
 from tiny import TINY_CONFIGS, build_tiny
 
 from moequant.arch import adapter_for
-from moequant.calibrate import CalibrationSettings, calibrate
-from moequant.checkpoint import open_checkpoint
+from moequant.calib.calibrate import CalibrationSettings, calibrate
+from moequant.calib.data import Sample
+from moequant.calib.stats import load_stats
 from moequant.cli import main
-from moequant.data import Sample
 from moequant.errors import UserError
-from moequant.stats import load_stats
+from moequant.io.checkpoint import open_checkpoint
 
 SEQ, N, BS = 24, 6, 3
 FORMATS = ("int8-channel", "fp8-channel")
@@ -129,7 +129,7 @@ def test_routed_only_mode_differs_only_where_it_should(tiny_dirs, tmp_path):
 def test_resume_after_interruption_gives_identical_statistics(tiny_dirs, tmp_path, monkeypatch):
     d = str(tiny_dirs["deepseek_v3"])
     whole = calibrate(d, tmp_path / "whole", settings(), samples=make_samples(), progress=False)
-    from moequant import layers
+    from moequant.io import layers
 
     real_forward = layers.LayerRunner.forward
     calls = {"n": 0}
@@ -177,8 +177,8 @@ def test_bad_input(tiny_dirs, tmp_path):
 def test_zoo_routing_counts_match_an_independent_hook(tmp_path, zoo_name):
     """Real data through a trained zoo model: exact counts, and experts specialise by domain."""
     from moequant import zoo
-    from moequant.calibrate import load_tokenizer
-    from moequant.data import load_samples
+    from moequant.calib.calibrate import load_tokenizer
+    from moequant.calib.data import load_samples
 
     directory = zoo.path(zoo_name)
     samples = load_samples("builtin:stdlib-code", load_tokenizer(directory), N, 64, seed=3)

@@ -173,7 +173,8 @@ def test_interrupt_between_hidden_states_and_progress_marker_resumes_identically
                                                                                  monkeypatch):
     """The narrowest windows of the resumable stages: killed after a layer's carried hidden states
     were written but before the progress marker saying so (calibration, then the quantize pass)."""
-    from moequant import calibrate, checkpoint
+    from moequant.calib import calibrate
+    from moequant.io import checkpoint
 
     ref, _ = reference
     out = tmp_path / "windows"
@@ -203,7 +204,7 @@ def test_interrupt_between_hidden_states_and_progress_marker_resumes_identically
 
 
 def test_temporaries_of_killed_writers_are_removed_and_live_ones_kept(tmp_path):
-    from moequant.checkpoint import atomic_directory
+    from moequant.io.checkpoint import atomic_directory
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -231,7 +232,7 @@ def _small_filesystem(directory: Path, size: str):
 def _quantized_experts(model_dir):
     from moequant import formats
     from moequant.arch import adapter_for
-    from moequant.checkpoint import open_checkpoint
+    from moequant.io.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(model_dir)
     ad = adapter_for(ckpt.config)
@@ -240,8 +241,8 @@ def _quantized_experts(model_dir):
 
 
 def test_full_disk_during_export_fails_in_one_sentence_and_leaves_no_checkpoint(model_dir, tmp_path, monkeypatch):
-    from moequant import checkpoint
-    from moequant.export import export_checkpoint
+    from moequant.export.layouts import export_checkpoint
+    from moequant.io import checkpoint
 
     quantized = _quantized_experts(model_dir)
     disk = _small_filesystem(tmp_path / "disk", "64k")  # the checkpoint needs ~130 kB
@@ -266,7 +267,7 @@ def test_full_disk_during_export_fails_in_one_sentence_and_leaves_no_checkpoint(
 
 def test_full_disk_during_apply_is_one_line_and_the_run_continues_once_there_is_space(model_dir, reference,
                                                                                      tmp_path, monkeypatch):
-    from moequant import quantize
+    from moequant.pipeline import quantize
 
     ref, _ = reference
     disk = _small_filesystem(tmp_path / "disk", "8m")
@@ -312,7 +313,7 @@ def _damaged_copy(model_dir: Path, directory: Path, name: str, index, value) -> 
 
 
 def _calibrate(model, out, **kw):
-    from moequant.calibrate import CalibrationSettings, calibrate
+    from moequant.calib.calibrate import CalibrationSettings, calibrate
 
     settings = CalibrationSettings(dataset="builtin:stdlib-prose", samples=2, seq_len=32, formats=("int4-g32-sym",),
                                    **kw)
@@ -355,7 +356,7 @@ def test_experts_no_token_reaches_are_counted_as_unused_and_still_quantized(mode
     """In layer 1 the router can only ever pick experts 0 and 1 (top-2 of 6): experts 2..5 see no
     calibration token. The statistics must count 0 routed tokens for them, the quantize pass must
     say which Hessian it used instead of their own (empty) one, and write finite weights."""
-    from moequant.loader import dequantized_state_dict
+    from moequant.io.loader import dequantized_state_dict
 
     directory = tmp_path / "unused"
     shutil.copytree(model_dir, directory)
@@ -412,9 +413,9 @@ def test_budget_exactly_at_the_feasibility_edge(model_dir, reference):
 
     from moequant import formats
     from moequant.arch import adapter_for
-    from moequant.checkpoint import open_checkpoint
-    from moequant.policy import make_plan
-    from moequant.recipe import load_recipe
+    from moequant.io.checkpoint import open_checkpoint
+    from moequant.plan.policy import make_plan
+    from moequant.plan.recipe import load_recipe
 
     ref, _ = reference
     ckpt = open_checkpoint(model_dir)

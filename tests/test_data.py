@@ -1,4 +1,4 @@
-"""moequant.data: builtin stdlib sources, hashed splits, seeded samples, local files, clear errors.
+"""moequant.calib.data: builtin stdlib sources, hashed splits, seeded samples, local files, clear errors.
 
 Built on the Python standard library sources only, which every machine has; the tokenizer is the
 one shipped with the default zoo model.
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moequant import data, zoo
+from moequant import zoo
+from moequant.calib import data
 from moequant.errors import UserError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

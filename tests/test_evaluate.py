@@ -240,8 +240,8 @@ def _char_tokenizer(directory):
 def test_evaluate_checkpoints_moequant_and_foreign_compressed_tensors(tmp_path):
     from moequant import formats
     from moequant.arch import adapter_for
-    from moequant.checkpoint import open_checkpoint
-    from moequant.export import EXPORT_INFO, export_checkpoint
+    from moequant.export.layouts import EXPORT_INFO, export_checkpoint
+    from moequant.io.checkpoint import open_checkpoint
 
     src = build_tiny("mixtral", tmp_path / "orig")
     _char_tokenizer(src)
@@ -274,7 +274,7 @@ def test_evaluate_checkpoints_moequant_and_foreign_compressed_tensors(tmp_path):
         assert r["by_domain"].keys() == {"code"}
         assert r["dataset"] == "builtin:stdlib-code"
     # one set of int8 weights under two spellings of the targets (exact names / Linear + ignore): moequant's
-    # reader (moequant.dequant) reads both and keeps the dequantized values exactly (transformers' own
+    # reader (moequant.io.dequant) reads both and keeps the dequantized values exactly (transformers' own
     # compressed-tensors path, the fallback for what it cannot read, would decompress into bf16 first)
     expected = quantized[(0, 1, "down")].dequantize(dtype=torch.float32)
     assert torch.equal(load_quantized(ours, dtype=torch.float32).model.layers[0].mlp.experts.down_proj[1], expected)
@@ -362,12 +362,12 @@ def test_streamed_evaluation_equals_the_whole_model_evaluation(zoo, tmp_path):
     numbers on the two loaded models: every metric, per layer, per expert and per domain."""
     from moequant import formats
     from moequant.arch import adapter_for
-    from moequant.calibrate import load_tokenizer
-    from moequant.checkpoint import open_checkpoint
-    from moequant.data import load_samples
+    from moequant.calib.calibrate import load_tokenizer
+    from moequant.calib.data import load_samples
     from moequant.evaluate import evaluate_streaming
-    from moequant.export import export_checkpoint
-    from moequant.loader import load
+    from moequant.export.layouts import export_checkpoint
+    from moequant.io.checkpoint import open_checkpoint
+    from moequant.io.loader import load
 
     src = open_checkpoint(zoo)
     ad = adapter_for(src.config)

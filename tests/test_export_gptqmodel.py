@@ -14,8 +14,8 @@ import pytest
 from test_export_models import VOCAB, build_model
 from test_vllm import gptq_experts
 
-from moequant.export import export_checkpoint
-from moequant.verify_vllm import compare_logprobs, default_prompts, ensure_gptqmodel_env, run_gptqmodel
+from moequant.export.layouts import export_checkpoint
+from moequant.export.verify_vllm import compare_logprobs, default_prompts, ensure_gptqmodel_env, run_gptqmodel
 
 pytestmark = pytest.mark.slow
 

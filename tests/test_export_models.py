@@ -14,7 +14,7 @@ import torch
 
 from moequant import formats
 from moequant.arch import adapter_for
-from moequant.checkpoint import open_checkpoint
+from moequant.io.checkpoint import open_checkpoint
 
 VOCAB = 512
 COMMON = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -15,9 +15,9 @@ from click.testing import CliRunner
 from tiny import TINY_CONFIGS, build_tiny
 
 from moequant.arch import adapter_for, supported_model_types
-from moequant.checkpoint import ShardWriter, atomic_directory, open_checkpoint, read_safetensors_header
 from moequant.cli import main
 from moequant.errors import UserError
+from moequant.io.checkpoint import ShardWriter, atomic_directory, open_checkpoint, read_safetensors_header
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 PUBLISHED = json.loads((CONFIGS / "published.json").read_text())
@@ -172,7 +172,7 @@ def test_tied_embedding_counts_as_read_per_token():
     cfg = json.loads((CONFIGS / "mixtral-8x7b.json").read_text())
     untied = json.loads(run_cli("inspect", "--json", str(CONFIGS / "mixtral-8x7b.json"))[1])
     cfg["tie_word_embeddings"] = True
-    from moequant.memory import account
+    from moequant.plan.memory import account
 
     tied = account(adapter_for(cfg))
     emb = untied["params_by_role"]["embedding"]

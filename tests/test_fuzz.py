@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moequant.checkpoint import DTYPE_SIZES, open_checkpoint, read_safetensors_header
 from moequant.errors import UserError
-from moequant.recipe import (
+from moequant.io.checkpoint import DTYPE_SIZES, open_checkpoint, read_safetensors_header
+from moequant.plan.recipe import (
     ALGORITHMS,
     EXPORT_FORMATS,
     FORMAT_NAMES,
@@ -336,7 +336,7 @@ def mutated_config(data, junk=config_junk) -> dict:
 
 
 def check_config(directory: Path, config: dict) -> None:
-    from moequant.inspect import inspect_model
+    from moequant.plan.inspect import inspect_model
 
     (directory / "config.json").write_text(json.dumps(config, default=str))
     ends_well(inspect_model, str(directory / "config.json"))

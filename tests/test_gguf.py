@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from moequant import formats
-from moequant import verify_llamacpp as V
 from moequant.arch import adapter_for
-from moequant.checkpoint import open_checkpoint
 from moequant.errors import UserError
-from moequant.export import export_checkpoint
+from moequant.export import verify_llamacpp as V
+from moequant.export.layouts import export_checkpoint
 from moequant.formats import ggml
+from moequant.io.checkpoint import open_checkpoint
 from moequant.zoo import path as zoo_path
 
 MODELS = ("tiny-qwen2moe", "tiny-mixtral")
@@ -108,7 +108,7 @@ def _reference_model(source, dequantized: dict, tmp):
 
 def _texts(n=4, chars=1500):
     """Text of the kind the bundled models were trained on (builtin:mix: stdlib code and docstrings)."""
-    from moequant.data import _stdlib_code, _stdlib_prose
+    from moequant.calib.data import _stdlib_code, _stdlib_prose
 
     docs = [d.read() for d in _stdlib_code()[:n]] + [d.read() for d in _stdlib_prose()[:n]]
     return [d[:chars] for d in docs if d.strip()]
@@ -210,7 +210,7 @@ def test_apply_writes_the_planned_gguf_and_llama_cpp_evaluates_it(llama, tmp_pat
     GGUF's, llama.cpp computes the report's KL, and the byte account is the file's."""
     import json
 
-    from moequant.apply import apply
+    from moequant.pipeline.apply import apply
 
     out = tmp_path / "run"
     apply("recipes/gguf.yaml", output=str(out), progress=False, log=lambda *_: None,
@@ -251,7 +251,7 @@ def test_imatrix_from_our_statistics_is_accepted_by_llama_model_quantize(llama, 
     import subprocess
     import sys
 
-    from moequant.stats import load_stats
+    from moequant.calib.stats import load_stats
 
     stats_dir, imat = tmp_path / "run" / "stats", tmp_path / "imatrix.gguf"
     proc = subprocess.run([sys.executable, "-m", "moequant.cli", "calibrate", "--model", "zoo:tiny-qwen2moe",

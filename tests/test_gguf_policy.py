@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from moequant.calib.stats import LayerStats, Stats
 from moequant.errors import UserError
-from moequant.policy import make_plan
-from moequant.recipe import recipe_from_dict
-from moequant.stats import LayerStats, Stats
+from moequant.plan.policy import make_plan
+from moequant.plan.recipe import recipe_from_dict
 
 H = 512
 # bytes per block of 32 / 256 weights, from ggml's block layouts (ggml-common.h)

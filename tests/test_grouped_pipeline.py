@@ -17,9 +17,9 @@ import torch
 from tiny import TINY_CONFIGS, build_tiny
 
 from moequant.arch import adapter_for
-from moequant.calibrate import _LayerCollector, collect_moe_stats
-from moequant.checkpoint import open_checkpoint
-from moequant.layers import LayerRunner
+from moequant.calib.calibrate import _LayerCollector, collect_moe_stats
+from moequant.io.checkpoint import open_checkpoint
+from moequant.io.layers import LayerRunner
 
 SEQ, N, BS = 16, 4, 2
 
@@ -144,11 +144,11 @@ def test_quantize_pass_in_expert_chunks_equals_the_whole_layer(tiny_dirs, tmp_pa
     give the same GPTQ codes, report and carried activations as the whole layer at once."""
     from pathlib import Path
 
-    from moequant import quantize
-    from moequant.calibrate import CalibrationSettings
-    from moequant.data import Sample
-    from moequant.policy import make_plan
-    from moequant.recipe import load_recipe
+    from moequant.calib.calibrate import CalibrationSettings
+    from moequant.calib.data import Sample
+    from moequant.pipeline import quantize
+    from moequant.plan.policy import make_plan
+    from moequant.plan.recipe import load_recipe
 
     d = tiny_dirs["qwen3_moe"]
     recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "uniform-int4.yaml",

@@ -93,9 +93,9 @@ def test_an_mxfp8_export_reads_back_through_compressed_tensors_and_moequant_load
     from test_export_models import build_model, quantize_experts
 
     from moequant.arch import adapter_for
-    from moequant.checkpoint import open_checkpoint
-    from moequant.export import export_checkpoint
-    from moequant.loader import dequantized_state_dict
+    from moequant.export.layouts import export_checkpoint
+    from moequant.io.checkpoint import open_checkpoint
+    from moequant.io.loader import dequantized_state_dict
 
     src = build_model("qwen2_moe", tmp_path / "src")
     experts = quantize_experts(src, lambda L, e, p: "mxfp8")  # one format per layer: what vLLM loads

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from moequant import formats
 from moequant.arch import adapter_for
-from moequant.checkpoint import open_checkpoint
+from moequant.io.checkpoint import open_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "accuracy_comparison.ipynb"

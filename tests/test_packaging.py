@@ -27,7 +27,7 @@ def test_the_wheel_holds_the_package_data_and_works_from_outside_the_checkout(tm
     assert {"moequant/zoo/tiny-qwen2moe/model.safetensors", "moequant/zoo/tiny-qwen2moe/config.json"} <= names
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    code = ("import moequant, moequant.data as d; from moequant.recipe import load_recipe; "
+    code = ("import moequant, moequant.calib.data as d; from moequant.plan.recipe import load_recipe; "
             "r = load_recipe('selective'); print(moequant.__file__); print(r.model); "
             "print(len(d.load_documents('mix')) > 0); print(d.SPEC_DIR.is_dir())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
@@ -39,7 +39,7 @@ def test_the_wheel_holds_the_package_data_and_works_from_outside_the_checkout(tm
 
 def test_a_bundled_recipe_by_name_and_a_missing_one_named():
     from moequant.errors import UserError
-    from moequant.recipe import bundled_recipe, load_recipe
+    from moequant.plan.recipe import bundled_recipe, load_recipe
 
     assert bundled_recipe("selective") == ROOT / "moequant" / "recipes" / "selective.yaml"
     assert bundled_recipe("uniform-int4.yaml") == ROOT / "moequant" / "recipes" / "uniform-int4.yaml"

@@ -1,4 +1,4 @@
-"""moequant.pareto on the default bundled model: the issue's inequalities, measured.
+"""moequant.pipeline.pareto on the default bundled model: the issue's inequalities, measured.
 
 At the bytes of uniform INT4 / INT3 (target transformers) the per-expert plan's KL must be below
 the uniform format's; half way between uniform INT4 and INT8 bytes (target vLLM, one format per
@@ -18,11 +18,11 @@ import pytest
 from click.testing import CliRunner
 
 from moequant import formats
-from moequant.apply import resolve_recipe
 from moequant.arch import adapter_for
-from moequant.checkpoint import open_checkpoint
 from moequant.errors import UserError
-from moequant.pareto import bits_for_bytes, find, interpolate_uniform, pareto, resolve_budget
+from moequant.io.checkpoint import open_checkpoint
+from moequant.pipeline.apply import resolve_recipe
+from moequant.pipeline.pareto import bits_for_bytes, find, interpolate_uniform, pareto, resolve_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "per-expert.yaml"
@@ -122,7 +122,7 @@ def test_outputs_and_reuse(frontier):
     # the second call reused the statistics and the uniform runs of the first
     assert "uniform-int4-g32-sym: unchanged, reused" in logs and "uniform-int8-channel: unchanged, reused" in logs
     # vLLM cannot go below its cheapest servable candidate here: the int3 budget is reported, not run
-    from moequant.policy import resolve_format
+    from moequant.plan.policy import resolve_format
 
     recipe = resolve_recipe(RECIPE, MODEL)
     specs = [resolve_format(recipe, f) for f in recipe.experts.formats]
@@ -203,9 +203,9 @@ def test_mixtral_vllm_plan_is_the_best_servable_plan_at_half_way(mixtral):
     statistics and evaluation tokens. The plan must be better than their mean (what mixing the
     two formats at random gives, measured) and the best of them within 1%; and below the
     straight line between the uniform points whenever any of the six is."""
-    from moequant.apply import calibration_settings
-    from moequant.pareto import _run_one
-    from moequant.policy import make_plan
+    from moequant.pipeline.apply import calibration_settings
+    from moequant.pipeline.pareto import _run_one
+    from moequant.plan.policy import make_plan
 
     out, _, r = mixtral
     plan_point = next(p for p in r["points"] if p["kind"] == "plan" and p["budget"] == "int4..int8")

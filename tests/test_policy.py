@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from moequant.calib.stats import LayerStats, Stats
 from moequant.errors import UserError
-from moequant.policy import (
+from moequant.plan.policy import (
     SCHEMA,
     format_summary,
     make_plan,
@@ -23,8 +24,7 @@ from moequant.policy import (
     tensors_from_checkpoint,
     write_plan,
 )
-from moequant.recipe import recipe_from_dict
-from moequant.stats import LayerStats, Stats
+from moequant.plan.recipe import recipe_from_dict
 
 H, I = 64, 32  # gate/up [I, H], down [H, I]: every projection holds 2048 weights
 EXPERT_NUMEL = 3 * H * I
@@ -166,7 +166,7 @@ def test_solver_with_ties_matches_brute_force(seed):
 
 @pytest.mark.parametrize("seed", range(20))
 def test_milp_fallback_matches_brute_force(seed, monkeypatch):
-    import moequant.policy as policy
+    import moequant.plan.policy as policy
 
     monkeypatch.setattr(policy, "MAX_DP_STATES", 0)  # every core goes to HiGHS
     rng = np.random.default_rng(2000 + seed)
@@ -181,7 +181,7 @@ def test_milp_fallback_matches_brute_force(seed, monkeypatch):
 
 def test_solver_agrees_with_highs_on_medium_instances():
     """Too large for brute force: HiGHS' proven optimum is the reference."""
-    from moequant.policy import _milp_choice, _pareto_front
+    from moequant.plan.policy import _milp_choice, _pareto_front
 
     for seed in range(3):
         rng = np.random.default_rng(seed)
@@ -568,7 +568,7 @@ def test_plan_from_a_real_checkpoint_covers_every_tensor(tmp_path, model_type):
     from tiny import build_tiny
 
     from moequant.arch import adapter_for
-    from moequant.checkpoint import open_checkpoint
+    from moequant.io.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(build_tiny(model_type, tmp_path / model_type))
     adapter = adapter_for(ckpt.config)
@@ -590,7 +590,7 @@ def test_plan_from_a_real_checkpoint_covers_every_tensor(tmp_path, model_type):
 
 
 def test_budget_frontier_is_monotone_and_below_uniform_points():
-    from moequant.policy import budget_frontier
+    from moequant.plan.policy import budget_frontier
 
     stats = make_stats(seed=4)
     r = budget("vllm", ["int8", "int4", "int3", "bf16"], bits_per_weight=5)

@@ -12,23 +12,24 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import moequant.arch
+import moequant.export.layouts  # noqa: F401
+import moequant.formats  # noqa: F401
+import moequant.io.checkpoint
+
 # Imported here, with what the check imports lazily, so the timed commands measure the check and
 # not Python importing torch / transformers (about 2 s of a cold `moequant` process on this machine).
-import moequant.apply  # noqa: F401
-import moequant.arch
-import moequant.checkpoint
-import moequant.export  # noqa: F401
-import moequant.formats  # noqa: F401
-import moequant.pareto
-import moequant.policy  # noqa: F401
-import moequant.precheck  # noqa: F401
-from moequant.checkpoint import atomic_directory, atomic_write_text, save_safetensors
+import moequant.pipeline.apply  # noqa: F401
+import moequant.pipeline.pareto
+import moequant.pipeline.precheck  # noqa: F401
+import moequant.plan.policy  # noqa: F401
 from moequant.cli import main
 from moequant.errors import UserError
+from moequant.io.checkpoint import atomic_directory, atomic_write_text, save_safetensors
 
 ROOT = Path(__file__).resolve().parents[1]
 # transformers imports a model type's config module on first use (adapter_for): import it here too
-moequant.arch.adapter_for(moequant.checkpoint.open_checkpoint("zoo:tiny-qwen2moe").config)
+moequant.arch.adapter_for(moequant.io.checkpoint.open_checkpoint("zoo:tiny-qwen2moe").config)
 SELECTIVE = str(ROOT / "recipes" / "selective.yaml")
 UNIFORM = str(ROOT / "recipes" / "uniform-int4.yaml")
 
@@ -102,7 +103,7 @@ def test_pareto_with_no_feasible_run_calibrates_nothing(tmp_path):
     out = tmp_path / "out"
     t0 = time.perf_counter()
     with pytest.raises(UserError, match="no budget is feasible"):
-        moequant.pareto.pareto(SELECTIVE, budgets=[1.0, 2.0], output=str(out), uniform=[], progress=False,
+        moequant.pipeline.pareto.pareto(SELECTIVE, budgets=[1.0, 2.0], output=str(out), uniform=[], progress=False,
                                log=lambda *_: None)
     assert time.perf_counter() - t0 < 1.0
     assert not out.exists()
@@ -138,7 +139,7 @@ def umask(request):
 
 
 def test_atomic_writers_give_the_umask_modes(tmp_path, umask):
-    from moequant.policy import Plan, write_plan
+    from moequant.plan.policy import Plan, write_plan
 
     with atomic_directory(tmp_path / "ckpt") as tmp:
         save_safetensors({"w": torch.zeros(2)}, tmp / "model.safetensors")

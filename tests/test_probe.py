@@ -13,13 +13,13 @@ from safetensors.torch import load_file, save_file
 from tiny import build_tiny
 
 from moequant import formats
-from moequant.calibrate import CalibrationSettings, calibrate
-from moequant.data import Sample
+from moequant.calib.calibrate import CalibrationSettings, calibrate
+from moequant.calib.data import Sample
+from moequant.calib.probe import choose_probe_format, probe_algorithm_for, probe_indices
+from moequant.calib.stats import LayerStats, Stats, load_stats
 from moequant.errors import UserError
-from moequant.policy import format_summary, make_plan
-from moequant.probe import choose_probe_format, probe_algorithm_for, probe_indices
-from moequant.recipe import recipe_from_dict
-from moequant.stats import LayerStats, Stats, load_stats
+from moequant.plan.policy import format_summary, make_plan
+from moequant.plan.recipe import recipe_from_dict
 
 SEQ, N, BS = 16, 4, 2
 FORMATS = ("int8-channel", "int4-g32-sym", "int2-g32-asym")
@@ -150,7 +150,7 @@ def test_probe_samples_setting_is_fingerprinted_and_zero_disables(tiny_dirs, tmp
 
 
 def test_resume_after_a_kill_during_the_probe(tiny_dirs, tmp_path, monkeypatch):
-    from moequant import probe as probe_module
+    from moequant.calib import probe as probe_module
 
     d = str(tiny_dirs["mixtral"])
     whole = calibrate(d, tmp_path / "whole", settings(), samples=make_samples(), progress=False)
@@ -208,7 +208,7 @@ def hand_stats(probe_kl=None, layers=2):
         out[L] = LayerStats(L, 2, 500, t)
     probe = None
     if probe_kl is not None:
-        probe = {"schema": "moequant.probe/1", "samples": 2, "tokens": 64, "usage_floor": 0.05,
+        probe = {"schema": "moequant.calib.probe/1", "samples": 2, "tokens": 64, "usage_floor": 0.05,
                  "layers": {str(L): {"format": "int4-g32-sym", "kl": kl, "predicted_loss": None, "scale": None}
                             for L, kl in probe_kl.items()}}
     return Stats(None, {}, out, probe=probe)

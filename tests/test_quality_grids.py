@@ -9,9 +9,9 @@ import torch
 
 from moequant import formats
 from moequant.algorithms import gptq
-from moequant.calibrate import CalibrationSettings, calibrate
+from moequant.calib.calibrate import CalibrationSettings, calibrate
+from moequant.calib.stats import load_stats
 from moequant.errors import UserError
-from moequant.stats import load_stats
 
 # ---------------------------------------------------------------------------------------------
 # float64 references
@@ -219,8 +219,8 @@ def test_routing_weighted_hessians_match_float64(tmp_path, weighting):
     from transformers import AutoModelForCausalLM
 
     from moequant.arch import adapter_for
-    from moequant.checkpoint import open_checkpoint
-    from moequant.data import Sample
+    from moequant.calib.data import Sample
+    from moequant.io.checkpoint import open_checkpoint
 
     directory = build_tiny("qwen2_moe", tmp_path / "m", seed=3)
     g = torch.Generator().manual_seed(0)

@@ -22,10 +22,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from benchmarks.make_sources import make_deepseek_fp8, make_gpt_oss_mxfp4, make_qwen_int4
-from moequant.checkpoint import copy_aux_files, open_checkpoint
 from moequant.cli import main
 from moequant.errors import UserError
 from moequant.formats import unpack_e2m1, unpack_int32
+from moequant.io.checkpoint import copy_aux_files, open_checkpoint
 
 SMALL = ["calibration.samples=8", "calibration.seq_len=64", "calibration.probe_samples=0",
          "evaluate.samples=4", "evaluate.seq_len=64"]
@@ -228,7 +228,7 @@ def test_eval_reference_of_a_quantized_source_is_its_dequantized_weights(sources
 
 @pytest.mark.parametrize("kind", ["deepseek", "qwen", "gpt_oss"])
 def test_inspect_counts_parameters_not_scales_and_the_real_bytes(kind, sources, copies):
-    from moequant.inspect import inspect_model
+    from moequant.plan.inspect import inspect_model
 
     a, b = inspect_model(str(sources[kind])), inspect_model(str(copies[kind]))
     assert a["params_on_disk"] == b["params_on_disk"] and a["total_params"] == b["total_params"]
@@ -367,7 +367,7 @@ def test_reading_the_source_never_writes_a_dense_copy(sources, tmp_path, monkeyp
         raise AssertionError("a dense copy was written")
 
     monkeypatch.setattr(safetensors.torch, "save_file", refuse)
-    monkeypatch.setattr("moequant.checkpoint.save_file", refuse)
+    monkeypatch.setattr("moequant.io.checkpoint.save_file", refuse)
     model = moequant.load(sources["deepseek"], dtype=torch.float32)
     ckpt = open_checkpoint(sources["deepseek"])
     name = "model.layers.1.mlp.experts.3.down_proj.weight"

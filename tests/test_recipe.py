@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from moequant.errors import UserError
-from moequant.recipe import apply_overrides, load_recipe, parse_layer_ranges, recipe_from_dict
+from moequant.plan.recipe import apply_overrides, load_recipe, parse_layer_ranges, recipe_from_dict
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 BUDGET = {"method": "budget", "budget": {"bits_per_weight": 4.5}}
@@ -187,7 +187,7 @@ def test_layer_ranges():
 
 
 def test_probe_settings_reach_calibration():
-    from moequant.apply import calibration_settings, resolve_recipe
+    from moequant.pipeline.apply import calibration_settings, resolve_recipe
 
     settings = calibration_settings(resolve_recipe(None, overrides=["calibration.probe_samples=3",
                                                                     "calibration.probe_algorithm=gptq"]))

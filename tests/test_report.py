@@ -20,8 +20,8 @@ from tiny import build_tiny, tiny_config
 
 from moequant import formats
 from moequant.arch import adapter_for
-from moequant.checkpoint import open_checkpoint
-from moequant.export import export_checkpoint
+from moequant.export.layouts import export_checkpoint
+from moequant.io.checkpoint import open_checkpoint
 from moequant.report import build_report, checkpoint_bytes, gpus_needed, memory_account
 
 # ---------------------------------------------------------------- independent byte counting
@@ -241,7 +241,7 @@ def quality(qwen):
     from transformers import AutoModelForCausalLM
 
     from moequant.evaluate import evaluate
-    from moequant.loader import load
+    from moequant.io.loader import load
 
     ref = AutoModelForCausalLM.from_pretrained(str(qwen["src"]), dtype=torch.float32).eval()
     q = load(qwen["ckpt"], dtype=torch.float32)

@@ -51,7 +51,7 @@ def big_model(tmp_path_factory):
 def test_a_1gb_moe_end_to_end_in_bounded_memory(big_model, tmp_path):
     directory, nbytes = big_model
     out = tmp_path / "run"
-    code = ("import json; from moequant.apply import apply; "
+    code = ("import json; from moequant.pipeline.apply import apply; "
             f"apply({str(ROOT / 'recipes/uniform-int8.yaml')!r}, model={str(directory)!r}, output={str(out)!r}, "
             "overrides=['evaluate.samples=2', 'evaluate.seq_len=64'], progress=False, log=lambda *a: None); "
             "status = dict(l.split(':', 1) for l in open('/proc/self/status').read().splitlines()); "
@@ -76,18 +76,19 @@ def test_a_1gb_moe_end_to_end_in_bounded_memory(big_model, tmp_path):
 
 
 def test_round_to_nearest_plans_run_no_forward_and_write_rtn_codes(big_model, tmp_path, monkeypatch):
-    from moequant import formats, layers
-    from moequant.apply import apply
+    from moequant import formats
     from moequant.arch import adapter_for
-    from moequant.checkpoint import open_checkpoint
-    from moequant.loader import dequantized_state_dict
+    from moequant.io import layers
+    from moequant.io.checkpoint import open_checkpoint
+    from moequant.io.loader import dequantized_state_dict
+    from moequant.pipeline.apply import apply
 
     directory, _ = big_model
 
     def no_forward(*args, **kwargs):
         raise AssertionError("an all-RTN plan built a LayerRunner for the quantize pass")
 
-    import moequant.quantize as quantize
+    import moequant.pipeline.quantize as quantize
 
     monkeypatch.setattr(quantize, "LayerRunner", no_forward)
     monkeypatch.setattr(layers, "LayerRunner", layers.LayerRunner)  # evaluation still runs layer by layer

@@ -25,9 +25,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tiny import build_tiny_with_tokenizer
 
-from moequant.checkpoint import copy_aux_files, open_checkpoint, read_safetensors_header
 from moequant.cli import main
 from moequant.errors import UserError
+from moequant.io.checkpoint import copy_aux_files, open_checkpoint, read_safetensors_header
 
 
 def one_sentence(message: str) -> bool:

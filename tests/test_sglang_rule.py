@@ -1,4 +1,4 @@
-"""SGLang's per-layer rule (moequant.policy docstring cites the code): INT4 / INT8 weight-only groups
+"""SGLang's per-layer rule (moequant.plan.policy docstring cites the code): INT4 / INT8 weight-only groups
 may differ per MoE layer under the top-level format pack-quantized; with FP8 / MXFP4 one routed
 format for the whole model; per-layer resolution needs experts named gate/up/down_proj.
 
@@ -12,9 +12,9 @@ from test_export_models import quantize_experts
 from test_policy import make_stats, model_tensors
 
 from moequant.errors import UserError
-from moequant.export import export_checkpoint
-from moequant.policy import make_plan
-from moequant.recipe import recipe_from_dict
+from moequant.export.layouts import export_checkpoint
+from moequant.plan.policy import make_plan
+from moequant.plan.recipe import recipe_from_dict
 from moequant.zoo import path as zoo_path
 
 

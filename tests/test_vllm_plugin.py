@@ -1,6 +1,6 @@
 """moequant's vLLM plugin (moequant.vllm_plugin) serves per-expert format mixes in the real vLLM CPU build.
 
-This test RUNS vLLM (the cached CPU venv of moequant.verify_vllm, built when missing; the plugin is
+This test RUNS vLLM (the cached CPU venv of moequant.export.verify_vllm, built when missing; the plugin is
 installed into it editable from this checkout) and fails loudly when it cannot. One vLLM worker
 runs every checkpoint; every comparison uses whole distributions (vLLM's log-probabilities for all
 4096 tokens of the vocabulary).
@@ -35,10 +35,10 @@ import torch
 from test_export_models import quantize_experts
 
 from moequant.arch import adapter_for
-from moequant.checkpoint import open_checkpoint
-from moequant.export import export_checkpoint
-from moequant.loader import load
-from moequant.verify_vllm import ensure_vllm_env, ensure_vllm_plugin, run_vllm
+from moequant.export.layouts import export_checkpoint
+from moequant.export.verify_vllm import ensure_vllm_env, ensure_vllm_plugin, run_vllm
+from moequant.io.checkpoint import open_checkpoint
+from moequant.io.loader import load
 from moequant.zoo import path as zoo_path
 
 MODELS = {"tiny-qwen2moe": "int4-g64-sym", "tiny-mixtral": "int4-g128-sym"}  # vLLM CPU int4 MoE: g64 / g128

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from moequant import data, zoo
+from moequant import zoo
+from moequant.calib import data
 from moequant.errors import UserError
 
 MODELS = ["tiny-qwen2moe", "tiny-mixtral"]

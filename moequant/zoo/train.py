@@ -96,7 +96,7 @@ def build_corpus(out: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from moequant import data
+    from moequant.calib import data
 
     out.mkdir(parents=True, exist_ok=True)
     texts: dict[str, list[str]] = {}
@@ -328,7 +328,7 @@ def make_card(model_dir: Path, tokenizer_dir: Path, name: str, zoo_dir: Path) ->
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from moequant import data
+    from moequant.calib import data
 
     log = json.loads((model_dir / "train_log.json").read_text())
     target = zoo_dir / name
@@ -373,7 +373,7 @@ def make_card(model_dir: Path, tokenizer_dir: Path, name: str, zoo_dir: Path) ->
         "evaluation_setup": {
             "split": "evaluation", "dtype": "float32", "device": "cpu", "python": platform.python_version(),
             "transformers": transformers.__version__, "torch": torch.__version__,
-            "how": "moequant.data.load_samples(f'builtin:{source}', tokenizer, split='evaluation', **setup); "
+            "how": "moequant.calib.data.load_samples(f'builtin:{source}', tokenizer, split='evaluation', **setup); "
                    "perplexity = exp(mean over samples of mean next-token NLL)",
         },
         "routing_share": routing,
@@ -403,7 +403,7 @@ def render_card(card: dict) -> str:
         "",
         "## Data",
         "",
-        "Built at training time from installed packages (calibration split of `moequant.data`; the",
+        "Built at training time from installed packages (calibration split of `moequant.calib.data`; the",
         "evaluation split was never trained on). No text is shipped. Share of training sequences:",
         "",
         "| source | share | origin and licence |", "|---|---|---|",

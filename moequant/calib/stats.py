@@ -127,6 +127,6 @@ def load_stats(directory: str | Path, with_hessians: bool = True) -> Stats:
         if not with_hessians:
             tensors = {k: v for k, v in tensors.items() if not k.startswith("hessian")}
         layers[L] = LayerStats(L, int(summary["top_k"]), int(entry["tokens"]), tensors)
-    from moequant.probe import load_probe
+    from moequant.calib.probe import load_probe
 
     return Stats(directory, summary, layers, probe=load_probe(directory))

@@ -1,7 +1,7 @@
 """Check an exported checkpoint with a serving engine we did not write: vLLM's CPU build.
 
-    python -m moequant.verify_vllm CHECKPOINT [CHECKPOINT ...] [--steps 32] [--median 0.15] [--p95 0.6]
-    python -m moequant.verify_vllm --install-only      # build the cached vLLM venv (CI does this once)
+    python -m moequant.export.verify_vllm CHECKPOINT [CHECKPOINT ...] [--steps 32] [--median 0.15] [--p95 0.6]
+    python -m moequant.export.verify_vllm --install-only      # build the cached vLLM venv (CI does this once)
 
 vLLM lives in its own virtual environment (it pins its own torch and transformers), created
 once by `ensure_vllm_env()` at ~/.cache/moequant/vllm-cpu or $MOEQUANT_VLLM_VENV. All
@@ -95,7 +95,7 @@ def ensure_vllm_plugin(python: Path | None = None, log=print) -> Path:
     THIS checkout inside the vLLM venv: `pip install -e <repo> --no-deps` there when it is missing or
     points elsewhere (the venv keeps its own torch / transformers; the plugin imports only vLLM)."""
     python = python or ensure_vllm_env()
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     if not (root / "pyproject.toml").is_file():
         raise RuntimeError(f"moequant is not installed from a source checkout ({root} has no pyproject.toml), so "
                            "its vLLM plugin cannot be installed editable; pip install moequant into the vLLM env.")
@@ -284,7 +284,7 @@ def compare_with_moequant(checkpoint: str | os.PathLike, prompts: list[list[int]
     """Score vLLM's greedy sequences with `moequant.load(checkpoint)` (teacher forcing)."""
     import torch
 
-    from moequant.loader import load
+    from moequant.io.loader import load
 
     tol = tolerance or Tolerance()
     report = Agreement(str(checkpoint))
@@ -423,7 +423,7 @@ def compare_logprobs(checkpoint, prompts: list[list[int]], theirs: list, *, top_
     argmax agreement and |Δ logprob| over the other reader's top-k tokens."""
     import torch
 
-    from moequant.loader import load
+    from moequant.io.loader import load
 
     model = model if model is not None else load(checkpoint, dtype=torch.float32)
     same = total = 0
@@ -442,7 +442,7 @@ def compare_logprobs(checkpoint, prompts: list[list[int]], theirs: list, *, top_
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moequant.verify_vllm", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m moequant.export.verify_vllm", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoints", nargs="*", help="exported checkpoint directories")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--median", type=float, default=Tolerance.median, help="max median |Δ logprob| (nats)")

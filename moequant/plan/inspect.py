@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from moequant.arch import adapter_for
-from moequant.checkpoint import open_checkpoint
-from moequant.memory import account
+from moequant.io.checkpoint import open_checkpoint
+from moequant.plan.memory import account
 
 
 def inspect_model(model: str) -> dict:

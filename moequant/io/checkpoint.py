@@ -184,7 +184,7 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
 class Checkpoint:
     """Read-only view of one checkpoint; tensors are read one at a time on request.
 
-    The view is the *logical* model: a weight stored quantized (see moequant.dequant) is listed
+    The view is the *logical* model: a weight stored quantized (see moequant.io.dequant) is listed
     under its own name with its dense shape and dtype F32, and `get` returns it dequantized to
     float32; its codes and scales are not listed. `stored` holds the tensors as the files hold
     them (what `entries` is for an unquantized checkpoint, and for `open_checkpoint(..., decode=False)`),
@@ -193,7 +193,7 @@ class Checkpoint:
 
     def __init__(self, path: Path, config: dict, entries: dict[str, TensorEntry], config_only: bool,
                  decode: bool = True):
-        from moequant import dequant
+        from moequant.io import dequant
 
         self.path = path
         self.config = config
@@ -226,7 +226,7 @@ class Checkpoint:
         """Read one tensor (a quantized weight: dequantized to float32, from its codes and scales)."""
         enc = self.encodings.get(name)
         if enc is not None:
-            from moequant.dequant import decode
+            from moequant.io.dequant import decode
 
             return decode(enc, self.read_stored)
         self._entry(name)

@@ -16,7 +16,7 @@ from moequant.errors import UserError
 
 def plan_formats(recipe) -> list:
     """Every format spec the plan may give a routed expert: candidates, the uniform format, rule formats."""
-    from moequant.policy import resolve_format
+    from moequant.plan.policy import resolve_format
 
     entries = [*recipe.experts.formats] if recipe.experts.method == "budget" else []
     if recipe.experts.method == "uniform":
@@ -34,9 +34,9 @@ def check_recipe(recipe, ckpt=None) -> list[str]:
     """Raise UserError for what shapes alone refuse; return the plan's notes (e.g. a candidate not
     offered to some layers because it cannot hold their dimensions, and why)."""
     from moequant.arch import adapter_for
-    from moequant.checkpoint import open_checkpoint
-    from moequant.export import layout_for, layout_refusal
-    from moequant.policy import check_plan, resolve_format
+    from moequant.export.layouts import layout_for, layout_refusal
+    from moequant.io.checkpoint import open_checkpoint
+    from moequant.plan.policy import check_plan, resolve_format
 
     ckpt = ckpt or open_checkpoint(recipe.model)
     adapter = adapter_for(ckpt.config)
@@ -64,7 +64,7 @@ def unfit_notes(model: str, format_keys) -> list[str]:
     measures no sensitivity for it there, and a plan will not offer it to those experts."""
     from moequant import formats
     from moequant.arch import adapter_for
-    from moequant.checkpoint import open_checkpoint
+    from moequant.io.checkpoint import open_checkpoint
 
     adapter = adapter_for(open_checkpoint(model).config)
     notes = []

@@ -11,8 +11,8 @@ output/
 Every stage is resumable or cached, so an interrupted run continues where it stopped and a
 rerun with unchanged inputs does no calibration and no planning again.
 
-One run at a time writes a directory (moequant.run_lock), and plan.json, the checkpoint and the
-report carry one run fingerprint (moequant.fingerprint): a checkpoint of another run is remade.
+One run at a time writes a directory (moequant.pipeline.run_lock), and plan.json, the checkpoint and the
+report carry one run fingerprint (moequant.pipeline.fingerprint): a checkpoint of another run is remade.
 """
 
 from __future__ import annotations
@@ -24,18 +24,24 @@ import shutil
 import time
 from pathlib import Path
 
-from moequant import parallel
 from moequant.arch import adapter_for
-from moequant.calibrate import CalibrationSettings, calibrate, load_tokenizer
-from moequant.checkpoint import atomic_write_text, is_disk_full, open_checkpoint
+from moequant.calib.calibrate import CalibrationSettings, calibrate, load_tokenizer
 from moequant.errors import UserError
-from moequant.export import layout_for
-from moequant.fingerprint import KEY, checkpoint_fingerprint, file_fingerprint, run_fingerprint, stamp_checkpoint
+from moequant.export.layouts import layout_for
 from moequant.formats import parse_key
-from moequant.policy import make_plan, needs_statistics, plan_to_dict, read_plan, resolve_format, write_plan
-from moequant.precheck import check_recipe
-from moequant.recipe import Recipe, load_recipe
-from moequant.run_lock import output_lock
+from moequant.io.checkpoint import atomic_write_text, is_disk_full, open_checkpoint
+from moequant.pipeline import parallel
+from moequant.pipeline.fingerprint import (
+    KEY,
+    checkpoint_fingerprint,
+    file_fingerprint,
+    run_fingerprint,
+    stamp_checkpoint,
+)
+from moequant.pipeline.precheck import check_recipe
+from moequant.pipeline.run_lock import output_lock
+from moequant.plan.policy import make_plan, needs_statistics, plan_to_dict, read_plan, resolve_format, write_plan
+from moequant.plan.recipe import Recipe, load_recipe
 
 
 def export_arguments(recipe: Recipe) -> dict:
@@ -95,7 +101,7 @@ def probe_algorithm(recipe: Recipe, format_keys) -> str:
         return chosen
     from moequant import formats
     from moequant.arch import adapter_for
-    from moequant.probe import choose_probe_format
+    from moequant.calib.probe import choose_probe_format
 
     adapter = adapter_for(open_checkpoint(recipe.model).config)
     key = choose_probe_format(format_keys, [tuple(adapter.expert_shape(p)) for p in adapter.projections])
@@ -150,7 +156,7 @@ def _disk_full_is_a_user_error(fn):
 def apply(recipe_path=None, model=None, output=None, overrides=(), device: str = "cpu", progress=True,
           log=print) -> Path:
     """Run the whole chain; returns the path of report.html (None on the other ranks of an expert-parallel run:
-    under torchrun, moequant.parallel, rank 0 prints, writes and reports)."""
+    under torchrun, moequant.pipeline.parallel, rank 0 prints, writes and reports)."""
     if parallel.is_helper_rank():
         progress, log = False, _silent
     recipe = resolve_recipe(recipe_path, model, output, overrides)
@@ -180,8 +186,8 @@ def _silent(*_args, **_kwargs) -> None:
 
 
 def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
-    from moequant.export import export_checkpoint
-    from moequant.quantize import quantize_model
+    from moequant.export.layouts import export_checkpoint
+    from moequant.pipeline.quantize import quantize_model
 
     out.mkdir(parents=True, exist_ok=True)  # the lock made it; not on ranks other than 0
     world = parallel.world()
@@ -253,7 +259,7 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
     quality = evaluate_stage(recipe, ckpt, checkpoint_dir, progress)
     timings["evaluate"] = time.perf_counter() - t0
 
-    from moequant.recipe import recipe_to_dict
+    from moequant.plan.recipe import recipe_to_dict
     from moequant.report import build_report
 
     report = build_report(model=recipe.model, checkpoint=checkpoint_dir, original=ckpt.directory,
@@ -269,9 +275,9 @@ def evaluate_stage(recipe: Recipe, ckpt, checkpoint_dir: Path, progress=True) ->
     from moequant.evaluate import evaluate_checkpoints
 
     e = recipe.evaluate
-    if recipe.export.format == "gguf":  # llama.cpp itself runs the GGUF (moequant.verify_llamacpp)
-        from moequant.export_gguf import GGUF_FILE
-        from moequant.verify_llamacpp import evaluate_gguf
+    if recipe.export.format == "gguf":  # llama.cpp itself runs the GGUF (moequant.export.verify_llamacpp)
+        from moequant.export.gguf import GGUF_FILE
+        from moequant.export.verify_llamacpp import evaluate_gguf
 
         return evaluate_gguf(checkpoint_dir / GGUF_FILE, ckpt.directory, dataset=e.dataset, samples=e.samples,
                              seq_len=e.seq_len, seed=recipe.seed)

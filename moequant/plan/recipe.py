@@ -23,7 +23,7 @@ experts:
     - {share_below: 0.25, format: int4}
     - {layers: "0-3", format: int8}
     - {format: int4}
-  usage_floor: 0.05           # see moequant.policy: usage weight of never-routed experts
+  usage_floor: 0.05           # see moequant.plan.policy: usage weight of never-routed experts
 algorithms: {int4: gptq, mxfp4: gptq, int8: rtn, fp8: rtn}
 formats: {int4: {group_size: 128, symmetric: true}, fp8: {block: [128, 128]}}
 export: {format: compressed-tensors}    # | gptq | awq | fp8-block | gpt-oss-mxfp4
@@ -45,7 +45,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from typing_extensions import Annotated
 
 from moequant.errors import UserError
-from moequant.export import RECIPE_LAYOUTS
+from moequant.export.layouts import RECIPE_LAYOUTS
 from moequant.formats import REGISTRY, format_names
 
 FORMAT_NAMES = format_names()  # every registered format (moequant.formats), llama.cpp's block types last
@@ -54,7 +54,7 @@ TARGETS = ("vllm", "sglang", "transformers", "llama.cpp", "vllm-moequant")
 METHODS = ("budget", "rules", "uniform")
 # imatrix: round-to-nearest with the scale search weighted by the inputs' second moments (ggml types)
 ALGORITHMS = ("rtn", "gptq", "awq", "imatrix")
-EXPORT_FORMATS = tuple(RECIPE_LAYOUTS)  # the export layouts (moequant.export.LAYOUTS) by their recipe names
+EXPORT_FORMATS = tuple(RECIPE_LAYOUTS)  # the export layouts (moequant.export.layouts.LAYOUTS) by their recipe names
 # Names `keep` accepts besides tensor-name patterns (anything containing '*' or '.').
 KEEP_GROUPS = (
     "router", "shared_expert_gate", "shared_experts", "attention", "dense_mlp",
@@ -107,7 +107,7 @@ class Calibration(Strict):
     samples: int = Field(128, gt=0)
     seq_len: int = Field(512, gt=0)
     all_experts: bool = True
-    # per-layer KL probe (moequant.probe) on this many further samples of the calibration split,
+    # per-layer KL probe (moequant.calib.probe) on this many further samples of the calibration split,
     # held out from the statistics; 0 turns it off
     probe_samples: int = Field(8, ge=0)
     # how the probe quantizes its layer; auto: as the quantize pass will (gptq where the recipe
@@ -378,7 +378,7 @@ def _scalar(value) -> bool:
 
 def check_format_params(recipe: Recipe, source: str) -> None:
     """Build every format the recipe names, so bad `formats` params fail at load time."""
-    from moequant.policy import resolve_format  # policy owns name/params -> spec resolution
+    from moequant.plan.policy import resolve_format  # policy owns name/params -> spec resolution
 
     for name, params in recipe.formats.items():  # plain values only: they reach error sentences and plan.json
         for key, value in params.items():
@@ -399,7 +399,7 @@ def check_format_params(recipe: Recipe, source: str) -> None:
             raise UserError(f"recipe {source}: key '{key}' ({entry}): {str(error).rstrip('.')}.") from None
 
 
-BUNDLED_RECIPES = Path(__file__).resolve().parent / "recipes"
+BUNDLED_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
 def bundled_recipe(path: str | Path) -> Path:

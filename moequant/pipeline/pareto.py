@@ -22,7 +22,7 @@ vLLM can serve them, else transformers.
 
 Reruns reuse the statistics and every run whose plan and evaluation settings are unchanged.
 
-pareto.json (schema "moequant.pareto/1")
+pareto.json (schema "moequant.pipeline.pareto/1")
 ----------------------------------------
 {"schema", "model", "recipe": {...}, "evaluate": {dataset, samples, seq_len, seed},
  "calibration": {dataset, samples, seq_len, seed}, "routed_weights": int,
@@ -49,7 +49,7 @@ from typing import Iterable, Sequence
 
 from moequant.errors import UserError
 
-SCHEMA = "moequant.pareto/1"
+SCHEMA = "moequant.pipeline.pareto/1"
 DEFAULT_TARGETS = ("vllm", "transformers")
 DEFAULT_UNIFORM = ("int8", "int4", "int3")
 RUN_MARKER = "pareto_run.json"  # in each run directory: what produced its report (for reuse)
@@ -66,13 +66,13 @@ def _variant(recipe, **experts_update):
 
 
 def _budget_recipe(recipe, target: str, bits: float):
-    from moequant.recipe import Budget
+    from moequant.plan.recipe import Budget
 
     return _variant(recipe, target=target, method="budget", budget=Budget(bits_per_weight=bits))
 
 
 def _uniform_recipe(recipe, entry: str):
-    from moequant.policy import resolve_format
+    from moequant.plan.policy import resolve_format
 
     spec = resolve_format(recipe, entry)
     target = "vllm" if spec.refuses("vllm", routed=True) is None else "transformers"
@@ -98,7 +98,7 @@ def bits_for_bytes(nbytes: int, numel: int) -> float:
 
 def resolve_budget(recipe, ckpt, entry, cache: dict | None = None) -> float:
     """A budget entry (number, format entry, or 'A..B') -> bits per routed-expert weight."""
-    from moequant.policy import make_plan
+    from moequant.plan.policy import make_plan
 
     cache = {} if cache is None else cache
 
@@ -152,13 +152,13 @@ def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, sett
     """Quantize, export, evaluate and report one plan into run_dir (reused when unchanged).
     `same_as`: a finished run directory whose plan quantizes every tensor the same way: its
     checkpoint (hard links where possible) and its evaluation are reused."""
-    from moequant.apply import export_arguments
     from moequant.evaluate import evaluate_checkpoints
-    from moequant.export import export_checkpoint
-    from moequant.fingerprint import KEY, checkpoint_fingerprint, run_fingerprint, stamp_checkpoint
-    from moequant.policy import plan_to_dict, write_plan
-    from moequant.quantize import quantize_model
-    from moequant.recipe import recipe_to_dict
+    from moequant.export.layouts import export_checkpoint
+    from moequant.pipeline.apply import export_arguments
+    from moequant.pipeline.fingerprint import KEY, checkpoint_fingerprint, run_fingerprint, stamp_checkpoint
+    from moequant.pipeline.quantize import quantize_model
+    from moequant.plan.policy import plan_to_dict, write_plan
+    from moequant.plan.recipe import recipe_to_dict
     from moequant.report import build_report
 
     plan.run_fingerprint = run_fingerprint(recipe, ckpt, settings, plan)  # this run's, also for library callers
@@ -174,7 +174,7 @@ def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, sett
             and checkpoint_fingerprint(run_dir / "checkpoint") == plan.run_fingerprint):  # not one swapped in
         log(f"{name}: unchanged, reused")
         return json.loads((run_dir / "report.json").read_text())
-    from moequant.checkpoint import atomic_write_text
+    from moequant.io.checkpoint import atomic_write_text
 
     run_dir.mkdir(parents=True, exist_ok=True)
     marker_path.unlink(missing_ok=True)
@@ -284,8 +284,8 @@ def pareto(recipe_path=None, budgets: Sequence = ("int3", "int4", "int4..int8"),
            progress: bool = True, log=print) -> dict:
     """Run the budget plans (each budget x each target) and the uniform baselines against one set
     of statistics; write OUTPUT/pareto.json and OUTPUT/pareto.png. Returns pareto.json's dict."""
-    from moequant.apply import resolve_recipe
-    from moequant.run_lock import output_lock
+    from moequant.pipeline.apply import resolve_recipe
+    from moequant.pipeline.run_lock import output_lock
 
     recipe = resolve_recipe(recipe_path, model, output, overrides)
     with output_lock(recipe.output, "pareto"):  # before anything is written into the directory
@@ -293,12 +293,12 @@ def pareto(recipe_path=None, budgets: Sequence = ("int3", "int4", "int4..int8"),
 
 
 def _pareto(recipe, budgets, targets, uniform, extra_reports, device, progress, log) -> dict:
-    from moequant.apply import calibration_settings
-    from moequant.calibrate import calibrate, load_tokenizer
-    from moequant.checkpoint import atomic_write_text, open_checkpoint
-    from moequant.policy import make_plan, resolve_format
-    from moequant.precheck import check_recipe
-    from moequant.recipe import TARGETS, recipe_to_dict
+    from moequant.calib.calibrate import calibrate, load_tokenizer
+    from moequant.io.checkpoint import atomic_write_text, open_checkpoint
+    from moequant.pipeline.apply import calibration_settings
+    from moequant.pipeline.precheck import check_recipe
+    from moequant.plan.policy import make_plan, resolve_format
+    from moequant.plan.recipe import TARGETS, recipe_to_dict
 
     for target in targets:
         if target not in TARGETS:

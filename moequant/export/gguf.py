@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moequant.checkpoint import atomic_directory
 from moequant.errors import UserError
 from moequant.formats import get_format, quantize_ggml
+from moequant.io.checkpoint import atomic_directory
 
 GGUF_FILE = "model.gguf"
 FLOAT_TYPES = ("bf16", "f16", "f32")
@@ -338,7 +338,7 @@ def write_imatrix(stats_dir, out_path) -> Path:
     """
     import gguf
 
-    from moequant.stats import load_stats
+    from moequant.calib.stats import load_stats
 
     stats = load_stats(stats_dir, with_hessians=False)
     out_path = Path(out_path)

@@ -9,10 +9,10 @@ or (layer, expert, proj) tuples for routed experts, resolved through the archite
 (the only way to address gpt-oss's fused experts one by one). A QuantizedTensor in format bf16
 is written as a plain bf16 weight. `kept` maps on-disk names to full-precision tensors written
 instead of the source's (e.g. a norm or router an AWQ fold changed); a plain tensor value in
-`quantized` (under its on-disk name, as `moequant.quantize.quantize_model` returns them) is
+`quantized` (under its on-disk name, as `moequant.pipeline.quantize.quantize_model` returns them) is
 the same thing. Everything else is copied from the source as is.
 
-A quantized source (FP8-block, compressed-tensors INT4, gpt-oss MXFP4, ...; see moequant.dequant)
+A quantized source (FP8-block, compressed-tensors INT4, gpt-oss MXFP4, ...; see moequant.io.dequant)
 is read as its dequantized logical model. Its tensors that this export does not quantize (the
 recipe keeps them, or an MTP layer no adapter knows) are written **dense in the model's dtype**
 (config `torch_dtype`, bf16 by default), not re-encoded as the source had them, with one exception:
@@ -44,7 +44,7 @@ Layouts (each refuses, before any work, a plan it cannot hold — one sentence, 
 - "deepseek-fp8": weight float8_e4m3fn + weight_scale_inv per 128x128 block, `weight_block_size`.
 - "gpt-oss-mxfp4": gpt-oss experts as `*_blocks` / `*_scales` (gate/up interleaved as on disk),
   biases and every other tensor kept.
-- "gguf": one `model.gguf` for llama.cpp, ggml block types (moequant.export_gguf).
+- "gguf": one `model.gguf` for llama.cpp, ggml block types (moequant.export.gguf).
 
 The output directory is built in a temporary sibling and renamed into place at the end; a
 `moequant_export.json` beside the weights records the layout, target and every tensor's format.
@@ -69,9 +69,9 @@ import torch
 
 from moequant import formats
 from moequant.arch import adapter_for
-from moequant.checkpoint import ShardWriter, atomic_directory, copy_aux_files, open_checkpoint
 from moequant.errors import UserError
 from moequant.formats import QuantizedTensor
+from moequant.io.checkpoint import ShardWriter, atomic_directory, copy_aux_files, open_checkpoint
 
 TARGETS = ("vllm", "sglang", "transformers", "llama.cpp", "vllm-moequant")
 ENGINE_TARGETS = ("vllm", "sglang", "vllm-moequant")  # load through an engine's own kernels: int formats of 4 or 8 bits
@@ -129,8 +129,8 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
     items = {n: q for n, q in items.items() if q.spec.quantized}
     roles = {n: adapter.classify(n) for n in ckpt.keys()}
 
-    if layout == "gguf":  # one file in llama.cpp's names and block layouts (moequant.export_gguf)
-        from moequant.export_gguf import export_gguf
+    if layout == "gguf":  # one file in llama.cpp's names and block layouts (moequant.export.gguf)
+        from moequant.export.gguf import export_gguf
 
         for n, q in plain.items():
             kept.setdefault(n, _from_linear(adapter, n, q.codes))
@@ -313,7 +313,7 @@ class _Layout:
         pass
 
     def carries(self, encoding) -> bool:
-        """Whether a source tensor stored in `encoding` (moequant.dequant) can be written as it is."""
+        """Whether a source tensor stored in `encoding` (moequant.io.dequant) can be written as it is."""
         return False
 
     def pack(self, name: str, q: QuantizedTensor) -> dict[str, torch.Tensor]:
@@ -443,8 +443,8 @@ class _CompressedTensors(_Layout):
 
     def _sglang_routed_rule(self) -> None:
         """Routed formats may differ per layer only as INT4 / INT8 weight-only groups of experts named
-        gate/up/down_proj (see moequant.policy's docstring for the SGLang code this comes from)."""
-        from moequant.policy import sglang_per_layer_block
+        gate/up/down_proj (see moequant.plan.policy's docstring for the SGLang code this comes from)."""
+        from moequant.plan.policy import sglang_per_layer_block
 
         routed = {n: q.spec for n, q in self.items.items() if self.roles[n].role == "routed_expert"}
         keys = {s.key for s in routed.values()}
@@ -708,7 +708,7 @@ class _GptOssMxfp4(_Layout):
 # ---- GGUF (llama.cpp) ----------------------------------------------------------------------------
 
 class _Gguf(_Layout):
-    """One file in llama.cpp's names and block layouts, written by moequant.export_gguf."""
+    """One file in llama.cpp's names and block layouts, written by moequant.export.gguf."""
 
     name = "gguf"
 
@@ -718,7 +718,7 @@ class _Gguf(_Layout):
 
     @classmethod
     def refuses_model(cls, adapter):
-        from moequant.export_gguf import ARCHS
+        from moequant.export.gguf import ARCHS
 
         if adapter.model_type not in ARCHS:
             return f"the gguf layout writes {', '.join(ARCHS)}, not {adapter.model_type}"

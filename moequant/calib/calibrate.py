@@ -32,10 +32,10 @@ import torch
 from safetensors.torch import load_file
 
 from moequant.arch import adapter_for
-from moequant.checkpoint import atomic_write_text, open_checkpoint, save_safetensors
+from moequant.calib.stats import layer_file
 from moequant.errors import UserError
-from moequant.layers import LayerRunner, compute_dtype
-from moequant.stats import layer_file
+from moequant.io.checkpoint import atomic_write_text, open_checkpoint, save_safetensors
+from moequant.io.layers import LayerRunner, compute_dtype
 
 DEFAULT_SENSITIVITY_FORMATS = ("fp8-channel", "int8-channel", "int4-g128-sym", "mxfp4", "int3-g128-sym", "int2-g64-sym")
 MIN_ROUTED_TOKENS = 64  # below this an expert's own Hessian is too noisy: use the all-experts one
@@ -396,7 +396,7 @@ def sensitivity(weights: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]
 def calibrate(model: str, output: str | Path, settings: CalibrationSettings, overwrite: bool = False,
               tokenizer=None, progress=True, samples=None) -> Path:
     """Calibrate `model` on `settings.dataset`; writes `output/` (see stats.py). Returns the path."""
-    from moequant.run_lock import output_lock
+    from moequant.pipeline.run_lock import output_lock
 
     if settings.hessian_weighting not in HESSIAN_WEIGHTINGS:
         raise UserError(f"hessian_weighting {settings.hessian_weighting!r} is not one of {', '.join(HESSIAN_WEIGHTINGS)}.")
@@ -406,8 +406,8 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
 
 
 def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenizer, progress, samples) -> Path:
-    from moequant import parallel
-    from moequant.data import load_samples_with_holdout
+    from moequant.calib.data import load_samples_with_holdout
+    from moequant.pipeline import parallel
 
     world = parallel.world()  # None: one process; else this rank collects its slice of every layer's experts
     ckpt = open_checkpoint(model)
@@ -458,7 +458,7 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
                             and settings.probe_algorithm == "gptq" and settings.hessians)
     for L in _progress(range(start_layer, adapter.num_layers), progress, "calibrating", adapter.num_layers, start_layer):
         t0 = time.perf_counter()
-        # expert-parallel: each rank reads its own experts, the layer's others are all-gathered (moequant.parallel)
+        # expert-parallel: each rank reads its own experts, the layer's others are all-gathered (moequant.pipeline.parallel)
         whole = parallel.whole_layer_experts(adapter, ckpt, L, world) if world and L in adapter.moe_layers else None
         with _naming_damaged_weights(ckpt, adapter, L), runner.materialized(L, experts=whole) as module:
             del whole
@@ -504,7 +504,7 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
 
     # The per-layer KL probe reads the layers' sensitivities just written; it runs before
     # summary.json, so a run killed during it resumes here (every layer already done).
-    from moequant.probe import PROBE_FILE, probe_indices, run_probe, write_probe
+    from moequant.calib.probe import PROBE_FILE, probe_indices, run_probe, write_probe
 
     (output / PROBE_FILE).unlink(missing_ok=True)
     if settings.probe_samples > 0 and adapter.moe_layers:
@@ -535,7 +535,7 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
 def _reusable_or_cleared(output: Path, fingerprint: dict, overwrite: bool) -> bool:
     """True when `output` holds complete statistics of this fingerprint; else it is made ready (cleared
     when `overwrite`), or refused."""
-    from moequant.run_lock import clear_directory, is_lock_file
+    from moequant.pipeline.run_lock import clear_directory, is_lock_file
 
     summary_path = output / "summary.json"
     if summary_path.exists():
@@ -715,7 +715,7 @@ def plot_routing(stats_dir: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moequant.stats import load_stats
+    from moequant.calib.stats import load_stats
 
     s = load_stats(stats_dir, with_hessians=False)
     layers = sorted(s.layers)

@@ -59,7 +59,7 @@ plans).
 
 Cross-layer sensitivity: a layer-output error does not reach the model's output equally from
 every layer (on the bundled models the loss above grows ~3x with depth relative to the real
-effect on the final KL). When the statistics hold the per-layer KL probe (moequant.probe: layer
+effect on the final KL). When the statistics hold the per-layer KL probe (moequant.calib.probe: layer
 L's measured share of the KL with its routed experts in one format, the mean of the KL of
 quantizing L alone and of the KL saved by restoring L when every MoE layer is quantized),
 every loss of layer L (all its experts and formats) is multiplied by
@@ -139,8 +139,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from moequant.errors import UserError
-from moequant.memory import bits_per_weight
-from moequant.recipe import Recipe, is_format_key, recipe_to_dict
+from moequant.plan.memory import bits_per_weight
+from moequant.plan.recipe import Recipe, is_format_key, recipe_to_dict
 
 SCHEMA = "moequant.plan/1"
 PROJECTIONS = ("gate", "up", "down")
@@ -165,7 +165,7 @@ KEEP_GROUP_ROLES = {
     "lm_head": "lm_head", "routed_experts": "routed_expert",
 }
 def _layout_for(export_format: str):
-    from moequant.export import layout_for  # the export layout registry
+    from moequant.export.layouts import layout_for  # the export layout registry
 
     return layout_for(export_format)
 
@@ -238,7 +238,7 @@ class Plan:
     summary: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     recipe: dict = field(default_factory=dict)
-    run_fingerprint: str | None = None  # of the run that made it (moequant.fingerprint), set by apply / plan / pareto
+    run_fingerprint: str | None = None  # of the run that made it (moequant.pipeline.fingerprint), set by apply / plan / pareto
 
     def expert_formats(self) -> dict[tuple[int, int], str]:
         """(layer, expert) -> format key of its routed weights."""
@@ -504,7 +504,7 @@ def _milp_choice(fronts, option_bytes, option_loss, limit, report) -> list[int]:
 def _load_stats(stats):
     if stats is None or hasattr(stats, "layers"):
         return stats
-    from moequant.stats import load_stats
+    from moequant.calib.stats import load_stats
 
     return load_stats(stats, with_hessians=False)
 
@@ -1176,7 +1176,7 @@ def budget_frontier(recipe: Recipe, checkpoint_or_tensors, stats, bits_per_weigh
         budget = experts.budget.model_copy(update={"bits_per_weight": bits, "gigabytes": None}) \
             if experts.budget else None
         if budget is None:
-            from moequant.recipe import Budget
+            from moequant.plan.recipe import Budget
 
             budget = Budget(bits_per_weight=bits)
         variant = recipe.model_copy(update={"target": target,
@@ -1246,7 +1246,7 @@ def plan_from_dict(data: dict, source: str = "<plan>") -> Plan:
 
 def write_plan(plan: Plan, path: str | Path) -> Path:
     """Write plan.json atomically (temp file beside it, then rename)."""
-    from moequant.checkpoint import atomic_write_text
+    from moequant.io.checkpoint import atomic_write_text
 
     path = Path(path)
     atomic_write_text(path, json.dumps(plan_to_dict(plan), indent=1) + "\n")

@@ -1,5 +1,5 @@
 """`moequant.load(path)`: any checkpoint moequant wrote or reads (a quantized source: FP8-block,
-compressed-tensors, gpt-oss MXFP4, GPTQ, AWQ; see moequant.dequant), as a transformers model with
+compressed-tensors, gpt-oss MXFP4, GPTQ, AWQ; see moequant.io.dequant), as a transformers model with
 dequantized weights.
 
 Every quantized tensor is read back with moequant's own unpackers and dequantized once
@@ -18,8 +18,8 @@ import os
 import torch
 
 from moequant.arch import adapter_for
-from moequant.checkpoint import open_checkpoint
 from moequant.errors import UserError
+from moequant.io.checkpoint import open_checkpoint
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -28,10 +28,10 @@ def load(path, dtype: torch.dtype | None = None, device: str = "cpu"):
     """A transformers causal-LM with every weight of checkpoint `path` dequantized (eval mode).
 
     Built in place, with no dense copy on disk: the model is made on the meta device from
-    config.json (moequant.layers.build_skeleton), then each decoder layer is filled from the
+    config.json (moequant.io.layers.build_skeleton), then each decoder layer is filled from the
     checkpoint through the architecture adapter's in-memory layout (the same code that
     calibration runs layer by layer), each quantized weight decoded as it is read."""
-    from moequant.layers import build_skeleton
+    from moequant.io.layers import build_skeleton
 
     ckpt = open_checkpoint(path)
     adapter = adapter_for(ckpt.config)  # a known architecture (else one UserError), so transformers needs no custom code
@@ -98,7 +98,7 @@ def _config_dtype(config: dict) -> torch.dtype:
 def dequantized_state_dict(path_or_ckpt, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """Tensor name (as a bf16 checkpoint names it) -> dense tensor, for every tensor of the checkpoint.
 
-    The decoding is the checkpoint's own (moequant.dequant through open_checkpoint): each quantized
+    The decoding is the checkpoint's own (moequant.io.dequant through open_checkpoint): each quantized
     weight dequantized in float32, then cast once to `dtype`."""
     ckpt = path_or_ckpt if hasattr(path_or_ckpt, "entries") else open_checkpoint(path_or_ckpt)
     out: dict[str, torch.Tensor] = {}

@@ -8,7 +8,7 @@ stored tensors that hold it. `decode(encoding, read)` reads those tensors back t
 moequant.formats' unpackers and dequantizer (the code the exporters' round-trip tests check
 against compressed-tensors, ml_dtypes and transformers) and returns the weight in float32.
 
-`moequant.checkpoint.Checkpoint` uses both, so `ckpt.get(name)` of an encoded weight is its
+`moequant.io.checkpoint.Checkpoint` uses both, so `ckpt.get(name)` of an encoded weight is its
 dequantized float32 tensor and every consumer (calibrate, quantize, export, evaluate, inspect,
 moequant.load) sees the logical model; nothing is upcast to disk, and only the tensor being
 read is ever dense in memory. Readable sources (quantization_config.quant_method):

@@ -47,7 +47,7 @@ layers once more with their probed experts) and run on every live stream: O(L^2)
 on few tokens. When the streams would exceed `max_stream_bytes`, the probed layers are split into
 chunks, one walk each.
 
-probe.json (schema "moequant.probe/1"), in the statistics directory:
+probe.json (schema "moequant.calib.probe/1"), in the statistics directory:
 {"schema", "samples": int, "tokens": int, "usage_floor": float, "algorithm": "rtn" | "gptq",
  "held_out": bool, "kl_all": float,
  "layers": {"L": {"format": key, "kl": float, "kl_alone": float, "kl_all_but_this": float,
@@ -63,10 +63,10 @@ from pathlib import Path
 
 import torch
 
-from moequant.checkpoint import atomic_write_text
-from moequant.stats import layer_file
+from moequant.calib.stats import layer_file
+from moequant.io.checkpoint import atomic_write_text
 
-SCHEMA = "moequant.probe/1"
+SCHEMA = "moequant.calib.probe/1"
 PROBE_FILE = "probe.json"
 DEFAULT_USAGE_FLOOR = 0.05  # the recipe's default experts.usage_floor
 PROJECTIONS = ("gate", "up", "down")
@@ -170,7 +170,7 @@ def layer_hessians(stats_dir: Path, layer: int, proj: str, num_experts: int, min
     saved with their Hessians, else from calibration's scratch copy (`.work/hessians_LLL`)."""
     from safetensors import safe_open
 
-    from moequant.calibrate import chosen_hessian
+    from moequant.calib.calibrate import chosen_hessian
 
     group = "down" if proj == "down" else "gate_up"
     path = layer_file(stats_dir, layer)
@@ -215,7 +215,7 @@ def run_probe(checkpoint, adapter, input_ids: torch.Tensor, stats_dir: str | Pat
               progress: bool = False) -> dict:
     """Probe every MoE layer on `input_ids` [n, seq]; needs the layers' statistics files in
     `stats_dir` (sensitivities, routing counts). Returns probe.json's dict (not written)."""
-    from moequant.layers import LayerRunner
+    from moequant.io.layers import LayerRunner
 
     stats_dir = Path(stats_dir)
     top_k = top_k or adapter.top_k

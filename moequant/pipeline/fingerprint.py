@@ -25,9 +25,9 @@ KEY = "run_fingerprint"
 
 
 def run_fingerprint(recipe, ckpt, settings, plan) -> str:
-    from moequant.calibrate import model_fingerprint
-    from moequant.policy import plan_to_dict
-    from moequant.recipe import recipe_to_dict
+    from moequant.calib.calibrate import model_fingerprint
+    from moequant.plan.policy import plan_to_dict
+    from moequant.plan.recipe import recipe_to_dict
 
     body = {
         "recipe": {k: v for k, v in recipe_to_dict(recipe).items() if k not in ("output", "model", "evaluate")},
@@ -40,7 +40,7 @@ def run_fingerprint(recipe, ckpt, settings, plan) -> str:
 
 def stamp_checkpoint(checkpoint_dir, fingerprint: str) -> None:
     """Record the run in the checkpoint's config.json (atomically; serving engines ignore the key)."""
-    from moequant.checkpoint import atomic_write_text
+    from moequant.io.checkpoint import atomic_write_text
 
     path = _record_file(checkpoint_dir)
     config = json.loads(path.read_text())
@@ -58,7 +58,7 @@ def _read(path: Path) -> dict | None:
 
 def _record_file(checkpoint_dir) -> Path:
     """config.json, or for a checkpoint without one (GGUF: one model.gguf) moequant's export record."""
-    from moequant.export import EXPORT_INFO
+    from moequant.export.layouts import EXPORT_INFO
 
     config = Path(checkpoint_dir) / "config.json"
     return config if config.exists() else Path(checkpoint_dir) / EXPORT_INFO

@@ -48,7 +48,7 @@ from safetensors.torch import load_file
 
 from moequant import formats
 from moequant.arch import adapter_for
-from moequant.calibrate import (
+from moequant.calib.calibrate import (
     CalibrationSettings,
     _LayerCollector,
     _save_atomic,
@@ -58,10 +58,10 @@ from moequant.calibrate import (
     load_tokenizer,
     save_carried,
 )
-from moequant.checkpoint import atomic_write_text, open_checkpoint
 from moequant.errors import UserError
-from moequant.layers import LayerRunner, compute_dtype, release_freed_memory
-from moequant.policy import Plan
+from moequant.io.checkpoint import atomic_write_text, open_checkpoint
+from moequant.io.layers import LayerRunner, compute_dtype, release_freed_memory
+from moequant.plan.policy import Plan
 from moequant.progress import LayerProgress
 
 
@@ -420,7 +420,7 @@ def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expe
     and Hessians are built from that record, its weights (float32 on the device) quantized and
     its dequantized weights kept in the compute dtype, and the chunk's Hessians freed. With one
     chunk (the CPU, small layers) this is the whole-layer computation itself.
-    With `own` (an expert-parallel rank's slice, moequant.parallel), `host` and the returned
+    With `own` (an expert-parallel rank's slice, moequant.pipeline.parallel), `host` and the returned
     dequantized experts hold those experts only; the others are zeros in the recording forward.
     Returns (quantized, report, dequantized experts {proj: [E, out, in]}, routed tokens per expert)."""
     E, dev, dtype = adapter.num_experts, runner.device, runner.dtype
@@ -560,8 +560,8 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
     Where AWQ folded its scales into tensors that stay in full precision (post-attention norm,
     router, shared expert, experts the plan keeps), the mapping also holds them as plain tensors
     under their on-disk names, in the checkpoint's dtype: `export_checkpoint` writes them as they are."""
-    from moequant import parallel
-    from moequant.data import load_samples
+    from moequant.calib.data import load_samples
+    from moequant.pipeline import parallel
 
     world = parallel.world()  # None: one process; else this rank quantizes its slice of every layer's experts
     ckpt = open_checkpoint(model)
@@ -577,18 +577,7 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
                                     + (f" ranks {world.size}" if world is not None else ""))  # work/ files per rank
     own = world.experts(adapter.num_experts) if world is not None else None
 
-    awq_layers = sorted({t.layer for t in plan.tensors if t.algorithm == "awq" and t.quantized
-                         and t.role == "routed_expert"})
-    for L in awq_layers:  # refused before any work
-        _check_awq_supported(adapter, L)
-    if awq_layers and world is not None:
-        raise UserError("algorithm awq runs in one process only (its shared gate/up scale is searched over all of a "
-                        "layer's experts together); run it without torchrun, or use gptq or rtn.")
-    other_awq = sorted({t.name for t in plan.tensors if t.algorithm == "awq" and t.quantized
-                        and t.role != "routed_expert"})
-    if other_awq:
-        raise UserError(f"algorithm awq is implemented for routed experts only; the plan asks it for {other_awq[0]} "
-                        "(a non-expert tensor); use rtn or gptq for that format.")
+    _refuse_awq_where_unsupported(plan, adapter, world)  # before any work
     rows_by_layer: dict[int | None, list] = {}
     for t in plan.tensors:
         rows_by_layer.setdefault(t.layer, []).append(t)
@@ -598,22 +587,11 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
     data_layers = sorted({t.layer for t in plan.tensors if t.role == "routed_expert" and t.quantized
                           and t.algorithm in ("gptq", "awq") and t.layer in adapter.moe_layers})
     last_data_layer = data_layers[-1] if data_layers else -1
+    runner = None
     if data_layers:
         runner = LayerRunner(ckpt, adapter, input_ids, batch_size=settings.batch_size, device=settings.device,
                              dtype=compute_dtype(settings.compute_dtype, settings.device))
-        start, hidden = load_carried(work, fingerprint, len(runner.batches))
-        finished = _finished_layers(work, fingerprint)
-        if finished > max(start, last_data_layer):  # past the last layer that reads data
-            start, hidden = finished, []
-    else:
-        runner, start, hidden = None, _finished_layers(work, fingerprint), []
-    if hidden is None:
-        hidden = runner.embedded
-    if start == 0 and (world is None or world.rank == 0):
-        for p in [*work.glob("layer_*"), *work.glob("awq_*")]:
-            p.unlink()
-    if world is not None:  # no rank writes into work/ before rank 0 has cleared it
-        world.barrier("the start of the quantize pass")
+    start, hidden = _resume_point(work, fingerprint, runner, last_data_layer, world)
 
     def quantize_layer(L, host_experts):
         """One decoder layer of the pass (module docstring); `host_experts` read ahead, or None."""
@@ -707,21 +685,7 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
                     if hook is not None:
                         hook.remove()
         del weights, experts_dq, collected
-        scales = awq_report.pop("scales", None)
-        if scales is not None:  # diagnostics (tests, reports); the checkpoint holds the folds themselves
-            _save_atomic(scales, work / f"awq_{L:03d}.safetensors", {})
-        shared = awq_report.pop("shared_scale", None)
-        for k, v in awq_report.items():
-            report[k]["awq"] = v
-        if shared is not None:
-            report["awq_shared_scale"] = shared
-            if routing_after:
-                same = sum(int((a == b).all(-1).sum()) for a, b in zip(routing_before, routing_after))
-                total = sum(a.shape[0] for a in routing_before)
-                shared["routing_agreement"] = same / max(total, 1)
-                shared["routing_note"] = (
-                    "top-k expert sets of the calibration tokens, original layer vs. the exported one (folded "
-                    "norm/router in their dtype" + (", quantized attention" if q_other else "") + ")")
+        _add_awq_report(report, awq_report, routing_before, routing_after, bool(q_other), work / f"awq_{L:03d}.safetensors")
         quantized.update(kept)
         save_quantized(quantized, _layer_file(work, L, world.rank if world is not None else 0))
         if world is not None:  # written by every rank before rank 0 records the layer as finished
@@ -765,8 +729,70 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
 
     if world is not None and world.rank != 0:  # rank 0 exports: it reads every rank's work/ files
         return {}, {}
-    # tensors outside the decoder layers (lm_head when the plan quantizes it)
-    q_top, _ = _quantize_other(ckpt, rows_by_layer.get(None, []))
+    return _collect_layer_files(ckpt, adapter, work, rows_by_layer.get(None, []), world, lazy)
+
+
+def _refuse_awq_where_unsupported(plan: Plan, adapter, world) -> None:
+    """AWQ runs on routed experts of architectures whose folds are exact, in one process."""
+    awq_layers = sorted({t.layer for t in plan.tensors if t.algorithm == "awq" and t.quantized
+                         and t.role == "routed_expert"})
+    for L in awq_layers:
+        _check_awq_supported(adapter, L)
+    if awq_layers and world is not None:
+        raise UserError("algorithm awq runs in one process only (its shared gate/up scale is searched over all of a "
+                        "layer's experts together); run it without torchrun, or use gptq or rtn.")
+    other_awq = sorted({t.name for t in plan.tensors if t.algorithm == "awq" and t.quantized
+                        and t.role != "routed_expert"})
+    if other_awq:
+        raise UserError(f"algorithm awq is implemented for routed experts only; the plan asks it for {other_awq[0]} "
+                        "(a non-expert tensor); use rtn or gptq for that format.")
+
+
+def _resume_point(work: Path, fingerprint: str, runner, last_data_layer: int, world):
+    """(first layer to quantize, the hidden states entering it) from work/; a fresh start clears work/."""
+    if runner is not None:
+        start, hidden = load_carried(work, fingerprint, len(runner.batches))
+        finished = _finished_layers(work, fingerprint)
+        if finished > max(start, last_data_layer):  # past the last layer that reads data
+            start, hidden = finished, []
+    else:
+        start, hidden = _finished_layers(work, fingerprint), []
+    if hidden is None:
+        hidden = runner.embedded
+    if start == 0 and (world is None or world.rank == 0):
+        for p in [*work.glob("layer_*"), *work.glob("awq_*")]:
+            p.unlink()
+    if world is not None:  # no rank writes into work/ before rank 0 has cleared it
+        world.barrier("the start of the quantize pass")
+    return start, hidden
+
+
+def _add_awq_report(report: dict, awq_report: dict, routing_before, routing_after, attention_quantized: bool,
+                    scales_file: Path) -> None:
+    """AWQ's per-expert diagnostics into the layer report; its scales into `scales_file` (diagnostics for
+    tests and reports: the checkpoint holds the folds themselves)."""
+    scales = awq_report.pop("scales", None)
+    if scales is not None:
+        _save_atomic(scales, scales_file, {})
+    shared = awq_report.pop("shared_scale", None)
+    for k, v in awq_report.items():
+        report[k]["awq"] = v
+    if shared is None:
+        return
+    report["awq_shared_scale"] = shared
+    if routing_after:
+        same = sum(int((a == b).all(-1).sum()) for a, b in zip(routing_before, routing_after))
+        total = sum(a.shape[0] for a in routing_before)
+        shared["routing_agreement"] = same / max(total, 1)
+        shared["routing_note"] = (
+            "top-k expert sets of the calibration tokens, original layer vs. the exported one (folded "
+            "norm/router in their dtype" + (", quantized attention" if attention_quantized else "") + ")")
+
+
+def _collect_layer_files(ckpt, adapter, work: Path, top_rows: list, world, lazy: bool) -> tuple[dict, dict]:
+    """Every layer's quantized tensors (every rank's work/ file) and reports, plus the tensors outside the
+    decoder layers (lm_head when the plan quantizes it)."""
+    q_top, _ = _quantize_other(ckpt, top_rows)
     quantized_all, reports = dict(q_top), {}
     for L in range(adapter.num_layers):
         for rank in range(world.size if world is not None else 1):

@@ -1,11 +1,11 @@
 """llama.cpp (llama-cpp-python) as an independent reader of our GGUF exports.
 
-    python -m moequant.verify_llamacpp --install-only     # build / install once (CI does it ahead)
+    python -m moequant.export.verify_llamacpp --install-only     # build / install once (CI does it ahead)
 
 PyPI has only llama-cpp-python's source: `ensure_llama_cpp()` builds its wheel once into
 ~/.cache/moequant/wheels (about 16 minutes on 2 cores; CMAKE_ARGS as below), then installs it
 with numpy and gguf into its own venv ~/.cache/moequant/llama-cpp ($MOEQUANT_LLAMA_VENV).
-llama.cpp runs in a worker process (moequant/llamacpp_worker.py) that gets token ids and paths
+llama.cpp runs in a worker process (moequant/export/llamacpp_worker.py) that gets token ids and paths
 and writes logits / results to files: a ggml abort on a bad file fails the call, not pytest.
 A failed build or install raises: tests that need llama.cpp fail loudly, they never skip.
 """
@@ -159,10 +159,10 @@ def evaluate_gguf(gguf_path, reference, dataset: str = "builtin:mix", samples: i
     reference (float32), on the evaluation split of `dataset` (evaluate()'s keys, engine llama.cpp)."""
     import torch
 
-    from moequant.calibrate import load_tokenizer
-    from moequant.checkpoint import open_checkpoint
-    from moequant.data import load_samples
-    from moequant.loader import from_pretrained_complete
+    from moequant.calib.calibrate import load_tokenizer
+    from moequant.calib.data import load_samples
+    from moequant.io.checkpoint import open_checkpoint
+    from moequant.io.loader import from_pretrained_complete
 
     ref_dir = open_checkpoint(reference).directory
     windows = load_samples(dataset, load_tokenizer(ref_dir), samples, seq_len, split="evaluation", seed=seed)
@@ -203,7 +203,7 @@ def kl_per_token(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moequant.verify_llamacpp")
+    parser = argparse.ArgumentParser(prog="python -m moequant.export.verify_llamacpp")
     parser.add_argument("--install-only", action="store_true", help="build / install llama-cpp-python and exit")
     parser.parse_args(argv)
     print(ensure_llama_cpp())  # the venv's python; building it is all this command does

@@ -945,7 +945,7 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
         if spec.name == "bf16" and not why:
             why = "non_experts.format is bf16"
         try:
-            nbytes = 2 * t.numel if spec.name == "bf16" else ctx.nbytes(spec, t.shape, t.name)
+            nbytes = ctx.nbytes(spec, t.shape, t.name)
         except UserError as error:
             raise UserError(f"non_experts.format {spec.key} cannot hold tensor {t.name}: {str(error).rstrip('.')}.") from None
         plans.append(TensorPlan(t.name, t.role, t.layer, t.expert, t.proj, t.shape, spec.key, spec_params(spec),

@@ -208,7 +208,8 @@ LAYOUTS = ("compressed-tensors", "gptq", "awq", "deepseek", "gpt-oss")
 
 
 def nbytes(spec, shape, layout: str = "compressed-tensors") -> int:
-    """Exact bytes of codes + scales + zero points for a weight of `shape` ([out, in] or [E, out, in]).
+    """Exact bytes of codes + scales + zero points for a weight of `shape` ([out, in] or [E, out, in];
+    bf16 takes any shape: 2 bytes per element).
 
     Equal to the bytes of the tensors the packers write (per-expert scales for [E, out, in]).
     All layouts of a format cost the same, except that GPTQ and AWQ also store zero points
@@ -218,11 +219,11 @@ def nbytes(spec, shape, layout: str = "compressed-tensors") -> int:
     spec = get_format(spec)
     if layout not in LAYOUTS:
         raise UserError("unknown layout %r; accepted: %s" % (layout, ", ".join(LAYOUTS)))
+    if spec.name == "bf16":  # a plain tensor of any shape (norms, biases, a whole model's count)
+        return 2 * math.prod(int(s) for s in shape)
     experts, rows, cols = _split_shape(shape)
     check_shape(spec, (rows, cols))
-    if spec.name == "bf16":
-        per = 2 * rows * cols
-    elif spec.is_ggml:  # whole blocks: 34 / 18 / 20 / 22 / 24 bytes per 32, 84 ... 210 per 256
+    if spec.is_ggml:  # whole blocks: 34 / 18 / 20 / 22 / 24 bytes per 32, 84 ... 210 per 256
         from moequant.formats.ggml import row_bytes
 
         per = rows * row_bytes(spec.name, cols)

@@ -22,11 +22,15 @@ report.json (schema "moequant.report/1"; keys may be added, none of these remove
     "layout_metadata_bytes": int,     # of bytes_quantized: tensors that record a layout, not weights
                                       #   (compressed-tensors weight_shape, GPTQ g_idx)
     "bits_per_weight": float,         # 8 * (bytes_quantized - layout_metadata_bytes) / weights
-    "bits_per_weight_experts": float, # the same over routed-expert tensors only: the weights' own
-                                      #   bytes (codes, scales, zero points), which is formats.nbytes,
-                                      #   so it equals the plan's summary.bits_per_weight.routed_experts
+    "bits_per_weight_experts": float, # the same over the routed experts' weight matrices only (as
+                                      #   experts.budget.bits_per_weight counts): their own bytes (codes,
+                                      #   scales, zero points), which is formats.nbytes, so it equals the
+                                      #   plan's summary.bits_per_weight.routed_experts
     "bits_per_weight_original": float, "bits_per_weight_experts_original": float,
     "by_role": {role: {"weights": int, "bytes_original": int, "bytes_quantized": int}},  # no metadata
+    "routed_expert_matrices": {"weights": int, "bytes_original": int, "bytes_quantized": int},
+                                      # by_role's routed_expert without expert biases (gpt-oss): the
+                                      #   plan's summary.routed_bytes, what the budget limits
     "bytes_per_token": {"original": int, "quantized": int},
     "gpus_needed": {"original": {"24GB": int, "80GB": int, "141GB": int}, "quantized": {...}},
     "gpu_sizes_gb": [24, 80, 141], "kv_headroom": 0.2
@@ -116,7 +120,8 @@ def checkpoint_bytes(path, adapter=None) -> dict:
     Returns {"by_role": {role: bytes}, "experts": {(layer, expert): bytes}, "fused_experts":
     {layer: bytes} (tensors holding every expert of a layer), "total": bytes (all as stored: codes
     and scales of quantized weights), "weights_by_role": {role: elements of the logical model, each
-    quantized weight counted by its dense shape}, "layout_metadata": bytes}.
+    quantized weight counted by its dense shape}, "layout_metadata": bytes, "expert_biases": {"bytes": int,
+    "weights": int} (of the routed experts' bytes and elements: their biases, e.g. gpt-oss's)}.
     Layout metadata (compressed-tensors `weight_shape`, GPTQ `g_idx`: formats.LAYOUT_METADATA) is
     counted in "total" only, not in a role's bytes: those are the weights' own bytes (codes, scales,
     zero points), the account `formats.nbytes` and so the plan keep.
@@ -138,38 +143,57 @@ def checkpoint_bytes(path, adapter=None) -> dict:
     experts: dict[tuple[int, int], int] = defaultdict(int)
     fused: dict[int, int] = defaultdict(int)
     metadata = 0
+    biases = {"bytes": 0, "weights": 0}
     for name, entry in ckpt.entries.items():  # the logical model: quantized weights by their dense shape
-        weights[adapter.classify(name).role] += entry.numel
+        role = adapter.classify(name)
+        weights[role.role] += entry.numel
+        if is_expert_bias(role):
+            biases["weights"] += entry.numel
     for name, entry in ckpt.stored.items():  # bytes as stored: codes and scales
         if name.rsplit(".", 1)[-1] in LAYOUT_METADATA:
             metadata += entry.nbytes
             continue
         role = adapter.classify(original_tensor_name(name, expected))
         by_role[role.role] += entry.nbytes
+        if is_expert_bias(role):
+            biases["bytes"] += entry.nbytes
         if role.role == "routed_expert":
             if role.expert is None:
                 fused[role.layer] += entry.nbytes
             else:
                 experts[(role.layer, role.expert)] += entry.nbytes
     return {"by_role": dict(by_role), "weights_by_role": dict(weights), "experts": dict(experts),
-            "fused_experts": dict(fused), "total": sum(by_role.values()) + metadata, "layout_metadata": metadata}
+            "fused_experts": dict(fused), "total": sum(by_role.values()) + metadata, "layout_metadata": metadata,
+            "expert_biases": biases}
 
 
-def _config_only_bytes(adapter, bytes_per_weight: int = 2) -> dict:
+def is_expert_bias(role) -> bool:
+    """A routed expert's bias (gpt-oss): counted with the routed experts' bytes, but not with the weight
+    matrices that experts.budget.bits_per_weight and the plan's routed_bytes count."""
+    return role.role == "routed_expert" and (role.proj or "").endswith("bias")
+
+
+def _config_only_bytes(adapter) -> dict:
     """The original's account from its config alone (bf16), when its weights are not on disk."""
+    from moequant.formats import nbytes
+
     weights = {r: n for r, n in adapter.params_by_role().items() if n}
     per_expert = {}
+    biases = {"bytes": 0, "weights": 0}
     for shape, role in adapter.expected_tensors().values():
+        if is_expert_bias(role):
+            biases["bytes"] += nbytes("bf16", shape)
+            biases["weights"] += math.prod(shape)
         if role.role == "routed_expert" and role.expert is not None:
-            n = math.prod(shape)
-            per_expert[(role.layer, role.expert)] = per_expert.get((role.layer, role.expert), 0) + n * bytes_per_weight
+            key = (role.layer, role.expert)
+            per_expert[key] = per_expert.get(key, 0) + nbytes("bf16", shape)
     fused = {}
     if not per_expert:
-        routed = weights.get("routed_expert", 0) * bytes_per_weight
+        routed = nbytes("bf16", (weights.get("routed_expert", 0),))
         fused = {L: routed // max(len(adapter.moe_layers), 1) for L in adapter.moe_layers}
-    by_role = {r: n * bytes_per_weight for r, n in weights.items()}
+    by_role = {r: nbytes("bf16", (n,)) for r, n in weights.items()}
     return {"by_role": by_role, "weights_by_role": weights, "experts": per_expert, "fused_experts": fused,
-            "total": sum(by_role.values()), "layout_metadata": 0}
+            "total": sum(by_role.values()), "layout_metadata": 0, "expert_biases": biases}
 
 
 def _bytes_per_token(account: dict, adapter, shares: dict | None) -> int:
@@ -212,7 +236,14 @@ def memory_account(original, checkpoint, shares: dict | None = None) -> dict:
     by_role = {r: {"weights": int(weights.get(r, 0)), "bytes_original": int(orig["by_role"].get(r, 0)),
                    "bytes_quantized": int(quant["by_role"].get(r, 0))} for r in roles}
     n_weights = sum(weights.values())
-    n_expert = weights.get("routed_expert", 0)
+
+    def biases(account: dict, key: str) -> int:  # of the routed experts' weights or bytes (GGUF: none)
+        return account.get("expert_biases", {}).get(key, 0)
+
+    # the routed experts' weight matrices (their biases left out): what the budget and the plan count
+    experts = {"weights": int(weights.get("routed_expert", 0) - biases(orig, "weights")),
+               "bytes_original": int(orig["by_role"].get("routed_expert", 0) - biases(orig, "bytes")),
+               "bytes_quantized": int(quant["by_role"].get("routed_expert", 0) - biases(quant, "bytes"))}
 
     def bpw(nbytes, n):
         return bits_per_weight(nbytes, n) if n else float("nan")
@@ -224,10 +255,11 @@ def memory_account(original, checkpoint, shares: dict | None = None) -> dict:
         "weights": int(n_weights),
         "layout_metadata_bytes": int(quant.get("layout_metadata", 0)),  # none in a GGUF file
         "bits_per_weight": bpw(quant["total"] - quant.get("layout_metadata", 0), n_weights),
-        "bits_per_weight_experts": bpw(quant["by_role"].get("routed_expert", 0), n_expert),
+        "bits_per_weight_experts": bpw(experts["bytes_quantized"], experts["weights"]),
         "bits_per_weight_original": bpw(orig["total"], n_weights),
-        "bits_per_weight_experts_original": bpw(orig["by_role"].get("routed_expert", 0), n_expert),
+        "bits_per_weight_experts_original": bpw(experts["bytes_original"], experts["weights"]),
         "by_role": by_role,
+        "routed_expert_matrices": experts,
         "bytes_per_token": {"original": _bytes_per_token(orig, adapter, shares),
                             "quantized": _bytes_per_token(quant, adapter, shares)},
         "gpus_needed": {"original": gpus_needed(orig["total"]), "quantized": gpus_needed(quant["total"])},

@@ -154,9 +154,13 @@ def test_fused_gpt_oss_mxfp4_bytes_by_role(tmp_path):
         assert checkpoint_bytes(directory)["by_role"] == _bytes_by_role(directory)
     mem = memory_account(tmp_path / "orig", out)
     routed = [(n, b) for n, b in _file_tensors(out).items() if ".mlp.experts." in n]
-    weights = sum(e for n, (_, e) in _file_tensors(tmp_path / "orig").items() if ".mlp.experts." in n)
-    assert mem["bits_per_weight_experts"] == pytest.approx(8 * sum(b for _, (b, _) in routed) / weights)
-    assert 4.25 < mem["bits_per_weight_experts"] < 5  # 4.25 for the weights, biases stay bf16
+    matrices = [(n, b) for n, b in routed if not n.endswith("_bias")]  # what the budget counts
+    weights = sum(e for n, (_, e) in _file_tensors(tmp_path / "orig").items()
+                  if ".mlp.experts." in n and not n.endswith("_bias"))
+    assert mem["routed_expert_matrices"] == {
+        "weights": weights, "bytes_original": 2 * weights, "bytes_quantized": sum(b for _, (b, _) in matrices)}
+    assert mem["by_role"]["routed_expert"]["bytes_quantized"] == sum(b for _, (b, _) in routed)  # biases too
+    assert mem["bits_per_weight_experts"] == 8 * sum(b for _, (b, _) in matrices) / weights == 4.25  # biases stay bf16
 
 
 def test_memory_account_numbers(qwen):

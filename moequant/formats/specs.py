@@ -296,8 +296,9 @@ def _split_shape(shape) -> tuple[int, int, int]:
 
 
 def nbytes(spec, shape, symmetric_zeros: bool = False) -> int:
-    """Exact bytes of codes + scales + zero points for a weight of `shape` ([out, in] or [E, out, in]):
-    the one byte account that inspect, the budget solver, the plan summary and the report share.
+    """Exact bytes of codes + scales + zero points for a weight of `shape` ([out, in] or [E, out, in];
+    bf16 takes any shape: 2 bytes per element): the one byte account that inspect, the budget solver,
+    the plan summary and the report share.
 
     Equal to the bytes of the tensors the packers write (per-expert scales for [E, out, in]).
     All layouts of a format cost the same, except that some also store zero points for symmetric
@@ -305,6 +306,8 @@ def nbytes(spec, shape, symmetric_zeros: bool = False) -> int:
     Shapes the format cannot hold raise UserError, as `quantize` would.
     """
     spec = get_format(spec)
+    if not spec.quantized:  # a plain tensor of any shape (norms, biases, a whole model's count)
+        return spec.family.nbytes(spec, 1, math.prod(int(s) for s in shape), symmetric_zeros)
     experts, rows, cols = _split_shape(shape)
     check_shape(spec, (rows, cols))
     return experts * spec.family.nbytes(spec, rows, cols, symmetric_zeros)

@@ -57,7 +57,10 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * DTYPE_SIZES.get(self.dtype, 1)
+        """Bytes of the data as stored (F4 holds two elements per byte along the last axis)."""
+        if self.dtype == "F4":
+            return self.numel // 2
+        return self.numel * DTYPE_SIZES[self.dtype]
 
 
 TORCH_DTYPES = {
@@ -114,8 +117,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
         entry = TensorEntry(path, dtype, shape, 8 + header_len + start)
         if dtype == "F4" and (not shape or shape[-1] % 2):  # two per byte along the last axis
             raise UserError(f"{path}: tensor {name!r} is F4 with shape {list(shape)}; F4 needs an even last dimension.")
-        expected = entry.nbytes if dtype != "F4" else entry.numel // 2
-        if not (0 <= start <= end <= data_size) or end - start != expected:
+        if not (0 <= start <= end <= data_size) or end - start != entry.nbytes:
             raise UserError(
                 f"{path}: tensor {name!r} has data offsets {start}..{end} that do not match its "
                 f"{dtype} shape {list(shape)} within a data section of {data_size} bytes."
@@ -276,7 +278,7 @@ class Checkpoint:
     @property
     def stored_bytes(self) -> int:
         """Bytes of the tensors as stored (codes and scales of quantized weights)."""
-        return sum(e.numel // 2 if e.dtype == "F4" else e.nbytes for e in self.stored.values())
+        return sum(e.nbytes for e in self.stored.values())
 
 
 def _logical_entries(stored: dict[str, TensorEntry], encodings: dict) -> dict[str, TensorEntry]:

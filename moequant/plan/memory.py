@@ -39,13 +39,6 @@ def bits_per_weight(nbytes: int, weights: int) -> float:
     return 8 * nbytes / weights
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def routed_expert_bytes(adapter: Adapter, format_key: str) -> int:
     """Bytes of all routed experts held in one format (exact, scales included)."""
     from moequant import formats
@@ -58,7 +51,7 @@ def routed_expert_bytes(adapter: Adapter, format_key: str) -> int:
     bias_bytes = 0
     for shape, role in adapter.expected_tensors().values():
         if role.role == "routed_expert" and role.proj and role.proj.endswith("bias"):
-            bias_bytes += 2 * _numel(shape)
+            bias_bytes += formats.nbytes("bf16", shape)
     return per_layer * len(adapter.moe_layers) + bias_bytes
 
 
@@ -78,6 +71,8 @@ def _fitting_variant(adapter: Adapter, key: str):
 
 def account(adapter: Adapter) -> dict:
     """The whole memory account as one plain dict (what `moequant inspect --json` prints)."""
+    from moequant import formats
+
     by_role = adapter.params_by_role()
     total = sum(by_role.values())
     routed = by_role["routed_expert"]
@@ -85,7 +80,7 @@ def account(adapter: Adapter) -> dict:
     active = total - routed + routed * k // E
     # a tied embedding is also the output projection, read whole for every token
     embedding = 0 if adapter.tie_embeddings else by_role["embedding"]
-    non_routed_bf16 = 2 * (total - routed)
+    non_routed_bf16 = formats.nbytes("bf16", (total - routed,))
     variants = {}
     for label, key in EXPERT_VARIANTS.items():
         key, experts = _fitting_variant(adapter, key)

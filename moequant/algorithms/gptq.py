@@ -278,22 +278,9 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
         h = h.pop()
     ws_given, ws = ws, list(ws)
     ws_given.clear()
-    c, num_in = h.shape[0], h.shape[-1]
+    num_in = h.shape[-1]
     idx = list(experts)
-    rtn_mask = torch.tensor([report.method[e] == RTN for e in idx], device=h.device)
-    if rtn_mask.any():
-        eye = torch.eye(num_in, device=h.device, dtype=h.dtype)
-        h = torch.where(rtn_mask[:, None, None], eye, h)
-
-    # Dead input columns: as in GPTQ, H_ii = 1 and the weights are zeroed.
-    diag = h.diagonal(dim1=-2, dim2=-1)
-    dead = diag == 0
-    if dead.any():
-        diag.masked_fill_(dead, 1.0)
-        for w in ws:
-            w.masked_fill_(dead[:, None, :], 0.0)
-    for j, e in enumerate(idx):
-        report.dead_columns[e] = 0 if report.method[e] == RTN else int(dead[j].sum())
+    h, diag = _identity_for_rtn_and_dead_columns(h, ws, idx, report)
 
     # The searched grid weighs each column's rounding error by H_ii (original column order).
     importance = diag.clone() if grid == "searched" else None  # [c, in]
@@ -310,24 +297,7 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
         h = torch.gather(h, 1, perm[:, :, None].expand(-1, -1, num_in))
         h = torch.gather(h, 2, perm[:, None, :].expand(-1, num_in, -1))
 
-    # Scales fitted before the sweep: per-row formats, static groups (always with act_order).
-    fixed_params = None
-    if per_row:
-        imp = None if importance is None else importance[:, None, :]
-        fixed_params = [[cq_fit(cq, w, squeeze, imp)] for cq, w in zip(cqs, ws)]
-    elif static_groups and spec.is_int and spec.granularity == "group" and num_in % group_width == 0:
-        # all groups in one call (the fit is elementwise per group: same numbers as group by group)
-        fixed_params = []
-        imp = None if importance is None else importance.unflatten(-1, (num_in // group_width, group_width))[:, :, None]
-        for cq, w in zip(cqs, ws):
-            groups = w.unflatten(-1, (num_in // group_width, group_width)).transpose(-3, -2)  # [c, G, out, width]
-            fitted = cq_fit(cq, groups, squeeze, imp)
-            fixed_params.append([_tree_map(lambda t: t[:, g], fitted) for g in range(num_in // group_width)])
-    elif static_groups:
-        fixed_params = [
-            [cq_fit(cq, w[..., g:g + group_width], squeeze) for g in range(0, num_in, group_width)]
-            for cq, w in zip(cqs, ws)
-        ]
+    fixed_params = _fixed_params(cqs, ws, spec, per_row, static_groups, importance, squeeze)
 
     if perm is not None:
         ws = [torch.gather(w, 2, perm[:, None, :].expand(-1, w.shape[1], -1)) for w in ws]
@@ -342,19 +312,8 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     report.settings["cholesky_matmul"] = "tf32x3" if tf32_chol else "fp32"
     t0 = _clock(h)
     report.seconds["prepare"] += t0 - t_start
-    u, used_damp = _inverse_cholesky(h, damp, max_damp_tries, [report.method[e] == RTN for e in idx],
-                                     inverse=not fused, tf32=tf32_chol)
+    u = _factorize(h, idx, report, damp, max_damp_tries, inverse=not fused, tf32=tf32_chol)
     report.seconds["factorize"] += _clock(u) - t0
-    for j, e in enumerate(idx):
-        if report.method[e] == RTN:
-            continue
-        if used_damp[j] is None:  # every damping failed: round-to-nearest for this expert
-            report.method[e], report.reason[e] = RTN, (
-                f"Cholesky of the damped Hessian failed {max_damp_tries} times (damp grown tenfold from {damp:g})"
-            )
-            u[j] = torch.eye(num_in, device=u.device, dtype=u.dtype)
-        else:
-            report.damp[e] = used_damp[j]
     del h
 
     out_rows = [w.shape[1] for w in ws]
@@ -370,6 +329,81 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
         out = _finish(cqs, [codes], out_rows, True, perm, idx, report, losses, fixed_params, squeeze)
         report.seconds["finish"] += _clock(codes) - t0
         return out
+    t_sweep = _clock(w_all)
+    codes, losses, merge, params = _sweep_torch(w_all, u, cqs, fixed_params, perm, group_width, per_row,
+                                                block_size, spec, out_rows, squeeze)
+    t0 = _clock(w_all)
+    report.seconds["sweep"] += t0 - t_sweep
+    del u, w_all
+    out = _finish(cqs, codes, out_rows, merge, perm, idx, report, losses, params, squeeze)
+    report.seconds["finish"] += _clock(codes[0]) - t0
+    return out
+
+
+def _identity_for_rtn_and_dead_columns(h, ws, idx, report):
+    """Experts the report sends to round-to-nearest get the identity Hessian (GPTQ's update vanishes);
+    dead input columns get H_ii = 1 and zeroed weights, as in GPTQ. Returns (h, its diagonal view)."""
+    num_in = h.shape[-1]
+    rtn_mask = torch.tensor([report.method[e] == RTN for e in idx], device=h.device)
+    if rtn_mask.any():
+        eye = torch.eye(num_in, device=h.device, dtype=h.dtype)
+        h = torch.where(rtn_mask[:, None, None], eye, h)
+    diag = h.diagonal(dim1=-2, dim2=-1)
+    dead = diag == 0
+    if dead.any():
+        diag.masked_fill_(dead, 1.0)
+        for w in ws:
+            w.masked_fill_(dead[:, None, :], 0.0)
+    for j, e in enumerate(idx):
+        report.dead_columns[e] = 0 if report.method[e] == RTN else int(dead[j].sum())
+    return h, diag
+
+
+def _fixed_params(cqs, ws, spec, per_row, static_groups, importance, squeeze):
+    """Scales fitted before the sweep (per-row formats; static groups, always with act_order), one
+    list of per-group params per weight; None: groups are fitted during the sweep."""
+    num_in, group_width = ws[0].shape[-1], cqs[0].group_width
+    if per_row:
+        imp = None if importance is None else importance[:, None, :]
+        return [[cq_fit(cq, w, squeeze, imp)] for cq, w in zip(cqs, ws)]
+    if static_groups and spec.is_int and spec.granularity == "group" and num_in % group_width == 0:
+        # all groups in one call (the fit is elementwise per group: same numbers as group by group)
+        fixed_params = []
+        imp = None if importance is None else importance.unflatten(-1, (num_in // group_width, group_width))[:, :, None]
+        for cq, w in zip(cqs, ws):
+            groups = w.unflatten(-1, (num_in // group_width, group_width)).transpose(-3, -2)  # [c, G, out, width]
+            fitted = cq_fit(cq, groups, squeeze, imp)
+            fixed_params.append([_tree_map(lambda t: t[:, g], fitted) for g in range(num_in // group_width)])
+        return fixed_params
+    if static_groups:
+        return [[cq_fit(cq, w[..., g:g + group_width], squeeze) for g in range(0, num_in, group_width)]
+                for cq, w in zip(cqs, ws)]
+    return None
+
+
+def _factorize(h, idx, report, damp, max_damp_tries, *, inverse, tf32):
+    """The (inverse) Cholesky factor of each damped Hessian; an expert whose every damping fails falls
+    back to round-to-nearest (identity factor), and the report says so."""
+    num_in = h.shape[-1]
+    u, used_damp = _inverse_cholesky(h, damp, max_damp_tries, [report.method[e] == RTN for e in idx],
+                                     inverse=inverse, tf32=tf32)
+    for j, e in enumerate(idx):
+        if report.method[e] == RTN:
+            continue
+        if used_damp[j] is None:  # every damping failed: round-to-nearest for this expert
+            report.method[e], report.reason[e] = RTN, (
+                f"Cholesky of the damped Hessian failed {max_damp_tries} times (damp grown tenfold from {damp:g})"
+            )
+            u[j] = torch.eye(num_in, device=u.device, dtype=u.dtype)
+        else:
+            report.damp[e] = used_damp[j]
+    return u
+
+
+def _sweep_torch(w_all, u, cqs, fixed_params, perm, group_width, per_row, block_size, spec, out_rows, squeeze):
+    """GPTQ's column sweep in torch ops, block by block (CUDA graphs replay the full blocks): returns
+    (codes in the sweep's layout, per-expert loss, whether projections were merged, the params used)."""
+    c, num_in = w_all.shape[0], w_all.shape[-1]
     losses = torch.zeros(c, device=w_all.device, dtype=torch.float64)
     fixed = fixed_params is not None
     # Fixed params of all groups side by side (leaves [c, X, groups]), gathered per block into
@@ -431,7 +465,6 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     codes = [torch.zeros(w_all.shape[0], r, num_in, dtype=pr.dtype, device=w_all.device)
              for r, pr in zip(sweep_rows, probe)]
 
-    t_sweep = _clock(w_all)
     graph = None
     use_graph = fixed and w_all.is_cuda and _cuda_graphs_enabled()
     for i1 in range(0, num_in, block_size):
@@ -457,13 +490,8 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
         losses += err1.double().square().sum(dim=(1, 2)) / 2
         if i2 < num_in:
             w_all[..., i2:] -= torch.bmm(err1, u[:, i1:i2, i2:])
-    t0 = _clock(w_all)
-    report.seconds["sweep"] += t0 - t_sweep
-    del u, w_all, graph
-    out = _finish(cqs, codes, out_rows, merge, perm, idx, report, losses,
-                  fixed_params if fixed else dynamic_params, squeeze)
-    report.seconds["finish"] += _clock(codes[0]) - t0
-    return out
+    del graph
+    return codes, losses, merge, (fixed_params if fixed else dynamic_params)
 
 
 def _finish(cqs, codes, out_rows, merge, perm, idx, report, losses, params, squeeze):

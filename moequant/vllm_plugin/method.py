@@ -18,14 +18,12 @@ How one MoE layer is served (written against vLLM 0.32's fused-MoE interfaces):
   expert map, and an id of -1 would index out of their per-expert counts, so the slot points at
   the group's expert 0 and adds nothing). The groups' outputs are summed.
 
-Why every group sees all slots rather than only its own: measured 2026-12-02 on vLLM CPU 0.32
-(Sapphire Rapids, one thread, one tiny-qwen2moe layer of 4 int8 + 12 int4 experts, 1 / 8 / 64 / 256
-tokens), handing each group only its slots (sorted by group, token rows gathered, top-1 rows,
-scatter-added back) took 145 / 169 / 351 / 493 us against 93 / 106 / 234 / 373 us for all slots:
-the zero-weight slots all land on one expert, and the sort, gather and scatter cost more than the
-rows they save at these sizes. What did cost was Python: through vLLM's modular-kernel wrapper
-(~40 us a call) the same layer took 208 / 209 / 398 / 545 us, so where that wrapper would only pass
-the tensors through (`_direct_experts`), the group's vLLM experts object is called directly.
+Why every group sees all slots rather than only its own (numbers: benchmarks/bench_vllm_plugin.py):
+on vLLM's CPU kernels, handing each group only its slots (sorted by group, token rows gathered,
+scatter-added back) was slower at 1 to 256 tokens, since the zero-weight slots all land on one
+expert and the sort, gather and scatter cost more than the rows they save. What did cost was
+Python: vLLM's modular-kernel wrapper takes ~40 us a call, so where it would only pass the tensors
+through (`_direct_experts`), the group's vLLM experts object is called directly.
 """
 
 from __future__ import annotations

@@ -13,9 +13,17 @@ How one MoE layer is served (written against vLLM 0.32's fused-MoE interfaces):
   (`w13_weight_packed`, `w2_weight_scale`, ...): each maps the global expert id to its group
   and the group-local id and hands the tensor to vLLM's own `RoutedExperts.weight_loader`;
 * `apply` receives vLLM's routing (top-k weights and global ids, computed once by the layer's
-  router) and runs every group's fused MoE with the ids mapped to group-local ones; a slot routed
-  to another group gets weight 0 (vLLM's CPU kernels take no expert map, so the slot points at
+  router) and runs the fused MoE of every group that has routed slots, with the ids mapped to
+  group-local ones; a slot routed to another group gets weight 0 (vLLM's CPU kernels take no
+  expert map, and an id of -1 would index out of their per-expert counts, so the slot points at
   the group's expert 0 and adds nothing). The groups' outputs are summed.
+
+Why every group sees all slots rather than only its own (numbers: benchmarks/bench_vllm_plugin.py):
+on vLLM's CPU kernels, handing each group only its slots (sorted by group, token rows gathered,
+scatter-added back) was slower at 1 to 256 tokens, since the zero-weight slots all land on one
+expert and the sort, gather and scatter cost more than the rows they save. What did cost was
+Python: vLLM's modular-kernel wrapper takes ~40 us a call, so where it would only pass the tensors
+through (`_direct_experts`), the group's vLLM experts object is called directly.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ import dataclasses
 
 import torch
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, RoutedExperts
+from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
     CompressedTensorsMoEMethod,
@@ -146,9 +156,14 @@ class MixedExpertsMoEMethod(FusedMoEMethodBase):
             self.groups.append(group)
             self.methods.append(method)
             self.owner.update({e: (group, i) for i, e in enumerate(experts)})
-        # global expert id -> (group index, group-local id), for the forward
-        self.group_of = torch.tensor([self.groups.index(self.owner[e][0]) for e in range(len(formats))])
-        self.local_of = torch.tensor([self.owner[e][1] for e in range(len(formats))])
+        # for the forward, [group, global expert id]: 1 where the expert is the group's, and its group-local id
+        # (0 where it is not: that slot runs at weight 0 on the group's expert 0)
+        self.member = torch.zeros(len(self.groups), len(formats))
+        self.local_ids = torch.zeros(len(self.groups), len(formats), dtype=torch.int32)
+        for e, (group, local) in self.owner.items():
+            self.member[self.groups.index(group), e] = 1
+            self.local_ids[self.groups.index(group), e] = local
+        self.direct: list = []  # per group: its vLLM experts object when called directly, else None
         self.loader_names: list[str] = []
 
     @property
@@ -179,6 +194,7 @@ class MixedExpertsMoEMethod(FusedMoEMethodBase):
                 method.process_weights_after_loading(group)
             except (ValueError, RuntimeError, NotImplementedError, AssertionError) as e:
                 raise _refusal(self.prefix, group.format, e) from None
+        self.direct = [_direct_experts(method, group) for group, method in zip(self.groups, self.methods)]
 
     def get_fused_moe_quant_config(self, layer):
         return None  # each group's method holds its own
@@ -187,20 +203,48 @@ class MixedExpertsMoEMethod(FusedMoEMethodBase):
         # shared experts: this method has no modular kernel of its own, so vLLM's runner runs them itself
         if len(self.groups) == 1:
             return self.methods[0].apply(self.groups[0], x, topk_weights, topk_ids, None, None)
-        if self.group_of.device != topk_ids.device:
-            self.group_of, self.local_of = self.group_of.to(topk_ids.device), self.local_of.to(topk_ids.device)
-        ids = topk_ids.long()
-        owner, local = self.group_of[ids], self.local_of[ids]
+        wanted = (topk_ids.device, topk_weights.dtype, topk_ids.dtype)
+        if (self.member.device, self.member.dtype, self.local_ids.dtype) != wanted:
+            self.member = self.member.to(topk_ids.device, topk_weights.dtype)
+            self.local_ids = self.local_ids.to(topk_ids.device, topk_ids.dtype)
+        member = self.member[:, topk_ids]  # [group, token, slot]
+        routed = member.sum((1, 2)).tolist()
+        weights, local = member.mul_(topk_weights), self.local_ids[:, topk_ids]
         out = None
-        for i, (group, method) in enumerate(zip(self.groups, self.methods)):
-            mine = owner == i
-            group_ids = torch.where(mine, local, 0).to(topk_ids.dtype)
-            y = method.apply(group, x, topk_weights * mine, group_ids, None, None)
+        for i, (group, method, experts) in enumerate(zip(self.groups, self.methods, self.direct)):
+            if not routed[i]:
+                continue  # no slot routed to this group's experts
+            if experts is None:
+                y = method.apply(group, x, weights[i], local[i], None, None)
+            else:
+                y = torch.empty_like(x)
+                experts.apply(output=y, hidden_states=x, w1=group.w13_weight, w2=group.w2_weight,
+                              topk_weights=weights[i], topk_ids=local[i], activation=group.activation,
+                              global_num_experts=len(group.experts), expert_map=None, a1q_scale=None,
+                              a2_scale=experts.a2_scale, workspace13=None, workspace2=None, expert_tokens_meta=None,
+                              apply_router_weight_on_input=group.apply_router_weight_on_input)
             out = y if out is None else out.add_(y)
-        return out
+        return out if out is not None else torch.zeros_like(x)  # no tokens at all
 
     def apply_monolithic(self, layer, x, router_logits, input_ids=None):
         return self.methods[0].apply_monolithic(self.groups[0], x, router_logits, input_ids)
+
+
+def _direct_experts(method: FusedMoEMethodBase, group: ExpertGroup):
+    """The vLLM experts object behind a group's method when calling it directly does all that vLLM's
+    modular kernel would: no dispatch, the input handed over unquantized, scratch space and the top-k
+    reduction inside the experts (vLLM's CPU kernels). None otherwise: then the method's apply runs."""
+    kernel = getattr(method, "moe_kernel", None)
+    if kernel is None or kernel.is_monolithic or type(kernel.prepare_finalize) is not MoEPrepareAndFinalizeNoDPEPModular:
+        return None
+    experts = kernel.fused_experts
+    n, moe = len(group.experts), group.moe_config
+    workspaces = experts.workspace_shapes(1, moe.intermediate_size_per_partition * 2, moe.hidden_dim, group.top_k,
+                                          n, n, None, group.activation)
+    if (not experts.expects_unquantized_inputs or workspaces[:2] != ((0,), (0,))
+            or not isinstance(experts.finalize_weight_and_reduce_impl(), TopKWeightAndReduceNoOP)):
+        return None
+    return experts
 
 
 def _group_scheme(config: MoequantConfig, layer: RoutedExperts, prefix: str, fmt: str, experts: list[int]):

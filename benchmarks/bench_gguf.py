@@ -44,13 +44,12 @@ def main(argv=None) -> int:
 
     from moequant import formats
     from moequant.arch import adapter_for
-    from moequant.calib.calibrate import CalibrationSettings, calibrate
+    from moequant.calib.calibrate import calibrate
     from moequant.export.gguf import GGUF_FILE, gguf_bytes, write_imatrix
     from moequant.export.layouts import export_checkpoint
     from moequant.export.verify_llamacpp import evaluate_gguf, quantize
     from moequant.io.checkpoint import open_checkpoint
-    from moequant.pipeline.apply import apply
-    from moequant.plan.recipe import load_recipe
+    from moequant.pipeline.apply import apply, calibration_settings, resolve_recipe
     from moequant.zoo import path as zoo_path
 
     p = argparse.ArgumentParser()
@@ -58,11 +57,11 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--eval-samples", type=int, default=64)
-    p.add_argument("--non-experts", default="q8_0")
+    p.add_argument("--non-experts", default=None, help="non_experts.format (default: the recipe's)")
     p.add_argument("--output", default=str(ROOT / "runs" / "bench_gguf"))
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    recipe = load_recipe(ROOT / "recipes" / "gguf.yaml")
+    recipe_path = ROOT / "recipes" / "gguf.yaml"
     results = {}
     for model in args.models.split(","):
         t0 = time.time()
@@ -71,40 +70,40 @@ def main(argv=None) -> int:
         src = zoo_path(model)
         ckpt = open_checkpoint(src)
         ad = adapter_for(ckpt.config)
-        cands = tuple(formats.get_format(f).key for f in recipe.experts.formats)
-        settings = CalibrationSettings(dataset="builtin:mix", samples=args.samples, seq_len=args.seq_len, seed=0,
-                                       all_experts=True, formats=cands, probe_samples=8, probe_algorithm="rtn")
-        calibrate(str(src), out / "stats", settings, overwrite=True, progress=False)
-        imatrix = write_imatrix(out / "stats", out / "imatrix.gguf")
+        base = [f"calibration.samples={args.samples}", f"calibration.seq_len={args.seq_len}",
+                f"evaluate.samples={args.eval_samples}", f"evaluate.seq_len={args.seq_len}"]
+        if args.non_experts:
+            base.append(f"non_experts.format={args.non_experts}")
+        recipe = resolve_recipe(str(recipe_path), f"zoo:{model}", str(out / "moequant"), base)
+        non_experts = recipe.non_experts.format
+        types = {"token_embd.weight": recipe.export.gguf_token_embd, "output.weight": recipe.export.gguf_output}
         bf16 = export_checkpoint(src, {}, out / "bf16", layout="gguf", target="llama.cpp")
+
+        # our non-routed bytes (non-experts in non_experts.format, token_embd / output in the recipe's
+        # types, the rest F32 / BF16): what the routed experts may use beside them
+        probe = {}
+        for name in ckpt.keys():
+            role = ad.classify(name).role
+            if role in ("attention", "shared_expert", "lm_head") and name.endswith("weight") and len(ckpt.shape(name)) == 2:
+                probe[name] = formats.quantize(ckpt.get(name).float(), non_experts)
+        probe_dir = export_checkpoint(src, probe, out / "probe", layout="gguf", target="llama.cpp", gguf_types=types)
+        acct = gguf_bytes(probe_dir / GGUF_FILE)
+        header = os.path.getsize(probe_dir / GGUF_FILE) - acct["total"]  # metadata, tokenizer, alignment
+        non_routed = acct["total"] - acct["by_role"]["routed_expert"] + header
+
+        # one calibration, with the settings apply uses (apply then reuses it): its imatrix for llama.cpp
+        stats = out / "moequant" / "stats"
+        calibrate(str(src), stats, calibration_settings(recipe), overwrite=True, progress=False)
+        imatrix = write_imatrix(stats, out / "imatrix.gguf")
         q_im, q_no = out / "q4_k_m-imatrix.gguf", out / "q4_k_m.gguf"
         for dst, im in ((q_im, imatrix), (q_no, None)):
             rc = quantize(bf16 / GGUF_FILE, dst, "Q4_K_M", imatrix=im)["rc"]
             assert rc == 0, f"llama_model_quantize failed ({rc})"
         limit = min(os.path.getsize(q_im), os.path.getsize(q_no))
-
-        # our non-routed bytes (non-experts in --non-experts, token_embd Q4_K, output Q6_K, the rest F32)
-        probe = {}
-        for name in ckpt.keys():
-            role = ad.classify(name).role
-            if role in ("attention", "shared_expert", "lm_head") and name.endswith("weight") and len(ckpt.shape(name)) == 2:
-                probe[name] = formats.quantize(ckpt.get(name).float(), args.non_experts)
-        types = {"token_embd.weight": "q4_k", "output.weight": "q6_k"}
-        probe_dir = export_checkpoint(src, probe, out / "probe", layout="gguf", target="llama.cpp", gguf_types=types)
-        acct = gguf_bytes(probe_dir / GGUF_FILE)
-        header = os.path.getsize(probe_dir / GGUF_FILE) - acct["total"]  # metadata, tokenizer, alignment
-        non_routed = acct["total"] - acct["by_role"]["routed_expert"] + header
         routed_numel = sum(ad.num_experts * math.prod(ad.expert_shape(pj)) for _ in ad.moe_layers for pj in ad.projections)
         bits = math.floor((limit - non_routed) * 8 / routed_numel * 1e4) / 1e4 - 0.01  # slack for alignment padding
-        import shutil
-
-        shutil.copytree(out / "stats", out / "moequant" / "stats", dirs_exist_ok=True)  # reused when settings match
-        apply(str(ROOT / "recipes" / "gguf.yaml"), model=f"zoo:{model}", output=str(out / "moequant"), progress=False,
-              log=lambda *_: None,
-              overrides=[f"experts.budget.bits_per_weight={bits}", f"non_experts.format={args.non_experts}",
-                         "export.gguf_token_embd=q4_k", "export.gguf_output=q6_k",
-                         f"calibration.samples={args.samples}", f"calibration.seq_len={args.seq_len}",
-                         f"evaluate.samples={args.eval_samples}", f"evaluate.seq_len={args.seq_len}"])
+        apply(str(recipe_path), model=f"zoo:{model}", output=str(out / "moequant"), progress=False,
+              log=lambda *_: None, overrides=[*base, f"experts.budget.bits_per_weight={bits}"])
         ours = out / "moequant" / "checkpoint" / GGUF_FILE
         plan = json.loads((out / "moequant" / "plan.json").read_text())
         chosen = {}
@@ -113,7 +112,10 @@ def main(argv=None) -> int:
                 chosen[f"{t['layer']}.{t['proj']}"] = t["format"]
         row = {"routed_bits_budget": bits, "types": chosen}
         for label, path in (("moequant", ours), ("q4_k_m+our_imatrix", q_im), ("q4_k_m", q_no)):
-            q = evaluate_gguf(path, src, samples=args.eval_samples, seq_len=args.seq_len, seed=0)
+            if label == "moequant":  # apply's own evaluation: llama.cpp on the same windows
+                q = json.loads((out / "moequant" / "report.json").read_text())["quality"]
+            else:
+                q = evaluate_gguf(path, src, samples=args.eval_samples, seq_len=args.seq_len, seed=0)
             row[label] = {"bytes": os.path.getsize(path), "kl_mean": q["kl_mean"], "kl_p99": q["kl_p99"],
                           "top1": q["top1_agreement"], "ppl": q["ppl_quantized"], "ppl_bf16": q["ppl_original"],
                           "tokens": q["tokens"]}

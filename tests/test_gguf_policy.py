@@ -108,3 +108,42 @@ def test_non_experts_in_a_ggml_type():
     attn = [t for t in plan.tensors if t.role == "attention"]
     assert attn and all(t.format == "q8_0" and t.bytes == nbytes("q8_0", t.shape) for t in attn)
     assert all(t.format == "bf16" for t in plan.tensors if t.role in ("router", "embedding"))
+
+
+def test_non_expert_types_chosen_per_tensor_with_the_experts_at_the_exact_optimum():
+    """non_experts.formats: each attention tensor's type from its measured KL (the per-tensor probe),
+    solved in one budget with the routed experts (non-experts counted at non_experts.format)."""
+    formats, ne = ["q8_0", "q5_0", "q4_k"], ["q8_0", "q5_0", "q4_k"]
+    kl = {0: {"q8_0": 0.001, "q5_0": 0.002, "q4_k": 0.004}, 1: {"q8_0": 0.5, "q5_0": 20.0, "q4_k": 60.0}}
+    st = stats(2, 4, 0)
+    st.tensor_probe = {"tensors": {f"model.layers.{L}.self_attn.q_proj.weight": kl[L] for L in range(2)}}
+    bits = 5.0
+    r = recipe_from_dict({"target": "llama.cpp", "export": {"format": "gguf"},
+                          "non_experts": {"format": "q5_0", "formats": ne},
+                          "experts": {"method": "budget", "budget": {"bits_per_weight": bits}, "formats": formats}},
+                         "t.yaml")
+    plan = make_plan(r, tensors(2, 4, 256), st)
+    attn = {t.layer: t for t in plan.tensors if t.role == "attention"}
+    assert attn[1].format == "q8_0" and attn[0].format != "q8_0"  # the measured KL decides, per tensor
+    assert all(t.bytes == nbytes(t.format, t.shape) and t.predicted_loss == kl[t.layer][t.format] for t in attn.values())
+    # brute force over one type per (layer, projection) and per attention tensor
+    counts = {L: st.layers[L].routed_count.double().numpy() for L in range(2)}
+    usage = {L: np.maximum(counts[L] / 1000, 0.05 * 2 / 4) for L in range(2)}
+    numel = 2 * 4 * 3 * 256 * H
+    limit = math.floor(bits * numel / 8) + 2 * nbytes("q5_0", (H, H))
+    groups = [(L, p) for L in range(2) for p in ("gate", "up", "down")]
+    shape = {p: ((H, 256) if p == "down" else (256, H)) for p in ("gate", "up", "down")}
+    best = None
+    for combo in itertools.product(*[formats] * len(groups), ne, ne):
+        b = sum(4 * nbytes(k, shape[g[1]]) for g, k in zip(groups, combo)) + sum(nbytes(k, (H, H)) for k in combo[-2:])
+        if b > limit:
+            continue
+        loss = sum(float(np.dot(usage[g[0]], st.layers[g[0]].sensitivity[g[1]][k].numpy())) for g, k in zip(groups, combo))
+        loss += kl[0][combo[-2]] + kl[1][combo[-1]]
+        best = loss if best is None or loss < best else best
+    got = plan.summary["predicted_loss"] + sum(t.predicted_loss for t in attn.values())
+    assert got == pytest.approx(best, rel=1e-9)
+    assert plan.summary["routed_bytes"] + sum(t.bytes for t in attn.values()) <= limit
+    st.tensor_probe = None  # without the measurement: one sentence, asking for it
+    with pytest.raises(UserError, match="no per-tensor KL of model.layers.0.self_attn.q_proj.weight in q5_0"):
+        make_plan(r, tensors(2, 4, 256), st)

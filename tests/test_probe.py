@@ -259,3 +259,35 @@ def test_an_incomplete_probe_is_not_used():
     plan = make_plan(half_way(), tensors(), hand_stats({0: 0.02}))
     assert plan.summary["probe"] == {"used": False, "why": "the KL probe has no layer 1"}
     assert layer_formats(plan) == {0: "int4-g32-sym", 1: "int8-channel"}
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "mixtral"])
+def test_tensor_probe_kl_equals_the_whole_model_with_one_tensor_quantized(tiny_dirs, tmp_path, model_type):
+    """Independent reference for the per-tensor probe (non_experts.formats): a copy of the checkpoint
+    with one non-expert weight replaced by its RTN-dequantized copy, run whole by transformers, KL in
+    float64, for every probed tensor (attention, shared experts, lm_head) and format."""
+    from moequant.calib.probe import TENSOR_PROBE_FILE
+
+    d = tiny_dirs[model_type]
+    samples = make_samples()
+    keys = ("int4-g32-sym", "int8-channel")
+    out = calibrate(str(d), tmp_path / "stats", settings(tensor_formats=keys), samples=samples, progress=False)
+    probe = json.loads((out / TENSOR_PROBE_FILE).read_text())
+    assert probe == load_stats(out).tensor_probe and probe["tokens"] == N * SEQ
+    ids = torch.stack([s.input_ids for s in samples])
+    ref = logits_of(d, ids)
+    original = load_file(str(d / "model.safetensors"))
+    expected = sorted(n for n in original if re.search(r"(self_attn\.\w_proj|shared_expert\.\w+_proj)\.weight$|^lm_head\.weight$", n))
+    assert sorted(probe["tensors"]) == expected and any("self_attn" in n for n in expected)
+    if model_type == "qwen2_moe":
+        assert any("shared_expert." in n for n in expected)
+    for name in expected:
+        holds = [k for k in keys if original[name].shape[-1] % (32 if k == "int4-g32-sym" else 1) == 0]
+        assert sorted(probe["tensors"][name]) == sorted(holds)  # a format that cannot hold it is not offered
+        for key in holds:
+            copy = tmp_path / "one"
+            shutil.rmtree(copy, ignore_errors=True)
+            shutil.copytree(d, copy)
+            w = formats.quantize(original[name].float(), formats.parse_key(key)).dequantize(torch.float32)
+            save_file({**original, name: w}, str(copy / "model.safetensors"), metadata={"format": "pt"})
+            assert probe["tensors"][name][key] == pytest.approx(kl_mean(ref, logits_of(copy, ids)), rel=1e-4, abs=0)

@@ -60,6 +60,9 @@ class CalibrationSettings:
     save_hessians: bool = False  # also write the full [E, d, d] Hessians into stats/ (inspection; large)
     # each routed token's weight in its expert's routed Hessian (HESSIAN_WEIGHTINGS)
     hessian_weighting: str = "tokens"
+    # formats of the per-tensor probe (probe.run_tensor_probe: KL of each non-expert weight alone in
+    # each), measured when a recipe lets the budget choose non-expert formats; (): none
+    tensor_formats: tuple[str, ...] = ()
 
     def fingerprint_fields(self) -> dict:
         fields = {k: getattr(self, k) for k in ("dataset", "samples", "seq_len", "seed", "all_experts", "hessians",
@@ -67,6 +70,8 @@ class CalibrationSettings:
                                                 "probe_algorithm", "compute_dtype", "save_hessians")}
         if self.hessian_weighting != "tokens":  # absent at the default: earlier statistics keep their fingerprint
             fields["hessian_weighting"] = self.hessian_weighting
+        if self.tensor_formats:  # likewise
+            fields["tensor_formats"] = list(self.tensor_formats)
         return fields
 
 
@@ -519,6 +524,14 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
                           algorithm=settings.probe_algorithm, hessians=settings.hessians,
                           min_tokens=settings.min_tokens, progress=progress)
         write_probe(output, {**probe, "held_out": held_out})
+    from moequant.calib.probe import TENSOR_PROBE_FILE, run_tensor_probe, write_tensor_probe
+
+    (output / TENSOR_PROBE_FILE).unlink(missing_ok=True)
+    if settings.tensor_formats and settings.probe_samples > 0:
+        if probe_ids is None:
+            probe_ids = input_ids[probe_indices(input_ids.shape[0], settings.probe_samples)]
+        write_tensor_probe(output, run_tensor_probe(ckpt, adapter, probe_ids, settings.tensor_formats,
+                                                    batch_size=settings.batch_size, device=settings.device))
 
     summary = _summary(ckpt, adapter, output, fingerprint, settings, domains, input_ids.shape[0], work)
     atomic_write_text(output / "summary.json", json.dumps(summary, indent=2) + "\n")

@@ -329,3 +329,109 @@ def load_probe(stats_dir: str | Path) -> dict | None:
     if data.get("schema") != SCHEMA:
         return None
     return data
+
+
+# ------------------------------------------------------------------------------- per-tensor probe
+#
+# The per-tensor probe measures what one non-expert weight (attention, shared expert, dense MLP,
+# lm_head) costs in each candidate format: KL(original || only that tensor quantized, round to
+# nearest as the quantize pass does), on the probe samples. The policy takes these measured KLs as
+# the losses of a per-tensor choice (recipe `non_experts.formats`), solved together with the routed
+# experts under one byte budget. On tiny-mixtral (16 x 256 evaluation tokens, routed experts as
+# the budget chose them) attn_v in q5_0 instead of q8_0 added 0.0061 to a KL of 0.0327, attn_k
+# 0.0007, while attn_q in q4_k instead of q5_0 added 0.0013: a fixed format for all attention
+# tensors spends its bytes in the wrong places.
+#
+# tensor_probe.json (schema "moequant.tensor_probe/1"), in the statistics directory:
+# {"schema", "samples": int, "tokens": int, "formats": [key], "tensors": {name: {key: kl}}}
+
+TENSOR_SCHEMA = "moequant.tensor_probe/1"
+TENSOR_PROBE_FILE = "tensor_probe.json"
+TENSOR_ROLES = ("attention", "shared_expert", "dense_mlp", "lm_head")
+
+
+def probed_tensors(checkpoint, adapter) -> list[str]:
+    """The 2-D non-expert weights a per-tensor plan may quantize."""
+    return [n for n in checkpoint.keys() if adapter.classify(n).role in TENSOR_ROLES and n.endswith("weight")
+            and len(checkpoint.shape(n)) == 2]
+
+
+def run_tensor_probe(checkpoint, adapter, input_ids: torch.Tensor, format_keys, batch_size: int = 8,
+                     device: str = "cpu", max_stream_bytes: int = MAX_STREAM_BYTES) -> dict:
+    """tensor_probe.json's dict: the KL of every probed tensor alone in every format that holds it."""
+    from moequant import formats
+    from moequant.errors import UserError
+    from moequant.io.layers import LayerRunner
+
+    runner = LayerRunner(checkpoint, adapter, input_ids, batch_size=batch_size, device=device)
+    head = _head(runner, checkpoint)
+    tokens = int(input_ids.numel())
+    units = []  # (tensor, format key, layer or None for lm_head)
+    for name in probed_tensors(checkpoint, adapter):
+        for key in format_keys:
+            spec = formats.parse_key(key)
+            try:
+                formats.check_shape(spec, tuple(checkpoint.shape(name)), name)
+            except UserError:
+                continue  # the format cannot hold it: the policy does not offer it either
+            units.append((name, key, adapter.classify(name).layer))
+
+    def dequantized(name, key):
+        q = formats.quantize(checkpoint.get(name).float(), formats.parse_key(key), name=name)
+        return q.dequantize(torch.float32).to(runner.dtype)
+
+    stream_bytes = tokens * adapter.hidden * torch.finfo(runner.dtype).bits // 8
+    per_walk = max(1, int(max_stream_bytes // max(stream_bytes, 1)) - 2)
+    layered = [u for u in units if u[2] is not None]
+    result: dict[str, dict[str, float]] = {}
+    for start in range(0, len(layered), per_walk):  # one walk per chunk of streams
+        chunk = layered[start:start + per_walk]
+        original, streams = runner.embedded, {}
+        for L in range(adapter.num_layers):
+            before = original
+            with runner.materialized(L) as module:
+                original = _forward(runner, module, L, original)
+                for u in streams:
+                    streams[u] = _forward(runner, module, L, streams[u])
+            for u in (u for u in chunk if u[2] == L):
+                with runner.materialized(L, tensors={u[0]: dequantized(u[0], u[1])}) as module:
+                    streams[u] = _forward(runner, module, L, before)
+        for (name, key, _), h in streams.items():
+            result.setdefault(name, {})[key] = _kl_sum(head, original, h) / tokens
+    heads = [u for u in units if u[2] is None]
+    if heads:  # lm_head: the final hidden states, logits through the quantized copy
+        final = runner.embedded
+        for L in range(adapter.num_layers):
+            with runner.materialized(L) as module:
+                final = _forward(runner, module, L, final)
+        for name, key, _ in heads:
+            weight = runner.model.lm_head.weight
+            with torch.no_grad():
+                saved = weight.detach().clone()
+                weight.copy_(dequantized(name, key))
+                logits_q = [head(h) for h in final]
+                weight.copy_(saved)
+            from moequant.evaluate import token_statistics
+
+            total = 0.0
+            for h, q in zip(final, logits_q):
+                ref = head(h)
+                kl, *_ = token_statistics(ref.reshape(-1, ref.shape[-1]), q.reshape(-1, q.shape[-1]))
+                total += float(kl.sum())
+            result.setdefault(name, {})[key] = total / tokens
+    return {"schema": TENSOR_SCHEMA, "samples": int(input_ids.shape[0]), "tokens": tokens,
+            "formats": list(format_keys), "tensors": result}
+
+
+def write_tensor_probe(stats_dir: str | Path, probe: dict) -> Path:
+    path = Path(stats_dir) / TENSOR_PROBE_FILE
+    atomic_write_text(path, json.dumps(probe, indent=2) + "\n")
+    return path
+
+
+def load_tensor_probe(stats_dir: str | Path) -> dict | None:
+    path = Path(stats_dir) / TENSOR_PROBE_FILE
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    return data if data.get("schema") == TENSOR_SCHEMA else None

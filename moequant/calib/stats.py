@@ -102,6 +102,7 @@ class Stats:
     summary: dict
     layers: dict[int, LayerStats]
     probe: dict | None = None  # probe.json (per-layer KL probe, see probe.py), when calibration ran it
+    tensor_probe: dict | None = None  # tensor_probe.json (per-tensor KL of non-expert weights), when measured
 
     @property
     def layer_scale(self) -> dict[int, float]:
@@ -127,6 +128,6 @@ def load_stats(directory: str | Path, with_hessians: bool = True) -> Stats:
         if not with_hessians:
             tensors = {k: v for k, v in tensors.items() if not k.startswith("hessian")}
         layers[L] = LayerStats(L, int(summary["top_k"]), int(entry["tokens"]), tensors)
-    from moequant.calib.probe import load_probe
+    from moequant.calib.probe import load_probe, load_tensor_probe
 
-    return Stats(directory, summary, layers, probe=load_probe(directory))
+    return Stats(directory, summary, layers, probe=load_probe(directory), tensor_probe=load_tensor_probe(directory))

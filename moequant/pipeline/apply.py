@@ -80,7 +80,19 @@ def calibration_settings(recipe: Recipe, device: str = "cpu", formats: tuple[str
                                all_experts=c.all_experts, formats=formats, device=device,
                                probe_samples=probe_samples,
                                probe_algorithm=probe_algorithm(recipe, formats) if probe_samples else "rtn",
-                               compute_dtype=c.compute_dtype)
+                               compute_dtype=c.compute_dtype, tensor_formats=tensor_formats(recipe))
+
+
+def tensor_formats(recipe: Recipe) -> tuple[str, ...]:
+    """The format keys the budget may give non-expert tensors (calibration's per-tensor probe measures each)."""
+    if recipe.experts.method != "budget":
+        return ()
+    keys = []
+    for entry in recipe.non_experts.formats:
+        spec = resolve_format(recipe, entry)
+        if spec.quantized and spec.key not in keys:
+            keys.append(spec.key)
+    return tuple(keys)
 
 
 PROBE_MAX_EXPERT_PARAMS = 2 * 10**9  # the default probe's limit (routed-expert parameters)

@@ -762,11 +762,16 @@ def _option_table(ctx: _Context, groups, specs, notes) -> list[list[tuple]]:
     return table
 
 
-def _solve(ctx: _Context, target: str, free, specs, limit: int, notes) -> tuple[dict, int] | None:
-    """Budget solve for one target: (expert -> spec, routed bytes of the choice), or None."""
+def _solve(ctx: _Context, target: str, free, specs, limit: int, notes, extra=None) -> tuple[dict, int] | None:
+    """Budget solve for one target: (expert -> spec, routed bytes of the choice), or None.
+    `extra`: {tensor name: [(spec, bytes, loss)]} of non-expert tensors solved in the same budget;
+    their choices are in the assignment under their names (their bytes are not in the routed bytes)."""
     groups = _groups(ctx, target, free)
     table = _option_table(ctx, groups, specs, notes)
-    choice = solve_choices([[o[1] for o in opts] for opts in table], [[o[2] for o in opts] for opts in table], limit, notes)
+    extra = extra or {}
+    table_all = table + list(extra.values())
+    choice = solve_choices([[o[1] for o in opts] for opts in table_all], [[o[2] for o in opts] for opts in table_all],
+                           limit, notes)
     if choice is None:
         return None
     assignment = {}
@@ -776,7 +781,46 @@ def _solve(ctx: _Context, target: str, free, specs, limit: int, notes) -> tuple[
         used += nbytes
         for e in group:
             assignment[e] = spec
+    for name, opts, index in zip(extra, extra.values(), choice[len(table):]):
+        assignment[name] = opts[index][0]
     return assignment, used
+
+
+def _non_expert_options(ctx: _Context, recipe: Recipe, plans: list, reference, shapes_only: bool) -> dict:
+    """{tensor name: [(spec, bytes, measured KL)]} of the non-expert tensors planned in `reference`
+    (non_experts.format) that the budget may move to one of non_experts.formats."""
+    if recipe.experts.method != "budget" or not recipe.non_experts.formats or not reference.quantized:
+        return {}
+    if recipe.target == "sglang":
+        raise UserError("non_experts.formats (a per-tensor choice) is not offered for target sglang; use "
+                        "non_experts.format.")
+    specs = []
+    for spec in _dedupe(resolve_format(recipe, f) for f in [recipe.non_experts.format, *recipe.non_experts.formats]):
+        why = spec.refuses(recipe.target, routed=False)
+        if why and spec.quantized:
+            raise UserError(f"non_experts.formats offers {spec.key}, which target {recipe.target} cannot serve: {why}.")
+        specs.append(spec)
+    measured = None if shapes_only else (getattr(ctx.stats, "tensor_probe", None) or {}).get("tensors")
+    out = {}
+    for p in plans:
+        if p.kept is not None or p.format != reference.key or p.role not in NON_EXPERT_ROLES:
+            continue
+        options = []
+        for spec in specs:
+            try:
+                nbytes = ctx.nbytes(spec, p.shape, p.name)
+            except UserError:
+                continue  # cannot hold this tensor: not offered
+            loss = 0.0
+            if spec.quantized and not shapes_only:
+                kl = (measured or {}).get(p.name, {}).get(spec.key)
+                if kl is None:
+                    raise UserError(f"the calibration statistics hold no per-tensor KL of {p.name} in {spec.key} "
+                                    f"(non_experts.formats); rerun `moequant calibrate --recipe` with this recipe.")
+                loss = float(kl)
+            options.append((spec, nbytes, loss))
+        out[p.name] = options
+    return out
 
 
 def sglang_per_layer_block(names) -> str | None:
@@ -981,8 +1025,11 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
                             f"({'; '.join(f'{k}: {v}' for k, v in dropped.items())}); accepted: fp8, int8, "
                             f"symmetric int4, mxfp4, nvfp4, bf16.")
         limit = _budget_limit(recipe, routed_numel, other_bytes, fixed_routed)
+        flexible = _non_expert_options(ctx, recipe, plans, non_expert_spec, shapes_only)
+        flex_bytes = sum(p.bytes for p in plans if p.name in flexible)
+        limit += flex_bytes  # the budget counts them at non_experts.format; the solve may move bytes
         if shapes_only:  # feasibility is the smallest option of every group against the limit
-            table = _option_table(ctx, _groups(ctx, target, free), specs, notes)
+            table = _option_table(ctx, _groups(ctx, target, free), specs, notes) + list(flexible.values())
             minimum = sum(min(o[1] for o in options) for options in table)
             notes += [f"{key} is not offered to layer(s) {_layer_text([(L, 0) for L in layers])}: {why}."
                       for key, (layers, why) in ctx.unfit.items()]
@@ -990,14 +1037,22 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
                 raise _infeasible_budget(recipe, minimum, routed_numel, other_bytes, fixed_routed,
                                          [s.key for s in specs])
             return notes
-        solve = (lambda *a: _solve_sglang(ctx, *a)) if target == "sglang" else (lambda *a: _solve(ctx, target, *a))
-        solved = solve(free, specs, limit, notes) if free else ({}, 0)
+        solve = (lambda *a: _solve_sglang(ctx, *a)) if target == "sglang" else (
+            lambda *a: _solve(ctx, target, *a, extra=flexible))
+        solved = solve(free, specs, limit, notes) if free or flexible else ({}, 0)
         for key, (layers, why) in ctx.unfit.items():
             notes.append(f"{key} is not offered to layer(s) {_layer_text([(L, 0) for L in layers])}: {why}.")
         if solved is None:
             raise _infeasible_budget(recipe, _min_bytes(ctx, target, free, specs), routed_numel, other_bytes,
                                      fixed_routed, [s.key for s in specs])
         assignment, _ = solved
+        for p in plans:  # the non-expert tensors' chosen formats, with their measured KL
+            if p.name in flexible:
+                spec = assignment.pop(p.name)
+                p.format, p.params, p.algorithm = spec.key, spec_params(spec), recipe.algorithm_for(spec.name)
+                p.bytes = next(b for s_, b, _ in flexible[p.name] if s_.key == spec.key)
+                p.predicted_loss = next(loss for s_, _, loss in flexible[p.name] if s_.key == spec.key)
+                p.kept = None if spec.quantized else "non_experts.formats"
         budget_info = {"bits_per_weight": recipe.experts.budget.bits_per_weight,
                        "gigabytes": recipe.experts.budget.gigabytes,
                        "routed_bytes_limit": limit + fixed_routed}

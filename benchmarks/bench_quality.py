@@ -88,11 +88,10 @@ def main(argv=None) -> int:
         MIN_ROUTED_TOKENS,
         CalibrationSettings,
         calibrate,
-        chosen_hessian,
         load_tokenizer,
     )
     from moequant.calib.data import load_samples
-    from moequant.calib.stats import load_stats
+    from moequant.calib.stats import chosen_hessian, load_stats
     from moequant.evaluate import evaluate
     from moequant.export.verify_llamacpp import ggml_quantize
     from moequant.formats.ggml import dequantize_tensor

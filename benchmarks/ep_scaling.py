@@ -20,7 +20,7 @@ Per MoE layer on one H200:
             it includes the stage's fixed cost), scaled the same way. (bench_e2e's seconds per layer without
             evaluation, 5.07, minus its quantize stage, 2.6, would say 2.47 s: that difference of two
             whole-run marginals also holds start-up noise, and its fp8 row exports a layer in < 0.75 s.)
-With N ranks (moequant.pipeline.parallel) solve, hessians and rest are divided by N — ideal: the layer forward,
+With N ranks (moequant.parallel) solve, hessians and rest are divided by N — ideal: the layer forward,
 which every rank runs whole, is counted as divided too (it is top-k sparse and small next to the rest) —
 and each layer adds the all-gather of the dequantized experts: every rank receives (N - 1) / N of the
 layer's bf16 expert bytes over NVLink 4 at 450 GB/s per direction per H200 (the nominal figure; NCCL's

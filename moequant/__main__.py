@@ -1,5 +1,5 @@
 """`python -m moequant ...`, and so `torchrun --nproc-per-node N -m moequant apply ...` (expert-parallel,
-moequant.pipeline.parallel): the command line of moequant.cli."""
+moequant.parallel): the command line of moequant.cli."""
 
 from moequant.cli import main
 

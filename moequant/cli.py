@@ -23,7 +23,7 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            from moequant.pipeline.parallel import says_errors
+            from moequant.parallel import says_errors
 
             if says_errors() and not getattr(e, "said_by_rank0", False):  # a torchrun job says a refusal once
                 click.echo(f"error: {e}", err=True)
@@ -35,7 +35,7 @@ def user_errors(fn):
     return wrapper
 
 
-EXPERT_PARALLEL = ("apply", "calibrate")  # commands that split experts across torchrun's ranks (moequant.pipeline.parallel)
+EXPERT_PARALLEL = ("apply", "calibrate")  # commands that split experts across torchrun's ranks (moequant.parallel)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -43,7 +43,7 @@ EXPERT_PARALLEL = ("apply", "calibrate")  # commands that split experts across t
 @click.pass_context
 def main(ctx):
     """Per-expert quantization for Mixture-of-Experts language models."""
-    from moequant.pipeline.parallel import is_helper_rank
+    from moequant.parallel import is_helper_rank
 
     if is_helper_rank() and ctx.invoked_subcommand not in EXPERT_PARALLEL:
         ctx.exit(0)  # under torchrun the other commands run on rank 0 alone
@@ -126,10 +126,10 @@ def calibrate(recipe_path, model, output, overrides, stats, dataset, samples, se
         raise UserError(f"--imatrix {imatrix} must end in .gguf (llama.cpp's GGUF imatrix format).")
     import contextlib
 
+    from moequant import parallel
     from moequant.arch import adapter_for
     from moequant.io.checkpoint import open_checkpoint
-    from moequant.pipeline import parallel
-    from moequant.pipeline.run_lock import output_lock
+    from moequant.io.run_lock import output_lock
 
     helper = parallel.is_helper_rank()  # under torchrun rank 0 alone prints
     num_experts = adapter_for(open_checkpoint(recipe.model).config).num_experts
@@ -235,7 +235,7 @@ def report(output):
     are checked to come from one run."""
     from pathlib import Path
 
-    from moequant.pipeline.fingerprint import check_run_directory
+    from moequant.io.fingerprint import check_run_directory
     from moequant.report import render_markdown
 
     path = Path(output) / "report.json"

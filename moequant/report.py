@@ -8,7 +8,7 @@ report.json (schema "moequant.report/1"; keys may be added, none of these remove
 ------------------------------------------------------------------------------------------
 {
   "schema": "moequant.report/1",
-  "run_fingerprint": str | null,      # the run of plan.json and the checkpoint (moequant.pipeline.fingerprint)
+  "run_fingerprint": str | null,      # the run of plan.json and the checkpoint (moequant.io.fingerprint)
   "model": str,                       # what the user named (path or zoo:NAME)
   "checkpoint": str,                  # the written checkpoint directory
   "recipe": dict | null,              # the resolved recipe
@@ -287,7 +287,7 @@ def _expert_formats(plan: dict | None, checkpoint, adapter) -> dict[tuple[int, i
             if t.get("role") == "routed_expert" and t.get("expert") is not None:
                 per[(t["layer"], t["expert"])].append(t["format"])
     elif checkpoint is not None:
-        from moequant.export.layouts import EXPORT_INFO
+        from moequant.io.checkpoint import EXPORT_INFO
 
         info_path = Path(checkpoint) / EXPORT_INFO
         if info_path.exists():
@@ -376,11 +376,11 @@ def build_report(*, model: str, checkpoint, original=None, recipe: dict | None =
 
     `original` is the original checkpoint (defaults to `model`), `stats` a stats directory or a
     loaded Stats, `quality` the dict of moequant.evaluate.evaluate(), `ranks` the processes of the
-    run (more than 1: expert-parallel over torchrun, moequant.pipeline.parallel).
+    run (more than 1: expert-parallel over torchrun, moequant.parallel).
     """
     from moequant.arch import adapter_for
     from moequant.io.checkpoint import open_checkpoint
-    from moequant.pipeline.fingerprint import KEY, checkpoint_fingerprint
+    from moequant.io.fingerprint import KEY, checkpoint_fingerprint
 
     run = (plan or {}).get(KEY)  # the run that made the plan; its checkpoint must carry the same one
     if run is not None and checkpoint_fingerprint(checkpoint) != run:

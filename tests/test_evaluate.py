@@ -15,7 +15,8 @@ import torch
 from tiny import build_tiny
 
 from moequant.errors import UserError
-from moequant.evaluate import evaluate, evaluate_checkpoints, format_quality, load_quantized, token_statistics
+from moequant.evaluate import evaluate, evaluate_checkpoints, format_quality, load_quantized
+from moequant.metrics import token_statistics
 
 
 def _load(directory):
@@ -240,8 +241,8 @@ def _char_tokenizer(directory):
 def test_evaluate_checkpoints_moequant_and_foreign_compressed_tensors(tmp_path):
     from moequant import formats
     from moequant.arch import adapter_for
-    from moequant.export.layouts import EXPORT_INFO, export_checkpoint
-    from moequant.io.checkpoint import open_checkpoint
+    from moequant.export.layouts import export_checkpoint
+    from moequant.io.checkpoint import EXPORT_INFO, open_checkpoint
 
     src = build_tiny("mixtral", tmp_path / "orig")
     _char_tokenizer(src)

@@ -1,10 +1,8 @@
 """The import contract, read from the source (ast), so it holds without importing anything.
 
-- Module-level imports of moequant form no cycle: every module can be imported first.
-- Floors, counting every import (lazy ones inside functions too): a module imports only from its own
-  floor or below. errors → formats → algorithms / arch / dequant → checkpoint / layers → the rest.
-- The orchestration modules still reach each other through lazy imports; that one cycle may shrink, never
-  grow or gain members (the architecture issue's pipeline / plan split is what breaks it).
+- No import cycle at all, counting every import (lazy ones inside functions too).
+- Layers: every module belongs to one layer (its longest matching prefix in LAYERS) and imports only
+  from its own layer or the layers below it, from the command line down to the formats and errors.
 """
 
 from __future__ import annotations
@@ -14,19 +12,19 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "moequant"
 
-FLOORS = [
-    ("moequant.errors",),
+# top to bottom; a module may import from its own layer and every layer below
+LAYERS = [
+    ("moequant.cli", "moequant.__main__", "moequant"),           # the command line and `moequant.load`
+    ("moequant.pipeline",),                                        # apply, pareto, quantize, precheck
+    ("moequant.evaluate", "moequant.report"),
+    ("moequant.plan",),                                            # recipe, rules, budget solver, plan I/O
+    ("moequant.export",),                                          # one class per layout, GGUF, engine checks
+    ("moequant.calib", "moequant.zoo.train"),                     # calibration, its statistics and probes
+    ("moequant.parallel", "moequant.metrics", "moequant.progress", "moequant.vllm_plugin"),
+    ("moequant.io", "moequant.arch", "moequant.algorithms", "moequant.zoo"),
     ("moequant.formats",),
-    ("moequant.algorithms", "moequant.arch", "moequant.io.dequant"),
-    ("moequant.io.checkpoint", "moequant.io.layers", "moequant.zoo"),
+    ("moequant.errors",),
 ]
-ABOVE_FLOORS = {"moequant.zoo.train"}  # trains the bundled models: uses the data pipeline, like a command
-# the lazy-import cycle among the upper modules, as of 2026-12-01 (may only shrink)
-KNOWN_CYCLE = {
-    "moequant.calib.calibrate", "moequant.evaluate", "moequant.export.layouts", "moequant.export.gguf", "moequant.pipeline.fingerprint",
-    "moequant.plan.policy", "moequant.calib.probe", "moequant.plan.recipe", "moequant.calib.stats", "moequant.pipeline.apply", "moequant.pipeline.precheck",
-    "moequant.vllm_plugin", "moequant.vllm_plugin.method",
-}
 
 
 def _modules() -> dict[str, Path]:
@@ -102,13 +100,16 @@ def _cycles(graph) -> list[set[str]]:
     return out
 
 
-def _floor(module: str) -> int | None:
-    if module in ABOVE_FLOORS:
-        return None
-    for level, prefixes in enumerate(FLOORS):
-        if any(module == p or module.startswith(p + ".") for p in prefixes):
-            return level
-    return None
+def _layer(module: str) -> int:
+    """Index in LAYERS of the module's longest matching prefix (`moequant` itself matches exactly)."""
+    best, level = -1, None
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            match = module == p or (p != "moequant" and module.startswith(p + "."))
+            if match and len(p) > best:
+                best, level = len(p), i
+    assert level is not None, f"{module} is in no layer of LAYERS: place it there"
+    return level
 
 
 def test_the_graph_reader_sees_real_imports():
@@ -119,24 +120,25 @@ def test_the_graph_reader_sees_real_imports():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
 
 
+def test_no_import_cycle_even_through_lazy_imports():
+    assert _cycles(_graph(lazy=True)) == []
+
+
 def test_no_import_cycle_at_module_level():
     assert _cycles(_graph(lazy=False)) == []
 
 
-def test_floors_import_only_downwards():
+def test_every_module_has_a_layer_and_imports_only_downwards():
     wrong = []
-    for module, deps in _graph(lazy=True).items():
-        floor = _floor(module)
-        if floor is None:
-            continue
-        wrong += [f"{module} (floor {floor}) imports {d} (floor {_floor(d)})" for d in sorted(deps)
-                  if _floor(d) is None or _floor(d) > floor]
+    for module, deps in sorted(_graph(lazy=True).items()):
+        wrong += [f"{module} (layer {_layer(module)}) imports {d} (layer {_layer(d)})" for d in sorted(deps)
+                  if _layer(d) < _layer(module)]
     assert wrong == []
 
 
-def test_the_lazy_import_cycle_does_not_grow():
-    cycles = _cycles(_graph(lazy=True))
-    assert all(c <= KNOWN_CYCLE for c in cycles), [sorted(c - KNOWN_CYCLE) for c in cycles]
+def test_the_layer_reader_places_modules():
+    assert _layer("moequant") == 0 and _layer("moequant.zoo.train") < _layer("moequant.zoo")
+    assert _layer("moequant.formats.core") == len(LAYERS) - 2 and _layer("moequant.pipeline.apply") == 1
 
 
 # Comparisons of a format's name or key outside moequant/formats/, e.g. `spec.name == "int4"`: 44 on

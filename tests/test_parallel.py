@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from moequant.cli import main
-from moequant.pipeline.parallel import expert_range
+from moequant.parallel import expert_range
 
 ROOT = Path(__file__).resolve().parent.parent
 # 512 calibration tokens: enough that some experts get their own routed-token Hessian (>= 64 tokens), some not

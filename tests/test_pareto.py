@@ -122,7 +122,7 @@ def test_outputs_and_reuse(frontier):
     # the second call reused the statistics and the uniform runs of the first
     assert "uniform-int4-g32-sym: unchanged, reused" in logs and "uniform-int8-channel: unchanged, reused" in logs
     # vLLM cannot go below its cheapest servable candidate here: the int3 budget is reported, not run
-    from moequant.plan.policy import resolve_format
+    from moequant.plan.recipe import resolve_format
 
     recipe = resolve_recipe(RECIPE, MODEL)
     specs = [resolve_format(recipe, f) for f in recipe.experts.formats]

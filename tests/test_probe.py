@@ -266,7 +266,7 @@ def test_tensor_probe_kl_equals_the_whole_model_with_one_tensor_quantized(tiny_d
     """Independent reference for the per-tensor probe (non_experts.formats): a copy of the checkpoint
     with one non-expert weight replaced by its RTN-dequantized copy, run whole by transformers, KL in
     float64, for every probed tensor (attention, shared experts, lm_head) and format."""
-    from moequant.calib.probe import TENSOR_PROBE_FILE
+    from moequant.calib.stats import TENSOR_PROBE_FILE
 
     d = tiny_dirs[model_type]
     samples = make_samples()

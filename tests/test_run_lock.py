@@ -1,5 +1,5 @@
-"""One writer per output directory (moequant.pipeline.run_lock) and one run per directory's outputs
-(moequant.pipeline.fingerprint): concurrent runs, a SIGKILLed holder, torchrun ranks, a swapped checkpoint.
+"""One writer per output directory (moequant.io.run_lock) and one run per directory's outputs
+(moequant.io.fingerprint): concurrent runs, a SIGKILLed holder, torchrun ranks, a swapped checkpoint.
 
 Real `moequant` processes on the bundled zoo:tiny-qwen2moe with the smallest settings. A run is
 held mid-way with SIGSTOP (never by sleeping and hoping), so the refused run provably met a live holder.
@@ -23,8 +23,8 @@ from click.testing import CliRunner
 
 from moequant.cli import main
 from moequant.errors import UserError
-from moequant.pipeline.fingerprint import KEY, check_run_directory, checkpoint_fingerprint, file_fingerprint
-from moequant.pipeline.run_lock import LOCK_FILE, output_lock
+from moequant.io.fingerprint import KEY, check_run_directory, checkpoint_fingerprint, file_fingerprint
+from moequant.io.run_lock import LOCK_FILE, output_lock
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "zoo:tiny-qwen2moe"
@@ -107,7 +107,7 @@ def one_error_line(text: str) -> str:
     return lines[0]
 
 
-HOLD = "import sys\nfrom moequant.pipeline.run_lock import output_lock\nwith output_lock(sys.argv[1], 'test'):\n" \
+HOLD = "import sys\nfrom moequant.io.run_lock import output_lock\nwith output_lock(sys.argv[1], 'test'):\n" \
        "    print('held', flush=True)\n    sys.stdin.read()\n"
 
 
@@ -175,8 +175,7 @@ def test_second_run_into_a_held_directory_is_refused_at_once_and_the_first_one_o
 def test_fingerprint_is_the_run_s_own(concurrent):
     """The stored fingerprint is recomputed from the int4 recipe and its plan (not the int8 one's)."""
     from moequant.io.checkpoint import open_checkpoint
-    from moequant.pipeline.apply import calibration_settings, resolve_recipe
-    from moequant.pipeline.fingerprint import run_fingerprint
+    from moequant.pipeline.apply import calibration_settings, resolve_recipe, run_fingerprint
     from moequant.plan.policy import read_plan
 
     out = concurrent["out"]
@@ -357,7 +356,7 @@ def test_reentrant_in_one_process_and_a_refused_run_leaves_no_empty_directory(tm
 
 def test_calibrate_overwrite_keeps_the_held_lock_file(tmp_path):
     """Replacing statistics of other settings clears the directory but not its (held) lock file."""
-    from moequant.pipeline.run_lock import clear_directory
+    from moequant.io.run_lock import clear_directory
 
     out = tmp_path / "stats"
     with output_lock(out, "calibrate"):

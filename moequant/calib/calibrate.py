@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file
 
 from moequant.arch import adapter_for
-from moequant.calib.stats import layer_file
+from moequant.calib.stats import chosen_hessian, layer_file
 from moequant.errors import UserError
 from moequant.io.checkpoint import atomic_write_text, open_checkpoint, save_safetensors
 from moequant.io.layers import LayerRunner, compute_dtype
@@ -341,17 +341,6 @@ def module_hidden(args, kwargs) -> int:
     return x.shape[-1]
 
 
-def chosen_hessian(stats: dict[str, torch.Tensor], group: str, idx, min_tokens: int):
-    """(own [c] bool, [c, d, d] Hessian) for experts `idx`: each expert's own routed-token Hessian
-    when it has at least `min_tokens` routed tokens, else the all-tokens one. The one place this
-    rule lives (sensitivity, the probe's GPTQ and the quantize pass all ask here)."""
-    h_all = stats[f"hessian.{group}"]
-    h_routed = stats[f"hessian_routed.{group}"][idx]
-    h_all = h_all.expand(stats[f"hessian_routed.{group}"].shape[0], -1, -1)[idx]
-    own = stats[f"input_routed.{group}.tokens"][idx].to(h_routed.device) >= min_tokens
-    return own, torch.where(own[:, None, None], h_routed, h_all)
-
-
 def sensitivity(weights: dict[str, torch.Tensor], stats: dict[str, torch.Tensor], format_keys, min_tokens: int):
     """Predicted per-token squared output error of RTN per (proj, format): tr(ΔW H ΔWᵀ) per expert.
 
@@ -401,7 +390,7 @@ def sensitivity(weights: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]
 def calibrate(model: str, output: str | Path, settings: CalibrationSettings, overwrite: bool = False,
               tokenizer=None, progress=True, samples=None) -> Path:
     """Calibrate `model` on `settings.dataset`; writes `output/` (see stats.py). Returns the path."""
-    from moequant.pipeline.run_lock import output_lock
+    from moequant.io.run_lock import output_lock
 
     if settings.hessian_weighting not in HESSIAN_WEIGHTINGS:
         raise UserError(f"hessian_weighting {settings.hessian_weighting!r} is not one of {', '.join(HESSIAN_WEIGHTINGS)}.")
@@ -411,8 +400,8 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
 
 
 def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenizer, progress, samples) -> Path:
+    from moequant import parallel
     from moequant.calib.data import load_samples_with_holdout
-    from moequant.pipeline import parallel
 
     world = parallel.world()  # None: one process; else this rank collects its slice of every layer's experts
     ckpt = open_checkpoint(model)
@@ -463,7 +452,7 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
                             and settings.probe_algorithm == "gptq" and settings.hessians)
     for L in _progress(range(start_layer, adapter.num_layers), progress, "calibrating", adapter.num_layers, start_layer):
         t0 = time.perf_counter()
-        # expert-parallel: each rank reads its own experts, the layer's others are all-gathered (moequant.pipeline.parallel)
+        # expert-parallel: each rank reads its own experts, the layer's others are all-gathered (moequant.parallel)
         whole = parallel.whole_layer_experts(adapter, ckpt, L, world) if world and L in adapter.moe_layers else None
         with _naming_damaged_weights(ckpt, adapter, L), runner.materialized(L, experts=whole) as module:
             del whole
@@ -509,7 +498,8 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
 
     # The per-layer KL probe reads the layers' sensitivities just written; it runs before
     # summary.json, so a run killed during it resumes here (every layer already done).
-    from moequant.calib.probe import PROBE_FILE, probe_indices, run_probe, write_probe
+    from moequant.calib.probe import probe_indices, run_probe
+    from moequant.calib.stats import PROBE_FILE, write_probe
 
     (output / PROBE_FILE).unlink(missing_ok=True)
     if settings.probe_samples > 0 and adapter.moe_layers:
@@ -524,7 +514,8 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
                           algorithm=settings.probe_algorithm, hessians=settings.hessians,
                           min_tokens=settings.min_tokens, progress=progress)
         write_probe(output, {**probe, "held_out": held_out})
-    from moequant.calib.probe import TENSOR_PROBE_FILE, run_tensor_probe, write_tensor_probe
+    from moequant.calib.probe import run_tensor_probe
+    from moequant.calib.stats import TENSOR_PROBE_FILE, write_tensor_probe
 
     (output / TENSOR_PROBE_FILE).unlink(missing_ok=True)
     if settings.tensor_formats and settings.probe_samples > 0:
@@ -548,7 +539,7 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
 def _reusable_or_cleared(output: Path, fingerprint: dict, overwrite: bool) -> bool:
     """True when `output` holds complete statistics of this fingerprint; else it is made ready (cleared
     when `overwrite`), or refused."""
-    from moequant.pipeline.run_lock import clear_directory, is_lock_file
+    from moequant.io.run_lock import clear_directory, is_lock_file
 
     summary_path = output / "summary.json"
     if summary_path.exists():

@@ -15,7 +15,7 @@ samples otherwise):
      but L quantized): what L costs once the others are quantized too;
   3. kl = (kl_alone + max(restore_gain, 0)) / 2: L's share of the KL, measured at both ends of
      the plans a budget chooses between (KL in float64 over the probe tokens,
-     `evaluate.token_statistics`, mean per token);
+     `metrics.token_statistics`, mean per token);
   4. predicted loss = sum over experts e of usage(L, e) * sum_p sensitivity_L[p][format][e]
      (what the policy predicts for layer L in that format, with the default usage floor);
   5. scale = kl / predicted.
@@ -57,17 +57,14 @@ scale is null when the predicted loss is 0 (nothing to scale).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
 
-from moequant.calib.stats import layer_file
-from moequant.io.checkpoint import atomic_write_text
+from moequant.calib.stats import PROBE_SCHEMA, TENSOR_PROBE_SCHEMA, chosen_hessian, layer_file
+from moequant.metrics import token_statistics
 
-SCHEMA = "moequant.calib.probe/1"
-PROBE_FILE = "probe.json"
 DEFAULT_USAGE_FLOOR = 0.05  # the recipe's default experts.usage_floor
 PROJECTIONS = ("gate", "up", "down")
 MAX_STREAM_BYTES = 2 * 2**30
@@ -145,8 +142,6 @@ def _head(runner, checkpoint):
 
 
 def _kl_sum(head, reference: list[torch.Tensor], probed: list[torch.Tensor]) -> float:
-    from moequant.evaluate import token_statistics
-
     total = 0.0
     for h_ref, h_q in zip(reference, probed):
         ref = head(h_ref)
@@ -166,11 +161,9 @@ def probe_algorithm_for(algorithm: str, hessians: bool = True) -> str:
 
 
 def layer_hessians(stats_dir: Path, layer: int, proj: str, num_experts: int, min_tokens: int) -> torch.Tensor:
-    """[E, d, d]: `calibrate.chosen_hessian` of every expert, from the statistics when they were
+    """[E, d, d]: `stats.chosen_hessian` of every expert, from the statistics when they were
     saved with their Hessians, else from calibration's scratch copy (`.work/hessians_LLL`)."""
     from safetensors import safe_open
-
-    from moequant.calib.calibrate import chosen_hessian
 
     group = "down" if proj == "down" else "gate_up"
     path = layer_file(stats_dir, layer)
@@ -227,7 +220,7 @@ def run_probe(checkpoint, adapter, input_ids: torch.Tensor, stats_dir: str | Pat
     layers_out: dict[str, dict] = {}
     tokens = int(input_ids.numel())
     if probe_key is None or not moe:
-        return {"schema": SCHEMA, "samples": int(input_ids.shape[0]), "tokens": tokens,
+        return {"schema": PROBE_SCHEMA, "samples": int(input_ids.shape[0]), "tokens": tokens,
                 "usage_floor": usage_floor, "algorithm": None, "layers": {}}
     algorithm = probe_algorithm_for(algorithm, hessians)
     quantized = lambda L: _probed_experts(adapter, checkpoint, L, probe_key, algorithm, stats_dir, min_tokens,
@@ -253,7 +246,7 @@ def run_probe(checkpoint, adapter, input_ids: torch.Tensor, stats_dir: str | Pat
         layers_out[str(L)] = {"format": probe_key, "kl": kl, "kl_alone": alone_kl, "kl_all_but_this": restored_kl,
                               "restore_gain": gain, "predicted_loss": predicted,
                               "scale": kl / predicted if predicted > 0 else None}
-    return {"schema": SCHEMA, "samples": int(input_ids.shape[0]), "tokens": tokens,
+    return {"schema": PROBE_SCHEMA, "samples": int(input_ids.shape[0]), "tokens": tokens,
             "usage_floor": usage_floor, "algorithm": algorithm, "kl_all": kl_all, "layers": layers_out}
 
 
@@ -314,28 +307,6 @@ def _forward(runner, module, layer: int, hidden: list[torch.Tensor]) -> list[tor
     return out
 
 
-def _write_json(path: Path, data: dict) -> Path:
-    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
-    return path
-
-
-def _load_json(path: Path, schema: str) -> dict | None:
-    """The file's dict, or None when it is missing or of another schema (probe_samples 0, older runs)."""
-    if not path.exists():
-        return None
-    data = json.loads(path.read_text())
-    return data if data.get("schema") == schema else None
-
-
-def write_probe(stats_dir: str | Path, probe: dict) -> Path:
-    return _write_json(Path(stats_dir) / PROBE_FILE, probe)
-
-
-def load_probe(stats_dir: str | Path) -> dict | None:
-    """probe.json's dict, or None when the statistics have no probe."""
-    return _load_json(Path(stats_dir) / PROBE_FILE, SCHEMA)
-
-
 # ------------------------------------------------------------------------------- per-tensor probe
 #
 # The per-tensor probe measures what one non-expert weight (attention, shared expert, dense MLP,
@@ -350,8 +321,6 @@ def load_probe(stats_dir: str | Path) -> dict | None:
 # tensor_probe.json (schema "moequant.tensor_probe/1"), in the statistics directory:
 # {"schema", "samples": int, "tokens": int, "formats": [key], "tensors": {name: {key: kl}}}
 
-TENSOR_SCHEMA = "moequant.tensor_probe/1"
-TENSOR_PROBE_FILE = "tensor_probe.json"
 TENSOR_ROLES = ("attention", "shared_expert", "dense_mlp", "lm_head")
 
 
@@ -416,22 +385,11 @@ def run_tensor_probe(checkpoint, adapter, input_ids: torch.Tensor, format_keys, 
                 weight.copy_(dequantized(name, key))
                 logits_q = [head(h) for h in final]
                 weight.copy_(saved)
-            from moequant.evaluate import token_statistics
-
             total = 0.0
             for h, q in zip(final, logits_q):
                 ref = head(h)
                 kl, *_ = token_statistics(ref.reshape(-1, ref.shape[-1]), q.reshape(-1, q.shape[-1]))
                 total += float(kl.sum())
             result.setdefault(name, {})[key] = total / tokens
-    return {"schema": TENSOR_SCHEMA, "samples": int(input_ids.shape[0]), "tokens": tokens,
+    return {"schema": TENSOR_PROBE_SCHEMA, "samples": int(input_ids.shape[0]), "tokens": tokens,
             "formats": list(format_keys), "tensors": result}
-
-
-def write_tensor_probe(stats_dir: str | Path, probe: dict) -> Path:
-    return _write_json(Path(stats_dir) / TENSOR_PROBE_FILE, probe)
-
-
-def load_tensor_probe(stats_dir: str | Path) -> dict | None:
-    """tensor_probe.json's dict, or None when the statistics have no per-tensor probe."""
-    return _load_json(Path(stats_dir) / TENSOR_PROBE_FILE, TENSOR_SCHEMA)

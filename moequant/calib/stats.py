@@ -30,8 +30,11 @@ import torch
 from safetensors.torch import load_file
 
 from moequant.errors import UserError
+from moequant.io.checkpoint import atomic_write_text
 
 GROUP_OF_PROJ = {"gate": "gate_up", "up": "gate_up", "down": "down"}
+PROBE_SCHEMA, PROBE_FILE = "moequant.calib.probe/1", "probe.json"  # written by calib.probe
+TENSOR_PROBE_SCHEMA, TENSOR_PROBE_FILE = "moequant.tensor_probe/1", "tensor_probe.json"
 
 
 def layer_file(directory: Path, layer: int) -> Path:
@@ -128,6 +131,49 @@ def load_stats(directory: str | Path, with_hessians: bool = True) -> Stats:
         if not with_hessians:
             tensors = {k: v for k, v in tensors.items() if not k.startswith("hessian")}
         layers[L] = LayerStats(L, int(summary["top_k"]), int(entry["tokens"]), tensors)
-    from moequant.calib.probe import load_probe, load_tensor_probe
-
     return Stats(directory, summary, layers, probe=load_probe(directory), tensor_probe=load_tensor_probe(directory))
+
+
+def chosen_hessian(stats: dict[str, torch.Tensor], group: str, idx, min_tokens: int):
+    """(own [c] bool, [c, d, d] Hessian) for experts `idx`: each expert's own routed-token Hessian
+    when it has at least `min_tokens` routed tokens, else the all-tokens one. The one place this
+    rule lives (sensitivity, the probe's GPTQ and the quantize pass all ask here)."""
+    h_all = stats[f"hessian.{group}"]
+    h_routed = stats[f"hessian_routed.{group}"][idx]
+    h_all = h_all.expand(stats[f"hessian_routed.{group}"].shape[0], -1, -1)[idx]
+    own = stats[f"input_routed.{group}.tokens"][idx].to(h_routed.device) >= min_tokens
+    return own, torch.where(own[:, None, None], h_routed, h_all)
+
+
+# The probe files (calib.probe writes them; their schemas are above)
+
+
+def _write_json(path: Path, data: dict) -> Path:
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def _load_json(path: Path, schema: str) -> dict | None:
+    """The file's dict, or None when it is missing or of another schema (probe_samples 0, older runs)."""
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    return data if data.get("schema") == schema else None
+
+
+def write_probe(stats_dir: str | Path, probe: dict) -> Path:
+    return _write_json(Path(stats_dir) / PROBE_FILE, probe)
+
+
+def load_probe(stats_dir: str | Path) -> dict | None:
+    """probe.json's dict, or None when the statistics have no probe."""
+    return _load_json(Path(stats_dir) / PROBE_FILE, PROBE_SCHEMA)
+
+
+def write_tensor_probe(stats_dir: str | Path, probe: dict) -> Path:
+    return _write_json(Path(stats_dir) / TENSOR_PROBE_FILE, probe)
+
+
+def load_tensor_probe(stats_dir: str | Path) -> dict | None:
+    """tensor_probe.json's dict, or None when the statistics have no per-tensor probe."""
+    return _load_json(Path(stats_dir) / TENSOR_PROBE_FILE, TENSOR_PROBE_SCHEMA)

@@ -35,7 +35,7 @@ import torch
 
 from moequant.errors import UserError
 from moequant.formats import get_format, quantize_ggml
-from moequant.io.checkpoint import atomic_directory
+from moequant.io.checkpoint import EXPORT_INFO, atomic_directory
 
 GGUF_FILE = "model.gguf"
 FLOAT_TYPES = ("bf16", "f16", "f32")
@@ -296,7 +296,7 @@ def export_gguf(ckpt, adapter, items: dict, out_dir, *, kept: dict | None = None
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        (tmp / "moequant_export.json").write_text(json.dumps(info or {"layout": "gguf"}, indent=2) + "\n")
+        (tmp / EXPORT_INFO).write_text(json.dumps(info or {"layout": "gguf"}, indent=2) + "\n")
     return out_dir
 
 

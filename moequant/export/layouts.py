@@ -71,16 +71,16 @@ from moequant import formats
 from moequant.arch import adapter_for
 from moequant.errors import UserError
 from moequant.formats import QuantizedTensor
-from moequant.io.checkpoint import ShardWriter, atomic_directory, copy_aux_files, open_checkpoint
+from moequant.io.checkpoint import EXPORT_INFO, ShardWriter, atomic_directory, copy_aux_files, open_checkpoint
 
 TARGETS = ("vllm", "sglang", "transformers", "llama.cpp", "vllm-moequant")
 ENGINE_TARGETS = ("vllm", "sglang", "vllm-moequant")  # load through an engine's own kernels: int formats of 4 or 8 bits
-EXPORT_INFO = "moequant_export.json"  # what was written, for moequant.load and reports
 
 # Linear modules a serving engine fuses into one: they must share one scheme.
 _FUSED_SIBLINGS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"w1", "w3"},
                    {"q_a_proj", "kv_a_proj_with_mqa"})
 _NOT_LINEAR_ROLES = ("norm", "embedding")
+SGLANG_EXPERT_NAMES = {"gate_proj", "up_proj", "down_proj"}  # the names SGLang reads a layer's scheme from
 # vLLM's names for those fused modules (GPTQ `dynamic` rules are matched against them)
 _FUSED_NAMES = {("k_proj", "q_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_proj"): "gate_up_proj",
                 ("kv_a_proj_with_mqa", "q_a_proj"): "fused_qkv_a_proj"}
@@ -444,8 +444,6 @@ class _CompressedTensors(_Layout):
     def _sglang_routed_rule(self) -> None:
         """Routed formats may differ per layer only as INT4 / INT8 weight-only groups of experts named
         gate/up/down_proj (see moequant.plan.policy's docstring for the SGLang code this comes from)."""
-        from moequant.plan.policy import sglang_per_layer_block
-
         routed = {n: q.spec for n, q in self.items.items() if self.roles[n].role == "routed_expert"}
         keys = {s.key for s in routed.values()}
         if len(keys) <= 1:
@@ -481,7 +479,7 @@ class _CompressedTensors(_Layout):
                   "config_groups": config_groups, "ignore": sorted(self._linear_modules_kept()),
                   "kv_cache_scheme": None, "global_compression_ratio": None}
         if self.target == "vllm-moequant":  # served by moequant's vLLM plugin (moequant.vllm_plugin)
-            from moequant.vllm_plugin import EXPERT_FORMATS, QUANT_METHOD
+            from moequant.vllm_plugin.names import EXPERT_FORMATS, QUANT_METHOD
 
             config.update({"quant_method": QUANT_METHOD, EXPERT_FORMATS: self._expert_formats()})
         return config
@@ -735,6 +733,15 @@ def layout_for(export_format: str) -> type[_Layout]:
     if layout is None:
         raise UserError(f"export layout {export_format!r} is not supported; accepted: {', '.join(RECIPE_LAYOUTS)}.")
     return layout
+
+
+def sglang_per_layer_block(names) -> str | None:
+    """Why SGLang cannot resolve routed-expert schemes per layer for these on-disk expert tensor names."""
+    leaves = {n.rsplit(".", 2)[-2] if n.endswith(".weight") else n.rsplit(".", 1)[-1] for n in names}
+    if leaves <= SGLANG_EXPERT_NAMES:
+        return None
+    return (f"SGLang resolves a layer's scheme from its expert 0's gate_proj / up_proj / down_proj, and this "
+            f"model's experts are {', '.join(sorted(leaves - SGLANG_EXPERT_NAMES))}")
 
 
 def _target_refusal(layout: str, target: str) -> str | None:

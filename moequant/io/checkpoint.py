@@ -29,6 +29,7 @@ from moequant.errors import UserError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+EXPORT_INFO = "moequant_export.json"  # what an export wrote (layout, target, every tensor's format), for moequant.load and reports
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit for the JSON header
 
 DTYPE_SIZES = {

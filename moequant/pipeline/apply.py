@@ -11,37 +11,48 @@ output/
 Every stage is resumable or cached, so an interrupted run continues where it stopped and a
 rerun with unchanged inputs does no calibration and no planning again.
 
-One run at a time writes a directory (moequant.pipeline.run_lock), and plan.json, the checkpoint and the
-report carry one run fingerprint (moequant.pipeline.fingerprint): a checkpoint of another run is remade.
+One run at a time writes a directory (moequant.io.run_lock), and plan.json, the checkpoint and the
+report carry one run fingerprint (moequant.io.fingerprint): a checkpoint of another run is remade.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import shutil
 import time
 from pathlib import Path
 
+from moequant import parallel
 from moequant.arch import adapter_for
-from moequant.calib.calibrate import CalibrationSettings, calibrate, load_tokenizer
+from moequant.calib.calibrate import CalibrationSettings, calibrate, load_tokenizer, model_fingerprint
 from moequant.errors import UserError
 from moequant.export.layouts import layout_for
 from moequant.formats import parse_key
 from moequant.io.checkpoint import atomic_write_text, is_disk_full, open_checkpoint
-from moequant.pipeline import parallel
-from moequant.pipeline.fingerprint import (
+from moequant.io.fingerprint import (
     KEY,
     checkpoint_fingerprint,
     file_fingerprint,
-    run_fingerprint,
     stamp_checkpoint,
 )
+from moequant.io.run_lock import output_lock
 from moequant.pipeline.precheck import check_recipe
-from moequant.pipeline.run_lock import output_lock
-from moequant.plan.policy import make_plan, needs_statistics, plan_to_dict, read_plan, resolve_format, write_plan
-from moequant.plan.recipe import Recipe, load_recipe
+from moequant.plan.policy import make_plan, needs_statistics, plan_to_dict, read_plan, write_plan
+from moequant.plan.recipe import Recipe, load_recipe, recipe_to_dict, resolve_format
+
+
+def run_fingerprint(recipe, ckpt, settings, plan) -> str:
+    """The run fingerprint (moequant.io.fingerprint) of a recipe, model, calibration data and plan."""
+    body = {
+        "recipe": {k: v for k, v in recipe_to_dict(recipe).items() if k not in ("output", "model", "evaluate")},
+        "model": model_fingerprint(ckpt),
+        "data": settings.fingerprint_fields(),
+        "plan": {k: v for k, v in plan_to_dict(plan).items() if k not in ("recipe", "model", KEY)},
+    }
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def export_arguments(recipe: Recipe) -> dict:
@@ -168,7 +179,7 @@ def _disk_full_is_a_user_error(fn):
 def apply(recipe_path=None, model=None, output=None, overrides=(), device: str = "cpu", progress=True,
           log=print) -> Path:
     """Run the whole chain; returns the path of report.html (None on the other ranks of an expert-parallel run:
-    under torchrun, moequant.pipeline.parallel, rank 0 prints, writes and reports)."""
+    under torchrun, moequant.parallel, rank 0 prints, writes and reports)."""
     if parallel.is_helper_rank():
         progress, log = False, _silent
     recipe = resolve_recipe(recipe_path, model, output, overrides)
@@ -271,7 +282,6 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
     quality = evaluate_stage(recipe, ckpt, checkpoint_dir, progress)
     timings["evaluate"] = time.perf_counter() - t0
 
-    from moequant.plan.recipe import recipe_to_dict
     from moequant.report import build_report
 
     report = build_report(model=recipe.model, checkpoint=checkpoint_dir, original=ckpt.directory,

@@ -72,7 +72,7 @@ def _budget_recipe(recipe, target: str, bits: float):
 
 
 def _uniform_recipe(recipe, entry: str):
-    from moequant.plan.policy import resolve_format
+    from moequant.plan.recipe import resolve_format
 
     spec = resolve_format(recipe, entry)
     target = "vllm" if spec.refuses("vllm", routed=True) is None else "transformers"
@@ -154,8 +154,8 @@ def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, sett
     checkpoint (hard links where possible) and its evaluation are reused."""
     from moequant.evaluate import evaluate_checkpoints
     from moequant.export.layouts import export_checkpoint
-    from moequant.pipeline.apply import export_arguments
-    from moequant.pipeline.fingerprint import KEY, checkpoint_fingerprint, run_fingerprint, stamp_checkpoint
+    from moequant.io.fingerprint import KEY, checkpoint_fingerprint, stamp_checkpoint
+    from moequant.pipeline.apply import export_arguments, run_fingerprint
     from moequant.pipeline.quantize import quantize_model
     from moequant.plan.policy import plan_to_dict, write_plan
     from moequant.plan.recipe import recipe_to_dict
@@ -284,8 +284,8 @@ def pareto(recipe_path=None, budgets: Sequence = ("int3", "int4", "int4..int8"),
            progress: bool = True, log=print) -> dict:
     """Run the budget plans (each budget x each target) and the uniform baselines against one set
     of statistics; write OUTPUT/pareto.json and OUTPUT/pareto.png. Returns pareto.json's dict."""
+    from moequant.io.run_lock import output_lock
     from moequant.pipeline.apply import resolve_recipe
-    from moequant.pipeline.run_lock import output_lock
 
     recipe = resolve_recipe(recipe_path, model, output, overrides)
     with output_lock(recipe.output, "pareto"):  # before anything is written into the directory
@@ -297,8 +297,8 @@ def _pareto(recipe, budgets, targets, uniform, extra_reports, device, progress, 
     from moequant.io.checkpoint import atomic_write_text, open_checkpoint
     from moequant.pipeline.apply import calibration_settings
     from moequant.pipeline.precheck import check_recipe
-    from moequant.plan.policy import make_plan, resolve_format
-    from moequant.plan.recipe import TARGETS, recipe_to_dict
+    from moequant.plan.policy import make_plan
+    from moequant.plan.recipe import TARGETS, recipe_to_dict, resolve_format
 
     for target in targets:
         if target not in TARGETS:

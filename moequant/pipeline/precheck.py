@@ -16,7 +16,7 @@ from moequant.errors import UserError
 
 def plan_formats(recipe) -> list:
     """Every format spec the plan may give a routed expert: candidates, the uniform format, rule formats."""
-    from moequant.plan.policy import resolve_format
+    from moequant.plan.recipe import resolve_format
 
     entries = [*recipe.experts.formats] if recipe.experts.method == "budget" else []
     if recipe.experts.method == "uniform":
@@ -36,7 +36,8 @@ def check_recipe(recipe, ckpt=None) -> list[str]:
     from moequant.arch import adapter_for
     from moequant.export.layouts import layout_for, layout_refusal
     from moequant.io.checkpoint import open_checkpoint
-    from moequant.plan.policy import check_plan, resolve_format
+    from moequant.plan.policy import check_plan
+    from moequant.plan.recipe import resolve_format
 
     ckpt = ckpt or open_checkpoint(recipe.model)
     adapter = adapter_for(ckpt.config)

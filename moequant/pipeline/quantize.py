@@ -52,12 +52,12 @@ from moequant.calib.calibrate import (
     CalibrationSettings,
     _LayerCollector,
     _save_atomic,
-    chosen_hessian,
     collect_moe_stats,
     load_carried,
     load_tokenizer,
     save_carried,
 )
+from moequant.calib.stats import chosen_hessian
 from moequant.errors import UserError
 from moequant.io.checkpoint import atomic_write_text, open_checkpoint
 from moequant.io.layers import LayerRunner, compute_dtype, release_freed_memory
@@ -161,7 +161,7 @@ AWQ_HOLDOUT = 0.25  # share of the recorded calibration tokens that validates th
 def _chosen_statistics(collected: dict, group: str, idx: torch.Tensor, num_experts: int, min_tokens: int):
     """Per expert of `idx`: (own, routed tokens, Hessian, mean |x|, token count used) — the expert's
     own routed-token statistics when it has at least `min_tokens` tokens, else all tokens'
-    (`calibrate.chosen_hessian`'s rule)."""
+    (`stats.chosen_hessian`'s rule)."""
     tokens = collected[f"input_routed.{group}.tokens"][idx]
     own, H = chosen_hessian(collected, group, idx, min_tokens)
     own = own.to(tokens.device)
@@ -420,7 +420,7 @@ def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expe
     and Hessians are built from that record, its weights (float32 on the device) quantized and
     its dequantized weights kept in the compute dtype, and the chunk's Hessians freed. With one
     chunk (the CPU, small layers) this is the whole-layer computation itself.
-    With `own` (an expert-parallel rank's slice, moequant.pipeline.parallel), `host` and the returned
+    With `own` (an expert-parallel rank's slice, moequant.parallel), `host` and the returned
     dequantized experts hold those experts only; the others are zeros in the recording forward.
     Returns (quantized, report, dequantized experts {proj: [E, out, in]}, routed tokens per expert)."""
     E, dev, dtype = adapter.num_experts, runner.device, runner.dtype
@@ -560,8 +560,8 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
     Where AWQ folded its scales into tensors that stay in full precision (post-attention norm,
     router, shared expert, experts the plan keeps), the mapping also holds them as plain tensors
     under their on-disk names, in the checkpoint's dtype: `export_checkpoint` writes them as they are."""
+    from moequant import parallel
     from moequant.calib.data import load_samples
-    from moequant.pipeline import parallel
 
     world = parallel.world()  # None: one process; else this rank quantizes its slice of every layer's experts
     ckpt = open_checkpoint(model)

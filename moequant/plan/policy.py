@@ -139,8 +139,9 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from moequant.errors import UserError
+from moequant.export.layouts import layout_for, sglang_per_layer_block
 from moequant.plan.memory import bits_per_weight
-from moequant.plan.recipe import Recipe, is_format_key, recipe_to_dict
+from moequant.plan.recipe import Recipe, recipe_to_dict, resolve_format
 
 SCHEMA = "moequant.plan/1"
 PROJECTIONS = ("gate", "up", "down")
@@ -158,7 +159,6 @@ ALWAYS_BF16_ROLES = {
     "other": "tensors of unknown role are not quantized",
 }
 NON_EXPERT_ROLES = ("attention", "shared_expert", "dense_mlp", "lm_head")
-SGLANG_EXPERT_NAMES = {"gate_proj", "up_proj", "down_proj"}
 KEEP_GROUP_ROLES = {
     "router": "router", "shared_expert_gate": "shared_expert_gate", "shared_experts": "shared_expert",
     "attention": "attention", "dense_mlp": "dense_mlp", "embeddings": "embedding",
@@ -171,8 +171,6 @@ def _layout_for(export_format: str):
     the zero points it stores, so the plan's bytes are the bytes the export writes. GGUF: its ggml blocks
     count exactly; its plain tensors do not yet (norms, biases and routers are written F32, and
     output.weight is added for tied embeddings; tests/test_byte_account.py holds the gap as an xfail)."""
-    from moequant.export.layouts import layout_for
-
     return layout_for(export_format)
 
 
@@ -244,7 +242,7 @@ class Plan:
     summary: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     recipe: dict = field(default_factory=dict)
-    run_fingerprint: str | None = None  # of the run that made it (moequant.pipeline.fingerprint), set by apply / plan / pareto
+    run_fingerprint: str | None = None  # of the run that made it (moequant.io.fingerprint), set by apply / plan / pareto
 
     def expert_formats(self) -> dict[tuple[int, int], str]:
         """(layer, expert) -> format key of its routed weights."""
@@ -260,14 +258,6 @@ class Plan:
 
 # ---------------------------------------------------------------------------------------------
 # Formats and serving constraints
-
-
-def resolve_format(recipe: Recipe, entry: str):
-    """A recipe format entry -> spec: an exact key as is, a bare name with the recipe's params."""
-    formats = _formats()
-    if is_format_key(entry):
-        return formats.parse_key(entry)
-    return formats.get_format(entry, **recipe.formats.get(entry, {}))
 
 
 def spec_params(spec) -> dict:
@@ -821,15 +811,6 @@ def _non_expert_options(ctx: _Context, recipe: Recipe, plans: list, reference, s
             options.append((spec, nbytes, loss))
         out[p.name] = options
     return out
-
-
-def sglang_per_layer_block(names) -> str | None:
-    """Why SGLang cannot resolve routed-expert schemes per layer for these on-disk expert tensor names."""
-    leaves = {n.rsplit(".", 2)[-2] if n.endswith(".weight") else n.rsplit(".", 1)[-1] for n in names}
-    if leaves <= SGLANG_EXPERT_NAMES:
-        return None
-    return (f"SGLang resolves a layer's scheme from its expert 0's gate_proj / up_proj / down_proj, and this "
-            f"model's experts are {', '.join(sorted(leaves - SGLANG_EXPERT_NAMES))}")
 
 
 def _sglang_per_layer(spec) -> bool:

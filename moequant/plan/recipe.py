@@ -46,7 +46,7 @@ from typing_extensions import Annotated
 
 from moequant.errors import UserError
 from moequant.export.layouts import RECIPE_LAYOUTS
-from moequant.formats import REGISTRY, format_names
+from moequant.formats import REGISTRY, format_names, get_format, parse_key
 
 FORMAT_NAMES = format_names()  # every registered format (moequant.formats), llama.cpp's block types last
 GGML_TYPES = format_names(ggml=True)
@@ -382,7 +382,6 @@ def _scalar(value) -> bool:
 
 def check_format_params(recipe: Recipe, source: str) -> None:
     """Build every format the recipe names, so bad `formats` params fail at load time."""
-    from moequant.plan.policy import resolve_format  # policy owns name/params -> spec resolution
 
     for name, params in recipe.formats.items():  # plain values only: they reach error sentences and plan.json
         for key, value in params.items():
@@ -450,3 +449,10 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
 def recipe_to_dict(recipe: Recipe) -> dict:
     """Plain JSON-able dict (for plan.json and reports)."""
     return recipe.model_dump(mode="json")
+
+
+def resolve_format(recipe: Recipe, entry: str):
+    """A recipe format entry -> spec: an exact key as is, a bare name with the recipe's params."""
+    if is_format_key(entry):
+        return parse_key(entry)
+    return get_format(entry, **recipe.formats.get(entry, {}))

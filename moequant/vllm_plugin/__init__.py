@@ -19,13 +19,12 @@ A format that vLLM has no fused-MoE kernel for on the running backend is refused
 model is built, in one sentence naming the layer and the format.
 
 This module imports nothing from vLLM: `register` imports moequant.vllm_plugin.method, which
-needs it. moequant's policy and export use the constants below without vLLM installed.
+needs it. moequant's export uses the checkpoint keys in moequant.vllm_plugin.names without vLLM installed.
 """
 
 from __future__ import annotations
 
-QUANT_METHOD = "moequant"          # quantization_config.quant_method of a per-expert checkpoint
-EXPERT_FORMATS = "expert_formats"  # quantization_config key: {MoE layer module: [format key per expert]}
+from moequant.vllm_plugin.names import QUANT_METHOD
 
 
 def register() -> None:

@@ -39,7 +39,7 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
     CompressedTensorsMoEMethod,
 )
 
-from moequant.vllm_plugin import EXPERT_FORMATS, QUANT_METHOD
+from moequant.vllm_plugin.names import EXPERT_FORMATS, QUANT_METHOD
 
 # RoutedExperts attributes that vLLM's per-scheme methods read from "their" layer
 _LAYER_ATTRS = ("activation", "top_k", "renormalize", "use_grouped_topk", "num_expert_group", "topk_group",

@@ -4,7 +4,7 @@ A short hash (16 hex digits) of everything that decides the checkpoint: the reci
 `output` and `model` paths and its `evaluate` section), the model's own fingerprint (config and
 tensor list, calibrate.model_fingerprint), the calibration data settings and the plan. It is
 written into
-- plan.json (`run_fingerprint`),
+- plan.json (`pipeline.apply.run_fingerprint` computes it),
 - the checkpoint's config.json (`moequant: {run_fingerprint}`, so it travels with a copied
   checkpoint) and apply's `checkpoint.json` marker,
 - report.json (`run_fingerprint`).
@@ -15,27 +15,12 @@ Evaluation settings are left out: changing them redoes the evaluation, not the c
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 from moequant.errors import UserError
 
 KEY = "run_fingerprint"
-
-
-def run_fingerprint(recipe, ckpt, settings, plan) -> str:
-    from moequant.calib.calibrate import model_fingerprint
-    from moequant.plan.policy import plan_to_dict
-    from moequant.plan.recipe import recipe_to_dict
-
-    body = {
-        "recipe": {k: v for k, v in recipe_to_dict(recipe).items() if k not in ("output", "model", "evaluate")},
-        "model": model_fingerprint(ckpt),
-        "data": settings.fingerprint_fields(),
-        "plan": {k: v for k, v in plan_to_dict(plan).items() if k not in ("recipe", "model", KEY)},
-    }
-    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def stamp_checkpoint(checkpoint_dir, fingerprint: str) -> None:
@@ -58,7 +43,7 @@ def _read(path: Path) -> dict | None:
 
 def _record_file(checkpoint_dir) -> Path:
     """config.json, or for a checkpoint without one (GGUF: one model.gguf) moequant's export record."""
-    from moequant.export.layouts import EXPORT_INFO
+    from moequant.io.checkpoint import EXPORT_INFO
 
     config = Path(checkpoint_dir) / "config.json"
     return config if config.exists() else Path(checkpoint_dir) / EXPORT_INFO

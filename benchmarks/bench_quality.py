@@ -65,6 +65,8 @@ OURS = (
     ("int4-g32-sym", "gptq", "searched", "routing"), ("int4-g32-sym", "gptq", "searched", "routing2"),
     ("int4-g64-asym", "gptq", "minmax", "tokens"), ("int4-g64-asym", "gptq", "searched", "tokens"),
     ("int4-g32-asym", "gptq", "minmax", "tokens"), ("int4-g32-asym", "gptq", "searched", "tokens"),
+    # the least-squares scale refit for GPTQ's codes (algorithms.refit)
+    ("int4-g32-sym", "gptq+refit", "searched", "tokens"), ("int4-g32-asym", "gptq+refit", "searched", "tokens"),
 )
 LLAMA_TYPES = ("q4_0", "q4_k")
 
@@ -83,6 +85,7 @@ def main(argv=None) -> int:
 
     from moequant import formats
     from moequant.algorithms.gptq import gptq
+    from moequant.algorithms.refit import refit_scales
     from moequant.arch import adapter_for
     from moequant.calib.calibrate import (
         MIN_ROUTED_TOKENS,
@@ -108,6 +111,10 @@ def main(argv=None) -> int:
     p.add_argument("--q4-k-m", action="store_true", help="also Q4_K_M's mixture (a BF16 GGUF through llama_model_quantize)")
     p.add_argument("--scopes", default="experts",
                    help="experts: every routed projection quantized; gate_up: gate / up only (down kept)")
+    p.add_argument("--plans", default="selective per-expert",
+                   help="bundled recipes run through `moequant apply` at --plan-bits (routed experts only), space "
+                        "separated; RECIPE;KEY=VALUE;... adds recipe overrides (as `apply --set`)")
+    p.add_argument("--plan-bits", type=float, default=4.5)
     p.add_argument("--output", default=str(ROOT / "runs" / "bench_quality"))
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -129,7 +136,7 @@ def main(argv=None) -> int:
                                            formats=("int4-g128-sym",), probe_samples=0)
             stats[wt] = load_stats(calibrate(str(src), out / f"stats-{wt}", settings, overwrite=True, progress=False))
 
-        def kl_of(deq: dict, label: str, nbytes: dict, scope) -> dict:
+        def kl_of(deq: dict, label: str, nbytes: dict, scope, bits=None) -> dict:
             """KL of the model whose `scope` projections are `deq`'s (the others original)."""
             deq = {k: (v if k[1] in scope else original[k]) for k, v in deq.items()}
             q_model = copy.deepcopy(ref)
@@ -139,9 +146,10 @@ def main(argv=None) -> int:
                     ex.gate_up_proj.copy_(torch.cat([deq[(L, "gate")], deq[(L, "up")]], dim=1))
                     ex.down_proj.copy_(deq[(L, "down")])
             q = evaluate(ref, q_model, windows, per_expert=False)
-            stored = sum(b for k, b in nbytes.items() if k[1] in scope)
-            row = {"kl_mean": q["kl_mean"], "kl_p99": q["kl_p99"], "top1": q["top1_agreement"],
-                   "bits": 8 * stored / sum(w.numel() for k, w in original.items() if k[1] in scope)}
+            if bits is None:
+                stored = sum(b for k, b in nbytes.items() if k[1] in scope)
+                bits = 8 * stored / sum(w.numel() for k, w in original.items() if k[1] in scope)
+            row = {"kl_mean": q["kl_mean"], "kl_p99": q["kl_p99"], "top1": q["top1_agreement"], "bits": bits}
             print(f"  {label:<48}{row['bits']:>6.3f}{row['kl_mean']:>10.5f}{row['kl_p99']:>9.4f}{row['top1']:>8.4f}",
                   flush=True)
             return row
@@ -181,9 +189,17 @@ def main(argv=None) -> int:
                     _, H = chosen_hessian(stats[wt].layers[L].tensors, group, torch.arange(ad.num_experts),
                                           MIN_ROUTED_TOKENS)
                     q, _ = gptq(w, H.float(), spec, act_order=True, static_groups=True, grid=grid)
+                    if algo == "gptq+refit":
+                        q = refit_scales(q, w, H)
                     deq[(L, pj)] = q.dequantize()
-            label = f"{key} {algo} {grid}" + (f" H:{wt}" if algo == "gptq" else "")
+            label = f"{key} {algo} {grid}" + (f" H:{wt}" if algo != "rtn" else "")
             variants[label] = (deq, nbytes, None)
+
+        plans = {}
+        for i, entry in enumerate(args.plans.split()):  # the product: calibrate, plan, quantize
+            label, deq, bits = plan_variant(entry, i, model, args, out, ad, original)
+            plans[label] = bits
+            variants[label] = (deq, None, None)
 
         for scope_name in args.scopes.split(","):
             scope = ad.projections if scope_name == "experts" else ("gate", "up")
@@ -191,8 +207,10 @@ def main(argv=None) -> int:
             print(f"  {'variant':<48}{'bits':>6}{'KL mean':>10}{'KL p99':>9}{'top-1':>8}")
             rows = {}
             for label, (deq, nbytes, used) in variants.items():
+                if label in plans and scope_name != "experts":
+                    continue  # a plan's budget covers every routed projection
                 types = "" if used is None else " (%s)" % "/".join(sorted(set().union(*(used[p] for p in scope))))
-                rows[label] = kl_of(deq, label + types, nbytes, scope)
+                rows[label] = kl_of(deq, label + types, nbytes, scope, bits=plans.get(label))
             base = rows["llama.cpp Q4_K"]["kl_mean"]
             print("  KL / llama.cpp Q4_K's, moequant at <= 4.5 bits: " + ", ".join(
                 f"{k}: {v['kl_mean'] / base:.3f}" for k, v in rows.items() if v["bits"] <= 4.5 + 1e-9
@@ -202,6 +220,33 @@ def main(argv=None) -> int:
             Path(args.output).mkdir(parents=True, exist_ok=True)
             (Path(args.output) / "results.json").write_text(json.dumps(results, indent=2))
     return 0
+
+
+def plan_variant(entry: str, index: int, model: str, args, out: Path, ad, original: dict):
+    """`moequant apply` of a bundled recipe at --plan-bits bits per routed-expert weight, everything
+    but the routed experts kept: (label, {(layer, proj): dequantized [E, out, in]}, the plan's bits)."""
+    import torch
+
+    from moequant.evaluate import load_quantized
+    from moequant.pipeline.apply import apply
+    from moequant.plan.policy import read_plan
+
+    recipe_name, *extra = entry.split(";")
+    run = out / f"plan-{index}-{recipe_name}"
+    overrides = [*extra, f"model=zoo:{model}", f"output={run}", f"experts.budget.bits_per_weight={args.plan_bits}",
+                 f"calibration.samples={args.samples}", f"calibration.seq_len={args.seq_len}",
+                 "evaluate.samples=1", "evaluate.seq_len=16"]  # the bench evaluates on its own windows
+    apply(recipe_name, overrides=overrides, progress=False, log=lambda *a, **k: None)
+    plan = read_plan(run / "plan.json")
+    q_model = load_quantized(run / "checkpoint", dtype=torch.float32)
+    deq = {}
+    for L in ad.moe_layers:
+        for pj in ad.projections:
+            deq[(L, pj)] = torch.stack([ad.expert_from_module(ad.experts_module(q_model, L), e, pj).detach().float()
+                                        for e in range(ad.num_experts)])
+            assert deq[(L, pj)].shape == original[(L, pj)].shape
+    label = f"plan {recipe_name} ({plan.target}) @ {args.plan_bits} bits" + "".join(f" {x}" for x in extra)
+    return label, deq, plan.summary["bits_per_weight"]["routed_experts"]
 
 
 def q4_k_m_types(src, out: Path, ad) -> dict:

@@ -338,13 +338,17 @@ def test_vllm_drops_formats_its_fused_moe_cannot_load():
     plan = make_plan(r, model_tensors(), stats)
     assert plan.candidates == ["int8-channel"]
     assert plan.dropped_candidates == {
-        "int4-g32-asym": "vLLM's fused MoE loads only symmetric integer experts",
+        "int4-g32-asym": "vLLM 0.32 loads integer experts with zero points only in its CUDA kernels (Marlin, "
+                         "Triton), not in its CPU build, where moequant checks its vllm exports",
         "int3-g32-sym": "vLLM loads integer weights only at 4 or 8 bits (WNA16 kernels)",
         "int2-g32-sym": "vLLM loads integer weights only at 4 or 8 bits (WNA16 kernels)",
     }
     assert "dropped for target vllm: int3-g32-sym" in format_summary(plan)
     same = recipe_from_dict({**r.model_dump(), "target": "transformers"})
     assert make_plan(same, model_tensors(), stats).dropped_candidates == {}
+    sglang = recipe_from_dict({**r.model_dump(), "target": "sglang"})
+    assert make_plan(sglang, model_tensors(), stats).dropped_candidates["int4-g32-asym"] == (
+        "SGLang's compressed-tensors fused MoE loads only symmetric integer experts")
 
 
 def test_uniform_and_rules_refuse_unservable_formats():

@@ -58,6 +58,8 @@ def exports(tmp_path_factory):
 
     vLLM 0.32's CPU kernel for compressed-tensors int4 MoE takes groups of 64 or 128, not 32
     (GPTQ int4 takes 32); tiny-mixtral's 128-wide experts take g128, tiny-qwen2moe's 64-wide g64.
+    Also asymmetric int4 exports (target transformers: the vllm targets refuse them), which vLLM's
+    CPU build must refuse: the premise of that refusal (formats/integer.py).
     """
     root = tmp_path_factory.mktemp("vllm")
     good = []
@@ -69,6 +71,8 @@ def exports(tmp_path_factory):
              export_checkpoint(qwen, int8, root / "tiny-qwen2moe-w8a8", int8_activations="dynamic"),
              export_checkpoint(qwen, mix, root / "tiny-qwen2moe-mix", int8_activations="dynamic"),
              export_checkpoint(qwen, int4, root / "tiny-qwen2moe-gptq", layout="gptq")]
+    asym = [export_checkpoint(qwen, gptq_experts(qwen, "int4-g64-asym"), root / "tiny-qwen2moe-w4a16-asym",
+                              target="transformers")]
     n = adapter_for(open_checkpoint(qwen).config).num_experts
     rotated = {(L, (e + 1) % n, p): q for (L, e, p), q in int4.items()}  # a name-mapping bug
     control = (good[0], export_checkpoint(qwen, rotated, root / "tiny-qwen2moe-misread"))
@@ -81,18 +85,23 @@ def exports(tmp_path_factory):
              export_checkpoint(mixtral, {k: (int4 if k[0] % 2 == 0 else int8)[k] for k in int4},
                                root / "tiny-mixtral-mix", int8_activations="dynamic"),
              export_checkpoint(mixtral, int4, root / "tiny-mixtral-gptq", layout="gptq")]
+    asym.append(export_checkpoint(mixtral, gptq_experts(mixtral, "int4-g128-asym"), root / "tiny-mixtral-w4a16-asym",
+                                  target="transformers"))
     # the bundled models themselves (bf16): vLLM must agree with transformers on them too
     good += [qwen, mixtral]
-    return good, control
+    return good, control, asym
 
 
 def test_vllm_cpu_loads_our_exports_and_agrees_with_moequant_load(exports):
-    good, (served, misread) = exports
+    good, (served, misread), asym = exports
     ensure_vllm_env()  # builds it when missing; raises (never skips) when it cannot
     text = prompts_for("tiny-qwen2moe")
     assert text == prompts_for("tiny-mixtral")  # the zoo models share one tokenizer
-    prompts = {c: text for c in good}
-    outs = run_vllm(good, prompts, steps=32, dtype=[engine_dtype(c) for c in good], max_model_len=64)
+    prompts = {c: text for c in good + asym}
+    outs = run_vllm(good + asym, prompts, steps=32, dtype=[engine_dtype(c) for c in good + asym], max_model_len=64)
+    for c in asym:  # the vllm targets' refusal of zero-point experts rests on this
+        assert isinstance(outs[str(c.resolve())], str) and "WNA16 MoE backend" in outs[str(c.resolve())], (
+            f"vLLM's CPU build loaded {c.name}: allow asymmetric int4 experts for target vllm (formats/integer.py)")
     lines, failed = [], []
     for c in good:
         report = compare_with_moequant(c, prompts[c], outs[str(c.resolve())])

@@ -152,8 +152,16 @@ class Integer(Format):
             engine = "SGLang" if target == "sglang" else "vLLM"
             if spec.bits not in (4, 8):
                 return f"{engine} loads integer weights only at 4 or 8 bits (WNA16 kernels)"
+            # Zero points, read from vLLM 0.32's source (fused_moe/oracle/int_wna16.py and the experts'
+            # _supports_quant_scheme): its CUDA Marlin and Triton WNA16 MoE kernels take them; its CPU
+            # backend takes symmetric int4 only and zentorch's refuses zero points. moequant checks its
+            # vllm exports on the CPU build (tests/test_vllm.py also proves it refuses these), so the
+            # vllm targets keep symmetric experts. SGLang's compressed-tensors MoE asserts symmetric.
             if routed and not spec.symmetric:
-                return f"{engine}'s fused MoE loads only symmetric integer experts"
+                if target == "sglang":
+                    return "SGLang's compressed-tensors fused MoE loads only symmetric integer experts"
+                return ("vLLM 0.32 loads integer experts with zero points only in its CUDA kernels (Marlin, "
+                        "Triton), not in its CPU build, where moequant checks its vllm exports")
             return None
         return super().refuses(spec, target, routed)
 

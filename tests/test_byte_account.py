@@ -139,23 +139,44 @@ def test_budget_plan_report_and_files_agree_on_the_routed_experts(recipe_path, m
     assert routed["bytes_quantized"] == experts_written
 
 
-GGUF_GAP = ("the plan counts plain tensors as bf16, but the GGUF export writes norms, biases and routers in F32 and "
-            "adds output.weight for tied embeddings (a gigabytes budget on target llama.cpp is off by those bytes)")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("recipe_path", [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=GGUF_GAP))
-                                         if resolve_recipe(p).export.format == "gguf" else p for p in RECIPES],
-                         ids=lambda p: p.stem)
+@pytest.mark.parametrize("recipe_path", RECIPES, ids=lambda p: p.stem)
 def test_plan_and_report_agree_on_every_role(recipe_path, model, pipeline):
     """The whole model (what experts.budget.gigabytes counts): the plan's bytes per role are the
-    checkpoint's weights' bytes."""
+    checkpoint's weights' bytes. GGUF too: its F32 norms, biases and routers, its token_embd / output
+    in export.gguf_token_embd / gguf_output, and the output.weight copy of the tied embeddings."""
     _, plan, report, _ = pipeline(recipe_path, model)
     memory = report["memory"]
     assert {r: v["bytes_quantized"] for r, v in memory["by_role"].items() if v["bytes_quantized"]} == \
         {r: b for r, b in plan.summary["bytes_by_role"].items() if b}
     assert memory["bytes_quantized"] - memory["layout_metadata_bytes"] == plan.summary["total_bytes"]
+
+def test_a_gguf_plan_counts_f32_and_the_typed_output_copy(tmp_path):
+    """export.gguf_float f32 (layer 0's experts, kept, are written F32 as well) and output.weight, the tied
+    embeddings' copy, in export.gguf_output: the plan's bytes per role are the GGUF file's (no calibration;
+    tiny-qwen2moe: biases, router and shared-expert gate; the slow test above has both models in bf16)."""
+    import gguf
+
+    model = "zoo:tiny-qwen2moe"
+    rtn = [f"algorithms.{name}=rtn" for name in formats.format_names() if name != "bf16"]
+    recipe = resolve_recipe(RECIPES[0].with_name("gguf.yaml"), model, str(tmp_path / "run"), [
+        *TINY, *rtn, "experts.method=uniform", "experts.format=q4_0", "keep=[model.layers.0.*experts.*]",
+        "export.gguf_float=f32", "export.gguf_token_embd=null", "export.gguf_output=q8_0"])
+    ckpt = open_checkpoint(recipe.model)
+    plan = make_plan(recipe, ckpt)
+    quantized, _ = quantize_model(recipe.model, plan, calibration_settings(recipe), tmp_path / "work",
+                                  progress=False, lazy=True)
+    export_checkpoint(ckpt.directory, quantized, tmp_path / "checkpoint", **export_arguments(recipe))
+    memory = build_report(model=model, checkpoint=tmp_path / "checkpoint", plan=plan_to_dict(plan))["memory"]
+
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "checkpoint" / "model.gguf")).tensors}
+    assert types["blk.0.ffn_down_exps.weight"] == "F32" and types["output.weight"] == "Q8_0"
+    assert types["token_embd.weight"] == "F32" and types["output_norm.weight"] == "F32"
+    assert {r: v["bytes_quantized"] for r, v in memory["by_role"].items() if v["bytes_quantized"]} == \
+        {r: b for r, b in plan.summary["bytes_by_role"].items() if b}
+    assert memory["bytes_quantized"] == plan.summary["total_bytes"]
+
 
 @pytest.mark.parametrize("model", MODELS)
 def test_inspect_counts_expert_bytes_as_formats_nbytes_over_the_files(model):

@@ -3,9 +3,11 @@
     export_gguf(ckpt, adapter, items, out_dir, float_type="bf16")
 
 `items` maps on-disk tensor names to QuantizedTensors (as `export_checkpoint` resolves them);
-ggml-typed ones are written as their packed blocks, bf16 ones and everything else in
-`float_type` (bf16 | f16 | f32); 1-D tensors (norms, biases) and the routers stay F32, as
-llama.cpp's own converter writes them. Names and layouts are llama.cpp's:
+ggml-typed ones are written as their packed blocks, bf16 ones and everything else as `plain_type`
+says: in `float_type` (bf16 | f16 | f32), but 1-D tensors (norms, biases) and the routers in F32,
+as llama.cpp's own converter writes them, and token_embd / output in the ggml type `types` gives
+them. The plan's byte account asks the same `plain_nbytes` (through the gguf layout), so it counts
+what this file holds. Names and layouts are llama.cpp's:
 
 - routed experts of layer N stacked per projection: `blk.N.ffn_{gate,up,down}_exps.weight`,
   ggml shape {n_embd, n_ff_exp, n_expert} (down {n_ff_exp, n_embd, n_expert}); one ggml type per
@@ -27,6 +29,7 @@ anything is written. The file is written in a temporary sibling directory and re
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -58,7 +61,9 @@ _NAMES = {
     ],
     "mixtral": _COMMON + [(r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight", r"blk.\1.ffn_gate_inp.weight")],
 }
-_KEEP_F32 = re.compile(r".*ffn_gate_inp(_shexp)?\.weight$")  # routers: F32, never quantized
+_F32_ROLES = ("router", "shared_expert_gate")  # ffn_gate_inp(_shexp): F32, never quantized
+_TYPED_ROLES = {"embedding": "token_embd.weight", "lm_head": "output.weight"}  # the tensors `types` may set, by role
+_ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 
 
 def gguf_name(model_type: str, hf_name: str) -> str | None:
@@ -74,15 +79,45 @@ def _ggml_type(spec):
     return gguf.GGMLQuantizationType[spec.name.upper()]
 
 
-def _float(t: torch.Tensor, float_type: str):
+def tied_output(names) -> str | None:
+    """The checkpoint tensor written again as output.weight: the embeddings when `names` hold no
+    lm_head.weight (tied; llama.cpp's qwen2moe loader requires output.weight), else None."""
+    return None if "lm_head.weight" in names else "model.embed_tokens.weight"
+
+
+def plain_type(role: str, ndim: int, float_type: str, types) -> str:
+    """How a tensor written unquantized (the plan keeps it, or plans bf16) is stored: f32 | f16 | bf16 or
+    the ggml type `types` ({GGUF name: type}) gives token_embd / output. `role`: the adapter's, lm_head
+    for output.weight (also the tied copy); `ndim` of the tensor as written."""
+    typed = types.get(_TYPED_ROLES.get(role)) if types else None
+    if typed:
+        return typed
+    return "f32" if role in _F32_ROLES or ndim == 1 else float_type
+
+
+def plain_nbytes(role: str, shape, float_type: str, types) -> int:
+    """Bytes of a tensor written unquantized (plain_type), as the file holds them."""
+    key = plain_type(role, len(shape), float_type, types)
+    if key in _ELEMENT_BYTES:
+        return _ELEMENT_BYTES[key] * math.prod(int(s) for s in shape)
+    from moequant.formats import nbytes
+
+    return nbytes(key, shape)
+
+
+def _plain(t: torch.Tensor, key: str, name: str):
+    """(numpy array, raw ggml type or None) of a tensor stored as plain_type `key`."""
     import gguf
 
-    if float_type == "f32" or t.dim() == 1:
+    if key == "f32":
         return t.to(torch.float32).numpy(), None
-    if float_type == "f16":
+    if key == "f16":
         return t.to(torch.float16).numpy(), None
-    raw = t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint8)  # last axis: 2 bytes each
-    return raw, gguf.GGMLQuantizationType.BF16
+    if key in FLOAT_TYPES:  # bf16: numpy has no bfloat16, so its raw bytes as ggml's BF16
+        raw = t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint8)  # last axis: 2 bytes each
+        return raw, gguf.GGMLQuantizationType.BF16
+    q = quantize_ggml(t.float(), key, name=name)
+    return q.codes.numpy(), _ggml_type(q.spec)
 
 
 def _rope_permute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -247,8 +282,9 @@ def export_gguf(ckpt, adapter, items: dict, out_dir, *, kept: dict | None = None
         if target is None:
             raise UserError(f"tensor {name} of {ckpt.path} has no GGUF counterpart in llama.cpp's {ARCHS[mt]} graph.")
         plan_of[target] = name
-    if "output.weight" not in plan_of:
-        plan_of["output.weight"] = "model.embed_tokens.weight"  # tied: llama.cpp wants its own copy
+    copied = tied_output(ckpt.keys())
+    if copied:
+        plan_of["output.weight"] = copied
 
     def tensor_for(hf_name: str, out_name: str):
         """(numpy array, raw ggml type or None) of one 2-D/1-D tensor."""
@@ -261,19 +297,18 @@ def export_gguf(ckpt, adapter, items: dict, out_dir, *, kept: dict | None = None
             arr = _rope_permute(arr, n_head if ".attn_q." in out_name else n_kv)
         if raw is not None:
             return arr.numpy(), raw
-        if out_name in types:
-            q = quantize_ggml(arr.float(), types[out_name], name=out_name)
-            return q.codes.numpy(), _ggml_type(q.spec)
-        if _KEEP_F32.match(out_name):
-            arr = arr.reshape(-1) if "shexp" in out_name else arr
-            return arr.to(torch.float32).numpy(), None
-        return _float(arr, float_type)
+        if out_name.endswith("ffn_gate_inp_shexp.weight"):
+            arr = arr.reshape(-1)  # llama.cpp's {n_embd}
+        role = "lm_head" if out_name == "output.weight" else adapter.classify(hf_name).role
+        return _plain(arr, plain_type(role, arr.dim(), float_type, types), out_name)
 
     def experts_for(layer: int, proj: str):
         names = [adapter.expert_tensor_name(layer, e, proj) for e in range(adapter.num_experts)]
         if names[0] in items and items[names[0]].spec.is_ggml:
             return torch.stack([items[n].codes.cpu() for n in names]).numpy(), _ggml_type(items[names[0]].spec)
-        return _float(torch.stack([items[n].codes if n in items else read(n) for n in names]), float_type)
+        stacked = torch.stack([items[n].codes if n in items else read(n) for n in names])
+        name = f"blk.{layer}.ffn_{proj}_exps.weight"
+        return _plain(stacked, plain_type("routed_expert", stacked.dim(), float_type, types), name)
 
     out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:

@@ -296,6 +296,19 @@ class _Layout:
         """What the layout holds, when it cannot hold `spec` for `target` (None: it can)."""
         return None
 
+    @staticmethod
+    def plain_nbytes(role: str, shape, export) -> int:
+        """Bytes the layout writes a tensor in that it leaves unquantized (kept, or planned bf16), `export`
+        being the recipe's export section: the plan's byte account asks this. 2 per element here, as
+        bf16 (the tensors of a bf16 checkpoint are copied as they are)."""
+        return formats.nbytes("bf16", shape)
+
+    @staticmethod
+    def copied_tensors(names) -> list[tuple[str, str, str]]:
+        """Tensors the layout writes beyond the checkpoint's `names`: (name written, its role, the tensor
+        it copies). The plan counts them as kept tensors."""
+        return []
+
     @classmethod
     def refuses_model(cls, adapter) -> str | None:
         """Why the layout cannot write this architecture at all (None: it can)."""
@@ -706,9 +719,23 @@ class _GptOssMxfp4(_Layout):
 # ---- GGUF (llama.cpp) ----------------------------------------------------------------------------
 
 class _Gguf(_Layout):
-    """One file in llama.cpp's names and block layouts, written by moequant.export.gguf."""
+    """One file in llama.cpp's names and block layouts, written by moequant.export.gguf: its plain tensors
+    as gguf.plain_type stores them (F32 norms, biases and routers), tied embeddings again as output.weight."""
 
     name = "gguf"
+
+    @staticmethod
+    def plain_nbytes(role, shape, export):
+        from moequant.export.gguf import plain_nbytes
+
+        return plain_nbytes(role, shape, export.gguf_float, export.gguf_types)
+
+    @staticmethod
+    def copied_tensors(names):
+        from moequant.export.gguf import tied_output
+
+        source = tied_output(names)
+        return [("output.weight", "lm_head", source)] if source else []
 
     @staticmethod
     def refuses(spec, target):

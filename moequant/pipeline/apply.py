@@ -59,8 +59,7 @@ def export_arguments(recipe: Recipe) -> dict:
     """`export_checkpoint`'s layout, target and activation settings for a recipe (apply and pareto)."""
     return {"layout": layout_for(recipe.export.format).name, "target": recipe.target,
             "int8_activations": recipe.export.int8_activations, "gguf_float": recipe.export.gguf_float,
-            "gguf_types": {"token_embd.weight": recipe.export.gguf_token_embd,
-                           "output.weight": recipe.export.gguf_output}}
+            "gguf_types": recipe.export.gguf_types}
 
 
 def sensitivity_formats(recipe: Recipe) -> tuple[str, ...]:

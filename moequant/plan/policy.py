@@ -76,7 +76,9 @@ Budget
 scales, zero points, from `formats.nbytes`) * 8 / their element count, so it reads like the
 usual "4.25 bits" of an int4 model and does not depend on how much of the model is attention.
 `experts.budget.gigabytes` counts the whole model (10^9 bytes): every tensor of the plan, kept
-ones included (at 2 bytes per element, as bf16); the routed experts get what the others leave. The solver minimises the
+ones included as the export layout writes them (bf16; GGUF: F32 norms, biases and routers, the
+rest in export.gguf_float, and the output.weight copy of tied embeddings; see `_layout_for`);
+the routed experts get what the others leave. The solver minimises the
 predicted loss subject to the byte limit exactly (bytes in Python integers, the decimal budget
 read exactly): a multiple-choice knapsack, solved by LP relaxation, reduced-cost fixing and a
 dynamic program over the few groups left open (see `solve_choices`; a DeepSeek-V3-sized
@@ -102,7 +104,7 @@ plan.json (schema "moequant.plan/1")
      "expert": int|null, "proj": "gate"|"up"|"down"|null,
      "shape": [out, in] (routed experts) or the on-disk shape,
      "format": format key, "params": {...}, "algorithm": "rtn"|"gptq"|"awq"|"none",
-     "bytes": int, "kept": str|null,                 # why it stays bf16, when it does
+     "bytes": int, "kept": str|null,                 # bytes as the export writes it; why it stays bf16
      "usage": float|null, "predicted_loss": float|null}],   # routed experts with stats
   "summary": {
      "layers": {"L": {"map": str, "counts": {format key: experts}}},   # one char per expert
@@ -167,10 +169,12 @@ KEEP_GROUP_ROLES = {
 
 
 def _layout_for(export_format: str):
-    """The export layout of a recipe's export.format (moequant.export.layouts' registry): the plan counts
-    the zero points it stores, so the plan's bytes are the bytes the export writes. GGUF: its ggml blocks
-    count exactly; its plain tensors do not yet (norms, biases and routers are written F32, and
-    output.weight is added for tied embeddings; tests/test_byte_account.py holds the gap as an xfail)."""
+    """The export layout of a recipe's export.format (moequant.export.layouts' registry), which the plan's
+    byte account asks, so the plan's bytes are the bytes the export writes (tests/test_byte_account.py):
+    the zero points it stores (`symmetric_zeros`), how it stores the tensors it leaves unquantized
+    (`plain_nbytes`: GGUF writes norms, biases and routers F32, the rest in export.gguf_float, token_embd /
+    output in export.gguf_token_embd / gguf_output) and the tensors it adds (`copied_tensors`: GGUF's
+    output.weight copy of tied embeddings)."""
     return layout_for(export_format)
 
 
@@ -548,7 +552,7 @@ class _Context:
     def __init__(self, recipe: Recipe, tensors: list[TensorInfo], stats):
         self.recipe, self.tensors, self.stats = recipe, tensors, stats
         self.formats = _formats()
-        self.symmetric_zeros = _layout_for(recipe.export.format).symmetric_zeros
+        self.layout = _layout_for(recipe.export.format)
         self.experts: dict[tuple[int, int], list[TensorInfo]] = defaultdict(list)
         for t in tensors:
             if t.is_routed_weight:
@@ -565,14 +569,20 @@ class _Context:
         if stats is not None:
             self.layer_scale, self.probe_info = _probe_scales(self)
 
-    def nbytes(self, spec, shape, name: str | None = None) -> int:
-        key = (spec.key, tuple(shape))
-        if key not in self._nbytes:
-            try:
-                self._nbytes[key] = self.formats.nbytes(spec, tuple(shape), symmetric_zeros=self.symmetric_zeros)
-            except UserError:
-                self.formats.check_shape(spec, tuple(shape), name)  # the same refusal, naming the tensor
-                raise
+    def nbytes(self, spec, t) -> int:
+        """Bytes of tensor `t` (a TensorInfo / TensorPlan) in `spec`, as the export layout writes them."""
+        shape = tuple(t.shape)
+        key = (spec.key, shape, None if spec.quantized else t.role)  # a layout stores plain tensors by role
+        if key in self._nbytes:
+            return self._nbytes[key]
+        if not spec.quantized:
+            self._nbytes[key] = self.layout.plain_nbytes(t.role, shape, self.recipe.export)
+            return self._nbytes[key]
+        try:
+            self._nbytes[key] = self.formats.nbytes(spec, shape, symmetric_zeros=self.layout.symmetric_zeros)
+        except UserError:
+            self.formats.check_shape(spec, shape, t.name)  # the same refusal, naming the tensor
+            raise
         return self._nbytes[key]
 
     def usage(self, layer: int) -> np.ndarray | None:
@@ -608,7 +618,7 @@ class _Context:
         return self._loss[cache_key]
 
     def expert_bytes(self, expert: tuple, spec) -> int:
-        return sum(self.nbytes(spec, t.shape, t.name) for t in self.members(expert))
+        return sum(self.nbytes(spec, t) for t in self.members(expert))
 
 
 def _probe_scales(ctx: _Context) -> tuple[dict[int, float] | None, dict]:
@@ -798,7 +808,7 @@ def _non_expert_options(ctx: _Context, recipe: Recipe, plans: list, reference, s
         options = []
         for spec in specs:
             try:
-                nbytes = ctx.nbytes(spec, p.shape, p.name)
+                nbytes = ctx.nbytes(spec, p)
             except UserError:
                 continue  # cannot hold this tensor: not offered
             loss = 0.0
@@ -898,6 +908,22 @@ def _check_uniform_groups(ctx: _Context, target: str, assignment: dict) -> None:
                             f"experts.rules give {where} {parts}; accepted: rules by layers only, or target transformers.")
 
 
+def _copied_tensors(ctx: _Context, tensors: list[TensorInfo]) -> list[TensorPlan]:
+    """Kept entries for the tensors the export layout adds (GGUF: output.weight, a copy of tied
+    embeddings), so the plan's bytes and a gigabytes budget count them."""
+    by_name = {t.name: t for t in tensors}
+    bf16 = _formats().get_format("bf16")
+    out = []
+    for name, role, source in ctx.layout.copied_tensors(by_name):
+        if source not in by_name:
+            continue  # nothing to copy in this tensor list
+        t = dataclasses.replace(by_name[source], name=name, role=role)
+        out.append(TensorPlan(t.name, t.role, t.layer, t.expert, t.proj, t.shape, bf16.key, spec_params(bf16),
+                              ctx.recipe.algorithm_for(bf16.name), ctx.nbytes(bf16, t),
+                              kept=f"the {ctx.layout.name} export writes {source} again as {name}"))
+    return out
+
+
 def _short_list(values: list[int]) -> str:
     return ", ".join(map(str, values[:6])) + (", ..." if len(values) > 6 else "")
 
@@ -958,11 +984,12 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
         if not spec.quantized and not why:
             why = "non_experts.format is bf16"
         try:
-            nbytes = ctx.nbytes(spec, t.shape, t.name)
+            nbytes = ctx.nbytes(spec, t)
         except UserError as error:
             raise UserError(f"non_experts.format {spec.key} cannot hold tensor {t.name}: {str(error).rstrip('.')}.") from None
         plans.append(TensorPlan(t.name, t.role, t.layer, t.expert, t.proj, t.shape, spec.key, spec_params(spec),
                                 recipe.algorithm_for(spec.name), nbytes, kept=None if spec.quantized else why))
+    plans += _copied_tensors(ctx, tensors)
     for (layer, expert), why in kept_experts.items():
         projs = {t.proj for t in ctx.experts[(layer, expert)] if _keep_match(recipe, t)}
         if len(projs) < len(ctx.experts[(layer, expert)]):
@@ -1077,7 +1104,7 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
         usage = ctx.usage(t.layer)
         loss = ctx.tensor_loss(t, spec.key) if stats is not None else None
         plans.append(TensorPlan(t.name, t.role, t.layer, t.expert, t.proj, t.shape, spec.key, spec_params(spec),
-                                recipe.algorithm_for(spec.name), ctx.nbytes(spec, t.shape),
+                                recipe.algorithm_for(spec.name), ctx.nbytes(spec, t),
                                 kept=kept_experts.get((t.layer, t.expert)),
                                 usage=None if usage is None else float(usage[t.expert]), predicted_loss=loss))
     used_specs = _dedupe([*specs, *assignment.values()])

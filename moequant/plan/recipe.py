@@ -135,6 +135,11 @@ class Export(Strict):
     gguf_token_embd: Optional[Literal[GGML_TYPES]] = None
     gguf_output: Optional[Literal[GGML_TYPES]] = None
 
+    @property
+    def gguf_types(self) -> dict[str, str | None]:
+        """{GGUF tensor name: ggml type or None}: export_checkpoint's gguf_types."""
+        return {"token_embd.weight": self.gguf_token_embd, "output.weight": self.gguf_output}
+
 
 class Budget(Strict):
     """Exactly one of: bits per routed-expert weight, or gigabytes (10^9 bytes) for the whole model."""

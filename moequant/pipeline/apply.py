@@ -208,9 +208,6 @@ def _silent(*_args, **_kwargs) -> None:
 
 
 def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
-    from moequant.export.layouts import export_checkpoint
-    from moequant.pipeline.quantize import quantize_model
-
     out.mkdir(parents=True, exist_ok=True)  # the lock made it; not on ranks other than 0
     world = parallel.world()
     ranks = world.size if world is not None else 1
@@ -219,19 +216,7 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
     settings = calibration_settings(recipe, device)
 
     t0 = time.perf_counter()
-    stats_dir = out / "stats"
-    if needs_statistics(recipe):
-        before = (stats_dir / "summary.json").stat().st_mtime_ns if (stats_dir / "summary.json").exists() else None
-        calibrate(recipe.model, stats_dir, settings, overwrite=True, tokenizer=tokenizer, progress=progress)
-        reused_stats = before is not None and (stats_dir / "summary.json").stat().st_mtime_ns == before
-        log(f"calibration statistics: {stats_dir}" + (" (reused)" if reused_stats else ""))
-    else:
-        # the plan reads no statistics; GPTQ / AWQ collect their inputs in the quantize pass and the
-        # report's routing shares come from the evaluation tokens
-        if not parallel.is_helper_rank():
-            shutil.rmtree(stats_dir, ignore_errors=True)  # never report another run's statistics
-        stats_dir = None
-        log("calibration: not needed by this recipe (its plan reads no statistics)")
+    stats_dir = _calibration_stage(recipe, out / "stats", settings, tokenizer, progress, log)
     timings["calibrate"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -240,42 +225,9 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
     log(f"plan: {out / 'plan.json'}" + (" (unchanged, reused)" if reused_plan else ""))
 
     checkpoint_dir = out / "checkpoint"
-    done_marker = out / "checkpoint.json"
-    plan_digest = json.dumps(plan_to_dict(plan), sort_keys=True)
-    marker = json.loads(done_marker.read_text()) if done_marker.exists() else {}
-    found = checkpoint_fingerprint(checkpoint_dir) if checkpoint_dir.exists() else None
-    if checkpoint_dir.exists() and found != plan.run_fingerprint:  # e.g. a checkpoint copied in from another run
-        log(f"checkpoint: {checkpoint_dir} belongs to another run (run fingerprint {found or 'missing'}, this run's "
-            f"{plan.run_fingerprint}); quantizing again")
-    reuse = marker.get("plan") == plan_digest and marker.get(KEY) == found == plan.run_fingerprint
-    if parallel.shared(lambda: reuse, "the checkpoint's reuse check"):
-        parallel.finish()
-        if world is not None and world.rank != 0:
-            return None
-        log(f"checkpoint: {checkpoint_dir} (up to date, reused)")
-        quant_report = json.loads(done_marker.read_text())["quantize"]
-        timings["quantize"] = timings["export"] = 0.0
-        shutil.rmtree(out / "work", ignore_errors=True)  # left when killed right after the marker was written
-    else:
-        t0 = time.perf_counter()
-        # `quantized` also holds the full-precision tensors AWQ folds changed (plain tensors), exported as they are
-        # lazy: the export reads each tensor's codes from work/ as it writes them (host RAM stays at one layer)
-        quantized, quant_report = quantize_model(recipe.model, plan, settings, out / "work", progress=progress,
-                                                 lazy=True)
-        parallel.finish()  # the expert-parallel part ends: rank 0 alone exports, evaluates and reports
-        if world is not None and world.rank != 0:
-            return None
-        timings["quantize"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        export_checkpoint(ckpt.directory, quantized, checkpoint_dir, **export_arguments(recipe))
-        del quantized
-        timings["export"] = time.perf_counter() - t0
-        stamp_checkpoint(checkpoint_dir, plan.run_fingerprint)
-        quant_report = {str(k): v for k, v in quant_report.items()}
-        atomic_write_text(done_marker, json.dumps({"plan": plan_digest, KEY: plan.run_fingerprint,
-                                                   "quantize": quant_report}))
-        shutil.rmtree(out / "work", ignore_errors=True)
-        log(f"checkpoint: {checkpoint_dir}")
+    _checkpoint_stage(recipe, ckpt, plan, settings, out, world, timings, progress, log)
+    if world is not None and world.rank != 0:
+        return None  # rank 0 alone exports, evaluates and reports
 
     t0 = time.perf_counter()
     quality = evaluate_stage(recipe, ckpt, checkpoint_dir, progress)
@@ -290,6 +242,79 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
     log(f"KL {q.get('kl_mean', float('nan')):.4g}, top-1 agreement {q.get('top1_agreement', float('nan')):.3f}, "
         f"{report['memory'].get('bits_per_weight_experts', float('nan')):.3f} bits per routed-expert weight")
     return out / "report.html"
+
+
+def _calibration_stage(recipe: Recipe, stats_dir: Path, settings: CalibrationSettings, tokenizer, progress,
+                       log) -> Path | None:
+    """The calibration statistics in `stats_dir` (reused when unchanged), or None when the plan reads none."""
+    if needs_statistics(recipe):
+        before = (stats_dir / "summary.json").stat().st_mtime_ns if (stats_dir / "summary.json").exists() else None
+        calibrate(recipe.model, stats_dir, settings, overwrite=True, tokenizer=tokenizer, progress=progress)
+        reused_stats = before is not None and (stats_dir / "summary.json").stat().st_mtime_ns == before
+        log(f"calibration statistics: {stats_dir}" + (" (reused)" if reused_stats else ""))
+        return stats_dir
+    # the plan reads no statistics; GPTQ / AWQ collect their inputs in the quantize pass and the
+    # report's routing shares come from the evaluation tokens
+    if not parallel.is_helper_rank():
+        shutil.rmtree(stats_dir, ignore_errors=True)  # never report another run's statistics
+    log("calibration: not needed by this recipe (its plan reads no statistics)")
+    return None
+
+
+def _checkpoint_stage(recipe: Recipe, ckpt, plan, settings: CalibrationSettings, out: Path, world, timings: dict,
+                      progress, log) -> dict | None:
+    """OUTPUT/checkpoint for the plan: reused when checkpoint.json says this plan and run made it, else
+    quantized and exported (timings["quantize"], ["export"]). Returns the quantize report, or None on
+    the ranks other than 0 of an expert-parallel run (rank 0 alone exports)."""
+    checkpoint_dir = out / "checkpoint"
+    done_marker = out / "checkpoint.json"
+    plan_digest = json.dumps(plan_to_dict(plan), sort_keys=True)
+    marker = json.loads(done_marker.read_text()) if done_marker.exists() else {}
+    found = checkpoint_fingerprint(checkpoint_dir) if checkpoint_dir.exists() else None
+    if checkpoint_dir.exists() and found != plan.run_fingerprint:  # e.g. a checkpoint copied in from another run
+        log(f"checkpoint: {checkpoint_dir} belongs to another run (run fingerprint {found or 'missing'}, this run's "
+            f"{plan.run_fingerprint}); quantizing again")
+    reuse = marker.get("plan") == plan_digest and marker.get(KEY) == found == plan.run_fingerprint
+    if not parallel.shared(lambda: reuse, "the checkpoint's reuse check"):
+        return _quantize_and_export(recipe, ckpt, plan, settings, out, plan_digest, world, timings, progress, log)
+    parallel.finish()
+    if world is not None and world.rank != 0:
+        return None
+    log(f"checkpoint: {checkpoint_dir} (up to date, reused)")
+    quant_report = json.loads(done_marker.read_text())["quantize"]
+    timings["quantize"] = timings["export"] = 0.0
+    shutil.rmtree(out / "work", ignore_errors=True)  # left when killed right after the marker was written
+    return quant_report
+
+
+def _quantize_and_export(recipe: Recipe, ckpt, plan, settings: CalibrationSettings, out: Path, plan_digest: str,
+                         world, timings: dict, progress, log) -> dict | None:
+    """The quantize pass (every rank), then rank 0 exports OUTPUT/checkpoint and writes checkpoint.json.
+    Returns the quantize report, or None on the other ranks."""
+    from moequant.export.layouts import export_checkpoint
+    from moequant.pipeline.quantize import quantize_model
+
+    checkpoint_dir = out / "checkpoint"
+    t0 = time.perf_counter()
+    # `quantized` also holds the full-precision tensors AWQ folds changed (plain tensors), exported as they are
+    # lazy: the export reads each tensor's codes from work/ as it writes them (host RAM stays at one layer)
+    quantized, quant_report = quantize_model(recipe.model, plan, settings, out / "work", progress=progress,
+                                             lazy=True)
+    parallel.finish()  # the expert-parallel part ends: rank 0 alone exports, evaluates and reports
+    if world is not None and world.rank != 0:
+        return None
+    timings["quantize"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    export_checkpoint(ckpt.directory, quantized, checkpoint_dir, **export_arguments(recipe))
+    del quantized
+    timings["export"] = time.perf_counter() - t0
+    stamp_checkpoint(checkpoint_dir, plan.run_fingerprint)
+    quant_report = {str(k): v for k, v in quant_report.items()}
+    atomic_write_text(out / "checkpoint.json", json.dumps({"plan": plan_digest, KEY: plan.run_fingerprint,
+                                                          "quantize": quant_report}))
+    shutil.rmtree(out / "work", ignore_errors=True)
+    log(f"checkpoint: {checkpoint_dir}")
+    return quant_report
 
 
 def evaluate_stage(recipe: Recipe, ckpt, checkpoint_dir: Path, progress=True) -> dict:

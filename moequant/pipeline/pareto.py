@@ -293,25 +293,55 @@ def pareto(recipe_path=None, budgets: Sequence = ("int3", "int4", "int4..int8"),
 
 
 def _pareto(recipe, budgets, targets, uniform, extra_reports, device, progress, log) -> dict:
-    from moequant.calib.calibrate import calibrate, load_tokenizer
-    from moequant.io.checkpoint import atomic_write_text, open_checkpoint
-    from moequant.pipeline.apply import calibration_settings
-    from moequant.pipeline.precheck import check_recipe
-    from moequant.plan.policy import make_plan
-    from moequant.plan.recipe import TARGETS, recipe_to_dict, resolve_format
+    from moequant.io.checkpoint import open_checkpoint
+
+    _check_targets(targets, budgets, uniform)
+    ckpt = open_checkpoint(recipe.model)
+    uniform_variants, resolved = _feasible_runs(recipe, ckpt, budgets, targets, uniform)
+    out = Path(recipe.output)
+    out.mkdir(parents=True, exist_ok=True)
+    settings, stats_dir = _calibrate_once(recipe, ckpt, uniform, out, device, progress, log)
+    runs, skipped = _plan_runs(recipe, ckpt, stats_dir, uniform_variants, resolved, targets, log)
+
+    points = []
+    done: dict[str, Path] = {}  # tensor_formats(plan) -> the run directory that made that checkpoint
+    for name, kind, variant, plan, fields in runs:
+        same = tensor_formats(plan)
+        report = _run_one(name, variant, plan, out / name, ckpt, stats_dir, settings, progress, log,
+                          same_as=done.get(same))
+        done.setdefault(same, out / name)
+        points.append(_point(name, kind, report, out / name / "report.json", plan=plan, **fields))
+    e = recipe.evaluate
+    evaluate_settings = {"dataset": e.dataset, "samples": e.samples, "seq_len": e.seq_len, "seed": recipe.seed}
+    for path in extra_reports:
+        points.append(outside_point(path, ckpt.directory, evaluate_settings))
+
+    # Re-render every run's report so that each one's frontier plot shows all its siblings.
+    from moequant.report import write_report
+
+    for name, *_ in runs:
+        write_report(json.loads((out / name / "report.json").read_text()), out / name)
+    return _write_frontier(recipe, out, runs, points, skipped, evaluate_settings, log)
+
+
+def _check_targets(targets, budgets, uniform) -> None:
+    from moequant.plan.recipe import TARGETS
 
     for target in targets:
         if target not in TARGETS:
             raise UserError(f"target {target!r} is not a target; accepted: {', '.join(TARGETS)}.")
     if not budgets and not uniform:
         raise UserError("pareto needs at least one budget or one uniform format.")
-    ckpt = open_checkpoint(recipe.model)
 
-    # Every format any run may give a routed expert: calibration measures each one's sensitivity.
+
+def _feasible_runs(recipe, ckpt, budgets, targets, uniform):
+    """What shapes alone decide, before the calibration: a uniform run that cannot be made is an
+    error; budgets no target can meet are reported later (as after calibration), and when none of
+    the runs can be made nothing is calibrated or written.
+    Returns ([(uniform recipe, its format spec)], [(budget entry, bits per routed-expert weight)])."""
+    from moequant.pipeline.precheck import check_recipe
+
     uniform_variants = [_uniform_recipe(recipe, entry) for entry in uniform]
-    # What shapes alone decide, before the calibration: a uniform run that cannot be made is an
-    # error; budgets no target can meet are reported below (as after calibration), and when
-    # none of the runs can be made nothing is calibrated or written.
     cache: dict = {}
     resolved = [(entry, resolve_budget(recipe, ckpt, entry, cache)) for entry in budgets]
     for variant, _ in uniform_variants:
@@ -325,21 +355,36 @@ def _pareto(recipe, budgets, targets, uniform, extra_reports, device, progress, 
                 errors.append(str(error))
     if not uniform_variants and len(errors) == len(resolved) * len(targets):
         raise UserError("no budget is feasible for any target: " + " ".join(errors))
-    out = Path(recipe.output)
-    out.mkdir(parents=True, exist_ok=True)
+    return uniform_variants, resolved
+
+
+def _calibrate_once(recipe, ckpt, uniform, out: Path, device, progress, log):
+    """The statistics every run reads, in OUTPUT/stats: every format any run may give a routed expert
+    has its sensitivity measured. Returns (calibration settings, the statistics directory)."""
+    from moequant.calib.calibrate import calibrate, load_tokenizer
+    from moequant.pipeline.apply import calibration_settings
+    from moequant.plan.recipe import resolve_format
+
     keys: list[str] = []
     for entry in [*recipe.experts.formats, *uniform]:
         spec = resolve_format(recipe, entry)
         if spec.quantized and spec.key not in keys:
             keys.append(spec.key)
-    c = recipe.calibration
     settings = calibration_settings(recipe, device, formats=tuple(keys))
     stats_dir = out / "stats"
     calibrate(recipe.model, stats_dir, settings, overwrite=True, tokenizer=load_tokenizer(ckpt.directory),
               progress=progress)
     log(f"calibration statistics: {stats_dir}")
+    return settings, stats_dir
 
-    runs = []  # (name, kind, variant, plan, extra point fields)
+
+def _plan_runs(recipe, ckpt, stats_dir: Path, uniform_variants, resolved, targets, log):
+    """The plans of the uniform runs and of every budget x target; a budget a target cannot meet is
+    skipped (said, and listed in pareto.json). Returns ([(name, kind, recipe, plan, extra point
+    fields)], skipped)."""
+    from moequant.plan.policy import make_plan
+
+    runs = []
     skipped: list[dict] = []
     for variant, spec in uniform_variants:
         plan = make_plan(variant, ckpt, stats_dir)
@@ -363,26 +408,15 @@ def _pareto(recipe, budgets, targets, uniform, extra_reports, device, progress, 
     if len(set(names)) != len(names):
         raise UserError(f"two budgets name the same run ({', '.join(sorted({n for n in names if names.count(n) > 1}))}); "
                         "give each budget once.")
+    return runs, skipped
 
-    points = []
-    done: dict[str, Path] = {}  # tensor_formats(plan) -> the run directory that made that checkpoint
-    for name, kind, variant, plan, fields in runs:
-        same = tensor_formats(plan)
-        report = _run_one(name, variant, plan, out / name, ckpt, stats_dir, settings, progress, log,
-                          same_as=done.get(same))
-        done.setdefault(same, out / name)
-        points.append(_point(name, kind, report, out / name / "report.json", plan=plan, **fields))
-    e = recipe.evaluate
-    evaluate_settings = {"dataset": e.dataset, "samples": e.samples, "seq_len": e.seq_len, "seed": recipe.seed}
-    for path in extra_reports:
-        points.append(outside_point(path, ckpt.directory, evaluate_settings))
 
-    # Re-render every run's report so that each one's frontier plot shows all its siblings.
-    from moequant.report import write_report
+def _write_frontier(recipe, out: Path, runs, points, skipped, evaluate_settings: dict, log) -> dict:
+    """OUTPUT/pareto.json (returned) and OUTPUT/pareto.png."""
+    from moequant.io.checkpoint import atomic_write_text
+    from moequant.plan.recipe import recipe_to_dict
 
-    for name, *_ in runs:
-        write_report(json.loads((out / name / "report.json").read_text()), out / name)
-
+    c = recipe.calibration
     result = {"schema": SCHEMA, "model": recipe.model, "recipe": recipe_to_dict(recipe),
               "evaluate": evaluate_settings,
               "calibration": {"dataset": c.dataset, "samples": c.samples, "seq_len": c.seq_len, "seed": recipe.seed},

@@ -41,13 +41,14 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from moequant import formats
-from moequant.arch import adapter_for
+from moequant import formats, parallel
+from moequant.arch import Adapter, adapter_for
 from moequant.calib.calibrate import (
     CalibrationSettings,
     _LayerCollector,
@@ -59,7 +60,7 @@ from moequant.calib.calibrate import (
 )
 from moequant.calib.stats import chosen_hessian
 from moequant.errors import UserError
-from moequant.io.checkpoint import atomic_write_text, open_checkpoint
+from moequant.io.checkpoint import Checkpoint, atomic_write_text, open_checkpoint
 from moequant.io.layers import LayerRunner, compute_dtype, release_freed_memory
 from moequant.plan.policy import Plan
 from moequant.progress import LayerProgress
@@ -206,8 +207,6 @@ def _awq_layer(adapter, ckpt, layer: int, plan_rows, weights: dict, collected: d
 
     Returns (input scale [H] or None, full-precision replacements {on-disk name: float32 tensor},
     changed {proj: bool [E]} — which experts' weights the folds changed, report)."""
-    from moequant.algorithms.awq import SharedGroup, awq_clip, awq_scales, awq_shared_scale, awq_shared_scale_moe
-
     E = adapter.num_experts
     changed = {p: torch.zeros(E, dtype=torch.bool) for p in adapter.projections}
     report, replaced = {}, {}
@@ -222,100 +221,145 @@ def _awq_layer(adapter, ckpt, layer: int, plan_rows, weights: dict, collected: d
         if proj != "down":
             continue
         idx = torch.tensor(sorted(experts))
-        own, counts, H, m, used = _chosen_statistics(collected, "down", idx, E, min_tokens)
-        scales, rep = awq_scales([weights["down"][idx]], key, hessian=H, mean_abs=m, tokens=used, grid=AWQ_GRID,
-                                 device=device)
-        scales = scales.to("cpu", torch.float32)
+        scales, entry = _awq_down(weights, key, idx, collected, E, min_tokens, device)
         down_scales[idx] = scales
-        weights["down"][idx] *= scales[:, None, :]
-        weights["up"][idx] /= scales[:, :, None]
+        report[f"down:{key}"] = entry
         changed["down"][idx] = changed["up"][idx] = True
-        clipped = awq_clip(weights["down"][idx], key, H / (scales[:, :, None] * scales[:, None, :]), device=device)
-        weights["down"][idx] = clipped.weight.to("cpu", torch.float32)
-        ids = idx.tolist()
-        fallbacks = {str(e): f"all-tokens statistics: {int(counts[i])} routed tokens < {min_tokens}"
-                     for i, e in enumerate(ids) if not own[i]}
-        fallbacks.update({str(ids[i]): f"{rep.method[i]}: {rep.reason[i]}" for i in range(len(ids)) if rep.reason[i]})
-        report[f"down:{key}"] = {"variant": "per expert, folded into the same expert's up_proj rows",
-                                 "alpha": dict(zip(map(str, ids), rep.alpha)),
-                                 "calibration_error_rtn": dict(zip(map(str, ids), rep.error_rtn)),
-                                 "calibration_error_awq": dict(zip(map(str, ids), rep.error_awq)),
-                                 "clip": _clip_report(clipped, ids),
-                                 "fallbacks": fallbacks}
 
     # gate_proj / up_proj: one scale for the layer (they share the normalised input)
-    shared_keys = sorted((proj, key) for proj, key in by if proj in ("gate", "up"))
+    shared = {(proj, key): experts for (proj, key), experts in by.items() if proj in ("gate", "up")}
     scale = None
-    if shared_keys:
-        groups, info = [], []
-        for proj, key in shared_keys:
-            idx = torch.tensor(sorted(by[(proj, key)]))
-            own, counts, H, _, _ = _chosen_statistics(collected, "gate_up", idx, E, min_tokens)
-            # each expert's error counts once per routed token (sum over experts = error over all
-            # tokens); an expert no token reached still counts as one
-            groups.append(SharedGroup(weights[proj][idx], key, H, counts.clamp(min=1).double()))
-            info.append((proj, key, idx.tolist(), own, counts))
-        magnitude = collected["input.gate_up.abs_mean"][0]
-        if tokens and tokens.get("x"):
-            specs = [None] * E
-            for t in plan_rows:
-                if t.algorithm == "awq" and t.quantized and t.proj in ("gate", "up"):
-                    pair = list(specs[t.expert] or (None, None))
-                    pair[("gate", "up").index(t.proj)] = t.format
-                    specs[t.expert] = tuple(pair)
-            # down_proj as the quantized block will have it: AWQ rows are round-to-nearest of the
-            # scaled, clipped weights; other quantized rows are approximated by round-to-nearest
-            down_hat = weights["down"].clone()
-            for key in sorted({t.format for t in plan_rows if t.proj == "down" and t.quantized}):
-                idx = torch.tensor(sorted(t.expert for t in plan_rows if t.proj == "down" and t.format == key))
-                down_hat[idx] = formats.quantize(down_hat[idx], key).dequantize(torch.float32)
-            res = awq_shared_scale_moe(torch.cat(tokens["x"]), torch.cat(tokens["indices"]),
-                                       torch.cat(tokens["weights"]), weights["gate"], weights["up"], weights["down"],
-                                       specs, tokens["act"], magnitude, grid=AWQ_GRID, device=device,
-                                       down_hat=down_hat, holdout=AWQ_HOLDOUT, clip=True)
-            objective = ("MoE block output over the calibration tokens (routing-weighted; down quantized as the pass "
-                         f"does); alpha chosen on the first {1 - AWQ_HOLDOUT:.0%} of the tokens, kept only if the "
-                         f"clipped, quantized block is also better on the last {AWQ_HOLDOUT:.0%}")
-        else:
-            res = awq_shared_scale(groups, magnitude, grid=AWQ_GRID, device=device)
-            objective = "each expert's gate/up output error through its Hessian, weighted by its routed tokens"
-        scale = res.scale.to("cpu", torch.float32)
+    if shared:
+        scale, folded, shared_replaced, shared_report = _awq_shared_gate_up(
+            adapter, ckpt, layer, plan_rows, weights, collected, min_tokens, device, tokens, shared)
+        replaced.update(shared_replaced)
+        report.update(shared_report)
+        # every routed expert reads the folded norm's output; without a fold (s = 1) only the down_proj
+        # fold changed experts (their up rows)
         for proj in ("gate", "up"):
-            weights[proj] *= scale  # every routed expert reads the folded norm's output
-            changed[proj][:] = True
-        clips = {}
-        for (proj, key), (g, (_, _, ids, _, _)) in zip(shared_keys, zip(groups, info)):
-            idx = torch.tensor(ids)
-            clipped = awq_clip(weights[proj][idx], key, g.hessian / (scale[:, None] * scale[None, :]), device=device)
-            weights[proj][idx] = clipped.weight.to("cpu", torch.float32)
-            clips[(proj, key)] = _clip_report(clipped, ids)
-        norm = f"model.layers.{layer}.post_attention_layernorm.weight"
-        consumers = _input_consumers(adapter, ckpt, layer)
-        folded = bool((scale != 1).any())  # alpha = 0: s = 1, nothing to fold (tensors stay as they are)
-        if folded:
-            replaced[norm] = ckpt.get(norm).float() / scale
-            for name in consumers:
-                replaced[name] = ckpt.get(name).float() * scale
-        else:
-            for proj in ("gate", "up"):
-                changed[proj][:] = False
-            changed["up"] |= changed["down"]  # the down_proj fold still changed those experts' up rows
-        for proj, key, ids, own, counts in info:
-            report[f"{proj}:{key}"] = {"variant": ("shared gate/up scale folded into post_attention_layernorm, router"
-                                                   + (", shared expert" if any("shared_expert" in n for n in consumers)
-                                                      else "")) if folded else
-                                       "shared gate/up scale s = 1 (alpha = 0: no gain confirmed), nothing folded",
-                                       "alpha": res.alpha,
-                                       "clip": clips[(proj, key)],
-                                       "routed_tokens": dict(zip(map(str, ids), counts.tolist())),
-                                       "fallbacks": {str(e): "0 routed tokens: gets the layer's shared scale"
-                                                     for i, e in enumerate(ids) if int(counts[i]) == 0}}
-        report["shared_scale"] = {"alpha": res.alpha, "objective": objective, "folded_into": [norm] + consumers if folded else [],
-                                  "scale_min": float(scale.min()), "scale_max": float(scale.max()),
-                                  "objective_rtn": res.objective[0], "objective_awq": res.objective[int(round(res.alpha * AWQ_GRID))],
-                                  "objective_best": min(res.objective), "validation": res.validation}
+            changed[proj][:] = folded
+        changed["up"] |= changed["down"]
     report["scales"] = {"down": down_scales, "input": scale if scale is not None else torch.ones(adapter.hidden)}
     return scale, replaced, changed, report
+
+
+def _awq_down(weights: dict, key: str, idx: torch.Tensor, collected: dict, num_experts: int, min_tokens: int,
+              device) -> tuple[torch.Tensor, dict]:
+    """AWQ of the down_proj of experts `idx` in format `key`: per-expert scales (on each expert's own
+    routed-token statistics) folded into the same experts' up_proj rows, then the scaled weights clipped;
+    `weights` changed in place. Returns (the scales [len(idx), I], report entry)."""
+    from moequant.algorithms.awq import awq_clip, awq_scales
+
+    own, counts, H, m, used = _chosen_statistics(collected, "down", idx, num_experts, min_tokens)
+    scales, rep = awq_scales([weights["down"][idx]], key, hessian=H, mean_abs=m, tokens=used, grid=AWQ_GRID,
+                             device=device)
+    scales = scales.to("cpu", torch.float32)
+    weights["down"][idx] *= scales[:, None, :]
+    weights["up"][idx] /= scales[:, :, None]
+    clipped = awq_clip(weights["down"][idx], key, H / (scales[:, :, None] * scales[:, None, :]), device=device)
+    weights["down"][idx] = clipped.weight.to("cpu", torch.float32)
+    ids = idx.tolist()
+    fallbacks = {str(e): f"all-tokens statistics: {int(counts[i])} routed tokens < {min_tokens}"
+                 for i, e in enumerate(ids) if not own[i]}
+    fallbacks.update({str(ids[i]): f"{rep.method[i]}: {rep.reason[i]}" for i in range(len(ids)) if rep.reason[i]})
+    return scales, {"variant": "per expert, folded into the same expert's up_proj rows",
+                    "alpha": dict(zip(map(str, ids), rep.alpha)),
+                    "calibration_error_rtn": dict(zip(map(str, ids), rep.error_rtn)),
+                    "calibration_error_awq": dict(zip(map(str, ids), rep.error_awq)),
+                    "clip": _clip_report(clipped, ids),
+                    "fallbacks": fallbacks}
+
+
+def _awq_shared_gate_up(adapter, ckpt, layer: int, plan_rows, weights: dict, collected: dict, min_tokens: int,
+                        device, tokens: dict | None, shared: dict):
+    """The layer's one gate/up input scale (`shared`: (proj, format) -> AWQ experts): searched, multiplied
+    into every routed expert's gate/up (in place), the AWQ rows clipped, and folded into the
+    post-attention norm and its other consumers unless it is 1.
+    Returns (scale [H], folded, full-precision replacements, report entries)."""
+    from moequant.algorithms.awq import SharedGroup, awq_clip
+
+    shared_keys = sorted(shared)
+    groups, info = [], []
+    for proj, key in shared_keys:
+        idx = torch.tensor(sorted(shared[(proj, key)]))
+        own, counts, H, _, _ = _chosen_statistics(collected, "gate_up", idx, adapter.num_experts, min_tokens)
+        # each expert's error counts once per routed token (sum over experts = error over all
+        # tokens); an expert no token reached still counts as one
+        groups.append(SharedGroup(weights[proj][idx], key, H, counts.clamp(min=1).double()))
+        info.append((proj, key, idx.tolist(), own, counts))
+    res, objective = _search_shared_scale(plan_rows, weights, groups, collected["input.gate_up.abs_mean"][0],
+                                          tokens, adapter.num_experts, device)
+    scale = res.scale.to("cpu", torch.float32)
+    for proj in ("gate", "up"):
+        weights[proj] *= scale  # every routed expert reads the folded norm's output
+    clips = {}
+    for (proj, key), (g, (_, _, ids, _, _)) in zip(shared_keys, zip(groups, info)):
+        idx = torch.tensor(ids)
+        clipped = awq_clip(weights[proj][idx], key, g.hessian / (scale[:, None] * scale[None, :]), device=device)
+        weights[proj][idx] = clipped.weight.to("cpu", torch.float32)
+        clips[(proj, key)] = _clip_report(clipped, ids)
+    norm = f"model.layers.{layer}.post_attention_layernorm.weight"
+    consumers = _input_consumers(adapter, ckpt, layer)
+    folded = bool((scale != 1).any())  # alpha = 0: s = 1, nothing to fold (tensors stay as they are)
+    replaced = {}
+    if folded:
+        replaced[norm] = ckpt.get(norm).float() / scale
+        for name in consumers:
+            replaced[name] = ckpt.get(name).float() * scale
+    report = _shared_scale_report(res, scale, objective, info, clips, [norm] + consumers if folded else [])
+    return scale, folded, replaced, report
+
+
+def _search_shared_scale(plan_rows, weights: dict, groups: list, magnitude: torch.Tensor, tokens: dict | None,
+                         num_experts: int, device):
+    """The shared gate/up scale's search: on the MoE block's routed output over the recorded calibration
+    tokens when there are any, else on each expert's gate/up output error through its Hessian.
+    Returns (the search's result, the objective in words)."""
+    from moequant.algorithms.awq import awq_shared_scale, awq_shared_scale_moe
+
+    if not (tokens and tokens.get("x")):
+        res = awq_shared_scale(groups, magnitude, grid=AWQ_GRID, device=device)
+        return res, "each expert's gate/up output error through its Hessian, weighted by its routed tokens"
+    specs = [None] * num_experts  # per expert: (gate format, up format) of its AWQ rows
+    for t in plan_rows:
+        if t.algorithm == "awq" and t.quantized and t.proj in ("gate", "up"):
+            pair = list(specs[t.expert] or (None, None))
+            pair[("gate", "up").index(t.proj)] = t.format
+            specs[t.expert] = tuple(pair)
+    # down_proj as the quantized block will have it: AWQ rows are round-to-nearest of the
+    # scaled, clipped weights; other quantized rows are approximated by round-to-nearest
+    down_hat = weights["down"].clone()
+    for key in sorted({t.format for t in plan_rows if t.proj == "down" and t.quantized}):
+        idx = torch.tensor(sorted(t.expert for t in plan_rows if t.proj == "down" and t.format == key))
+        down_hat[idx] = formats.quantize(down_hat[idx], key).dequantize(torch.float32)
+    res = awq_shared_scale_moe(torch.cat(tokens["x"]), torch.cat(tokens["indices"]),
+                               torch.cat(tokens["weights"]), weights["gate"], weights["up"], weights["down"],
+                               specs, tokens["act"], magnitude, grid=AWQ_GRID, device=device,
+                               down_hat=down_hat, holdout=AWQ_HOLDOUT, clip=True)
+    return res, ("MoE block output over the calibration tokens (routing-weighted; down quantized as the pass "
+                 f"does); alpha chosen on the first {1 - AWQ_HOLDOUT:.0%} of the tokens, kept only if the "
+                 f"clipped, quantized block is also better on the last {AWQ_HOLDOUT:.0%}")
+
+
+def _shared_scale_report(res, scale: torch.Tensor, objective: str, info: list, clips: dict,
+                         folded_into: list[str]) -> dict:
+    """Report entries of the shared gate/up scale: one per (proj, format) of `info`, and "shared_scale"."""
+    report = {}
+    for proj, key, ids, own, counts in info:
+        report[f"{proj}:{key}"] = {"variant": ("shared gate/up scale folded into post_attention_layernorm, router"
+                                               + (", shared expert" if any("shared_expert" in n for n in folded_into)
+                                                  else "")) if folded_into else
+                                   "shared gate/up scale s = 1 (alpha = 0: no gain confirmed), nothing folded",
+                                   "alpha": res.alpha,
+                                   "clip": clips[(proj, key)],
+                                   "routed_tokens": dict(zip(map(str, ids), counts.tolist())),
+                                   "fallbacks": {str(e): "0 routed tokens: gets the layer's shared scale"
+                                                 for i, e in enumerate(ids) if int(counts[i]) == 0}}
+    report["shared_scale"] = {"alpha": res.alpha, "objective": objective, "folded_into": folded_into,
+                              "scale_min": float(scale.min()), "scale_max": float(scale.max()),
+                              "objective_rtn": res.objective[0], "objective_awq": res.objective[int(round(res.alpha * AWQ_GRID))],
+                              "objective_best": min(res.objective), "validation": res.validation}
+    return report
 
 
 def _clip_report(clipped, ids) -> dict:
@@ -560,19 +604,12 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
     Where AWQ folded its scales into tensors that stay in full precision (post-attention norm,
     router, shared expert, experts the plan keeps), the mapping also holds them as plain tensors
     under their on-disk names, in the checkpoint's dtype: `export_checkpoint` writes them as they are."""
-    from moequant import parallel
-    from moequant.calib.data import load_samples
-
     world = parallel.world()  # None: one process; else this rank quantizes its slice of every layer's experts
     ckpt = open_checkpoint(model)
     adapter = adapter_for(ckpt.config)
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    if samples is None:
-        tokenizer = load_tokenizer(ckpt.directory)
-        samples = load_samples(settings.dataset, tokenizer, settings.samples, settings.seq_len, split="calibration",
-                               seed=settings.seed, allow_fewer=settings.allow_fewer)
-    input_ids = torch.stack([s.input_ids for s in samples])
+    input_ids = _calibration_input_ids(ckpt, settings, samples)
     fingerprint = _plan_fingerprint(plan, settings, hashlib.sha256(input_ids.numpy().tobytes()).hexdigest()
                                     + (f" ranks {world.size}" if world is not None else ""))  # work/ files per rank
     own = world.experts(adapter.num_experts) if world is not None else None
@@ -592,135 +629,22 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
         runner = LayerRunner(ckpt, adapter, input_ids, batch_size=settings.batch_size, device=settings.device,
                              dtype=compute_dtype(settings.compute_dtype, settings.device))
     start, hidden = _resume_point(work, fingerprint, runner, last_data_layer, world)
-
-    def quantize_layer(L, host_experts):
-        """One decoder layer of the pass (module docstring); `host_experts` read ahead, or None."""
-        nonlocal hidden
-        t0 = time.perf_counter()
-        rows = rows_by_layer.get(L, [])
-        expert_rows = [t for t in rows if t.role == "routed_expert" and t.expert is not None and t.proj in ("gate", "up", "down")]
-        other_rows = [t for t in rows if t not in expert_rows]
-        mine = expert_rows if own is None else [t for t in expert_rows if t.expert in own]  # what this rank quantizes
-        collected = None
-        needs_stats = any(t.algorithm in ("gptq", "awq", "imatrix") and t.quantized for t in expert_rows)
-        uses_awq = any(t.algorithm == "awq" and t.quantized for t in expert_rows)
-        routing_before, routing_after, tokens = [], [], {}
-        weights, routed_tokens = None, None
-        if expert_rows and (uses_awq or not needs_stats):
-            dev = "cpu" if uses_awq else settings.device  # AWQ's search runs on host copies
-            host = host_experts or read_layer_experts(L)
-            weights = {p: host[p].to(dev, torch.float32) for p in adapter.projections}
-            del host
-        chunked = None
-        if L in adapter.moe_layers and needs_stats and not uses_awq:
-            bar.stage("statistics and GPTQ")
-            host = host_experts or read_layer_experts(L)
-            chunked = _statistics_and_quantize_in_chunks(runner, adapter, L, hidden, mine, host, settings, own)
-            del host
-        elif L in adapter.moe_layers and needs_stats:
-            bar.stage("statistics")
-            with runner.materialized(L, experts=weights) as module:
-                col = _LayerCollector(adapter, module.mlp.experts, adapter.num_experts, adapter.top_k, [], True, True)
-                col.token_domains = torch.zeros(0, dtype=torch.long)
-                hooks = [_routing_recorder(adapter, module, routing_before)]
-                if uses_awq:
-                    hooks += _token_recorder(adapter, module, tokens)
-                try:
-                    collect_moe_stats(runner, module, L, col, hidden)
-                finally:
-                    for hook in hooks:
-                        hook.remove()
-                collected = col.finish()
-                col.t.clear()  # the raw sums: the normalised copies above are what the layer uses
-                # the pass's own routing (inputs from the quantized layers before): the report's
-                # usage signal when the recipe ran no calibration
-                routed_tokens = collected["routing.count"].tolist()
-                if uses_awq:
-                    collected = {k: v.cpu() for k, v in collected.items()}
-        quantized, report, experts_dq = ({}, {}, None)
-        replaced, awq_report, input_scale = {}, {}, None
-        if chunked is not None:
-            quantized, report, experts_dq, routed_tokens = chunked
-        elif expert_rows:
-            bar.stage("quantizing experts")
-            changed = {}
-            if uses_awq:
-                input_scale, replaced, changed, awq_report = _awq_layer(adapter, ckpt, L, expert_rows, weights,
-                                                                        collected, settings.min_tokens, settings.device,
-                                                                        tokens)
-            quantized, report, experts_dq = _quantize_experts(adapter, L, mine, collected,
-                                                              settings.min_tokens, settings.device, weights=weights,
-                                                              input_scale=input_scale,
-                                                              first_expert=own.start if own is not None else 0)
-            # experts the folds changed but the plan keeps in full precision: written as folded
-            for proj, mask in changed.items():
-                for e in mask.nonzero().flatten().tolist():
-                    if (L, e, proj) not in quantized:
-                        name = adapter.expert_tensor_name(L, e, proj)
-                        replaced[name] = weights[proj][e]
-        if world is not None and world.rank != 0 and L >= last_data_layer:
-            other_rows = []  # rank 0 quantizes them; this rank runs no forward of the layer that would need them
-        q_other, other_dq = _quantize_other(ckpt, other_rows, replaced)
-        if world is None or world.rank == 0:  # rank 0's work/ file holds the layer's non-expert tensors
-            quantized.update(q_other)
-        # full-precision replacements keep their checkpoint dtype; the forward sees them as exported
-        kept = {n: t.to(ckpt.get(n).dtype) for n, t in replaced.items() if n not in q_other}
-        for name, t in kept.items():
-            role = adapter.classify(name)
-            if role.role == "routed_expert":
-                experts_dq[role.proj][role.expert] = t.float()
-        forward_tensors = {**other_dq, **{n: t.float() for n, t in kept.items() if adapter.classify(n).role != "routed_expert"}}
-        # a later layer's GPTQ / AWQ reads this layer's quantized output; an AWQ layer's report also
-        # compares its routing before and after the folds
-        if L < last_data_layer or (uses_awq and routing_before):
-            bar.stage("quantized forward")
-            if world is not None and experts_dq is not None:  # every rank runs the whole quantized layer
-                experts_dq = {p: world.all_gather_experts(t, adapter.num_experts, f"layer {L}'s quantized {p} experts")
-                              for p, t in experts_dq.items()}
-            with runner.materialized(L, experts=experts_dq, tensors=forward_tensors) as module:
-                hook = _routing_recorder(adapter, module, routing_after) if uses_awq and routing_before else None
-                try:
-                    hidden = runner.forward(module, L, hidden)
-                finally:
-                    if hook is not None:
-                        hook.remove()
-        del weights, experts_dq, collected
-        _add_awq_report(report, awq_report, routing_before, routing_after, bool(q_other), work / f"awq_{L:03d}.safetensors")
-        quantized.update(kept)
-        save_quantized(quantized, _layer_file(work, L, world.rank if world is not None else 0))
-        if world is not None:  # written by every rank before rank 0 records the layer as finished
-            parts = world.gather_objects(report, f"layer {L}'s quantize report")
-            if world.rank != 0:
-                return
-            report = {}
-            for part in parts:  # rank order = expert order, as one process's chunks
-                _merge_chunk_report(report, part)
-        if routed_tokens is not None:
-            report["routed_tokens"] = routed_tokens
-        report["seconds"] = time.perf_counter() - t0
-        atomic_write_text(work / f"layer_{L:03d}.json", json.dumps(report, indent=2))
-        if L < last_data_layer:
-            save_carried(work, fingerprint, L + 1, hidden)
-        else:
-            _mark_finished(work, fingerprint, L + 1)
-
-    layers = range(start, adapter.num_layers)
     bar = LayerProgress("quantizing", adapter.num_layers - start, int(input_ids.numel()), progress)
+    run = _Pass(ckpt, adapter, settings, world, own, runner, work, fingerprint, last_data_layer, bar)
     # the next layer's experts are read from disk (into host memory) while this one computes
     from concurrent.futures import ThreadPoolExecutor
-
-    def read_layer_experts(L):  # this rank's experts only
-        return {p: parallel.read_experts(adapter, ckpt, L, p, own) for p in adapter.projections}
 
     reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moequant-read")
     read_ahead = {}
     try:
-        for L in layers:
+        for L in range(start, adapter.num_layers):
             bar.start(L)
             pending = read_ahead.pop(L, None)
             if L + 1 in adapter.moe_layers and any(t.role == "routed_expert" for t in rows_by_layer.get(L + 1, [])):
-                read_ahead[L + 1] = reader.submit(read_layer_experts, L + 1)
-            quantize_layer(L, pending.result() if pending is not None else None)
+                read_ahead[L + 1] = reader.submit(_read_layer_experts, adapter, ckpt, L + 1, own)
+            # `hidden` is held only here and in the call: each layer's input is freed once it returns its output
+            hidden = _quantize_layer(run, L, rows_by_layer.get(L, []), hidden,
+                                     pending.result() if pending is not None else None)
             release_freed_memory()
             bar.done(L)
     finally:
@@ -730,6 +654,194 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
     if world is not None and world.rank != 0:  # rank 0 exports: it reads every rank's work/ files
         return {}, {}
     return _collect_layer_files(ckpt, adapter, work, rows_by_layer.get(None, []), world, lazy)
+
+
+def _calibration_input_ids(ckpt, settings: CalibrationSettings, samples) -> torch.Tensor:
+    """[samples, seq_len] token ids of the calibration samples (`samples`, or loaded as `settings` say)."""
+    from moequant.calib.data import load_samples
+
+    if samples is None:
+        tokenizer = load_tokenizer(ckpt.directory)
+        samples = load_samples(settings.dataset, tokenizer, settings.samples, settings.seq_len, split="calibration",
+                               seed=settings.seed, allow_fewer=settings.allow_fewer)
+    return torch.stack([s.input_ids for s in samples])
+
+
+@dataclass
+class _Pass:
+    """What every layer of one quantize pass reads (fixed for the pass)."""
+
+    ckpt: Checkpoint
+    adapter: Adapter
+    settings: CalibrationSettings
+    world: parallel.World | None  # None: one process
+    own: range | None  # this rank's experts (expert parallel), or None: all of them
+    runner: LayerRunner | None  # None: no layer needs calibration activations
+    work: Path
+    fingerprint: str
+    last_data_layer: int  # the last layer whose quantization reads activations (-1: none)
+    bar: LayerProgress
+
+
+def _read_layer_experts(adapter, ckpt, layer: int, own: range | None) -> dict:
+    """A layer's routed-expert weights {proj: [E, out, in]} from disk; this rank's experts only."""
+    return {p: parallel.read_experts(adapter, ckpt, layer, p, own) for p in adapter.projections}
+
+
+def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict | None):
+    """One decoder layer of the pass (module docstring): its plan `rows`, the hidden states entering it,
+    `host_experts` read ahead (or None). Returns the hidden states the next layer reads."""
+    t0 = time.perf_counter()
+    adapter = run.adapter
+    expert_rows = [t for t in rows if t.role == "routed_expert" and t.expert is not None and t.proj in ("gate", "up", "down")]
+    other_rows = [t for t in rows if t not in expert_rows]
+    mine = expert_rows if run.own is None else [t for t in expert_rows if t.expert in run.own]  # what this rank quantizes
+    needs_stats = any(t.algorithm in ("gptq", "awq", "imatrix") and t.quantized for t in expert_rows)
+    uses_awq = any(t.algorithm == "awq" and t.quantized for t in expert_rows)
+    collected, routed_tokens, routing_before, tokens, weights = None, None, [], {}, None
+    if expert_rows and (uses_awq or not needs_stats):
+        dev = "cpu" if uses_awq else run.settings.device  # AWQ's search runs on host copies
+        host = host_experts or _read_layer_experts(adapter, run.ckpt, L, run.own)
+        weights = {p: host[p].to(dev, torch.float32) for p in adapter.projections}
+        del host
+    chunked = None
+    if L in adapter.moe_layers and needs_stats and not uses_awq:
+        run.bar.stage("statistics and GPTQ")
+        host = host_experts or _read_layer_experts(adapter, run.ckpt, L, run.own)
+        chunked = _statistics_and_quantize_in_chunks(run.runner, adapter, L, hidden, mine, host, run.settings, run.own)
+        del host
+    elif L in adapter.moe_layers and needs_stats:
+        run.bar.stage("statistics")
+        collected, routed_tokens, routing_before, tokens = _awq_statistics(run.runner, adapter, L, hidden, weights)
+    quantized, report, experts_dq, replaced, awq_report = {}, {}, None, {}, {}
+    if chunked is not None:
+        quantized, report, experts_dq, routed_tokens = chunked
+    elif expert_rows:
+        run.bar.stage("quantizing experts")
+        quantized, report, experts_dq, replaced, awq_report = _quantize_whole_layer_experts(
+            run, L, expert_rows, mine, weights, collected, tokens, uses_awq)
+    q_other, kept, forward_tensors = _quantize_layer_other(run, L, other_rows, replaced, experts_dq)
+    if run.world is None or run.world.rank == 0:  # rank 0's work/ file holds the layer's non-expert tensors
+        quantized.update(q_other)
+    # a later layer's GPTQ / AWQ reads this layer's quantized output; an AWQ layer's report also
+    # compares its routing before and after the folds
+    routing_after = []
+    if L < run.last_data_layer or (uses_awq and routing_before):
+        run.bar.stage("quantized forward")
+        hidden, routing_after = _quantized_forward(run, L, hidden, experts_dq, forward_tensors,
+                                                   record_routing=bool(uses_awq and routing_before))
+    del weights, experts_dq, collected
+    _add_awq_report(report, awq_report, routing_before, routing_after, bool(q_other),
+                    run.work / f"awq_{L:03d}.safetensors")
+    quantized.update(kept)
+    _save_layer(run, L, quantized, report, routed_tokens, t0, hidden)
+    return hidden
+
+
+def _awq_statistics(runner, adapter, L: int, hidden, weights: dict):
+    """One forward of an AWQ layer with its original weights (`weights`, host copies): the experts'
+    statistics, and for the AWQ search the routing and the MoE block's input tokens.
+    Returns (statistics on the CPU, routed tokens per expert, routing [per batch], recorded tokens)."""
+    routing_before, tokens = [], {}
+    with runner.materialized(L, experts=weights) as module:
+        col = _LayerCollector(adapter, module.mlp.experts, adapter.num_experts, adapter.top_k, [], True, True)
+        col.token_domains = torch.zeros(0, dtype=torch.long)
+        hooks = [_routing_recorder(adapter, module, routing_before), *_token_recorder(adapter, module, tokens)]
+        try:
+            collect_moe_stats(runner, module, L, col, hidden)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        collected = col.finish()
+        col.t.clear()  # the raw sums: the normalised copies above are what the layer uses
+        # the pass's own routing (inputs from the quantized layers before): the report's
+        # usage signal when the recipe ran no calibration
+        routed_tokens = collected["routing.count"].tolist()
+        collected = {k: v.cpu() for k, v in collected.items()}
+    return collected, routed_tokens, routing_before, tokens
+
+
+def _quantize_whole_layer_experts(run: _Pass, L: int, expert_rows: list, mine: list, weights: dict,
+                                  collected: dict | None, tokens: dict, uses_awq: bool):
+    """The layer's routed experts in one go (no chunks): AWQ's scales first where the plan asks for
+    them, then GPTQ / RTN (`_quantize_experts`).
+    Returns (quantized, report, dequantized experts, full-precision replacements, AWQ report)."""
+    changed, replaced, awq_report, input_scale = {}, {}, {}, None
+    if uses_awq:
+        input_scale, replaced, changed, awq_report = _awq_layer(run.adapter, run.ckpt, L, expert_rows, weights,
+                                                                collected, run.settings.min_tokens,
+                                                                run.settings.device, tokens)
+    quantized, report, experts_dq = _quantize_experts(run.adapter, L, mine, collected,
+                                                      run.settings.min_tokens, run.settings.device, weights=weights,
+                                                      input_scale=input_scale,
+                                                      first_expert=run.own.start if run.own is not None else 0)
+    # experts the folds changed but the plan keeps in full precision: written as folded
+    for proj, mask in changed.items():
+        for e in mask.nonzero().flatten().tolist():
+            if (L, e, proj) not in quantized:
+                name = run.adapter.expert_tensor_name(L, e, proj)
+                replaced[name] = weights[proj][e]
+    return quantized, report, experts_dq, replaced, awq_report
+
+
+def _quantize_layer_other(run: _Pass, L: int, other_rows: list, replaced: dict, experts_dq: dict | None):
+    """RTN of the layer's non-expert tensors (from `replaced` where AWQ folds changed them), and the
+    full-precision replacements the plan keeps, in their checkpoint dtype; routed experts among those
+    go into `experts_dq` (in place). Returns (quantized non-expert tensors, kept replacements,
+    the non-expert tensors the quantized forward uses)."""
+    adapter, ckpt, world = run.adapter, run.ckpt, run.world
+    if world is not None and world.rank != 0 and L >= run.last_data_layer:
+        other_rows = []  # rank 0 quantizes them; this rank runs no forward of the layer that would need them
+    q_other, other_dq = _quantize_other(ckpt, other_rows, replaced)
+    # full-precision replacements keep their checkpoint dtype; the forward sees them as exported
+    kept = {n: t.to(ckpt.get(n).dtype) for n, t in replaced.items() if n not in q_other}
+    for name, t in kept.items():
+        role = adapter.classify(name)
+        if role.role == "routed_expert":
+            experts_dq[role.proj][role.expert] = t.float()
+    forward_tensors = {**other_dq, **{n: t.float() for n, t in kept.items() if adapter.classify(n).role != "routed_expert"}}
+    return q_other, kept, forward_tensors
+
+
+def _quantized_forward(run: _Pass, L: int, hidden, experts_dq: dict | None, forward_tensors: dict,
+                       record_routing: bool):
+    """The layer with its dequantized weights (every rank runs the whole layer).
+    Returns (its output hidden states, its routing [per batch] when `record_routing`, else [])."""
+    world, routing_after = run.world, []
+    if world is not None and experts_dq is not None:  # every rank runs the whole quantized layer
+        experts_dq = {p: world.all_gather_experts(t, run.adapter.num_experts, f"layer {L}'s quantized {p} experts")
+                      for p, t in experts_dq.items()}
+    with run.runner.materialized(L, experts=experts_dq, tensors=forward_tensors) as module:
+        hook = _routing_recorder(run.adapter, module, routing_after) if record_routing else None
+        try:
+            hidden = run.runner.forward(module, L, hidden)
+        finally:
+            if hook is not None:
+                hook.remove()
+    return hidden, routing_after
+
+
+def _save_layer(run: _Pass, L: int, quantized: dict, report: dict, routed_tokens, t0: float, hidden) -> None:
+    """The layer's quantized tensors (this rank's work/ file), its report (rank 0, every rank's parts
+    merged) and the pass's progress: the hidden states the next layer reads, or past the last layer
+    that reads activations, just the next layer's number. `t0`: when the layer started (its report's seconds)."""
+    world = run.world
+    save_quantized(quantized, _layer_file(run.work, L, world.rank if world is not None else 0))
+    if world is not None:  # written by every rank before rank 0 records the layer as finished
+        parts = world.gather_objects(report, f"layer {L}'s quantize report")
+        if world.rank != 0:
+            return
+        report = {}
+        for part in parts:  # rank order = expert order, as one process's chunks
+            _merge_chunk_report(report, part)
+    if routed_tokens is not None:
+        report["routed_tokens"] = routed_tokens
+    report["seconds"] = time.perf_counter() - t0
+    atomic_write_text(run.work / f"layer_{L:03d}.json", json.dumps(report, indent=2))
+    if L < run.last_data_layer:
+        save_carried(run.work, run.fingerprint, L + 1, hidden)
+    else:
+        _mark_finished(run.work, run.fingerprint, L + 1)
 
 
 def _refuse_awq_where_unsupported(plan: Plan, adapter, world) -> None:

@@ -33,7 +33,10 @@ def refit_scales(q, weight: torch.Tensor, hessian: torch.Tensor):
     scales = q.scales[None] if single else q.scales
     zeros = None if q.zeros is None else (q.zeros[None] if single else q.zeros)
     w = (weight[None] if single else weight).to(torch.float32)
-    h = (hessian[None] if single else hessian).to(device=codes.device, dtype=torch.float64)
+    # float64 on the CPU; float32 on accelerators, where float64 is slow and the per-row check below
+    # still keeps the old scales wherever the solve does not help
+    work = torch.float64 if codes.device.type == "cpu" else torch.float32
+    h = (hessian[None] if single else hessian).to(device=codes.device, dtype=work)
     num_experts, rows, cols = codes.shape
     groups = scales.shape[-1]
     gs = cols // groups
@@ -43,10 +46,10 @@ def refit_scales(q, weight: torch.Tensor, hessian: torch.Tensor):
         he = h[e]
         for r0 in range(0, rows, chunk_rows):
             r1 = min(rows, r0 + chunk_rows)
-            c = codes[e, r0:r1].to(torch.float64)  # [r, in]
+            c = codes[e, r0:r1].to(work)  # [r, in]
             if zeros is not None:
-                c = c - zeros[e, r0:r1].to(torch.float64).repeat_interleave(gs, dim=-1)
-            new_scales[e, r0:r1] = _refit_rows(c, w[e, r0:r1].to(torch.float64), he, scales[e, r0:r1], groups, gs)
+                c = c - zeros[e, r0:r1].to(work).repeat_interleave(gs, dim=-1)
+            new_scales[e, r0:r1] = _refit_rows(c, w[e, r0:r1].to(work), he, scales[e, r0:r1], groups, gs)
     out = new_scales[0] if single else new_scales
     return dataclasses.replace(q, scales=out)
 
@@ -62,12 +65,12 @@ def _refit_rows(c, w, h, old, groups: int, gs: int):
     a = a + torch.diag_embed(torch.where(live, 1e-9 * diag, torch.ones_like(diag)))
     b = torch.where(live, b, torch.zeros_like(b))
     s, info = torch.linalg.solve_ex(a, b)
-    s = torch.where(live, s, old.to(torch.float64))
+    s = torch.where(live, s, old.to(s.dtype))
     ok = (info == 0) & torch.isfinite(s).all(-1) & ((s > 0) | ~live).all(-1)
-    s_new = torch.where(ok[:, None], s, old.to(torch.float64)).to(old.dtype)
+    s_new = torch.where(ok[:, None], s, old.to(s.dtype)).to(old.dtype)
 
     def error(scale):
-        d = w - (block * scale.to(torch.float64)[:, :, None]).reshape(r, -1)
+        d = w - (block * scale.to(w.dtype)[:, :, None]).reshape(r, -1)
         return ((d @ h) * d).sum(-1)
 
     better = error(s_new) < error(old)

@@ -10,6 +10,8 @@ Tools:
   moequant            moequant.algorithms.gptq, all experts of a projection as one batch
                       (gate and up share one factorization), act_order as llm-compressor's default
   moequant-noact      the same without activation ordering (moequant's default)
+  moequant-pass       the quantize pass's GPTQ (algorithms.gptq.gptq_pass): act order, the searched grid and the
+                      least-squares scale refit, one projection at a time as the pass runs it
   moequant-fp32       moequant with MOEQUANT_GPTQ_MATMUL=fp32 (float32 products throughout, no TF32);
                       with `moequant` in the same run it also prints the fraction of differing codes
   rtn                 round-to-nearest, for scale
@@ -278,6 +280,29 @@ def _run_moequant(layer: Layer, args, act_order: bool, matmul) -> dict:
                 + subset_note(layer, quantized, args) + agreement)
 
 
+def run_moequant_pass(layer: Layer, args) -> dict:
+    from moequant.algorithms import gptq
+
+    device = args.device
+    base = peak_reset(device)
+    sync(device)
+    t0 = time.perf_counter()
+    h_in, counts = expert_hessians(layer.calib, layer.calib_routes)
+    h_down, _ = expert_hessians(layer.calib, layer.calib_routes, lambda x, e: down_input(layer, x, e))
+    sync(device)
+    t1 = time.perf_counter()
+    quantized = {}
+    for proj, h in (("gate", h_in), ("up", h_in), ("down", h_down)):
+        q, _ = gptq.gptq_pass(getattr(layer, proj), h, args.format)
+        quantized[proj] = q.dequantize(torch.bfloat16)
+    sync(device)
+    t2 = time.perf_counter()
+    peak, extra = peak_gib(device, base)
+    return dict(experts_run=layer.gate.shape[0], hessian_s=t1 - t0, gptq_s=t2 - t1, peak_gib=peak, extra_gib=extra,
+                errors=relative_errors(layer, quantized, layer.gate.shape[0]),
+                note="searched grid + scale refit" + subset_note(layer, quantized, args))
+
+
 def run_rtn(layer: Layer, args) -> dict:
     from moequant.algorithms import rtn
 
@@ -384,6 +409,8 @@ def run_tool(tool: str, layer: Layer, args) -> dict:
         return run_moequant(layer, args, act_order=True)
     if tool == "moequant-noact":
         return run_moequant(layer, args, act_order=False)
+    if tool == "moequant-pass":
+        return run_moequant_pass(layer, args)
     if tool == "moequant-fp32":
         return run_moequant(layer, args, act_order=True, matmul="fp32")
 

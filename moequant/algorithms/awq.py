@@ -123,15 +123,11 @@ def awq_scales(
     from moequant import formats
 
     spec = formats.get_format(spec)
-    num_experts, n_in = weights[0].shape[0], weights[0].shape[-1]
+    num_experts = weights[0].shape[0]
     _check(weights, hessian, mean_abs)
     if grid < 1:
         raise UserError(f"AWQ grid must be a positive number of alpha steps, got {grid}.")
-    counts = None if tokens is None else [int(t) for t in torch.as_tensor(tokens).flatten().tolist()]
-    if counts is not None and len(counts) != num_experts:
-        raise UserError(f"tokens has {len(counts)} entries; expected one per expert ({num_experts}).")
-    if shared and counts is None:
-        raise UserError("AWQ with a shared (per-layer) scale needs the per-expert token counts (tokens=...).")
+    counts = _token_counts(tokens, num_experts, shared)
     device = torch.device(device) if device is not None else weights[0].device
     no_data = (hessian.diagonal(dim1=-2, dim2=-1).sum(-1) <= 0).to(device)
     if counts is not None:
@@ -145,22 +141,7 @@ def awq_scales(
         magnitude = mean_abs.to(device, torch.float32)
 
     alphas = [i / grid for i in range(grid)]
-    errors = torch.zeros(len(alphas), num_experts, dtype=torch.float64, device=device)  # [alphas, E]
-    reference = torch.zeros(num_experts, dtype=torch.float64, device=device)  # ||X W^T||^2 / n
-    if chunk_experts is None:
-        chunk_experts = _default_chunk(num_experts, sum(w.shape[1] for w in weights), n_in, device)
-    for start in range(0, num_experts, max(1, int(chunk_experts))):
-        part = slice(start, min(start + chunk_experts, num_experts))
-        h = hessian[part].to(device, torch.float32)
-        ws = [w[part].to(device, torch.float32) for w in weights]
-        reference[part] = sum(_quadratic(w, h) for w in ws)
-        for a, alpha in enumerate(alphas):
-            s = _scales(magnitude if shared else magnitude[part], alpha)
-            s_cols = s[None, None, :] if shared else s[:, None, :]
-            for w in ws:
-                w_hat = formats.quantize(w * s_cols, spec).dequantize(torch.float32) / s_cols
-                errors[a, part] += _quadratic(w_hat - w, h)
-        del h, ws
+    errors, reference = _alpha_errors(weights, spec, hessian, magnitude, alphas, shared, chunk_experts, device)
     if shared:
         best = int(torch.argmin((errors * weight[None, :].double()).sum(1)))
         best_per_expert = torch.full((num_experts,), best, device=device)
@@ -188,6 +169,41 @@ def awq_scales(
         settings=dict(spec=spec.key, grid=grid, shared=shared),
     )
     return scales, report
+
+
+def _token_counts(tokens, num_experts: int, shared: bool) -> list[int] | None:
+    """awq_scales' `tokens` as one int per expert (None when not given; the shared scale needs them)."""
+    counts = None if tokens is None else [int(t) for t in torch.as_tensor(tokens).flatten().tolist()]
+    if counts is not None and len(counts) != num_experts:
+        raise UserError(f"tokens has {len(counts)} entries; expected one per expert ({num_experts}).")
+    if shared and counts is None:
+        raise UserError("AWQ with a shared (per-layer) scale needs the per-expert token counts (tokens=...).")
+    return counts
+
+
+def _alpha_errors(weights, spec, hessian, magnitude, alphas, shared: bool, chunk_experts, device):
+    """awq_scales' search grid: (errors [alphas, E] = tr(dW H dW^T) summed over the weights at each
+    alpha, reference [E] = ||X W^T||^2 / n), in chunks of `chunk_experts` experts on `device`."""
+    from moequant import formats
+
+    num_experts, n_in = weights[0].shape[0], weights[0].shape[-1]
+    errors = torch.zeros(len(alphas), num_experts, dtype=torch.float64, device=device)  # [alphas, E]
+    reference = torch.zeros(num_experts, dtype=torch.float64, device=device)  # ||X W^T||^2 / n
+    if chunk_experts is None:  # after the allocations above: sized to the memory they leave free
+        chunk_experts = _default_chunk(num_experts, sum(w.shape[1] for w in weights), n_in, device)
+    for start in range(0, num_experts, max(1, int(chunk_experts))):
+        part = slice(start, min(start + chunk_experts, num_experts))
+        h = hessian[part].to(device, torch.float32)
+        ws = [w[part].to(device, torch.float32) for w in weights]
+        reference[part] = sum(_quadratic(w, h) for w in ws)
+        for a, alpha in enumerate(alphas):
+            s = _scales(magnitude if shared else magnitude[part], alpha)
+            s_cols = s[None, None, :] if shared else s[:, None, :]
+            for w in ws:
+                w_hat = formats.quantize(w * s_cols, spec).dequantize(torch.float32) / s_cols
+                errors[a, part] += _quadratic(w_hat - w, h)
+        del h, ws
+    return errors, reference
 
 
 def awq(weight: torch.Tensor, spec, *, inputs=None, hessian=None, mean_abs=None, tokens=None, grid=20, device=None):
@@ -337,8 +353,6 @@ def awq_shared_scale_moe(x: torch.Tensor, indices: torch.Tensor, routing_weights
     error on the remaining tokens (the held-out fold) than with s = 1; else alpha = 0 (RTN). The
     in-sample minimum of 20 nearly equal errors is otherwise chosen by noise as often as by signal.
     """
-    from moequant import formats
-
     if grid < 1:
         raise UserError(f"AWQ grid must be a positive number of alpha steps, got {grid}.")
     if not 0.0 <= holdout < 1.0:
@@ -349,44 +363,19 @@ def awq_shared_scale_moe(x: torch.Tensor, indices: torch.Tensor, routing_weights
     gate, up, down = (w.to(device, torch.float32) for w in (gate, up, down))
     down_hat = down if down_hat is None else down_hat.to(device, torch.float32)
     E = gate.shape[0]
-    n_fit = x.shape[0] - int(round(holdout * x.shape[0])) if holdout > 0 else x.shape[0]
-    if holdout > 0 and not 0 < n_fit < x.shape[0]:
-        holdout, n_fit = 0.0, x.shape[0]  # too few tokens to hold any out: in-sample search only
-    folds = {"fit": slice(0, n_fit), "held_out": slice(n_fit, x.shape[0])}
-
-    def routed_of(part):
-        return [(indices[part] == e).nonzero(as_tuple=True) for e in range(E)]  # (token, slot) per expert
-
-    routed = {name: routed_of(part) for name, part in folds.items()}
+    holdout, n_fit, folds = _token_folds(x.shape[0], holdout)
+    # (token, slot) of each expert's routed tokens, per fold
+    routed = {name: [(indices[part] == e).nonzero(as_tuple=True) for e in range(E)] for name, part in folds.items()}
 
     def block(g, u, d, fold):
-        xs, rw = x[folds[fold]], routing_weights[folds[fold]]
-        out = torch.zeros(xs.shape[0], d.shape[1], dtype=torch.float32, device=device)
-        for e, (tok, slot) in enumerate(routed[fold]):
-            if tok.numel():
-                xe = xs[tok]
-                y = (act(xe @ g[e].T) * (xe @ u[e].T)) @ d[e].T
-                out.index_add_(0, tok, y * rw[tok, slot][:, None])
-        return out
+        return _routed_block_output(x[folds[fold]], routing_weights[folds[fold]], routed[fold], g, u, d, act, device)
 
     reference = {f: block(gate, up, down, f) for f in folds if folds[f].stop > folds[f].start}
     energy = float((reference["fit"].double() ** 2).sum())
-    groups: dict[tuple, list[int]] = {}
-    for e, pair in enumerate(specs):
-        if pair is not None:
-            for proj, key in zip(("gate", "up"), pair):
-                if key is not None:  # the other projection is not AWQ: scaled exactly, left as it is
-                    groups.setdefault((proj, formats.get_format(key).key), []).append(e)
+    groups = _awq_gate_up_groups(specs)
 
     def quantized(s, hessians=None):
-        w_hat = {"gate": gate.clone(), "up": up.clone()}
-        for (proj, key), experts in groups.items():
-            idx = torch.tensor(experts, device=device)
-            w = w_hat[proj][idx] * s
-            if hessians is not None:
-                w = awq_clip(w, key, hessians[idx] / (s[:, None] * s[None, :])).weight
-            w_hat[proj][idx] = formats.quantize(w, key).dequantize(torch.float32) / s
-        return w_hat["gate"], w_hat["up"]
+        return _quantized_gate_up(gate, up, groups, s, hessians, device)
 
     def error(g, u, fold):
         return float(((block(g, u, down_hat, fold) - reference[fold]).double() ** 2).sum())
@@ -412,6 +401,54 @@ def awq_shared_scale_moe(x: torch.Tensor, indices: torch.Tensor, routing_weights
     return AWQShared(scale=_scales(magnitude, alphas[best]), alpha=alphas[best],
                      objective=[o / max(energy, 1e-30) for o in objective], error_rtn=[], error_awq=[],
                      validation=validation)
+
+
+def _token_folds(n: int, holdout: float) -> tuple[float, int, dict[str, slice]]:
+    """(holdout, fit tokens, {"fit": first tokens, "held_out": the rest}); holdout 0 when too few tokens."""
+    n_fit = n - int(round(holdout * n)) if holdout > 0 else n
+    if holdout > 0 and not 0 < n_fit < n:
+        holdout, n_fit = 0.0, n  # too few tokens to hold any out: in-sample search only
+    return holdout, n_fit, {"fit": slice(0, n_fit), "held_out": slice(n_fit, n)}
+
+
+def _routed_block_output(xs, rw, routed, g, u, d, act, device) -> torch.Tensor:
+    """The routed experts' contribution to the MoE block output of tokens xs [n, H]: sum_k rw_tk y_e(x_t)
+    with gate g, up u, down d; routed[e] = (token, slot) of expert e's tokens, rw [n, k] the routing weights."""
+    out = torch.zeros(xs.shape[0], d.shape[1], dtype=torch.float32, device=device)
+    for e, (tok, slot) in enumerate(routed):
+        if tok.numel():
+            xe = xs[tok]
+            y = (act(xe @ g[e].T) * (xe @ u[e].T)) @ d[e].T
+            out.index_add_(0, tok, y * rw[tok, slot][:, None])
+    return out
+
+
+def _awq_gate_up_groups(specs) -> dict[tuple, list[int]]:
+    """(projection, format key) -> the experts whose gate / up are AWQ-quantized in that format."""
+    from moequant import formats
+
+    groups: dict[tuple, list[int]] = {}
+    for e, pair in enumerate(specs):
+        if pair is not None:
+            for proj, key in zip(("gate", "up"), pair):
+                if key is not None:  # the other projection is not AWQ: scaled exactly, left as it is
+                    groups.setdefault((proj, formats.get_format(key).key), []).append(e)
+    return groups
+
+
+def _quantized_gate_up(gate, up, groups: dict, s, hessians, device):
+    """(gate, up) with every AWQ group quantized at input scale s, dequantized and divided by s
+    (clipped first by awq_clip on `hessians` of the scaled input when given); the rest as they are."""
+    from moequant import formats
+
+    w_hat = {"gate": gate.clone(), "up": up.clone()}
+    for (proj, key), experts in groups.items():
+        idx = torch.tensor(experts, device=device)
+        w = w_hat[proj][idx] * s
+        if hessians is not None:
+            w = awq_clip(w, key, hessians[idx] / (s[:, None] * s[None, :])).weight
+        w_hat[proj][idx] = formats.quantize(w, key).dequantize(torch.float32) / s
+    return w_hat["gate"], w_hat["up"]
 
 
 @dataclass

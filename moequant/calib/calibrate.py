@@ -401,7 +401,6 @@ def calibrate(model: str, output: str | Path, settings: CalibrationSettings, ove
 
 def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenizer, progress, samples) -> Path:
     from moequant import parallel
-    from moequant.calib.data import load_samples_with_holdout
 
     world = parallel.world()  # None: one process; else this rank collects its slice of every layer's experts
     ckpt = open_checkpoint(model)
@@ -419,18 +418,7 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
     max_pos = int(ckpt.config.get("max_position_embeddings") or 0)
     if max_pos and settings.seq_len > max_pos:
         raise UserError(f"seq_len {settings.seq_len} exceeds the model's max_position_embeddings ({max_pos}).")
-    probe_ids = None  # the probe's own samples when they are held out from the statistics
-    if samples is None:  # else: pre-tokenised samples given by the caller (library use, tests)
-        if tokenizer is None:
-            tokenizer = load_tokenizer(ckpt.directory)
-        n_probe = settings.probe_samples if adapter.moe_layers else 0
-        samples, held_out = load_samples_with_holdout(
-            settings.dataset, tokenizer, settings.samples, n_probe, settings.seq_len, split="calibration",
-            seed=settings.seed, allow_fewer=settings.allow_fewer)
-        if held_out:
-            probe_ids = torch.stack([s.input_ids for s in held_out])
-    else:
-        fingerprint["dataset"] = hashlib.sha256(b"".join(s.input_ids.numpy().tobytes() for s in samples)).hexdigest()[:16]
+    samples, probe_ids = _calibration_samples(ckpt, adapter, settings, tokenizer, samples, fingerprint)
     input_ids = torch.stack([s.input_ids for s in samples])
     domains = sorted({s.domain for s in samples})
     token_domain = torch.tensor([domains.index(s.domain) for s in samples]).repeat_interleave(settings.seq_len)
@@ -447,7 +435,6 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
     own = world.experts(adapter.num_experts) if world is not None else range(adapter.num_experts)
 
     timings = {}
-    bs = settings.batch_size
     probe_needs_hessians = (settings.probe_samples > 0 and bool(adapter.moe_layers)
                             and settings.probe_algorithm == "gptq" and settings.hessians)
     for L in _progress(range(start_layer, adapter.num_layers), progress, "calibrating", adapter.num_layers, start_layer):
@@ -457,37 +444,13 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
         with _naming_damaged_weights(ckpt, adapter, L), runner.materialized(L, experts=whole) as module:
             del whole
             if L in adapter.moe_layers:
-                col = _LayerCollector(adapter, module.mlp.experts, adapter.num_experts, adapter.top_k, domains,
-                                      settings.all_experts, settings.hessians,
-                                      first_expert=own.start, chunk_experts=len(own),
-                                      hessian_weighting=settings.hessian_weighting)
-
-                def set_domains(b, col=col):
-                    col.token_domains = token_domain[b * bs * settings.seq_len:(b + 1) * bs * settings.seq_len]
-
-                hidden = collect_moe_stats(runner, module, L, col, hidden, before_batch=set_domains)
-                tensors = col.finish()
-                weights = {p: parallel.read_experts(adapter, ckpt, L, p, own) for p in adapter.projections}
-                sens, skipped = sensitivity(weights, tensors, settings.formats, settings.min_tokens)
-                tensors.update(sens)
-                _check_finite(tensors, L)
-                if world is not None:
-                    tensors = _gathered_statistics(world, tensors, adapter.num_experts, settings.all_experts, L)
-            if L in adapter.moe_layers and writer:
-                # the full [E, d, d] Hessians live only inside this layer; the statistics keep
-                # their diagonals (stats.py); the GPTQ probe gets its own scratch copy
-                hessians = {k: v for k, v in tensors.items() if k.startswith("hessian")}
-                kept = {k: v for k, v in tensors.items() if not k.startswith("hessian")}
-                kept.update({f"{k.split('.')[0]}_diag.{k.split('.')[1]}": torch.diagonal(v, dim1=-2, dim2=-1)
-                             for k, v in hessians.items()})
-                if settings.save_hessians:
-                    kept.update(hessians)
-                elif hessians and probe_needs_hessians:
-                    _save_atomic(hessians, work / f"hessians_{L:03d}.safetensors", {"layer": str(L)})
-                _save_atomic(kept, layer_file(output, L), {"layer": str(L), "tokens": str(col.tokens)})
-                del tensors, hessians, kept, weights
-                (work / f"skipped_{L:03d}.json").write_text(json.dumps(skipped))
-            elif L not in adapter.moe_layers:
+                hidden, tensors, skipped, tokens = _moe_layer_statistics(
+                    runner, module, L, hidden, ckpt, adapter, settings, domains, token_domain, own, world)
+                if writer:
+                    _write_layer_statistics(output, work, L, tensors, skipped, tokens, settings.save_hessians,
+                                            probe_needs_hessians)
+                del tensors
+            else:
                 hidden = runner.forward(module, L, hidden)
         if writer:
             save_carried(work, fingerprint, L + 1, hidden)
@@ -496,10 +459,87 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
         world.barrier("the calibration's probe and summary on rank 0")
         return output
 
-    # The per-layer KL probe reads the layers' sensitivities just written; it runs before
-    # summary.json, so a run killed during it resumes here (every layer already done).
-    from moequant.calib.probe import probe_indices, run_probe
-    from moequant.calib.stats import PROBE_FILE, write_probe
+    # The probes read the layers' sensitivities just written; they run before summary.json, so a
+    # run killed during them resumes there (every layer already done).
+    _run_probes(ckpt, adapter, output, settings, input_ids, probe_ids, progress)
+    summary = _summary(ckpt, adapter, output, fingerprint, settings, domains, input_ids.shape[0], work)
+    atomic_write_text(output / "summary.json", json.dumps(summary, indent=2) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        plot_routing(output)
+    except Exception as e:  # a plot must never lose the statistics
+        print(f"warning: routing plot not written ({e})")
+    if world is not None:
+        world.barrier("the calibration's probe and summary on rank 0")
+    return output
+
+
+def _calibration_samples(ckpt, adapter, settings: CalibrationSettings, tokenizer, samples, fingerprint: dict):
+    """(samples, the probe's held-out input ids or None). Drawn from settings.dataset when `samples`
+    is None; else the caller's pre-tokenised samples (library use, tests), their hash in the fingerprint."""
+    from moequant.calib.data import load_samples_with_holdout
+
+    probe_ids = None  # the probe's own samples when they are held out from the statistics
+    if samples is None:
+        if tokenizer is None:
+            tokenizer = load_tokenizer(ckpt.directory)
+        n_probe = settings.probe_samples if adapter.moe_layers else 0
+        samples, held_out = load_samples_with_holdout(
+            settings.dataset, tokenizer, settings.samples, n_probe, settings.seq_len, split="calibration",
+            seed=settings.seed, allow_fewer=settings.allow_fewer)
+        if held_out:
+            probe_ids = torch.stack([s.input_ids for s in held_out])
+    else:
+        fingerprint["dataset"] = hashlib.sha256(b"".join(s.input_ids.numpy().tobytes() for s in samples)).hexdigest()[:16]
+    return samples, probe_ids
+
+
+def _moe_layer_statistics(runner, module, L: int, hidden, ckpt, adapter, settings: CalibrationSettings, domains,
+                          token_domain, own, world):
+    """One MoE layer's statistics (routing, Hessians, sensitivities; all-gathered under expert
+    parallelism): (hidden states after the layer, tensors, skipped sensitivities, routed tokens)."""
+    from moequant import parallel
+
+    bs = settings.batch_size
+    col = _LayerCollector(adapter, module.mlp.experts, adapter.num_experts, adapter.top_k, domains,
+                          settings.all_experts, settings.hessians,
+                          first_expert=own.start, chunk_experts=len(own),
+                          hessian_weighting=settings.hessian_weighting)
+
+    def set_domains(b, col=col):
+        col.token_domains = token_domain[b * bs * settings.seq_len:(b + 1) * bs * settings.seq_len]
+
+    hidden = collect_moe_stats(runner, module, L, col, hidden, before_batch=set_domains)
+    tensors = col.finish()
+    weights = {p: parallel.read_experts(adapter, ckpt, L, p, own) for p in adapter.projections}
+    sens, skipped = sensitivity(weights, tensors, settings.formats, settings.min_tokens)
+    tensors.update(sens)
+    _check_finite(tensors, L)
+    if world is not None:
+        tensors = _gathered_statistics(world, tensors, adapter.num_experts, settings.all_experts, L)
+    return hidden, tensors, skipped, col.tokens
+
+
+def _write_layer_statistics(output: Path, work: Path, L: int, tensors: dict, skipped, tokens, save_hessians: bool,
+                            probe_needs_hessians: bool) -> None:
+    """stats/ of one MoE layer. The full [E, d, d] Hessians live only inside this layer; the
+    statistics keep their diagonals (stats.py); the GPTQ probe gets its own scratch copy."""
+    hessians = {k: v for k, v in tensors.items() if k.startswith("hessian")}
+    kept = {k: v for k, v in tensors.items() if not k.startswith("hessian")}
+    kept.update({f"{k.split('.')[0]}_diag.{k.split('.')[1]}": torch.diagonal(v, dim1=-2, dim2=-1)
+                 for k, v in hessians.items()})
+    if save_hessians:
+        kept.update(hessians)
+    elif hessians and probe_needs_hessians:
+        _save_atomic(hessians, work / f"hessians_{L:03d}.safetensors", {"layer": str(L)})
+    _save_atomic(kept, layer_file(output, L), {"layer": str(L), "tokens": str(tokens)})
+    (work / f"skipped_{L:03d}.json").write_text(json.dumps(skipped))
+
+
+def _run_probes(ckpt, adapter, output: Path, settings: CalibrationSettings, input_ids, probe_ids, progress) -> None:
+    """The per-layer KL probe and the per-tensor probe (settings.tensor_formats), each file replaced."""
+    from moequant.calib.probe import probe_indices, run_probe, run_tensor_probe
+    from moequant.calib.stats import PROBE_FILE, TENSOR_PROBE_FILE, write_probe, write_tensor_probe
 
     (output / PROBE_FILE).unlink(missing_ok=True)
     if settings.probe_samples > 0 and adapter.moe_layers:
@@ -514,26 +554,12 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
                           algorithm=settings.probe_algorithm, hessians=settings.hessians,
                           min_tokens=settings.min_tokens, progress=progress)
         write_probe(output, {**probe, "held_out": held_out})
-    from moequant.calib.probe import run_tensor_probe
-    from moequant.calib.stats import TENSOR_PROBE_FILE, write_tensor_probe
-
     (output / TENSOR_PROBE_FILE).unlink(missing_ok=True)
     if settings.tensor_formats and settings.probe_samples > 0:
         if probe_ids is None:
             probe_ids = input_ids[probe_indices(input_ids.shape[0], settings.probe_samples)]
         write_tensor_probe(output, run_tensor_probe(ckpt, adapter, probe_ids, settings.tensor_formats,
                                                     batch_size=settings.batch_size, device=settings.device))
-
-    summary = _summary(ckpt, adapter, output, fingerprint, settings, domains, input_ids.shape[0], work)
-    atomic_write_text(output / "summary.json", json.dumps(summary, indent=2) + "\n")
-    shutil.rmtree(work, ignore_errors=True)
-    try:
-        plot_routing(output)
-    except Exception as e:  # a plot must never lose the statistics
-        print(f"warning: routing plot not written ({e})")
-    if world is not None:
-        world.barrier("the calibration's probe and summary on rank 0")
-    return output
 
 
 def _reusable_or_cleared(output: Path, fingerprint: dict, overwrite: bool) -> bool:

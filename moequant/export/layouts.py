@@ -91,35 +91,12 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
                       max_shard_bytes: int = 2 * 1024**3, gguf_float: str = "bf16",
                       gguf_types: Mapping[str, str] | None = None) -> Path:
     """Write `out_dir`: the source checkpoint with `quantized` tensors in `layout`. Returns the path."""
-    if layout not in LAYOUTS:
-        raise UserError(f"export layout {layout!r} is not supported; accepted: {', '.join(LAYOUTS)}.")
-    if target not in TARGETS:
-        raise UserError(f"export target {target!r} is not supported; accepted: {', '.join(TARGETS)}.")
-    why = _target_refusal(layout, target)
-    if why:
-        raise UserError(why + ".")
-    if int8_activations not in ("none", "dynamic"):
-        raise UserError(f"int8_activations {int8_activations!r} is not supported; accepted: none, dynamic.")
+    _check_export_options(layout, target, int8_activations)
     ckpt = open_checkpoint(source_dir)
     if ckpt.config_only:
         raise UserError(f"{source_dir} has no safetensors weights to export.")
     adapter = adapter_for(ckpt.config)
-    kept = dict(kept or {})
-    replacements = {k: v for k, v in quantized.items() if isinstance(v, torch.Tensor)}
-    quantized = {k: v for k, v in quantized.items() if not isinstance(v, torch.Tensor)}
-    for name, tensor in replacements.items():
-        if not isinstance(name, str):
-            raise UserError(f"quantized[{name!r}] is a plain tensor: full-precision replacements are keyed by their "
-                            "on-disk tensor name.")
-        if name in kept:
-            raise UserError(f"tensor {name!r} is given twice (as a plain tensor in quantized and in kept).")
-        kept[name] = tensor
-    for name, tensor in kept.items():
-        if name not in ckpt:
-            raise UserError(f"kept tensor {name!r} is not a tensor of {source_dir}.")
-        if tuple(tensor.shape) != tuple(ckpt.shape(name)):
-            raise UserError(f"kept tensor {name!r} has shape {list(tensor.shape)}, but the checkpoint's is "
-                            f"{list(ckpt.shape(name))}.")
+    quantized, kept = _split_replacements(quantized, kept, ckpt, source_dir)
     items = _resolve(quantized, ckpt, adapter)
     both = sorted(set(items) & set(kept))
     if both:
@@ -144,25 +121,9 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
     writer.carried = {n for n, enc in ckpt.encodings.items()
                       if roles[n].role == "other" and n not in kept and n not in plain and writer.carries(enc)}
 
-    dense_dtype = model_dtype(ckpt.config)
     out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:
-        shards = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
-        for name in ckpt.keys():
-            if name in items:
-                for packed_name, tensor in writer.pack(name, items[name]).items():
-                    shards.add(packed_name, tensor)
-            elif name in writer.carried:
-                for stored in ckpt.encodings[name].parts.values():
-                    shards.add(stored, ckpt.read_stored(stored))
-            elif name in plain:
-                shards.add(name, _from_linear(adapter, name, plain[name].codes))
-            else:
-                tensor = kept[name] if name in kept else ckpt.get(name)
-                if name in ckpt.encodings:  # the source stored it quantized: kept tensors are written dense
-                    tensor = tensor.to(dense_dtype)
-                shards.add(name, tensor)
-        shards.finish()
+        _write_shards(tmp, ckpt, adapter, writer, items, plain, kept, max_shard_bytes)
         # auto_map: code we neither copy nor run; the source's own quantization_config described the
         # source: the output's describes only what this export wrote
         config = {k: v for k, v in ckpt.config.items() if k not in ("auto_map", "quantization_config")}
@@ -174,6 +135,64 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
         copy_aux_files(ckpt.directory, tmp)
     return out_dir
+
+
+def _check_export_options(layout: str, target: str, int8_activations: str) -> None:
+    """Refuse an unknown layout, target or int8_activations, or a layout the target cannot load."""
+    if layout not in LAYOUTS:
+        raise UserError(f"export layout {layout!r} is not supported; accepted: {', '.join(LAYOUTS)}.")
+    if target not in TARGETS:
+        raise UserError(f"export target {target!r} is not supported; accepted: {', '.join(TARGETS)}.")
+    why = _target_refusal(layout, target)
+    if why:
+        raise UserError(why + ".")
+    if int8_activations not in ("none", "dynamic"):
+        raise UserError(f"int8_activations {int8_activations!r} is not supported; accepted: none, dynamic.")
+
+
+def _split_replacements(quantized: Mapping, kept: Mapping[str, torch.Tensor] | None, ckpt,
+                        source_dir) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(the QuantizedTensor entries of `quantized`, kept with its plain-tensor entries added), every
+    kept tensor checked against the checkpoint's names and shapes."""
+    kept = dict(kept or {})
+    replacements = {k: v for k, v in quantized.items() if isinstance(v, torch.Tensor)}
+    quantized = {k: v for k, v in quantized.items() if not isinstance(v, torch.Tensor)}
+    for name, tensor in replacements.items():
+        if not isinstance(name, str):
+            raise UserError(f"quantized[{name!r}] is a plain tensor: full-precision replacements are keyed by their "
+                            "on-disk tensor name.")
+        if name in kept:
+            raise UserError(f"tensor {name!r} is given twice (as a plain tensor in quantized and in kept).")
+        kept[name] = tensor
+    for name, tensor in kept.items():
+        if name not in ckpt:
+            raise UserError(f"kept tensor {name!r} is not a tensor of {source_dir}.")
+        if tuple(tensor.shape) != tuple(ckpt.shape(name)):
+            raise UserError(f"kept tensor {name!r} has shape {list(tensor.shape)}, but the checkpoint's is "
+                            f"{list(ckpt.shape(name))}.")
+    return quantized, kept
+
+
+def _write_shards(tmp: Path, ckpt, adapter, writer, items: dict, plain: dict, kept: dict, max_shard_bytes: int) -> None:
+    """Every tensor of the source in checkpoint order: packed by the layout, carried as stored,
+    bf16 from its codes, or kept / copied (dense in the model's dtype when the source stored it quantized)."""
+    dense_dtype = model_dtype(ckpt.config)
+    shards = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
+    for name in ckpt.keys():
+        if name in items:
+            for packed_name, tensor in writer.pack(name, items[name]).items():
+                shards.add(packed_name, tensor)
+        elif name in writer.carried:
+            for stored in ckpt.encodings[name].parts.values():
+                shards.add(stored, ckpt.read_stored(stored))
+        elif name in plain:
+            shards.add(name, _from_linear(adapter, name, plain[name].codes))
+        else:
+            tensor = kept[name] if name in kept else ckpt.get(name)
+            if name in ckpt.encodings:  # the source stored it quantized: kept tensors are written dense
+                tensor = tensor.to(dense_dtype)
+            shards.add(name, tensor)
+    shards.finish()
 
 
 def model_dtype(config: dict) -> torch.dtype:

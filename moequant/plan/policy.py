@@ -959,27 +959,57 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
         raise UserError(f"model {recipe.model} has no routed expert weights for moequant to plan.")
 
     # Non-routed tensors: fixed formats.
-    plans: list[TensorPlan] = []
     non_expert_spec = resolve_format(recipe, recipe.non_experts.format)
-    reason = non_expert_spec.refuses(target, routed=False)
-    if reason and non_expert_spec.quantized:
-        raise UserError(f"non_experts.format {non_expert_spec.key} cannot be served by target {target}: {reason}; "
-                        f"accepted: bf16, fp8, int8, int4 (symmetric or not), mxfp4, nvfp4.")
+    plans = _non_expert_plans(ctx, recipe, tensors, non_expert_spec)
+    kept_experts = _kept_experts(recipe, tensors)
+    _check_kept_experts(ctx, recipe, kept_experts, notes)
+    free = [e for e in sorted(ctx.experts) if e not in kept_experts]
+    sizes = _byte_sizes(ctx, plans, kept_experts)
+
+    # Routed experts.
+    method = recipe.experts.method
+    dropped: dict[str, str] = {}
+    budget_info = None
+    if method == "budget":
+        solved = _budget_assignment(ctx, recipe, plans, non_expert_spec, free, sizes, shapes_only, notes)
+        if solved is None:  # shapes_only: the smallest plan fits the budget
+            return notes
+        assignment, specs, dropped, budget_info = solved
+    else:
+        assignment = _rules_assignment(ctx, recipe, free, shapes_only)
+        specs = _dedupe(assignment.values())
+    _check_expert_bytes(ctx, assignment)
+    if shapes_only:
+        return notes
+
     bf16 = _formats().get_format("bf16")
-    kept_experts: dict[tuple[int, int], str] = {}
+    for e in kept_experts:
+        assignment[e] = bf16
+    plans += _routed_plans(ctx, recipe, tensors, assignment, kept_experts)
+    used_specs = _dedupe([*specs, *assignment.values()])
+    plan = Plan(
+        model=recipe.model, target=target, method=method, budget=budget_info,
+        candidates=[s.key for s in specs], dropped_candidates=dropped,
+        usage_floor=recipe.experts.usage_floor,
+        formats={s.key: {"name": s.name, "params": spec_params(s), "algorithm": recipe.algorithm_for(s.name)}
+                 for s in used_specs},
+        tensors=plans, notes=notes, recipe=recipe_to_dict(recipe))
+    plan.summary = _summary(plan, ctx, free, budget_info)
+    return plan
+
+
+def _non_expert_plans(ctx: _Context, recipe: Recipe, tensors: list[TensorInfo], non_expert_spec) -> list[TensorPlan]:
+    """The plans of every tensor but the routed experts: non_experts.format, or bf16 with the reason."""
+    reason = non_expert_spec.refuses(recipe.target, routed=False)
+    if reason and non_expert_spec.quantized:
+        raise UserError(f"non_experts.format {non_expert_spec.key} cannot be served by target {recipe.target}: "
+                        f"{reason}; accepted: bf16, fp8, int8, int4 (symmetric or not), mxfp4, nvfp4.")
+    bf16 = _formats().get_format("bf16")
+    plans: list[TensorPlan] = []
     for t in tensors:
         if t.is_routed_weight:
-            why = _keep_match(recipe, t)
-            if why:
-                kept_experts.setdefault((t.layer, t.expert), why)
             continue
-        why = ALWAYS_BF16_ROLES.get(t.role)
-        if why is None and (len(t.shape) < 2 or t.name.endswith("bias") or t.role == "routed_expert"):
-            why = "biases and vectors are not quantized"
-        if why is None:
-            why = _keep_match(recipe, t)
-        if why is None and t.role not in NON_EXPERT_ROLES:
-            why = f"role {t.role} is not quantized"
+        why = _non_expert_kept_reason(recipe, t)
         spec = bf16 if why else non_expert_spec
         if not spec.quantized and not why:
             why = "non_experts.format is bf16"
@@ -990,12 +1020,41 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
         plans.append(TensorPlan(t.name, t.role, t.layer, t.expert, t.proj, t.shape, spec.key, spec_params(spec),
                                 recipe.algorithm_for(spec.name), nbytes, kept=None if spec.quantized else why))
     plans += _copied_tensors(ctx, tensors)
+    return plans
+
+
+def _non_expert_kept_reason(recipe: Recipe, t: TensorInfo) -> str | None:
+    """Why a non-routed tensor stays bf16 whatever non_experts.format says, or None."""
+    why = ALWAYS_BF16_ROLES.get(t.role)
+    if why is None and (len(t.shape) < 2 or t.name.endswith("bias") or t.role == "routed_expert"):
+        why = "biases and vectors are not quantized"
+    if why is None:
+        why = _keep_match(recipe, t)
+    if why is None and t.role not in NON_EXPERT_ROLES:
+        why = f"role {t.role} is not quantized"
+    return why
+
+
+def _kept_experts(recipe: Recipe, tensors: list[TensorInfo]) -> dict[tuple[int, int], str]:
+    """(layer, expert) -> the keep entry that holds it bf16 (any one of its projections matching)."""
+    kept: dict[tuple[int, int], str] = {}
+    for t in tensors:
+        if t.is_routed_weight:
+            why = _keep_match(recipe, t)
+            if why:
+                kept.setdefault((t.layer, t.expert), why)
+    return kept
+
+
+def _check_kept_experts(ctx: _Context, recipe: Recipe, kept_experts: dict, notes: list[str]) -> None:
+    """Note keep entries that match only some projections of an expert; refuse kept experts that
+    split a group the target serves in one format."""
+    target = recipe.target
     for (layer, expert), why in kept_experts.items():
         projs = {t.proj for t in ctx.experts[(layer, expert)] if _keep_match(recipe, t)}
         if len(projs) < len(ctx.experts[(layer, expert)]):
             notes.append(f"{why} matches only some projections of layer {layer} expert {expert}; the whole expert "
                          f"stays bf16, since one format covers an expert's gate, up and down.")
-    free = [e for e in sorted(ctx.experts) if e not in kept_experts]
     unit = GRANULARITY[target]
     if unit != "expert" and kept_experts:
         per_layer = unit in ("layer", "layer_proj") or target == "sglang"  # sglang: kept layers are ignored ones
@@ -1008,115 +1067,143 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
                 raise UserError(f"keep holds only some routed experts of {where} in bf16, which target {target} "
                                 f"cannot serve (one format per {unit}); accepted: keep whole layers "
                                 f"(e.g. model.layers.3.mlp.experts.*), routed_experts, or target transformers.")
+
+
+def _byte_sizes(ctx: _Context, plans: list[TensorPlan], kept_experts: dict) -> tuple[int, int, int]:
+    """(routed_numel, other_bytes, fixed_routed): the routed experts' element count, the bytes of the
+    non-routed tensors as planned, the bytes of the kept experts in bf16 (what a budget counts)."""
+    bf16 = _formats().get_format("bf16")
     other_bytes = sum(p.bytes for p in plans)
     routed_numel = sum(t.numel for ts in ctx.experts.values() for t in ts)
     fixed_routed = sum(ctx.expert_bytes(e, bf16) for e in kept_experts)
+    return routed_numel, other_bytes, fixed_routed
 
-    # Routed experts.
-    method = recipe.experts.method
+
+def _budget_candidates(recipe: Recipe) -> tuple[list, dict[str, str]]:
+    """experts.formats the target can serve, and {format key: why} of those it cannot."""
+    target = recipe.target
     dropped: dict[str, str] = {}
-    budget_info = None
-    if method == "budget":
-        if stats is None and not shapes_only:
-            raise UserError("experts.method budget needs calibration statistics (routing and sensitivity); "
-                            "run `moequant calibrate` first and pass its statistics.")
-        all_specs = _dedupe(resolve_format(recipe, f) for f in recipe.experts.formats)
-        specs = []
-        for spec in all_specs:
-            why = spec.refuses(target, routed=True)
-            if why:
-                dropped[spec.key] = why
-            else:
-                specs.append(spec)
-        if not specs:
-            raise UserError(f"experts.formats offers no format that target {target} can serve "
-                            f"({'; '.join(f'{k}: {v}' for k, v in dropped.items())}); accepted: fp8, int8, "
-                            f"symmetric int4, mxfp4, nvfp4, bf16.")
-        limit = _budget_limit(recipe, routed_numel, other_bytes, fixed_routed)
-        flexible = _non_expert_options(ctx, recipe, plans, non_expert_spec, shapes_only)
-        flex_bytes = sum(p.bytes for p in plans if p.name in flexible)
-        limit += flex_bytes  # the budget counts them at non_experts.format; the solve may move bytes
-        if shapes_only:  # feasibility is the smallest option of every group against the limit
-            table = _option_table(ctx, _groups(ctx, target, free), specs, notes) + list(flexible.values())
-            minimum = sum(min(o[1] for o in options) for options in table)
-            notes += [f"{key} is not offered to layer(s) {_layer_text([(L, 0) for L in layers])}: {why}."
-                      for key, (layers, why) in ctx.unfit.items()]
-            if minimum > limit:
-                raise _infeasible_budget(recipe, minimum, routed_numel, other_bytes, fixed_routed,
-                                         [s.key for s in specs])
-            return notes
-        solve = (lambda *a: _solve_sglang(ctx, *a)) if target == "sglang" else (
-            lambda *a: _solve(ctx, target, *a, extra=flexible))
-        solved = solve(free, specs, limit, notes) if free or flexible else ({}, 0)
-        for key, (layers, why) in ctx.unfit.items():
-            notes.append(f"{key} is not offered to layer(s) {_layer_text([(L, 0) for L in layers])}: {why}.")
-        if solved is None:
-            raise _infeasible_budget(recipe, _min_bytes(ctx, target, free, specs), routed_numel, other_bytes,
-                                     fixed_routed, [s.key for s in specs])
-        assignment, _ = solved
-        for p in plans:  # the non-expert tensors' chosen formats, with their measured KL
-            if p.name in flexible:
-                spec = assignment.pop(p.name)
-                p.format, p.params, p.algorithm = spec.key, spec_params(spec), recipe.algorithm_for(spec.name)
-                p.bytes = next(b for s_, b, _ in flexible[p.name] if s_.key == spec.key)
-                p.predicted_loss = next(loss for s_, _, loss in flexible[p.name] if s_.key == spec.key)
-                p.kept = None if spec.quantized else "non_experts.formats"
-        budget_info = {"bits_per_weight": recipe.experts.budget.bits_per_weight,
-                       "gigabytes": recipe.experts.budget.gigabytes,
-                       "routed_bytes_limit": limit + fixed_routed}
-    else:
-        if method == "uniform":
-            spec = resolve_format(recipe, recipe.experts.format)
-            assignment = {e: spec for e in free}
-        elif shapes_only and needs_statistics(recipe):  # which rule matches needs routing shares: check formats only
-            assignment = {}
-            for rule in recipe.experts.rules:
-                spec = resolve_format(recipe, rule.format)
-                why = spec.refuses(target, routed=True)
-                if why:
-                    raise UserError(f"experts.rules gives routed experts {spec.key}, which target {target} cannot "
-                                    f"serve: {why}; accepted: {_servable_routed(target)}, or target transformers.")
+    specs = []
+    for spec in _dedupe(resolve_format(recipe, f) for f in recipe.experts.formats):
+        why = spec.refuses(target, routed=True)
+        if why:
+            dropped[spec.key] = why
         else:
-            assignment = _apply_rules(ctx, recipe, free)
-        for spec in _dedupe(assignment.values()):
+            specs.append(spec)
+    if not specs:
+        raise UserError(f"experts.formats offers no format that target {target} can serve "
+                        f"({'; '.join(f'{k}: {v}' for k, v in dropped.items())}); accepted: fp8, int8, "
+                        f"symmetric int4, mxfp4, nvfp4, bf16.")
+    return specs, dropped
+
+
+def _budget_assignment(ctx: _Context, recipe: Recipe, plans: list[TensorPlan], non_expert_spec, free,
+                       sizes: tuple[int, int, int], shapes_only: bool, notes: list[str]):
+    """experts.method budget: (expert -> spec, candidates, dropped candidates, the plan's budget), with
+    the non-expert tensors of non_experts.formats moved to their chosen formats in `plans`. With
+    shapes_only None, once the smallest plan is known to fit. sizes: _byte_sizes."""
+    target = recipe.target
+    if ctx.stats is None and not shapes_only:
+        raise UserError("experts.method budget needs calibration statistics (routing and sensitivity); "
+                        "run `moequant calibrate` first and pass its statistics.")
+    specs, dropped = _budget_candidates(recipe)
+    limit = _budget_limit(recipe, *sizes)
+    flexible = _non_expert_options(ctx, recipe, plans, non_expert_spec, shapes_only)
+    flex_bytes = sum(p.bytes for p in plans if p.name in flexible)
+    limit += flex_bytes  # the budget counts them at non_experts.format; the solve may move bytes
+    if shapes_only:  # feasibility is the smallest option of every group against the limit
+        table = _option_table(ctx, _groups(ctx, target, free), specs, notes) + list(flexible.values())
+        minimum = sum(min(o[1] for o in options) for options in table)
+        notes.extend(_unfit_notes(ctx))
+        if minimum > limit:
+            raise _infeasible_budget(recipe, minimum, *sizes, [s.key for s in specs])
+        return None
+    if not (free or flexible):
+        solved = ({}, 0)
+    elif target == "sglang":
+        solved = _solve_sglang(ctx, free, specs, limit, notes)
+    else:
+        solved = _solve(ctx, target, free, specs, limit, notes, extra=flexible)
+    notes.extend(_unfit_notes(ctx))
+    if solved is None:
+        raise _infeasible_budget(recipe, _min_bytes(ctx, target, free, specs), *sizes, [s.key for s in specs])
+    assignment, _ = solved
+    _set_non_expert_choices(recipe, plans, flexible, assignment)
+    budget_info = {"bits_per_weight": recipe.experts.budget.bits_per_weight,
+                   "gigabytes": recipe.experts.budget.gigabytes,
+                   "routed_bytes_limit": limit + sizes[2]}
+    return assignment, specs, dropped, budget_info
+
+
+def _unfit_notes(ctx: _Context) -> list[str]:
+    return [f"{key} is not offered to layer(s) {_layer_text([(L, 0) for L in layers])}: {why}."
+            for key, (layers, why) in ctx.unfit.items()]
+
+
+def _set_non_expert_choices(recipe: Recipe, plans: list[TensorPlan], flexible: dict, assignment: dict) -> None:
+    """Move the solved non-expert tensors (popped from `assignment`) to their chosen formats, with their measured KL."""
+    for p in plans:
+        if p.name in flexible:
+            spec = assignment.pop(p.name)
+            p.format, p.params, p.algorithm = spec.key, spec_params(spec), recipe.algorithm_for(spec.name)
+            p.bytes = next(b for s_, b, _ in flexible[p.name] if s_.key == spec.key)
+            p.predicted_loss = next(loss for s_, _, loss in flexible[p.name] if s_.key == spec.key)
+            p.kept = None if spec.quantized else "non_experts.formats"
+
+
+def _rules_assignment(ctx: _Context, recipe: Recipe, free, shapes_only: bool) -> dict:
+    """experts.method uniform / rules: expert -> spec, refused where the target cannot serve it. With
+    shapes_only and rules on routing shares (which rule matches needs statistics) the rules' formats
+    are checked and the assignment is empty."""
+    target, method = recipe.target, recipe.experts.method
+    if method == "uniform":
+        spec = resolve_format(recipe, recipe.experts.format)
+        assignment = {e: spec for e in free}
+    elif shapes_only and needs_statistics(recipe):
+        assignment = {}
+        for rule in recipe.experts.rules:
+            spec = resolve_format(recipe, rule.format)
             why = spec.refuses(target, routed=True)
             if why:
-                key = "experts.format" if method == "uniform" else "experts.rules"
-                raise UserError(f"{key} gives routed experts {spec.key}, which target {target} cannot serve: {why}; "
-                                f"accepted: {_servable_routed(target)}, or target transformers.")
-        _check_uniform_groups(ctx, target, assignment)
-        specs = _dedupe(assignment.values())
+                raise UserError(f"experts.rules gives routed experts {spec.key}, which target {target} cannot "
+                                f"serve: {why}; accepted: {_servable_routed(target)}, or target transformers.")
+    else:
+        assignment = _apply_rules(ctx, recipe, free)
+    for spec in _dedupe(assignment.values()):
+        why = spec.refuses(target, routed=True)
+        if why:
+            key = "experts.format" if method == "uniform" else "experts.rules"
+            raise UserError(f"{key} gives routed experts {spec.key}, which target {target} cannot serve: {why}; "
+                            f"accepted: {_servable_routed(target)}, or target transformers.")
+    _check_uniform_groups(ctx, target, assignment)
+    return assignment
+
+
+def _check_expert_bytes(ctx: _Context, assignment: dict) -> None:
+    """Refuse a format that cannot hold an expert (or an expert's projection) it was given."""
     for key, spec in assignment.items():
         try:
             ctx.expert_bytes(key, spec)
         except UserError as error:
             what = f"layer {key[0]} expert {key[1]}" + (f" ({key[2]})" if len(key) == 3 else "")
             raise UserError(f"format {spec.key} cannot hold {what}: {str(error).rstrip('.')}.") from None
-    if shapes_only:
-        return notes
 
-    for e in kept_experts:
-        assignment[e] = bf16
+
+def _routed_plans(ctx: _Context, recipe: Recipe, tensors: list[TensorInfo], assignment: dict,
+                  kept_experts: dict) -> list[TensorPlan]:
+    """The plans of the routed-expert tensors in their assigned formats, with usage and predicted loss."""
+    plans = []
     for t in tensors:
         if not t.is_routed_weight:
             continue
         spec = assignment.get((t.layer, t.expert, t.proj)) or assignment[(t.layer, t.expert)]
         usage = ctx.usage(t.layer)
-        loss = ctx.tensor_loss(t, spec.key) if stats is not None else None
+        loss = ctx.tensor_loss(t, spec.key) if ctx.stats is not None else None
         plans.append(TensorPlan(t.name, t.role, t.layer, t.expert, t.proj, t.shape, spec.key, spec_params(spec),
                                 recipe.algorithm_for(spec.name), ctx.nbytes(spec, t),
                                 kept=kept_experts.get((t.layer, t.expert)),
                                 usage=None if usage is None else float(usage[t.expert]), predicted_loss=loss))
-    used_specs = _dedupe([*specs, *assignment.values()])
-    plan = Plan(
-        model=recipe.model, target=target, method=method, budget=budget_info,
-        candidates=[s.key for s in specs], dropped_candidates=dropped,
-        usage_floor=recipe.experts.usage_floor,
-        formats={s.key: {"name": s.name, "params": spec_params(s), "algorithm": recipe.algorithm_for(s.name)}
-                 for s in used_specs},
-        tensors=plans, notes=notes, recipe=recipe_to_dict(recipe))
-    plan.summary = _summary(plan, ctx, free, budget_info)
-    return plan
+    return plans
 
 
 def _predicted_loss(ctx: _Context, assignment: dict) -> float | None:

@@ -151,3 +151,45 @@ def test_awq_apply_on_a_zoo_model_writes_a_checkpoint_both_readers_take(tmp_path
     model = moequant.load(out / "checkpoint", dtype=torch.float32)
     report = json.loads((out / "report.json").read_text())
     assert report["quality"]["kl_mean"] < 0.1 and model.config.model_type == "mixtral"
+
+
+def test_routing_weighted_hessians_reach_the_quantize_pass(model_dir, tmp_path):
+    """calibration.hessian_weighting=routing: the first MoE layer's GPTQ (its input is the original model's)
+    equals GPTQ on calibration's routing-weighted Hessians, computed separately, and differs from tokens'."""
+    import torch
+
+    import moequant
+    from moequant.algorithms.gptq import gptq_pass
+    from moequant.arch import adapter_for
+    from moequant.calib.calibrate import MIN_ROUTED_TOKENS, CalibrationSettings, calibrate
+    from moequant.calib.stats import chosen_hessian, load_stats
+    from moequant.io.checkpoint import open_checkpoint
+    from moequant.pipeline.apply import calibration_settings, resolve_recipe
+
+    ckpt = open_checkpoint(model_dir)
+    adapter = adapter_for(ckpt.config)
+    layer = adapter.moe_layers[0]
+    uniform = ["experts.method=uniform", "experts.format=int4", "algorithms.int4=gptq"]
+    experts = {}
+    for weighting in ("routing", "tokens"):
+        out = tmp_path / weighting
+        run_apply(model_dir, out, *uniform, f"calibration.hessian_weighting={weighting}")
+        model = moequant.load(out / "checkpoint", dtype=torch.float32)
+        module = adapter.experts_module(model, layer)
+        experts[weighting] = {p: torch.stack([adapter.expert_from_module(module, e, p).detach()
+                                              for e in range(adapter.num_experts)]) for p in adapter.projections}
+    recipe = resolve_recipe("recipes/selective.yaml", model_dir, tmp_path / "x",
+                            SMALL + uniform + ["calibration.hessian_weighting=routing"])
+    settings = calibration_settings(recipe)
+    assert settings.hessian_weighting == "routing"
+    stats_dir = calibrate(str(model_dir), tmp_path / "stats", CalibrationSettings(
+        **{**settings.__dict__, "save_hessians": True, "probe_samples": 0}), progress=False)
+    tensors = load_stats(stats_dir).layers[layer].tensors
+    for proj in adapter.projections:
+        w = adapter.read_experts(ckpt, layer, proj).float()
+        group = "down" if proj == "down" else "gate_up"
+        _, h = chosen_hessian(tensors, group, torch.arange(adapter.num_experts), MIN_ROUTED_TOKENS)
+        want = gptq_pass(w, h.float(), "int4-g32-sym")[0].dequantize(torch.float32)
+        close = torch.isclose(experts["routing"][proj], want, rtol=1e-3, atol=1e-6).float().mean()
+        assert close > 0.99, (proj, float(close))
+        assert not torch.allclose(experts["tokens"][proj], want)

@@ -90,7 +90,8 @@ def calibration_settings(recipe: Recipe, device: str = "cpu", formats: tuple[str
                                all_experts=c.all_experts, formats=formats, device=device,
                                probe_samples=probe_samples,
                                probe_algorithm=probe_algorithm(recipe, formats) if probe_samples else "rtn",
-                               compute_dtype=c.compute_dtype, tensor_formats=tensor_formats(recipe))
+                               compute_dtype=c.compute_dtype, tensor_formats=tensor_formats(recipe),
+                               hessian_weighting=c.hessian_weighting)
 
 
 def tensor_formats(recipe: Recipe) -> tuple[str, ...]:

@@ -471,10 +471,12 @@ def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expe
     if own is not None:  # the forward only records the experts' input: other ranks' experts need not be read
         host = {p: torch.cat([torch.zeros((first,) + tuple(h.shape[1:]), dtype=h.dtype), h,
                               torch.zeros((E - last,) + tuple(h.shape[1:]), dtype=h.dtype)]) for p, h in host.items()}
-    record = {"x": [], "indices": []}
+    record = {"x": [], "indices": [], "weights": []}
 
     def on_router(_module, _args, output):
-        record["indices"].append(output[2].reshape(-1, adapter.top_k))
+        _, weights, indices = output
+        record["indices"].append(indices.reshape(-1, adapter.top_k))
+        record["weights"].append(weights.detach().reshape(-1, adapter.top_k))
 
     def on_experts(_module, args, kwargs):
         x = (args[0] if args else kwargs["hidden_states"]).detach()
@@ -496,9 +498,9 @@ def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expe
         for lo in range(first, last, chunk):
             hi = min(last, lo + chunk)
             col = _LayerCollector(adapter, module.mlp.experts, E, adapter.top_k, [], True, True,
-                                  first_expert=lo, chunk_experts=hi - lo)
-            for x, indices in zip(record["x"], record["indices"]):
-                col.add_batch(x, indices)
+                                  first_expert=lo, chunk_experts=hi - lo, hessian_weighting=settings.hessian_weighting)
+            for x, indices, weights in zip(record["x"], record["indices"], record["weights"]):
+                col.add_batch(x, indices, weights)
             collected = col.finish()
             col.t.clear()
             weights = {p: host[p][lo:hi].to(dev, torch.float32) for p in adapter.projections}
@@ -711,7 +713,8 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
         del host
     elif L in adapter.moe_layers and needs_stats:
         run.bar.stage("statistics")
-        collected, routed_tokens, routing_before, tokens = _awq_statistics(run.runner, adapter, L, hidden, weights)
+        collected, routed_tokens, routing_before, tokens = _awq_statistics(run.runner, adapter, L, hidden, weights,
+                                                                           run.settings.hessian_weighting)
     quantized, report, experts_dq, replaced, awq_report = {}, {}, None, {}, {}
     if chunked is not None:
         quantized, report, experts_dq, routed_tokens = chunked
@@ -737,13 +740,14 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
     return hidden
 
 
-def _awq_statistics(runner, adapter, L: int, hidden, weights: dict):
+def _awq_statistics(runner, adapter, L: int, hidden, weights: dict, hessian_weighting: str = "tokens"):
     """One forward of an AWQ layer with its original weights (`weights`, host copies): the experts'
     statistics, and for the AWQ search the routing and the MoE block's input tokens.
     Returns (statistics on the CPU, routed tokens per expert, routing [per batch], recorded tokens)."""
     routing_before, tokens = [], {}
     with runner.materialized(L, experts=weights) as module:
-        col = _LayerCollector(adapter, module.mlp.experts, adapter.num_experts, adapter.top_k, [], True, True)
+        col = _LayerCollector(adapter, module.mlp.experts, adapter.num_experts, adapter.top_k, [], True, True,
+                              hessian_weighting=hessian_weighting)
         col.token_domains = torch.zeros(0, dtype=torch.long)
         hooks = [_routing_recorder(adapter, module, routing_before), *_token_recorder(adapter, module, tokens)]
         try:

@@ -115,6 +115,7 @@ def main(argv=None) -> int:
                    help="bundled recipes run through `moequant apply` at --plan-bits (routed experts only), space "
                         "separated; RECIPE;KEY=VALUE;... adds recipe overrides (as `apply --set`)")
     p.add_argument("--plan-bits", type=float, default=4.5)
+    p.add_argument("--no-uniform", action="store_true", help="skip moequant's uniform variants (plans and llama.cpp only)")
     p.add_argument("--output", default=str(ROOT / "runs" / "bench_quality"))
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
                 deq[(L, pj)] = torch.stack([dequantize_tensor(torch.from_numpy(b), t, (o, i)) for b in blocks])
                 nbytes[(L, pj)] = sum(b.nbytes for b in blocks)
             variants[label] = (deq, nbytes, used)
-        for key, algo, grid, wt in OURS:  # moequant
+        for key, algo, grid, wt in () if args.no_uniform else OURS:  # moequant
             if wt not in stats:
                 continue
             spec = formats.parse_key(key)

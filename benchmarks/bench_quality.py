@@ -6,7 +6,7 @@ llama.cpp's own Q4_0 / Q4_K / Q4_K + imatrix / Q4_K_M, on the same held-out wind
 Only the routed experts are quantized; everything else keeps the original float32 weights, so the
 KL (original || quantized, evaluate.evaluate on the evaluation split, 32 x 256 tokens by default)
 measures the experts alone. Per model: one calibration per Hessian weighting (tokens / routing /
-routing2, calibrate.HESSIAN_WEIGHTINGS; full Hessians kept), then each variant's dequantized
+calibrate.HESSIAN_WEIGHTINGS, and routing2 = its square, measured and dropped; full Hessians kept), then each variant's dequantized
 experts are written into a copy of the float32 model:
 
 - moequant: RTN and GPTQ (act order, static groups, `chosen_hessian`'s routed-or-all Hessian, as
@@ -39,7 +39,7 @@ because both bundled models' down_proj rows have 64 inputs and llama.cpp stores 
 | int4-g32-sym GPTQ, min/max grid (the earlier pass) | 4.50 | 0.01068 (1.65) | 0.00376 (0.80) | 0.02631 (1.71) | 0.01241 (1.02) |
 | int4-g32-sym GPTQ, searched grid | 4.50 | 0.00952 (1.48) | 0.00361 (0.77) | 0.02140 (1.39) | 0.01096 (0.90) |
 | ... routing-weighted Hessian | 4.50 | 0.00891 (1.38) | 0.00348 (0.74) | 0.02082 (1.35) | 0.01010 (0.83) |
-| ... routing^2-weighted Hessian | 4.50 | 0.00924 (1.43) | 0.00348 (0.74) | 0.02153 (1.40) | 0.01083 (0.89) |
+| ... routing^2-weighted Hessian (dropped) | 4.50 | 0.00924 (1.43) | 0.00348 (0.74) | 0.02153 (1.40) | 0.01083 (0.89) |
 | ... searched + scale refit (the quantize pass now) | 4.50 | 0.00925 (1.43) | 0.00347 (0.74) | 0.02093 (1.36) | 0.01061 (0.87) |
 | int4-g64-asym GPTQ, min/max / searched | 4.31 | 0.00985 / 0.00929 | 0.00365 / 0.00333 | 0.02286 / 0.02194 | 0.01037 / 0.01031 |
 | int4-g32-asym GPTQ, min/max / searched / + refit | 4.63 | 0.00803 / 0.00752 / 0.00743 | 0.00288 / 0.00278 / 0.00271 | 0.01834 / 0.01715 / 0.01671 | 0.00855 / 0.00856 / 0.00797 |
@@ -47,6 +47,8 @@ because both bundled models' down_proj rows have 64 inputs and llama.cpp stores 
 | plan selective (vllm) at 4.5, searched + refit | 4.50 | 0.00922 (1.43) | | 0.02100 (1.36) | |
 | plan per-expert (transformers) at 4.5, earlier pass | 4.50 | 0.00722 (1.12) | | 0.01956 (1.27) | |
 | plan per-expert (transformers) at 4.5, searched + refit | 4.50 | 0.00635 (0.98) | | 0.01741 (1.13) | |
+| plan selective (vllm) at 4.5, + routing-weighted Hessians (the default now) | 4.50 | 0.00905 (1.40) | | 0.01978 (1.29) | |
+| plan per-expert (transformers) at 4.5, + routing-weighted Hessians | 4.50 | 0.00628 (0.97) | | 0.01633 (1.06) | |
 
 (Plans: `moequant apply` of the bundled recipe with `experts.budget.bits_per_weight=4.5`; per-expert.yaml
 offers asymmetric int4 g32 / g64 too. The "earlier pass" rows are the same run before the quantize pass
@@ -75,7 +77,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OURS = (
     ("int4-g32-sym", "rtn", "minmax", "tokens"), ("int4-g32-sym", "rtn", "searched", "tokens"),
     ("int4-g32-sym", "gptq", "minmax", "tokens"), ("int4-g32-sym", "gptq", "searched", "tokens"),
-    ("int4-g32-sym", "gptq", "searched", "routing"), ("int4-g32-sym", "gptq", "searched", "routing2"),
+    ("int4-g32-sym", "gptq", "searched", "routing"),
     ("int4-g64-asym", "gptq", "minmax", "tokens"), ("int4-g64-asym", "gptq", "searched", "tokens"),
     ("int4-g32-asym", "gptq", "minmax", "tokens"), ("int4-g32-asym", "gptq", "searched", "tokens"),
     # the least-squares scale refit for GPTQ's codes (algorithms.refit)
@@ -120,7 +122,7 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--eval-samples", type=int, default=32)
-    p.add_argument("--weightings", default="tokens,routing,routing2")
+    p.add_argument("--weightings", default="tokens,routing")
     p.add_argument("--q4-k-m", action="store_true", help="also Q4_K_M's mixture (a BF16 GGUF through llama_model_quantize)")
     p.add_argument("--scopes", default="experts",
                    help="experts: every routed projection quantized; gate_up: gate / up only (down kept)")

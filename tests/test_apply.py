@@ -154,7 +154,7 @@ def test_awq_apply_on_a_zoo_model_writes_a_checkpoint_both_readers_take(tmp_path
 
 
 def test_routing_weighted_hessians_reach_the_quantize_pass(model_dir, tmp_path):
-    """calibration.hessian_weighting=routing: the first MoE layer's GPTQ (its input is the original model's)
+    """calibration.hessian_weighting=routing (the default): the first MoE layer's GPTQ (its input is the original model's)
     equals GPTQ on calibration's routing-weighted Hessians, computed separately, and differs from tokens'."""
     import torch
 

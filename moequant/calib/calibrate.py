@@ -77,10 +77,11 @@ class CalibrationSettings:
 
 # How a routed token counts in its expert's Hessian hessian_routed.{group} = sum_t c_t x_t x_t^T / sum_t c_t:
 # "tokens": c = 1 (every routed token alike); "routing": c = r, the token's routing weight for the
-# expert (MoEQuant's affinity-guided GPTQ); "routing2": c = r^2, the exact weight of the squared
-# output error, since the expert's output reaches the layer multiplied by r. The all-tokens Hessians
-# (all-experts coverage) stay unweighted.
-HESSIAN_WEIGHTINGS = ("tokens", "routing", "routing2")
+# expert (MoEQuant's affinity-guided GPTQ). The all-tokens Hessians (all-experts coverage) stay
+# unweighted. c = r^2 (the weight of the squared output error, since the expert's output reaches the
+# layer multiplied by r) was measured too and dropped: benchmarks/bench_quality.py, 2026-12-02, it
+# beat "tokens" on two of four runs and lost to "routing" on three.
+HESSIAN_WEIGHTINGS = ("tokens", "routing")
 
 
 def model_fingerprint(checkpoint) -> str:
@@ -243,7 +244,7 @@ class _LayerCollector:
         if routing_weights is None:
             raise ValueError(f"hessian_weighting={self.hessian_weighting!r} needs the router's weights")
         r = routing_weights.reshape(-1)[pair_sorted].float()
-        return r if self.hessian_weighting == "routing" else r * r
+        return r
 
     def _down_statistics(self, x, token_of_pair, offsets, acc, coef=None):
         """down_proj's input is each expert's own intermediate activation act(x Wg) * (x Wu):

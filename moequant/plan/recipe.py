@@ -115,10 +115,11 @@ class Calibration(Strict):
     probe_algorithm: Literal["auto", "rtn", "gptq"] = "auto"
     # the layers' forward: auto = bf16 on CUDA (the checkpoint's dtype), float32 on the CPU
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    # each token's weight in an expert's GPTQ Hessian: tokens (1), routing (its routing weight to that
-    # expert, MoEQuant's affinity-guided GPTQ) or routing2 (its square). benchmarks/bench_quality.py,
-    # 2026-12-02, int4-g32-sym GPTQ: routing took 4-8% off the KL on both bundled models, routing2 mixed
-    hessian_weighting: Literal["tokens", "routing", "routing2"] = "tokens"
+    # each routed token's weight in its expert's Hessian (GPTQ, sensitivity, probe): routing = its
+    # routing weight to that expert (MoEQuant's affinity-guided GPTQ), tokens = 1. benchmarks/
+    # bench_quality.py, 2026-12-02: routing took 3-8% off int4-g32-sym GPTQ's KL and 1-6% off the
+    # 4.5-bit selective / per-expert plans' on both bundled models
+    hessian_weighting: Literal["routing", "tokens"] = "routing"
 
 
 class Evaluate(Strict):

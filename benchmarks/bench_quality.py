@@ -40,14 +40,14 @@ because both bundled models' down_proj rows have 64 inputs and llama.cpp stores 
 | int4-g32-sym GPTQ, searched grid | 4.50 | 0.00952 (1.48) | 0.00361 (0.77) | 0.02140 (1.39) | 0.01096 (0.90) |
 | ... routing-weighted Hessian | 4.50 | 0.00891 (1.38) | 0.00348 (0.74) | 0.02082 (1.35) | 0.01010 (0.83) |
 | ... routing^2-weighted Hessian (dropped) | 4.50 | 0.00924 (1.43) | 0.00348 (0.74) | 0.02153 (1.40) | 0.01083 (0.89) |
-| ... searched + scale refit (the quantize pass now) | 4.50 | 0.00925 (1.43) | 0.00347 (0.74) | 0.02093 (1.36) | 0.01061 (0.87) |
+| ... searched + scale refit (gptq_pass) | 4.50 | 0.00925 (1.43) | 0.00347 (0.74) | 0.02093 (1.36) | 0.01061 (0.87) |
 | int4-g64-asym GPTQ, min/max / searched | 4.31 | 0.00985 / 0.00929 | 0.00365 / 0.00333 | 0.02286 / 0.02194 | 0.01037 / 0.01031 |
 | int4-g32-asym GPTQ, min/max / searched / + refit | 4.63 | 0.00803 / 0.00752 / 0.00743 | 0.00288 / 0.00278 / 0.00271 | 0.01834 / 0.01715 / 0.01671 | 0.00855 / 0.00856 / 0.00797 |
 | plan selective (vllm) at 4.5, earlier pass | 4.50 | 0.01088 (1.69) | | 0.02512 (1.63) | |
 | plan selective (vllm) at 4.5, searched + refit | 4.50 | 0.00922 (1.43) | | 0.02100 (1.36) | |
 | plan per-expert (transformers) at 4.5, earlier pass | 4.50 | 0.00722 (1.12) | | 0.01956 (1.27) | |
 | plan per-expert (transformers) at 4.5, searched + refit | 4.50 | 0.00635 (0.98) | | 0.01741 (1.13) | |
-| plan selective (vllm) at 4.5, + routing-weighted Hessians (the default now) | 4.50 | 0.00905 (1.40) | | 0.01978 (1.29) | |
+| plan selective (vllm) at 4.5, + routing-weighted Hessians | 4.50 | 0.00905 (1.40) | | 0.01978 (1.29) | |
 | plan per-expert (transformers) at 4.5, + routing-weighted Hessians | 4.50 | 0.00628 (0.97) | | 0.01633 (1.06) | |
 
 (Plans: `moequant apply` of the bundled recipe with `experts.budget.bits_per_weight=4.5`; per-expert.yaml

@@ -55,9 +55,9 @@ def kl_mean(ref: torch.Tensor, q: torch.Tensor) -> float:
 
 
 def gptq_reference(stats, L, original, spec, min_tokens):
-    """Qwen2-MoE on-disk names -> GPTQ-dequantized weights (the quantize pass's GPTQ), Hessians chosen
+    """Qwen2-MoE on-disk names -> GPTQ-dequantized weights, Hessians chosen
     from the statistics."""
-    from moequant.algorithms.gptq import gptq_pass
+    from moequant.algorithms.gptq import gptq
 
     ls, out = stats.layers[L], {}
     for proj in ("gate", "up", "down"):
@@ -66,7 +66,7 @@ def gptq_reference(stats, L, original, spec, min_tokens):
         own = ls.input_tokens(proj, routed=True) >= min_tokens
         assert 0 < int(own.sum()) < ls.num_experts  # both Hessian choices are exercised
         H = torch.where(own[:, None, None], ls.hessian(proj, routed=True), ls.hessian(proj))
-        q, _ = gptq_pass(W, H, spec)
+        q, _ = gptq(W, H, spec, act_order=True, static_groups=True)
         out.update(zip(names, q.dequantize(torch.float32)))
     return out
 

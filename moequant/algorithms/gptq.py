@@ -156,7 +156,9 @@ def gptq(
 
 
 def gptq_pass(weight: torch.Tensor, hessian: torch.Tensor, spec, device=None):
-    """GPTQ as the quantize pass and the probe run it: activation order with static groups (vLLM takes
+    """GPTQ with the searched grid and the scale refit (not yet the quantize pass's: on tiny-mixtral the
+    budget solver's RTN-based predictions then picked the worst of six half-way vLLM plans,
+    tests/test_pareto.py): activation order with static groups (vLLM takes
     no dynamic g_idx) and, for integer formats, the searched grid; integer group formats then get
     the least-squares scale refit (moequant.algorithms.refit). Measured by benchmarks/bench_quality.py
     (2026-12-02, tiny-qwen2moe, int4-g32-sym, every routed projection): KL 0.0107 with the min/max

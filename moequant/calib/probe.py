@@ -190,11 +190,11 @@ def _probed_experts(adapter, checkpoint, layer: int, key: str, algorithm: str, s
             H = layer_hessians(stats_dir, layer, proj, adapter.num_experts, min_tokens)
             q = formats.quantize_ggml(W, spec, name=f"layer {layer} {proj} experts", hessian=H)
         elif algorithm == "gptq":
-            from moequant.algorithms.gptq import gptq_pass
+            from moequant.algorithms.gptq import gptq
 
             H = layer_hessians(stats_dir, layer, proj, adapter.num_experts, min_tokens)
             # as the quantize pass: activation order with static groups for integer formats
-            q, _ = gptq_pass(W, H, spec, device=device)
+            q, _ = gptq(W, H, spec, act_order=spec.name.startswith("int"), static_groups=True, device=device)
         else:
             q = formats.quantize(W, spec, name=f"layer {layer} {proj} experts")
         out[proj] = q.dequantize(torch.float32).to(dtype)

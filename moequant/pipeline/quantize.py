@@ -388,7 +388,7 @@ def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, mi
     ran); AWQ rows are round-to-nearest of them. `input_scale`: the shared gate/up scale folded
     into the norm, so gate/up's GPTQ Hessians are those of the input divided by it. With
     `first_expert`, `weights` and `collected` hold the experts from there on (one chunk of a layer)."""
-    from moequant.algorithms.gptq import gptq_pass
+    from moequant.algorithms.gptq import gptq
 
     groups: dict[tuple[str, str, str], list[int]] = {}
     for t in plan_rows:
@@ -416,7 +416,7 @@ def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, mi
             own, tokens, H, _, _ = _chosen_statistics(collected, group, idx, adapter.num_experts, min_tokens)
             if input_scale is not None and group == "gate_up":
                 H = H / (input_scale[:, None] * input_scale[None, :])  # Hessian of x / s
-            q, rep = gptq_pass(W, H, spec, device=device)
+            q, rep = gptq(W, H, spec, act_order=spec.name.startswith("int"), static_groups=True, device=device)
             fallbacks = {str(experts[e]): f"all-tokens Hessian: {int(tokens[e])} routed tokens < {min_tokens}"
                          for e in range(len(experts)) if not own[e]}
             fallbacks.update({str(experts[e]): why for e, why in rep.fallbacks().items()})

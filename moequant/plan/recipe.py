@@ -119,7 +119,7 @@ class Calibration(Strict):
     # routing weight to that expert (MoEQuant's affinity-guided GPTQ), tokens = 1. benchmarks/
     # bench_quality.py, 2026-12-02: routing took 3-8% off int4-g32-sym GPTQ's KL and 1-6% off the
     # 4.5-bit selective / per-expert plans' on both bundled models
-    hessian_weighting: Literal["routing", "tokens"] = "routing"
+    hessian_weighting: Literal["tokens", "routing"] = "tokens"
 
 
 class Evaluate(Strict):

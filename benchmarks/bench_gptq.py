@@ -10,7 +10,7 @@ Tools:
   moequant            moequant.algorithms.gptq, all experts of a projection as one batch
                       (gate and up share one factorization), act_order as llm-compressor's default
   moequant-noact      the same without activation ordering (moequant's default)
-  moequant-pass       the quantize pass's GPTQ (algorithms.gptq.gptq_pass): act order, the searched grid and the
+  moequant-pass       algorithms.gptq.gptq_pass (not yet the quantize pass's): act order, the searched grid and the
                       least-squares scale refit, one projection at a time as the pass runs it
   moequant-fp32       moequant with MOEQUANT_GPTQ_MATMUL=fp32 (float32 products throughout, no TF32);
                       with `moequant` in the same run it also prints the fraction of differing codes
@@ -25,7 +25,7 @@ llm-compressor on the first N experts only (its time is then scaled by E / N and
 errors are always compared on the experts each tool actually ran.
 
 Measured 2026-12-02 on one H200, `--shape qwen3-30b-a3b --device cuda --tools moequant moequant-pass`
-(int4-g128-sym): the quantize pass's GPTQ (searched grid + scale refit, gate / up / down each on its own)
+(int4-g128-sym): gptq_pass (searched grid + scale refit, gate / up / down each on its own)
 takes 1.86 s per layer against 0.17 s for moequant's plain batched GPTQ, and cuts the held-out error
 to gate 0.000877 / up 0.000876 / down 0.008536 from 0.001324 / 0.001322 / 0.0103; peak 8.5 GiB vs 7.0.
 Of the extra time per projection (128 experts, 768 x 2048): the searched grid 0.37 s, the refit 0.16 s

@@ -476,7 +476,8 @@ def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expe
     def on_router(_module, _args, output):
         _, weights, indices = output
         record["indices"].append(indices.reshape(-1, adapter.top_k))
-        record["weights"].append(weights.detach().reshape(-1, adapter.top_k))
+        weighted = settings.hessian_weighting != "tokens"  # routing weights kept only when the Hessians use them
+        record["weights"].append(weights.detach().reshape(-1, adapter.top_k) if weighted else None)
 
     def on_experts(_module, args, kwargs):
         x = (args[0] if args else kwargs["hidden_states"]).detach()

@@ -84,15 +84,17 @@ OURS = (
     ("int4-g32-sym", "gptq+refit", "searched", "tokens"), ("int4-g32-asym", "gptq+refit", "searched", "tokens"),
 )
 LLAMA_TYPES = ("q4_0", "q4_k")
+Q4_K_45 = "llama.cpp Q4_K, narrow rows Q4_0"
 
 
-def llama_fallback(name: str, cols: int) -> str:
-    """llama.cpp's type for a row of `cols` inputs: K types need 256 (Q4_K -> Q5_0, as llama.cpp converts)."""
+def llama_fallback(name: str, cols: int, narrow: str | None = None) -> str:
+    """llama.cpp's type for a row of `cols` inputs: K types need 256 (Q4_K -> Q5_0, as llama.cpp
+    converts), or `narrow` where given (Q4_0 keeps Q4_K's 4.5 bits on narrow rows)."""
     from moequant.formats.ggml import TYPES
 
     if cols % TYPES[name].block == 0:
         return name
-    return {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0", "q3_k": "q4_0", "q2_k": "q4_0"}[name]
+    return narrow or {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0", "q3_k": "q4_0", "q2_k": "q4_0"}[name]
 
 
 def main(argv=None) -> int:
@@ -131,6 +133,9 @@ def main(argv=None) -> int:
                         "separated; RECIPE;KEY=VALUE;... adds recipe overrides (as `apply --set`)")
     p.add_argument("--plan-bits", type=float, default=4.5)
     p.add_argument("--no-uniform", action="store_true", help="skip moequant's uniform variants (plans and llama.cpp only)")
+    p.add_argument("--uniform", default=None,
+                   help="only these uniform variants, comma separated FORMAT/ALGORITHM/GRID/WEIGHTING "
+                        "(e.g. int4-g32-sym/gptq+refit/searched/tokens); default: all of OURS")
     p.add_argument("--output", default=str(ROOT / "runs" / "bench_quality"))
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -175,14 +180,18 @@ def main(argv=None) -> int:
         importance = {(L, pj): stats[weightings[0]].layers[L].tensors[
             f"input.{'down' if pj == 'down' else 'gate_up'}.sq_mean"].float() for (L, pj) in original}
         types_m = q4_k_m_types(src, out, ad) if args.q4_k_m else None
-        llama = [(t, None, f"llama.cpp {t.upper()}") for t in LLAMA_TYPES]
-        llama += [("q4_k", "imatrix", "llama.cpp Q4_K + our imatrix")]
+        # (type, imatrix, label, type of rows too narrow for it: None = llama.cpp's own fallback)
+        llama = [(t, None, f"llama.cpp {t.upper()}", None) for t in LLAMA_TYPES]
+        llama += [("q4_k", "imatrix", "llama.cpp Q4_K + our imatrix", None)]
+        # Q4_K at its own 4.5 bits on every scope: narrow rows in llama.cpp's 4.5-bit Q4_0 instead of Q5_0
+        llama += [("q4_k", None, Q4_K_45, "q4_0"), ("q4_k", "imatrix", Q4_K_45 + " + our imatrix", "q4_0")]
         if types_m:
-            llama += [("q4_k_m", "imatrix", "llama.cpp Q4_K_M + our imatrix"), ("q4_k_m", None, "llama.cpp Q4_K_M")]
-        for name, im, label in llama:  # llama.cpp's own quantizer
+            llama += [("q4_k_m", "imatrix", "llama.cpp Q4_K_M + our imatrix", None),
+                      ("q4_k_m", None, "llama.cpp Q4_K_M", None)]
+        for name, im, label, narrow in llama:  # llama.cpp's own quantizer
             deq, nbytes, used = {}, {}, {}
             for (L, pj), w in original.items():
-                t = types_m[(L, pj)] if name == "q4_k_m" else llama_fallback(name, w.shape[-1])
+                t = types_m[(L, pj)] if name == "q4_k_m" else llama_fallback(name, w.shape[-1], narrow)
                 used.setdefault(pj, set()).add(t)
                 E, o, i = w.shape
                 items = [(t, w[e].numpy(), None if im is None else importance[(L, pj)][e].numpy()) for e in range(E)]
@@ -190,7 +199,8 @@ def main(argv=None) -> int:
                 deq[(L, pj)] = torch.stack([dequantize_tensor(torch.from_numpy(b), t, (o, i)) for b in blocks])
                 nbytes[(L, pj)] = sum(b.nbytes for b in blocks)
             variants[label] = (deq, nbytes, used)
-        for key, algo, grid, wt in () if args.no_uniform else OURS:  # moequant
+        ours = OURS if args.uniform is None else [tuple(v.split("/")) for v in args.uniform.split(",")]
+        for key, algo, grid, wt in () if args.no_uniform else ours:  # moequant
             if wt not in stats:
                 continue
             spec = formats.parse_key(key)
@@ -227,10 +237,11 @@ def main(argv=None) -> int:
                     continue  # a plan's budget covers every routed projection
                 types = "" if used is None else " (%s)" % "/".join(sorted(set().union(*(used[p] for p in scope))))
                 rows[label] = kl_of(deq, label + types, nbytes, scope, bits=plans.get(label))
-            base = rows["llama.cpp Q4_K"]["kl_mean"]
-            print("  KL / llama.cpp Q4_K's, moequant at <= 4.5 bits: " + ", ".join(
-                f"{k}: {v['kl_mean'] / base:.3f}" for k, v in rows.items() if v["bits"] <= 4.5 + 1e-9
-                and not k.startswith("llama")))
+            for base_label in ("llama.cpp Q4_K", Q4_K_45):
+                base = rows[base_label]["kl_mean"]
+                print(f"  KL / {base_label}'s ({rows[base_label]['bits']:.2f} bits), moequant at <= 4.5 bits: " +
+                      ", ".join(f"{k}: {v['kl_mean'] / base:.3f}" for k, v in rows.items()
+                                if v["bits"] <= 4.5 + 1e-9 and not k.startswith("llama")))
             results.setdefault(model, {})[scope_name] = rows
             results[model]["seconds"] = time.time() - t0
             Path(args.output).mkdir(parents=True, exist_ok=True)

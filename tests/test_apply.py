@@ -193,3 +193,50 @@ def test_routing_weighted_hessians_reach_the_quantize_pass(model_dir, tmp_path):
         close = torch.isclose(experts["routing"][proj], want, rtol=1e-3, atol=1e-6).float().mean()
         assert close > 0.99, (proj, float(close))
         assert not torch.allclose(experts["tokens"][proj], want)
+
+
+def test_searched_grid_and_refit_reach_the_quantize_pass(model_dir, tmp_path):
+    """gptq: {grid: searched, refit: true}: the first MoE layer's experts equal GPTQ onto the searched
+    grid followed by the least-squares scale refit, run separately on calibration's Hessians, and
+    differ from the default min/max grid's; the statistics' fingerprint names the choice."""
+    import torch
+
+    import moequant
+    from moequant.algorithms.gptq import gptq
+    from moequant.algorithms.refit import refit_scales
+    from moequant.arch import adapter_for
+    from moequant.calib.calibrate import MIN_ROUTED_TOKENS, CalibrationSettings, calibrate
+    from moequant.calib.stats import chosen_hessian, load_stats
+    from moequant.io.checkpoint import open_checkpoint
+    from moequant.pipeline.apply import calibration_settings, resolve_recipe
+
+    ckpt = open_checkpoint(model_dir)
+    adapter = adapter_for(ckpt.config)
+    layer = adapter.moe_layers[0]
+    uniform = ["experts.method=uniform", "experts.format=int4", "algorithms.int4=gptq"]
+    experts = {}
+    for name, extra in (("searched", ["gptq.grid=searched", "gptq.refit=true"]), ("minmax", [])):
+        out = tmp_path / name
+        run_apply(model_dir, out, *uniform, *extra)
+        model = moequant.load(out / "checkpoint", dtype=torch.float32)
+        module = adapter.experts_module(model, layer)
+        experts[name] = {p: torch.stack([adapter.expert_from_module(module, e, p).detach()
+                                         for e in range(adapter.num_experts)]) for p in adapter.projections}
+    recipe = resolve_recipe("recipes/selective.yaml", model_dir, tmp_path / "x",
+                            SMALL + uniform + ["gptq.grid=searched", "gptq.refit=true"])
+    settings = calibration_settings(recipe)
+    assert (settings.gptq_grid, settings.gptq_refit) == ("searched", True)
+    assert settings.fingerprint_fields()["gptq"] == ["searched", True]
+    assert "gptq" not in CalibrationSettings().fingerprint_fields()
+    stats_dir = calibrate(str(model_dir), tmp_path / "stats", CalibrationSettings(
+        **{**settings.__dict__, "save_hessians": True, "probe_samples": 0}), progress=False)
+    tensors = load_stats(stats_dir).layers[layer].tensors
+    for proj in adapter.projections:
+        w = adapter.read_experts(ckpt, layer, proj).float()
+        group = "down" if proj == "down" else "gate_up"
+        _, h = chosen_hessian(tensors, group, torch.arange(adapter.num_experts), MIN_ROUTED_TOKENS)
+        q, _ = gptq(w, h.float(), "int4-g32-sym", act_order=True, static_groups=True, grid="searched")
+        want = refit_scales(q, w, h.float()).dequantize(torch.float32)
+        close = torch.isclose(experts["searched"][proj], want, rtol=1e-3, atol=1e-6).float().mean()
+        assert close > 0.99, (proj, float(close))
+        assert not torch.allclose(experts["minmax"][proj], want)

@@ -155,12 +155,14 @@ def gptq(
     return quantized[0], report
 
 
-def gptq_pass(weight: torch.Tensor, hessian: torch.Tensor, spec, device=None):
-    """GPTQ with the searched grid and the scale refit (not yet the quantize pass's: on tiny-mixtral the
-    budget solver's RTN-based predictions then picked the worst of six half-way vLLM plans,
-    tests/test_pareto.py): activation order with static groups (vLLM takes
-    no dynamic g_idx) and, for integer formats, the searched grid; integer group formats then get
-    the least-squares scale refit (moequant.algorithms.refit). Measured by benchmarks/bench_quality.py
+def gptq_pass(weight: torch.Tensor, hessian: torch.Tensor, spec, device=None, grid: str = "searched",
+              refit: bool = True):
+    """GPTQ as the quantize pass and the probe run it: activation order with static groups (vLLM takes
+    no dynamic g_idx); for integer formats the `grid` GPTQ rounds onto (minmax | searched) and, with
+    `refit`, the least-squares scale refit of integer group formats (moequant.algorithms.refit).
+    The recipe's `gptq: {grid, refit}` chooses; its default is minmax without refit (searched + refit
+    made the budget solver's probe-scaled predictions rank tiny-mixtral's layers wrongly,
+    tests/test_pareto.py's half-way test). Measured by benchmarks/bench_quality.py
     (2026-12-02, tiny-qwen2moe, int4-g32-sym, every routed projection): KL 0.0107 with the min/max
     grid, 0.0095 searched, 0.0093 searched + refit."""
     from moequant import formats
@@ -168,8 +170,8 @@ def gptq_pass(weight: torch.Tensor, hessian: torch.Tensor, spec, device=None):
 
     spec = formats.get_format(spec)
     q, report = gptq(weight, hessian, spec, act_order=spec.is_int, static_groups=True, device=device,
-                     grid="searched" if spec.is_int else "minmax")
-    if spec.is_int and spec.granularity == "group":
+                     grid=grid if spec.is_int else "minmax")
+    if refit and spec.is_int and spec.granularity == "group":
         q = refit_scales(q, weight.to(q.codes.device), hessian.to(q.codes.device))
     return q, report
 

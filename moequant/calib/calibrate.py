@@ -60,6 +60,9 @@ class CalibrationSettings:
     save_hessians: bool = False  # also write the full [E, d, d] Hessians into stats/ (inspection; large)
     # each routed token's weight in its expert's routed Hessian (HESSIAN_WEIGHTINGS)
     hessian_weighting: str = "tokens"
+    # how GPTQ rounds in the probe and the quantize pass (recipe gptq: algorithms.gptq.gptq_pass)
+    gptq_grid: str = "minmax"
+    gptq_refit: bool = False
     # formats of the per-tensor probe (probe.run_tensor_probe: KL of each non-expert weight alone in
     # each), measured when a recipe lets the budget choose non-expert formats; (): none
     tensor_formats: tuple[str, ...] = ()
@@ -70,6 +73,8 @@ class CalibrationSettings:
                                                 "probe_algorithm", "compute_dtype", "save_hessians")}
         if self.hessian_weighting != "tokens":  # absent at the default: earlier statistics keep their fingerprint
             fields["hessian_weighting"] = self.hessian_weighting
+        if (self.gptq_grid, self.gptq_refit) != ("minmax", False):  # likewise
+            fields["gptq"] = [self.gptq_grid, self.gptq_refit]
         if self.tensor_formats:  # likewise
             fields["tensor_formats"] = list(self.tensor_formats)
         return fields
@@ -553,7 +558,8 @@ def _run_probes(ckpt, adapter, output: Path, settings: CalibrationSettings, inpu
         probe = run_probe(ckpt, adapter, probe_ids, output, settings.formats,
                           batch_size=settings.batch_size, device=settings.device,
                           algorithm=settings.probe_algorithm, hessians=settings.hessians,
-                          min_tokens=settings.min_tokens, progress=progress)
+                          min_tokens=settings.min_tokens, gptq_grid=settings.gptq_grid,
+                          gptq_refit=settings.gptq_refit, progress=progress)
         write_probe(output, {**probe, "held_out": held_out})
     (output / TENSOR_PROBE_FILE).unlink(missing_ok=True)
     if settings.tensor_formats and settings.probe_samples > 0:

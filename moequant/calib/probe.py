@@ -178,7 +178,7 @@ def layer_hessians(stats_dir: Path, layer: int, proj: str, num_experts: int, min
 
 
 def _probed_experts(adapter, checkpoint, layer: int, key: str, algorithm: str, stats_dir: Path, min_tokens: int,
-                    dtype, device) -> dict[str, torch.Tensor]:
+                    dtype, device, gptq_grid: str = "minmax", gptq_refit: bool = False) -> dict[str, torch.Tensor]:
     """proj -> [E, out, in] dequantized weights of the layer's routed experts in `key`."""
     from moequant import formats
 
@@ -190,11 +190,10 @@ def _probed_experts(adapter, checkpoint, layer: int, key: str, algorithm: str, s
             H = layer_hessians(stats_dir, layer, proj, adapter.num_experts, min_tokens)
             q = formats.quantize_ggml(W, spec, name=f"layer {layer} {proj} experts", hessian=H)
         elif algorithm == "gptq":
-            from moequant.algorithms.gptq import gptq
+            from moequant.algorithms.gptq import gptq_pass
 
             H = layer_hessians(stats_dir, layer, proj, adapter.num_experts, min_tokens)
-            # as the quantize pass: activation order with static groups for integer formats
-            q, _ = gptq(W, H, spec, act_order=spec.name.startswith("int"), static_groups=True, device=device)
+            q, _ = gptq_pass(W, H, spec, device=device, grid=gptq_grid, refit=gptq_refit)  # as the quantize pass
         else:
             q = formats.quantize(W, spec, name=f"layer {layer} {proj} experts")
         out[proj] = q.dequantize(torch.float32).to(dtype)
@@ -205,7 +204,7 @@ def run_probe(checkpoint, adapter, input_ids: torch.Tensor, stats_dir: str | Pat
               top_k: int | None = None, batch_size: int = 8, device: str = "cpu",
               usage_floor: float = DEFAULT_USAGE_FLOOR, max_stream_bytes: int = MAX_STREAM_BYTES,
               algorithm: str = "rtn", hessians: bool = True, min_tokens: int = 64,
-              progress: bool = False) -> dict:
+              gptq_grid: str = "minmax", gptq_refit: bool = False, progress: bool = False) -> dict:
     """Probe every MoE layer on `input_ids` [n, seq]; needs the layers' statistics files in
     `stats_dir` (sensitivities, routing counts). Returns probe.json's dict (not written)."""
     from moequant.io.layers import LayerRunner
@@ -224,7 +223,7 @@ def run_probe(checkpoint, adapter, input_ids: torch.Tensor, stats_dir: str | Pat
                 "usage_floor": usage_floor, "algorithm": None, "layers": {}}
     algorithm = probe_algorithm_for(algorithm, hessians)
     quantized = lambda L: _probed_experts(adapter, checkpoint, L, probe_key, algorithm, stats_dir, min_tokens,
-                                          runner.dtype, device)
+                                          runner.dtype, device, gptq_grid, gptq_refit)
     stream_bytes = tokens * adapter.hidden * torch.finfo(runner.dtype).bits // 8
     # live streams: original, everything quantized, the two of every probed layer, two layer inputs
     per_walk = max(1, (int(max_stream_bytes // max(stream_bytes, 1)) - 4) // 2)

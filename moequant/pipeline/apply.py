@@ -91,7 +91,8 @@ def calibration_settings(recipe: Recipe, device: str = "cpu", formats: tuple[str
                                probe_samples=probe_samples,
                                probe_algorithm=probe_algorithm(recipe, formats) if probe_samples else "rtn",
                                compute_dtype=c.compute_dtype, tensor_formats=tensor_formats(recipe),
-                               hessian_weighting=c.hessian_weighting)
+                               hessian_weighting=c.hessian_weighting, gptq_grid=recipe.gptq.grid,
+                               gptq_refit=recipe.gptq.refit)
 
 
 def tensor_formats(recipe: Recipe) -> tuple[str, ...]:

@@ -381,14 +381,16 @@ def load_awq_scales(work_dir, layer: int) -> dict[str, torch.Tensor] | None:
 
 
 def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, min_tokens: int, device,
-                      weights: dict, input_scale: torch.Tensor | None = None, first_expert: int = 0):
-    """GPTQ / RTN for one layer's routed experts, batched per (projection, format, algorithm).
+                      weights: dict, input_scale: torch.Tensor | None = None, first_expert: int = 0,
+                      gptq_grid: str = "minmax", gptq_refit: bool = False):
+    """GPTQ / RTN for one layer's routed experts, batched per (projection, format, algorithm);
+    GPTQ rounds as `gptq_grid` / `gptq_refit` say (the recipe's gptq section, `gptq_pass`).
 
     `weights` (proj -> [E, out, in] float32) are the weights to quantize (AWQ-scaled where AWQ
     ran); AWQ rows are round-to-nearest of them. `input_scale`: the shared gate/up scale folded
     into the norm, so gate/up's GPTQ Hessians are those of the input divided by it. With
     `first_expert`, `weights` and `collected` hold the experts from there on (one chunk of a layer)."""
-    from moequant.algorithms.gptq import gptq
+    from moequant.algorithms.gptq import gptq_pass
 
     groups: dict[tuple[str, str, str], list[int]] = {}
     for t in plan_rows:
@@ -416,7 +418,7 @@ def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, mi
             own, tokens, H, _, _ = _chosen_statistics(collected, group, idx, adapter.num_experts, min_tokens)
             if input_scale is not None and group == "gate_up":
                 H = H / (input_scale[:, None] * input_scale[None, :])  # Hessian of x / s
-            q, rep = gptq(W, H, spec, act_order=spec.name.startswith("int"), static_groups=True, device=device)
+            q, rep = gptq_pass(W, H, spec, device=device, grid=gptq_grid, refit=gptq_refit)
             fallbacks = {str(experts[e]): f"all-tokens Hessian: {int(tokens[e])} routed tokens < {min_tokens}"
                          for e in range(len(experts)) if not own[e]}
             fallbacks.update({str(experts[e]): why for e, why in rep.fallbacks().items()})
@@ -507,7 +509,8 @@ def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expe
             weights = {p: host[p][lo:hi].to(dev, torch.float32) for p in adapter.projections}
             rows = [t for t in expert_rows if lo <= t.expert < hi]
             q, rep, dq = _quantize_experts(adapter, layer, rows, collected, settings.min_tokens, dev,
-                                           weights=weights, first_expert=lo)
+                                           weights=weights, first_expert=lo, gptq_grid=settings.gptq_grid,
+                                           gptq_refit=settings.gptq_refit)
             for p in adapter.projections:
                 dequant[p][lo - first:hi - first] = dq[p].to(dtype)
             quantized.update(q)
@@ -778,7 +781,9 @@ def _quantize_whole_layer_experts(run: _Pass, L: int, expert_rows: list, mine: l
     quantized, report, experts_dq = _quantize_experts(run.adapter, L, mine, collected,
                                                       run.settings.min_tokens, run.settings.device, weights=weights,
                                                       input_scale=input_scale,
-                                                      first_expert=run.own.start if run.own is not None else 0)
+                                                      first_expert=run.own.start if run.own is not None else 0,
+                                                      gptq_grid=run.settings.gptq_grid,
+                                                      gptq_refit=run.settings.gptq_refit)
     # experts the folds changed but the plan keeps in full precision: written as folded
     for proj, mask in changed.items():
         for e in mask.nonzero().flatten().tolist():

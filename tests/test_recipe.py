@@ -95,7 +95,7 @@ def test_file_errors(tmp_path):
 def test_unknown_keys():
     assert error_of({"colour": 1}) == (
         "recipe r.yaml: unknown key 'colour'; accepted keys here: model, output, target, calibration, keep, "
-        "non_experts, experts, algorithms, formats, export, evaluate, seed.")
+        "non_experts, experts, algorithms, gptq, formats, export, evaluate, seed.")
     assert error_of({"experts": {**BUDGET, "foo": 1}}) == (
         "recipe r.yaml: unknown key 'experts.foo'; accepted keys here: method, budget, formats, format, rules, "
         "usage_floor.")

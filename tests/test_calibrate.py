@@ -188,3 +188,19 @@ def test_zoo_routing_counts_match_an_independent_hook(tmp_path, zoo_name):
     for L, (indices, _) in ref.items():
         E = stats.layers[L].num_experts
         assert torch.equal(stats.layers[L].routed_count, torch.bincount(indices.reshape(-1), minlength=E))
+
+
+def test_caller_given_samples_are_reused_when_identical_and_refused_when_not(tiny_dirs, tmp_path):
+    """The same pre-tokenised samples reuse the statistics (no file rewritten); other samples are
+    other settings: refused without overwrite, recomputed with it."""
+    d = str(tiny_dirs["mixtral"])
+    out = tmp_path / "stats"
+    calibrate(d, out, settings(), samples=make_samples(), progress=False)
+    files = {p: p.stat().st_mtime_ns for p in out.glob("*") if p.is_file()}
+    calibrate(d, out, settings(), samples=make_samples(), progress=False)
+    assert {p: p.stat().st_mtime_ns for p in out.glob("*") if p.is_file()} == files
+    with pytest.raises(UserError, match="other settings"):
+        calibrate(d, out, settings(), samples=make_samples(seed=1), progress=False)
+    calibrate(d, out, settings(), samples=make_samples(seed=1), overwrite=True, progress=False)
+    assert json.loads((out / "summary.json").read_text())["fingerprint"]["dataset"] != "builtin:mix"
+    assert {p: p.stat().st_mtime_ns for p in out.glob("*") if p.is_file()} != files

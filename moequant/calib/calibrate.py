@@ -418,13 +418,15 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
     fingerprint = {"model": model_fingerprint(ckpt), **settings.fingerprint_fields()}
     fingerprint["formats"] = list(fingerprint["formats"])
     fingerprint["probe_tokens"] = "held-out" if samples is None else "in-sample"
+    if samples is not None:  # the caller's pre-tokenised samples stand for the dataset (before the reuse check)
+        fingerprint["dataset"] = hashlib.sha256(b"".join(s.input_ids.numpy().tobytes() for s in samples)).hexdigest()[:16]
     if parallel.shared(lambda: _reusable_or_cleared(output, fingerprint, overwrite), "the statistics' reuse check"):
         return output  # complete and identical: reuse
 
     max_pos = int(ckpt.config.get("max_position_embeddings") or 0)
     if max_pos and settings.seq_len > max_pos:
         raise UserError(f"seq_len {settings.seq_len} exceeds the model's max_position_embeddings ({max_pos}).")
-    samples, probe_ids = _calibration_samples(ckpt, adapter, settings, tokenizer, samples, fingerprint)
+    samples, probe_ids = _calibration_samples(ckpt, adapter, settings, tokenizer, samples)
     input_ids = torch.stack([s.input_ids for s in samples])
     domains = sorted({s.domain for s in samples})
     token_domain = torch.tensor([domains.index(s.domain) for s in samples]).repeat_interleave(settings.seq_len)
@@ -480,9 +482,9 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
     return output
 
 
-def _calibration_samples(ckpt, adapter, settings: CalibrationSettings, tokenizer, samples, fingerprint: dict):
+def _calibration_samples(ckpt, adapter, settings: CalibrationSettings, tokenizer, samples):
     """(samples, the probe's held-out input ids or None). Drawn from settings.dataset when `samples`
-    is None; else the caller's pre-tokenised samples (library use, tests), their hash in the fingerprint."""
+    is None; else the caller's pre-tokenised samples (library use, tests)."""
     from moequant.calib.data import load_samples_with_holdout
 
     probe_ids = None  # the probe's own samples when they are held out from the statistics
@@ -495,8 +497,6 @@ def _calibration_samples(ckpt, adapter, settings: CalibrationSettings, tokenizer
             seed=settings.seed, allow_fewer=settings.allow_fewer)
         if held_out:
             probe_ids = torch.stack([s.input_ids for s in held_out])
-    else:
-        fingerprint["dataset"] = hashlib.sha256(b"".join(s.input_ids.numpy().tobytes() for s in samples)).hexdigest()[:16]
     return samples, probe_ids
 
 

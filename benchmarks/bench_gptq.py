@@ -10,8 +10,9 @@ Tools:
   moequant            moequant.algorithms.gptq, all experts of a projection as one batch
                       (gate and up share one factorization), act_order as llm-compressor's default
   moequant-noact      the same without activation ordering (moequant's default)
-  moequant-pass       algorithms.gptq.gptq_pass (not yet the quantize pass's): act order, the searched grid and the
-                      least-squares scale refit, one projection at a time as the pass runs it
+  moequant-pass       algorithms.gptq.gptq_pass(grid="searched", refit=True), the recipe's opt-in gptq section: act
+                      order, the searched grid and the least-squares scale refit, one projection at a time as
+                      the pass runs it
   moequant-fp32       moequant with MOEQUANT_GPTQ_MATMUL=fp32 (float32 products throughout, no TF32);
                       with `moequant` in the same run it also prints the fraction of differing codes
   rtn                 round-to-nearest, for scale
@@ -300,7 +301,7 @@ def run_moequant_pass(layer: Layer, args) -> dict:
     t1 = time.perf_counter()
     quantized = {}
     for proj, h in (("gate", h_in), ("up", h_in), ("down", h_down)):
-        q, _ = gptq.gptq_pass(getattr(layer, proj), h, args.format)
+        q, _ = gptq.gptq_pass(getattr(layer, proj), h, args.format, grid="searched", refit=True)
         quantized[proj] = q.dequantize(torch.bfloat16)
     sync(device)
     t2 = time.perf_counter()

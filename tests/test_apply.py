@@ -153,13 +153,13 @@ def test_awq_apply_on_a_zoo_model_writes_a_checkpoint_both_readers_take(tmp_path
     assert report["quality"]["kl_mean"] < 0.1 and model.config.model_type == "mixtral"
 
 
-def test_routing_weighted_hessians_reach_the_quantize_pass(model_dir, tmp_path):
-    """calibration.hessian_weighting=routing: the first MoE layer's GPTQ (its input is the original model's)
-    equals GPTQ on calibration's routing-weighted Hessians, computed separately, and differs from tokens'."""
+def _first_layer_runs(model_dir, tmp_path, overrides: list[str]):
+    """Uniform int4 GPTQ applied with `overrides` and with the defaults: (adapter, settings of the
+    override run, {"changed" | "default": {proj: first MoE layer's experts [E, out, in]}},
+    {proj: (original experts, calibration's chosen Hessian under those settings, computed separately)})."""
     import torch
 
     import moequant
-    from moequant.algorithms.gptq import gptq
     from moequant.arch import adapter_for
     from moequant.calib.calibrate import MIN_ROUTED_TOKENS, CalibrationSettings, calibrate
     from moequant.calib.stats import chosen_hessian, load_stats
@@ -171,28 +171,38 @@ def test_routing_weighted_hessians_reach_the_quantize_pass(model_dir, tmp_path):
     layer = adapter.moe_layers[0]
     uniform = ["experts.method=uniform", "experts.format=int4", "algorithms.int4=gptq"]
     experts = {}
-    for weighting in ("routing", "tokens"):
-        out = tmp_path / weighting
-        run_apply(model_dir, out, *uniform, f"calibration.hessian_weighting={weighting}")
-        model = moequant.load(out / "checkpoint", dtype=torch.float32)
-        module = adapter.experts_module(model, layer)
-        experts[weighting] = {p: torch.stack([adapter.expert_from_module(module, e, p).detach()
-                                              for e in range(adapter.num_experts)]) for p in adapter.projections}
-    recipe = resolve_recipe("recipes/selective.yaml", model_dir, tmp_path / "x",
-                            SMALL + uniform + ["calibration.hessian_weighting=routing"])
-    settings = calibration_settings(recipe)
-    assert settings.hessian_weighting == "routing"
+    for name, extra in (("changed", overrides), ("default", [])):
+        run_apply(model_dir, tmp_path / name, *uniform, *extra)
+        module = adapter.experts_module(moequant.load(tmp_path / name / "checkpoint", dtype=torch.float32), layer)
+        experts[name] = {p: torch.stack([adapter.expert_from_module(module, e, p).detach()
+                                         for e in range(adapter.num_experts)]) for p in adapter.projections}
+    settings = calibration_settings(resolve_recipe("recipes/selective.yaml", model_dir, tmp_path / "x",
+                                                   SMALL + uniform + overrides))
     stats_dir = calibrate(str(model_dir), tmp_path / "stats", CalibrationSettings(
         **{**settings.__dict__, "save_hessians": True, "probe_samples": 0}), progress=False)
     tensors = load_stats(stats_dir).layers[layer].tensors
+    references = {}
     for proj in adapter.projections:
-        w = adapter.read_experts(ckpt, layer, proj).float()
         group = "down" if proj == "down" else "gate_up"
         _, h = chosen_hessian(tensors, group, torch.arange(adapter.num_experts), MIN_ROUTED_TOKENS)
-        want = gptq(w, h.float(), "int4-g32-sym", act_order=True, static_groups=True)[0].dequantize(torch.float32)
-        close = torch.isclose(experts["routing"][proj], want, rtol=1e-3, atol=1e-6).float().mean()
+        references[proj] = (adapter.read_experts(ckpt, layer, proj).float(), h.float())
+    return adapter, settings, experts, references
+
+
+def test_routing_weighted_hessians_reach_the_quantize_pass(model_dir, tmp_path):
+    """calibration.hessian_weighting=routing: the first MoE layer's GPTQ (its input is the original model's)
+    equals GPTQ on calibration's routing-weighted Hessians, computed separately, and differs from tokens'."""
+    import torch
+
+    from moequant.algorithms.gptq import gptq
+
+    _, settings, experts, references = _first_layer_runs(model_dir, tmp_path, ["calibration.hessian_weighting=routing"])
+    assert settings.hessian_weighting == "routing"
+    for proj, (w, h) in references.items():
+        want = gptq(w, h, "int4-g32-sym", act_order=True, static_groups=True)[0].dequantize(torch.float32)
+        close = torch.isclose(experts["changed"][proj], want, rtol=1e-3, atol=1e-6).float().mean()
         assert close > 0.99, (proj, float(close))
-        assert not torch.allclose(experts["tokens"][proj], want)
+        assert not torch.allclose(experts["default"][proj], want)
 
 
 def test_searched_grid_and_refit_reach_the_quantize_pass(model_dir, tmp_path):
@@ -201,42 +211,17 @@ def test_searched_grid_and_refit_reach_the_quantize_pass(model_dir, tmp_path):
     differ from the default min/max grid's; the statistics' fingerprint names the choice."""
     import torch
 
-    import moequant
     from moequant.algorithms.gptq import gptq
     from moequant.algorithms.refit import refit_scales
-    from moequant.arch import adapter_for
-    from moequant.calib.calibrate import MIN_ROUTED_TOKENS, CalibrationSettings, calibrate
-    from moequant.calib.stats import chosen_hessian, load_stats
-    from moequant.io.checkpoint import open_checkpoint
-    from moequant.pipeline.apply import calibration_settings, resolve_recipe
+    from moequant.calib.calibrate import CalibrationSettings
 
-    ckpt = open_checkpoint(model_dir)
-    adapter = adapter_for(ckpt.config)
-    layer = adapter.moe_layers[0]
-    uniform = ["experts.method=uniform", "experts.format=int4", "algorithms.int4=gptq"]
-    experts = {}
-    for name, extra in (("searched", ["gptq.grid=searched", "gptq.refit=true"]), ("minmax", [])):
-        out = tmp_path / name
-        run_apply(model_dir, out, *uniform, *extra)
-        model = moequant.load(out / "checkpoint", dtype=torch.float32)
-        module = adapter.experts_module(model, layer)
-        experts[name] = {p: torch.stack([adapter.expert_from_module(module, e, p).detach()
-                                         for e in range(adapter.num_experts)]) for p in adapter.projections}
-    recipe = resolve_recipe("recipes/selective.yaml", model_dir, tmp_path / "x",
-                            SMALL + uniform + ["gptq.grid=searched", "gptq.refit=true"])
-    settings = calibration_settings(recipe)
+    _, settings, experts, references = _first_layer_runs(model_dir, tmp_path, ["gptq.grid=searched", "gptq.refit=true"])
     assert (settings.gptq_grid, settings.gptq_refit) == ("searched", True)
     assert settings.fingerprint_fields()["gptq"] == ["searched", True]
     assert "gptq" not in CalibrationSettings().fingerprint_fields()
-    stats_dir = calibrate(str(model_dir), tmp_path / "stats", CalibrationSettings(
-        **{**settings.__dict__, "save_hessians": True, "probe_samples": 0}), progress=False)
-    tensors = load_stats(stats_dir).layers[layer].tensors
-    for proj in adapter.projections:
-        w = adapter.read_experts(ckpt, layer, proj).float()
-        group = "down" if proj == "down" else "gate_up"
-        _, h = chosen_hessian(tensors, group, torch.arange(adapter.num_experts), MIN_ROUTED_TOKENS)
-        q, _ = gptq(w, h.float(), "int4-g32-sym", act_order=True, static_groups=True, grid="searched")
-        want = refit_scales(q, w, h.float()).dequantize(torch.float32)
-        close = torch.isclose(experts["searched"][proj], want, rtol=1e-3, atol=1e-6).float().mean()
+    for proj, (w, h) in references.items():
+        q, _ = gptq(w, h, "int4-g32-sym", act_order=True, static_groups=True, grid="searched")
+        want = refit_scales(q, w, h).dequantize(torch.float32)
+        close = torch.isclose(experts["changed"][proj], want, rtol=1e-3, atol=1e-6).float().mean()
         assert close > 0.99, (proj, float(close))
-        assert not torch.allclose(experts["minmax"][proj], want)
+        assert not torch.allclose(experts["default"][proj], want)

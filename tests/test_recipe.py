@@ -104,6 +104,13 @@ def test_unknown_keys():
         "layers, format.")
 
 
+def test_gptq_section_names_its_accepted_values():
+    assert error_of({"gptq": {"grid": "fancy"}}) == (
+        "recipe r.yaml: key 'gptq.grid' has value 'fancy'; accepted: 'minmax' or 'searched'.")
+    assert error_of({"gptq": {"refit": "maybe"}}) == "recipe r.yaml: key 'gptq.refit' has value 'maybe'; accepted: true or false."
+    assert error_of({"gptq": {"colour": 1}}) == "recipe r.yaml: unknown key 'gptq.colour'; accepted keys here: grid, refit."
+
+
 def test_wrong_types_and_values():
     assert error_of({"target": "tgi"}) == (
         "recipe r.yaml: key 'target' has value 'tgi'; accepted: 'vllm', 'sglang', 'transformers', 'llama.cpp' or 'vllm-moequant'.")

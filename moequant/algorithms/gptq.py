@@ -155,16 +155,14 @@ def gptq(
     return quantized[0], report
 
 
-def gptq_pass(weight: torch.Tensor, hessian: torch.Tensor, spec, device=None, grid: str = "searched",
-              refit: bool = True):
+def gptq_pass(weight: torch.Tensor, hessian: torch.Tensor, spec, device=None, grid: str = "minmax",
+              refit: bool = False):
     """GPTQ as the quantize pass and the probe run it: activation order with static groups (vLLM takes
     no dynamic g_idx); for integer formats the `grid` GPTQ rounds onto (minmax | searched) and, with
     `refit`, the least-squares scale refit of integer group formats (moequant.algorithms.refit).
-    The recipe's `gptq: {grid, refit}` chooses; its default is minmax without refit (searched + refit
-    made the budget solver's probe-scaled predictions rank tiny-mixtral's layers wrongly,
-    tests/test_pareto.py's half-way test). Measured by benchmarks/bench_quality.py
-    (2026-12-02, tiny-qwen2moe, int4-g32-sym, every routed projection): KL 0.0107 with the min/max
-    grid, 0.0095 searched, 0.0093 searched + refit."""
+    The recipe's `gptq: {grid, refit}` chooses (defaults as here: searched + refit made the budget
+    solver's probe-scaled predictions rank tiny-mixtral's layers wrongly, tests/test_pareto.py's
+    half-way test). Quality and cost: benchmarks/bench_quality.py, bench_gptq.py."""
     from moequant import formats
     from moequant.algorithms.refit import refit_scales
 

@@ -116,17 +116,14 @@ class Calibration(Strict):
     # the layers' forward: auto = bf16 on CUDA (the checkpoint's dtype), float32 on the CPU
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # each routed token's weight in its expert's Hessian (GPTQ, sensitivity, probe): routing = its
-    # routing weight to that expert (MoEQuant's affinity-guided GPTQ), tokens = 1. benchmarks/
-    # bench_quality.py, 2026-12-02: routing took 3-8% off int4-g32-sym GPTQ's KL and 1-6% off the
-    # 4.5-bit selective / per-expert plans' on both bundled models
+    # routing weight to that expert (MoEQuant's affinity-guided GPTQ), tokens = 1 (measured:
+    # benchmarks/bench_quality.py)
     hessian_weighting: Literal["tokens", "routing"] = "tokens"
 
 
 class Gptq(Strict):
-    """How GPTQ rounds (the quantize pass and the probe alike). benchmarks/bench_quality.py,
-    2026-12-02, int4-g32-sym over every routed projection: searched + refit took 20 % / 13 % off
-    the min/max grid's KL (tiny-mixtral / tiny-qwen2moe); cost on the H200 (bench_gptq.py,
-    Qwen3-30B-A3B shape): 1.86 s per layer against 0.17 s."""
+    """How GPTQ rounds (the quantize pass and the probe alike, algorithms.gptq.gptq_pass); quality
+    and cost of each choice: benchmarks/bench_quality.py and bench_gptq.py."""
     # minmax: each group's scale from its largest weight; searched: the scale (and zero point) that
     # minimises the input-weighted error (formats.searched_fit)
     grid: Literal["minmax", "searched"] = "minmax"

@@ -151,6 +151,7 @@ def concurrent(tmp_path_factory):
             "holder_pid": first.pid}
 
 
+@pytest.mark.slow  # whole apply runs in subprocesses
 def test_second_run_into_a_held_directory_is_refused_at_once_and_the_first_one_owns_everything(concurrent):
     out, second = concurrent["out"], concurrent["second"]
     assert concurrent["holder_stopped"]  # refused while the holder was alive and mid-run, not after it ended
@@ -172,6 +173,7 @@ def test_second_run_into_a_held_directory_is_refused_at_once_and_the_first_one_o
     assert not (out / LOCK_FILE).exists()  # released cleanly
 
 
+@pytest.mark.slow  # whole apply runs in subprocesses
 def test_fingerprint_is_the_run_s_own(concurrent):
     """The stored fingerprint is recomputed from the int4 recipe and its plan (not the int8 one's)."""
     from moequant.io.checkpoint import open_checkpoint
@@ -191,6 +193,7 @@ def test_fingerprint_is_the_run_s_own(concurrent):
     assert run_fingerprint(elsewhere, ckpt, calibration_settings(elsewhere), plan) == plan.run_fingerprint
 
 
+@pytest.mark.slow  # whole apply runs in subprocesses
 def test_sigkilled_holder_never_blocks_the_rerun_which_resumes_and_finishes(concurrent, tmp_path):
     out = tmp_path / "killed"
     proc = start(apply_args("uniform-int4.yaml", out), tmp_path / "killed.log")
@@ -224,6 +227,7 @@ def int8_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # whole apply runs in subprocesses
 def test_swapped_checkpoint_is_named_by_eval_and_report_and_remade_by_a_rerun(concurrent, int8_run, tmp_path):
     """int8's output directory with int4's checkpoint copied in by hand."""
     mixed = tmp_path / "mixed"
@@ -264,6 +268,7 @@ def test_swapped_checkpoint_is_named_by_eval_and_report_and_remade_by_a_rerun(co
     assert result.exit_code == 0 and result.output.startswith("# moequant report"), result.output
 
 
+@pytest.mark.slow  # whole apply runs in subprocesses
 def test_eval_output_writes_the_checkpoint_s_run_and_refuses_another_run_s_directory(concurrent, int8_run):
     out = concurrent["out"]
     runner = CliRunner()

@@ -6,9 +6,15 @@ when vLLM cannot be installed or run. All checkpoints go through one vLLM worker
 Control: vLLM's outputs for the W4A16 export, scored against moequant.load() of the same
 weights with the experts rotated by one (what a name-mapping bug in a reader would do), must
 fail the same check, so the tolerances are shown to separate a correct read from a misread one.
+On a CPU where vLLM's CPU build has no quantized fused-MoE kernel (no AMX, no AVX-512:
+`quantized_moe_kernel_gap`), the test says so in its output and asserts what vLLM does there:
+each quantized export is refused with vLLM's no-kernel error (its compressed-tensors MoE method
+was chosen from our config), and the bf16 models agree; the control then scores the bf16 outputs.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -17,7 +23,14 @@ from test_export_models import quantize_experts
 from moequant.algorithms.gptq import gptq
 from moequant.arch import adapter_for
 from moequant.export.layouts import export_checkpoint
-from moequant.export.verify_vllm import compare_with_moequant, engine_dtype, ensure_vllm_env, run_vllm
+from moequant.export.verify_vllm import (
+    compare_with_moequant,
+    engine_dtype,
+    ensure_vllm_env,
+    is_quantized,
+    quantized_moe_kernel_gap,
+    run_vllm,
+)
 from moequant.io.checkpoint import open_checkpoint
 from moequant.zoo import path as zoo_path
 
@@ -102,6 +115,16 @@ def test_vllm_cpu_loads_our_exports_and_agrees_with_moequant_load(exports):
     for c in asym:  # the vllm targets' refusal of zero-point experts rests on this
         assert isinstance(outs[str(c.resolve())], str) and "WNA16 MoE backend" in outs[str(c.resolve())], (
             f"vLLM's CPU build loaded {c.name}: allow asymmetric int4 experts for target vllm (formats/integer.py)")
+    gap = quantized_moe_kernel_gap()
+    if gap:  # vLLM still parses our quantization_config and picks its MoE method; only the kernel is missing
+        print(f"NOT CHECKED on this machine: vLLM serving our quantized exports. {gap}")
+        for c in good:
+            if is_quantized(c):
+                out = outs[str(c.resolve())]
+                assert isinstance(out, str) and re.search(r"No (WNA16|Int8) MoE backend supports", out), (
+                    f"{c.name}: expected vLLM's no-kernel refusal on this CPU, got {str(out)[:300]}")
+        good = [c for c in good if not is_quantized(c)]
+        served = good[0]  # the control scores the bf16 model's outputs against the misread int4 experts
     lines, failed = [], []
     for c in good:
         report = compare_with_moequant(c, prompts[c], outs[str(c.resolve())])

@@ -198,7 +198,7 @@ def run_vllm(checkpoints: list[str | os.PathLike], prompts: list[list[int]] | di
         # kernels need it there (no AMX), while its fused MoE fails on unquantized bf16 experts
         # (zentorch 2.13.0.2: "routed_fused_moe_direct failed"): bf16 checkpoints run without it.
         zen = not _cpu_has_float16()
-        plain = {c for c in checkpoints if not _is_quantized(c)} if zen else set()
+        plain = {c for c in checkpoints if not is_quantized(c)} if zen else set()
         while len(results) < len(checkpoints):
             todo = [c for c in checkpoints if c not in results]
             hide_zentorch = todo[0] in plain
@@ -289,7 +289,8 @@ def compare_with_moequant(checkpoint: str | os.PathLike, prompts: list[list[int]
     tol = tolerance or Tolerance()
     report = Agreement(str(checkpoint))
     if isinstance(vllm_out, str):
-        report.failures.append(f"vLLM could not run it: {vllm_out}")
+        gap = quantized_moe_kernel_gap() if "MoE backend supports" in vllm_out else None
+        report.failures.append(f"vLLM could not run it: {vllm_out}" + (f"\n  ({gap})" if gap else ""))
         return report
     model = model if model is not None else load(checkpoint, dtype=torch.float32)
     for p, (prompt, out) in enumerate(zip(prompts, vllm_out)):
@@ -331,17 +332,39 @@ def engine_dtype(checkpoint: str | os.PathLike) -> str:
     return "float16"
 
 
-def _is_quantized(checkpoint: str | os.PathLike) -> bool:
+def is_quantized(checkpoint: str | os.PathLike) -> bool:
     return "quantization_config" in json.loads((Path(checkpoint) / "config.json").read_text())
 
 
-def _cpu_has_float16() -> bool:
+def _cpu_flags() -> tuple[str, list[str]]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return True
+        return "", []
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
     vendor = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("vendor_id")), "")
+    return vendor, flags
+
+
+def quantized_moe_kernel_gap() -> str | None:
+    """Why vLLM 0.32's CPU build has no int4 / int8 fused-MoE kernel on this CPU, or None when it has them.
+
+    Its quantized MoE experts run on AMX tiles (Intel: CPUExpertsInt4, the int8 W8A8 experts) or
+    through zentorch, whose platform vLLM picks only on AMD CPUs whose /proc/cpuinfo names AVX-512.
+    Elsewhere (an AVX2-only CPU) every quantized MoE checkpoint is refused at load with "No WNA16 /
+    Int8 MoE backend supports the deployment configuration" (measured 2026-12-02 on an AVX2 AMD EPYC);
+    bf16 checkpoints still run.
+    """
+    vendor, flags = _cpu_flags()
+    if "amx_tile" in flags or (vendor == "AuthenticAMD" and any(f.startswith("avx512") for f in flags)):
+        return None
+    isa = "AVX-512" if any(f.startswith("avx512") for f in flags) else "AVX2" if "avx2" in flags else "no AVX2"
+    return (f"vLLM 0.32's CPU build has no quantized fused-MoE kernel on this CPU ({vendor or 'unknown vendor'}, "
+            f"{isa}, no AMX): it needs AMX (Intel) or AVX-512 with zentorch (AMD)")
+
+
+def _cpu_has_float16() -> bool:
+    vendor, flags = _cpu_flags()
     return vendor != "AuthenticAMD" or "avx512_fp16" in flags
 
 

@@ -10,7 +10,7 @@ Tools:
   moequant            moequant.algorithms.gptq, all experts of a projection as one batch
                       (gate and up share one factorization), act_order as llm-compressor's default
   moequant-noact      the same without activation ordering (moequant's default)
-  moequant-pass       algorithms.gptq.gptq_pass(grid="searched", refit=True), the recipe's opt-in gptq section: act
+  moequant-pass       algorithms.gptq.gptq_pass(grid="searched", refit=True), the recipe's default gptq section: act
                       order, the searched grid and the least-squares scale refit, one projection at a time as
                       the pass runs it
   moequant-fp32       moequant with MOEQUANT_GPTQ_MATMUL=fp32 (float32 products throughout, no TF32);

@@ -74,18 +74,21 @@ to that equal-bytes Q4_K:
 | llama.cpp Q4_K, narrow rows Q4_0 | 4.50 | 0.01130 (1.00) | 0.02627 (1.00) |
 | ... + our imatrix | 4.50 | 0.01112 (0.98) | 0.02378 (0.91) |
 | llama.cpp Q4_K as llama.cpp stores it (narrow rows Q5_0) | 4.83 | 0.00646 (0.57) | 0.01539 (0.59) |
-| int4-g32-sym GPTQ, the default pass (min/max grid, token Hessians) | 4.50 | 0.01068 (0.94) | 0.02631 (1.00) |
+| int4-g32-sym GPTQ, plain (min/max grid, token Hessians: the pass before these became defaults) | 4.50 | 0.01068 (0.94) | 0.02631 (1.00) |
 | int4-g32-sym GPTQ, searched + refit | 4.50 | 0.00925 (0.82) | 0.02093 (0.80) |
 | ... + routing-weighted Hessians | 4.50 | 0.00887 (0.79) | 0.01958 (0.75) |
-| plan selective (vllm) at 4.5, default pass | 4.50 | 0.01088 (0.96) | 0.02512 (0.96) |
+| plan selective (vllm) at 4.5, plain GPTQ | 4.50 | 0.01088 (0.96) | 0.02512 (0.96) |
 | plan selective (vllm) at 4.5, gptq searched + refit, routing Hessians | 4.50 | 0.00905 (0.80) | 0.01978 (0.75) |
-| plan per-expert (transformers) at 4.5, default pass | 4.50 | 0.00722 (0.64) | 0.01956 (0.74) |
+| plan per-expert (transformers) at 4.5, plain GPTQ | 4.50 | 0.00722 (0.64) | 0.01956 (0.74) |
 | plan per-expert (transformers) at 4.5, gptq searched + refit, routing Hessians | 4.50 | 0.00628 (0.56) | 0.01633 (0.62) |
 
 At equal bytes the vLLM-servable int4 beats Q4_K with the recipe's `gptq: {grid: searched, refit: true}` and
 `calibration.hessian_weighting: routing` (0.79x / 0.75x), and so do the plans (selective 0.80x / 0.75x,
-per-expert 0.56x / 0.62x); the default pass ties it (0.94x / 1.00x). Against the 4.83 bits llama.cpp
-actually spends, every 4.5-bit variant loses (see the first table).
+per-expert 0.56x / 0.62x); plain GPTQ ties it (0.94x / 1.00x). Against the 4.83 bits llama.cpp
+actually spends, every 4.5-bit variant loses (see the first table). Since 2026-12-02 routing Hessians,
+the searched grid and the refit are the recipe's defaults (the rows with them are what `moequant apply`
+of a bundled recipe now gives; `gptq.grid=minmax`, `gptq.refit=false`,
+`calibration.hessian_weighting=tokens` give the plain rows).
 """
 
 from __future__ import annotations

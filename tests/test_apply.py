@@ -153,9 +153,9 @@ def test_awq_apply_on_a_zoo_model_writes_a_checkpoint_both_readers_take(tmp_path
     assert report["quality"]["kl_mean"] < 0.1 and model.config.model_type == "mixtral"
 
 
-def _first_layer_runs(model_dir, tmp_path, overrides: list[str]):
-    """Uniform int4 GPTQ applied with `overrides` and with the defaults: (adapter, settings of the
-    override run, {"changed" | "default": {proj: first MoE layer's experts [E, out, in]}},
+def _first_layer_runs(model_dir, tmp_path, overrides: list[str], contrast: list[str]):
+    """Uniform int4 GPTQ applied with `overrides` and with `contrast`: (adapter, settings of the
+    override run, {"changed" | "contrast": {proj: first MoE layer's experts [E, out, in]}},
     {proj: (original experts, calibration's chosen Hessian under those settings, computed separately)})."""
     import torch
 
@@ -171,7 +171,7 @@ def _first_layer_runs(model_dir, tmp_path, overrides: list[str]):
     layer = adapter.moe_layers[0]
     uniform = ["experts.method=uniform", "experts.format=int4", "algorithms.int4=gptq"]
     experts = {}
-    for name, extra in (("changed", overrides), ("default", [])):
+    for name, extra in (("changed", overrides), ("contrast", contrast)):
         run_apply(model_dir, tmp_path / name, *uniform, *extra)
         module = adapter.experts_module(moequant.load(tmp_path / name / "checkpoint", dtype=torch.float32), layer)
         experts[name] = {p: torch.stack([adapter.expert_from_module(module, e, p).detach()
@@ -191,32 +191,41 @@ def _first_layer_runs(model_dir, tmp_path, overrides: list[str]):
 
 def test_routing_weighted_hessians_reach_the_quantize_pass(model_dir, tmp_path):
     """calibration.hessian_weighting=routing: the first MoE layer's GPTQ (its input is the original model's)
-    equals GPTQ on calibration's routing-weighted Hessians, computed separately, and differs from tokens'."""
+    equals GPTQ on calibration's routing-weighted Hessians, computed separately, and differs from tokens'
+    (both on the min/max grid without refit, so the Hessian is the only difference)."""
     import torch
 
     from moequant.algorithms.gptq import gptq
 
-    _, settings, experts, references = _first_layer_runs(model_dir, tmp_path, ["calibration.hessian_weighting=routing"])
+    plain = ["gptq.grid=minmax", "gptq.refit=false"]
+    _, settings, experts, references = _first_layer_runs(model_dir, tmp_path, ["calibration.hessian_weighting=routing",
+                                                         *plain], ["calibration.hessian_weighting=tokens", *plain])
     assert settings.hessian_weighting == "routing"
     for proj, (w, h) in references.items():
         want = gptq(w, h, "int4-g32-sym", act_order=True, static_groups=True)[0].dequantize(torch.float32)
         close = torch.isclose(experts["changed"][proj], want, rtol=1e-3, atol=1e-6).float().mean()
         assert close > 0.99, (proj, float(close))
-        assert not torch.allclose(experts["default"][proj], want)
+        assert not torch.allclose(experts["contrast"][proj], want)
 
 
 def test_searched_grid_and_refit_reach_the_quantize_pass(model_dir, tmp_path):
     """gptq: {grid: searched, refit: true}: the first MoE layer's experts equal GPTQ onto the searched
     grid followed by the least-squares scale refit, run separately on calibration's Hessians, and
-    differ from the default min/max grid's; the statistics' fingerprint names the choice."""
+    differ from the min/max grid's (both with token-weighted Hessians); the statistics' fingerprint
+    names the choice, and the recipe's defaults are routing Hessians on the searched grid with the refit."""
     import torch
 
     from moequant.algorithms.gptq import gptq
     from moequant.algorithms.refit import refit_scales
     from moequant.calib.calibrate import CalibrationSettings
+    from moequant.pipeline.apply import calibration_settings, resolve_recipe
 
-    _, settings, experts, references = _first_layer_runs(model_dir, tmp_path, ["gptq.grid=searched", "gptq.refit=true"])
+    tokens = "calibration.hessian_weighting=tokens"
+    _, settings, experts, references = _first_layer_runs(model_dir, tmp_path, ["gptq.grid=searched", "gptq.refit=true",
+                                                         tokens], ["gptq.grid=minmax", "gptq.refit=false", tokens])
     assert (settings.gptq_grid, settings.gptq_refit) == ("searched", True)
+    default = calibration_settings(resolve_recipe("recipes/selective.yaml", model_dir, tmp_path / "d", []))
+    assert (default.hessian_weighting, default.gptq_grid, default.gptq_refit) == ("routing", "searched", True)
     assert settings.fingerprint_fields()["gptq"] == ["searched", True]
     assert "gptq" not in CalibrationSettings().fingerprint_fields()
     for proj, (w, h) in references.items():
@@ -224,4 +233,4 @@ def test_searched_grid_and_refit_reach_the_quantize_pass(model_dir, tmp_path):
         want = refit_scales(q, w, h).dequantize(torch.float32)
         close = torch.isclose(experts["changed"][proj], want, rtol=1e-3, atol=1e-6).float().mean()
         assert close > 0.99, (proj, float(close))
-        assert not torch.allclose(experts["default"][proj], want)
+        assert not torch.allclose(experts["contrast"][proj], want)

@@ -160,9 +160,8 @@ def gptq_pass(weight: torch.Tensor, hessian: torch.Tensor, spec, device=None, gr
     """GPTQ as the quantize pass and the probe run it: activation order with static groups (vLLM takes
     no dynamic g_idx); for integer formats the `grid` GPTQ rounds onto (minmax | searched) and, with
     `refit`, the least-squares scale refit of integer group formats (moequant.algorithms.refit).
-    The recipe's `gptq: {grid, refit}` chooses (defaults as here: searched + refit made the budget
-    solver's probe-scaled predictions rank tiny-mixtral's layers wrongly, tests/test_pareto.py's
-    half-way test). Quality and cost: benchmarks/bench_quality.py, bench_gptq.py."""
+    The defaults here are plain GPTQ; the recipe's `gptq: {grid, refit}` defaults to searched + refit.
+    Quality and cost: benchmarks/bench_quality.py, bench_gptq.py."""
     from moequant import formats
     from moequant.algorithms.refit import refit_scales
 

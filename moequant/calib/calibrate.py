@@ -58,7 +58,8 @@ class CalibrationSettings:
     probe_algorithm: str = "rtn"  # how the probe quantizes its layer: rtn | gptq (see probe.py)
     compute_dtype: str = "auto"  # the layers' forward: auto (bf16 on CUDA, float32 on CPU) | float32 | bfloat16
     save_hessians: bool = False  # also write the full [E, d, d] Hessians into stats/ (inspection; large)
-    # each routed token's weight in its expert's routed Hessian (HESSIAN_WEIGHTINGS)
+    # each routed token's weight in its expert's routed Hessian (HESSIAN_WEIGHTINGS); the library's
+    # defaults here and below are plain GPTQ, the recipe's (plan/recipe.py) are routing / searched / refit
     hessian_weighting: str = "tokens"
     # how GPTQ rounds in the probe and the quantize pass (recipe gptq: algorithms.gptq.gptq_pass)
     gptq_grid: str = "minmax"
@@ -71,7 +72,9 @@ class CalibrationSettings:
         fields = {k: getattr(self, k) for k in ("dataset", "samples", "seq_len", "seed", "all_experts", "hessians",
                                                 "formats", "min_tokens", "allow_fewer", "probe_samples",
                                                 "probe_algorithm", "compute_dtype", "save_hessians")}
-        if self.hessian_weighting != "tokens":  # absent at the default: earlier statistics keep their fingerprint
+        # absent at the library defaults (the recipe's defaults before 2026-12-02): statistics made
+        # with them keep their fingerprint, and the recipe's defaults now add these fields
+        if self.hessian_weighting != "tokens":
             fields["hessian_weighting"] = self.hessian_weighting
         if (self.gptq_grid, self.gptq_refit) != ("minmax", False):  # likewise
             fields["gptq"] = [self.gptq_grid, self.gptq_refit]

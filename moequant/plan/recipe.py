@@ -117,8 +117,8 @@ class Calibration(Strict):
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # each routed token's weight in its expert's Hessian (GPTQ, sensitivity, probe): routing = its
     # routing weight to that expert (MoEQuant's affinity-guided GPTQ), tokens = 1 (measured:
-    # benchmarks/bench_quality.py)
-    hessian_weighting: Literal["tokens", "routing"] = "tokens"
+    # benchmarks/bench_quality.py, where routing lowers GPTQ's KL on both bundled models)
+    hessian_weighting: Literal["tokens", "routing"] = "routing"
 
 
 class Gptq(Strict):
@@ -126,9 +126,9 @@ class Gptq(Strict):
     and cost of each choice: benchmarks/bench_quality.py and bench_gptq.py."""
     # minmax: each group's scale from its largest weight; searched: the scale (and zero point) that
     # minimises the input-weighted error (formats.searched_fit)
-    grid: Literal["minmax", "searched"] = "minmax"
+    grid: Literal["minmax", "searched"] = "searched"
     # re-solve each row's scales by least squares for GPTQ's codes (algorithms/refit.py)
-    refit: bool = False
+    refit: bool = True
 
 
 class Evaluate(Strict):

@@ -363,6 +363,26 @@ def quantized_moe_kernel_gap() -> str | None:
             f"{isa}, no AMX): it needs AMX (Intel) or AVX-512 with zentorch (AMD)")
 
 
+def mixed_layer_kernel_gap() -> str | None:
+    """Why the moequant plugin cannot serve a MoE layer that mixes int4 with another format on this CPU, or
+    None when it can.
+
+    The plugin runs one vLLM fused-MoE kernel per format group of a layer. On AMD CPUs vLLM 0.32 runs int4
+    experts only through zentorch's DA8W4 kernel (its ZEN_CPU WNA16 backend), which routes inside itself and
+    so cannot run one group of a layer; its other CPU int4 kernel (CPUExpertsInt4) needs AMX tiles
+    (measured 2026-12-03 on an AVX-512 AMD EPYC without AMX: the plugin refuses such layers in one
+    sentence, one format per layer still serves)."""
+    gap = quantized_moe_kernel_gap()
+    if gap is not None:
+        return gap
+    vendor, flags = _cpu_flags()
+    if "amx_tile" in flags:
+        return None
+    return (f"vLLM 0.32's CPU build runs int4 MoE experts on this CPU ({vendor or 'unknown vendor'}, no AMX) only "
+            "through zentorch's DA8W4 kernel, which routes inside itself: a layer mixing int4 with another format "
+            "needs AMX")
+
+
 def _cpu_has_float16() -> bool:
     vendor, flags = _cpu_flags()
     return vendor != "AuthenticAMD" or "avx512_fp16" in flags

@@ -151,7 +151,7 @@ class MixedExpertsMoEMethod(FusedMoEMethodBase):
                 raise _refusal(prefix, fmt, e) from None
             if method.is_monolithic and len(by_format) > 1:
                 why = (f"its {type(method).__name__} kernel routes inside itself, so it cannot run one format group "
-                       "of a mixed layer; on AMD CPUs set VLLM_CPU_INT4_W4A8=0")
+                       "of a mixed layer; vLLM's CPU int4 experts run group by group only on AMX")
                 raise _refusal(prefix, fmt, why)
             self.groups.append(group)
             self.methods.append(method)

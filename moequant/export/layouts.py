@@ -593,8 +593,10 @@ class _Gptq(_Layout):
         return {_module(n) for n in self.ckpt.keys() if n.endswith(".weight")}
 
     def _base(self) -> dict:
+        # true_sequential False: down_proj's Hessian comes from the unquantized gate/up activations
+        # (true-sequential within a layer was measured and dropped: bench_quality, 2026-12-02)
         return {"bits": self.base_bits, "group_size": self.base_group, "desc_act": False, "sym": True,
-                "static_groups": False, "true_sequential": True, "damp_percent": 0.01,
+                "static_groups": False, "true_sequential": False, "damp_percent": 0.01,
                 "checkpoint_format": "gptq", "quant_method": "gptq", "pack_dtype": "int32",
                 "lm_head": False}
 

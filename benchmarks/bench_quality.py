@@ -1,7 +1,7 @@
 """Quality per byte of the routed experts: moequant's integer grids and algorithms against
 llama.cpp's own Q4_0 / Q4_K / Q4_K + imatrix / Q4_K_M, on the same held-out windows.
 
-    python benchmarks/bench_quality.py [--models tiny-qwen2moe,tiny-mixtral] [--samples 64] [--eval-samples 32]
+    python benchmarks/bench_quality.py [--models tiny-qwen2moe,tiny-mixtral] [--samples 128] [--eval-samples 32]
 
 Only the routed experts are quantized; everything else keeps the original float32 weights, so the
 KL (original || quantized, evaluate.evaluate on the evaluation split, 32 x 256 tokens by default)
@@ -89,6 +89,26 @@ actually spends, every 4.5-bit variant loses (see the first table). Since 2026-1
 the searched grid and the refit are the recipe's defaults (the rows with them are what `moequant apply`
 of a bundled recipe now gives; `gptq.grid=minmax`, `gptq.refit=false`,
 `calibration.hessian_weighting=tokens` give the plain rows).
+
+Measured 2026-12-02, then dropped (same defaults and windows, ratio to the equal-bytes Q4_K above): two
+further GPTQ refinements from the literature, prototyped in the quantize pass and run through
+`--no-uniform --weightings routing --plans "selective selective;gptq.true_sequential=true ..."`:
+true-sequential within a layer (down_proj's Hessian from the *quantized* gate/up activations) and
+GPTAQ's asymmetric calibration inside a layer (W* = W C (H_q + lambda I)^-1, C the cross-moment of
+full-precision and quantized inputs).
+
+| plan at 4.5 bits | qwen2moe | mixtral |
+|---|---|---|
+| selective (recipe defaults) | 0.00909 (0.80) | 0.01978 (0.75) |
+| ... + true-sequential | 0.00896 (0.79) | 0.02010 (0.77) |
+| ... + GPTAQ within the layer | 0.00999 (0.88) | 0.02142 (0.82) |
+| per-expert (recipe defaults) | 0.00617 (0.55) | 0.01622 (0.62) |
+| ... + true-sequential | 0.00625 (0.55) | 0.01637 (0.62) |
+| ... + GPTAQ within the layer | 0.00711 (0.63) | 0.01682 (0.64) |
+
+True-sequential helps one of the four (qwen2moe selective, by 1.4%, inside the evaluation's noise) and
+hurts the other three; GPTAQ within a layer hurts all four (with 64 x 256 calibration tokens spread over
+16 experts its cross-moment is noisier than the Hessian it corrects). Neither is in the product.
 """
 
 from __future__ import annotations
@@ -150,7 +170,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="tiny-qwen2moe,tiny-mixtral")
-    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--samples", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--eval-samples", type=int, default=32)
     p.add_argument("--weightings", default="tokens,routing")
@@ -162,6 +182,7 @@ def main(argv=None) -> int:
                         "separated; RECIPE;KEY=VALUE;... adds recipe overrides (as `apply --set`)")
     p.add_argument("--plan-bits", type=float, default=4.5)
     p.add_argument("--no-uniform", action="store_true", help="skip moequant's uniform variants (plans and llama.cpp only)")
+    p.add_argument("--no-gguf", action="store_true", help="skip moequant's own Q4_K (its GGUF quantizer)")
     p.add_argument("--uniform", default=None,
                    help="only these uniform variants, comma separated FORMAT/ALGORITHM/GRID/WEIGHTING "
                         "(e.g. int4-g32-sym/gptq+refit/searched/tokens); default: all of OURS")
@@ -249,6 +270,28 @@ def main(argv=None) -> int:
                     deq[(L, pj)] = q.dequantize()
             label = f"{key} {algo} {grid}" + (f" H:{wt}" if algo != "rtn" else "")
             variants[label] = (deq, nbytes, None)
+
+        # moequant's own GGUF quantizer on the routed experts (what recipes/gguf.yaml's algorithms give them):
+        # Q4_K with the narrow rows in Q4_0 (4.5 bits) or Q5_0 (llama.cpp's fallback), imatrix = our scale
+        # search weighted by the inputs' second moments, gptq = GPTQ on the type's grid
+        for narrow, algo in () if args.no_uniform or args.no_gguf else (("q4_0", "imatrix"), ("q4_0", "gptq"),
+                                                                         (None, "gptq")):
+            wt = weightings[-1]
+            deq, nbytes, used = {}, {}, {}
+            for (L, pj), w in original.items():
+                t = llama_fallback("q4_k", w.shape[-1], narrow)
+                used.setdefault(pj, set()).add(t)
+                if algo == "gptq":
+                    _, H = chosen_hessian(stats[wt].layers[L].tensors, "down" if pj == "down" else "gate_up",
+                                          torch.arange(ad.num_experts), MIN_ROUTED_TOKENS)
+                    q = formats.quantize_ggml(w, t, hessian=H.float())
+                else:
+                    q = formats.quantize_ggml(w, t, importance=importance[(L, pj)])
+                deq[(L, pj)] = q.dequantize()
+                nbytes[(L, pj)] = formats.nbytes(formats.parse_key(t), tuple(w.shape))
+            label = f"moequant Q4_K {algo}" + (f" H:{wt}" if algo == "gptq" else "") + (
+                ", narrow rows Q4_0" if narrow else "")
+            variants[label] = (deq, nbytes, used)
 
         plans = {}
         for i, entry in enumerate(args.plans.split()):  # the product: calibrate, plan, quantize

@@ -27,7 +27,10 @@ from moequant.pipeline.pareto import bits_for_bytes, find, interpolate_uniform, 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "per-expert.yaml"
 MODEL = "zoo:tiny-qwen2moe"
-SIZES = ["calibration.samples=16", "calibration.seq_len=128", "evaluate.samples=8", "evaluate.seq_len=128"]
+# 64 evaluation windows: at 8 the half-way vLLM plan's margin below the line (~1%, measured 2026-12-03 with
+# the recipe's routing Hessians and searched + refit GPTQ) is inside the evaluation's noise
+EVAL_SAMPLES = 64
+SIZES = ["calibration.samples=16", "calibration.seq_len=128", f"evaluate.samples={EVAL_SAMPLES}", "evaluate.seq_len=128"]
 
 
 pytestmark = pytest.mark.slow
@@ -133,7 +136,7 @@ def test_outputs_and_reuse(frontier):
     for p in first["points"] + second["points"]:
         report = json.loads(Path(p["report"]).read_text())
         assert report["quality"]["kl_mean"] == p["kl_mean"] and math.isfinite(p["kl_mean"])
-        assert report["quality"]["tokens"] == 8 * 128
+        assert report["quality"]["tokens"] == EVAL_SAMPLES * 128
         html = (Path(p["report"]).parent / "report.html").read_text()
         assert 'id="plot-pareto"' in html
 
@@ -143,7 +146,7 @@ def test_outside_checkpoint_joins_the_frontier(frontier, tmp_path):
 
     out, _, _, _ = frontier
     checkpoint = out / "uniform-int4-g32-sym" / "checkpoint"
-    args = ["eval", str(checkpoint), "--reference", MODEL, "--samples", "8", "--seq-len", "128", "--json"]
+    args = ["eval", str(checkpoint), "--reference", MODEL, "--samples", str(EVAL_SAMPLES), "--seq-len", "128", "--json"]
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     path = tmp_path / "outside.json"

@@ -23,6 +23,29 @@ experts are written into a copy of the float32 model:
 bits = stored bits per routed-expert weight (codes, scales, zero points / block bytes). Prints a
 table and writes runs/bench_quality/results.json. Prints numbers; asserts nothing.
 
+Measured 2026-12-03 on this 2-core CPU (an AVX-512 AMD EPYC), the current defaults: 128 x 256 calibration
+tokens, routing-weighted Hessians, 32 x 256 held-out tokens (`python benchmarks/bench_quality.py --weightings
+routing --uniform int4-g32-sym/gptq+refit/searched/routing`, plans "selective per-expert" at 4.5 bits; the
+moequant Q4_K rows from the same command with `--plans ""`). KL, and its ratio to llama.cpp's Q4_K at its
+own 4.5 bits (narrow down_proj rows in Q4_0); the llama.cpp rows reproduce 2026-12-02's to the digit:
+
+| routed experts as (every projection) | bits | qwen2moe | mixtral |
+|---|---|---|---|
+| llama.cpp Q4_K, narrow rows Q4_0 | 4.50 | 0.01130 (1.00) | 0.02627 (1.00) |
+| llama.cpp Q4_K as llama.cpp stores it (narrow rows Q5_0) | 4.83 | 0.00646 (0.57) | 0.01539 (0.59) |
+| int4-g32-sym GPTQ searched + refit (vLLM-servable uniform int4) | 4.50 | 0.00872 (0.77) | 0.02051 (0.78) |
+| plan selective (vllm) at 4.5 | 4.50 | 0.00886 (0.78) | 0.02025 (0.77) |
+| plan per-expert (transformers) at 4.5 | 4.50 | 0.00583 (0.52) | 0.01595 (0.61) |
+| moequant Q4_K, imatrix (our scale search), narrow rows Q4_0 | 4.50 | 0.01119 (0.99) | 0.02432 (0.93) |
+| moequant Q4_K, GPTQ on the type's grid, narrow rows Q4_0 | 4.50 | 0.00774 (0.68) | 0.01780 (0.68) |
+| moequant Q4_K, GPTQ on the type's grid, narrow rows Q5_0 | 4.83 | 0.00400 (0.35) | 0.01015 (0.39) |
+
+At 64 calibration samples (the 2026-12-02 tables below) the selective plan was 0.804x / 0.753x and the
+per-expert plan 0.546x / 0.617x: 128 samples help qwen2moe (-2.5%) and cost mixtral 2.4%, so on these
+models the sample count moves the plans by about their evaluation noise. At the bytes llama.cpp spends
+(4.83), moequant's own GGUF quantizer (GPTQ on the Q4_K / Q5_0 grids, what recipes/gguf.yaml runs)
+gives 0.62x / 0.66x llama.cpp's Q4_K KL.
+
 Measured 2026-12-02 on this 2-core CPU (shared with other jobs), defaults (64 x 256 calibration,
 32 x 256 held-out tokens), `--q4-k-m --scopes experts,gate_up`. KL mean, and its ratio to llama.cpp's
 Q4_K on the same scope. "experts": every routed projection; llama.cpp's Q4_K then spends 4.83 bits,

@@ -17,7 +17,8 @@ Printed per tool and layer count: wall seconds of the whole run, moequant's stag
 report.json's timings), peak GPU memory (torch.cuda.max_memory_allocated), peak host RSS, bytes
 moequant wrote to scratch (stats/ and work/, counted at every write), and the held-out quality:
 KL / top-1 of each checkpoint against the original on the same evaluation windows (moequant's
-evaluation, run on every checkpoint alike). Then seconds per layer = (t[L2] - t[L1]) / (L2 - L1).
+evaluation, run on every checkpoint alike). Then seconds per layer: the least-squares slope of t over the
+layer counts, with its RMS residual (`fit_per_layer`).
 
     python benchmarks/bench_e2e.py [--config qwen3-30b-a3b] [--layers 2 3] [--samples 128] [--seq-len 512]
         [--tools moequant-gptq,moequant-selective,moequant-fp8,llmc-gptq] [--json out.json]
@@ -253,8 +254,9 @@ def run_child(*args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="qwen3-30b-a3b")
-    p.add_argument("--layers", type=int, nargs="+", default=(2, 3),
-                   help="two layer counts (marginal seconds per layer), or one (the quantize pass's own per-layer seconds)")
+    p.add_argument("--layers", type=int, nargs="+", default=(1, 2, 4),
+                   help="three or more layer counts (seconds per layer: least squares), or one (the quantize pass's "
+                        "own per-layer seconds)")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--samples", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=512)
@@ -301,53 +303,67 @@ def main() -> None:
         Path(a.json).write_text(json.dumps(results, indent=2))
 
 
+def fit_per_layer(points) -> tuple[float, float, float]:
+    """Least-squares line through (layers, seconds): (seconds per layer, intercept, RMS residual).
+    Three or more layer counts: a two-point slope moved 2x between calls on these machines."""
+    n = len(points)
+    xs, ys = [float(x) for x, _ in points], [float(y) for _, y in points]
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else float("nan")
+    intercept = my - slope * mx
+    rms = (sum((y - (intercept + slope * x)) ** 2 for x, y in zip(xs, ys)) / n) ** 0.5
+    return slope, intercept, rms
+
+
 def print_table(results: dict, tools, layer_counts) -> None:
-    lo, hi = layer_counts[0], layer_counts[-1]
+    counts = sorted(set(layer_counts))
+    hi = counts[-1]
     runs = results["runs"]
     mb = results["model_bytes"]
-    print(f"\n{results['config']}, {results['samples']} x {results['seq_len']} calibration tokens; "
-          f"model {mb[lo] / 1e9:.2f} / {mb[hi] / 1e9:.2f} GB at {lo} / {hi} layers")
-    print(f"{'tool':20s} {'s/layer':>8s} {'w/o eval':>8s} {'run s':>14s} {'peak GPU GiB':>13s} {'RSS GiB':>8s} "
+    print(f"\n{results['config']}, {results['samples']} x {results['seq_len']} calibration tokens; model "
+          + " / ".join(f"{mb[n] / 1e9:.2f}" for n in counts) + f" GB at {' / '.join(map(str, counts))} layers")
+    print(f"{'tool':20s} {'s/layer':>8s} {'+-rms':>6s} {'w/o eval':>8s} {'run s':>20s} {'peak GPU GiB':>13s} {'RSS GiB':>8s} "
           f"{'scratch MB':>11s} {'stats MB':>9s} {'KL':>9s} {'top-1':>6s}  stages (s, {hi} layers)")
-    base = None
+    slopes = {}
     for tool in tools:
-        a, b = runs.get(f"{tool}@{lo}", {}), runs.get(f"{tool}@{hi}", {})
-        if "seconds" not in a or "seconds" not in b:
+        done = [(n, runs[f"{tool}@{n}"]) for n in counts if "seconds" in runs.get(f"{tool}@{n}", {})]
+        if not done:
             print(f"{tool:20s} failed")
             continue
-        if hi == lo:  # one layer count: the pass's steady per-layer seconds (the last layer's)
+        b = done[-1][1]
+        if len(done) == 1:  # one layer count: the pass's steady per-layer seconds (the last layer's)
             last = b.get("layer_seconds") or {}
             per_layer = no_eval = float(last[max(last, key=int)]) if last else float("nan")
+            rms = float("nan")
         else:
-            per_layer = (b["seconds"] - a["seconds"]) / (hi - lo)
-            no_eval = per_layer - (b["timings"].get("evaluate", 0) - a["timings"].get("evaluate", 0)) / (hi - lo)
-        if tool == "llmc-gptq":
-            base = per_layer
+            per_layer, _, rms = fit_per_layer([(n, r["seconds"]) for n, r in done])
+            no_eval = fit_per_layer([(n, r["seconds"] - r["timings"].get("evaluate", 0)) for n, r in done])[0]
+        slopes[tool] = (per_layer, no_eval)
         stages = " ".join(f"{k}={v:.1f}" for k, v in b.get("timings", {}).items())
         kl = f"{b['kl']:.5f}" if b.get("kl") is not None else "-"
         top1 = f"{b['top1']:.3f}" if b.get("top1") is not None else "-"
-        print(f"{tool:20s} {per_layer:8.2f} {no_eval:8.2f} {a['seconds']:6.1f}/{b['seconds']:6.1f} {b['peak_gpu_gib']:13.1f} "
+        run_s = "/".join(f"{r['seconds']:.1f}" for _, r in done)
+        print(f"{tool:20s} {per_layer:8.2f} {rms:6.2f} {no_eval:8.2f} {run_s:>20s} {b['peak_gpu_gib']:13.1f} "
               f"{b['peak_rss_gib']:8.1f} {b['scratch_bytes'] / 1e6:11.1f} {b['stats_bytes'] / 1e6:9.2f} {kl:>9s} "
               f"{top1:>6s}  {stages}")
-    if base and hi > lo:
-        for tool in tools:
-            a, b = runs.get(f"{tool}@{lo}", {}), runs.get(f"{tool}@{hi}", {})
-            if "seconds" in a and "seconds" in b and tool != "llmc-gptq":
-                whole = (b["seconds"] - a["seconds"]) / (hi - lo)
-                no_eval = whole - (b["timings"].get("evaluate", 0) - a["timings"].get("evaluate", 0)) / (hi - lo)
+    base = slopes.get("llmc-gptq", (None,))[0]
+    if base and len(counts) > 1:
+        for tool, (whole, no_eval) in slopes.items():
+            if tool != "llmc-gptq":
                 print(f"  {tool}: {base / max(whole, 1e-9):.1f}x faster per layer than llm-compressor "
                       f"({base / max(no_eval, 1e-9):.1f}x without moequant's evaluation, which llm-compressor does not run)")
     for key, r in runs.items():
         if r.get("layer_seconds"):
             print(f"  {key}: seconds per decoder layer in the quantize pass " +
                   ", ".join(f"L{L}={v:.1f}" for L, v in sorted(r["layer_seconds"].items(), key=lambda kv: int(kv[0]))))
-    fa, fb = runs.get(f"moequant-fp8@{lo}", {}), runs.get(f"moequant-fp8@{hi}", {})
-    if "timings" in fa and "timings" in fb and hi > lo:
-        t = [r["timings"].get("quantize", 0) + r["timings"].get("export", 0) for r in (fa, fb)]
-        rate = (mb[hi] - mb[lo]) / 1e9 / max(t[1] - t[0], 1e-9)
-        print(f"  moequant-fp8: quantize + export {t[0]:.1f} / {t[1]:.1f} s: {rate:.2f} GB/s of source checkpoint per "
-              f"added layer ({mb[hi] / 1e9 / max(t[1], 1e-9):.2f} GB/s whole, start-up included; no forward)")
-
+    fp8 = [(n, runs[f"moequant-fp8@{n}"]) for n in counts if "timings" in runs.get(f"moequant-fp8@{n}", {})]
+    if len(fp8) > 1:
+        work = [(mb[n] / 1e9, r["timings"].get("quantize", 0) + r["timings"].get("export", 0)) for n, r in fp8]
+        seconds_per_gb, _, rms = fit_per_layer(work)
+        print("  moequant-fp8: quantize + export " + " / ".join(f"{t:.1f}" for _, t in work) + " s: "
+              f"{1 / max(seconds_per_gb, 1e-9):.2f} GB/s of source checkpoint per added layer (least squares, "
+              f"rms {rms:.2f} s; no forward)")
 
 if __name__ == "__main__":
     main()

@@ -31,6 +31,13 @@ def user_errors(fn):
         except RankLost as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
+        except Exception as e:  # a CUDA OOM the budget did not foresee: one sentence, the run stays resumable
+            if type(e).__name__ != "OutOfMemoryError":
+                raise
+            click.echo(f"error: the GPU ran out of memory ({str(e).splitlines()[0][:160]}); finished layers are kept "
+                       "and a rerun resumes there: rerun with a smaller --max-gpu-memory, or with fewer calibration "
+                       "samples per batch.", err=True)
+            sys.exit(2)
 
     return wrapper
 
@@ -47,6 +54,28 @@ def main(ctx):
 
     if is_helper_rank() and ctx.invoked_subcommand not in EXPERT_PARALLEL:
         ctx.exit(0)  # under torchrun the other commands run on rank 0 alone
+
+
+def memory_options(fn):
+    """--max-gpu-memory / --max-host-memory: the run's one memory budget (moequant.budget)."""
+    def configure(ctx, param, value):  # every invocation sets both caps (None: what is free)
+        from moequant import budget
+
+        try:
+            budget.parse_bytes(value, f"--{param.name.replace('_', '-')}-memory") if value is not None else None
+        except UserError as e:
+            raise click.BadParameter(str(e)) from None
+        ctx.meta[param.name] = value
+        if "max_gpu" in ctx.meta and "max_host" in ctx.meta:
+            budget.configure(ctx.meta["max_gpu"], ctx.meta["max_host"])
+        return value
+
+    fn = click.option("--max-host-memory", "max_host", default=None, expose_value=False, callback=configure,
+                      metavar="SIZE", help="Host memory the run may use, e.g. 64GiB [default: what is free].")(fn)
+    fn = click.option("--max-gpu-memory", "max_gpu", default=None, expose_value=False, callback=configure,
+                      metavar="SIZE", help="GPU memory the run may use, e.g. 60GiB [default: what is free, less "
+                      "2 GiB]; chunks are sized from it and a layer that cannot fit is refused before any weight is read.")(fn)
+    return fn
 
 
 @main.command()
@@ -95,6 +124,7 @@ def recipe_options(fn):
               "recipe may give a routed expert].")
 @click.option("--allow-fewer", is_flag=True, help="Accept fewer samples than asked when the data set is small.")
 @click.option("--device", default="cpu", show_default=True)
+@memory_options
 @click.option("--overwrite", is_flag=True, help="Replace statistics of another model or other settings.")
 @click.option("--imatrix", default=None, type=click.Path(),
               help="Also write llama.cpp's imatrix GGUF (for llama-quantize) from the statistics, e.g. out.gguf.")
@@ -110,7 +140,7 @@ def calibrate(recipe_path, model, output, overrides, stats, dataset, samples, se
 
     from moequant.calib.calibrate import calibrate as run
     from moequant.pipeline.apply import calibration_settings, resolve_recipe, sensitivity_formats
-    from moequant.pipeline.precheck import check_recipe, unfit_notes
+    from moequant.pipeline.precheck import check_memory, check_recipe, unfit_notes
 
     flags = {"calibration.dataset": dataset, "calibration.samples": samples, "calibration.seq_len": seq_len,
              "seed": seed, "calibration.all_experts": all_experts}
@@ -132,7 +162,9 @@ def calibrate(recipe_path, model, output, overrides, stats, dataset, samples, se
     from moequant.io.run_lock import output_lock
 
     helper = parallel.is_helper_rank()  # under torchrun rank 0 alone prints
-    num_experts = adapter_for(open_checkpoint(recipe.model).config).num_experts
+    adapter = adapter_for(open_checkpoint(recipe.model).config)
+    num_experts = adapter.num_experts
+    check_memory(recipe, adapter, device)  # a layer that cannot fit the GPU budget, before any weight is read
     settings = dataclasses.replace(settings, device=parallel.start(num_experts, device))  # joins torchrun's job
     with contextlib.ExitStack() as held:  # the run directory, as apply / plan hold it
         parallel.shared(lambda: held.enter_context(output_lock(recipe.output, "calibrate")), "the run directory's lock")
@@ -167,6 +199,7 @@ def plan(recipe_path, model, output, overrides, stats):
 @main.command()
 @recipe_options
 @click.option("--device", default="cpu", show_default=True)
+@memory_options
 @user_errors
 def apply(recipe_path, model, output, overrides, device):
     """Calibrate, plan, quantize, export, evaluate and report — the whole job."""
@@ -190,6 +223,7 @@ def apply(recipe_path, model, output, overrides, device):
 @click.option("--add", "extra", multiple=True, type=click.Path(), help="An outside checkpoint to evaluate and place "
               "on the frontier (e.g. one made by another tool), or the JSON of `moequant eval --json`.")
 @click.option("--device", default="cpu", show_default=True)
+@memory_options
 @user_errors
 def pareto(recipe_path, model, output, overrides, budgets, targets, uniform, extra, device):
     """KL vs bytes for several budgets and targets against one calibration: OUTPUT/pareto.json + .png."""

@@ -199,11 +199,12 @@ class World:
         return self._joined(parts, num_experts, local) if self.rank == 0 else None
 
 
-def read_experts(adapter, checkpoint, layer: int, proj: str, experts: range | None = None) -> torch.Tensor:
+def read_experts(adapter, checkpoint, layer: int, proj: str, experts: range | None = None, device=None,
+                 dtype=None) -> torch.Tensor:
     """`adapter.read_experts` for the experts of `experts` only (all when None): `[len, out, in]`."""
-    if experts is None or len(experts) == adapter.num_experts:
-        return adapter.read_experts(checkpoint, layer, proj)
-    return torch.stack([adapter.read_expert(checkpoint, layer, e, proj) for e in experts])
+    if experts is not None and len(experts) == adapter.num_experts:
+        experts = None
+    return adapter.read_experts(checkpoint, layer, proj, experts, device=device, dtype=dtype)
 
 
 def whole_layer_experts(adapter, checkpoint, layer: int, w: World) -> dict[str, torch.Tensor]:

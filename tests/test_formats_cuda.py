@@ -53,3 +53,32 @@ def test_cuda_column_quantizer_matches_cpu(key):
             params.append(p)
         out.append(cq.assemble(codes, params).dequantize().cpu())
     assert torch.equal(out[0], out[1])
+
+
+@pytest.mark.parametrize("key", ["int4-g32-sym", "int4-g128-sym", "int3-g64-sym",
+                                 "int4-g32-asym", "int2-g128-asym"])
+def test_searched_grid_kernel_picks_the_torch_loops_scales(key, monkeypatch):
+    """The searched grid's Triton kernel (formats.search_triton) against searched_fit's torch loop on the
+    same CUDA device: the same scale wherever the two best candidates are not tied within float32 sums,
+    and where they differ, an error equal within that rounding (float64 evaluation)."""
+    from moequant.formats import core, search_triton
+
+    spec = formats.parse_key(key)
+    w = make_weight((16, 256, 1024), "student_t", seed=7).cuda()
+    imp = torch.rand(16, 1024, device="cuda") ** 2
+    xg = w.unflatten(-1, (1024 // spec.group_size, spec.group_size))
+    impv = imp[:, None, :].unflatten(-1, (1024 // spec.group_size, spec.group_size))
+    assert search_triton.usable(spec, xg)
+    s_k, z_k = core.searched_fit(spec, xg, impv)
+    monkeypatch.setattr(search_triton, "usable", lambda spec, x: False)
+    s_t, z_t = core.searched_fit(spec, xg, impv)
+
+    def error(s, z):
+        zz = None if z is None else z.unsqueeze(-1)
+        back = core._decode(spec, core._encode(spec, xg, s.unsqueeze(-1), zz, None), s.unsqueeze(-1), zz, None)
+        return (impv.double() * (xg.double() - back.double()) ** 2).sum(-1)
+
+    differ = (s_k != s_t) if z_t is None else (s_k != s_t) | (z_k != z_t)
+    assert differ.float().mean().item() < 1e-3
+    e_k, e_t = error(s_k, z_k), error(s_t, z_t)
+    assert torch.allclose(e_k[differ], e_t[differ], rtol=1e-5, atol=0)

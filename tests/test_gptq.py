@@ -251,3 +251,17 @@ def test_non_finite_hessian_entries_fall_back_to_rtn():
     assert report.method == ["rtn", "gptq", "rtn"]
     assert report.reason[0] == report.reason[2] == "Hessian has non-finite entries"
     assert torch.isfinite(q.dequantize(torch.float32)).all()
+
+
+@pytest.mark.parametrize("key", ["int4-g32-sym", "int4-g64-asym", "mxfp4"])
+def test_pass_with_gate_and_up_together_equals_one_pass_each(key):
+    """The quantize pass's gate/up job (one Hessian, one factorization, one sweep; searched grid and
+    refit per weight) gives bit for bit what one gptq_pass per projection gives."""
+    w, h, _ = make_layer(experts=3, out=40, n_in=128, tokens=400, seed=5)
+    gate, up = w[:, :16], w[:, 16:]
+    (q_gate, q_up), _ = gptq.gptq_pass_shared([gate, up], h, key, grid="searched", refit=True)
+    for q, weight in ((q_gate, gate), (q_up, up)):
+        alone, _ = gptq.gptq_pass(weight, h, key, grid="searched", refit=True)
+        assert torch.equal(q.codes.view(torch.uint8) if q.codes.dtype.itemsize == 1 else q.codes,
+                           alone.codes.view(torch.uint8) if alone.codes.dtype.itemsize == 1 else alone.codes)
+        assert torch.equal(q.dequantize(torch.float32), alone.dequantize(torch.float32))

@@ -381,3 +381,23 @@ def test_reading_the_source_never_writes_a_dense_copy(sources, tmp_path, monkeyp
     assert torch.equal(model.model.layers[1].mlp.experts.down_proj[3], ckpt.get(name))
     with safe_open(str(next(sources["deepseek"].glob("*.safetensors"))), "pt") as f:
         assert f.get_tensor(name).dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("kind", sorted(MAKERS))
+def test_experts_read_onto_a_device_equal_the_host_decode(kind, sources):
+    """read_experts with a device sends the stored bytes there and decodes there (the GPU path): the same
+    float32 values as the host's decode, and in a compute dtype exactly their rounding; on CUDA when
+    present, else through the same path on the CPU device."""
+    from moequant.arch import adapter_for
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ckpt = open_checkpoint(sources[kind])
+    adapter = adapter_for(ckpt.config)
+    layer = adapter.moe_layers[-1]
+    for proj in adapter.projections:
+        host = adapter.read_experts(ckpt, layer, proj)
+        there = adapter.read_experts(ckpt, layer, proj, device=device)
+        assert there.device.type == device and torch.equal(there.cpu(), host)
+        some = range(1, 3)
+        half = adapter.read_experts(ckpt, layer, proj, some, device=device, dtype=torch.bfloat16)
+        assert half.dtype == torch.bfloat16 and torch.equal(half.cpu(), host[1:3].to(torch.bfloat16))

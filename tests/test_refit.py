@@ -68,3 +68,15 @@ def test_refit_refuses_non_integer_formats():
     w, x = _problem(experts=1, rows=4, cols=64)
     with pytest.raises(UserError, match="integer group formats, not mxfp4"):
         refit_scales(formats.quantize(w[0].float(), "mxfp4"), w[0].float(), (x[0].T @ x[0]).float())
+
+
+def test_refit_in_expert_chunks_equals_the_whole_batch():
+    """The refit's chunks (sized from the memory budget) split experts only: one expert at a time gives
+    exactly the scales of all experts in one batch."""
+    w, x = _problem(experts=4, rows=12, cols=128)
+    h = x.transpose(1, 2) @ x
+    q, _ = gptq(w.float(), h.float(), "int4-g32-sym", act_order=True, static_groups=True, grid="searched")
+    whole = refit_scales(q, w.float(), h.float())
+    one_by_one = refit_scales(q, w.float(), h.float(), budget_bytes=1)
+    assert torch.equal(whole.scales, one_by_one.scales)
+    assert not torch.equal(whole.scales, q.scales)

@@ -162,15 +162,25 @@ def gptq_pass(weight: torch.Tensor, hessian: torch.Tensor, spec, device=None, gr
     `refit`, the least-squares scale refit of integer group formats (moequant.algorithms.refit).
     The defaults here are plain GPTQ; the recipe's `gptq: {grid, refit}` defaults to searched + refit.
     Quality and cost: benchmarks/bench_quality.py, bench_gptq.py."""
+    (q,), report = gptq_pass_shared([weight], hessian, spec, device=device, grid=grid, refit=refit)
+    return q, report
+
+
+def gptq_pass_shared(weights: Sequence[torch.Tensor], hessian: torch.Tensor, spec, device=None,
+                     grid: str = "minmax", refit: bool = False):
+    """`gptq_pass` of projections that read the same input (gate and up): one factorization and one
+    sweep for all (`gptq_shared_hessian`), each weight's own scales and refit; the same codes and
+    scales as one `gptq_pass` per weight. Returns ([QuantizedTensor per weight], GPTQReport)."""
     from moequant import formats
     from moequant.algorithms.refit import refit_scales
 
     spec = formats.get_format(spec)
-    q, report = gptq(weight, hessian, spec, act_order=spec.is_int, static_groups=True, device=device,
-                     grid=grid if spec.is_int else "minmax")
+    qs, report = gptq_shared_hessian(weights, hessian, spec, act_order=spec.is_int, static_groups=True,
+                                     device=device, grid=grid if spec.is_int else "minmax")
     if refit and spec.is_int and spec.granularity == "group":
-        q = refit_scales(q, weight.to(q.codes.device), hessian.to(q.codes.device))
-    return q, report
+        h = hessian.to(qs[0].codes.device)
+        qs = [refit_scales(q, w.to(q.codes.device), h) for q, w in zip(qs, weights)]
+    return qs, report
 
 
 def gptq_shared_hessian(
@@ -584,7 +594,6 @@ _FUSED_BLOCK = 64
 
 def _update_matmul() -> str:
     """MOEQUANT_GPTQ_MATMUL: "tf32" (default) or "fp32", the fused sweep's lazy-update products."""
-    import os
 
     value = os.environ.get("MOEQUANT_GPTQ_MATMUL", "tf32").lower()
     if value not in ("tf32", "fp32"):
@@ -594,7 +603,6 @@ def _update_matmul() -> str:
 
 def _cholesky_matmul() -> str:
     """MOEQUANT_GPTQ_CHOLESKY_MATMUL: "tf32x3" (default) or "fp32", the blocked Cholesky's products."""
-    import os
 
     value = os.environ.get("MOEQUANT_GPTQ_CHOLESKY_MATMUL", "tf32x3").lower()
     if value not in ("tf32x3", "fp32"):
@@ -678,7 +686,6 @@ def _clock(t: torch.Tensor) -> float:
 
 
 def _cuda_graphs_enabled() -> bool:
-    import os
 
     return os.environ.get("MOEQUANT_CUDA_GRAPHS", "1") != "0"
 
@@ -741,7 +748,6 @@ def _cholesky_ex(a, tf32=False):
     """torch.linalg.cholesky_ex (lower factor, info per matrix), on CUDA for large batched
     matrices as a blocked left-looking Cholesky whose work is batched matrix products over all
     experts (MOEQUANT_CHOLESKY=torch|looped|blocked chooses; default `blocked` for n >= 1024)."""
-    import os
 
     how = os.environ.get("MOEQUANT_CHOLESKY", "auto")
     n = a.shape[-1]
@@ -901,20 +907,13 @@ def _token_counts(tokens, num_experts):
     return counts
 
 
-CUDA_WORKING_SET_BYTES = int(float(os.environ.get("MOEQUANT_GPTQ_MEMORY_GIB", "6")) * 2**30)
-
-
 def _default_chunk(num_experts, rows, num_in, device):
-    """Experts per batch so the working set (H, its factors, W, Q, updates) fits the device."""
+    """Experts per batch so the working set (H, its factors, W, Q, updates) fits the run's memory
+    budget (moequant.budget: --max-gpu-memory, default what is free)."""
+    from moequant import budget
+
     # float32: H, its flipped copy, Cholesky factor (+ its split low part), U (act order: gathers);
     # W copies, updates, codes.
     # An optimistic estimate is fine: a chunk that runs out of memory is retried at half the size.
     per_expert = 4 * (6 * num_in * num_in + 4 * rows * num_in)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        # capped: larger batches barely speed the solve up (0.12 s for all 128 Qwen3-30B experts),
-        # and the pass's peak GPU memory should stay below llm-compressor's
-        budget = min(0.85 * free, CUDA_WORKING_SET_BYTES)
-    else:
-        budget = 4 * 2**30
-    return max(1, min(num_experts, int(budget // per_expert)))
+    return max(1, min(num_experts, int(budget.temporary_bytes(device) // per_expert)))

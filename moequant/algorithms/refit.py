@@ -22,56 +22,89 @@ import torch
 from moequant.errors import UserError
 
 
-def refit_scales(q, weight: torch.Tensor, hessian: torch.Tensor):
+def refit_scales(q, weight: torch.Tensor, hessian: torch.Tensor, *, budget_bytes: int | None = None):
     """q (integer group format, [E, out, in] or [out, in]) with each row's scales re-solved for the least
-    output error tr((W - Wq) H (W - Wq)^T) given its codes; weight / hessian as given to GPTQ."""
+    output error tr((W - Wq) H (W - Wq)^T) given its codes; weight / hessian as given to GPTQ.
+
+    Batched over experts and rows: per chunk of experts, Y = C_g H (every row's centred codes of
+    group g times the Hessian, [e, G, r, in]) gives A = [c_g^T H c_h] and b = [c_g^T H w] by two
+    reductions, and all [G, G] systems are solved at once. Chunks hold at most `budget_bytes`
+    of Y (default: moequant.budget's share for temporaries). float64 on the CPU; float32 on
+    accelerators with Y's product in split TF32 (H = H_hi + H_lo, both TF32 numbers; the codes
+    are small integers, exact in TF32), about 2^-20 relative, since float64 is slow there and
+    the per-row check still keeps the old scales wherever the solve does not help."""
     spec = q.spec
     if not (spec.is_int and spec.granularity == "group"):
         raise UserError(f"the scale refit applies to integer group formats, not {spec.key}")
+    from moequant import budget
+
     single = len(q.shape) == 2
     codes = q.codes[None] if single else q.codes
     scales = q.scales[None] if single else q.scales
     zeros = None if q.zeros is None else (q.zeros[None] if single else q.zeros)
-    w = (weight[None] if single else weight).to(torch.float32)
-    # float64 on the CPU; float32 on accelerators, where float64 is slow and the per-row check below
-    # still keeps the old scales wherever the solve does not help
     work = torch.float64 if codes.device.type == "cpu" else torch.float32
-    h = (hessian[None] if single else hessian).to(device=codes.device, dtype=work)
+    w_all = weight[None] if single else weight
+    h_all = hessian[None] if single else hessian
     num_experts, rows, cols = codes.shape
     groups = scales.shape[-1]
-    gs = cols // groups
-    new_scales = scales.clone()
-    chunk_rows = max(1, min(rows, 2**25 // (cols * groups)))  # [rows, in, G] float64 temporaries <= 256 MiB
-    for e in range(num_experts):
-        he = h[e]
-        for r0 in range(0, rows, chunk_rows):
-            r1 = min(rows, r0 + chunk_rows)
-            c = codes[e, r0:r1].to(work)  # [r, in]
-            if zeros is not None:
-                c = c - zeros[e, r0:r1].to(work).repeat_interleave(gs, dim=-1)
-            new_scales[e, r0:r1] = _refit_rows(c, w[e, r0:r1].to(work), he, scales[e, r0:r1], groups, gs)
-    out = new_scales[0] if single else new_scales
-    return dataclasses.replace(q, scales=out)
+    per_expert = (work.itemsize * 2 * groups * rows * cols) + 4 * work.itemsize * (rows * cols + cols * cols)
+    limit = budget_bytes if budget_bytes is not None else budget.temporary_bytes(codes.device)
+    chunk = max(1, min(num_experts, limit // per_expert))
+    parts = []
+    for e0 in range(0, num_experts, chunk):
+        e1 = min(num_experts, e0 + chunk)
+        c = codes[e0:e1].to(work)
+        if zeros is not None:
+            c -= zeros[e0:e1].to(work).repeat_interleave(cols // groups, dim=-1)
+        w = w_all[e0:e1].to(device=codes.device, dtype=work)
+        h = h_all[e0:e1].to(device=codes.device, dtype=work)
+        parts.append(_refit_experts(c, w, h, scales[e0:e1], groups))
+    new_scales = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return dataclasses.replace(q, scales=new_scales[0] if single else new_scales)
 
 
-def _refit_rows(c, w, h, old, groups: int, gs: int):
-    """Scales [r, G] (bf16) for rows with centred codes c [r, in], weights w [r, in], Hessian h [in, in]."""
-    r = c.shape[0]
-    block = c.reshape(r, groups, gs)
-    a = torch.einsum("rga,gahb,rhb->rgh", block, h.reshape(groups, gs, groups, gs), block)  # [r, G, G]
-    b = torch.einsum("rga,rga->rg", block, (w @ h).reshape(r, groups, gs))  # [r, G]
+def _refit_experts(c, w, h, old, groups: int):
+    """Scales [e, r, G] (bf16) for centred codes c [e, r, in], weights w [e, r, in], Hessians h [e, in, in]."""
+    e, r, n = c.shape
+    gs = n // groups
+    cg = c.view(e, r, groups, gs).transpose(1, 2)  # [e, G, r, gs]
+    hg = h.view(e, groups, gs, n)  # rows of H by group
+    y = _codes_times_hessian(cg, hg)  # [e, G, r, n]: y[:, g, i] = c_g of row i times H
+    a = (y.view(e, groups, r, groups, gs) * cg.transpose(1, 2).unsqueeze(1)).sum(-1)  # [e, G(g), r, G(h)]
+    b = (y * w.unsqueeze(1)).sum(-1)  # [e, G, r]
+    del y
+    a = a.transpose(1, 2)  # [e, r, G, G]
+    b = b.transpose(1, 2)  # [e, r, G]
     diag = a.diagonal(dim1=-2, dim2=-1)
     live = diag > 0  # a group whose codes are all zero has no say in the output
-    a = a + torch.diag_embed(torch.where(live, 1e-9 * diag, torch.ones_like(diag)))
+    damped = a + torch.diag_embed(torch.where(live, 1e-9 * diag, torch.ones_like(diag)))
     b = torch.where(live, b, torch.zeros_like(b))
-    s, info = torch.linalg.solve_ex(a, b)
-    s = torch.where(live, s, old.to(s.dtype))
+    s, info = torch.linalg.solve_ex(damped, b)
+    del damped
+    old_w = old.to(s.dtype)
+    s = torch.where(live, s, old_w)
     ok = (info == 0) & torch.isfinite(s).all(-1) & ((s > 0) | ~live).all(-1)
-    s_new = torch.where(ok[:, None], s, old.to(s.dtype)).to(old.dtype)
+    s_new = torch.where(ok[..., None], s, old_w).to(old.dtype)
 
-    def error(scale):
-        d = w - (block * scale.to(w.dtype)[:, :, None]).reshape(r, -1)
-        return ((d @ h) * d).sum(-1)
+    # The output error of scales s is w^T H w - 2 s^T b + s^T A s: compare the last two terms.
 
-    better = error(s_new) < error(old)
-    return torch.where(better[:, None], s_new, old)
+    def excess(scale):
+        sc = scale.to(a.dtype)
+        return (sc.unsqueeze(-2) @ a @ sc.unsqueeze(-1)).squeeze(-1).squeeze(-1) - 2 * (sc * b).sum(-1)
+
+    better = excess(s_new) < excess(old)
+    return torch.where(better[..., None], s_new, old)
+
+
+def _codes_times_hessian(cg, hg):
+    """cg [e, G, r, gs] @ hg [e, G, gs, n] -> [e, G, r, n]; on CUDA as split TF32 (class doc)."""
+    if not cg.is_cuda or cg.dtype != torch.float32:
+        return torch.matmul(cg, hg)
+    from moequant.algorithms.gptq import _tf32_products
+
+    hi = (hg.view(torch.int32) & -8192).view(torch.float32)  # the top 11 significant bits: a TF32 number
+    lo = hg - hi
+    with _tf32_products(True):
+        y = torch.matmul(cg, lo)
+        y += torch.matmul(cg, hi)
+    return y

@@ -206,14 +206,25 @@ class Adapter:
                 )
 
     # ---- expert weights on disk ------------------------------------------------------------
-    def read_expert(self, checkpoint, layer: int, expert: int, proj: str) -> torch.Tensor:
-        """One routed expert's projection as a 2-D `[out, in]` tensor, exactly as stored."""
+    def read_expert(self, checkpoint, layer: int, expert: int, proj: str, device=None) -> torch.Tensor:
+        """One routed expert's projection as a 2-D `[out, in]` tensor, exactly as stored (decoded on
+        `device` when given)."""
         self._check_expert(layer, expert, proj)
-        return checkpoint.get(self.expert_tensor_name(layer, expert, proj))
+        return checkpoint.get(self.expert_tensor_name(layer, expert, proj), device)
 
-    def read_experts(self, checkpoint, layer: int, proj: str) -> torch.Tensor:
-        """All experts of one layer and projection stacked as `[E, out, in]`."""
-        return torch.stack([self.read_expert(checkpoint, layer, e, proj) for e in range(self.num_experts)])
+    def read_experts(self, checkpoint, layer: int, proj: str, experts=None, device=None, dtype=None) -> torch.Tensor:
+        """The experts of one layer and projection (all, or those in `experts`) as `[E, out, in]`, in
+        `dtype` (default: as read) on `device` (default: the host). On a device, each expert's stored
+        bytes are decoded there into one preallocated stack: no host copy beyond one stored expert."""
+        out = None
+        for i, e in enumerate(range(self.num_experts) if experts is None else experts):
+            w = self.read_expert(checkpoint, layer, e, proj, device)
+            if out is None:
+                n = self.num_experts if experts is None else len(experts)
+                out = torch.empty((n,) + tuple(w.shape), dtype=dtype or w.dtype, device=w.device)
+            out[i] = w
+            del w
+        return out
 
     def write_expert(self, tensors: dict[str, torch.Tensor], layer: int, expert: int, proj: str, weight: torch.Tensor) -> None:
         """Put one expert's `[out, in]` weight into a dict of on-disk tensors (in place)."""
@@ -276,8 +287,9 @@ class Adapter:
                 for half, proj in enumerate(("gate", "up")):
                     part = experts.get(proj)
                     part = self.read_experts(checkpoint, layer, proj) if part is None else part
-                    if fused is None:
-                        fused = torch.empty((part.shape[0], 2 * part.shape[1], part.shape[2]), dtype=dtype)
+                    if fused is None:  # where the parts are (the device, when read there)
+                        fused = torch.empty((part.shape[0], 2 * part.shape[1], part.shape[2]), dtype=dtype,
+                                            device=part.device)
                     fused[:, half * part.shape[1]:(half + 1) * part.shape[1]] = part
                     del part
                 out[key] = fused

@@ -64,12 +64,13 @@ class GptOssAdapter(Adapter):
         fused = checkpoint.get_slice(n["gate_up"])[expert]  # [H, 2I]
         return fused[:, _half(proj)].t().contiguous()
 
-    def read_experts(self, checkpoint, layer, proj):
+    def read_experts(self, checkpoint, layer, proj, experts=None, device=None, dtype=None):
         n = self.fused_names(layer)
-        if proj == "down":
-            return checkpoint.get(n["down"]).transpose(1, 2).contiguous()
-        fused = checkpoint.get(n["gate_up"])
-        return fused[:, :, _half(proj)].transpose(1, 2).contiguous()
+        fused = checkpoint.get(n["down"] if proj == "down" else n["gate_up"], device)
+        if experts is not None:
+            fused = fused[experts.start:experts.stop]
+        part = fused if proj == "down" else fused[:, :, _half(proj)]
+        return part.transpose(1, 2).to(dtype or part.dtype).contiguous()
 
     def write_expert(self, tensors, layer, expert, proj, weight):
         self._check_expert(layer, expert, proj)

@@ -184,19 +184,23 @@ def _probed_experts(adapter, checkpoint, layer: int, key: str, algorithm: str, s
 
     spec = formats.parse_key(key)
     out = {}
-    for proj in adapter.projections:
-        W = adapter.read_experts(checkpoint, layer, proj).float()
+    # as the quantize pass: gate and up (one input) share one Hessian and one GPTQ solve
+    shared = algorithm == "gptq" and not spec.is_ggml and {"gate", "up"} <= set(adapter.projections)
+    jobs = [("gate", "up"), ("down",)] if shared else [(p,) for p in adapter.projections]
+    for projs in jobs:
+        W = [adapter.read_experts(checkpoint, layer, p).float() for p in projs]
+        if algorithm == "gptq":
+            H = layer_hessians(stats_dir, layer, projs[0], adapter.num_experts, min_tokens)
         if algorithm == "gptq" and spec.is_ggml:  # GPTQ on the ggml type's grid, as the quantize pass
-            H = layer_hessians(stats_dir, layer, proj, adapter.num_experts, min_tokens)
-            q = formats.quantize_ggml(W, spec, name=f"layer {layer} {proj} experts", hessian=H)
+            qs = [formats.quantize_ggml(W[0], spec, name=f"layer {layer} {projs[0]} experts", hessian=H)]
         elif algorithm == "gptq":
-            from moequant.algorithms.gptq import gptq_pass
+            from moequant.algorithms.gptq import gptq_pass_shared
 
-            H = layer_hessians(stats_dir, layer, proj, adapter.num_experts, min_tokens)
-            q, _ = gptq_pass(W, H, spec, device=device, grid=gptq_grid, refit=gptq_refit)  # as the quantize pass
+            qs, _ = gptq_pass_shared(W, H, spec, device=device, grid=gptq_grid, refit=gptq_refit)
         else:
-            q = formats.quantize(W, spec, name=f"layer {layer} {proj} experts")
-        out[proj] = q.dequantize(torch.float32).to(dtype)
+            qs = [formats.quantize(W[0], spec, name=f"layer {layer} {projs[0]} experts")]
+        for p, q in zip(projs, qs):
+            out[p] = q.dequantize(torch.float32).to(dtype)
     return out
 
 

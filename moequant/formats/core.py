@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from moequant.errors import UserError
+from moequant.formats import search_triton
 from moequant.formats.specs import FormatSpec, _label, check_shape, get_format
 from moequant.formats.specs import nbytes as _nbytes
 
@@ -454,6 +455,10 @@ def searched_fit(spec, xg: torch.Tensor, importance: torch.Tensor | None = None,
     w = torch.ones_like(x) if importance is None else importance.to(torch.float32).expand_as(x)
     qmin, qmax = -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1
     best_s, best_z = _fit(spec, x, None, name)
+    divisors = (torch.linspace(qmax, 1.6 * qmax, SEARCH_STEPS).tolist() + [qmax + 0.5, -qmin] if spec.symmetric
+                else torch.linspace(-1.0, 1.0, SEARCH_STEPS).tolist())
+    if search_triton.usable(spec, x):  # every candidate of every group in one kernel (same arithmetic)
+        return search_triton.searched_fit_triton(spec, x, importance, best_s, best_z, divisors)
 
     def error(s, z):
         codes = _encode(spec, x, s.unsqueeze(-1), None if z is None else z.unsqueeze(-1), None)
@@ -482,7 +487,6 @@ def searched_fit(spec, xg: torch.Tensor, importance: torch.Tensor | None = None,
 
     if spec.symmetric:
         amax = _absmax(x, -1)
-        divisors = torch.linspace(qmax, 1.6 * qmax, SEARCH_STEPS).tolist() + [qmax + 0.5, -qmin]
         for d in divisors:
             s32 = amax / d
             consider(s32, None)
@@ -492,7 +496,7 @@ def searched_fit(spec, xg: torch.Tensor, importance: torch.Tensor | None = None,
     lo, hi = x.amin(-1), x.amax(-1)
     steps = 2 ** spec.bits - 1
     sw, sx = w.sum(-1), (w * x).sum(-1)
-    for delta in torch.linspace(-1.0, 1.0, SEARCH_STEPS).tolist():
+    for delta in divisors:
         s0 = (hi - lo) / (steps + delta)
         consider(s0, lambda s, lo=lo: qmin + torch.round(-lo / s))
         # weighted least squares x ~ s * l + m on the candidate's codes l in 0..2^B-1

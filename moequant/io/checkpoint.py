@@ -225,15 +225,18 @@ class Checkpoint:
             raise UserError(f"checkpoint {self.path} has no tensor {name!r}: {where}.")
         return self.entries[name]
 
-    def get(self, name: str) -> torch.Tensor:
-        """Read one tensor (a quantized weight: dequantized to float32, from its codes and scales)."""
+    def get(self, name: str, device=None) -> torch.Tensor:
+        """Read one tensor (a quantized weight: dequantized to float32, from its codes and scales). With
+        `device`, the stored bytes are sent there and a quantized weight is decoded there (the host never
+        holds its float32 copy)."""
         enc = self.encodings.get(name)
         if enc is not None:
             from moequant.io.dequant import decode
 
-            return decode(enc, self.read_stored)
+            return decode(enc, self.read_stored, device)
         self._entry(name)
-        return self.read_stored(name)
+        t = self.read_stored(name)
+        return t if device is None else t.to(device)
 
     def read_stored(self, name: str) -> torch.Tensor:
         """One stored tensor as the file holds it, with a plain positioned read (not mmap), so

@@ -110,9 +110,12 @@ def encodings(config: dict, stored: dict, where, read: Callable[[str], torch.Ten
     return found
 
 
-def decode(enc: Encoding, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
-    """The dequantized float32 tensor of `enc`, its parts read with `read(stored_name)`."""
+def decode(enc: Encoding, read: Callable[[str], torch.Tensor], device=None) -> torch.Tensor:
+    """The dequantized float32 tensor of `enc`, its parts read with `read(stored_name)`; with `device`,
+    the stored bytes (codes and scales as the file holds them) go there and are decoded there."""
     t = {role: read(name) for role, name in enc.parts.items()}
+    if device is not None:
+        t = {role: v.to(device, non_blocking=True) for role, v in t.items()}
     q = _quantized(enc, t)
     for role in ("weight_scale", "weight_scale_inv", "scales", "blocks_scales", "weight_global_scale"):
         if role in t:

@@ -39,7 +39,7 @@ from moequant.io.fingerprint import (
     stamp_checkpoint,
 )
 from moequant.io.run_lock import output_lock
-from moequant.pipeline.precheck import check_recipe
+from moequant.pipeline.precheck import check_memory, check_recipe
 from moequant.plan.policy import make_plan, needs_statistics, plan_to_dict, read_plan, write_plan
 from moequant.plan.recipe import Recipe, load_recipe, recipe_to_dict, resolve_format
 
@@ -189,6 +189,7 @@ def apply(recipe_path=None, model=None, output=None, overrides=(), device: str =
     adapter = adapter_for(ckpt.config)  # an unsupported architecture is the first thing to say, before its tokenizer
     for note in check_recipe(recipe, ckpt):  # what shapes alone refuse, before anything is written
         log(f"note: {note}")
+    check_memory(recipe, adapter, device)  # a layer that cannot fit the GPU budget, before any weight is read
     load_tokenizer(ckpt.directory)  # a checkpoint without tokenizer files, too
     if parallel.world_size() > 1 and "awq" in {recipe.algorithm_for(parse_key(k).name) for k in sensitivity_formats(recipe)}:
         raise UserError("algorithm awq runs in one process only (its shared gate/up scale is searched over all of a "

@@ -80,3 +80,43 @@ def unfit_notes(model: str, format_keys) -> list[str]:
                              f"columns are not a multiple of its group size {spec.group_size}); no sensitivity is "
                              f"measured for it there and no plan offers it there.")
     return notes
+
+
+def layer_gpu_need(recipe, adapter) -> tuple[int, str]:
+    """The least GPU memory one MoE layer of the quantize pass needs (bytes), from shapes alone, and
+    what it is made of: the layer's experts in bf16 twice (the module the forward runs and the
+    quantized copy the next layer reads), its calibration activations, and one expert's statistics
+    and GPTQ working set (the smallest chunk moequant.budget can size)."""
+    from moequant import parallel
+
+    d, i = adapter.hidden, adapter.expert_intermediate
+    e = -(-adapter.num_experts // parallel.world_size())  # this rank's experts under torchrun
+    experts = 2 * (2 * e * 3 * d * i)
+    c = recipe.calibration
+    activations = 4 * c.samples * c.seq_len * d * 2  # layer input and output, the experts' record, a work copy
+    one_expert = 4 * (6 * d * d + 8 * i * d) + 2 * 4 * (d * d + 2 * i * i)
+    parts = (f"its {e} routed experts in bf16 twice {experts / 2**30:.1f} GiB, {c.samples} x {c.seq_len} calibration "
+             f"activations {activations / 2**30:.1f} GiB, one expert's Hessians and GPTQ work {one_expert / 2**30:.1f} GiB")
+    return experts + activations + one_expert, parts
+
+
+def check_memory(recipe, adapter, device: str) -> None:
+    """Refuse, before any weight is read, a run whose MoE layers cannot fit the GPU budget
+    (--max-gpu-memory, else the device's free memory when the device is a GPU)."""
+    from moequant import budget
+
+    limit = budget.gpu_limit_bytes()
+    if limit is None and not str(device).startswith("cuda"):
+        return
+    if not adapter.moe_layers:
+        return
+    need, parts = layer_gpu_need(recipe, adapter)
+    if limit is None:
+        limit = budget.device_free_bytes(device)
+        what = f"the {limit / 2**30:.1f} GiB free on {device} (less a {budget.MARGIN_BYTES / 2**30:.0f} GiB margin)"
+    else:
+        what = f"--max-gpu-memory {limit / 2**30:.1f} GiB"
+    if need > limit:
+        raise UserError(f"layer {adapter.moe_layers[0]} of {recipe.model} needs at least {need / 2**30:.1f} GiB of GPU "
+                        f"memory ({parts}), more than {what}; raise --max-gpu-memory, use a larger GPU, or split the "
+                        f"experts over GPUs with torchrun (expert parallel).")

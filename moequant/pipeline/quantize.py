@@ -390,70 +390,78 @@ def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, mi
     ran); AWQ rows are round-to-nearest of them. `input_scale`: the shared gate/up scale folded
     into the norm, so gate/up's GPTQ Hessians are those of the input divided by it. With
     `first_expert`, `weights` and `collected` hold the experts from there on (one chunk of a layer)."""
-    from moequant.algorithms.gptq import gptq_pass
+    from moequant.algorithms.gptq import gptq_pass_shared
 
     groups: dict[tuple[str, str, str], list[int]] = {}
     for t in plan_rows:
         if not t.quantized:
             continue
         groups.setdefault((t.proj, t.format, t.algorithm), []).append(t.expert)
+    # gate and up read the same input: where both are GPTQ'd in one format for the same experts,
+    # they share one Hessian, one factorization and one sweep
+    jobs = []
+    for (proj, key, algo), experts in sorted(groups.items()):
+        shared = algo == "gptq" and not formats.parse_key(key).is_ggml and proj in ("gate", "up") \
+            and groups.get(("gate", key, algo)) == groups.get(("up", key, algo))
+        if shared and proj == "up":
+            continue  # joined to gate's job
+        projs = ("gate", "up") if shared else (proj,)
+        jobs.append((projs, key, algo, sorted(experts)))
     quantized, report = {}, {}
     # dequantized in place: each quantized row is read once, before its own dequantized copy lands
     # (saves a float32 copy of the layer's experts on the device)
     dequant = weights
-    for (proj, key, algo), experts in sorted(groups.items()):
-        experts = sorted(experts)
+    for projs, key, algo, experts in jobs:
         idx = torch.tensor(experts) - first_expert  # rows of `weights` / `collected` (a chunk's, from first_expert)
-        W = weights[proj][idx]
         spec = formats.parse_key(key)
-        entry = {"experts": experts, "format": key, "algorithm": algo}
-        if algo == "gptq" and collected is not None and spec.is_ggml:  # on the ggml type's grid
-            _, _, H, _, _ = _chosen_statistics(collected, "down" if proj == "down" else "gate_up", idx,
-                                               adapter.num_experts, min_tokens)
-            if input_scale is not None and proj != "down":
-                H = H / (input_scale[:, None] * input_scale[None, :])
-            q = formats.quantize_ggml(W, spec, name=f"layer {layer} {proj} experts", hessian=H)
-        elif algo == "gptq" and collected is not None:
-            group = "down" if proj == "down" else "gate_up"
+        group = "down" if projs[0] == "down" else "gate_up"
+        label = f"layer {layer} {'/'.join(projs)} experts"
+        if algo in ("gptq", "imatrix") and collected is not None:
             own, tokens, H, _, _ = _chosen_statistics(collected, group, idx, adapter.num_experts, min_tokens)
             if input_scale is not None and group == "gate_up":
                 H = H / (input_scale[:, None] * input_scale[None, :])  # Hessian of x / s
-            q, rep = gptq_pass(W, H, spec, device=device, grid=gptq_grid, refit=gptq_refit)
+        entries = {p: {"experts": experts, "format": key, "algorithm": algo} for p in projs}
+        if algo == "gptq" and collected is not None and not spec.is_ggml:
+            qs, rep = gptq_pass_shared([weights[p][idx] for p in projs], H, spec, device=device,
+                                       grid=gptq_grid, refit=gptq_refit)
             fallbacks = {str(experts[e]): f"all-tokens Hessian: {int(tokens[e])} routed tokens < {min_tokens}"
                          for e in range(len(experts)) if not own[e]}
             fallbacks.update({str(experts[e]): why for e, why in rep.fallbacks().items()})
-            entry["gptq"] = {"fallbacks": fallbacks, "damp": rep.damp}
+            for p in projs:
+                entries[p]["gptq"] = {"fallbacks": fallbacks, "damp": rep.damp}
+        elif algo == "gptq" and collected is not None:  # on the ggml type's grid
+            qs = [formats.quantize_ggml(weights[p][idx], spec, name=label, hessian=H) for p in projs]
         elif algo == "imatrix" and collected is not None:  # ggml types: scale search weighted by diag(H)
-            _, _, H, _, _ = _chosen_statistics(collected, "down" if proj == "down" else "gate_up", idx,
-                                               adapter.num_experts, min_tokens)
-            q = formats.quantize_ggml(W, spec, name=f"layer {layer} {proj} experts",
-                                      importance=torch.diagonal(H, dim1=-2, dim2=-1).float())
+            imp = torch.diagonal(H, dim1=-2, dim2=-1).float()
+            qs = [formats.quantize_ggml(weights[p][idx], spec, name=label, importance=imp) for p in projs]
         else:
             # RTN; for AWQ rows the weights were scaled by _awq_layer (its report is merged by the caller)
-            q = formats.quantize(W, spec, name=f"layer {layer} {proj} experts")
+            qs = [formats.quantize(weights[p][idx], spec, name=label) for p in projs]
             if algo != "awq":
-                entry["algorithm"] = "rtn"
-        deq = q.dequantize(torch.float32)
-        if not torch.isfinite(deq).all():
-            raise RuntimeError(f"quantizing layer {layer} {proj} in {key} produced non-finite weights")
-        dequant[proj][idx] = deq
-        for i, e in enumerate(experts):
-            quantized[(layer, e, proj)] = q.expert(i)
-        report[f"{proj}:{key}"] = entry
+                for p in projs:
+                    entries[p]["algorithm"] = "rtn"
+        for p, q in zip(projs, qs):
+            deq = q.dequantize(torch.float32)
+            if not torch.isfinite(deq).all():
+                raise RuntimeError(f"quantizing layer {layer} {p} in {key} produced non-finite weights")
+            dequant[p][idx] = deq
+            for i, e in enumerate(experts):
+                quantized[(layer, e, p)] = q.expert(i)
+            report[f"{p}:{key}"] = entries[p]
     return quantized, report, dequant
-
-
-STATISTICS_MEMORY_BYTES = 16 * 2**30  # device memory for one chunk of experts' Hessians (and their sums)
 
 
 def _experts_per_chunk(adapter, device) -> int:
     """Experts whose Hessians (gate/up d x d, down I x I routed and all-tokens; sums and normalised
-    copies, float32) fit the statistics budget; all of them on the CPU (small models)."""
+    copies, float32) and float32 weights fit half the run's memory budget (moequant.budget; the other
+    half is GPTQ's); all of them on the CPU (small models)."""
+    from moequant import budget
+
     if torch.device(device).type == "cpu":
         return adapter.num_experts
     d, i = adapter.hidden, adapter.expert_intermediate
-    per_expert = 2 * 4 * (d * d + 2 * i * i)
-    return max(1, min(adapter.num_experts, STATISTICS_MEMORY_BYTES // per_expert))
+    per_expert = 2 * 4 * (d * d + 2 * i * i) + 4 * 3 * d * i
+    return max(1, min(adapter.num_experts, budget.temporary_bytes(device) // 2 // per_expert))
 
 
 def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expert_rows, host: dict, settings,
@@ -471,8 +479,9 @@ def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expe
     E, dev, dtype = adapter.num_experts, runner.device, runner.dtype
     first, last = (own.start, own.stop) if own is not None else (0, E)
     if own is not None:  # the forward only records the experts' input: other ranks' experts need not be read
-        host = {p: torch.cat([torch.zeros((first,) + tuple(h.shape[1:]), dtype=h.dtype), h,
-                              torch.zeros((E - last,) + tuple(h.shape[1:]), dtype=h.dtype)]) for p, h in host.items()}
+        host = {p: torch.cat([torch.zeros((first,) + tuple(h.shape[1:]), dtype=h.dtype, device=h.device), h,
+                              torch.zeros((E - last,) + tuple(h.shape[1:]), dtype=h.dtype, device=h.device)])
+                for p, h in host.items()}
     record = {"x": [], "indices": [], "weights": []}
 
     def on_router(_module, _args, output):
@@ -645,8 +654,10 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
         for L in range(start, adapter.num_layers):
             bar.start(L)
             pending = read_ahead.pop(L, None)
-            if L + 1 in adapter.moe_layers and any(t.role == "routed_expert" for t in rows_by_layer.get(L + 1, [])):
-                read_ahead[L + 1] = reader.submit(_read_layer_experts, adapter, ckpt, L + 1, own)
+            if L + 1 in adapter.moe_layers and any(t.role == "routed_expert" for t in rows_by_layer.get(L + 1, [])) \
+                    and _read_ahead_fits(adapter, run, own, rows_by_layer.get(L + 1, [])):
+                read_ahead[L + 1] = reader.submit(_read_layer_experts, adapter, ckpt, L + 1, own,
+                                                  *_experts_placement(run, _uses_awq(rows_by_layer.get(L + 1, []))))
             # `hidden` is held only here and in the call: each layer's input is freed once it returns its output
             hidden = _quantize_layer(run, L, rows_by_layer.get(L, []), hidden,
                                      pending.result() if pending is not None else None)
@@ -688,9 +699,40 @@ class _Pass:
     bar: LayerProgress
 
 
-def _read_layer_experts(adapter, ckpt, layer: int, own: range | None) -> dict:
-    """A layer's routed-expert weights {proj: [E, out, in]} from disk; this rank's experts only."""
-    return {p: parallel.read_experts(adapter, ckpt, layer, p, own) for p in adapter.projections}
+def _read_layer_experts(adapter, ckpt, layer: int, own: range | None, device=None, dtype=None) -> dict:
+    """A layer's routed-expert weights {proj: [E, out, in]} from disk; this rank's experts only. With a GPU
+    `device` their stored bytes go there and are decoded there, into `dtype`; without, on the host as read
+    (float32 for quantized sources: the CPU's exact path)."""
+    return {p: parallel.read_experts(adapter, ckpt, layer, p, own, device=device, dtype=dtype)
+            for p in adapter.projections}
+
+
+def _experts_placement(run: "_Pass", for_awq: bool = False) -> tuple:
+    """(device, dtype) `_read_layer_experts` reads a layer into: on a GPU run the device, in the compute
+    dtype when a forward runs (one resident copy serves the forward, the statistics and GPTQ; float32 only
+    per chunk being solved), else float32 (round-to-nearest of the decoded values); (None, None) on the
+    CPU and for AWQ, whose search runs on host copies."""
+    device = torch.device(run.settings.device)
+    if device.type != "cuda" or for_awq:
+        return None, None
+    return device, run.runner.dtype if run.runner is not None else torch.float32
+
+
+def _uses_awq(rows) -> bool:
+    return any(t.algorithm == "awq" and t.quantized for t in rows if t.role == "routed_expert")
+
+
+def _read_ahead_fits(adapter, run: "_Pass", own: range | None, rows) -> bool:
+    """Whether the next layer's experts may be read while this one computes: always into host memory; onto
+    a GPU only when the budget (moequant.budget) holds a second layer's experts besides this one's work."""
+    from moequant import budget
+
+    device, dtype = _experts_placement(run, _uses_awq(rows))
+    if device is None:
+        return True
+    n = adapter.num_experts if own is None else len(own)
+    layer_bytes = n * 3 * adapter.hidden * adapter.expert_intermediate * torch.finfo(dtype).bits // 8
+    return budget.device_free_bytes(device) > 3 * layer_bytes
 
 
 def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict | None):
@@ -706,13 +748,13 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
     collected, routed_tokens, routing_before, tokens, weights = None, None, [], {}, None
     if expert_rows and (uses_awq or not needs_stats):
         dev = "cpu" if uses_awq else run.settings.device  # AWQ's search runs on host copies
-        host = host_experts or _read_layer_experts(adapter, run.ckpt, L, run.own)
+        host = host_experts or _read_layer_experts(adapter, run.ckpt, L, run.own, *_experts_placement(run, uses_awq))
         weights = {p: host[p].to(dev, torch.float32) for p in adapter.projections}
         del host
     chunked = None
     if L in adapter.moe_layers and needs_stats and not uses_awq:
         run.bar.stage("statistics and GPTQ")
-        host = host_experts or _read_layer_experts(adapter, run.ckpt, L, run.own)
+        host = host_experts or _read_layer_experts(adapter, run.ckpt, L, run.own, *_experts_placement(run))
         chunked = _statistics_and_quantize_in_chunks(run.runner, adapter, L, hidden, mine, host, run.settings, run.own)
         del host
     elif L in adapter.moe_layers and needs_stats:

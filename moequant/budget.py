@@ -1,0 +1,100 @@
+"""One memory budget for a run: how much device and host memory moequant's chunked work may take.
+
+`--max-gpu-memory` / `--max-host-memory` (CLI; `configure` here) cap what this process holds;
+by default the cap is what is free, less a margin. Every chunk size on the quantize path (GPTQ
+batches, the scale refit, statistics Hessians) asks `temporary_bytes(device)`: the memory one
+such computation may add on top of what is already resident, from the same accounting, instead
+of a constant of its own. Results never depend on the budget: chunks split experts, whose
+computations are independent (tests/test_budget.py checks bit for bit).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from moequant.errors import UserError
+
+MARGIN_BYTES = 2 * 2**30  # left free for the allocator's fragmentation, kernels' workspaces, other processes
+CPU_TEMPORARY_BYTES = 4 * 2**30  # the CPU's default share (its float64 work is slow beyond this anyway)
+_limits: dict[str, int | None] = {"gpu": None, "host": None}  # the caps; None: what is free
+
+
+def parse_bytes(text: str, what: str) -> int:
+    """'80GiB', '60G', '512MiB', '1.5T', or a plain number of bytes -> bytes; anything else a UserError."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*", str(text), re.IGNORECASE)
+    if m is None:
+        raise UserError(f"{what} {text!r} is not a memory size; write it like 60GiB, 512MiB or 1.5T")
+    unit = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2).upper()]
+    return int(float(m.group(1)) * unit)
+
+
+def configure(max_gpu: str | int | None = None, max_host: str | int | None = None) -> None:
+    """Set the run's caps (None: what is free). Strings as `parse_bytes` reads them. Without a cap,
+    MOEQUANT_MAX_GPU_MEMORY / MOEQUANT_MAX_HOST_MEMORY give one."""
+    for key, value, flag in (("gpu", max_gpu, "--max-gpu-memory"), ("host", max_host, "--max-host-memory")):
+        _limits[key] = None if value is None else (value if isinstance(value, int) else parse_bytes(value, flag))
+
+
+def _limit(key: str) -> int | None:
+    if _limits[key] is not None:
+        return _limits[key]
+    env = f"MOEQUANT_MAX_{key.upper()}_MEMORY"
+    return parse_bytes(os.environ[env], env) if os.environ.get(env) else None
+
+
+def gpu_limit_bytes() -> int | None:
+    """The GPU cap, or None when the cap is what is free."""
+    return _limit("gpu")
+
+
+def host_limit_bytes() -> int | None:
+    return _limit("host")
+
+
+def host_available_bytes() -> int:
+    """MemAvailable (Linux), else a conservative 8 GiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+def device_free_bytes(device) -> int:
+    """What this process may still allocate on `device`: free memory, within the cap, less the margin."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        free = host_available_bytes()
+        cap = _limit("host")
+        if cap is not None:
+            free = min(free, cap - _rss_bytes())
+        return max(0, free - MARGIN_BYTES)
+    free, _ = torch.cuda.mem_get_info(device)
+    # memory the caching allocator holds but does not use is free for us too
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    cap = _limit("gpu")
+    if cap is not None:
+        free = min(free, cap - torch.cuda.memory_allocated(device))
+    return max(0, free - MARGIN_BYTES)
+
+
+def temporary_bytes(device) -> int:
+    """Memory one chunked computation (a GPTQ batch, a refit chunk, a chunk's Hessians) may add now."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return max(2**26, min(CPU_TEMPORARY_BYTES, device_free_bytes(device) // 2))
+    return max(2**26, int(0.85 * device_free_bytes(device)))
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0

@@ -1,0 +1,203 @@
+"""The searched integer grid (`formats.core.searched_fit`) as one Triton kernel (CUDA; optional).
+
+`searched_fit` tries ~46 candidate scales per group (symmetric: amax / d for 23 divisors d, each
+also refitted by weighted least squares; asymmetric: 21 range divisors on the group's own min,
+each with its least-squares (scale, offset) refit). In torch every candidate is a handful of
+full passes over the weights, ~1,400 passes per projection. Here one program loads a tile of
+groups once and evaluates every candidate in registers: one read of the weights and the
+importance, one write of the chosen scales (and zero points).
+
+Arithmetic is searched_fit's on CUDA, operation for operation: the candidate scale amax / d is
+amax * (1 / d) with 1 / d rounded to float32 first (what torch does on CUDA for a tensor divided
+by a Python number), every other division is IEEE (div_rn), rounding is half to even, scales are
+rounded to bf16 before their codes and error are computed, and a candidate replaces the best so
+far only when its error is strictly smaller (candidates in searched_fit's order). The sums over a
+group run in another order than torch's, so a group whose two best candidates tie to within a
+float32 rounding may pick the other one (benchmarks/bench_gptq.py --verify counts them).
+Compiled without floating-point contraction, as moequant.algorithms.gptq_triton.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton is optional: without it (or without CUDA) searched_fit's torch loop runs.
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    triton = None
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's CPU interpreter (development)
+GROUP_SIZES = (16, 32, 64, 128, 256)  # group widths the kernel takes (one tile row per group)
+
+
+def usable(spec, xg: torch.Tensor) -> bool:
+    """Whether the kernel runs this search: integer groups of a listed width, on CUDA (or the interpreter)."""
+    if triton is None or os.environ.get("MOEQUANT_TRITON", "1") == "0":
+        return False
+    if not (spec.is_int and spec.granularity == "group") or xg.shape[-1] not in GROUP_SIZES:
+        return False
+    return xg.is_cuda or INTERPRETED
+
+
+def _lead3(t: torch.Tensor, shape) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """t broadcast to `shape` (leading dims + group axis), as a view with 3 leading dims and its strides."""
+    t = t.expand(shape)
+    keep = [i for i, n in enumerate(shape[:-1]) if n != 1]  # size-1 dims carry no offset
+    t = t.permute(*keep, t.dim() - 1) if keep else t.reshape(1, shape[-1])
+    lead = t.shape[:-1]
+    if len(lead) > 3:  # merge the leading dims (copies only when their strides do not allow a view)
+        t = t.reshape((-1,) + tuple(lead[-2:]) + (t.shape[-1],))
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    return t, tuple(t.stride())
+
+
+def searched_fit_triton(spec, x: torch.Tensor, importance, start_scales: torch.Tensor, start_zeros,
+                        divisors: list[float]):
+    """searched_fit's search on CUDA. x: float32 [..., k] groups; importance broadcasting against x
+    (or None); start_scales / start_zeros: the min/max rule's bf16 scales / int8 zero points
+    [...] (the first candidate); divisors: the symmetric divisors d or the asymmetric deltas,
+    in searched_fit's order. Returns (scales bf16, zeros int8 or None) shaped x.shape[:-1]."""
+    k = x.shape[-1]
+    shape = tuple(x.shape)
+    xv, xs = _lead3(x, shape)
+    w = torch.ones((1,) * x.dim(), dtype=torch.float32, device=x.device) if importance is None \
+        else importance.to(torch.float32)
+    wv, ws = _lead3(w, shape)
+    n0, n1, n2 = xv.shape[:3]
+    m = n0 * n1 * n2
+    s_in = start_scales.reshape(-1).contiguous()
+    out_s = torch.empty(m, dtype=torch.bfloat16, device=x.device)
+    symmetric = start_zeros is None
+    z_in = s_in if symmetric else start_zeros.reshape(-1).contiguous()
+    out_z = out_s if symmetric else torch.empty(m, dtype=torch.int8, device=x.device)
+    if symmetric:  # amax * (1 / d), 1 / d in float32: torch's CUDA division by a Python number
+        factors = 1.0 / torch.tensor(divisors, dtype=torch.float32)
+    else:  # (max - min) * (1 / (2^B - 1 + delta))
+        factors = 1.0 / torch.tensor([float(2 ** spec.bits - 1) + d for d in divisors], dtype=torch.float32)
+    factors = factors.to(x.device)
+    block_m = max(1, 2048 // k)
+    grid = (triton.cdiv(m, block_m),)
+    _search_kernel[grid](
+        xv, wv, s_in, z_in, out_s, out_z, factors, m, n1, n2,
+        xs[0], xs[1], xs[2], xs[3], ws[0], ws[1], ws[2], ws[3],
+        float(-(2 ** (spec.bits - 1))), float(2 ** (spec.bits - 1) - 1), float(2 ** spec.bits - 1),
+        SYMMETRIC=symmetric, K=k, BLOCK_M=block_m, N_CAND=len(divisors), num_warps=4,
+        **({} if INTERPRETED else {"enable_fp_fusion": False}),
+    )
+    lead = shape[:-1]
+    return out_s.reshape(lead), None if symmetric else out_z.reshape(lead)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round(y):
+        """Half to even for |y| <= 2^22 (larger values are clamped first: they saturate anyway)."""
+        y = tl.minimum(tl.maximum(y, -4194304.0), 4194304.0)
+        return (y + 12582912.0) - 12582912.0
+
+    @triton.jit
+    def _finite_positive(s):
+        return (s == s) & (s > 0) & (s < float("inf"))
+
+    @triton.jit
+    def _error(x, w, s, z, qmin, qmax, SYMMETRIC: tl.constexpr):
+        """sum w (x - dequantized)^2 per group for bf16-valued scales s [M] (zero points z [M])."""
+        sc = s[:, None]
+        y = _round(tl.where(sc > 0, tl.div_rn(x, tl.where(sc > 0, sc, 1.0)), 0.0))
+        if SYMMETRIC:
+            back = tl.minimum(tl.maximum(y, qmin), qmax) * sc
+        else:
+            zc = z[:, None]
+            back = (tl.minimum(tl.maximum(y + zc, qmin), qmax) - zc) * sc
+        d = x - back
+        return tl.sum(w * (d * d), axis=1)
+
+    @triton.jit
+    def _store_scale(s32):
+        """A candidate scale as searched_fit stores it: 0 unless finite and positive, then bf16."""
+        s32 = tl.where(_finite_positive(s32), s32, 0.0)
+        # bf16, round to nearest even, in integer arithmetic (as cvt.rn.bf16.f32; Triton's CPU
+        # interpreter truncates in .to(tl.bfloat16)); s32 is finite and >= 0 here
+        b = s32.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        return b.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _zero_point(v, s, qmin, qmax):
+        """qmin + round(v) as an int8-valued zero point: NaN -> 0, clamped; 0 where the scale is 0."""
+        z = tl.where(v == v, tl.minimum(tl.maximum(qmin + _round(v), qmin), qmax), 0.0)
+        return tl.where(s > 0, z, 0.0)
+
+    @triton.jit
+    def _search_kernel(X, W, S0, Z0, OUT_S, OUT_Z, F, m, n1, n2,
+                       sx0, sx1, sx2, sx3, sw0, sw1, sw2, sw3, qmin, qmax, steps,
+                       SYMMETRIC: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, N_CAND: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        live = rows < m
+        r = tl.where(live, rows, 0).to(tl.int64)
+        i2 = r % n2
+        i1 = (r // n2) % n1
+        i0 = r // (n1 * n2)
+        cols = tl.arange(0, K).to(tl.int64)
+        x = tl.load(X + (i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None] + cols[None, :] * sx3)
+        w = tl.load(W + (i0 * sw0 + i1 * sw1 + i2 * sw2)[:, None] + cols[None, :] * sw3)
+        best_s = tl.load(S0 + r).to(tl.float32)
+        if SYMMETRIC:
+            best_z = best_s * 0.0
+        else:
+            best_z = tl.load(Z0 + r).to(tl.float32)
+        best = _error(x, w, best_s, best_z, qmin, qmax, SYMMETRIC)
+        if SYMMETRIC:
+            amax = tl.max(tl.abs(x), axis=1)
+            for i in range(0, N_CAND):
+                s32 = amax * tl.load(F + i)
+                s = _store_scale(s32)
+                err = _error(x, w, s, best_z, qmin, qmax, SYMMETRIC)
+                better = err < best
+                best = tl.where(better, err, best)
+                best_s = tl.where(better, s, best_s)
+                # its weighted least-squares refit on the codes of the unrounded candidate
+                codes = tl.minimum(tl.maximum(_round(tl.div_rn(x, tl.where(s32 > 0, s32, 1.0)[:, None])), qmin), qmax)
+                s = _store_scale(tl.div_rn(tl.sum(w * x * codes, axis=1), tl.sum(w * (codes * codes), axis=1)))
+                err = _error(x, w, s, best_z, qmin, qmax, SYMMETRIC)
+                better = err < best
+                best = tl.where(better, err, best)
+                best_s = tl.where(better, s, best_s)
+        else:
+            lo = tl.min(x, axis=1)
+            hi = tl.max(x, axis=1)
+            sw = tl.sum(w, axis=1)
+            sx = tl.sum(w * x, axis=1)
+            for i in range(0, N_CAND):
+                s0 = (hi - lo) * tl.load(F + i)
+                s = _store_scale(s0)
+                z = _zero_point(tl.div_rn(-lo, s), s, qmin, qmax)
+                err = _error(x, w, s, z, qmin, qmax, SYMMETRIC)
+                better = err < best
+                best = tl.where(better, err, best)
+                best_s = tl.where(better, s, best_s)
+                best_z = tl.where(better, z, best_z)
+                # weighted least squares x ~ s * l + m on the candidate's codes l in 0..steps
+                step = tl.where(s0 > 0, s0, 1.0)
+                lev = tl.minimum(tl.maximum(_round(tl.div_rn(x - lo[:, None], step[:, None])), 0.0), steps)
+                sl = tl.sum(w * lev, axis=1)
+                sll = tl.sum(w * lev * lev, axis=1)
+                slx = tl.sum(w * lev * x, axis=1)
+                det = sw * sll - sl * sl
+                s_ls = tl.div_rn(sw * slx - sl * sx, det)
+                m_ls = tl.div_rn(sll * sx - sl * slx, det)
+                s = _store_scale(s_ls)
+                z = _zero_point(tl.div_rn(-m_ls, s), s, qmin, qmax)
+                err = _error(x, w, s, z, qmin, qmax, SYMMETRIC)
+                better = err < best
+                best = tl.where(better, err, best)
+                best_s = tl.where(better, s, best_s)
+                best_z = tl.where(better, z, best_z)
+        tl.store(OUT_S + r, best_s.to(tl.bfloat16), mask=live)
+        if not SYMMETRIC:
+            tl.store(OUT_Z + r, best_z.to(tl.int8), mask=live)

@@ -1,0 +1,115 @@
+"""The run's one memory budget (moequant.budget): sizes, chunks that never change results, and the
+precheck that refuses a layer the GPU budget cannot hold before any weight is read."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from moequant import budget
+from moequant.algorithms import gptq
+from moequant.cli import main
+from moequant.errors import UserError
+from tests.test_gptq import make_layer
+
+
+@pytest.mark.parametrize("text, want", [("60GiB", 60 * 2**30), ("512MiB", 512 * 2**20), ("1.5T", int(1.5 * 2**40)),
+                                        ("123", 123), ("2 GB", 2 * 2**30)])
+def test_memory_sizes_are_read_as_written(text, want):
+    assert budget.parse_bytes(text, "--max-gpu-memory") == want
+
+
+@pytest.mark.parametrize("text", ["lots", "60 GiBs", "-1G", ""])
+def test_a_malformed_memory_size_is_one_sentence(text):
+    with pytest.raises(UserError, match="is not a memory size; write it like 60GiB"):
+        budget.parse_bytes(text, "--max-gpu-memory")
+
+
+def test_gptq_batches_sized_by_a_small_budget_give_the_same_codes(monkeypatch):
+    """A budget that fits one expert at a time (GPTQ's batches come from moequant.budget) changes
+    nothing: every expert's solve is its own."""
+    w, h, _ = make_layer(experts=5, out=24, n_in=64, tokens=300, seed=4)
+    whole, rep_whole = gptq.gptq_pass(w, h, "int4-g32-sym", grid="searched", refit=True)
+    monkeypatch.setattr(budget, "temporary_bytes", lambda device: 1)
+    small, rep_small = gptq.gptq_pass(w, h, "int4-g32-sym", grid="searched", refit=True)
+    assert rep_small.settings["chunk_experts"] == 1 and rep_whole.settings["chunk_experts"] == 5
+    assert torch.equal(whole.codes, small.codes) and torch.equal(whole.scales, small.scales)
+
+
+def test_the_host_cap_bounds_what_a_chunk_may_take():
+    try:
+        budget.configure(max_host="1GiB")
+        assert budget.device_free_bytes("cpu") == 0  # this process alone holds more than 1 GiB - margin
+        assert budget.temporary_bytes("cpu") == 2**26  # the floor: one small chunk still runs
+    finally:
+        budget.configure()
+
+
+def _header_only_checkpoint(directory: Path, config) -> None:
+    """config.json and one safetensors file of every tensor the architecture expects, in bf16, whose
+    data region is a hole (a sparse file): the shapes of a real model without its bytes."""
+    from moequant.arch import adapter_for
+
+    directory.mkdir(parents=True)
+    config.save_pretrained(directory)
+    expected = adapter_for(json.loads((directory / "config.json").read_text())).expected_tensors()
+    header, offset = {}, 0
+    for name, (shape, _role) in sorted(expected.items()):
+        size = 2 * int(torch.Size(shape).numel())
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(directory / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+
+
+def test_a_deepseek_v3_layer_under_a_small_gpu_budget_is_refused_before_reading_weights(tmp_path):
+    from transformers import DeepseekV3Config
+
+    model = tmp_path / "deepseek-v3-shape"
+    _header_only_checkpoint(model, DeepseekV3Config(num_hidden_layers=4, first_k_dense_replace=3))
+    out = tmp_path / "run"
+    t0 = time.perf_counter()
+    result = CliRunner().invoke(main, ["apply", "--recipe", "uniform-int4", "--model", str(model), "--output", str(out),
+                                       "--device", "cuda", "--max-gpu-memory", "16GiB"])
+    assert time.perf_counter() - t0 < 10  # headers only: ~13 GB of (sparse) weights are never read
+    message = result.output.strip()
+    assert result.exit_code == 2, message
+    assert message.startswith("error: layer 3 of ") and "\n" not in message, message
+    need = float(message.split("needs at least ")[1].split(" GiB")[0])
+    # 256 experts x 3 x 7168 x 2048 bf16 weights, twice, are 42 GiB on their own
+    assert need > 2 * 2 * 256 * 3 * 7168 * 2048 / 2**30
+    assert "more than --max-gpu-memory 16.0 GiB" in message
+    assert not out.exists()
+    # the same run under a budget that holds the layer gets past the check (to the missing tokenizer)
+    result = CliRunner().invoke(main, ["apply", "--recipe", "uniform-int4", "--model", str(model), "--output", str(out),
+                                       "--device", "cuda", "--max-gpu-memory", "120GiB"])
+    assert result.exit_code == 2 and "needs at least" not in result.output, result.output
+    assert not out.exists()
+    from moequant import budget as b
+    assert b.gpu_limit_bytes() == 120 * 2**30
+    CliRunner().invoke(main, ["apply", "--recipe", "uniform-int4", "--model", str(model), "--output", str(out)])
+    assert b.gpu_limit_bytes() is None  # each invocation sets its own caps
+
+
+def test_a_cuda_out_of_memory_is_one_sentence_and_exit_2(monkeypatch, tmp_path):
+    """An OOM the budget did not foresee (raised here where the pass would raise it) is reported as one
+    sentence, exit 2, never a traceback."""
+    from moequant.pipeline import apply as apply_module
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(apply_module, "apply", oom)
+    result = CliRunner().invoke(main, ["apply", "--recipe", "uniform-int4", "--output", str(tmp_path / "run")])
+    message = result.output.strip()
+    assert result.exit_code == 2 and "\n" not in message and "Traceback" not in message, message
+    assert message.startswith("error: the GPU ran out of memory (CUDA out of memory. Tried to allocate 20.00 GiB)")

@@ -104,7 +104,7 @@ RECIPES = {
 }
 
 
-def build_fp8_block(config_name: str, layers: int, vocab: int, directory: Path, overrides=()) -> int:
+def build_fp8_block(config_name: str, layers: int, vocab: int, directory: Path, overrides=(), device="cpu") -> int:
     """A random DeepSeek-style FP8-block source (benchmarks/make_sources.py) at the config's real widths,
     `layers` MoE layers (no dense layer, no MTP layer)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -113,7 +113,7 @@ def build_fp8_block(config_name: str, layers: int, vocab: int, directory: Path, 
     raw = json.loads((CONFIGS / f"{config_name}.json").read_text())
     raw.update(num_hidden_layers=layers, first_k_dense_replace=0, vocab_size=vocab, num_nextn_predict_layers=0)
     raw.update({k: json.loads(v) for k, v in (o.split("=", 1) for o in overrides)})
-    make_deepseek_fp8(directory, overrides=raw, config_path=CONFIGS / f"{config_name}.json")
+    make_deepseek_fp8(directory, overrides=raw, config_path=CONFIGS / f"{config_name}.json", device=device)
     return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
 
 
@@ -288,7 +288,7 @@ def main() -> None:
         model = work / f"{a.config}-{a.source}-{layers}L"
         if not model.exists():
             t0 = time.perf_counter()
-            nbytes = (build_fp8_block(a.config, layers, a.vocab, model, a.set_config) if a.source == "fp8-block"
+            nbytes = (build_fp8_block(a.config, layers, a.vocab, model, a.set_config, a.device) if a.source == "fp8-block"
                       else build(a.config, layers, a.vocab, model, a.device, a.set_config))
             print(f"built {model.name}: {nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
         results.setdefault("model_bytes", {})[layers] = sum(f.stat().st_size for f in model.glob("*.safetensors"))

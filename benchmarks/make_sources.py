@@ -75,8 +75,9 @@ def make_tokenizer(directory: Path, vocab_size: int = 320) -> int:
 
 
 def _random(name: str, shape, generator: torch.Generator) -> torch.Tensor:
-    """transformers-like initial values: weights N(0, 0.02), norms 1 + N(0, 0.02), biases N(0, 0.02)."""
-    t = torch.randn(tuple(shape), generator=generator) * 0.02
+    """transformers-like initial values: weights N(0, 0.02), norms 1 + N(0, 0.02), biases N(0, 0.02)
+    (on the generator's device)."""
+    t = torch.randn(tuple(shape), generator=generator, device=generator.device) * 0.02
     if "norm" in name and len(shape) == 1:
         t += 1.0
     return t
@@ -135,9 +136,10 @@ def _mtp_names(adapter, config) -> dict[str, tuple]:
 
 
 def make_deepseek_fp8(directory, overrides: dict | None = None, seed: int = 0, config_path=DEEPSEEK_V3,
-                      shard_bytes: int = 2 * 1024**3) -> Path:
+                      shard_bytes: int = 2 * 1024**3, device: str = "cpu") -> Path:
     """Write a random DeepSeek-V3-shaped FP8-block checkpoint: the real config with `overrides`
-    (DEEPSEEK_TINY when None; the vocabulary shrinks to the tokenizer's unless a vocab_size is given)."""
+    (DEEPSEEK_TINY when None; the vocabulary shrinks to the tokenizer's unless a vocab_size is given).
+    `device`: where the random weights are drawn and quantized (a GPU builds a real-size layer in seconds)."""
     base = json.loads(Path(config_path).read_text())
     base.update(DEEPSEEK_TINY if overrides is None else overrides)
     if "vocab_size" not in (overrides or {}):
@@ -151,19 +153,19 @@ def make_deepseek_fp8(directory, overrides: dict | None = None, seed: int = 0, c
         adapter = adapter_for(config)
         shapes = {n: s for n, (s, _) in adapter.expected_tensors().items()}
         shapes.update(_mtp_names(adapter, config))
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator(device=device).manual_seed(seed)
 
         def tensors():
             for name, shape in shapes.items():
                 t = _random(name, shape, g)
                 if name.endswith("_proj.weight") and len(shape) == 2:  # every Linear but the router and the heads
                     packed = formats.pack_deepseek_fp8(formats.quantize(t, spec, name=name))
-                    yield name, packed["weight"]
-                    yield name[: -len("weight")] + "weight_scale_inv", packed["weight_scale_inv"]
+                    yield name, packed["weight"].cpu()
+                    yield name[: -len("weight")] + "weight_scale_inv", packed["weight_scale_inv"].cpu()
                 elif name.endswith("e_score_correction_bias"):
-                    yield name, t.float()  # DeepSeek stores it in fp32
+                    yield name, t.float().cpu()  # DeepSeek stores it in fp32
                 else:
-                    yield name, t.to(torch.bfloat16)
+                    yield name, t.to(torch.bfloat16).cpu()
 
         return config, tensors()
 

@@ -23,7 +23,7 @@ LAYERS = [
     ("moequant.parallel", "moequant.metrics", "moequant.progress", "moequant.vllm_plugin"),
     ("moequant.io", "moequant.arch", "moequant.algorithms", "moequant.zoo"),
     ("moequant.formats",),
-    ("moequant.errors",),
+    ("moequant.errors", "moequant.budget"),                       # one clear sentence; the run's memory budget
 ]
 
 

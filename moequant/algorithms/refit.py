@@ -100,11 +100,11 @@ def _codes_times_hessian(cg, hg):
     """cg [e, G, r, gs] @ hg [e, G, gs, n] -> [e, G, r, n]; on CUDA as split TF32 (class doc)."""
     if not cg.is_cuda or cg.dtype != torch.float32:
         return torch.matmul(cg, hg)
-    from moequant.algorithms.gptq import _tf32_products
+    from moequant.algorithms.tf32 import tf32_products
 
     hi = (hg.view(torch.int32) & -8192).view(torch.float32)  # the top 11 significant bits: a TF32 number
     lo = hg - hi
-    with _tf32_products(True):
+    with tf32_products(True):
         y = torch.matmul(cg, lo)
         y += torch.matmul(cg, hi)
     return y

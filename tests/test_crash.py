@@ -446,3 +446,28 @@ def test_budget_exactly_at_the_feasibility_edge(model_dir, reference):
     assert all_int4(plan(f"{{gigabytes: {total // 10**9}.{total % 10**9:09d}}}"))
     with pytest.raises(UserError, match="gigabytes"):
         plan(f"{{gigabytes: {(total - 1) // 10**9}.{(total - 1) % 10**9:09d}}}")
+
+
+@pytest.mark.parametrize("key", ["int4-g32-sym", "int4-g64-asym", "int3-g32-asym", "int2-g32-sym", "int8-channel", "fp8-block128"])
+def test_work_files_hold_low_bit_codes_two_to_a_byte_and_give_them_back(key, tmp_path):
+    """The quantize pass's resume record: integer codes of <= 4 bits are stored as nibbles (half the
+    scratch of int8 codes) and read back exactly, eagerly and lazily; other formats as they are."""
+    from moequant import formats
+    from moequant.pipeline.quantize import load_quantized, save_quantized
+
+    w = torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(0))
+    q = formats.quantize(w, key)
+    path = tmp_path / "layer.safetensors"
+    save_quantized({(0, 1, "gate"): q}, path)
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        stored = f.get_tensor("0.codes")
+    low_bit = q.spec.is_int and q.spec.bits <= 4
+    assert stored.numel() == (q.codes.numel() // 2 if low_bit else q.codes.numel())
+    for lazy in (False, True):
+        back = load_quantized(path, lazy=lazy)[(0, 1, "gate")]
+        for part in ("codes", "scales", "zeros"):
+            a, b = getattr(q, part), getattr(back, part)
+            assert (a is None and b is None) or torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                                                             b.view(torch.uint8) if b.dtype.itemsize == 1 else b)

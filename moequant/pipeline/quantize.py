@@ -87,8 +87,24 @@ def _key_from_text(text: str):
     return rest
 
 
+def _nibbles(q) -> bool:
+    """Integer codes of at most 4 bits travel through the work file two to a byte (half the scratch)."""
+    return q.spec.is_int and q.spec.bits <= 4 and q.codes.dtype == torch.int8 and q.shape[-1] % 2 == 0
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    u = (codes & 0xF).to(torch.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    pairs = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).to(torch.int16)
+    return ((pairs ^ 8) - 8).to(torch.int8)  # 4-bit two's complement; 3- and 2-bit codes lie inside it
+
+
 def save_quantized(items: dict, path: Path) -> None:
-    """QuantizedTensors → one safetensors file (codes / scales / zeros / global scale + JSON index).
+    """QuantizedTensors → one safetensors file (codes / scales / zeros / global scale + JSON index;
+    integer codes of <= 4 bits packed two to a byte, `"nibbles": true`).
 
     A plain tensor value (a full-precision replacement, e.g. an AWQ-folded norm) is stored as is."""
     tensors, index = {}, {}
@@ -98,10 +114,13 @@ def save_quantized(items: dict, path: Path) -> None:
             index[str(i)] = {"key": _key_text(key), "plain": True}
             continue
         entry = {"key": _key_text(key), "spec": q.spec.key, "shape": list(q.shape), "parts": []}
+        if _nibbles(q):
+            entry["nibbles"] = True
         for part in ("codes", "scales", "zeros", "global_scale"):
             t = getattr(q, part)
             if t is not None:
-                tensors[f"{i}.{part}"] = t.contiguous().clone()
+                t = _pack_nibbles(t) if part == "codes" and entry.get("nibbles") else t.contiguous().clone()
+                tensors[f"{i}.{part}"] = t
                 entry["parts"].append(part)
         index[str(i)] = entry
     _save_atomic(tensors, path, {"index": json.dumps(index)})
@@ -111,8 +130,9 @@ class StoredQuantizedTensor(formats.QuantizedTensor):
     """A QuantizedTensor whose codes and scales stay in its layer's work file until read: the export
     streams a model's codes tensor by tensor instead of holding them all (host RAM would grow with the model)."""
 
-    def __init__(self, spec, shape, path: Path, prefix: str, parts: tuple[str, ...]):
-        for name, value in (("spec", spec), ("shape", shape), ("_path", path), ("_prefix", prefix), ("_parts", parts)):
+    def __init__(self, spec, shape, path: Path, prefix: str, parts: tuple[str, ...], nibbles: bool = False):
+        for name, value in (("spec", spec), ("shape", shape), ("_path", path), ("_prefix", prefix), ("_parts", parts),
+                            ("_nibbles", nibbles)):
             object.__setattr__(self, name, value)
 
     def _part(self, part: str):
@@ -121,7 +141,8 @@ class StoredQuantizedTensor(formats.QuantizedTensor):
         from safetensors import safe_open
 
         with safe_open(str(self._path), "pt") as f:
-            return f.get_tensor(f"{self._prefix}.{part}")
+            t = f.get_tensor(f"{self._prefix}.{part}")
+        return _unpack_nibbles(t) if part == "codes" and self._nibbles else t
 
     codes = property(lambda self: self._part("codes"))
     scales = property(lambda self: self._part("scales"))
@@ -145,10 +166,12 @@ def load_quantized(path: Path, lazy: bool = False) -> dict:
             out[key] = plain[i]
         elif lazy:
             out[key] = StoredQuantizedTensor(formats.parse_key(entry["spec"]), tuple(entry["shape"]), Path(path), i,
-                                             tuple(entry["parts"]))
+                                             tuple(entry["parts"]), bool(entry.get("nibbles")))
         else:
-            out[key] = formats.QuantizedTensor(spec=formats.parse_key(entry["spec"]), shape=tuple(entry["shape"]),
-                                               **{p: tensors[f"{i}.{p}"] for p in entry["parts"]})
+            parts = {p: tensors[f"{i}.{p}"] for p in entry["parts"]}
+            if entry.get("nibbles"):
+                parts["codes"] = _unpack_nibbles(parts["codes"])
+            out[key] = formats.QuantizedTensor(spec=formats.parse_key(entry["spec"]), shape=tuple(entry["shape"]), **parts)
     return out
 
 

@@ -45,8 +45,9 @@ def usable(spec, xg: torch.Tensor) -> bool:
 def _lead3(t: torch.Tensor, shape) -> tuple[torch.Tensor, tuple[int, ...]]:
     """t broadcast to `shape` (leading dims + group axis), as a view with 3 leading dims and its strides."""
     t = t.expand(shape)
-    keep = [i for i, n in enumerate(shape[:-1]) if n != 1]  # size-1 dims carry no offset
-    t = t.permute(*keep, t.dim() - 1) if keep else t.reshape(1, shape[-1])
+    for i in reversed(range(len(shape) - 1)):  # size-1 dims carry no offset (views, in order)
+        if shape[i] == 1 and t.dim() > 2:
+            t = t.squeeze(i)
     lead = t.shape[:-1]
     if len(lead) > 3:  # merge the leading dims (copies only when their strides do not allow a view)
         t = t.reshape((-1,) + tuple(lead[-2:]) + (t.shape[-1],))

@@ -27,8 +27,8 @@ def refit_scales(q, weight: torch.Tensor, hessian: torch.Tensor, *, budget_bytes
     output error tr((W - Wq) H (W - Wq)^T) given its codes; weight / hessian as given to GPTQ.
 
     Batched over experts and rows: per chunk of experts, Y = C_g H (every row's centred codes of
-    group g times the Hessian, [e, G, r, in]) gives A = [c_g^T H c_h] and b = [c_g^T H w] by two
-    reductions, and all [G, G] systems are solved at once. Chunks hold at most `budget_bytes`
+    group g times the Hessian, [e, G, r, in]) gives A = [c_g^T H c_h] by one reduction, b = [c_g^T H w]
+    comes from W H, and all [G, G] systems are solved at once. Chunks hold at most `budget_bytes`
     of Y (default: moequant.budget's share for temporaries). float64 on the CPU; float32 on
     accelerators with Y's product in split TF32 (H = H_hi + H_lo, both TF32 numbers; the codes
     are small integers, exact in TF32), about 2^-20 relative, since float64 is slow there and
@@ -47,18 +47,29 @@ def refit_scales(q, weight: torch.Tensor, hessian: torch.Tensor, *, budget_bytes
     h_all = hessian[None] if single else hessian
     num_experts, rows, cols = codes.shape
     groups = scales.shape[-1]
-    per_expert = (work.itemsize * 2 * groups * rows * cols) + 4 * work.itemsize * (rows * cols + cols * cols)
-    limit = budget_bytes if budget_bytes is not None else budget.temporary_bytes(codes.device)
+    # Y and one Y-sized temporary (its second product, then the A reduction's), codes, weights, W H,
+    # the Hessian and its two TF32 halves
+    per_expert = work.itemsize * (2 * groups * rows * cols + 3 * rows * cols + 3 * cols * cols)
+    limit = budget_bytes if budget_bytes is not None else budget.temporary_bytes(codes.device) // 2
     chunk = max(1, min(num_experts, limit // per_expert))
-    parts = []
-    for e0 in range(0, num_experts, chunk):
+    parts, e0 = [], 0
+    while e0 < num_experts:
         e1 = min(num_experts, e0 + chunk)
-        c = codes[e0:e1].to(work)
-        if zeros is not None:
-            c -= zeros[e0:e1].to(work).repeat_interleave(cols // groups, dim=-1)
-        w = w_all[e0:e1].to(device=codes.device, dtype=work)
-        h = h_all[e0:e1].to(device=codes.device, dtype=work)
-        parts.append(_refit_experts(c, w, h, scales[e0:e1], groups))
+        try:
+            c = codes[e0:e1].to(work)
+            if zeros is not None:
+                c -= zeros[e0:e1].to(work).repeat_interleave(cols // groups, dim=-1)
+            w = w_all[e0:e1].to(device=codes.device, dtype=work)
+            h = h_all[e0:e1].to(device=codes.device, dtype=work)
+            parts.append(_refit_experts(c, w, h, scales[e0:e1], groups))
+        except torch.OutOfMemoryError:  # the estimate was too optimistic (fragmentation): smaller chunks
+            if chunk == 1:
+                raise
+            c = w = h = None
+            torch.cuda.empty_cache()
+            chunk = max(1, chunk // 2)
+            continue
+        e0 = e1
     new_scales = torch.cat(parts) if len(parts) > 1 else parts[0]
     return dataclasses.replace(q, scales=new_scales[0] if single else new_scales)
 
@@ -69,12 +80,11 @@ def _refit_experts(c, w, h, old, groups: int):
     gs = n // groups
     cg = c.view(e, r, groups, gs).transpose(1, 2)  # [e, G, r, gs]
     hg = h.view(e, groups, gs, n)  # rows of H by group
-    y = _codes_times_hessian(cg, hg)  # [e, G, r, n]: y[:, g, i] = c_g of row i times H
+    y = _times_hessian(cg, hg)  # [e, G, r, n]: y[:, g, i] = c_g of row i times H
     a = (y.view(e, groups, r, groups, gs) * cg.transpose(1, 2).unsqueeze(1)).sum(-1)  # [e, G(g), r, G(h)]
-    b = (y * w.unsqueeze(1)).sum(-1)  # [e, G, r]
     del y
     a = a.transpose(1, 2)  # [e, r, G, G]
-    b = b.transpose(1, 2)  # [e, r, G]
+    b = (c * _times_hessian(w, h, split_left=True)).view(e, r, groups, gs).sum(-1)  # c_g^T (H w): [e, r, G]
     diag = a.diagonal(dim1=-2, dim2=-1)
     live = diag > 0  # a group whose codes are all zero has no say in the output
     damped = a + torch.diag_embed(torch.where(live, 1e-9 * diag, torch.ones_like(diag)))
@@ -96,15 +106,24 @@ def _refit_experts(c, w, h, old, groups: int):
     return torch.where(better[..., None], s_new, old)
 
 
-def _codes_times_hessian(cg, hg):
-    """cg [e, G, r, gs] @ hg [e, G, gs, n] -> [e, G, r, n]; on CUDA as split TF32 (class doc)."""
-    if not cg.is_cuda or cg.dtype != torch.float32:
-        return torch.matmul(cg, hg)
+def _times_hessian(x, h, split_left: bool = False):
+    """x @ h (batched); on CUDA in split TF32 (class doc): h = h_hi + h_lo, and with `split_left` x too
+    (weights need not be TF32 numbers; the codes are small integers, exact in TF32)."""
+    if not x.is_cuda or x.dtype != torch.float32:
+        return torch.matmul(x, h)
     from moequant.algorithms.tf32 import tf32_products
 
-    hi = (hg.view(torch.int32) & -8192).view(torch.float32)  # the top 11 significant bits: a TF32 number
-    lo = hg - hi
+    def split(t):
+        hi = (t.view(torch.int32) & -8192).view(torch.float32)  # the top 11 significant bits: a TF32 number
+        return hi, t - hi
+
+    h_hi, h_lo = split(h)
     with tf32_products(True):
-        y = torch.matmul(cg, lo)
-        y += torch.matmul(cg, hi)
+        y = torch.matmul(x, h_lo)
+        if split_left:
+            x_hi, x_lo = split(x)
+            y += torch.matmul(x_lo, h_hi)
+            y += torch.matmul(x_hi, h_hi)
+        else:
+            y += torch.matmul(x, h_hi)
     return y

@@ -23,6 +23,22 @@ layer counts, with its RMS residual (`fit_per_layer`).
     python benchmarks/bench_e2e.py [--config qwen3-30b-a3b] [--layers 2 3] [--samples 128] [--seq-len 512]
         [--tools moequant-gptq,moequant-selective,moequant-fp8,llmc-gptq] [--json out.json]
 
+Measured 2026-12-03 on one H200 (torch 2.11, transformers 5.17, llm-compressor 0.14.0.1), `--config
+qwen3-30b-a3b --layers 1 2 4 --tools moequant-gptq,llmc-gptq --eval-samples 8`, both in one call; moequant
+with the recipe's default GPTQ (searched grid + refit, batched on the GPU), gate/up sharing one solve, the
+stored expert bytes decoded on the device and the budget from free memory. Seconds per layer = least-squares
+slope over 1 / 2 / 4 layers (+- its RMS residual):
+  tool            s/layer (rms)  w/o eval  run s 1/2/4L        peak GPU GiB  RSS GiB  scratch MB 4L  KL 4L     top-1
+  moequant-gptq   7.12 (1.85)    4.28      23.7 / 26.5 / 44.2  43.9          4.2      2052           0.000435  0.929
+  llmc-gptq       27.97 (4.22)   -         30.1 / 48.4 / 112.1 15.1          14.4     0              0.000518  0.926
+  -> 3.9x llm-compressor end to end (6.5x without moequant's own evaluation); the issue's >= 8x and <= 2.0 s
+     per layer are not reached. Stages at 4 layers: quantize 14.8 s (pass layers 4.0 / 2.6 / 2.3 / 1.8 s),
+     export 8.3 s, evaluate 11.1 s: export and evaluation are now half the time (the work file round trip and
+     the host-side decoding of both models, the issue's items 3 and 4, not done). Quality: KL 0.000435 vs
+     llm-compressor's 0.000518 at 4 layers (0.00070 vs 0.00081 at 2). Peak GPU 43.9 GiB: the statistics and
+     GPTQ chunks are sized from the free memory now (--max-gpu-memory caps it).
+  Qwen3-235B-A22B and DeepSeek-V3-from-FP8 end to end were not measured (device time).
+
 Measured 2026-12-01 on one H200 (torch 2.11, transformers 5.17, llm-compressor 0.14.0.1 + compressed-tensors
 0.19.0 from wheels), Qwen3-30B-A3B shape, vocab 4096, 128 x 512 calibration tokens, 8 x 512 evaluation
 tokens, int4-g128 symmetric GPTQ of the routed experts; `--layers 1 2`. moequant at commit 4075d7e (grouped

@@ -119,6 +119,13 @@ if triton is not None:
         return tl.sum(w * (d * d), axis=1)
 
     @triton.jit
+    def _consider(x, w, s, z, best, best_s, best_z, qmin, qmax, SYMMETRIC: tl.constexpr):
+        """The candidate (s, z) replaces the best so far in the groups where its error is strictly smaller."""
+        err = _error(x, w, s, z, qmin, qmax, SYMMETRIC)
+        better = err < best
+        return tl.where(better, err, best), tl.where(better, s, best_s), tl.where(better, z, best_z)
+
+    @triton.jit
     def _store_scale(s32):
         """A candidate scale as searched_fit stores it: 0 unless finite and positive, then bf16."""
         s32 = tl.where(_finite_positive(s32), s32, 0.0)
@@ -157,18 +164,12 @@ if triton is not None:
             amax = tl.max(tl.abs(x), axis=1)
             for i in range(0, N_CAND):
                 s32 = amax * tl.load(F + i)
-                s = _store_scale(s32)
-                err = _error(x, w, s, best_z, qmin, qmax, SYMMETRIC)
-                better = err < best
-                best = tl.where(better, err, best)
-                best_s = tl.where(better, s, best_s)
+                best, best_s, best_z = _consider(x, w, _store_scale(s32), best_z, best, best_s, best_z, qmin, qmax,
+                                                 SYMMETRIC)
                 # its weighted least-squares refit on the codes of the unrounded candidate
                 codes = tl.minimum(tl.maximum(_round(tl.div_rn(x, tl.where(s32 > 0, s32, 1.0)[:, None])), qmin), qmax)
                 s = _store_scale(tl.div_rn(tl.sum(w * x * codes, axis=1), tl.sum(w * (codes * codes), axis=1)))
-                err = _error(x, w, s, best_z, qmin, qmax, SYMMETRIC)
-                better = err < best
-                best = tl.where(better, err, best)
-                best_s = tl.where(better, s, best_s)
+                best, best_s, best_z = _consider(x, w, s, best_z, best, best_s, best_z, qmin, qmax, SYMMETRIC)
         else:
             lo = tl.min(x, axis=1)
             hi = tl.max(x, axis=1)
@@ -178,11 +179,7 @@ if triton is not None:
                 s0 = (hi - lo) * tl.load(F + i)
                 s = _store_scale(s0)
                 z = _zero_point(tl.div_rn(-lo, s), s, qmin, qmax)
-                err = _error(x, w, s, z, qmin, qmax, SYMMETRIC)
-                better = err < best
-                best = tl.where(better, err, best)
-                best_s = tl.where(better, s, best_s)
-                best_z = tl.where(better, z, best_z)
+                best, best_s, best_z = _consider(x, w, s, z, best, best_s, best_z, qmin, qmax, SYMMETRIC)
                 # weighted least squares x ~ s * l + m on the candidate's codes l in 0..steps
                 step = tl.where(s0 > 0, s0, 1.0)
                 lev = tl.minimum(tl.maximum(_round(tl.div_rn(x - lo[:, None], step[:, None])), 0.0), steps)
@@ -194,11 +191,7 @@ if triton is not None:
                 m_ls = tl.div_rn(sll * sx - sl * slx, det)
                 s = _store_scale(s_ls)
                 z = _zero_point(tl.div_rn(-m_ls, s), s, qmin, qmax)
-                err = _error(x, w, s, z, qmin, qmax, SYMMETRIC)
-                better = err < best
-                best = tl.where(better, err, best)
-                best_s = tl.where(better, s, best_s)
-                best_z = tl.where(better, z, best_z)
+                best, best_s, best_z = _consider(x, w, s, z, best, best_s, best_z, qmin, qmax, SYMMETRIC)
         tl.store(OUT_S + r, best_s.to(tl.bfloat16), mask=live)
         if not SYMMETRIC:
             tl.store(OUT_Z + r, best_z.to(tl.int8), mask=live)

@@ -271,11 +271,13 @@ class Adapter:
         gate, up = torch.matmul(x, experts.gate_up_proj[ids].transpose(-1, -2)).chunk(2, dim=-1)
         return experts.act_fn(gate) * up
 
-    def layer_state_dict(self, checkpoint, layer: int, keys, dtype=torch.float32, experts=None, tensors=None) -> dict:
+    def layer_state_dict(self, checkpoint, layer: int, keys, dtype=torch.float32, experts=None, tensors=None,
+                         device=None) -> dict:
         """State dict of decoder layer `layer` in transformers' in-memory layout.
 
         `experts` optionally maps proj → `[E, out, in]` replacement weights (e.g. dequantized),
-        `tensors` maps on-disk name → replacement for anything else.
+        `tensors` maps on-disk name → replacement for anything else. With `device`, what is read from
+        the checkpoint goes there as stored and is decoded there.
         """
         experts, tensors = experts or {}, tensors or {}
         out = {}
@@ -286,7 +288,7 @@ class Adapter:
                 fused = None
                 for half, proj in enumerate(("gate", "up")):
                     part = experts.get(proj)
-                    part = self.read_experts(checkpoint, layer, proj) if part is None else part
+                    part = self.read_experts(checkpoint, layer, proj, device=device) if part is None else part
                     if fused is None:  # where the parts are (the device, when read there)
                         fused = torch.empty((part.shape[0], 2 * part.shape[1], part.shape[2]), dtype=dtype,
                                             device=part.device)
@@ -295,12 +297,13 @@ class Adapter:
                 out[key] = fused
             elif key.endswith("experts.down_proj") and not self.fused_experts:
                 d = experts.get("down", None)
-                out[key] = (self.read_experts(checkpoint, layer, "down") if d is None else d).to(dtype)
+                out[key] = (self.read_experts(checkpoint, layer, "down", device=device, dtype=dtype) if d is None
+                            else d.to(dtype))
             elif self.fused_experts and (key.endswith("experts.gate_up_proj") or key.endswith("experts.down_proj")) and experts:
                 out[key] = self.fuse_experts(checkpoint, layer, key, experts).to(dtype)
             else:
                 name = self.memory_to_disk(layer, key)
-                t = tensors[name] if name in tensors else checkpoint.get(name)
+                t = tensors[name] if name in tensors else checkpoint.get(name, device)
                 out[key] = t.to(dtype) if t.is_floating_point() else t
         return out
 

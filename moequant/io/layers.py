@@ -118,7 +118,9 @@ class LayerRunner:
         """Decoder layer `layer` with its weights from disk (or the given replacements), on the device."""
         module = self.layers[layer]
         keys = list(module.state_dict().keys())
-        state = self.adapter.layer_state_dict(self.checkpoint, layer, keys, self.dtype, experts=experts, tensors=tensors)
+        # on a GPU the checkpoint's stored bytes go there and are decoded there (no host float32 copy)
+        state = self.adapter.layer_state_dict(self.checkpoint, layer, keys, self.dtype, experts=experts, tensors=tensors,
+                                              device=self.device if torch.device(self.device).type == "cuda" else None)
         missing = set(dict(module.named_buffers())) - set(state)
         if missing:
             raise RuntimeError(f"layer {layer} has buffers that are not in its state dict: {sorted(missing)}")

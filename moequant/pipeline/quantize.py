@@ -425,7 +425,7 @@ def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, mi
     jobs = []
     for (proj, key, algo), experts in sorted(groups.items()):
         shared = algo == "gptq" and not formats.parse_key(key).is_ggml and proj in ("gate", "up") \
-            and groups.get(("gate", key, algo)) == groups.get(("up", key, algo))
+            and sorted(groups.get(("gate", key, algo), [])) == sorted(groups.get(("up", key, algo), [None]))
         if shared and proj == "up":
             continue  # joined to gate's job
         projs = ("gate", "up") if shared else (proj,)

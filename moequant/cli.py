@@ -31,6 +31,14 @@ def user_errors(fn):
         except RankLost as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
+        except OSError as e:  # the OS refused a path the user gave (stages check most paths themselves)
+            from moequant.errors import PATH_ERRNOS, path_refusal
+
+            if e.errno not in PATH_ERRNOS or not e.filename:
+                raise
+            click.echo(f"error: cannot use {e.filename}: {path_refusal(e, e.filename)}; check the path or choose "
+                       "another one.", err=True)
+            sys.exit(2)
 
     return wrapper
 

@@ -226,8 +226,10 @@ def eval_command(checkpoint, reference, dataset, samples, seq_len, seed, as_json
 
     Works on any compressed-tensors checkpoint, including one made by another tool."""
     from moequant.evaluate import evaluate_checkpoints, format_quality
+    from moequant.io.fingerprint import check_checkpoint_recorded
     from moequant.pipeline.apply import evaluate_into
 
+    check_checkpoint_recorded(checkpoint)  # OUTPUT/checkpoint: of OUTPUT's run, with apply's record of it
     settings = dict(dataset=dataset, samples=samples, seq_len=seq_len, seed=seed,
                     progress=not as_json)  # --json: stdout holds the JSON alone
     result = (evaluate_into(checkpoint, reference, output, **settings) if output
@@ -243,13 +245,13 @@ def report(output):
     are checked to come from one run."""
     from pathlib import Path
 
-    from moequant.io.fingerprint import check_run_directory
+    from moequant.io.fingerprint import check_report_directory
     from moequant.report import render_markdown
 
     path = Path(output) / "report.json"
     if not path.is_file():
         raise UserError(f"{output} has no report.json; write it with `moequant apply`.")
-    check_run_directory(output)
+    check_report_directory(output)
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -13,15 +13,23 @@ import click
 
 from moequant.errors import RankLost, UserError
 
+INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped with Ctrl-C
+
 
 def user_errors(fn):
     """Turn a UserError into one line on stderr and exit code 2 (no traceback); a lost rank of an
-    expert-parallel run (RankLost) into one line and exit code 1."""
+    expert-parallel run (RankLost) into one line and exit code 1; Ctrl-C into one line and exit code 130."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            writes = kwargs.get("recipe_path") is not None or kwargs.get("output") or "overrides" in kwargs
+            click.echo("\ninterrupted: " + ("the finished stages and layers are kept in the output directory (a "
+                                            "half-written file never is); run the same command again to resume."
+                                            if writes else "nothing was written."), err=True)
+            sys.exit(INTERRUPTED)
         except UserError as e:
             from moequant.parallel import says_errors
 

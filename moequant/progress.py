@@ -21,6 +21,9 @@ class LayerProgress:
             self._task = self._bar.add_task(label, total=total, rate="")
 
     def start(self, layer: int, stage: str = "") -> None:
+        if self.enabled and self.finished == 0 and layer > 0 and not hasattr(self, "layer"):
+            # a pass's first layer is not 0 only when it continues the work an interrupted run left
+            print(f"{self.label}: resuming at layer {layer} (layers 0-{layer - 1} were finished by an earlier run)")
         self.layer = layer
         self.stage(stage)
 

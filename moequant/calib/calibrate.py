@@ -441,6 +441,8 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
     start_layer, hidden = load_carried(work, fingerprint, len(runner.batches))
     hidden = runner.embedded if hidden is None else hidden
     writer = world is None or world.rank == 0  # the one process that writes stats/
+    if start_layer and progress:
+        print(f"calibrating: resuming at layer {start_layer} (layers 0-{start_layer - 1} were finished by an earlier run)")
     if writer:
         atomic_write_text(work / "fingerprint.json", json.dumps(fingerprint))
     own = world.experts(adapter.num_experts) if world is not None else range(adapter.num_experts)

@@ -12,6 +12,7 @@ import sys
 import click
 
 from moequant.errors import RankLost, UserError
+from moequant.pipeline.pareto import DEFAULT_UNIFORM  # light: its heavy imports are inside its functions
 
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped with Ctrl-C
 
@@ -88,7 +89,7 @@ def recipe_options(fn):
                       help="Override a recipe key, e.g. --set experts.budget.bits_per_weight=4.5")(fn)
     fn = click.option("--output", default=None, help="Output directory (recipe key `output`).")(fn)
     fn = click.option("--model", default=None, help="Checkpoint directory or zoo:NAME (recipe key `model`).")(fn)
-    fn = click.option("--recipe", "recipe_path", default=None, type=click.Path(),
+    fn = click.option("--recipe", "recipe_path", default=None, metavar="NAME|PATH",
                       help="Recipe YAML, or a bundled recipe by name (selective, uniform-int4, ...; default: built-in defaults).")(fn)
     return fn
 
@@ -100,7 +101,8 @@ def recipe_options(fn):
 @click.option("--samples", default=None, type=int, help="Calibration samples (recipe key calibration.samples).")
 @click.option("--seq-len", default=None, type=int, help="Tokens per sample (recipe key calibration.seq_len).")
 @click.option("--seed", default=None, type=int, help="Recipe key seed.")
-@click.option("--batch-size", default=8, show_default=True, type=int)
+@click.option("--batch-size", default=8, show_default=True, type=int,
+              help="Calibration samples pushed through a layer at once (more: faster, more memory).")
 @click.option("--all-experts/--routed-only", default=None,
               help="Push every token through every expert for the statistics (real routing kept apart) "
                    "(recipe key calibration.all_experts).")
@@ -110,7 +112,8 @@ def recipe_options(fn):
 @click.option("--formats", default=None, help="Comma-separated format keys to measure [default: every format the "
               "recipe may give a routed expert].")
 @click.option("--allow-fewer", is_flag=True, help="Accept fewer samples than asked when the data set is small.")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True,
+              help="Where the model runs: cpu, cuda or cuda:N (under torchrun each rank takes its own GPU).")
 @click.option("--overwrite", is_flag=True, help="Replace statistics of another model or other settings.")
 @click.option("--imatrix", default=None, type=click.Path(),
               help="Also write llama.cpp's imatrix GGUF (for llama-quantize) from the statistics, e.g. out.gguf.")
@@ -182,7 +185,8 @@ def plan(recipe_path, model, output, overrides, stats):
 
 @main.command()
 @recipe_options
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True,
+              help="Where the model runs: cpu, cuda or cuda:N (under torchrun each rank takes its own GPU).")
 @user_errors
 def apply(recipe_path, model, output, overrides, device):
     """Calibrate, plan, quantize, export, evaluate and report — the whole job."""
@@ -201,31 +205,36 @@ def apply(recipe_path, model, output, overrides, device):
 @click.option("--budgets", default="int3,int4,int4..int8", show_default=True,
               help="Comma-separated budgets: bits per routed-expert weight (e.g. 3.5), a format's bytes (int4), "
                    "or half-way between two formats (int4..int8).")
-@click.option("--targets", default="vllm,transformers", show_default=True)
-@click.option("--uniform", default=None, help="Comma-separated uniform baselines (default: the module's list).")
+@click.option("--targets", default="vllm,transformers", show_default=True,
+              help="Comma-separated targets each budget is planned for (vllm, sglang, transformers, ...).")
+@click.option("--uniform", default=",".join(DEFAULT_UNIFORM), show_default=True,
+              help="Comma-separated uniform baselines, each a format entry of the recipe's (e.g. int8,int4).")
 @click.option("--add", "extra", multiple=True, type=click.Path(), help="An outside checkpoint to evaluate and place "
               "on the frontier (e.g. one made by another tool), or the JSON of `moequant eval --json`.")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True,
+              help="Where the model runs: cpu, cuda or cuda:N (under torchrun each rank takes its own GPU).")
 @user_errors
 def pareto(recipe_path, model, output, overrides, budgets, targets, uniform, extra, device):
     """KL vs bytes for several budgets and targets against one calibration: OUTPUT/pareto.json + .png."""
-    from moequant.pipeline.pareto import DEFAULT_UNIFORM
     from moequant.pipeline.pareto import pareto as run
 
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
     result = run(recipe_path, budgets=split(budgets), model=model, output=output, overrides=overrides,
-                 targets=split(targets), uniform=split(uniform) if uniform else DEFAULT_UNIFORM,
+                 targets=split(targets), uniform=split(uniform),
                  extra_reports=list(extra), device=device, log=click.echo)
-    click.echo(f"{len(result['points'])} points on the frontier")
+    on = result["frontier"]
+    click.echo(f"{len(result['points'])} points, {len(on)} on the frontier (no other point has fewer bits and "
+               f"less KL): {', '.join(on)}")
 
 
 @main.command(name="eval")
 @click.argument("checkpoint")
 @click.option("--reference", required=True, help="The original (unquantized) checkpoint or zoo:NAME.")
-@click.option("--dataset", default="builtin:mix", show_default=True)
-@click.option("--samples", default=32, show_default=True, type=int)
-@click.option("--seq-len", default=256, show_default=True, type=int)
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--dataset", default="builtin:mix", show_default=True,
+              help="Evaluation data: builtin:NAME, a local .txt / .jsonl / .json / .parquet file, or hf:DATASET[:CONFIG].")
+@click.option("--samples", default=32, show_default=True, type=int, help="Evaluation windows (held out from calibration).")
+@click.option("--seq-len", default=256, show_default=True, type=int, help="Tokens per evaluation window.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the windows' draw (same seed, same tokens).")
 @click.option("--json", "as_json", is_flag=True, help="Print the full result as JSON.")
 @click.option("--output", default=None, type=click.Path(), help="Also write the result to OUTPUT/eval.json.")
 @user_errors

@@ -85,7 +85,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from moequant.errors import UserError
-from moequant.plan.memory import GPU_SIZES_GB, KV_HEADROOM, bits_per_weight
+from moequant.plan.memory import GPU_SIZES_GB, KV_HEADROOM, bits_per_weight, format_bytes
 
 SCHEMA = "moequant.report/1"
 
@@ -448,12 +448,7 @@ def sibling_runs(output_dir) -> list[dict]:
 
 
 def _b(n) -> str:
-    if n is None:
-        return "–"
-    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n:.0f} B"
+    return "–" if n is None else format_bytes(n)
 
 
 def _bits(x) -> str:
@@ -724,7 +719,7 @@ def plot_memory_by_role(memory: dict) -> str:
     roles = [r for r, v in memory["by_role"].items() if v["bytes_original"] or v["bytes_quantized"]]
     y = np.arange(len(roles))
     largest = max([memory["by_role"][r]["bytes_original"] for r in roles] + [1])
-    unit, div = next((u, d) for u, d in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("bytes", 1)) if largest >= d)
+    unit, div = next((u, d) for u, d in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("bytes", 1)) if largest >= d)
     fig, ax = plt.subplots(figsize=(7, 1.2 + 0.45 * len(roles)))
     ax.barh(y - 0.2, [memory["by_role"][r]["bytes_original"] / div for r in roles], height=0.4, label="original")
     ax.barh(y + 0.2, [memory["by_role"][r]["bytes_quantized"] / div for r in roles], height=0.4, label="quantized")

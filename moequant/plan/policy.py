@@ -1425,10 +1425,9 @@ def read_plan(path: str | Path) -> Plan:
 
 
 def _size(n: int) -> str:
-    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
+    from moequant.plan.memory import format_bytes
+
+    return format_bytes(n)
 
 
 def _bits(alt: dict) -> str:

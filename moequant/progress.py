@@ -41,3 +41,24 @@ class LayerProgress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+class StepProgress:
+    """A bar with the time left over `total` equal steps (rich), or nothing: `advance()` after each."""
+
+    def __init__(self, label: str, total: int, enabled: bool = True):
+        self._bar = None
+        if enabled and total > 0:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+            self._bar.start()
+            self._task = self._bar.add_task(label, total=total)
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

@@ -571,7 +571,8 @@ def _run_probes(ckpt, adapter, output: Path, settings: CalibrationSettings, inpu
         if probe_ids is None:
             probe_ids = input_ids[probe_indices(input_ids.shape[0], settings.probe_samples)]
         write_tensor_probe(output, run_tensor_probe(ckpt, adapter, probe_ids, settings.tensor_formats,
-                                                    batch_size=settings.batch_size, device=settings.device))
+                                                    batch_size=settings.batch_size, device=settings.device,
+                                                    progress=progress))
 
 
 def _reusable_or_cleared(output: Path, fingerprint: dict, overwrite: bool) -> bool:

@@ -134,3 +134,26 @@ def test_model_without_read_permission(tmp_path):
                without_permission_override=True)
     assert_one_sentence(done, str(model / "model.safetensors"), "ermission denied")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_path_refused_later_in_a_command_is_one_sentence_too(monkeypatch, tmp_path):
+    """Past the output lock (e.g. plan.json on a file system remounted read-only mid-run) the command line
+    still says one sentence naming the file; an OS error that names no path stays a traceback (a bug)."""
+    import errno
+
+    from moequant.pipeline import apply as apply_module
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / "run" / "plan.json"))
+
+    monkeypatch.setattr(apply_module, "run_plan", read_only)
+    line = assert_one_sentence(run(["plan", "--recipe", "uniform-int4", "--output", str(tmp_path / "run")]),
+                               str(tmp_path / "run" / "plan.json"), "read-only")
+    assert line.endswith("check the path or choose another one.")
+
+    def no_path(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(apply_module, "run_plan", no_path)
+    result = CliRunner().invoke(main, ["plan", "--recipe", "uniform-int4", "--output", str(tmp_path / "run")])
+    assert isinstance(result.exception, OSError) and result.exit_code == 1

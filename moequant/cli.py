@@ -15,6 +15,8 @@ from moequant.errors import RankLost, UserError
 from moequant.pipeline.pareto import DEFAULT_UNIFORM  # light: its heavy imports are inside its functions
 
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped with Ctrl-C
+WRITERS = ("calibrate", "plan", "apply", "pareto")  # commands that write an output directory (eval: with --output)
+DEVICE_HELP = "Where the model runs: cpu, cuda or cuda:N."
 
 
 def user_errors(fn):
@@ -26,7 +28,7 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except KeyboardInterrupt:
-            writes = kwargs.get("recipe_path") is not None or kwargs.get("output") or "overrides" in kwargs
+            writes = fn.__name__ in WRITERS or (fn.__name__ == "eval_command" and kwargs.get("output"))
             click.echo("\ninterrupted: " + ("the finished stages and layers are kept in the output directory (a "
                                             "half-written file never is); run the same command again to resume."
                                             if writes else "nothing was written."), err=True)
@@ -112,8 +114,7 @@ def recipe_options(fn):
 @click.option("--formats", default=None, help="Comma-separated format keys to measure [default: every format the "
               "recipe may give a routed expert].")
 @click.option("--allow-fewer", is_flag=True, help="Accept fewer samples than asked when the data set is small.")
-@click.option("--device", default="cpu", show_default=True,
-              help="Where the model runs: cpu, cuda or cuda:N (under torchrun each rank takes its own GPU).")
+@click.option("--device", default="cpu", show_default=True, help=DEVICE_HELP)
 @click.option("--overwrite", is_flag=True, help="Replace statistics of another model or other settings.")
 @click.option("--imatrix", default=None, type=click.Path(),
               help="Also write llama.cpp's imatrix GGUF (for llama-quantize) from the statistics, e.g. out.gguf.")
@@ -185,8 +186,7 @@ def plan(recipe_path, model, output, overrides, stats):
 
 @main.command()
 @recipe_options
-@click.option("--device", default="cpu", show_default=True,
-              help="Where the model runs: cpu, cuda or cuda:N (under torchrun each rank takes its own GPU).")
+@click.option("--device", default="cpu", show_default=True, help=DEVICE_HELP)
 @user_errors
 def apply(recipe_path, model, output, overrides, device):
     """Calibrate, plan, quantize, export, evaluate and report — the whole job."""
@@ -211,8 +211,7 @@ def apply(recipe_path, model, output, overrides, device):
               help="Comma-separated uniform baselines, each a format entry of the recipe's (e.g. int8,int4).")
 @click.option("--add", "extra", multiple=True, type=click.Path(), help="An outside checkpoint to evaluate and place "
               "on the frontier (e.g. one made by another tool), or the JSON of `moequant eval --json`.")
-@click.option("--device", default="cpu", show_default=True,
-              help="Where the model runs: cpu, cuda or cuda:N (under torchrun each rank takes its own GPU).")
+@click.option("--device", default="cpu", show_default=True, help=DEVICE_HELP)
 @user_errors
 def pareto(recipe_path, model, output, overrides, budgets, targets, uniform, extra, device):
     """KL vs bytes for several budgets and targets against one calibration: OUTPUT/pareto.json + .png."""

@@ -12,16 +12,27 @@ import sys
 import click
 
 from moequant.errors import RankLost, UserError
+from moequant.pipeline.pareto import DEFAULT_UNIFORM  # light: its heavy imports are inside its functions
+
+INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped with Ctrl-C
+WRITERS = ("calibrate", "plan", "apply", "pareto")  # commands that write an output directory (eval: with --output)
+DEVICE_HELP = "Where the model runs: cpu, cuda or cuda:N."
 
 
 def user_errors(fn):
     """Turn a UserError into one line on stderr and exit code 2 (no traceback); a lost rank of an
-    expert-parallel run (RankLost) into one line and exit code 1."""
+    expert-parallel run (RankLost) into one line and exit code 1; Ctrl-C into one line and exit code 130."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            writes = fn.__name__ in WRITERS or (fn.__name__ == "eval_command" and kwargs.get("output"))
+            click.echo("\ninterrupted: " + ("the finished stages and layers are kept in the output directory (a "
+                                            "half-written file never is); run the same command again to resume."
+                                            if writes else "nothing was written."), err=True)
+            sys.exit(INTERRUPTED)
         except UserError as e:
             from moequant.parallel import says_errors
 
@@ -31,6 +42,14 @@ def user_errors(fn):
         except RankLost as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
+        except OSError as e:  # the OS refused a path the user gave (stages check most paths themselves)
+            from moequant.errors import PATH_ERRNOS, path_refusal
+
+            if e.errno not in PATH_ERRNOS or not e.filename:
+                raise
+            click.echo(f"error: cannot use {e.filename}: {path_refusal(e, e.filename)}; check the path or choose "
+                       "another one.", err=True)
+            sys.exit(2)
         except Exception as e:  # a CUDA OOM the budget did not foresee: one sentence, the run stays resumable
             if type(e).__name__ != "OutOfMemoryError":
                 raise
@@ -101,7 +120,7 @@ def recipe_options(fn):
                       help="Override a recipe key, e.g. --set experts.budget.bits_per_weight=4.5")(fn)
     fn = click.option("--output", default=None, help="Output directory (recipe key `output`).")(fn)
     fn = click.option("--model", default=None, help="Checkpoint directory or zoo:NAME (recipe key `model`).")(fn)
-    fn = click.option("--recipe", "recipe_path", default=None, type=click.Path(),
+    fn = click.option("--recipe", "recipe_path", default=None, metavar="NAME|PATH",
                       help="Recipe YAML, or a bundled recipe by name (selective, uniform-int4, ...; default: built-in defaults).")(fn)
     return fn
 
@@ -113,7 +132,8 @@ def recipe_options(fn):
 @click.option("--samples", default=None, type=int, help="Calibration samples (recipe key calibration.samples).")
 @click.option("--seq-len", default=None, type=int, help="Tokens per sample (recipe key calibration.seq_len).")
 @click.option("--seed", default=None, type=int, help="Recipe key seed.")
-@click.option("--batch-size", default=8, show_default=True, type=int)
+@click.option("--batch-size", default=8, show_default=True, type=int,
+              help="Calibration samples pushed through a layer at once (more: faster, more memory).")
 @click.option("--all-experts/--routed-only", default=None,
               help="Push every token through every expert for the statistics (real routing kept apart) "
                    "(recipe key calibration.all_experts).")
@@ -123,7 +143,7 @@ def recipe_options(fn):
 @click.option("--formats", default=None, help="Comma-separated format keys to measure [default: every format the "
               "recipe may give a routed expert].")
 @click.option("--allow-fewer", is_flag=True, help="Accept fewer samples than asked when the data set is small.")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help=DEVICE_HELP)
 @memory_options
 @click.option("--overwrite", is_flag=True, help="Replace statistics of another model or other settings.")
 @click.option("--imatrix", default=None, type=click.Path(),
@@ -198,7 +218,7 @@ def plan(recipe_path, model, output, overrides, stats):
 
 @main.command()
 @recipe_options
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help=DEVICE_HELP)
 @memory_options
 @user_errors
 def apply(recipe_path, model, output, overrides, device):
@@ -218,32 +238,36 @@ def apply(recipe_path, model, output, overrides, device):
 @click.option("--budgets", default="int3,int4,int4..int8", show_default=True,
               help="Comma-separated budgets: bits per routed-expert weight (e.g. 3.5), a format's bytes (int4), "
                    "or half-way between two formats (int4..int8).")
-@click.option("--targets", default="vllm,transformers", show_default=True)
-@click.option("--uniform", default=None, help="Comma-separated uniform baselines (default: the module's list).")
+@click.option("--targets", default="vllm,transformers", show_default=True,
+              help="Comma-separated targets each budget is planned for (vllm, sglang, transformers, ...).")
+@click.option("--uniform", default=",".join(DEFAULT_UNIFORM), show_default=True,
+              help="Comma-separated uniform baselines, each a format entry of the recipe's (e.g. int8,int4).")
 @click.option("--add", "extra", multiple=True, type=click.Path(), help="An outside checkpoint to evaluate and place "
               "on the frontier (e.g. one made by another tool), or the JSON of `moequant eval --json`.")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help=DEVICE_HELP)
 @memory_options
 @user_errors
 def pareto(recipe_path, model, output, overrides, budgets, targets, uniform, extra, device):
     """KL vs bytes for several budgets and targets against one calibration: OUTPUT/pareto.json + .png."""
-    from moequant.pipeline.pareto import DEFAULT_UNIFORM
     from moequant.pipeline.pareto import pareto as run
 
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
     result = run(recipe_path, budgets=split(budgets), model=model, output=output, overrides=overrides,
-                 targets=split(targets), uniform=split(uniform) if uniform else DEFAULT_UNIFORM,
+                 targets=split(targets), uniform=split(uniform),
                  extra_reports=list(extra), device=device, log=click.echo)
-    click.echo(f"{len(result['points'])} points on the frontier")
+    on = result["frontier"]
+    click.echo(f"{len(result['points'])} points, {len(on)} on the frontier (no other point has fewer bits and "
+               f"less KL): {', '.join(on)}")
 
 
 @main.command(name="eval")
 @click.argument("checkpoint")
 @click.option("--reference", required=True, help="The original (unquantized) checkpoint or zoo:NAME.")
-@click.option("--dataset", default="builtin:mix", show_default=True)
-@click.option("--samples", default=32, show_default=True, type=int)
-@click.option("--seq-len", default=256, show_default=True, type=int)
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--dataset", default="builtin:mix", show_default=True,
+              help="Evaluation data: builtin:NAME, a local .txt / .jsonl / .json / .parquet file, or hf:DATASET[:CONFIG].")
+@click.option("--samples", default=32, show_default=True, type=int, help="Evaluation windows (held out from calibration).")
+@click.option("--seq-len", default=256, show_default=True, type=int, help="Tokens per evaluation window.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the windows' draw (same seed, same tokens).")
 @click.option("--json", "as_json", is_flag=True, help="Print the full result as JSON.")
 @click.option("--output", default=None, type=click.Path(), help="Also write the result to OUTPUT/eval.json.")
 @user_errors
@@ -252,8 +276,10 @@ def eval_command(checkpoint, reference, dataset, samples, seq_len, seed, as_json
 
     Works on any compressed-tensors checkpoint, including one made by another tool."""
     from moequant.evaluate import evaluate_checkpoints, format_quality
+    from moequant.io.fingerprint import check_checkpoint_recorded
     from moequant.pipeline.apply import evaluate_into
 
+    check_checkpoint_recorded(checkpoint)  # OUTPUT/checkpoint: of OUTPUT's run, with apply's record of it
     settings = dict(dataset=dataset, samples=samples, seq_len=seq_len, seed=seed,
                     progress=not as_json)  # --json: stdout holds the JSON alone
     result = (evaluate_into(checkpoint, reference, output, **settings) if output
@@ -269,13 +295,13 @@ def report(output):
     are checked to come from one run."""
     from pathlib import Path
 
-    from moequant.io.fingerprint import check_run_directory
+    from moequant.io.fingerprint import check_report_directory
     from moequant.report import render_markdown
 
     path = Path(output) / "report.json"
     if not path.is_file():
         raise UserError(f"{output} has no report.json; write it with `moequant apply`.")
-    check_run_directory(output)
+    check_report_directory(output)
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):

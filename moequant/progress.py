@@ -21,6 +21,9 @@ class LayerProgress:
             self._task = self._bar.add_task(label, total=total, rate="")
 
     def start(self, layer: int, stage: str = "") -> None:
+        if self.enabled and self.finished == 0 and layer > 0 and not hasattr(self, "layer"):
+            # a pass's first layer is not 0 only when it continues the work an interrupted run left
+            print(f"{self.label}: resuming at layer {layer} (layers 0-{layer - 1} were finished by an earlier run)")
         self.layer = layer
         self.stage(stage)
 
@@ -34,6 +37,27 @@ class LayerProgress:
         if self._bar is not None:
             rate = self.tokens * self.finished / max(time.perf_counter() - self.t0, 1e-9)
             self._bar.update(self._task, advance=1, rate=f"{rate:,.0f} tokens/s")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+class StepProgress:
+    """A bar with the time left over `total` equal steps (rich), or nothing: `advance()` after each."""
+
+    def __init__(self, label: str, total: int, enabled: bool = True):
+        self._bar = None
+        if enabled and total > 0:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+            self._bar.start()
+            self._task = self._bar.add_task(label, total=total)
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task)
 
     def close(self) -> None:
         if self._bar is not None:

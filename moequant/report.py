@@ -85,7 +85,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from moequant.errors import UserError
-from moequant.plan.memory import GPU_SIZES_GB, KV_HEADROOM, bits_per_weight
+from moequant.plan.memory import GPU_SIZES_GB, KV_HEADROOM, bits_per_weight, format_bytes
 
 SCHEMA = "moequant.report/1"
 
@@ -280,12 +280,13 @@ def _load_stats(stats):
 
 
 def _expert_formats(plan: dict | None, checkpoint, adapter) -> dict[tuple[int, int], str]:
-    """(layer, expert) -> format key, from the plan, else from the export's record in the checkpoint."""
-    per: dict[tuple[int, int], list[str]] = defaultdict(list)
+    """(layer, expert) -> format key, from the plan, else from the export's record in the checkpoint; an expert
+    whose projections differ (GGUF: one type per layer and projection) reads e.g. `gate+up:q4_k down:q5_0`."""
+    per: dict[tuple[int, int], list[tuple[str | None, str]]] = defaultdict(list)  # [(projection, key)]
     if plan:
         for t in plan.get("tensors", []):
             if t.get("role") == "routed_expert" and t.get("expert") is not None:
-                per[(t["layer"], t["expert"])].append(t["format"])
+                per[(t["layer"], t["expert"])].append((t.get("proj"), t["format"]))
     elif checkpoint is not None:
         from moequant.io.checkpoint import EXPORT_INFO
 
@@ -299,11 +300,18 @@ def _expert_formats(plan: dict | None, checkpoint, adapter) -> dict[tuple[int, i
                     continue
                 experts = range(adapter.num_experts) if role.expert is None else [role.expert]
                 for e in experts:
-                    per[(role.layer, e)].append(key)
+                    per[(role.layer, e)].append((role.proj, key))
             for L in adapter.moe_layers:  # experts the export does not list were written in bf16
                 for e in range(adapter.num_experts):
-                    per.setdefault((L, e), ["bf16"])
-    return {k: "/".join(dict.fromkeys(v)) for k, v in per.items()}
+                    per.setdefault((L, e), [(None, "bf16")])
+    return {k: _projection_formats(v) for k, v in per.items()}
+
+
+def _projection_formats(pairs: list[tuple[str | None, str]]) -> str:
+    keys = list(dict.fromkeys(key for _, key in pairs))
+    if len(keys) == 1:
+        return keys[0]
+    return " ".join("+".join(dict.fromkeys(p or "?" for p, k in pairs if k == key)) + ":" + key for key in keys)
 
 
 def expert_rows(adapter, plan: dict | None = None, stats=None, quality: dict | None = None,
@@ -447,13 +455,15 @@ def sibling_runs(output_dir) -> list[dict]:
 # ----------------------------------------------------------------------------- text
 
 
+def _copy_of_weights(role: str) -> str:
+    """The weights column of a role the original holds none of but the checkpoint stores bytes for."""
+    if role == "lm_head":  # tied embeddings: GGUF loaders (llama.cpp's qwen2moe) need output.weight written out
+        return "0 (tied: a copy of the embeddings)"
+    return "0 (not in the original)"
+
+
 def _b(n) -> str:
-    if n is None:
-        return "–"
-    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n:.0f} B"
+    return "–" if n is None else format_bytes(n)
 
 
 def _bits(x) -> str:
@@ -483,7 +493,8 @@ def _summary_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]
            str(m["gpus_needed"]["quantized"][f"{g}GB"])] for g in m["gpu_sizes_gb"]],
     ])]
     tables.append(("Bytes by role", ["role", "weights", "original", "quantized", "bits/weight"], [
-        [r, f"{v['weights']:,}", _b(v["bytes_original"]), _b(v["bytes_quantized"]),
+        [r, f"{v['weights']:,}" if v["weights"] or not v["bytes_quantized"] else _copy_of_weights(r),
+         _b(v["bytes_original"]), _b(v["bytes_quantized"]),
          _bits(bits_per_weight(v["bytes_quantized"], v["weights"])) if v["weights"] else "–"]
         for r, v in m["by_role"].items()]))
     layers = layer_formats(report["experts"])
@@ -724,7 +735,7 @@ def plot_memory_by_role(memory: dict) -> str:
     roles = [r for r, v in memory["by_role"].items() if v["bytes_original"] or v["bytes_quantized"]]
     y = np.arange(len(roles))
     largest = max([memory["by_role"][r]["bytes_original"] for r in roles] + [1])
-    unit, div = next((u, d) for u, d in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("bytes", 1)) if largest >= d)
+    unit, div = next((u, d) for u, d in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("bytes", 1)) if largest >= d)
     fig, ax = plt.subplots(figsize=(7, 1.2 + 0.45 * len(roles)))
     ax.barh(y - 0.2, [memory["by_role"][r]["bytes_original"] / div for r in roles], height=0.4, label="original")
     ax.barh(y + 0.2, [memory["by_role"][r]["bytes_quantized"] / div for r in roles], height=0.4, label="quantized")

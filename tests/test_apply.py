@@ -80,13 +80,14 @@ def test_interrupted_quantize_resumes_to_an_identical_checkpoint(model_dir, tmp_
 
     monkeypatch.setattr(layers.LayerRunner, "forward", dying)
     resumed = tmp_path / "resumed"
-    assert "Aborted" in run_apply(model_dir, resumed, expect=1)  # Ctrl-C
+    assert "interrupted: the finished stages and layers are kept" in run_apply(model_dir, resumed, expect=130)  # Ctrl-C
     assert not (resumed / "checkpoint").exists()
     progress = json.loads((resumed / "work" / "progress.json").read_text())
     assert progress["next_layer"] == 2
     monkeypatch.setattr(layers.LayerRunner, "forward", real_forward)
     out = run_apply(model_dir, resumed)
     assert "(reused)" in out  # the statistics survived the interruption
+    assert "quantizing: resuming at layer 2 (layers 0-1 were finished by an earlier run)" in out
     assert digest(resumed / "checkpoint") == digest(whole / "checkpoint")
 
 

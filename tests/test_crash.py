@@ -189,17 +189,46 @@ def test_interrupt_between_hidden_states_and_progress_marker_resumes_identically
         return write
 
     monkeypatch.setattr(calibrate, "atomic_write_text", dying_at(".work", 1))
-    assert "Aborted" in run_apply(model_dir, out, expect=1)
+    assert "interrupted: the finished stages and layers are kept" in run_apply(model_dir, out, expect=130)
     monkeypatch.setattr(calibrate, "atomic_write_text", real_write)
     assert json.loads((out / "stats/.work/progress.json").read_text())["next_layer"] == 1
     # the quantize pass writes its progress marker through the same calibrate.save_carried
     monkeypatch.setattr(calibrate, "atomic_write_text", dying_at("work", 1))
-    assert "Aborted" in run_apply(model_dir, out, expect=1)
+    said = run_apply(model_dir, out, expect=130)
+    # killed after layer 1's hidden states were written: they say to go on at layer 2 (progress.json lags)
+    assert "calibrating: resuming at layer 2 " in said
+    assert "interrupted: the finished stages and layers are kept" in said
     monkeypatch.setattr(calibrate, "atomic_write_text", real_write)
     assert json.loads((out / "work/progress.json").read_text())["next_layer"] == 1
-    run_apply(model_dir, out)
+    assert "quantizing: resuming at layer 2 " in run_apply(model_dir, out)
     for name in sorted(p.name for p in (ref / "stats").glob("layer_*.safetensors")):
         assert same_safetensors(out / "stats" / name, ref / "stats" / name), name
+    assert digest(out / "checkpoint") == digest(ref / "checkpoint")
+
+
+def test_ctrl_c_exits_130_in_one_line_and_the_rerun_says_where_it_resumes(model_dir, reference, tmp_path):
+    """A real SIGINT (what Ctrl-C sends) to `moequant apply` once the quantize pass has finished a layer."""
+    ref, _ = reference
+    out = tmp_path / "interrupted"
+    cmd = [sys.executable, "-m", "moequant", *apply_args(model_dir, out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while proc.poll() is None and not (out / "work" / "progress.json").exists():
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run ended before its quantize pass finished a layer"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == ("interrupted: the finished stages and layers are kept in the output "
+                                            "directory (a half-written file never is); run the same command again "
+                                            "to resume."), err[-2000:]
+    assert "Traceback" not in err and "Aborted" not in err
+    left = json.loads((out / "work" / "progress.json").read_text())["next_layer"]
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "(reused)" in again.stdout  # the statistics were kept
+    if left > 0:
+        assert f"quantizing: resuming at layer {left} " in again.stdout, again.stdout
     assert digest(out / "checkpoint") == digest(ref / "checkpoint")
 
 

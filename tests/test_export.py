@@ -18,7 +18,7 @@ from test_export_models import build_model, quantize_experts, quantize_named
 from moequant import formats
 from moequant.arch import adapter_for
 from moequant.errors import UserError
-from moequant.export.layouts import export_checkpoint
+from moequant.export.layouts import TRANSFORMERS_GUARD, export_checkpoint, transformers_guard_group
 from moequant.io.checkpoint import open_checkpoint
 from moequant.io.loader import dequantized_state_dict, load
 
@@ -134,6 +134,9 @@ def test_config_for_vllm_and_sglang(qwen2, tmp_path):
         QuantizationConfig.model_validate(qc)
         assert qc["quant_method"] == "compressed-tensors" and qc["quantization_status"] == "compressed"
         assert qc["format"] == expect_global
+        guard = qc["config_groups"].pop(TRANSFORMERS_GUARD)  # two routed-expert formats: plain transformers refuses
+        assert list(qc["config_groups"]) == [f"group_{i}" for i in range(len(qc["config_groups"]))]
+        assert guard == transformers_guard_group()
         targets = [t for g in qc["config_groups"].values() for t in g["targets"]]
         assert len(targets) == len(set(targets)) == len(experts) + len(shared)  # disjoint, exact
         assert all(not t.startswith("re:") for t in targets)

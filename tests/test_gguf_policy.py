@@ -147,3 +147,13 @@ def test_non_expert_types_chosen_per_tensor_with_the_experts_at_the_exact_optimu
     st.tensor_probe = None  # without the measurement: one sentence, asking for it
     with pytest.raises(UserError, match="no per-tensor KL of model.layers.0.self_attn.q_proj.weight in q5_0"):
         make_plan(r, tensors(2, 4, 256), st)
+
+
+def test_a_type_refused_by_one_projection_is_noted_for_that_projection_only():
+    """Experts 128 wide: down_proj's 128 inputs hold no 256-block type (q4_k), gate / up's 512 do, so the note
+    names down_proj and the plan still gives q4_k to gate and up."""
+    plan = plan_for("llama.cpp", ["q8_0", "q4_k", "q4_0"], 4.5, inter=128)
+    (note,) = [n for n in plan.notes if n.startswith("q4_k is not offered")]
+    assert note.startswith("q4_k is not offered to down_proj of layer(s) 0-1: tensor "), note
+    used = {(t.proj, t.format) for t in plan.tensors if t.role == "routed_expert"}
+    assert ("down", "q4_k") not in used and any(f == "q4_k" for p, f in used if p in ("gate", "up")), used

@@ -122,8 +122,17 @@ def test_outputs_and_reuse(frontier):
     import matplotlib.image
 
     assert matplotlib.image.imread(out / "pareto.png").std() > 0  # not blank
-    # the second call reused the statistics and the uniform runs of the first
+    # the second call reused the statistics and the uniform runs of the first, and said so
+    assert f"calibration statistics: {out / 'stats'} (reused)" in logs
+    assert f"calibration statistics: {out / 'stats'}" in logs  # the first call made them
     assert "uniform-int4-g32-sym: unchanged, reused" in logs and "uniform-int8-channel: unchanged, reused" in logs
+    # one directory per point under OUTPUT/pareto/, nothing else beside the statistics and the frontier files
+    assert sorted(p.name for p in out.iterdir()) == ["pareto", "pareto.json", "pareto.png", "stats"]
+    assert {Path(p["report"]).parent for p in first["points"] + second["points"]} <= set((out / "pareto").iterdir())
+    # the frontier: exactly the points no other point beats on both bits and KL
+    at = {p["name"]: (p["bits_per_weight_experts"], p["kl_mean"]) for p in data["points"]}
+    beaten = {n for n, (b, k) in at.items() if any((b2, k2) != (b, k) and b2 <= b and k2 <= k for b2, k2 in at.values())}
+    assert set(data["frontier"]) == set(at) - beaten and data["frontier"]
     # vLLM cannot go below its cheapest servable candidate here: the int3 budget is reported, not run
     from moequant.plan.recipe import resolve_format
 
@@ -145,7 +154,7 @@ def test_outside_checkpoint_joins_the_frontier(frontier, tmp_path):
     from moequant.cli import main
 
     out, _, _, _ = frontier
-    checkpoint = out / "uniform-int4-g32-sym" / "checkpoint"
+    checkpoint = out / "pareto" / "uniform-int4-g32-sym" / "checkpoint"
     args = ["eval", str(checkpoint), "--reference", MODEL, "--samples", str(EVAL_SAMPLES), "--seq-len", "128", "--json"]
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output

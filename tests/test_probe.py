@@ -293,3 +293,19 @@ def test_tensor_probe_kl_equals_the_whole_model_with_one_tensor_quantized(tiny_d
             save_file({**original, name: w}, str(copy / "model.safetensors"), metadata={"format": "pt"})
             # KLs near 1e-12 (near-lossless formats) differ by ~2e-16 between CPUs' BLAS kernels (AVX2 vs AVX-512)
             assert probe["tensors"][name][key] == pytest.approx(kl_mean(ref, logits_of(copy, ids)), rel=1e-4, abs=1e-14)
+
+
+def test_tensor_probe_shows_a_bar_with_the_time_left(tiny_dirs, tmp_path, capsys):
+    """The per-tensor probe (minutes on a CPU for GGUF's types) shows its progress: one step per layer of
+    each walk, all of them done at the end, with rich's time-left column."""
+    from moequant.arch import adapter_for
+    from moequant.calib.probe import run_tensor_probe
+    from moequant.io.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(tiny_dirs["qwen2_moe"])
+    adapter = adapter_for(ckpt.config)
+    ids = torch.stack([s.input_ids for s in make_samples()])
+    run_tensor_probe(ckpt, adapter, ids, ("int8-channel",), batch_size=BS, progress=True)
+    shown = capsys.readouterr().out
+    steps = 2 * adapter.num_layers  # one walk for the decoder layers' tensors, one for lm_head
+    assert re.search(rf"probing \d+ tensor formats .* {steps}/{steps} .*0:00:00", shown), shown

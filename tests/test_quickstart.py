@@ -1,7 +1,10 @@
-"""The README's Quick start, run verbatim and in order on a fresh copy of the repository.
+"""The README's set-up line, then its Quick start, run verbatim and in order on one fresh copy of the repository.
 
-The lines are parsed out of README.md (its ```bash block under "## Quick start"), so the README
-and this test cannot drift apart. The copy is what a clone holds (git's tracked and untracked,
+The lines are parsed out of README.md (the ```bash block under "## Set up and run" and the one under
+"## Quick start"), so the README and this test cannot drift apart. Of the set-up line this runs its
+`moequant` command: the steps before it make the virtual environment and install the package, which
+is what this test already runs in (its interpreter's bin/ leads PATH), so the command finds what a
+reader's would, the default job's output already there before the Quick start begins. The copy is what a clone holds (git's tracked and untracked,
 not ignored files of this tree), made a git repository of its own so that `git status` shows
 whether any line left a file git would pick up. The lines run under umask 027, so the modes of
 what they write show that the umask is followed (not a hard-coded 0644). Each line prints to
@@ -31,10 +34,21 @@ UMASK = 0o027
 pytestmark = pytest.mark.slow
 
 
+def bash_block(readme: str, heading: str) -> str:
+    section = readme.split(f"\n## {heading}", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+
+
 def quickstart_lines(readme: str) -> list[str]:
-    section = readme.split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]
-    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
-    return [line for line in block.splitlines() if line.strip()]
+    return [line for line in bash_block(readme, "Quick start\n").splitlines() if line.strip()]
+
+
+def setup_commands(readme: str) -> list[str]:
+    """The `moequant` steps of the set-up line (its venv / pip steps are this test's own environment)."""
+    (line,) = [line for line in bash_block(readme, "Set up and run").splitlines() if line.strip()]
+    steps = [step.strip() for step in line.split("&&")]
+    assert steps[0].startswith("python3 -m venv") and any(s.startswith("pip install -e") for s in steps), steps
+    return [step for step in steps if step.startswith("moequant ")]
 
 
 def clone(destination: Path) -> Path:
@@ -59,18 +73,20 @@ def clone(destination: Path) -> Path:
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory):
     repo = clone(tmp_path_factory.mktemp("clone"))
-    lines = quickstart_lines((repo / "README.md").read_text())
+    readme = (repo / "README.md").read_text()
+    setup, lines = setup_commands(readme), quickstart_lines(readme)
+    assert setup == ["moequant apply --recipe recipes/selective.yaml"], setup
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": str(repo)}  # the clone's own package, not this tree's
     runs = []
-    for line in lines:
+    for line in setup + lines:
         t0 = time.perf_counter()
         done = subprocess.run(["bash", "-c", line], cwd=repo, env=env, capture_output=True, text=True,
                               preexec_fn=lambda: os.umask(UMASK), timeout=900)
         runs.append({"line": line, "rc": done.returncode, "out": done.stdout, "err": done.stderr,
                      "seconds": time.perf_counter() - t0})
         print(f"$ {line}\n{done.stdout}{done.stderr}[{time.perf_counter() - t0:.0f} s, exit {done.returncode}]")
-    return {"repo": repo, "runs": runs}
+    return {"repo": repo, "setup": runs[:len(setup)], "runs": runs[len(setup):]}
 
 
 def run_of(quickstart, command: str) -> dict:
@@ -80,7 +96,10 @@ def run_of(quickstart, command: str) -> dict:
     return found[0]
 
 
-def test_readme_quickstart_runs_verbatim_in_order(quickstart):
+def test_setup_line_then_quickstart_run_verbatim_in_order(quickstart):
+    (setup,) = quickstart["setup"]
+    assert setup["rc"] == 0, f"{setup['line']}\n{setup['out']}{setup['err']}"
+    assert "report: runs/selective/report.html" in setup["out"]
     runs = quickstart["runs"]
     assert [r["line"].split()[:2] for r in runs] == [["moequant", c] for c in
                                                       ("inspect", "inspect", "calibrate", "plan", "apply", "eval",
@@ -97,12 +116,12 @@ def test_readme_quickstart_runs_verbatim_in_order(quickstart):
     assert isinstance(account, dict) and account
 
     cal = run_of(quickstart, "calibrate")
-    assert "statistics of int8-channel, int4-g32-sym written to runs/selective/stats" in cal["out"]
+    assert "statistics of int8-channel, int4-g32-sym written to runs/quickstart/stats" in cal["out"]
     plan = run_of(quickstart, "plan")
-    assert "plan written to runs/selective/plan.json" in plan["out"]
+    assert "plan written to runs/quickstart/plan.json" in plan["out"]
     applied = run_of(quickstart, "apply")
-    assert "calibration statistics: runs/selective/stats (reused)" in applied["out"]  # calibrate's, not redone
-    assert "report: runs/selective/report.html" in applied["out"]
+    assert "calibration statistics: runs/quickstart/stats (reused)" in applied["out"]  # calibrate's, not redone
+    assert "report: runs/quickstart/report.html" in applied["out"]
     assert "KL per token" in run_of(quickstart, "eval")["out"]
     assert "bits per weight, routed experts" in run_of(quickstart, "report")["out"]  # report.md, its parts one run
 
@@ -119,9 +138,13 @@ def test_quickstart_writes_only_under_ignored_runs(quickstart):
 
 
 def test_output_modes_follow_the_umask(quickstart):
-    out = quickstart["repo"] / "runs" / "selective"
-    entries = [out, *out.rglob("*")]
-    assert {"checkpoint", "stats", "plan.json", "report.md", "checkpoint.json"} <= {p.name for p in entries}
+    for out in (quickstart["repo"] / "runs" / "selective", quickstart["repo"] / "runs" / "quickstart"):
+        entries = [out, *out.rglob("*")]
+        assert {"checkpoint", "stats", "plan.json", "report.md", "checkpoint.json"} <= {p.name for p in entries}
+        modes_follow_the_umask(out, entries)
+
+
+def modes_follow_the_umask(out, entries):
     for p in entries:
         mode = stat.S_IMODE(p.stat().st_mode)
         expected = (0o777 if p.is_dir() else 0o666) & ~UMASK  # 0750 / 0640: readable by the group
@@ -145,7 +168,7 @@ def parse_layer_table(report_md: str) -> dict[int, dict[str, int]]:
 
 
 def test_report_md_layer_table_is_the_plan(quickstart):
-    out = quickstart["repo"] / "runs" / "selective"
+    out = quickstart["repo"] / "runs" / "quickstart"
     plan = json.loads((out / "plan.json").read_text())
     expert_format = {}
     for t in plan["tensors"]:
@@ -165,7 +188,7 @@ def test_report_md_layer_table_is_the_plan(quickstart):
 def test_one_byte_account_everywhere(quickstart):
     """The bits per routed-expert weight of the plan, `moequant plan`, `apply`, report.json and
     report.md are one number: the plan's bytes equal the checkpoint's routed-expert bytes."""
-    out = quickstart["repo"] / "runs" / "selective"
+    out = quickstart["repo"] / "runs" / "quickstart"
     plan = json.loads((out / "plan.json").read_text())
     report = json.loads((out / "report.json").read_text())
     memory = report["memory"]
@@ -191,8 +214,31 @@ def test_one_byte_account_everywhere(quickstart):
 
 
 def test_report_md_says_what_each_error_column_means(quickstart):
-    md = (quickstart["repo"] / "runs" / "selective" / "report.md").read_text()
+    md = (quickstart["repo"] / "runs" / "quickstart" / "report.md").read_text()
     header = next(line for line in md.splitlines() if line.startswith("| layer | expert | share"))
     for column in ("predicted sq. error/token", "measured sq. error/token", "measured relative error"):
         assert f"| {column} |" in header or header.endswith(f"| {column} |")
         assert re.search(rf"^- {re.escape(column)}: .*(units|no unit)", md, re.M), column
+
+
+def test_the_setup_run_is_kept_and_plain_transformers_refuses_its_checkpoint(quickstart):
+    """The Quick start wrote its own directory: the set-up line's 128-sample run is still whole (one run,
+    as `moequant report` checks it). Its checkpoint mixes int8 and int4 layers, which plain transformers
+    refuses in a sentence naming moequant.load and vLLM (tests/test_transformers_load.py has both cases)."""
+    repo = quickstart["repo"]
+    out = repo / "runs" / "selective"
+    summary = json.loads((out / "stats" / "summary.json").read_text())
+    assert summary["samples"] == 128, summary["samples"]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(repo)}
+    assert subprocess.run(["moequant", "report", "runs/selective"], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=300).returncode == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert len({t["format"] for t in plan["tensors"] if t["role"] == "routed_expert"}) > 1  # a per-layer mix
+    probe = ("import torch, transformers\n"
+             "transformers.AutoModelForCausalLM.from_pretrained('runs/selective/checkpoint', dtype=torch.float32)\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    from moequant.export.layouts import TRANSFORMERS_REFUSAL
+
+    assert TRANSFORMERS_REFUSAL in done.stderr + done.stdout

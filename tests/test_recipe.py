@@ -7,6 +7,8 @@ import pytest
 from moequant.errors import UserError
 from moequant.plan.recipe import apply_overrides, load_recipe, parse_layer_ranges, recipe_from_dict
 
+ROOT = Path(__file__).resolve().parents[1]
+
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 BUDGET = {"method": "budget", "budget": {"bits_per_weight": 4.5}}
 
@@ -68,7 +70,13 @@ def test_override_errors(tmp_path):
     assert str(info.value) == "override 'target.kind=x': key 'target' holds 'vllm', not a mapping, so it has no key 'kind'."
     with pytest.raises(UserError) as info:
         load_recipe(path, ["targte=vllm"])
-    assert str(info.value).startswith(f"recipe {path}: unknown key 'targte'; accepted keys here: model, output, target,")
+    # the typo is the override's, not the file's
+    assert str(info.value).startswith(f"--set targte=vllm (on recipe {path}): unknown key 'targte'; accepted keys "
+                                      "here: model, output, target,")
+    with pytest.raises(UserError) as info:
+        load_recipe(path, ["experts.budget.bits_per_weigth=4"])
+    assert str(info.value).startswith(f"--set experts.budget.bits_per_weigth=4 (on recipe {path}): unknown key "
+                                      "'experts.budget.bits_per_weigth'")
     # the input dict is not modified
     data = {"experts": {"method": "uniform"}}
     apply_overrides(data, ["experts.format=int4"])
@@ -84,6 +92,18 @@ def test_file_errors(tmp_path):
     with pytest.raises(UserError) as info:
         load_recipe(bad)
     assert str(info.value).startswith(f"recipe {bad} is not valid YAML at line ")
+
+
+def test_yaml_errors_name_the_line_of_the_mistake(tmp_path):
+    """The line the typo is on (1-based), also for an unclosed bracket that the parser notices a line later."""
+    shipped = (ROOT / "recipes" / "selective.yaml").read_text().splitlines()
+    line = next(i for i, text in enumerate(shipped) if text.startswith("  budget: {"))
+    for typo in (shipped[line].replace("}", ""), shipped[line].replace("  budget", " budget")):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text("\n".join([*shipped[:line], typo, *shipped[line + 1:]]) + "\n")
+        with pytest.raises(UserError) as info:
+            load_recipe(bad)
+        assert str(info.value).startswith(f"recipe {bad} is not valid YAML at line {line + 1}:"), (typo, info.value)
     listed = tmp_path / "list.yaml"
     listed.write_text("- a\n- b\n")
     with pytest.raises(UserError) as info:

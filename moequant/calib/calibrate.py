@@ -441,6 +441,8 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
     start_layer, hidden = load_carried(work, fingerprint, len(runner.batches))
     hidden = runner.embedded if hidden is None else hidden
     writer = world is None or world.rank == 0  # the one process that writes stats/
+    if start_layer and progress:
+        print(f"calibrating: resuming at layer {start_layer} (layers 0-{start_layer - 1} were finished by an earlier run)")
     if writer:
         atomic_write_text(work / "fingerprint.json", json.dumps(fingerprint))
     own = world.experts(adapter.num_experts) if world is not None else range(adapter.num_experts)
@@ -569,7 +571,8 @@ def _run_probes(ckpt, adapter, output: Path, settings: CalibrationSettings, inpu
         if probe_ids is None:
             probe_ids = input_ids[probe_indices(input_ids.shape[0], settings.probe_samples)]
         write_tensor_probe(output, run_tensor_probe(ckpt, adapter, probe_ids, settings.tensor_formats,
-                                                    batch_size=settings.batch_size, device=settings.device))
+                                                    batch_size=settings.batch_size, device=settings.device,
+                                                    progress=progress))
 
 
 def _reusable_or_cleared(output: Path, fingerprint: dict, overwrite: bool) -> bool:

@@ -334,11 +334,13 @@ def probed_tensors(checkpoint, adapter) -> list[str]:
 
 
 def run_tensor_probe(checkpoint, adapter, input_ids: torch.Tensor, format_keys, batch_size: int = 8,
-                     device: str = "cpu", max_stream_bytes: int = MAX_STREAM_BYTES) -> dict:
-    """tensor_probe.json's dict: the KL of every probed tensor alone in every format that holds it."""
+                     device: str = "cpu", max_stream_bytes: int = MAX_STREAM_BYTES, progress: bool = False) -> dict:
+    """tensor_probe.json's dict: the KL of every probed tensor alone in every format that holds it.
+    progress: a bar with the time left, one step per layer of each walk (minutes on a CPU for GGUF's types)."""
     from moequant import formats
     from moequant.errors import UserError
     from moequant.io.layers import LayerRunner
+    from moequant.progress import StepProgress
 
     runner = LayerRunner(checkpoint, adapter, input_ids, batch_size=batch_size, device=device)
     head = _head(runner, checkpoint)
@@ -361,7 +363,11 @@ def run_tensor_probe(checkpoint, adapter, input_ids: torch.Tensor, format_keys, 
     per_walk = max(1, int(max_stream_bytes // max(stream_bytes, 1)) - 2)
     layered = [u for u in units if u[2] is not None]
     result: dict[str, dict[str, float]] = {}
-    for start in range(0, len(layered), per_walk):  # one walk per chunk of streams
+    heads = [u for u in units if u[2] is None]
+    walks = range(0, len(layered), per_walk)
+    bar = StepProgress(f"probing {len(units)} tensor formats", (len(walks) + bool(heads)) * adapter.num_layers,
+                       progress)
+    for start in walks:  # one walk per chunk of streams
         chunk = layered[start:start + per_walk]
         original, streams = runner.embedded, {}
         for L in range(adapter.num_layers):
@@ -373,14 +379,15 @@ def run_tensor_probe(checkpoint, adapter, input_ids: torch.Tensor, format_keys, 
             for u in (u for u in chunk if u[2] == L):
                 with runner.materialized(L, tensors={u[0]: dequantized(u[0], u[1])}) as module:
                     streams[u] = _forward(runner, module, L, before)
+            bar.advance()
         for (name, key, _), h in streams.items():
             result.setdefault(name, {})[key] = _kl_sum(head, original, h) / tokens
-    heads = [u for u in units if u[2] is None]
     if heads:  # lm_head: the final hidden states, logits through the quantized copy
         final = runner.embedded
         for L in range(adapter.num_layers):
             with runner.materialized(L) as module:
                 final = _forward(runner, module, L, final)
+            bar.advance()
         for name, key, _ in heads:
             weight = runner.model.lm_head.weight
             with torch.no_grad():
@@ -394,5 +401,6 @@ def run_tensor_probe(checkpoint, adapter, input_ids: torch.Tensor, format_keys, 
                 kl, *_ = token_statistics(ref.reshape(-1, ref.shape[-1]), q.reshape(-1, q.shape[-1]))
                 total += float(kl.sum())
             result.setdefault(name, {})[key] = total / tokens
+    bar.close()
     return {"schema": TENSOR_PROBE_SCHEMA, "samples": int(input_ids.shape[0]), "tokens": tokens,
             "formats": list(format_keys), "tensors": result}

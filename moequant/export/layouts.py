@@ -289,6 +289,25 @@ def _interleave(a, b):
     return out
 
 
+TRANSFORMERS_GUARD = "moequant_transformers_guard"
+TRANSFORMERS_REFUSAL = ("moequant: transformers' from_pretrained decodes every routed expert of a checkpoint with "
+                        "one format, and this one has several, so load it with moequant.load or serve it with vLLM "
+                        "or SGLang")
+
+
+def transformers_guard_group() -> dict:
+    """A config group that matches no module and makes plain transformers refuse a checkpoint whose routed
+    experts have more than one format. transformers 5.x decodes every routed expert with one scheme: the
+    first group whose `re:` targets name `experts` (integrations/compressed_tensors.get_experts_scheme), so a
+    per-layer mix would load silently wrong. This group comes first and says FP8 per channel: transformers
+    then takes the packed codes as FP8 weights and stops at the first expert, and its warning for the target
+    no module matches prints TRANSFORMERS_REFUSAL. vLLM, SGLang and moequant resolve each
+    layer by its own name, so an unmatched target changes nothing there (the scheme is the one moequant
+    writes for fp8-channel experts); the top-level format ignores this group."""
+    target = f"re:^{TRANSFORMERS_REFUSAL} - experts$"  # a valid regex as it reads: '.' matches itself too
+    return {"targets": [target], **_ct_scheme(formats.parse_key("fp8-channel"), "none")}
+
+
 def _module(name: str) -> str:
     return name[: -len(".weight")] if name.endswith(".weight") else name
 
@@ -498,7 +517,11 @@ class _CompressedTensors(_Layout):
     def quantization_config(self) -> dict:
         config_groups = {}
         group_formats = set()
-        for i, (scheme, targets) in enumerate(self.groups()):
+        groups = self.groups()
+        routed = {_module(n) for n, q in self.items.items() if self.roles[n].role == "routed_expert"}
+        if self.target != "vllm-moequant" and sum(1 for _, targets in groups if routed.intersection(targets)) > 1:
+            config_groups[TRANSFORMERS_GUARD] = transformers_guard_group()  # first: the group transformers takes
+        for i, (scheme, targets) in enumerate(groups):
             config_groups[f"group_{i}"] = {"targets": targets, **scheme}
             group_formats.add(scheme["format"])
         if len(group_formats) == 1:

@@ -154,22 +154,31 @@ def ggml_quantize(items: list[tuple[str, np.ndarray, np.ndarray | None]]) -> lis
 
 
 def evaluate_gguf(gguf_path, reference, dataset: str = "builtin:mix", samples: int = 32, seq_len: int = 256,
-                  seed: int = 0) -> dict:
+                  seed: int = 0, progress: bool = False) -> dict:
     """KL / top-1 / perplexity of llama.cpp running `gguf_path` against transformers running the
-    reference (float32), on the evaluation split of `dataset` (evaluate()'s keys, engine llama.cpp)."""
+    reference (float32), on the evaluation split of `dataset` (evaluate()'s keys, engine llama.cpp).
+    progress: a bar with the time left over the reference's windows, then a line for llama.cpp's run."""
     import torch
 
     from moequant.calib.calibrate import load_tokenizer
     from moequant.calib.data import load_samples
     from moequant.io.checkpoint import open_checkpoint
     from moequant.io.loader import from_pretrained_complete
+    from moequant.progress import StepProgress
 
     ref_dir = open_checkpoint(reference).directory
     windows = load_samples(dataset, load_tokenizer(ref_dir), samples, seq_len, split="evaluation", seed=seed)
     ids = [w.input_ids.tolist() for w in windows]
     model = from_pretrained_complete(ref_dir, torch.float32).eval()
+    bar = StepProgress("evaluating: the original (transformers)", len(ids), progress)
+    ref = []
     with torch.no_grad():
-        ref = [model(torch.tensor([s])).logits[0].numpy() for s in ids]
+        for s in ids:
+            ref.append(model(torch.tensor([s])).logits[0].numpy())
+            bar.advance()
+    bar.close()
+    if progress:
+        print(f"evaluating: the GGUF in llama.cpp ({len(ids)} windows, in a worker process)")
     got = logits([gguf_path], ids)[0]
     kl = np.concatenate([kl_per_token(r, g) for r, g in zip(ref, got)])
 

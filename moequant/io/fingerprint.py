@@ -59,19 +59,59 @@ def file_fingerprint(path) -> str | None:
     return (_read(Path(path)) or {}).get(KEY)
 
 
+RECORDS = ("checkpoint.json", "pareto_run.json")  # apply's / pareto's record that checkpoint/ was made from plan.json
+
+
+def _records(output: Path) -> dict[str, str | None]:
+    return {name: file_fingerprint(output / name) for name in RECORDS if (output / name).exists()}
+
+
 def check_checkpoint_in_run(checkpoint) -> None:
-    """OUTPUT/checkpoint must carry OUTPUT/plan.json's fingerprint: refuse one swapped in from another
+    """OUTPUT/checkpoint must exist and carry OUTPUT/plan.json's fingerprint: refuse one swapped in from another
     run (or made by another tool) instead of evaluating it as this run's. Other paths are not checked."""
     checkpoint = Path(checkpoint)
-    if checkpoint.name != "checkpoint" or not checkpoint.is_dir():
-        return
     plan_path = checkpoint.parent / "plan.json"
     expected = file_fingerprint(plan_path)
+    if checkpoint.name != "checkpoint" or expected is None:
+        return
+    if not checkpoint.is_dir():
+        raise UserError(f"{checkpoint} does not exist although {plan_path} plans it; run `moequant apply` for "
+                        f"{checkpoint.parent} to make it.")
     found = checkpoint_fingerprint(checkpoint)
-    if expected is not None and found != expected:
+    if found != expected:
         raise UserError(f"{checkpoint} does not belong to the run in {checkpoint.parent}: its run fingerprint is "
                         f"{found or 'missing'} but {plan_path} has {expected}; rerun that directory's `moequant apply` "
                         "to remake it, or move the checkpoint out of the directory to evaluate it alone.")
+
+
+def check_checkpoint_recorded(checkpoint) -> None:
+    """`moequant eval OUTPUT/checkpoint`: also the record that made it (checkpoint.json) must be there and of
+    plan.json's run (apply and pareto evaluate before they write it, so they check only the fingerprint)."""
+    check_checkpoint_in_run(checkpoint)
+    checkpoint = Path(checkpoint)
+    plan_path = checkpoint.parent / "plan.json"
+    expected = file_fingerprint(plan_path)
+    if checkpoint.name != "checkpoint" or expected is None:
+        return
+    records = _records(checkpoint.parent)
+    if not records or any(fp != expected for fp in records.values()):
+        what = ", ".join(f"{n} has {fp or 'no run fingerprint'}" for n, fp in records.items()) or "checkpoint.json is missing"
+        raise UserError(f"{checkpoint} has no record of being made by the run in {checkpoint.parent} ({what}, "
+                        f"{plan_path} has {expected}); rerun that directory's `moequant apply` to remake and record "
+                        "it, or move the checkpoint out of the directory to evaluate it alone.")
+
+
+def check_report_directory(output) -> str | None:
+    """`moequant report`: the checkpoint the report describes and apply's record of it are there, and every
+    part is of one run (check_run_directory)."""
+    output = Path(output)
+    if not (output / "checkpoint").is_dir():
+        raise UserError(f"{output} has no checkpoint/, the checkpoint its report describes; rerun `moequant apply` "
+                        "to make it again.")
+    if not _records(output):
+        raise UserError(f"{output} has no checkpoint.json, apply's record that checkpoint/ was made from its plan; "
+                        "rerun `moequant apply` to remake and record it.")
+    return check_run_directory(output)
 
 
 def check_run_directory(output) -> str | None:
@@ -80,7 +120,7 @@ def check_run_directory(output) -> str | None:
     output = Path(output)
     parts = {}
     for name, read in (("plan.json", file_fingerprint), ("checkpoint", checkpoint_fingerprint),
-                       ("report.json", file_fingerprint)):
+                       *((record, file_fingerprint) for record in RECORDS), ("report.json", file_fingerprint)):
         if (output / name).exists():
             parts[name] = read(output / name)
     found = set(parts.values())

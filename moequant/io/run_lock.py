@@ -132,14 +132,20 @@ def output_lock(directory, command: str) -> Iterator[Path]:
         path = directory / LOCK_FILE
         fd = None
         while fd is None:  # None: a releasing run removed the empty directory between our mkdir and open
-            directory.mkdir(parents=True, exist_ok=True)
             try:
+                directory.mkdir(parents=True, exist_ok=True)
                 fd = _lock(path, exclusive=True, create=True)
             except BlockingIOError as error:
                 raise _refusal(directory, error.holder) from None
+            except OSError as error:  # the first write into the directory: what the OS says of it is the user's to fix
+                _remove_made(made)
+                raise _unwritable(directory, error) from None
         try:
             os.ftruncate(fd, 0)
-            os.pwrite(fd, _holder_text(command).encode(), 0)
+            try:
+                os.pwrite(fd, _holder_text(command).encode(), 0)
+            except OSError as error:  # a full disk
+                raise _unwritable(directory, error) from None
             _held[directory] = fd
             yield directory
         finally:
@@ -149,14 +155,25 @@ def output_lock(directory, command: str) -> Iterator[Path]:
             except FileNotFoundError:
                 pass
             os.close(fd)
-            for p in made:  # a refused run (bad input) leaves no empty output directory behind
-                try:
-                    p.rmdir()
-                except OSError:
-                    break
+            _remove_made(made)  # a refused run (bad input) leaves no empty output directory behind
     finally:
         for fd in shared:
             os.close(fd)
+
+
+def _remove_made(made: list[Path]) -> None:
+    for p in made:
+        try:
+            p.rmdir()
+        except OSError:
+            break
+
+
+def _unwritable(directory: Path, error: OSError) -> UserError:
+    from moequant.errors import path_refusal
+
+    return UserError(f"cannot write into {directory}: {path_refusal(error, directory)}; choose a directory you can "
+                     "write (--output, or --stats for calibration statistics).")
 
 
 def clear_directory(directory) -> None:

@@ -329,7 +329,7 @@ def evaluate_stage(recipe: Recipe, ckpt, checkpoint_dir: Path, progress=True) ->
         from moequant.export.verify_llamacpp import evaluate_gguf
 
         return evaluate_gguf(checkpoint_dir / GGUF_FILE, ckpt.directory, dataset=e.dataset, samples=e.samples,
-                             seq_len=e.seq_len, seed=recipe.seed)
+                             seq_len=e.seq_len, seed=recipe.seed, progress=progress)
     return evaluate_checkpoints(checkpoint_dir, ckpt.directory, dataset=e.dataset, samples=e.samples,
                                 seq_len=e.seq_len, seed=recipe.seed, progress=progress)
 

@@ -3,12 +3,14 @@
     result = pareto("recipes/per-expert.yaml", budgets=["int3", "int4", "int4..int8", 6.0],
                     output="runs/pareto")
 
-Calibrates once (`OUTPUT/stats`, every candidate's sensitivity measured), then for every budget
-and target makes the budget plan, quantizes, exports and evaluates it into `OUTPUT/<name>/`
-(plan.json, checkpoint/, report.json, report.md, report.html), and the same for each uniform
-format. Every run is evaluated on the same evaluation-split tokens (disjoint from calibration,
-see data.py). Writes `OUTPUT/pareto.json` and `OUTPUT/pareto.png` (KL vs bytes); each run's
-report.html shows the frontier of its sibling runs.
+Calibrates once (`OUTPUT/stats`, every candidate's sensitivity measured; reused when a run of the
+same settings left them), then for every budget and target makes the budget plan, quantizes, exports
+and evaluates it into `OUTPUT/pareto/<name>/` (plan.json, checkpoint/, report.json, report.md,
+report.html), and the same for each uniform format. Every run is evaluated on the same
+evaluation-split tokens (disjoint from calibration, see data.py). Writes `OUTPUT/pareto.json` and
+`OUTPUT/pareto.png` (KL vs bytes); each run's report.html shows the frontier of its sibling runs.
+The frontier (pareto.json's `frontier`) is the points no other point beats: none has at most their
+bits per routed-expert weight and at most their KL, one of the two lower.
 
 A budget is bits per routed-expert weight (scales included), given as
 - a number, e.g. 4.5;
@@ -33,6 +35,7 @@ pareto.json (schema "moequant.pipeline.pareto/1")
              "predicted_loss": float | null, "counts": {format key: experts} | null,
              "report": path of the run's report.json | the outside JSON}],
  "ppl_original": float,
+ "frontier": [names of the non-dominated points, by bits],
  "skipped": [{"name", "target", "budget", "budget_bits", "error"}]}   # infeasible budget / target pairs
 """
 
@@ -53,6 +56,7 @@ SCHEMA = "moequant.pipeline.pareto/1"
 DEFAULT_TARGETS = ("vllm", "transformers")
 DEFAULT_UNIFORM = ("int8", "int4", "int3")
 RUN_MARKER = "pareto_run.json"  # in each run directory: what produced its report (for reuse)
+RUNS_DIR = "pareto"  # OUTPUT/pareto/<name>/: one directory per point
 
 
 # ----------------------------------------------------------------------------- recipes
@@ -307,10 +311,11 @@ def _pareto(recipe, budgets, targets, uniform, extra_reports, device, progress, 
     done: dict[str, Path] = {}  # tensor_formats(plan) -> the run directory that made that checkpoint
     for name, kind, variant, plan, fields in runs:
         same = tensor_formats(plan)
-        report = _run_one(name, variant, plan, out / name, ckpt, stats_dir, settings, progress, log,
+        run_dir = out / RUNS_DIR / name
+        report = _run_one(name, variant, plan, run_dir, ckpt, stats_dir, settings, progress, log,
                           same_as=done.get(same))
-        done.setdefault(same, out / name)
-        points.append(_point(name, kind, report, out / name / "report.json", plan=plan, **fields))
+        done.setdefault(same, run_dir)
+        points.append(_point(name, kind, report, run_dir / "report.json", plan=plan, **fields))
     e = recipe.evaluate
     evaluate_settings = {"dataset": e.dataset, "samples": e.samples, "seq_len": e.seq_len, "seed": recipe.seed}
     for path in extra_reports:
@@ -320,7 +325,7 @@ def _pareto(recipe, budgets, targets, uniform, extra_reports, device, progress, 
     from moequant.report import write_report
 
     for name, *_ in runs:
-        write_report(json.loads((out / name / "report.json").read_text()), out / name)
+        write_report(json.loads((out / RUNS_DIR / name / "report.json").read_text()), out / RUNS_DIR / name)
     return _write_frontier(recipe, out, runs, points, skipped, evaluate_settings, log)
 
 
@@ -372,9 +377,12 @@ def _calibrate_once(recipe, ckpt, uniform, out: Path, device, progress, log):
             keys.append(spec.key)
     settings = calibration_settings(recipe, device, formats=tuple(keys))
     stats_dir = out / "stats"
+    summary = stats_dir / "summary.json"
+    before = summary.stat().st_mtime_ns if summary.exists() else None
     calibrate(recipe.model, stats_dir, settings, overwrite=True, tokenizer=load_tokenizer(ckpt.directory),
               progress=progress)
-    log(f"calibration statistics: {stats_dir}")
+    reused = before is not None and summary.stat().st_mtime_ns == before  # calibrate leaves equal statistics alone
+    log(f"calibration statistics: {stats_dir}" + (" (reused)" if reused else ""))
     return settings, stats_dir
 
 
@@ -423,11 +431,21 @@ def _write_frontier(recipe, out: Path, runs, points, skipped, evaluate_settings:
               "routed_weights": _routed(runs[0][3])[1] if runs else None,
               "ppl_original": next((json.loads(Path(p["report"]).read_text())["quality"]["ppl_original"]
                                     for p in points if p["kind"] != "outside"), None),
-              "points": points, "skipped": skipped}
+              "points": points, "frontier": frontier(points), "skipped": skipped}
     atomic_write_text(out / "pareto.json", json.dumps(result, indent=2) + "\n")
     (out / "pareto.png").write_bytes(plot_frontier(points, title=f"{recipe.model}: KL vs routed-expert bits"))
     log(f"frontier: {out / 'pareto.json'}, {out / 'pareto.png'}")
     return result
+
+
+def frontier(points: list[dict]) -> list[str]:
+    """Names of the non-dominated points, by bits: no other point has at most their bits per routed-expert
+    weight and at most their KL with one of the two strictly lower (points without a KL are left out)."""
+    measured = [p for p in points if p.get("kl_mean") is not None]
+    at = lambda p: (p["bits_per_weight_experts"], p["kl_mean"])  # noqa: E731
+    kept = [p for p in measured if not any(at(q) != at(p) and at(q)[0] <= at(p)[0] and at(q)[1] <= at(p)[1]
+                                           for q in measured)]
+    return [p["name"] for p in sorted(kept, key=at)]
 
 
 def find(points: list[dict], name: str) -> dict:

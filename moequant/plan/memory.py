@@ -117,8 +117,9 @@ def _fmt_count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+def format_bytes(n: float) -> str:
+    """Bytes in decimal SI units (kB = 1000 bytes), the one way every command and report writes them."""
+    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(n) >= div:
             return f"{n / div:.2f} {unit}"
     return f"{n:.0f} B"
@@ -145,12 +146,12 @@ def format_account(acc: dict, name: str) -> str:
         if v["expert_format"] != EXPERT_VARIANTS[label]:
             label = v["expert_format"]
         lines.append(
-            f"{label:<18}{_fmt_bytes(v['bytes']):>12}{_fmt_bytes(v['bytes_per_token']):>13}"
+            f"{label:<18}{format_bytes(v['bytes']):>12}{format_bytes(v['bytes_per_token']):>13}"
             + "".join(f"{v['gpus_needed'][f'{s}GB']:>11}" for s in acc["gpu_sizes_gb"])
         )
     lines.append(f"(everything but routed experts bf16; GPUs with {int(100 * acc['kv_headroom'])}% headroom for KV cache)")
     if "bytes_on_disk" in acc:
-        lines.append(f"on disk: {_fmt_bytes(acc['bytes_on_disk'])} in {acc['tensors_on_disk']} tensors, "
+        lines.append(f"on disk: {format_bytes(acc['bytes_on_disk'])} in {acc['tensors_on_disk']} tensors, "
                      f"{_fmt_count(acc['params_on_disk'])} parameters")
         if acc.get("source_formats"):
             lines.append("stored quantized: " + ", ".join(f"{n} weights {f}" for f, n in acc["source_formats"].items()))

@@ -563,7 +563,8 @@ class _Context:
         self._nbytes: dict[tuple, int] = {}
         self._loss: dict[tuple, float | None] = {}
         self._sensitivity: dict[tuple, np.ndarray] = {}
-        self.unfit: dict[str, tuple[set[int], str]] = {}  # format key -> (layers it cannot hold, why)
+        # format key -> (layers it cannot hold, the projections there when groups are per projection, why)
+        self.unfit: dict[str, tuple[set[int], set[str], str]] = {}
         self.layer_scale: dict[int, float] | None = None  # from the per-layer KL probe, when usable
         self.probe_info: dict | None = None
         if stats is not None:
@@ -694,8 +695,9 @@ def _group_options(ctx: _Context, group, specs, notes: list[str] | None):
             total = sum(ctx.expert_bytes(e, spec) for e in group)
         except UserError as error:
             if notes is not None:  # one note per format: the layers it skips and the first reason
-                layers, _ = ctx.unfit.setdefault(spec.key, (set(), str(error).rstrip(".")))
+                layers, projs, _ = ctx.unfit.setdefault(spec.key, (set(), set(), str(error).rstrip(".")))
                 layers.update(item[0] for item in group)
+                projs.update(item[2] for item in group if len(item) == 3)  # (layer, expert, proj) items
             continue
         losses = [ctx.expert_loss(e, spec.key) for e in group]
         loss = None if any(x is None for x in losses) else float(sum(losses))
@@ -1136,8 +1138,11 @@ def _budget_assignment(ctx: _Context, recipe: Recipe, plans: list[TensorPlan], n
 
 
 def _unfit_notes(ctx: _Context) -> list[str]:
-    return [f"{key} is not offered to layer(s) {_layer_text([(L, 0) for L in layers])}: {why}."
-            for key, (layers, why) in ctx.unfit.items()]
+    notes = []
+    for key, (layers, projs, why) in ctx.unfit.items():
+        which = f"{', '.join(f'{p}_proj' for p in PROJECTIONS if p in projs)} of " if projs else ""
+        notes.append(f"{key} is not offered to {which}layer(s) {_layer_text([(L, 0) for L in layers])}: {why}.")
+    return notes
 
 
 def _set_non_expert_choices(recipe: Recipe, plans: list[TensorPlan], flexible: dict, assignment: dict) -> None:
@@ -1425,10 +1430,9 @@ def read_plan(path: str | Path) -> Plan:
 
 
 def _size(n: int) -> str:
-    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
+    from moequant.plan.memory import format_bytes
+
+    return format_bytes(n)
 
 
 def _bits(alt: dict) -> str:

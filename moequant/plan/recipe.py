@@ -313,13 +313,20 @@ def _accepted_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     return list(model.model_fields)
 
 
-def _sentence(source: str, error: dict) -> str:
-    """One sentence for the first pydantic error: key, bad value, what is accepted."""
+def _sentence(source: str, error: dict, overrides: list[str] = ()) -> str:
+    """One sentence for the first pydantic error: key, bad value, what is accepted. A key that a
+    `--set` override wrote (or wrote the mapping around) is that override's error, not the file's."""
     key = re.sub(r"[\x00-\x1f\x7f]", lambda m: repr(m.group())[1:-1], _dotted(error["loc"]))  # one line
     kind = error["type"]
     value = error.get("input")
     ctx = error.get("ctx") or {}
     where = f"recipe {source}"
+    loc = tuple(error["loc"])
+    for text in reversed(list(overrides)):  # the last override of a key is the one that stands
+        path = tuple(_parse_override(source, text)[0])
+        if loc[:len(path)] == path:
+            where = f"--set {text} (on recipe {source})"
+            break
     if kind == "extra_forbidden":
         accepted = _accepted_keys(Recipe, error["loc"])
         return f"{where}: unknown key '{key}'; accepted keys here: {', '.join(accepted)}."
@@ -383,7 +390,7 @@ def apply_overrides(data: dict, overrides: list[str], source: str = "<overrides>
     return data
 
 
-def recipe_from_dict(data: Any, source: str = "<recipe>") -> Recipe:
+def recipe_from_dict(data: Any, source: str = "<recipe>", overrides: list[str] = ()) -> Recipe:
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -391,7 +398,7 @@ def recipe_from_dict(data: Any, source: str = "<recipe>") -> Recipe:
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as error:
-        raise UserError(_sentence(source, error.errors()[0])) from None
+        raise UserError(_sentence(source, error.errors()[0], overrides)) from None
     check_format_params(recipe, source)
     return recipe
 
@@ -437,6 +444,18 @@ def bundled_recipe(path: str | Path) -> Path:
     return path
 
 
+def _yaml_where(error) -> str:
+    """' at line N: what is wrong' for a PyYAML error. An unclosed { or [ is noticed at the next token,
+    often on a later line: it is reported at the line of the bracket left open."""
+    mark, problem = getattr(error, "problem_mark", None), getattr(error, "problem", None)
+    context, opened = getattr(error, "context", None) or "", getattr(error, "context_mark", None)
+    if context.startswith("while parsing a flow") and opened is not None:
+        mark, problem = opened, f"the {context.removeprefix('while parsing a ')} opened there is not closed ({problem})"
+    if mark is None:
+        return ""
+    return f" at line {mark.line + 1}" + (f": {problem}" if problem else "")
+
+
 def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
     """Read a recipe YAML (None: all defaults), apply `dotted.key=value` overrides, validate."""
     if path is None:
@@ -454,16 +473,14 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         except UnicodeDecodeError:
             raise UserError(f"recipe {source} is not UTF-8 text.") from None
         except yaml.YAMLError as error:
-            mark = getattr(error, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark is not None else ""
-            raise UserError(f"recipe {source} is not valid YAML{where}.") from None
+            raise UserError(f"recipe {source} is not valid YAML{_yaml_where(error)}.") from None
         except (ValueError, RecursionError):  # PyYAML: chr() of a bad \U escape; nesting deeper than Python's stack
             raise UserError(f"recipe {source} is not valid YAML (a bad escape or nesting too deep).") from None
         if data is None:
             data = {}
         if not isinstance(data, dict):
             raise UserError(f"recipe {source}: the top level is {type(data).__name__}, but a mapping of keys (model, target, experts, ...) is accepted.")
-    return recipe_from_dict(apply_overrides(data, overrides or [], source), source)
+    return recipe_from_dict(apply_overrides(data, overrides or [], source), source, overrides or [])
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:

@@ -127,7 +127,8 @@ def test_deepseek_v3_shape_on_disk():
         assert bias.abs().max() > 0.01 and bias.max() - bias.min() > 0.005, bias
 
 
-@pytest.fixture(scope="module", params=MODELS)
+# the wide models' loads and forward passes run with the slow tests (the shape tests above are fast)
+@pytest.fixture(scope="module", params=[m if m not in WIDE else pytest.param(m, marks=pytest.mark.slow) for m in MODELS])
 def loaded(request):
     import os
 

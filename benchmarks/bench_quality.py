@@ -1,7 +1,8 @@
 """Quality per byte of the routed experts: moequant's integer grids and algorithms against
 llama.cpp's own Q4_0 / Q4_K / Q4_K + imatrix / Q4_K_M, on the same held-out windows.
 
-    python benchmarks/bench_quality.py [--models tiny-qwen2moe,tiny-mixtral] [--samples 128] [--eval-samples 32]
+    python benchmarks/bench_quality.py [--models tiny-qwen2moe,tiny-mixtral,tiny-qwen3moe,tiny-deepseek-v3] [--samples 128]
+        [--eval-samples 32] [--q4-k-m]
 
 Only the routed experts are quantized; everything else keeps the original float32 weights, so the
 KL (original || quantized, evaluate.evaluate on the evaluation split, 32 x 256 tokens by default)
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
     from moequant.zoo import path as zoo_path
 
     p = argparse.ArgumentParser()
-    p.add_argument("--models", default="tiny-qwen2moe,tiny-mixtral")
+    p.add_argument("--models", default="tiny-qwen2moe,tiny-mixtral,tiny-qwen3moe,tiny-deepseek-v3")
     p.add_argument("--samples", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--eval-samples", type=int, default=32)
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
     p.add_argument("--q4-k-m", action="store_true", help="also Q4_K_M's mixture (a BF16 GGUF through llama_model_quantize)")
     p.add_argument("--scopes", default="experts",
                    help="experts: every routed projection quantized; gate_up: gate / up only (down kept)")
-    p.add_argument("--plans", default="selective per-expert",
+    p.add_argument("--plans", default="selective uniform-int4 per-expert per-expert;target=vllm-moequant",
                    help="bundled recipes run through `moequant apply` at --plan-bits (routed experts only), space "
                         "separated; RECIPE;KEY=VALUE;... adds recipe overrides (as `apply --set`)")
     p.add_argument("--plan-bits", type=float, default=4.5)

@@ -42,24 +42,27 @@ output.
 | llama.cpp Q4_0 | 4.50 | 0.01798 (1.45) | 0.01714 (1.47) |
 | llama.cpp Q4_K (as llama.cpp stores it) | 4.50 | 0.01267 (1.02) | 0.01181 (1.01) |
 | llama.cpp Q4_K + our imatrix | 4.50 | 0.01240 (1.00) | 0.01167 (1.00) |
-| llama.cpp Q4_K_M | 4.84 | 0.01031 (0.83) | DS_QKM |
-| llama.cpp Q4_K_M + our imatrix | 4.84 | 0.01018 (0.82) | DS_QKMI |
-| int4-g32-sym GPTQ searched + refit (the bench's own pass) | 4.50 | 0.01307 (1.05) | DS_G32 |
-| plan uniform-int4 (recipe default, vllm) | 4.50 | 0.01297 (1.05) | DS_UNI |
-| plan selective (vllm) at 4.5 | 4.50 | 0.01297 (1.05) | DS_SEL |
-| plan per-expert, target vllm-moequant, at 4.5 | 4.50 | 0.01297 (1.05) | DS_PE |
-| int4-g64-asym GPTQ searched + refit (needs vLLM's CUDA kernels) | 4.31 | 0.01377 (1.11) | DS_A64 |
-| int4-g32-asym GPTQ searched + refit (needs vLLM's CUDA kernels) | 4.63 | 0.01092 (0.88) | DS_A32 |
+| llama.cpp Q4_K_M (down Q6_K in blocks 2, 3) | 4.84 / 4.96 | 0.01031 (0.83) | 0.00982 (0.84) |
+| llama.cpp Q4_K_M + our imatrix | 4.84 / 4.96 | 0.01018 (0.82) | 0.00993 (0.85) |
+| int4-g32-sym GPTQ searched + refit (the bench's own pass) | 4.50 | 0.01307 (1.05) | 0.01305 (1.12) |
+| plan uniform-int4 (recipe default, vllm) | 4.50 | 0.01297 (1.05) | 0.01337 (1.15) |
+| plan selective (vllm) at 4.5 | 4.50 | 0.01297 (1.05) | 0.01337 (1.15) |
+| plan per-expert, target vllm-moequant, at 4.5 | 4.50 | 0.01297 (1.05) | 0.01337 (1.15) |
+| int4-g64-asym GPTQ searched + refit (needs vLLM's CUDA kernels) | 4.31 | 0.01377 (1.11) | 0.01291 (1.11) |
+| int4-g32-asym GPTQ searched + refit (needs vLLM's CUDA kernels) | 4.63 | 0.01092 (0.88) | 0.01096 (0.94) |
 
-The issue's targets are not met: at 4.5 bits the vLLM-servable plans are 1.05x / DS_RATIO llama.cpp's
+The issue's targets are not met: at 4.5 bits the vLLM-servable plans are 1.05x / 1.15x llama.cpp's
 Q4_K + imatrix (targets: selective <= 0.9x, uniform int4 <= 1.0x, per-expert vllm-moequant <= 0.7x).
 All three plans are the same checkpoint: at 4.5 bits the selective menu (int8, int4 g32 sym) has no room
 for an int8 layer, and the vllm-moequant solver found no per-expert int8 / int4-g64 mix it predicted to
 be better than all int4 g32. The grid is the gap: Q4_K's asymmetric 32-groups with 6-bit scales and mins
 cost 4.5 bits, symmetric g32 with bf16 scales costs the same; asymmetric g32 with bf16 scales and zero
-points (4.63 bits) beats Q4_K + imatrix by 12% on qwen3moe, g64 asymmetric (4.31) loses by 11%. Target
-`vllm-cuda` (vLLM's Marlin / Triton MoE kernels, which take zero points) now offers asymmetric int4 to
-the plan; its selective plan at 4.5 (layers mixing g32 / g64 asymmetric) was not measured in time.
+points (4.63 bits) beats Q4_K + imatrix by 12% / 6%, g64 asymmetric (4.31 bits) loses by 11% / 11% (on
+deepseek-v3 it ties symmetric g32 at 0.19 bits less). Target `vllm-cuda` (vLLM's Marlin / Triton MoE
+kernels, which take zero points) now offers asymmetric int4 to the plan; its selective plan at 4.5
+(layers mixing g32 / g64 asymmetric, on these 4-layer models a coarse mix) was not measured in time,
+so nothing became a default. Run time: about 60 min per model on the loaded 2-core CPU (each plan
+calibrates again through `moequant apply`).
 
 Measured 2026-12-03 on this 2-core CPU (an AVX-512 AMD EPYC), the current defaults: 128 x 256 calibration
 tokens, routing-weighted Hessians, 32 x 256 held-out tokens (`python benchmarks/bench_quality.py --weightings

@@ -196,15 +196,6 @@ def test_gguf_refusals_write_nothing(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
-def test_an_architecture_llama_cpp_lacks_is_refused(tmp_path):
-    from tiny import build_tiny_with_tokenizer
-
-    src = build_tiny_with_tokenizer("olmoe", tmp_path / "olmoe")
-    with pytest.raises(UserError, match="GGUF export supports qwen2_moe and mixtral"):
-        export_checkpoint(src, {}, tmp_path / "out", layout="gguf", target="llama.cpp")
-    assert not (tmp_path / "out").exists()
-
-
 def test_apply_writes_the_planned_gguf_and_llama_cpp_evaluates_it(llama, tmp_path):
     """`moequant apply --recipe recipes/gguf.yaml`: the solver's per-(layer, projection) types are the
     GGUF's, llama.cpp computes the report's KL, and the byte account is the file's."""

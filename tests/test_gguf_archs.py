@@ -48,13 +48,14 @@ def _texts():
 
 
 def _quantized(source):
-    """One ggml type per (layer, projection) of routed experts, cycling through the K types (gpt-oss: MXFP4 in
+    """One ggml type per (layer, projection) of routed experts, cycling through the K and IQ types (gpt-oss: MXFP4 in
     layer 0, its own native format), q4_k / q4_0 for every other 2-D tensor that GGUF stores one to one; with the
     dequantized weights transformers should run: ({key: QuantizedTensor}, {(layer, proj): [E, out, in]},
     {name: [out, in]})."""
     ckpt = open_checkpoint(source)
     ad = adapter_for(ckpt.config)
-    k_types = itertools.cycle(["q4_k", "q6_k", "q3_k", "q5_k", "q2_k"])
+    k_types = itertools.cycle(["q4_k", "iq3_s", "q6_k", "iq2_xs", "q3_k", "iq4_xs", "q5_k", "iq2_xxs", "q2_k", "iq3_xxs",
+                               "iq2_s"])
     quantized, experts, others = {}, {}, {}
     for L in ad.moe_layers:
         for p in ad.projections:

@@ -515,7 +515,8 @@ def add_tokenizer(writer, directory) -> None:
 
 
 _FTYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k": 12, "q4_k": 15, "q5_k": 17,
-           "q6_k": 18, "mxfp4": 38}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+           "q6_k": 18, "iq2_xxs": 19, "iq2_xs": 20, "iq3_xxs": 23, "iq3_s": 26, "iq2_s": 28, "iq4_xs": 30,
+           "mxfp4": 38}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
 
 
 def _file_type(items: dict, float_type: str) -> int:

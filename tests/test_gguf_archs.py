@@ -26,6 +26,7 @@ from moequant.export.layouts import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
 
 ARCHS = tuple(GGUF_CONFIGS)
+BLOCK_TYPES = ["q4_k", "iq3_s", "q6_k", "iq2_xs", "q3_k", "iq4_xs", "q5_k", "iq2_xxs", "q2_k", "iq3_xxs", "iq2_s"]
 # quantized beside the routed experts. Not attention: llama.cpp's 8-bit activations in quantized attention
 # matmuls move these random models' logits by several 1e-3 of KL on their own (qwen3_moe, measured: 3.5e-3 with
 # attention in q4, 2e-4 without). Not DeepSeek's dense layer either, and its tiny configs have one MoE layer: a
@@ -54,8 +55,9 @@ def _quantized(source):
     {name: [out, in]})."""
     ckpt = open_checkpoint(source)
     ad = adapter_for(ckpt.config)
-    k_types = itertools.cycle(["q4_k", "iq3_s", "q6_k", "iq2_xs", "q3_k", "iq4_xs", "q5_k", "iq2_xxs", "q2_k", "iq3_xxs",
-                               "iq2_s"])
+    k_types = itertools.cycle(BLOCK_TYPES)
+    for _ in range(6 * ARCHS.index(ad.model_type)):  # each architecture starts elsewhere: all eleven types run
+        next(k_types)
     quantized, experts, others = {}, {}, {}
     for L in ad.moe_layers:
         for p in ad.projections:

@@ -192,3 +192,41 @@ def test_kv_b_proj_in_a_ggml_type_is_refused(tmp_path):
         export_checkpoint(source, {name: formats.quantize_ggml(ckpt.get(name).float(), "q8_0")}, tmp_path / "out",
                           layout="gguf", target="llama.cpp")
     assert not (tmp_path / "out").exists()
+
+
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")  # Qwen2 / Qwen3's tokenizer.json split pattern
+
+
+@pytest.mark.slow
+def test_qwen_pre_tokenizer_round_trips_in_llama_cpp(llama, tmp_path):
+    """A Qwen2 / Qwen3-style tokenizer (NFC, Split on Qwen's regex, ByteLevel without its own regex), trained here:
+    written as tokenizer.ggml.pre qwen2, llama.cpp tokenizes like transformers (contractions, digits one by one,
+    newlines, non-ASCII letters), where GPT-2's pre-tokenizer would not."""
+    import json
+
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    source = build_gguf_tiny("qwen3_moe", tmp_path / "src")
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_texts() * 4, trainers.BpeTrainer(
+        vocab_size=vocab - 8, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_special_tokens([f"<|extra_{i}|>" for i in range(vocab - tok.get_vocab_size())])
+    assert tok.get_vocab_size() == vocab
+    tok.save(str(source / "tokenizer.json"))
+    out = export_checkpoint(source, {}, tmp_path / "out", layout="gguf", target="llama.cpp")
+    fields = gguf.GGUFReader(out / "model.gguf").fields
+    pre = fields["tokenizer.ggml.pre"]
+    assert bytes(pre.parts[pre.data[0]]).decode() == "qwen2"
+    texts = _texts() + ["I'LL say it's 12345 apples\n\n\tand naïve café déjà-vu — ok?  ", "x=1;y=22\r\nz = 333"]
+    ids = [tok.encode(t).ids for t in texts]
+    assert V.tokenize(out / "model.gguf", texts) == ids
+    gpt2 = Tokenizer.from_file(str(source / "tokenizer.json"))
+    gpt2.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert [gpt2.encode(t).ids for t in texts] != ids  # the pre-tokenizer matters on these texts

@@ -430,14 +430,7 @@ def check_gguf(ckpt, adapter, items: dict) -> None:
         raise UserError(f"{why}; it cannot be exported to GGUF as is.")
     if c.get("sliding_window") and c.get("use_sliding_window"):
         raise UserError("GGUF export does not write sliding-window attention; config.json enables use_sliding_window.")
-    tok = _tokenizer_json(ckpt.directory)
-    model = tok.get("model", {})
-    pre = tok.get("pre_tokenizer") or {}
-    if model.get("type") != "BPE" or pre.get("type") != "ByteLevel" or not pre.get("use_regex", True) \
-            or pre.get("add_prefix_space") or tok.get("normalizer"):
-        raise UserError(f"GGUF export writes byte-level BPE tokenizers with GPT-2's pre-tokenizer; "
-                        f"{ckpt.directory}/tokenizer.json has model {model.get('type')!r} with pre-tokenizer "
-                        f"{pre.get('type')!r}{' and a normalizer' if tok.get('normalizer') else ''}.")
+    tokenizer_pre(ckpt.directory)
     expert_names = _expert_names(adapter)
     for name, q in items.items():
         role = adapter.classify(name)
@@ -475,6 +468,36 @@ def _tokenizer_json(directory) -> dict:
     return json.loads(path.read_text())
 
 
+# Pre-tokenizers llama.cpp knows (src/llama-vocab.cpp), by the split regex of tokenizer.json's
+# Sequence[Split(Isolated), ByteLevel(use_regex false)]: Qwen2 / Qwen2.5 / Qwen3 (and their MoEs).
+_SPLIT_PRES = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen2",
+}
+_NORMALIZERS_IGNORED = ({"type": "NFC"},)  # Qwen's; llama.cpp does not normalise (as its own converter writes it)
+
+
+def tokenizer_pre(directory) -> str:
+    """llama.cpp's tokenizer.ggml.pre for this tokenizer.json (a byte-level BPE), or a UserError."""
+    tok = _tokenizer_json(directory)
+    model = tok.get("model", {})
+    pre = tok.get("pre_tokenizer") or {}
+    norm = tok.get("normalizer")
+    name = None
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space") and not norm:
+        name = "gpt-2"
+    parts = pre.get("pretokenizers") or []
+    if pre.get("type") == "Sequence" and len(parts) == 2 and parts[0].get("type") == "Split" \
+            and parts[0].get("behavior") == "Isolated" and not parts[0].get("invert") \
+            and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True) \
+            and not parts[1].get("add_prefix_space") and (norm is None or norm in _NORMALIZERS_IGNORED):
+        name = _SPLIT_PRES.get((parts[0].get("pattern") or {}).get("Regex"))
+    if model.get("type") != "BPE" or name is None:
+        raise UserError(f"GGUF export writes byte-level BPE tokenizers with GPT-2's or Qwen2's pre-tokenizer; "
+                        f"{directory}/tokenizer.json has model {model.get('type')!r} with pre-tokenizer "
+                        f"{pre.get('type')!r}{' and a normalizer' if norm else ''}.")
+    return name
+
+
 def add_tokenizer(writer, directory) -> None:
     import gguf
 
@@ -491,7 +514,7 @@ def add_tokenizer(writer, directory) -> None:
         types[i] = gguf.TokenType.CONTROL if a.get("special") else gguf.TokenType.USER_DEFINED
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"].get("merges", [])]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
+    writer.add_tokenizer_pre(tokenizer_pre(directory))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)

@@ -230,3 +230,44 @@ def test_qwen_pre_tokenizer_round_trips_in_llama_cpp(llama, tmp_path):
     gpt2 = Tokenizer.from_file(str(source / "tokenizer.json"))
     gpt2.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     assert [gpt2.encode(t).ids for t in texts] != ids  # the pre-tokenizer matters on these texts
+
+
+@pytest.mark.slow
+def test_gpt_oss_mxfp4_source_keeps_its_own_codes(llama, tmp_path):
+    """gpt-oss as it ships (experts MXFP4 `*_blocks` / `*_scales`): the GGUF holds those codes as ggml MXFP4
+    blocks (gguf-py decodes them to the source's dequantized experts exactly, gate / up de-interleaved) and
+    llama.cpp runs them as transformers runs the dequantized source."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from benchmarks.make_sources import make_gpt_oss_mxfp4
+    from moequant.io.checkpoint import copy_aux_files
+
+    source = make_gpt_oss_mxfp4(tmp_path / "src")
+    out = export_checkpoint(source, {}, tmp_path / "out", layout="gguf", target="llama.cpp", gguf_float="f32")
+    ckpt = open_checkpoint(source)
+    ad = adapter_for(ckpt.config)
+    tensors = {t.name: t for t in gguf.GGUFReader(out / "model.gguf").tensors}
+    for L in ad.moe_layers:
+        for p in ad.projections:
+            t = tensors[f"blk.{L}.ffn_{p}_exps.weight"]
+            assert t.tensor_type == gguf.GGMLQuantizationType.MXFP4
+            values = np.asarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+            assert np.array_equal(values.reshape(ad.num_experts, *ad.expert_shape(p)), ad.read_experts(ckpt, L, p).numpy())
+
+    ref_dir = tmp_path / "f32"  # the dequantized source as plain float32, for transformers
+    ref_dir.mkdir()
+    save_file({n: ckpt.get(n).float().contiguous() for n in ckpt.keys()}, str(ref_dir / "model.safetensors"))
+    (ref_dir / "config.json").write_text(json.dumps({k: v for k, v in ckpt.config.items() if k != "quantization_config"}))
+    copy_aux_files(source, ref_dir)
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    ids = [Tokenizer.from_file(str(source / "tokenizer.json")).encode(t).ids[:96] for t in _texts()]
+    assert V.tokenize(out / "model.gguf", _texts()) == [
+        Tokenizer.from_file(str(source / "tokenizer.json")).encode(t).ids for t in _texts()]
+    ref = _logits(AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval(), ids)
+    kl = _kl(ref, V.logits([out / "model.gguf"], ids)[0])
+    print(f"gpt-oss MXFP4 source: KL llama.cpp vs transformers {kl:.2e}")
+    assert kl <= 1e-3

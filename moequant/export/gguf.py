@@ -651,10 +651,22 @@ def export_gguf(ckpt, adapter, items: dict, out_dir, *, kept: dict | None = None
         def get_slice(self, n):
             return read(n)
 
+    def stored(hf_name):
+        """The source's own codes of a tensor nobody replaces, when GGUF stores its format as it is (gpt-oss's
+        MXFP4 experts): written as they are, never dequantized and requantized."""
+        enc = ckpt.encodings.get(hf_name)
+        if enc is None or hf_name in kept or hf_name in items or not stores_natively(enc.spec):
+            return None
+        from moequant.io import dequant
+
+        dequant.decode(enc, ckpt.read_stored)  # its scales checked and its values finite, or one sentence
+        return dequant._quantized(enc, {role: ckpt.read_stored(n) for role, n in enc.parts.items()})
+
     def experts_for(layer: int, proj: str) -> tuple[_Lazy, object]:
         name = f"blk.{layer}.ffn_{proj}_exps.weight"
         if adapter.fused_experts:  # gpt-oss: gate / up interleaved rows of one [E, 2I, H] tensor
-            q = items.get(adapter.expert_tensor_name(layer, 0, proj))
+            fused = adapter.expert_tensor_name(layer, 0, proj)
+            q = items.get(fused) or stored(fused)
             rows = slice(None) if proj == "down" else slice(0 if proj == "gate" else 1, None, 2)
             if q is not None and q.spec.quantized:
                 arr, raw = _packed(q, rows)

@@ -40,9 +40,12 @@ llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants):
   alpha 1.702 / limit 7; MXFP4 experts as ggml MXFP4 blocks (e8m0 byte, then element j in the low
   nibble of byte j and element j+16 in its high nibble).
 
-The tokenizer (a byte-level BPE with GPT-2's pre-tokenizer, as the bundled models have) goes in
-as `tokenizer.ggml.*`: tokens by id, merges, token types (added special tokens are control
-tokens), bos / eos / padding ids and add_bos = whether the HF post-processor adds one.
+gpt-oss's experts as the source stores them (MXFP4 `*_blocks` / `*_scales`, nothing replacing them)
+are written as their own codes. The tokenizer (a byte-level BPE with GPT-2's pre-tokenizer, as the
+bundled models have, or Qwen2 / Qwen3's: `tokenizer_pre`) goes in as `tokenizer.ggml.*`: tokens by
+id, merges, token types (added special tokens are control tokens), bos / eos / padding ids and
+add_bos = whether the HF post-processor adds one. Not written yet: DeepSeek-V3's and gpt-oss's own
+pre-tokenizers (refused, one sentence), Kimi-K2 (model_type kimi_k2 has no adapter).
 Anything llama.cpp could not run as planned is a UserError before anything is written. The file
 is written in a temporary sibling directory and renamed; tensors are read and packed layer by
 layer as gguf-py writes them (only the one being written is in memory).

@@ -20,7 +20,7 @@ from moequant.formats import ggml
 from moequant.io.checkpoint import open_checkpoint
 from moequant.zoo import path as zoo_path
 
-MODELS = ("tiny-qwen2moe", "tiny-mixtral")
+MODELS = ("tiny-qwen2moe", "tiny-mixtral", "tiny-qwen3moe", "tiny-deepseek-v3")
 
 
 pytestmark = pytest.mark.slow

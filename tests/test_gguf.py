@@ -136,7 +136,7 @@ def _plan_types(source):
 @pytest.mark.parametrize("model", MODELS)
 def test_llama_cpp_runs_our_gguf(model, llama, tmp_path):
     """F32 export: llama.cpp tokenizes like transformers and its logits match tightly; an export with
-    one ggml type per (layer, projection) (all ten types across the two models) reads back with
+    one ggml type per (layer, projection) (all ten types across the models) reads back with
     those types and llama.cpp's logits match transformers running our own dequantized weights."""
     source = zoo_path(model)
     from tokenizers import Tokenizer

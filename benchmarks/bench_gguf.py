@@ -16,6 +16,37 @@ apply before any work, and the row says so. All GGUFs are run by llama.cpp on th
 windows; KL against transformers (float32) on the original weights. Prints a table and writes
 runs/bench_gguf/results.json. Prints numbers; asserts nothing.
 
+Measured 2026-12-03 on this shared 2-core CPU (load 8-13), main + issue 37 (K-type menu of
+recipes/gguf-lowbit.yaml: q8_0 .. q2_k, routed experts GPTQ on the types' grids, non-experts q3_k .. q8_0 per
+tensor from their measured KL, token_embd Q4_K / output Q6_K), 32 x 256 calibration and 32 x 256 evaluation
+tokens, 65 min for the one model:
+
+    python benchmarks/bench_gguf.py --samples 32 --eval-samples 32 --models tiny-qwen2moe
+
+| model | GGUF | bytes | bits (all tensors) | KL mean | KL p99 | top-1 | KL / (llama.cpp + our imatrix) |
+|---|---|---|---|---|---|---|---|
+| tiny-qwen2moe | moequant @ Q4_K_M's bytes (5.47 bits / routed weight) | 4,482,272 | 5.564 | 0.0160 | 0.118 | 0.925 | 0.45 |
+| tiny-qwen2moe | Q4_K_M + our imatrix | 4,486,624 | 5.570 | 0.0352 | 0.264 | 0.892 | 1 |
+| tiny-qwen2moe | Q4_K_M | 4,486,624 | 5.570 | 0.0358 | 0.264 | 0.891 | 1.02 |
+| tiny-qwen2moe | moequant @ Q3_K_M's bytes (3.60) | 3,746,272 | 4.651 | 0.0598 | 0.392 | 0.861 | 0.68 |
+| tiny-qwen2moe | Q3_K_M + our imatrix | 3,751,904 | 4.658 | 0.0878 | 0.572 | 0.835 | 1 |
+| tiny-qwen2moe | Q3_K_M | 3,751,904 | 4.658 | 0.0891 | 0.593 | 0.831 | 1.01 |
+| tiny-qwen2moe | moequant @ Q3_K_S's bytes (3.07) | 3,538,912 | 4.393 | 0.0942 | 0.640 | 0.823 | 0.59 |
+| tiny-qwen2moe | Q3_K_S + our imatrix | 3,544,032 | 4.400 | 0.1609 | 1.031 | 0.784 | 1 |
+| tiny-qwen2moe | Q3_K_S | 3,544,032 | 4.400 | 0.1623 | 0.975 | 0.776 | 1.01 |
+| tiny-qwen2moe | moequant @ Q2_K's bytes (2.09) | refused | | | | | |
+| tiny-qwen2moe | Q2_K + our imatrix | 3,157,984 | 3.920 | 0.4080 | 2.581 | 0.663 | 1 |
+| tiny-qwen2moe | Q2_K | 3,157,984 | 3.920 | 0.4221 | 2.498 | 0.656 | 1.03 |
+
+moequant's types (layer.proj): at Q4_K_M's bytes gate / up q4_k, down q5_0 (layer 2 q4_0); at Q3_K_M's gate q3_k
+(layers 2-3 q2_k), up q3_k, down q4_0; at Q3_K_S's gate / up q2_k, down q4_0. At Q2_K's bytes apply refuses before
+calibration: "experts.budget.bits_per_weight 2.0915 is below the smallest feasible plan for target llama.cpp with
+candidates q8_0, ..., q2_k: 4.5834 bits per routed-expert weight" — tiny-qwen2moe's down projections are 64 wide,
+so they need a 32-block type (>= 4.5 bits), and the recipe keeps token_embd Q4_K / output Q6_K / attention >= Q3_K,
+where llama.cpp's Q2_K puts those lower too. Not measured in this session (time): tiny-mixtral, and the two wide
+models (tiny-qwen3moe, tiny-deepseek-v3, exportable since issue 37; their K-type-only widths are where the
+0.8x targets of issue 37 are to be checked), and the IQ menu (recipes/gguf-iq.yaml).
+
 Measured 2026-12-02 (recipes/gguf.yaml at Q4_K_M's bytes only; 64 x 256 calibration and evaluation tokens):
 
 | model | GGUF | bytes | KL mean | KL p99 | top-1 |

@@ -92,6 +92,9 @@ def _permute_k(t, c):
     return _rope_permute(t, int(c.get("num_key_value_heads") or c["num_attention_heads"]))
 
 
+ROW_ORDER = (_permute_q, _permute_k)  # transforms that only reorder rows: valid on packed ggml rows too
+
+
 def _kv_b(t, c):
     """kv_b_proj [n_head * (nope + v), kv_lora] -> [n_head, nope + v, kv_lora]."""
     return t.reshape(int(c["num_attention_heads"]), int(c["qk_nope_head_dim"]) + int(c["v_head_dim"]), -1)
@@ -420,6 +423,13 @@ def _packed(q, rows=slice(None)):
     return _mxfp4_blocks(q.codes[..., rows, :].cpu(), q.scales[..., rows, :].cpu()), _ggml_type(q.spec)
 
 
+def _rows(q, order: torch.Tensor):
+    """QuantizedTensor q with its rows (output channels) in `order` (packed ggml rows are independent)."""
+    from moequant.formats import QuantizedTensor
+
+    return QuantizedTensor(q.spec, q.shape, q.codes[order], None if q.scales is None else q.scales[order])
+
+
 def check_gguf(ckpt, adapter, items: dict) -> None:
     """Refuse, before any work, what llama.cpp could not run as planned."""
     mt = adapter.model_type
@@ -443,7 +453,7 @@ def check_gguf(ckpt, adapter, items: dict) -> None:
         if q.spec.quantized and (role.role in ("router", "shared_expert_gate", "norm") or len(q.shape) < 2):
             raise UserError(f"tensor {name} ({role.role}) stays unquantized in GGUF; it is planned as {q.spec.key}.")
         targets = gguf_targets(mt, name)
-        if q.spec.quantized and name not in expert_names and (len(targets) != 1 or targets[0][1] is not None):
+        if q.spec.quantized and name not in expert_names and (len(targets) != 1 or targets[0][1] not in (None, *ROW_ORDER)):
             raise UserError(f"llama.cpp's {graph.arch} graph reshapes tensor {name} ({', '.join(t for t, _ in targets)}), "
                             f"which GGUF export writes unquantized; it is planned as {q.spec.key} (keep it).")
     for layer in adapter.moe_layers:
@@ -631,8 +641,8 @@ def export_gguf(ckpt, adapter, items: dict, out_dir, *, kept: dict | None = None
     def tensor_for(out_name: str) -> _Lazy:
         hf_name, fn = plan_of[out_name]
         q = items.get(hf_name) if out_name != "output.weight" or hf_name == "lm_head.weight" else None
-        if q is not None and q.spec.quantized:  # packed blocks, one-to-one (check_gguf)
-            arr, raw = _packed(q)
+        if q is not None and q.spec.quantized:  # packed blocks, one-to-one or rows reordered (check_gguf)
+            arr, raw = _packed(q if fn is None else _rows(q, fn(torch.arange(q.shape[0]), c)))
             return _Lazy(arr.shape, arr.dtype, arr.nbytes, lambda: arr), raw
         source = (lambda: q.codes) if q is not None else (lambda: read(hf_name))
         shape = tuple(ckpt.shape(hf_name)) if q is None else tuple(q.shape)

@@ -50,10 +50,6 @@ def gpu_limit_bytes() -> int | None:
     return _limit("gpu")
 
 
-def host_limit_bytes() -> int | None:
-    return _limit("host")
-
-
 def host_available_bytes() -> int:
     """MemAvailable (Linux), else a conservative 8 GiB."""
     try:

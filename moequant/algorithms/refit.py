@@ -107,7 +107,7 @@ def _refit_experts(c, w, h, old, groups: int):
 
 
 def _times_hessian(x, h, split_left: bool = False):
-    """x @ h (batched); on CUDA in split TF32 (class doc): h = h_hi + h_lo, and with `split_left` x too
+    """x @ h (batched); on CUDA in split TF32 (refit_scales' doc): h = h_hi + h_lo, and with `split_left` x too
     (weights need not be TF32 numbers; the codes are small integers, exact in TF32)."""
     if not x.is_cuda or x.dtype != torch.float32:
         return torch.matmul(x, h)

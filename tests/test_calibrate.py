@@ -173,7 +173,8 @@ def test_bad_input(tiny_dirs, tmp_path):
     assert result.exit_code == 2 and "tokenizer" in result.output
 
 
-@pytest.mark.parametrize("zoo_name", ["tiny-mixtral", "tiny-qwen2moe"])
+@pytest.mark.parametrize("zoo_name", ["tiny-mixtral", "tiny-qwen2moe", *(pytest.param(n, marks=pytest.mark.slow)
+                                                                         for n in ("tiny-qwen3moe", "tiny-deepseek-v3"))])
 def test_zoo_routing_counts_match_an_independent_hook(tmp_path, zoo_name):
     """Real data through a trained zoo model: exact counts, and experts specialise by domain."""
     from moequant import zoo

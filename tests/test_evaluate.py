@@ -357,7 +357,8 @@ def _close(a, b, path=""):
         assert a == b, (path, a, b)
 
 
-@pytest.mark.parametrize("zoo", ["zoo:tiny-qwen2moe", "zoo:tiny-mixtral"])
+@pytest.mark.parametrize("zoo", ["zoo:tiny-qwen2moe", "zoo:tiny-mixtral", *(pytest.param(z, marks=pytest.mark.slow)
+                                                                           for z in ("zoo:tiny-qwen3moe", "zoo:tiny-deepseek-v3"))])
 def test_streamed_evaluation_equals_the_whole_model_evaluation(zoo, tmp_path):
     """evaluate_streaming (two checkpoints, one decoder layer of each in memory) gives evaluate()'s
     numbers on the two loaded models: every metric, per layer, per expert and per domain."""

@@ -20,10 +20,11 @@ from moequant.io.checkpoint import open_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "accuracy_comparison.ipynb"
-MODELS = ["zoo:tiny-qwen2moe", "zoo:tiny-mixtral"]
-# the largest group dividing each model's expert dimensions, by hand from the configs:
-# tiny-qwen2moe hidden 256, expert width 64; tiny-mixtral hidden 256, expert width 128
-GROUP = {"zoo:tiny-qwen2moe": 64, "zoo:tiny-mixtral": 128}
+MODELS = ["zoo:tiny-qwen2moe", "zoo:tiny-mixtral", "zoo:tiny-qwen3moe", "zoo:tiny-deepseek-v3"]
+# the largest group (of 128 / 64 / 32) dividing each model's expert dimensions, by hand from the configs:
+# tiny-qwen2moe hidden 256, expert width 64; tiny-mixtral hidden 256, expert width 128; tiny-qwen3moe and
+# tiny-deepseek-v3 hidden 256, expert width 256
+GROUP = {"zoo:tiny-qwen2moe": 64, "zoo:tiny-mixtral": 128, "zoo:tiny-qwen3moe": 128, "zoo:tiny-deepseek-v3": 128}
 
 
 pytestmark = pytest.mark.slow

@@ -339,7 +339,7 @@ def test_vllm_drops_formats_its_fused_moe_cannot_load():
     assert plan.candidates == ["int8-channel"]
     assert plan.dropped_candidates == {
         "int4-g32-asym": "vLLM 0.32 loads integer experts with zero points only in its CUDA kernels (Marlin, "
-                         "Triton), not in its CPU build, where moequant checks its vllm exports",
+                         "Triton; target vllm-cuda), not in its CPU build, where moequant checks its vllm exports",
         "int3-g32-sym": "vLLM loads integer weights only at 4 or 8 bits (WNA16 kernels)",
         "int2-g32-sym": "vLLM loads integer weights only at 4 or 8 bits (WNA16 kernels)",
     }
@@ -349,6 +349,23 @@ def test_vllm_drops_formats_its_fused_moe_cannot_load():
     sglang = recipe_from_dict({**r.model_dump(), "target": "sglang"})
     assert make_plan(sglang, model_tensors(), stats).dropped_candidates["int4-g32-asym"] == (
         "SGLang's compressed-tensors fused MoE loads only symmetric integer experts")
+
+
+def test_vllm_cuda_takes_asymmetric_int4_one_format_per_layer():
+    """vLLM's CUDA kernels take zero points: target vllm-cuda keeps the asymmetric int4 candidates that
+    target vllm drops, still one format per MoE layer, and a budget can only gain from them."""
+    stats = make_stats()
+    menu = ["int8", "int4-g32-sym", "int4-g32-asym", "int4-g64-asym", "int3"]
+    r = recipe_from_dict({"target": "vllm-cuda", "formats": FORMAT_PARAMS,
+                          "experts": {"method": "budget", "budget": {"bits_per_weight": 4.5}, "formats": menu}})
+    plan = make_plan(r, model_tensors(), stats)
+    assert plan.candidates == ["int8-channel", "int4-g32-sym", "int4-g32-asym", "int4-g64-asym"]
+    assert list(plan.dropped_candidates) == ["int3-g32-sym"]
+    assert all(len(keys) == 1 for keys in plan.layer_formats().values())
+    vllm = make_plan(recipe_from_dict({**r.model_dump(), "target": "vllm"}), model_tensors(), stats)
+    assert set(vllm.dropped_candidates) == {"int4-g32-asym", "int4-g64-asym", "int3-g32-sym"}
+    assert plan.summary["predicted_loss"] <= vllm.summary["predicted_loss"] + 1e-12
+    assert plan.summary["bits_per_weight"]["routed_experts"] <= 4.5 + 1e-9
 
 
 def test_uniform_and_rules_refuse_unservable_formats():

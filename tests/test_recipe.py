@@ -133,7 +133,8 @@ def test_gptq_section_names_its_accepted_values():
 
 def test_wrong_types_and_values():
     assert error_of({"target": "tgi"}) == (
-        "recipe r.yaml: key 'target' has value 'tgi'; accepted: 'vllm', 'sglang', 'transformers', 'llama.cpp' or 'vllm-moequant'.")
+        "recipe r.yaml: key 'target' has value 'tgi'; accepted: 'vllm', 'sglang', 'transformers', 'llama.cpp', 'vllm-moequant' or "
+        "'vllm-cuda'.")
     assert error_of({"experts": {"method": "sometimes"}}) == (
         "recipe r.yaml: key 'experts.method' has value 'sometimes'; accepted: 'budget', 'rules' or 'uniform'.")
     assert error_of({"experts": {"method": "budget", "budget": {"bits_per_weight": "lots"}}}) == (

@@ -73,8 +73,8 @@ from moequant.errors import UserError
 from moequant.formats import QuantizedTensor
 from moequant.io.checkpoint import EXPORT_INFO, ShardWriter, atomic_directory, copy_aux_files, open_checkpoint
 
-TARGETS = ("vllm", "sglang", "transformers", "llama.cpp", "vllm-moequant")
-ENGINE_TARGETS = ("vllm", "sglang", "vllm-moequant")  # load through an engine's own kernels: int formats of 4 or 8 bits
+TARGETS = ("vllm", "sglang", "transformers", "llama.cpp", "vllm-moequant", "vllm-cuda")
+ENGINE_TARGETS = ("vllm", "sglang", "vllm-moequant", "vllm-cuda")  # load through an engine's own kernels: int formats of 4 or 8 bits
 
 # Linear modules a serving engine fuses into one: they must share one scheme.
 _FUSED_SIBLINGS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"w1", "w3"},
@@ -475,7 +475,7 @@ class _CompressedTensors(_Layout):
             if len(q.shape) != 2 or not name.endswith(".weight"):
                 raise UserError(f"the compressed-tensors layout writes 2-D Linear weights; {name} is not one.")
         self._refuse_formats()
-        if self.target in ("vllm", "sglang"):
+        if self.target in ("vllm", "vllm-cuda", "sglang"):
             self._one_format_per_moe_layer()
         if self.target in ENGINE_TARGETS:
             self._one_format_per_fused_group()
@@ -588,7 +588,7 @@ class _Gptq(_Layout):
         self._refuse_formats()
         if not self.items:
             raise UserError("the gptq layout needs at least one quantized tensor.")
-        if self.target in ("vllm", "sglang"):
+        if self.target in ("vllm", "vllm-cuda", "sglang"):
             self._one_format_per_moe_layer()
             self._one_format_per_fused_group()
         counts = Counter((q.spec.bits, _gptq_group(q.spec)) for q in self.items.values())

@@ -6,7 +6,7 @@ Routed experts are decided per expert (one format for an expert's gate, up and d
 decision unit depends on the serving target:
 
 * `transformers`: every expert on its own (any per-expert mix; loaded by `moequant.load`).
-* `vllm`: one format for all routed experts of a layer. vLLM stacks a layer's experts into one
+* `vllm` / `vllm-cuda`: one format for all routed experts of a layer. vLLM stacks a layer's experts into one
   fused-MoE buffer and resolves the quantization scheme from expert 0's gate / up / down only
   (compressed-tensors `get_moe_method`); a layer whose experts are all in `ignore` is loaded
   unquantized. So bf16 is offered as a whole-layer choice, never for single experts.
@@ -29,10 +29,13 @@ decision unit depends on the serving target:
   of a layer may differ, experts may not. Candidates are ggml types (q8_0 ... q2_k) or bf16; a
   type whose block does not divide a projection's input dimension is not offered to it.
 
-Both engines load fused-MoE integer weights only at 4 or 8 bits (WNA16 kernels) and only
-symmetric ones, so for `vllm` / `sglang` the candidates int3 / int2 and asymmetric int4 are
-dropped from a budget (`dropped_candidates` in the plan says why) and refused in `uniform` /
-`rules` plans. Non-expert tensors for those targets may be int4 asymmetric, not int3 / int2.
+Both engines load fused-MoE integer weights only at 4 or 8 bits (WNA16 kernels) and, as moequant
+checks them (vLLM's CPU build, SGLang), only symmetric ones, so for `vllm` / `sglang` the candidates
+int3 / int2 and asymmetric int4 are dropped from a budget (`dropped_candidates` in the plan says why)
+and refused in `uniform` / `rules` plans. `vllm-cuda` is vLLM on NVIDIA GPUs, whose Marlin / Triton
+WNA16 MoE kernels take zero points: there asymmetric int4 experts are candidates too (one format per
+layer as for `vllm`; no engine check here, vLLM's CPU build refuses them). Non-expert tensors for
+those targets may be int4 asymmetric, not int3 / int2.
 
 Everything else follows the recipe: the router and the shared-expert gate always stay bf16;
 norms, embeddings, biases and unknown tensors are never quantized; attention, shared experts,
@@ -90,7 +93,7 @@ plan.json (schema "moequant.plan/1")
 ------------------------------------
 {
   "schema": "moequant.plan/1",
-  "model": str, "target": "vllm" | "sglang" | "transformers" | "vllm-moequant" | "llama.cpp",
+  "model": str, "target": "vllm" | "vllm-cuda" | "sglang" | "transformers" | "vllm-moequant" | "llama.cpp",
   "method": "budget" | "rules" | "uniform",
   "budget": null | {"bits_per_weight": float | null, "gigabytes": float | null,
                     "routed_bytes_limit": int},      # bytes the routed experts may use
@@ -149,7 +152,7 @@ SCHEMA = "moequant.plan/1"
 PROJECTIONS = ("gate", "up", "down")
 # The decision unit for routed experts per target (see the module docstring).
 GRANULARITY = {"transformers": "expert", "vllm": "layer", "sglang": "model", "llama.cpp": "layer_proj",
-               "vllm-moequant": "expert"}
+               "vllm-moequant": "expert", "vllm-cuda": "layer"}
 # Routed-expert formats moequant's vLLM plugin serves on vLLM's CPU backend (vLLM 0.32 there has
 # fused-MoE kernels for symmetric int4 groups (W4A16), int8 per channel with dynamic per-token int8
 # activations (W8A8; export.int8_activations: dynamic) and bf16; FP8 / MXFP4 / NVFP4 MoE need a GPU).

@@ -50,7 +50,7 @@ from moequant.formats import REGISTRY, format_names, get_format, parse_key
 
 FORMAT_NAMES = format_names()  # every registered format (moequant.formats), llama.cpp's block types last
 GGML_TYPES = format_names(ggml=True)
-TARGETS = ("vllm", "sglang", "transformers", "llama.cpp", "vllm-moequant")
+TARGETS = ("vllm", "sglang", "transformers", "llama.cpp", "vllm-moequant", "vllm-cuda")
 METHODS = ("budget", "rules", "uniform")
 # imatrix: round-to-nearest with the scale search weighted by the inputs' second moments (ggml types)
 ALGORITHMS = ("rtn", "gptq", "awq", "imatrix")

@@ -2,13 +2,16 @@
 
 Three steps, each a sub-command, so the GPU step needs nothing but torch, transformers, numpy:
 
-  python -m moequant.zoo.train corpus --out DIR
+  python -m moequant.zoo.train corpus --out DIR [--tokenizer moequant/zoo/tiny-qwen2moe]
       builds the text of every builtin source available here (calibration split only: the
-      evaluation split stays unseen), trains a byte-level BPE tokenizer on it and writes
-      DIR/tokenizer/ and DIR/tokens/SOURCE.npy (uint16 ids, documents joined by EOS).
-  python -m moequant.zoo.train train --corpus DIR --arch qwen2moe|mixtral --seconds S --out MODEL
+      evaluation split stays unseen), trains a byte-level BPE tokenizer on it, or with
+      --tokenizer reuses that folder's tokenizer (so a new model shares the zoo's vocabulary),
+      and writes DIR/tokenizer/ and DIR/tokens/SOURCE.npy (uint16 ids, documents joined by EOS).
+  python -m moequant.zoo.train train --corpus DIR --arch ARCH --seconds S --out MODEL
       trains for S seconds of wall clock (learning rate schedule over the time budget) on a GPU
       when there is one and saves MODEL/ with save_pretrained in bfloat16, plus train_log.json.
+      (tiny-qwen3moe and tiny-deepseek-v3: --seconds 300 each, the two processes side by side on
+      one H200, from a corpus made with --tokenizer moequant/zoo/tiny-qwen2moe)
   python -m moequant.zoo.train card --model MODEL --tokenizer DIR/tokenizer --name NAME
       re-saves the checkpoint into moequant/zoo/NAME/ with the tokenizer, measures held-out
       perplexity and routing shares per domain on the evaluation split (CPU, float32) and writes
@@ -33,6 +36,7 @@ import torch
 EOS = "<|endoftext|>"
 VOCAB_SIZE = 4096
 SEQ_LEN = 512
+BIAS_RATE = 1e-3  # DeepSeek-V3's bias update speed (gamma) for most of its training
 MAX_TRAIN_CHARS = {"kernel-docs": 12_000_000}  # keeps the corpus to carry under the transfer limit
 
 # The card's evaluation: fixed samples of the evaluation split, also used by tests/test_zoo.py.
@@ -53,8 +57,13 @@ LICENCES = {
 # ---------------------------------------------------------------- model shapes
 
 
+ARCHS = ("qwen2moe", "mixtral", "qwen3moe", "deepseekv3")
+
+
 def model_config(arch: str, vocab_size: int, eos_id: int):
-    """The two zoo shapes: each stays under 12 MB of bf16 weights (embedding tied to the head)."""
+    """The zoo shapes (embedding tied to the head). qwen2moe / mixtral stay under 12 MB of bf16
+    weights with narrow experts (64 / 128); qwen3moe / deepseekv3 have every expert and dense MLP
+    width a multiple of 256, as the MoEs people quantize do, in under 16 MiB each."""
     common = dict(
         vocab_size=vocab_size, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=True,
@@ -76,7 +85,28 @@ def model_config(arch: str, vocab_size: int, eos_id: int):
             **common, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2,
             router_aux_loss_coef=0.002, head_dim=32,
         )
-    raise SystemExit(f"unknown arch {arch!r}: qwen2moe or mixtral")
+    if arch == "qwen3moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            **{**common, "num_attention_heads": 4, "num_key_value_heads": 2}, head_dim=64, intermediate_size=768,
+            moe_intermediate_size=256, num_experts=8, num_experts_per_tok=4, norm_topk_prob=True, router_aux_loss_coef=0.001, decoder_sparse_step=1,
+            mlp_only_layers=[], use_sliding_window=False, attention_bias=False,
+        )
+    if arch == "deepseekv3":
+        from transformers import DeepseekV3Config
+
+        # MLA with q / kv low-rank projections, layer 0 a dense MLP, then MoE layers of 8 routed
+        # experts (4 groups of 2, a token's experts from its best 2 groups) plus one shared expert;
+        # sigmoid scores with e_score_correction_bias, trained bias-balanced as DeepSeek-V3 is.
+        return DeepseekV3Config(
+            **{**common, "num_attention_heads": 4, "num_key_value_heads": 4}, q_lora_rank=128, kv_lora_rank=128,
+            qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, intermediate_size=768,
+            moe_intermediate_size=256, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+            n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            num_mtp_layers=0, attention_bias=False,
+        )
+    raise SystemExit(f"unknown arch {arch!r}: one of {', '.join(ARCHS)}")
 
 
 def _swap_in(tmp: Path, target: Path) -> None:
@@ -92,7 +122,7 @@ def _swap_in(tmp: Path, target: Path) -> None:
 # ---------------------------------------------------------------- step 1: corpus + tokenizer
 
 
-def build_corpus(out: Path) -> None:
+def build_corpus(out: Path, tokenizer_from: Path | None = None) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -113,17 +143,23 @@ def build_corpus(out: Path) -> None:
         texts[name], domains[name] = docs, corpus.domain
         print(f"{name}: {len(docs)} documents, {used / 1e6:.1f} M characters", flush=True)
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator((t for docs in texts.values() for t in docs), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=EOS, bos_token=EOS)
-    fast.model_max_length = 2048
-    fast.save_pretrained(out / "tokenizer")
+    if tokenizer_from is not None:  # the zoo's vocabulary, unchanged
+        tokenizer = Tokenizer.from_file(str(tokenizer_from / "tokenizer.json"))
+        (out / "tokenizer").mkdir(exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(tokenizer_from / name, out / "tokenizer" / name)
+    else:
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=VOCAB_SIZE, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tokenizer.train_from_iterator((t for docs in texts.values() for t in docs), trainer=trainer)
+        fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=EOS, bos_token=EOS)
+        fast.model_max_length = 2048
+        fast.save_pretrained(out / "tokenizer")
     eos_id = tokenizer.token_to_id(EOS)
 
     (out / "tokens").mkdir(exist_ok=True)
@@ -190,6 +226,19 @@ def train(corpus: Path, arch: str, seconds: float, out: Path, batch: int, lr: fl
         model = AutoModelForCausalLM.from_config(config).to(device)
         model.train()
     print("experts implementation:", getattr(model.config, "_experts_implementation", None), flush=True)
+    # DeepSeek-V3's auxiliary-loss-free balancing (arXiv 2412.19437, 2.1.2): after every step each
+    # router's e_score_correction_bias moves by BIAS_RATE towards under-loaded experts. The bias
+    # steers selection only, so the trained model keeps a non-trivial one, as the real checkpoints do.
+    loads: dict[torch.nn.Module, torch.Tensor] = {}
+    biased = [m for m in model.modules() if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)]
+
+    def count_load(module, _inputs, outputs):
+        if module.training:
+            n = module.e_score_correction_bias.numel()
+            loads[module] = loads.get(module, 0) + torch.bincount(outputs[2].reshape(-1), minlength=n)
+
+    for m in biased:
+        m.register_forward_hook(count_load)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{arch}: {n_params / 1e6:.2f} M parameters on {device}", flush=True)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -229,6 +278,11 @@ def train(corpus: Path, arch: str, seconds: float, out: Path, batch: int, lr: fl
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for m, load in loads.items():
+                load = load.float()
+                m.e_score_correction_bias += BIAS_RATE * torch.sign(load.mean() - load)
+        loads.clear()
         step += 1
         tokens_seen += x.numel()
         if elapsed >= next_eval or step == 1:
@@ -251,7 +305,10 @@ def train(corpus: Path, arch: str, seconds: float, out: Path, batch: int, lr: fl
     train_seconds = time.time() - t0
     print(f"done: {step} steps, {tokens_seen / 1e6:.1f} M tokens, {train_seconds:.0f} s; keeping step {best_step}", flush=True)
 
+    biases = {id(m): m.e_score_correction_bias.detach().float().clone() for m in biased}
     model = model.to(torch.bfloat16)
+    for m in biased:  # kept in float32, as DeepSeek-V3's checkpoints store it (selection is sensitive to it)
+        m.e_score_correction_bias.data = biases[id(m)]
     model.generation_config = GenerationConfig(
         bos_token_id=meta["eos_id"], eos_token_id=meta["eos_id"], pad_token_id=meta["eos_id"], do_sample=False,
     )
@@ -278,7 +335,7 @@ def train(corpus: Path, arch: str, seconds: float, out: Path, batch: int, lr: fl
 def _router_modules(model) -> dict[int, torch.nn.Module]:
     routers = {}
     for name, module in model.named_modules():
-        if type(module).__name__.endswith("TopKRouter"):
+        if type(module).__name__.lower().endswith("topkrouter"):  # Qwen / Mixtral TopKRouter, DeepSeek TopkRouter
             routers[int(name.split("layers.")[1].split(".")[0])] = module
     return routers
 
@@ -364,7 +421,8 @@ def make_card(model_dir: Path, tokenizer_dir: Path, name: str, zoo_dir: Path) ->
         "safetensors_bytes": size,
         "num_experts": num_experts,
         "top_k": config.num_experts_per_tok,
-        "shared_expert": hasattr(config, "shared_expert_intermediate_size"),
+        "shared_expert": ("sigmoid-gated" if getattr(config, "shared_expert_intermediate_size", 0)
+                          else "ungated" if getattr(config, "n_shared_experts", 0) else None),
         "vocab_size": config.vocab_size,
         "training": {k: log[k] for k in ("steps", "kept_step", "tokens_seen", "batch", "seq_len", "lr", "seconds",
                                          "hardware", "torch", "transformers", "source_weights")},
@@ -396,7 +454,9 @@ def render_card(card: dict) -> str:
         "| | |", "|---|---|",
         f"| parameters | {card['parameters']:,} ({card['safetensors_bytes'] / 1e6:.2f} MB bf16 safetensors) |",
         f"| experts | {card['num_experts']} routed, top-{card['top_k']}"
-        + (", one shared expert with a sigmoid gate" if card["shared_expert"] else ", no shared expert") + " |",
+        + {"sigmoid-gated": ", one shared expert with a sigmoid gate", "ungated": ", one shared expert (always on)",
+           True: ", one shared expert with a sigmoid gate", None: ", no shared expert", False: ", no shared expert"}[
+               card["shared_expert"]] + " |",
         f"| vocabulary | {card['vocab_size']} (byte-level BPE trained on the same text) |",
         f"| tokens seen | {t['tokens_seen']:,} ({t['steps']} steps of {t['batch']} x {t['seq_len']}, weights kept from step {t['kept_step']}) |",
         f"| training | {t['seconds']:.0f} s on one {t['hardware']} (torch {t['torch']}, transformers {t['transformers']}) |",
@@ -456,9 +516,10 @@ def main() -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("corpus")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--tokenizer", type=Path, default=None, help="reuse this folder's tokenizer.json instead of training one")
     p = sub.add_parser("train")
     p.add_argument("--corpus", type=Path, required=True)
-    p.add_argument("--arch", choices=["qwen2moe", "mixtral"], required=True)
+    p.add_argument("--arch", choices=ARCHS, required=True)
     p.add_argument("--seconds", type=float, default=300)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -471,7 +532,7 @@ def main() -> None:
     p.add_argument("--zoo", type=Path, default=Path(__file__).resolve().parent)
     args = parser.parse_args()
     if args.cmd == "corpus":
-        build_corpus(args.out)
+        build_corpus(args.out, args.tokenizer)
     elif args.cmd == "train":
         train(args.corpus, args.arch, args.seconds, args.out, args.batch, args.lr, args.seed)
     else:

@@ -20,7 +20,7 @@ from moequant.formats import ggml
 from moequant.io.checkpoint import open_checkpoint
 from moequant.zoo import path as zoo_path
 
-MODELS = ("tiny-qwen2moe", "tiny-mixtral")
+MODELS = ("tiny-qwen2moe", "tiny-mixtral", "tiny-qwen3moe", "tiny-deepseek-v3")
 
 
 pytestmark = pytest.mark.slow
@@ -89,8 +89,8 @@ def test_a_type_that_cannot_hold_a_dimension_is_refused():
         formats.nbytes("q6_k", (4, 128))
 
 
-def _reference_model(source, dequantized: dict, tmp):
-    """transformers model of `source` with the dequantized expert weights (float32)."""
+def _reference_model(source, dequantized: dict, tmp, replaced: dict | None = None):
+    """transformers model of `source` with the dequantized expert weights (and `replaced` {name: tensor}), float32."""
     import shutil
 
     from safetensors.torch import save_file
@@ -98,7 +98,7 @@ def _reference_model(source, dequantized: dict, tmp):
 
     ckpt = open_checkpoint(source)
     ad = adapter_for(ckpt.config)
-    kept = {ad.expert_tensor_name(L, e, p): w for (L, e, p), w in dequantized.items()}
+    kept = {ad.expert_tensor_name(L, e, p): w for (L, e, p), w in dequantized.items()} | dict(replaced or {})
     tmp.mkdir(parents=True)
     shutil.copy(source / "config.json", tmp / "config.json")
     save_file({n: (kept[n] if n in kept else ckpt.get(n)).to(torch.float32).contiguous() for n in ckpt.keys()},
@@ -136,7 +136,7 @@ def _plan_types(source):
 @pytest.mark.parametrize("model", MODELS)
 def test_llama_cpp_runs_our_gguf(model, llama, tmp_path):
     """F32 export: llama.cpp tokenizes like transformers and its logits match tightly; an export with
-    one ggml type per (layer, projection) (all ten types across the two models) reads back with
+    one ggml type per (layer, projection) (all ten types across the models) reads back with
     those types and llama.cpp's logits match transformers running our own dequantized weights."""
     source = zoo_path(model)
     from tokenizers import Tokenizer
@@ -194,15 +194,6 @@ def test_gguf_refusals_write_nothing(tmp_path):
     with pytest.raises(UserError, match="ggml block types"):
         export_checkpoint(source, int4, tmp_path / "b", layout="gguf", target="llama.cpp")
     assert not (tmp_path / "b").exists()
-
-
-def test_an_architecture_llama_cpp_lacks_is_refused(tmp_path):
-    from tiny import build_tiny_with_tokenizer
-
-    src = build_tiny_with_tokenizer("olmoe", tmp_path / "olmoe")
-    with pytest.raises(UserError, match="GGUF export supports qwen2_moe and mixtral"):
-        export_checkpoint(src, {}, tmp_path / "out", layout="gguf", target="llama.cpp")
-    assert not (tmp_path / "out").exists()
 
 
 def test_apply_writes_the_planned_gguf_and_llama_cpp_evaluates_it(llama, tmp_path):
@@ -331,3 +322,27 @@ def test_gptq_on_the_ggml_grid(name):
     assert err(gq) < 0.97 * err(rtn)
     diagonal = formats.quantize_ggml(W, name, hessian=torch.diag_embed(imp))
     assert torch.equal(diagonal.codes, rtn.codes)
+
+
+def test_quantized_attention_of_a_llama_graph_is_rope_permuted_as_packed_rows(llama, tmp_path):
+    """Mixtral's q / k rows are reordered for llama.cpp's rope: quantized ones are reordered as packed rows
+    (each row's blocks are its own), and llama.cpp runs them as transformers runs our dequantization."""
+    source = zoo_path("tiny-mixtral")
+    ckpt = open_checkpoint(source)
+    quantized, others = {}, {}
+    for name in ckpt.keys():
+        if ".self_attn." in name and name.endswith("_proj.weight"):
+            q = formats.quantize_ggml(ckpt.get(name).float(), "q4_0")
+            quantized[name], others[name] = q, q.dequantize()
+    out = export_checkpoint(source, quantized, tmp_path / "q", layout="gguf", target="llama.cpp", gguf_float="f32")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(source / "tokenizer.json"))
+    ids = [tok.encode(t).ids[:96] for t in _texts()]
+    ours = _hf_logits(_reference_model(source, {}, tmp_path / "r", replaced=others), ids)
+    base = _hf_logits(_reference_model(source, {}, tmp_path / "r0"), ids)
+    got = V.logits([out / "model.gguf"], ids)[0]
+    kl_same = np.concatenate([V.kl_per_token(r, g) for r, g in zip(ours, got)]).mean()
+    kl_quant = np.concatenate([V.kl_per_token(r, g) for r, g in zip(base, ours)]).mean()
+    print(f"tiny-mixtral q4_0 attention: llama.cpp vs ours {kl_same:.2e}, quantization {kl_quant:.2e}")
+    assert kl_same < kl_quant / 5 and kl_same < 1e-2

@@ -157,3 +157,34 @@ def test_a_type_refused_by_one_projection_is_noted_for_that_projection_only():
     assert note.startswith("q4_k is not offered to down_proj of layer(s) 0-1: tensor "), note
     used = {(t.proj, t.format) for t in plan.tensors if t.role == "routed_expert"}
     assert ("down", "q4_k") not in used and any(f == "q4_k" for p, f in used if p in ("gate", "up")), used
+
+
+def test_fused_gate_up_gets_one_type_per_layer():
+    """gpt-oss stores gate and up as one tensor (one format on disk): the llama.cpp plan groups them, still
+    one type per (layer, projection) otherwise, and MXFP4 (gpt-oss's own, native in GGUF) is on the menu."""
+    fused = []
+    for name, role, L, e, proj, shape in tensors(2, 4, 256):
+        if role == "routed_expert":
+            name = f"model.layers.{L}.mlp.experts.{'down_proj' if proj == 'down' else 'gate_up_proj'}"
+        fused.append((name, role, L, e, proj, shape))
+    formats = ["q8_0", "q4_k", "q3_k", "mxfp4"]
+    st = stats(2, 4, 0)
+    for L in range(2):
+        for proj in ("gate", "up", "down"):
+            st.layers[L].tensors[f"sensitivity.{proj}.mxfp4"] = st.layers[L].tensors[f"sensitivity.{proj}.q4_k"] * 1.1
+        st.layers[L].tensors["sensitivity.gate.q3_k"] *= 100  # gate wants q4_k or better, up is fine in q3_k
+        st.layers[L].tensors["sensitivity.up.q3_k"] /= 100
+    r = recipe_from_dict({"target": "llama.cpp", "export": {"format": "gguf"}, "non_experts": {"format": "bf16"},
+                          "experts": {"method": "budget", "budget": {"bits_per_weight": 4.6}, "formats": formats}},
+                         "t.yaml")
+    plan = make_plan(r, fused, st)
+    chosen = {}
+    for t in plan.tensors:
+        if t.role == "routed_expert":
+            chosen.setdefault((t.layer, t.name), set()).add(t.format)
+    assert len(chosen) == 4 and all(len(v) == 1 for v in chosen.values())
+    assert "mxfp4" not in plan.dropped_candidates
+    # the same statistics with the projections stored apart: gate and up are free to differ (and here do)
+    apart = make_plan(r, tensors(2, 4, 256), st)
+    per_proj = {(t.layer, t.proj): t.format for t in apart.tensors if t.role == "routed_expert"}
+    assert any(per_proj[(L, "gate")] != per_proj[(L, "up")] for L in range(2))

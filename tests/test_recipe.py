@@ -170,14 +170,17 @@ def test_negative_and_ambiguous_budgets():
 
 
 def test_unknown_formats_and_bad_format_params():
-    accepted = "accepted: bf16, fp8, int8, int4, int3, int2, mxfp4, mxfp8, nvfp4, q8_0, q6_k, q5_k, q5_1, q5_0, q4_k, q4_1, q4_0, q3_k, q2_k (or an exact key such as int4-g64-sym)."
+    accepted = ("accepted: bf16, fp8, int8, int4, int3, int2, mxfp4, mxfp8, nvfp4, q8_0, q6_k, q5_k, q5_1, q5_0, q4_k, "
+                "q4_1, q4_0, q3_k, q2_k, iq4_xs, iq3_s, iq3_xxs, iq2_s, iq2_xs, iq2_xxs (or an exact key such as "
+                "int4-g64-sym).")
     assert error_of({"experts": {"method": "uniform", "format": "int5"}}) == (
         f"recipe r.yaml: key 'experts.format': 'int5' is not a format; {accepted}")
     assert error_of({"experts": {**BUDGET, "formats": ["fp8", "int9"]}}) == (
         f"recipe r.yaml: key 'experts.formats[1]': 'int9' is not a format; {accepted}")
     assert error_of({"formats": {"int5": {}}}) == (
         "recipe r.yaml: key 'formats': 'int5' is not a format name; accepted: bf16, fp8, int8, int4, int3, int2, "
-        "mxfp4, mxfp8, nvfp4, q8_0, q6_k, q5_k, q5_1, q5_0, q4_k, q4_1, q4_0, q3_k, q2_k.")
+        "mxfp4, mxfp8, nvfp4, q8_0, q6_k, q5_k, q5_1, q5_0, q4_k, q4_1, q4_0, q3_k, q2_k, iq4_xs, iq3_s, iq3_xxs, "
+        "iq2_s, iq2_xs, iq2_xxs.")
     assert error_of({"formats": {"int4": {"group_size": 100}}}) == (
         "recipe r.yaml: key 'formats.int4' (int4): int4 group_size 100 is not supported; accepted: 32, 64, 128.")
     # the formats module words the reason; the recipe names the key and the entry

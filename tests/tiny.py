@@ -105,3 +105,72 @@ def route_only_to_experts_0_and_1(directory: Path, layer: int = 1) -> None:
     router[:2, 0], router[2:, 0] = 100.0, -100.0
     tensors[name] = router
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+# Scaled-down configs of the real models llama.cpp users run, with the widths its K types need
+# (hidden size and expert width multiples of 256), for the GGUF tests; vocabulary and tokenizer are
+# the bundled tiny-qwen2moe's (a byte-level BPE with GPT-2's pre-tokenizer).
+GGUF_COMMON = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                   tie_word_embeddings=False, rms_norm_eps=1e-6)
+GGUF_CONFIGS: dict[str, dict] = {
+    # Qwen3-30B-A3B's shape: q/k norms per head, renormalised top-k, head_dim independent of hidden
+    "qwen3_moe": dict(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                      intermediate_size=512, head_dim=64, norm_topk_prob=True),
+    # OLMoE-1B-7B: q/k norms over the whole projection, no renormalisation, MHA
+    "olmoe": dict(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, intermediate_size=256,
+                  num_key_value_heads=4, norm_topk_prob=False),
+    # DeepSeek-V3 / R1 / Kimi-K2: MLA with q LoRA, a leading dense layer, a shared expert, sigmoid scores with a
+    # correction bias, 4 groups of which 2 are kept, renormalised and scaled top-k
+    "deepseek_v3": dict(num_hidden_layers=2, first_k_dense_replace=1, intermediate_size=512, moe_intermediate_size=256,
+                        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+                        norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=64, kv_lora_rank=64,
+                        qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, num_key_value_heads=4),
+    # DeepSeek-V2-Lite: MLA without q LoRA, softmax scores, greedy top-k without renormalisation
+    "deepseek_v2": dict(num_hidden_layers=2, first_k_dense_replace=1, intermediate_size=512, moe_intermediate_size=256,
+                        n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2, n_group=1, topk_group=1,
+                        topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=2.0, q_lora_rank=None,
+                        kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                        num_key_value_heads=4),
+    # gpt-oss-20b: fused interleaved gate/up with biases, attention sinks, sliding window on even layers, yarn rope
+    # (transformers' default rope_parameters for gpt-oss)
+    "gpt_oss": dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=256,
+                    head_dim=64, sliding_window=16, max_position_embeddings=131072),
+}
+
+
+def build_gguf_tiny(model_type: str, directory: Path, seed: int = 0, scale: float = 1.0, head_scale: float = 8.0,
+                    router_scale: float = 8.0) -> Path:
+    """A random model of GGUF_CONFIGS[model_type] with the bundled tiny-qwen2moe tokenizer, saved in bf16
+    with `save_pretrained`. Weights are `scale` x transformers' init, lm_head `head_scale` x (the logits are
+    far from uniform: a KL between two forwards means something) and the routers `router_scale` x (decisive
+    routing, as trained routers are: a random router's near ties flip under any rounding)."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moequant.zoo import path as zoo_path
+
+    tok_dir = zoo_path("tiny-qwen2moe")
+    vocab = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
+    config = AutoConfig.for_model(model_type, **{**GGUF_COMMON, **GGUF_CONFIGS[model_type]}, vocab_size=vocab,
+                                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                router = name.endswith(("mlp.gate.weight", "router.weight"))
+                p.mul_(head_scale if name == "lm_head.weight" else router_scale if router else scale)
+            elif "bias" in name or "sinks" in name:
+                p.normal_(0, 0.1)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)  # uneven norms: a misplaced one shows
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.normal_(0, 0.1)
+    directory = Path(directory)
+    model.to(torch.bfloat16).save_pretrained(directory)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / f, directory / f)
+    return directory

@@ -3,27 +3,52 @@
     export_gguf(ckpt, adapter, items, out_dir, float_type="bf16")
 
 `items` maps on-disk tensor names to QuantizedTensors (as `export_checkpoint` resolves them);
-ggml-typed ones are written as their packed blocks, bf16 ones and everything else as `plain_type`
-says: in `float_type` (bf16 | f16 | f32), but 1-D tensors (norms, biases) and the routers in F32,
-as llama.cpp's own converter writes them, and token_embd / output in the ggml type `types` gives
-them. The plan's byte account asks the same `plain_nbytes` (through the gguf layout), so it counts
-what this file holds. Names and layouts are llama.cpp's:
+ggml-typed ones (and MXFP4 routed experts) are written as their packed blocks, bf16 ones and
+everything else as `plain_type` says: in `float_type` (bf16 | f16 | f32), but 1-D tensors (norms,
+biases), expert biases and the routers in F32, as llama.cpp's own converter writes them (ggml adds
+expert biases in F32 only), and token_embd / output in the ggml type `types` gives them. The plan's
+byte account asks the same `plain_nbytes` (through the gguf layout), so it counts what this file
+holds (gpt-oss's 2-D expert biases aside: the account counts them in `float_type`).
+
+Everything llama.cpp's graphs need to know about an architecture is in `GRAPHS` (one entry per
+model_type): the llama.cpp architecture, the tensor names (HF regex -> GGUF name, with the
+transform some need), the metadata it reads and what it cannot run. Facts from the llama.cpp that
+llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants):
 
 - routed experts of layer N stacked per projection: `blk.N.ffn_{gate,up,down}_exps.weight`,
   ggml shape {n_embd, n_ff_exp, n_expert} (down {n_ff_exp, n_embd, n_expert}); one ggml type per
   tensor, so every expert of a (layer, projection) must share its format;
-- qwen2moe's shared expert `ffn_{gate,up,down}_shexp` and its gate `ffn_gate_inp_shexp` {n_embd};
-- `output.weight` always (a copy of the embeddings when they are tied: llama.cpp's qwen2moe
-  loader requires it);
-- mixtral is llama.cpp's `llama` architecture, whose rope rotates interleaved pairs: q/k rows
-  are permuted from the HF (rotate-half) order, as llama.cpp's converter does.
+- `output.weight` always (a copy of the embeddings when they are tied: the qwen2moe, olmoe and
+  openai-moe loaders require it);
+- mixtral is llama.cpp's `llama` architecture, whose rope rotates interleaved pairs: q/k rows are
+  permuted from the HF (rotate-half) order. deepseek2's rope rotates interleaved pairs too, which is
+  the order DeepSeek's weights already have (rope_interleave); the others are NEOX (rotate-half);
+- qwen3moe always renormalises the top-k weights, olmoe and qwen2moe never: a config saying
+  otherwise is refused; qwen3moe / olmoe q and k norms are `attn_{q,k}_norm` (olmoe's over the whole
+  projection);
+- deepseek2 (DeepSeek-V2 / V3 / Kimi-K2): `leading_dense_block_count` dense layers (`ffn_{gate,up,
+  down}`), MLA with kv_b_proj split per head into `attn_k_b` {qk_nope, kv_lora, n_head} (K part,
+  transposed) and `attn_v_b` {kv_lora, v_head, n_head}, one KV head, key/value lengths kv_lora+rope /
+  kv_lora and the `_mla` ones nope+rope / v_head, `expert_gating_func` (V3 sigmoid, V2 softmax),
+  `exp_probs_b.bias` = e_score_correction_bias (selection only), `expert_weights_scale` =
+  routed_scaling_factor, `expert_weights_norm`, groups as `expert_group_count` / `_used_count` ranked
+  by the sum of each group's two best scores (V3's rule; V2's group_limited_greedy ranks by the best
+  one: refused), shared experts `ffn_*_shexp` of width n_ff_exp * n_shared;
+- openai-moe (gpt-oss): gate / up de-interleaved into `ffn_{gate,up}_exps` with their biases
+  (`.bias` {n_ff_exp, n_expert}), `post_attention_norm`, `attn_sinks.weight`, router bias
+  `ffn_gate_inp.bias`, sliding window on even layers (llama.cpp's fixed pattern), SwiGLU with
+  alpha 1.702 / limit 7; MXFP4 experts as ggml MXFP4 blocks (e8m0 byte, then element j in the low
+  nibble of byte j and element j+16 in its high nibble).
 
-The tokenizer (a byte-level BPE with GPT-2's pre-tokenizer, as both bundled models have) goes in
-as `tokenizer.ggml.*`: tokens by id, merges, token types (added special tokens are control
-tokens), bos / eos / padding ids and add_bos = whether the HF post-processor adds one.
-Anything llama.cpp could not run as planned (another architecture, another tokenizer, a
-normalised top-k for qwen2moe, mixed types inside one stacked tensor) is a UserError before
-anything is written. The file is written in a temporary sibling directory and renamed.
+gpt-oss's experts as the source stores them (MXFP4 `*_blocks` / `*_scales`, nothing replacing them)
+are written as their own codes. The tokenizer (a byte-level BPE with GPT-2's pre-tokenizer, as the
+bundled models have, or Qwen2 / Qwen3's: `tokenizer_pre`) goes in as `tokenizer.ggml.*`: tokens by
+id, merges, token types (added special tokens are control tokens), bos / eos / padding ids and
+add_bos = whether the HF post-processor adds one. Not written yet: DeepSeek-V3's and gpt-oss's own
+pre-tokenizers (refused, one sentence), Kimi-K2 (model_type kimi_k2 has no adapter).
+Anything llama.cpp could not run as planned is a UserError before anything is written. The file
+is written in a temporary sibling directory and renamed; tensors are read and packed layer by
+layer as gguf-py writes them (only the one being written is in memory).
 """
 
 from __future__ import annotations
@@ -31,7 +56,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -42,46 +69,307 @@ from moequant.io.checkpoint import EXPORT_INFO, atomic_directory
 
 GGUF_FILE = "model.gguf"
 FLOAT_TYPES = ("bf16", "f16", "f32")
-ARCHS = {"qwen2_moe": "qwen2moe", "mixtral": "llama"}
+RAW_TYPES = {"mxfp4": "MXFP4"}  # non-ggml formats that GGUF stores natively (routed experts), by ggml name
+_ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+_F32_ROLES = ("router", "shared_expert_gate")  # ffn_gate_inp(_shexp): F32, never quantized
+_TYPED_ROLES = {"embedding": "token_embd.weight", "lm_head": "output.weight"}  # the tensors `types` may set, by role
+_L = r"model\.layers\.(\d+)\."
+
+
+# ---- transforms of one HF tensor into one GGUF tensor (torch in, torch out) -----------------------
+
+def _rope_permute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
+    """HF rotate-half row order -> llama.cpp's interleaved pairs, per head (rows of any width)."""
+    r = rows.shape[0]
+    return rows.reshape(n_head, 2, r // n_head // 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+def _permute_q(t, c):
+    return _rope_permute(t, int(c["num_attention_heads"]))
+
+
+def _permute_k(t, c):
+    return _rope_permute(t, int(c.get("num_key_value_heads") or c["num_attention_heads"]))
+
+
+ROW_ORDER = (_permute_q, _permute_k)  # transforms that only reorder rows: valid on packed ggml rows too
+
+
+def _kv_b(t, c):
+    """kv_b_proj [n_head * (nope + v), kv_lora] -> [n_head, nope + v, kv_lora]."""
+    return t.reshape(int(c["num_attention_heads"]), int(c["qk_nope_head_dim"]) + int(c["v_head_dim"]), -1)
+
+
+def _k_b(t, c):  # attn_k_b: ggml {nope, kv_lora, n_head} = torch [n_head, kv_lora, nope]
+    return _kv_b(t, c)[:, : int(c["qk_nope_head_dim"])].transpose(1, 2).contiguous()
+
+
+def _v_b(t, c):  # attn_v_b: ggml {kv_lora, v_head, n_head} = torch [n_head, v_head, kv_lora]
+    return _kv_b(t, c)[:, int(c["qk_nope_head_dim"]):].contiguous()
+
+
+def _even(t, c):  # gpt-oss gate_up bias [E, 2I]: gate = even columns
+    return t[..., 0::2].contiguous()
+
+
+def _odd(t, c):
+    return t[..., 1::2].contiguous()
+
+
+def _flat(t, c):  # qwen2moe's shared-expert gate [1, n_embd] -> llama.cpp's {n_embd}
+    return t.reshape(-1)
+
+
+# ---- the architectures -----------------------------------------------------------------------------
 
 _COMMON = [
     (r"model\.embed_tokens\.weight", "token_embd.weight"),
     (r"model\.norm\.weight", "output_norm.weight"),
     (r"lm_head\.weight", "output.weight"),
-    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"blk.\1.attn_norm.weight"),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"blk.\1.ffn_norm.weight"),
-    (r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)", r"blk.\1.attn_\2.\3"),
-    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", r"blk.\1.attn_output.weight"),
+    (_L + r"input_layernorm\.weight", r"blk.\1.attn_norm.weight"),
+    (_L + r"post_attention_layernorm\.weight", r"blk.\1.ffn_norm.weight"),
+    (_L + r"self_attn\.([qkv])_proj\.(weight|bias)", r"blk.\1.attn_\2.\3"),
+    (_L + r"self_attn\.o_proj\.(weight|bias)", r"blk.\1.attn_output.\2"),
+    (_L + r"self_attn\.([qk])_norm\.weight", r"blk.\1.attn_\2_norm.weight"),
+    (_L + r"mlp\.gate\.weight", r"blk.\1.ffn_gate_inp.weight"),
 ]
-_NAMES = {
-    "qwen2_moe": _COMMON + [
-        (r"model\.layers\.(\d+)\.mlp\.gate\.weight", r"blk.\1.ffn_gate_inp.weight"),
-        (r"model\.layers\.(\d+)\.mlp\.shared_expert\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2_shexp.weight"),
-        (r"model\.layers\.(\d+)\.mlp\.shared_expert_gate\.weight", r"blk.\1.ffn_gate_inp_shexp.weight"),
-    ],
-    "mixtral": _COMMON + [(r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight", r"blk.\1.ffn_gate_inp.weight")],
+
+
+def _add_common(w, adapter, c: dict) -> None:
+    """Keys every graph reads; head / expert widths are each graph's own."""
+    w.add_name(str(c.get("_name_or_path") or adapter.model_type))
+    w.add_context_length(int(c.get("max_position_embeddings", 4096)))
+    w.add_embedding_length(adapter.hidden)
+    w.add_block_count(adapter.num_layers)
+    w.add_head_count(int(c["num_attention_heads"]))
+    w.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", 1e-6)))
+    w.add_expert_count(adapter.num_experts)
+    w.add_expert_used_count(adapter.top_k)
+    w.add_vocab_size(int(c["vocab_size"]))
+    rope = _rope(c)
+    w.add_rope_freq_base(float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
+    if rope.get("rope_type") == "yarn":
+        import gguf
+
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if rope.get(key) is not None:
+                add(float(rope[key]))
+    elif rope.get("rope_type") == "linear":
+        import gguf
+
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+
+
+def _rope(c: dict) -> dict:
+    return c.get("rope_parameters") or c.get("rope_scaling") or {}
+
+
+def _gqa_heads(w, adapter, c: dict) -> None:
+    n_head = int(c["num_attention_heads"])
+    head_dim = int(c.get("head_dim") or adapter.hidden // n_head)
+    w.add_head_count_kv(int(c.get("num_key_value_heads") or n_head))
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+
+
+def _hp_llama(w, adapter, c):
+    _gqa_heads(w, adapter, c)
+    w.add_feed_forward_length(int(c.get("intermediate_size", adapter.expert_intermediate)))
+
+
+def _hp_qwen2moe(w, adapter, c):
+    _hp_llama(w, adapter, c)
+    w.add_expert_feed_forward_length(adapter.expert_intermediate)
+    w.add_expert_shared_feed_forward_length(adapter.shared_intermediate)
+
+
+def _hp_qwen3moe(w, adapter, c):
+    _hp_llama(w, adapter, c)
+    w.add_expert_feed_forward_length(adapter.expert_intermediate)
+
+
+def _hp_deepseek2(w, adapter, c):
+    import gguf
+
+    kv_lora, rope, nope = int(c["kv_lora_rank"]), int(c["qk_rope_head_dim"]), int(c["qk_nope_head_dim"])
+    w.add_head_count_kv(1)  # MLA runs as MQA over the compressed KV
+    w.add_feed_forward_length(int(c.get("intermediate_size", adapter.expert_intermediate)))
+    w.add_leading_dense_block_count(adapter.moe_layers[0] if adapter.moe_layers else adapter.num_layers)
+    w.add_q_lora_rank(int(c.get("q_lora_rank") or 0))
+    w.add_kv_lora_rank(kv_lora)
+    w.add_key_length(kv_lora + rope)
+    w.add_value_length(kv_lora)
+    w.add_key_length_mla(nope + rope)
+    w.add_value_length_mla(int(c["v_head_dim"]))
+    w.add_rope_dimension_count(rope)
+    w.add_expert_feed_forward_length(adapter.expert_intermediate)
+    w.add_expert_shared_count(adapter.num_shared_experts)
+    r = adapter.routing
+    w.add_expert_weights_scale(float(r.scaling))
+    w.add_expert_weights_norm(bool(r.normalize_topk))
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if r.scoring == "sigmoid"
+                             else gguf.ExpertGatingFuncType.SOFTMAX)
+    if r.groups > 1 and r.topk_groups < r.groups:  # all groups kept = no group limit (llama.cpp wants used < count)
+        w.add_expert_group_count(r.groups)
+        w.add_expert_group_used_count(r.topk_groups)
+    mscale_all = _rope(c).get("mscale_all_dim")
+    if _rope(c).get("rope_type") == "yarn" and mscale_all:
+        w.add_rope_scaling_yarn_log_mul(0.1 * float(mscale_all))  # llama.cpp divides it by 0.1 again
+
+
+def _hp_openai_moe(w, adapter, c):
+    _gqa_heads(w, adapter, c)
+    w.add_feed_forward_length(adapter.expert_intermediate)
+    w.add_expert_feed_forward_length(adapter.expert_intermediate)
+    w.add_sliding_window(int(c["sliding_window"]))
+
+
+def _no_refusal(adapter, c):
+    return None
+
+
+def _refuse_qwen2moe(adapter, c):
+    if c.get("norm_topk_prob"):
+        return ("llama.cpp's qwen2moe graph does not renormalise the top-k routing weights, but this checkpoint's "
+                "config.json sets norm_topk_prob: true")
+    return _refuse_dense_layers(adapter, c)
+
+
+def _refuse_dense_layers(adapter, c):
+    if adapter.dense_layers:
+        return (f"llama.cpp's {GRAPHS[adapter.model_type].arch} graph needs every layer to be an MoE layer; this "
+                f"checkpoint has dense layers (mlp_only_layers / decoder_sparse_step)")
+    return None
+
+
+def _refuse_qwen3moe(adapter, c):
+    if not adapter.routing.normalize_topk:
+        return ("llama.cpp's qwen3moe graph always renormalises the top-k routing weights, but this checkpoint's "
+                "config.json sets norm_topk_prob: false")
+    return _refuse_dense_layers(adapter, c)
+
+
+def _refuse_olmoe(adapter, c):
+    if adapter.routing.normalize_topk:
+        return ("llama.cpp's olmoe graph does not renormalise the top-k routing weights, but this checkpoint's "
+                "config.json sets norm_topk_prob: true")
+    if c.get("clip_qkv"):
+        return "llama.cpp's olmoe graph does not clip q / k / v, but this checkpoint's config.json sets clip_qkv"
+    return None
+
+
+def _refuse_deepseek2(adapter, c):
+    moe = adapter.moe_layers
+    if moe != list(range(moe[0] if moe else adapter.num_layers, adapter.num_layers)):
+        return ("llama.cpp's deepseek2 graph has dense layers only before the first MoE layer "
+                "(leading_dense_block_count); this checkpoint's moe_layer_freq interleaves them")
+    if c.get("rope_interleave") is False:
+        return ("llama.cpp's deepseek2 graph rotates interleaved rope pairs (DeepSeek's own weight order), but this "
+                "checkpoint's config.json sets rope_interleave: false")
+    r = adapter.routing
+    if adapter.model_type == "deepseek_v2":
+        if r.groups > 1 and r.topk_groups < r.groups:
+            return ("llama.cpp's deepseek2 graph ranks expert groups by the sum of their two best scores (DeepSeek-V3's "
+                    "rule), but this DeepSeek-V2 checkpoint routes with group_limited_greedy (the best score)")
+        if r.normalize_topk:
+            return ("transformers' DeepSeek-V2 does not renormalise the top-k weights, but this checkpoint's "
+                    "config.json sets norm_topk_prob: true; the GGUF could not match it")
+    return None
+
+
+def _refuse_openai_moe(adapter, c):
+    if float(c.get("swiglu_limit", 7.0)) != 7.0 or float(c.get("swiglu_alpha", 1.702)) != 1.702:
+        return "llama.cpp's openai-moe graph fixes SwiGLU's alpha 1.702 and limit 7.0; this config.json differs"
+    types = c.get("layer_types") or []
+    want = ["sliding_attention" if L % 2 == 0 else "full_attention" for L in range(adapter.num_layers)]
+    if types and list(types) != want:
+        return ("llama.cpp's openai-moe graph puts sliding-window attention on even layers and full attention on odd "
+                "ones; this config.json's layer_types differ")
+    return None
+
+
+@dataclass(frozen=True)
+class Graph:
+    """How one HF architecture is written for one llama.cpp graph."""
+
+    arch: str  # general.architecture
+    names: list  # (HF regex, [(GGUF name template, transform or None)]): the first pattern that matches wins
+    hparams: Callable  # (writer, adapter, config) -> None: the graph's own metadata
+    refuses: Callable = _no_refusal  # (adapter, config) -> why llama.cpp could not run it, or None
+
+
+def _one(pattern, repl, fn=None):
+    return (pattern, [(repl, fn)])
+
+
+GRAPHS: dict[str, Graph] = {
+    "qwen2_moe": Graph("qwen2moe", [
+        _one(_L + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2_shexp.weight"),
+        _one(_L + r"mlp\.shared_expert_gate\.weight", r"blk.\1.ffn_gate_inp_shexp.weight", _flat),
+        *[_one(p, r) for p, r in _COMMON]], _hp_qwen2moe, _refuse_qwen2moe),
+    "qwen3_moe": Graph("qwen3moe", [_one(p, r) for p, r in _COMMON], _hp_qwen3moe, _refuse_qwen3moe),
+    "olmoe": Graph("olmoe", [_one(p, r) for p, r in _COMMON], _hp_llama, _refuse_olmoe),
+    "mixtral": Graph("llama", [
+        _one(_L + r"self_attn\.q_proj\.weight", r"blk.\1.attn_q.weight", _permute_q),
+        _one(_L + r"self_attn\.k_proj\.weight", r"blk.\1.attn_k.weight", _permute_k),
+        _one(_L + r"block_sparse_moe\.gate\.weight", r"blk.\1.ffn_gate_inp.weight"),
+        *[_one(p, r) for p, r in _COMMON]], _hp_llama),
+    "gpt_oss": Graph("gpt-oss", [
+        _one(_L + r"post_attention_layernorm\.weight", r"blk.\1.post_attention_norm.weight"),
+        _one(_L + r"self_attn\.sinks", r"blk.\1.attn_sinks.weight"),
+        _one(_L + r"mlp\.router\.(weight|bias)", r"blk.\1.ffn_gate_inp.\2"),
+        (_L + r"mlp\.experts\.gate_up_proj_bias", [(r"blk.\1.ffn_gate_exps.bias", _even),
+                                                     (r"blk.\1.ffn_up_exps.bias", _odd)]),
+        _one(_L + r"mlp\.experts\.down_proj_bias", r"blk.\1.ffn_down_exps.bias"),
+        *[_one(p, r) for p, r in _COMMON]], _hp_openai_moe, _refuse_openai_moe),
 }
-_F32_ROLES = ("router", "shared_expert_gate")  # ffn_gate_inp(_shexp): F32, never quantized
-_TYPED_ROLES = {"embedding": "token_embd.weight", "lm_head": "output.weight"}  # the tensors `types` may set, by role
-_ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+_DEEPSEEK2 = Graph("deepseek2", [
+    _one(_L + r"self_attn\.q_a_proj\.weight", r"blk.\1.attn_q_a.weight"),
+    _one(_L + r"self_attn\.q_b_proj\.weight", r"blk.\1.attn_q_b.weight"),
+    _one(_L + r"self_attn\.(q_a|kv_a)_layernorm\.weight", r"blk.\1.attn_\2_norm.weight"),
+    _one(_L + r"self_attn\.kv_a_proj_with_mqa\.weight", r"blk.\1.attn_kv_a_mqa.weight"),
+    (_L + r"self_attn\.kv_b_proj\.weight", [(r"blk.\1.attn_k_b.weight", _k_b), (r"blk.\1.attn_v_b.weight", _v_b)]),
+    _one(_L + r"mlp\.gate\.e_score_correction_bias", r"blk.\1.exp_probs_b.bias"),
+    _one(_L + r"mlp\.shared_experts\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2_shexp.weight"),
+    _one(_L + r"mlp\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2.weight"),
+    *[_one(p, r) for p, r in _COMMON]], _hp_deepseek2, _refuse_deepseek2)
+GRAPHS["deepseek_v2"] = GRAPHS["deepseek_v3"] = _DEEPSEEK2
+ARCHS = {mt: g.arch for mt, g in GRAPHS.items()}  # model_type -> llama.cpp architecture
+
+
+def gguf_targets(model_type: str, hf_name: str) -> list[tuple[str, Callable | None]]:
+    """The GGUF tensors one on-disk tensor becomes: [(GGUF name, transform or None)] ([] when none)."""
+    for pattern, targets in GRAPHS[model_type].names:
+        m = re.fullmatch(pattern, hf_name)
+        if m:
+            return [(m.expand(repl), fn) for repl, fn in targets]
+    return []
 
 
 def gguf_name(model_type: str, hf_name: str) -> str | None:
-    for pattern, repl in _NAMES[model_type]:
-        if re.fullmatch(pattern, hf_name):
-            return re.sub(pattern, repl, hf_name)
-    return None
+    targets = gguf_targets(model_type, hf_name)
+    return targets[0][0] if len(targets) == 1 else None
 
 
 def _ggml_type(spec):
     import gguf
 
-    return gguf.GGMLQuantizationType[spec.name.upper()]
+    return gguf.GGMLQuantizationType[RAW_TYPES.get(spec.name, spec.name.upper())]
+
+
+def stores_natively(spec) -> bool:
+    """Whether GGUF holds this format's codes as they are: ggml block types, MXFP4."""
+    return spec.is_ggml or spec.name in RAW_TYPES
 
 
 def tied_output(names) -> str | None:
     """The checkpoint tensor written again as output.weight: the embeddings when `names` hold no
-    lm_head.weight (tied; llama.cpp's qwen2moe loader requires output.weight), else None."""
+    lm_head.weight (tied; several llama.cpp loaders require output.weight), else None."""
     return None if "lm_head.weight" in names else "model.embed_tokens.weight"
 
 
@@ -110,9 +398,9 @@ def _plain(t: torch.Tensor, key: str, name: str):
     import gguf
 
     if key == "f32":
-        return t.to(torch.float32).numpy(), None
+        return t.to(torch.float32).contiguous().numpy(), None
     if key == "f16":
-        return t.to(torch.float16).numpy(), None
+        return t.to(torch.float16).contiguous().numpy(), None
     if key in FLOAT_TYPES:  # bf16: numpy has no bfloat16, so its raw bytes as ggml's BF16
         raw = t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint8)  # last axis: 2 bytes each
         return raw, gguf.GGMLQuantizationType.BF16
@@ -120,49 +408,70 @@ def _plain(t: torch.Tensor, key: str, name: str):
     return q.codes.numpy(), _ggml_type(q.spec)
 
 
-def _rope_permute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
-    """HF rotate-half row order -> llama.cpp's interleaved pairs, per head (rows of any width)."""
-    r = rows.shape[0]
-    return rows.reshape(n_head, 2, r // n_head // 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+def _mxfp4_blocks(codes: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    """e2m1 codes [..., n] and e8m0 scales [..., n/32] -> ggml MXFP4 blocks uint8 [..., n/32 * 17]."""
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, 32)
+    packed = c[..., :16] | (c[..., 16:] << 4)
+    blocks = torch.cat([scales.to(torch.uint8).unsqueeze(-1), packed], dim=-1)
+    return blocks.reshape(*codes.shape[:-1], -1).numpy()
+
+
+def _packed(q, rows=slice(None)):
+    """(numpy blocks, raw ggml type) of a QuantizedTensor GGUF stores natively, rows [..., rows, :] only."""
+    if q.spec.is_ggml:
+        return q.codes[..., rows, :].cpu().contiguous().numpy(), _ggml_type(q.spec)
+    return _mxfp4_blocks(q.codes[..., rows, :].cpu(), q.scales[..., rows, :].cpu()), _ggml_type(q.spec)
+
+
+def _rows(q, order: torch.Tensor):
+    """QuantizedTensor q with its rows (output channels) in `order` (packed ggml rows are independent)."""
+    from moequant.formats import QuantizedTensor
+
+    return QuantizedTensor(q.spec, q.shape, q.codes[order], None if q.scales is None else q.scales[order])
 
 
 def check_gguf(ckpt, adapter, items: dict) -> None:
     """Refuse, before any work, what llama.cpp could not run as planned."""
     mt = adapter.model_type
-    if mt not in ARCHS:
-        raise UserError(f"GGUF export supports qwen2_moe and mixtral (llama.cpp's qwen2moe and llama graphs); "
-                        f"this checkpoint is {mt}.")
+    if mt not in GRAPHS:
+        raise UserError(f"GGUF export supports {', '.join(sorted(GRAPHS))} (llama.cpp's "
+                        f"{', '.join(sorted(set(ARCHS.values())))} graphs); this checkpoint is {mt}.")
     c = ckpt.config
-    if mt == "qwen2_moe" and c.get("norm_topk_prob"):
-        raise UserError("llama.cpp's qwen2moe graph does not renormalise the top-k routing weights, but this "
-                        "checkpoint's config.json sets norm_topk_prob: true; it cannot be exported to GGUF as is.")
-    if mt == "qwen2_moe" and (c.get("mlp_only_layers") or int(c.get("decoder_sparse_step", 1)) != 1):
-        raise UserError("llama.cpp's qwen2moe graph needs every layer to be an MoE layer; this checkpoint has "
-                        "dense layers (mlp_only_layers / decoder_sparse_step).")
+    graph = GRAPHS[mt]
+    why = graph.refuses(adapter, c)
+    if why:
+        raise UserError(f"{why}; it cannot be exported to GGUF as is.")
     if c.get("sliding_window") and c.get("use_sliding_window"):
         raise UserError("GGUF export does not write sliding-window attention; config.json enables use_sliding_window.")
-    tok = _tokenizer_json(ckpt.directory)
-    model = tok.get("model", {})
-    pre = tok.get("pre_tokenizer") or {}
-    if model.get("type") != "BPE" or pre.get("type") != "ByteLevel" or not pre.get("use_regex", True) \
-            or pre.get("add_prefix_space") or tok.get("normalizer"):
-        raise UserError(f"GGUF export writes byte-level BPE tokenizers with GPT-2's pre-tokenizer; "
-                        f"{ckpt.directory}/tokenizer.json has model {model.get('type')!r} with pre-tokenizer "
-                        f"{pre.get('type')!r}{' and a normalizer' if tok.get('normalizer') else ''}.")
+    tokenizer_pre(ckpt.directory)
+    expert_names = _expert_names(adapter)
     for name, q in items.items():
-        if q.spec.quantized and not q.spec.is_ggml:
-            raise UserError(f"the gguf layout holds ggml block types (q8_0 ... q2_k) or bf16; tensor {name} is planned "
-                            f"as {q.spec.key} (use target llama.cpp).")
         role = adapter.classify(name)
-        if q.spec.is_ggml and (role.role in ("router", "shared_expert_gate", "norm") or len(q.shape) < 2):
+        if q.spec.quantized and not (q.spec.is_ggml or (stores_natively(q.spec) and name in expert_names)):
+            raise UserError(f"the gguf layout holds ggml block types (q8_0 ... q2_k), MXFP4 routed experts or bf16; "
+                            f"tensor {name} is planned as {q.spec.key} (use target llama.cpp).")
+        if q.spec.quantized and (role.role in ("router", "shared_expert_gate", "norm") or len(q.shape) < 2):
             raise UserError(f"tensor {name} ({role.role}) stays unquantized in GGUF; it is planned as {q.spec.key}.")
+        targets = gguf_targets(mt, name)
+        if q.spec.quantized and name not in expert_names and (len(targets) != 1 or targets[0][1] not in (None, *ROW_ORDER)):
+            raise UserError(f"llama.cpp's {graph.arch} graph reshapes tensor {name} ({', '.join(t for t, _ in targets)}), "
+                            f"which GGUF export writes unquantized; it is planned as {q.spec.key} (keep it).")
     for layer in adapter.moe_layers:
         for proj in adapter.projections:
-            keys = {items[n].spec.key if n in items else "bf16"
-                    for n in (adapter.expert_tensor_name(layer, e, proj) for e in range(adapter.num_experts))}
+            if adapter.fused_experts:
+                q = items.get(adapter.expert_tensor_name(layer, 0, proj))
+                keys = {q.spec.key if q is not None else "bf16"}
+            else:
+                keys = {items[n].spec.key if n in items else "bf16"
+                        for n in (adapter.expert_tensor_name(layer, e, proj) for e in range(adapter.num_experts))}
             if len(keys) > 1:
                 raise UserError(f"GGUF stacks the experts of a layer per projection into one tensor of one ggml type, but "
                                 f"layer {layer} {proj} has {', '.join(sorted(keys))}; plan with target llama.cpp.")
+
+
+def _expert_names(adapter) -> set:
+    return {adapter.expert_tensor_name(L, e, p) for L in adapter.moe_layers for e in range(adapter.num_experts)
+            for p in adapter.projections}
 
 
 def _tokenizer_json(directory) -> dict:
@@ -170,6 +479,36 @@ def _tokenizer_json(directory) -> dict:
     if not path.exists():
         raise UserError(f"GGUF export needs the tokenizer: {path} is missing.")
     return json.loads(path.read_text())
+
+
+# Pre-tokenizers llama.cpp knows (src/llama-vocab.cpp), by the split regex of tokenizer.json's
+# Sequence[Split(Isolated), ByteLevel(use_regex false)]: Qwen2 / Qwen2.5 / Qwen3 (and their MoEs).
+_SPLIT_PRES = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen2",
+}
+_NORMALIZERS_IGNORED = ({"type": "NFC"},)  # Qwen's; llama.cpp does not normalise (as its own converter writes it)
+
+
+def tokenizer_pre(directory) -> str:
+    """llama.cpp's tokenizer.ggml.pre for this tokenizer.json (a byte-level BPE), or a UserError."""
+    tok = _tokenizer_json(directory)
+    model = tok.get("model", {})
+    pre = tok.get("pre_tokenizer") or {}
+    norm = tok.get("normalizer")
+    name = None
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space") and not norm:
+        name = "gpt-2"
+    parts = pre.get("pretokenizers") or []
+    if pre.get("type") == "Sequence" and len(parts) == 2 and parts[0].get("type") == "Split" \
+            and parts[0].get("behavior") == "Isolated" and not parts[0].get("invert") \
+            and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True) \
+            and not parts[1].get("add_prefix_space") and (norm is None or norm in _NORMALIZERS_IGNORED):
+        name = _SPLIT_PRES.get((parts[0].get("pattern") or {}).get("Regex"))
+    if model.get("type") != "BPE" or name is None:
+        raise UserError(f"GGUF export writes byte-level BPE tokenizers with GPT-2's or Qwen2's pre-tokenizer; "
+                        f"{directory}/tokenizer.json has model {model.get('type')!r} with pre-tokenizer "
+                        f"{pre.get('type')!r}{' and a normalizer' if norm else ''}.")
+    return name
 
 
 def add_tokenizer(writer, directory) -> None:
@@ -188,7 +527,7 @@ def add_tokenizer(writer, directory) -> None:
         types[i] = gguf.TokenType.CONTROL if a.get("special") else gguf.TokenType.USER_DEFINED
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"].get("merges", [])]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
+    writer.add_tokenizer_pre(tokenizer_pre(directory))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
@@ -211,46 +550,53 @@ def add_tokenizer(writer, directory) -> None:
     writer.add_add_eos_token(False)
 
 
-def _add_hparams(writer, adapter, config: dict, file_type: int) -> None:
-    c = config
-    n_head = int(c["num_attention_heads"])
-    head_dim = int(c.get("head_dim") or adapter.hidden // n_head)
-    rope = c.get("rope_parameters") or {}
-    writer.add_name(str(c.get("_name_or_path") or adapter.model_type))
-    writer.add_context_length(int(c.get("max_position_embeddings", 4096)))
-    writer.add_embedding_length(adapter.hidden)
-    writer.add_block_count(adapter.num_layers)
-    writer.add_feed_forward_length(int(c.get("intermediate_size", adapter.expert_intermediate)))
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(int(c.get("num_key_value_heads", n_head)))
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
-    writer.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", 1e-6)))
-    writer.add_expert_count(adapter.num_experts)
-    writer.add_expert_used_count(adapter.top_k)
-    writer.add_vocab_size(int(c["vocab_size"]))
-    if adapter.model_type == "qwen2_moe":
-        writer.add_expert_feed_forward_length(adapter.expert_intermediate)
-        writer.add_expert_shared_feed_forward_length(adapter.shared_intermediate)
-    writer.add_file_type(file_type)
-    writer.add_quantization_version(2)
+_FTYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k": 12, "q4_k": 15, "q5_k": 17,
+           "q6_k": 18, "iq2_xxs": 19, "iq2_xs": 20, "iq3_xxs": 23, "iq3_s": 26, "iq2_s": 28, "iq4_xs": 30,
+           "mxfp4": 38}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
 
 
-def _file_type(items: dict, float_type: str) -> int:  # noqa: C901
-    """general.file_type: the most common ggml type among the weights (llama.cpp's LLAMA_FTYPE)."""
+def _file_type(items: dict, float_type: str) -> int:
+    """general.file_type: the most common stored type among the weights (llama.cpp's LLAMA_FTYPE)."""
     from collections import Counter
 
-    ftypes = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k": 12, "q4_k": 15, "q5_k": 17,
-              "q6_k": 18}
     counts = Counter()
     for q in items.values():
-        if q.spec.is_ggml:
+        if q.spec.quantized:
             counts[q.spec.name] += int(np.prod(q.shape))
     if counts:
-        return ftypes[counts.most_common(1)[0][0]]
+        return _FTYPES[counts.most_common(1)[0][0]]
     return {"f32": 0, "f16": 1, "bf16": 32}[float_type]
+
+
+class _Lazy:
+    """A tensor gguf-py writes when its turn comes: shape / dtype / nbytes known ahead, data made in tofile()."""
+
+    def __init__(self, shape, dtype, nbytes: int, make: Callable):
+        self.shape, self.dtype, self.nbytes, self._make = tuple(shape), np.dtype(dtype), int(nbytes), make
+
+    def tofile(self, fp) -> None:
+        arr = np.ascontiguousarray(self._make())
+        if arr.nbytes != self.nbytes or arr.dtype != self.dtype:
+            raise RuntimeError(f"GGUF tensor data ({arr.dtype}, {arr.nbytes} bytes) differs from its header "
+                               f"({self.dtype}, {self.nbytes} bytes)")
+        arr.tofile(fp)
+
+
+def _plain_meta(shape, key: str):
+    """(numpy shape, numpy dtype, raw ggml type or None) of a tensor of `shape` stored as plain_type `key`."""
+    import gguf
+
+    shape = tuple(int(s) for s in shape)
+    if key == "f32":
+        return shape, np.float32, None
+    if key == "f16":
+        return shape, np.float16, None
+    if key in FLOAT_TYPES:
+        return (*shape[:-1], 2 * shape[-1]), np.uint8, gguf.GGMLQuantizationType.BF16
+    from moequant.formats import nbytes
+
+    spec = get_format(key)
+    return (*shape[:-1], nbytes(key, (1, shape[-1]))), np.uint8, _ggml_type(spec)
 
 
 def export_gguf(ckpt, adapter, items: dict, out_dir, *, kept: dict | None = None, float_type: str = "bf16",
@@ -270,63 +616,112 @@ def export_gguf(ckpt, adapter, items: dict, out_dir, *, kept: dict | None = None
     kept = kept or {}
     read = lambda n: kept[n] if n in kept else ckpt.get(n)  # noqa: E731
     mt = adapter.model_type
+    graph = GRAPHS[mt]
     c = ckpt.config
-    n_head, n_kv = int(c["num_attention_heads"]), int(c.get("num_key_value_heads", c["num_attention_heads"]))
-    expert_names = {adapter.expert_tensor_name(L, e, p) for L in adapter.moe_layers for e in range(adapter.num_experts)
-                    for p in adapter.projections}
-    plan_of = {}
+    expert_names = _expert_names(adapter)
+    plan_of = {}  # GGUF name -> (HF name, transform)
     for name in ckpt.keys():
         if name in expert_names:
             continue
-        target = gguf_name(mt, name)
-        if target is None:
-            raise UserError(f"tensor {name} of {ckpt.path} has no GGUF counterpart in llama.cpp's {ARCHS[mt]} graph.")
-        plan_of[target] = name
+        targets = gguf_targets(mt, name)
+        if not targets:
+            raise UserError(f"tensor {name} of {ckpt.path} has no GGUF counterpart in llama.cpp's {graph.arch} graph.")
+        for target, fn in targets:
+            plan_of[target] = (name, fn)
     copied = tied_output(ckpt.keys())
     if copied:
-        plan_of["output.weight"] = copied
+        plan_of["output.weight"] = (copied, None)
 
-    def tensor_for(hf_name: str, out_name: str):
-        """(numpy array, raw ggml type or None) of one 2-D/1-D tensor."""
-        q = items.get(hf_name) if out_name != "output.weight" or hf_name == "lm_head.weight" else None
-        if q is not None and q.spec.is_ggml:
-            arr, raw = q.codes.cpu(), _ggml_type(q.spec)
-        else:
-            arr, raw = (q.codes if q is not None else read(hf_name)), None
-        if mt == "mixtral" and re.fullmatch(r"blk\.\d+\.attn_[qk]\.(weight|bias)", out_name):
-            arr = _rope_permute(arr, n_head if ".attn_q." in out_name else n_kv)
-        if raw is not None:
-            return arr.numpy(), raw
-        if out_name.endswith("ffn_gate_inp_shexp.weight"):
-            arr = arr.reshape(-1)  # llama.cpp's {n_embd}
+    def plain_key(hf_name, out_name, ndim):
+        if out_name.endswith(".bias"):  # gpt-oss's expert biases are 2-D; ggml adds biases in F32 only
+            return "f32"
         role = "lm_head" if out_name == "output.weight" else adapter.classify(hf_name).role
-        return _plain(arr, plain_type(role, arr.dim(), float_type, types), out_name)
+        return plain_type(role, ndim, float_type, types)
 
-    def experts_for(layer: int, proj: str):
-        names = [adapter.expert_tensor_name(layer, e, proj) for e in range(adapter.num_experts)]
-        if names[0] in items and items[names[0]].spec.is_ggml:
-            return torch.stack([items[n].codes.cpu() for n in names]).numpy(), _ggml_type(items[names[0]].spec)
-        stacked = torch.stack([items[n].codes if n in items else read(n) for n in names])
+    def tensor_for(out_name: str) -> _Lazy:
+        hf_name, fn = plan_of[out_name]
+        q = items.get(hf_name) if out_name != "output.weight" or hf_name == "lm_head.weight" else None
+        if q is not None and q.spec.quantized:  # packed blocks, one-to-one or rows reordered (check_gguf)
+            arr, raw = _packed(q if fn is None else _rows(q, fn(torch.arange(q.shape[0]), c)))
+            return _Lazy(arr.shape, arr.dtype, arr.nbytes, lambda: arr), raw
+        source = (lambda: q.codes) if q is not None else (lambda: read(hf_name))
+        shape = tuple(ckpt.shape(hf_name)) if q is None else tuple(q.shape)
+        if fn is not None:
+            shape = tuple(fn(torch.empty(shape, device="meta"), c).shape)
+        key = plain_key(hf_name, out_name, len(shape))
+        np_shape, dtype, raw = _plain_meta(shape, key)
+
+        def make():
+            t = source()
+            t = fn(t, c) if fn is not None else t
+            return _plain(t, key, out_name)[0]
+
+        return _Lazy(np_shape, dtype, np.dtype(dtype).itemsize * math.prod(np_shape), make), raw
+
+    class _Source:  # the checkpoint as adapters read it, kept tensors first
+        get = staticmethod(read)
+
+        def get_slice(self, n):
+            return read(n)
+
+    def stored(hf_name):
+        """The source's own codes of a tensor nobody replaces, when GGUF stores its format as it is (gpt-oss's
+        MXFP4 experts): written as they are, never dequantized and requantized."""
+        enc = ckpt.encodings.get(hf_name)
+        if enc is None or hf_name in kept or hf_name in items or not stores_natively(enc.spec):
+            return None
+        from moequant.io import dequant
+
+        dequant.decode(enc, ckpt.read_stored)  # its scales checked and its values finite, or one sentence
+        return dequant._quantized(enc, {role: ckpt.read_stored(n) for role, n in enc.parts.items()})
+
+    def experts_for(layer: int, proj: str) -> tuple[_Lazy, object]:
         name = f"blk.{layer}.ffn_{proj}_exps.weight"
-        return _plain(stacked, plain_type("routed_expert", stacked.dim(), float_type, types), name)
+        if adapter.fused_experts:  # gpt-oss: gate / up interleaved rows of one [E, 2I, H] tensor
+            fused = adapter.expert_tensor_name(layer, 0, proj)
+            q = items.get(fused) or stored(fused)
+            rows = slice(None) if proj == "down" else slice(0 if proj == "gate" else 1, None, 2)
+            if q is not None and q.spec.quantized:
+                arr, raw = _packed(q, rows)
+                return _Lazy(arr.shape, arr.dtype, arr.nbytes, lambda: arr), raw
+            make_stacked = (lambda: q.codes[:, rows]) if q is not None else \
+                (lambda: adapter.read_experts(_Source(), layer, proj))
+        else:
+            names = [adapter.expert_tensor_name(layer, e, proj) for e in range(adapter.num_experts)]
+            if names[0] in items and items[names[0]].spec.quantized:
+                stacked = torch.stack([items[n].codes.cpu() for n in names]) if items[names[0]].spec.is_ggml else None
+                if stacked is not None:
+                    arr = stacked.numpy()
+                else:
+                    from moequant.formats import stack_experts
+
+                    arr, _ = _packed(stack_experts([items[n] for n in names]))
+                return _Lazy(arr.shape, arr.dtype, arr.nbytes, lambda: arr), _ggml_type(items[names[0]].spec)
+            make_stacked = lambda: torch.stack([items[n].codes if n in items else read(n) for n in names])  # noqa: E731
+        shape = (adapter.num_experts, *adapter.expert_shape(proj))
+        key = plain_type("routed_expert", 3, float_type, types)
+        np_shape, dtype, raw = _plain_meta(shape, key)
+        return _Lazy(np_shape, dtype, np.dtype(dtype).itemsize * math.prod(np_shape),
+                     lambda: _plain(make_stacked(), key, name)[0]), raw
 
     out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:
-        writer = gguf.GGUFWriter(str(tmp / GGUF_FILE), ARCHS[mt], split_max_size=max_shard_bytes)
-        _add_hparams(writer, adapter, c, _file_type(items, float_type))
+        writer = gguf.GGUFWriter(str(tmp / GGUF_FILE), graph.arch, split_max_size=max_shard_bytes)
+        _add_common(writer, adapter, c)
+        graph.hparams(writer, adapter, c)
+        writer.add_file_type(_file_type(items, float_type))
+        writer.add_quantization_version(2)
         add_tokenizer(writer, ckpt.directory)
         order = ["token_embd.weight", "output_norm.weight", "output.weight"]
-        for target in order:
-            arr, raw = tensor_for(plan_of[target], target)
-            writer.add_tensor(target, arr, raw_dtype=raw)
         for L in range(adapter.num_layers):
-            for target in sorted(t for t in plan_of if t.startswith(f"blk.{L}.")):
-                arr, raw = tensor_for(plan_of[target], target)
-                writer.add_tensor(target, arr, raw_dtype=raw)
+            order += sorted(t for t in plan_of if t.startswith(f"blk.{L}."))
             if L in adapter.moe_layers:
-                for proj in adapter.projections:
-                    arr, raw = experts_for(L, proj)
-                    writer.add_tensor(f"blk.{L}.ffn_{proj}_exps.weight", arr, raw_dtype=raw)
+                order += [f"blk.{L}.ffn_{p}_exps.weight" for p in adapter.projections]
+        for target in order:
+            m = re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight", target)
+            lazy, raw = experts_for(int(m[1]), m[2]) if m and target not in plan_of else tensor_for(target)
+            writer.add_tensor_info(target, lazy.shape, lazy.dtype, lazy.nbytes, raw_dtype=raw)
+            writer.tensors[-1][target].tensor = lazy  # written (made) in order by write_tensors_to_file
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -336,7 +731,8 @@ def export_gguf(ckpt, adapter, items: dict, out_dir, *, kept: dict | None = None
 
 
 _ROLES = [(r"token_embd\.", "embedding"), (r"output\.", "lm_head"), (r".*norm\.", "norm"),
-          (r".*ffn_gate_inp_shexp\.", "shared_expert_gate"), (r".*ffn_gate_inp\.", "router"),
+          (r".*ffn_gate_inp_shexp\.", "shared_expert_gate"), (r".*(ffn_gate_inp|exp_probs_b)\.", "router"),
+          (r".*ffn_(gate|up|down)\.", "dense_mlp"),
           (r".*_shexp\.", "shared_expert"), (r".*_exps\.", "routed_expert"), (r".*attn_", "attention")]
 
 

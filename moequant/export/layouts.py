@@ -783,7 +783,9 @@ class _Gguf(_Layout):
 
     @staticmethod
     def refuses(spec, target):
-        return None if spec.is_ggml else "ggml block types (q8_0 ... q2_k) or bf16"
+        from moequant.export.gguf import stores_natively
+
+        return None if stores_natively(spec) else "ggml block types (q8_0 ... q2_k, iq4_xs ... iq2_xxs), MXFP4 or bf16"
 
     @classmethod
     def refuses_model(cls, adapter):

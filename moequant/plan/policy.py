@@ -676,12 +676,17 @@ def _groups(ctx: _Context, target: str, free: list[tuple[int, int]]) -> list[lis
     unit = GRANULARITY[target]
     if unit == "expert":
         return [[e] for e in free]
-    if unit == "layer_proj":  # one group per (layer, projection), of (layer, expert, proj) items
+    if unit == "layer_proj":  # one group per (layer, projection), of (layer, expert, proj) items; per on-disk
+        # tensor where one holds several projections (gpt-oss's fused gate_up: one format on disk)
         by_proj: dict[tuple, list] = defaultdict(list)
-        for L, e in free:
-            for t in ctx.experts[(L, e)]:
-                by_proj[(L, PROJECTIONS.index(t.proj))].append((L, e, t.proj))
-        return [by_proj[k] for k in sorted(by_proj)]
+        items = [(L, e, t) for L, e in free for t in ctx.experts[(L, e)]]
+        holds = defaultdict(set)
+        for _, _, t in items:
+            holds[t.name].add(t.proj)
+        for L, e, t in items:
+            key = (L, t.name) if len(holds[t.name]) > 1 else (L, PROJECTIONS.index(t.proj))
+            by_proj[key].append((L, e, t.proj))
+        return [by_proj[k] for k in sorted(by_proj, key=lambda k: (k[0], str(k[1])))]
     if unit == "layer":
         by_layer: dict[int, list] = defaultdict(list)
         for e in free:

@@ -67,6 +67,7 @@ def test_a_budget_the_low_bit_menu_cannot_meet_is_refused_before_calibration(tmp
     out = tmp_path / "run"
     for recipe in ("recipes/gguf-lowbit.yaml", "recipes/gguf-iq.yaml"):
         proc = subprocess.run([sys.executable, "-m", "moequant.cli", "apply", "--recipe", recipe, "--output", str(out),
+                               "--model", "zoo:tiny-qwen2moe",
                                "--set", "experts.budget.bits_per_weight=2.0"], capture_output=True, text=True)
         assert proc.returncode == 2, proc.stderr
         lines = [ln for ln in proc.stderr.strip().splitlines() if not ln.startswith("note:")]

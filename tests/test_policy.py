@@ -560,6 +560,10 @@ def test_fused_experts_are_planned_per_expert():
         def __init__(self):
             self.config = config
             self.expected = adapter.expected_tensors()
+            self.encodings = {}
+
+        def dtype(self, name):
+            return "BF16"
 
         def keys(self):
             return list(self.expected)

@@ -60,6 +60,7 @@ transformers-5 module names, `mlp.experts.N.gate_proj`, not the on-disk `block_s
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -335,11 +336,11 @@ class _Layout:
         return None
 
     @staticmethod
-    def plain_nbytes(role: str, shape, export) -> int:
+    def plain_nbytes(role: str, shape, export, element_size: int = 2) -> int:
         """Bytes the layout writes a tensor in that it leaves unquantized (kept, or planned bf16), `export`
-        being the recipe's export section: the plan's byte account asks this. 2 per element here, as
-        bf16 (the tensors of a bf16 checkpoint are copied as they are)."""
-        return formats.nbytes("bf16", shape)
+        being the recipe's export section: the plan's byte account asks this. Kept tensors are copied
+        as they are stored: `element_size` bytes per element (DeepSeek-V3's F32 routers: 4)."""
+        return math.prod(shape) * element_size
 
     @staticmethod
     def copied_tensors(names) -> list[tuple[str, str, str]]:
@@ -769,8 +770,8 @@ class _Gguf(_Layout):
     name = "gguf"
 
     @staticmethod
-    def plain_nbytes(role, shape, export):
-        from moequant.export.gguf import plain_nbytes
+    def plain_nbytes(role, shape, export, element_size=2):
+        from moequant.export.gguf import plain_nbytes  # GGUF chooses its own float types
 
         return plain_nbytes(role, shape, export.gguf_float, export.gguf_types)
 

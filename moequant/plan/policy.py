@@ -202,6 +202,7 @@ class TensorInfo:
     expert: int | None
     proj: str | None
     shape: tuple[int, ...]
+    element_size: int = 2  # bytes per element of a copy kept as stored (F32 routers stay F32)
 
     @property
     def numel(self) -> int:
@@ -310,8 +311,19 @@ def tensors_from_checkpoint(ckpt, adapter=None) -> list[TensorInfo]:
                     out.append(TensorInfo(name, "routed_expert", role.layer, expert, proj,
                                           tuple(adapter.expert_shape(proj))))
         else:
-            out.append(TensorInfo(name, role.role, role.layer, role.expert, role.proj, shape))
+            out.append(TensorInfo(name, role.role, role.layer, role.expert, role.proj, shape,
+                                  _kept_element_size(ckpt, name)))
     return out
+
+
+def _kept_element_size(ckpt, name: str) -> int:
+    """Bytes per element the export writes a kept copy of `name` in: its stored dtype, or the model's
+    dense dtype where the source stores it quantized (layouts._write_shards)."""
+    if name in ckpt.encodings:
+        from moequant.export.layouts import model_dtype
+
+        return model_dtype(ckpt.config).itemsize
+    return {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1}.get(ckpt.dtype(name), 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -576,11 +588,13 @@ class _Context:
     def nbytes(self, spec, t) -> int:
         """Bytes of tensor `t` (a TensorInfo / TensorPlan) in `spec`, as the export layout writes them."""
         shape = tuple(t.shape)
-        key = (spec.key, shape, None if spec.quantized else t.role)  # a layout stores plain tensors by role
+        element_size = getattr(t, "element_size", 2)
+        # a layout stores plain tensors by role and, copying them, in their stored dtype
+        key = (spec.key, shape, None if spec.quantized else (t.role, element_size))
         if key in self._nbytes:
             return self._nbytes[key]
         if not spec.quantized:
-            self._nbytes[key] = self.layout.plain_nbytes(t.role, shape, self.recipe.export)
+            self._nbytes[key] = self.layout.plain_nbytes(t.role, shape, self.recipe.export, element_size)
             return self._nbytes[key]
         try:
             self._nbytes[key] = self.formats.nbytes(spec, shape, symmetric_zeros=self.layout.symmetric_zeros)

@@ -19,6 +19,7 @@ import dataclasses
 
 import torch
 
+from moequant.algorithms import refit_triton
 from moequant.errors import UserError
 
 
@@ -26,13 +27,15 @@ def refit_scales(q, weight: torch.Tensor, hessian: torch.Tensor, *, budget_bytes
     """q (integer group format, [E, out, in] or [out, in]) with each row's scales re-solved for the least
     output error tr((W - Wq) H (W - Wq)^T) given its codes; weight / hessian as given to GPTQ.
 
-    Batched over experts and rows: per chunk of experts, Y = C_g H (every row's centred codes of
-    group g times the Hessian, [e, G, r, in]) gives A = [c_g^T H c_h] by one reduction, b = [c_g^T H w]
-    comes from W H, and all [G, G] systems are solved at once. Chunks hold at most `budget_bytes`
-    of Y (default: moequant.budget's share for temporaries). float64 on the CPU; float32 on
-    accelerators with Y's product in split TF32 (H = H_hi + H_lo, both TF32 numbers; the codes
-    are small integers, exact in TF32), about 2^-20 relative, since float64 is slow there and
-    the per-row check still keeps the old scales wherever the solve does not help."""
+    Batched over experts and rows: per chunk of experts, A = [c_g^T H c_h] and b = [c_g^T H w] for
+    every row, then all [G, G] systems are solved at once. On CUDA (formats of <= 7 bits, groups of
+    32 / 64 / 128) A and b come from one Triton kernel (moequant.algorithms.refit_triton: int8
+    tensor-core products with H in three int8 pieces, float32 sums) that never forms the G x
+    weight-sized intermediate Y = C_g H; otherwise Y is formed, in float64 on the CPU and in
+    split TF32 on accelerators (H = H_hi + H_lo, both TF32 numbers; the codes are small
+    integers, exact in TF32), about 2^-20 relative. Chunks hold at most `budget_bytes` of the
+    work (default: moequant.budget's share for temporaries). The per-row check keeps the old
+    scales wherever the solve does not help."""
     spec = q.spec
     if not (spec.is_int and spec.granularity == "group"):
         raise UserError(f"the scale refit applies to integer group formats, not {spec.key}")
@@ -47,25 +50,38 @@ def refit_scales(q, weight: torch.Tensor, hessian: torch.Tensor, *, budget_bytes
     h_all = hessian[None] if single else hessian
     num_experts, rows, cols = codes.shape
     groups = scales.shape[-1]
-    # Y and one Y-sized temporary (its second product, then the A reduction's), codes, weights, W H,
-    # the Hessian and its two TF32 halves
-    per_expert = work.itemsize * (2 * groups * rows * cols + 3 * rows * cols + 3 * cols * cols)
+    kernel = work == torch.float32 and refit_triton.usable(spec.bits, cols // groups, cols, codes.device)
+    if kernel:
+        # A and its solve's copies, b, the centred codes, H and its int8 pieces with their temporaries
+        per_expert = 4 * (3 * rows * groups * groups + 2 * rows * cols) + 20 * cols * cols
+    else:
+        # Y and one Y-sized temporary (its second product, then the A reduction's), codes, weights, W H,
+        # the Hessian and its two TF32 halves
+        per_expert = work.itemsize * (2 * groups * rows * cols + 3 * rows * cols + 3 * cols * cols)
     limit = budget_bytes if budget_bytes is not None else budget.temporary_bytes(codes.device) // 2
     chunk = max(1, min(num_experts, limit // per_expert))
     parts, e0 = [], 0
     while e0 < num_experts:
         e1 = min(num_experts, e0 + chunk)
         try:
-            c = codes[e0:e1].to(work)
-            if zeros is not None:
-                c -= zeros[e0:e1].to(work).repeat_interleave(cols // groups, dim=-1)
-            w = w_all[e0:e1].to(device=codes.device, dtype=work)
             h = h_all[e0:e1].to(device=codes.device, dtype=work)
-            parts.append(_refit_experts(c, w, h, scales[e0:e1], groups))
+            if kernel:  # centred codes as int8 (|q - z| <= 2^B - 1), the weights as given
+                c = codes[e0:e1] if zeros is None else \
+                    codes[e0:e1] - zeros[e0:e1].repeat_interleave(cols // groups, dim=-1)
+                a, b = refit_triton.normal_equations(c, w_all[e0:e1].to(codes.device), h, cols // groups)
+            else:
+                c = codes[e0:e1].to(work)
+                if zeros is not None:
+                    c -= zeros[e0:e1].to(work).repeat_interleave(cols // groups, dim=-1)
+                w = w_all[e0:e1].to(device=codes.device, dtype=work)
+                a, b = _normal_equations(c, w, h, groups)
+            c = w = h = None
+            parts.append(_solve(a, b, scales[e0:e1]))
+            a = b = None
         except torch.OutOfMemoryError:  # the estimate was too optimistic (fragmentation): smaller chunks
             if chunk == 1:
                 raise
-            c = w = h = None
+            a = b = c = w = h = None
             torch.cuda.empty_cache()
             chunk = max(1, chunk // 2)
             continue
@@ -74,8 +90,8 @@ def refit_scales(q, weight: torch.Tensor, hessian: torch.Tensor, *, budget_bytes
     return dataclasses.replace(q, scales=new_scales[0] if single else new_scales)
 
 
-def _refit_experts(c, w, h, old, groups: int):
-    """Scales [e, r, G] (bf16) for centred codes c [e, r, in], weights w [e, r, in], Hessians h [e, in, in]."""
+def _normal_equations(c, w, h, groups: int):
+    """A [e, r, G, G] and b [e, r, G] for centred codes c [e, r, in], weights w [e, r, in], Hessians h [e, in, in]."""
     e, r, n = c.shape
     gs = n // groups
     cg = c.view(e, r, groups, gs).transpose(1, 2)  # [e, G, r, gs]
@@ -85,6 +101,11 @@ def _refit_experts(c, w, h, old, groups: int):
     del y
     a = a.transpose(1, 2)  # [e, r, G, G]
     b = (c * _times_hessian(w, h, split_left=True)).view(e, r, groups, gs).sum(-1)  # c_g^T (H w): [e, r, G]
+    return a, b
+
+
+def _solve(a, b, old):
+    """Per row, the bf16 scales solving A s = b, kept where they beat the old scales `old` [e, r, G]."""
     diag = a.diagonal(dim1=-2, dim2=-1)
     live = diag > 0  # a group whose codes are all zero has no say in the output
     damped = a + torch.diag_embed(torch.where(live, 1e-9 * diag, torch.ones_like(diag)))

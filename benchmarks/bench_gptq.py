@@ -483,11 +483,18 @@ def main():
                     help="time each tool's first call too (default: each tool first runs once on the small shape)")
     ap.add_argument("--profile", type=int, default=None, metavar="E",
                     help="time the phases of GPTQ on the first E experts of each --shape (torch vs fused sweep)")
+    ap.add_argument("--profile-refit", type=int, default=None, metavar="E",
+                    help="time the searched grid and the scale refit's parts on E random experts of each --shape "
+                    "and --format (kernel launch shapes, solvers; OLD_SEARCH=path of an older search_triton.py to compare)")
     ap.add_argument("--verify", action="store_true", help="first check on the device: CUDA-graph sweep == eager, "
                     "batched == one expert at a time (same codes)")
     args = ap.parse_args()
     if args.verify:
         verify(args.device)
+    if args.profile_refit:
+        for shape in args.shape:
+            profile_refit(args.device, shape, args.profile_refit, args.format)
+        return
     if args.profile:
         for shape in args.shape:
             profile(args.device, shape, args.profile)
@@ -673,6 +680,93 @@ def profile(device, shape, experts, out_dir=None):
                     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70)
                 print(table, flush=True)
     os.environ["MOEQUANT_TRITON"] = "1"
+
+
+def profile_refit(device, shape, experts, key):
+    """The searched grid and the refit's parts on `experts` random experts (gate's and down's shapes):
+    grid kernel (and an older one, OLD_SEARCH), normal equations by the Triton kernel per launch shape
+    and by the torch split-TF32 products, their error against float64, the batched solvers."""
+    import importlib.util
+
+    from triton.testing import do_bench
+
+    from moequant import formats
+    from moequant.algorithms import refit, refit_triton
+    from moequant.formats import core, search_triton
+
+    spec = formats.parse_key(key)
+    _, hidden, width, *_ = SHAPES[shape]
+    gs = spec.group_size
+    old = None
+    if os.environ.get("OLD_SEARCH"):
+        load = importlib.util.spec_from_file_location("old_search_triton", os.environ["OLD_SEARCH"])
+        old = importlib.util.module_from_spec(load)
+        load.loader.exec_module(old)
+    g = torch.Generator(device=device).manual_seed(0)
+    for proj, rows, cols in (("gate", width, hidden), ("down", hidden, width)):
+        w = (torch.randn(experts, rows, cols, device=device, generator=g) * 0.02).to(torch.bfloat16)
+        x = torch.randn(4096, cols, device=device, generator=g) * torch.exp(0.5 * torch.randn(cols, device=device, generator=g))
+        h = (x.T @ x / 4096).expand(experts, cols, cols).contiguous()
+        h += 0.01 * torch.eye(cols, device=device) * torch.rand(experts, 1, 1, device=device, generator=g)
+        imp = h.diagonal(dim1=-2, dim2=-1)[:, None, :].unflatten(-1, (-1, gs))
+        xg = w.float().unflatten(-1, (-1, gs))
+        ms = lambda fn: do_bench(fn, warmup=50, rep=300, return_mode="median")  # noqa: E731
+        scale = 256 / experts  # per 256 experts ("per layer" of DeepSeek; Qwen3 has 128: halve)
+        print(f"\n== {shape} {proj} [{experts}, {rows}, {cols}] {key}; ms per 256 experts", flush=True)
+        t = ms(lambda: core.searched_fit(spec, xg, imp))
+        print(f"  grid kernel (this tree)           {t * scale:9.1f}", flush=True)
+        if old is not None and spec.symmetric:
+            qmax = 2 ** (spec.bits - 1) - 1
+            divs = torch.linspace(qmax, 1.6 * qmax, core.SEARCH_STEPS).tolist() + [qmax + 0.5, qmax + 1]
+            s0, z0 = core._fit(spec, xg, None, None)
+            t = ms(lambda: old.searched_fit_triton(spec, xg, imp, s0, z0, divs))
+            print(f"  grid kernel (OLD_SEARCH)          {t * scale:9.1f}", flush=True)
+            new_s = core.searched_fit(spec, xg, imp)[0]
+            print(f"  scales differing new vs old       {(new_s != old.searched_fit_triton(spec, xg, imp, s0, z0, divs)[0]).float().mean().item():.2e}")
+        for bm, warps in ((16, 4), (32, 4), (8, 4), (16, 2)):
+            search_triton.LAUNCH[gs] = (bm, warps)
+            try:
+                t = ms(lambda: core.searched_fit(spec, xg, imp))
+                print(f"  grid kernel {bm:3} groups {warps} warps  {t * scale:9.1f}", flush=True)
+            except Exception as err:  # noqa: BLE001
+                print(f"  grid kernel {bm} {warps}: {type(err).__name__}", flush=True)
+        search_triton.LAUNCH.clear()
+        q = formats.quantize(w, spec)
+        groups = cols // gs
+        c = q.codes if q.zeros is None else q.codes - q.zeros.repeat_interleave(gs, dim=-1)
+        t = ms(lambda: refit_triton.hessian_pieces(h, gs))
+        print(f"  H pieces                          {t * scale:9.1f}", flush=True)
+        for br, warps in ((64, 4), (64, 8), (128, 4), (128, 8), (32, 4)):
+            refit_triton.LAUNCH = (br, warps)
+            try:
+                t = ms(lambda: refit_triton.normal_equations(c, w, h, gs))
+                print(f"  normal eq. kernel R={br:3} w={warps}      {t * scale:9.1f}", flush=True)
+            except Exception as err:  # noqa: BLE001
+                print(f"  normal eq. kernel R={br} w={warps}: {type(err).__name__} {str(err)[:100]}", flush=True)
+        refit_triton.LAUNCH = (64, 4)
+        cf, wf = c.float(), w.float()
+        try:
+            t = ms(lambda: refit._normal_equations(cf, wf, h, groups))
+            print(f"  normal eq. torch split TF32       {t * scale:9.1f}", flush=True)
+        except torch.OutOfMemoryError:
+            print("  normal eq. torch split TF32: out of memory", flush=True)
+        a, b = refit_triton.normal_equations(c[:2], w[:2], h[:2], gs)
+        a64, b64 = refit._normal_equations(c[:2].double(), w[:2].double(), h[:2].double(), groups)
+        a32, b32 = refit._normal_equations(cf[:2], wf[:2], h[:2], groups)
+        rel = lambda u, v: ((u.double() - v).norm() / v.norm()).item()  # noqa: E731
+        print(f"  vs float64: kernel A {rel(a, a64):.2e} b {rel(b, b64):.2e}; split TF32 A {rel(a32, a64):.2e} "
+              f"b {rel(b32, b64):.2e}", flush=True)
+        del a64, b64, a32, b32
+        a, b = refit_triton.normal_equations(c, w, h, gs)
+        t = ms(lambda: refit._solve(a, b, q.scales))
+        print(f"  solve + choose (solve_ex)         {t * scale:9.1f}", flush=True)
+        damped = a + 1e-9 * torch.eye(groups, device=device)
+        t = ms(lambda: torch.linalg.solve_ex(damped, b))
+        print(f"  solve_ex alone                    {t * scale:9.1f}", flush=True)
+        t = ms(lambda: torch.cholesky_solve(b.unsqueeze(-1), torch.linalg.cholesky_ex(damped)[0]))
+        print(f"  cholesky_ex + cholesky_solve      {t * scale:9.1f}", flush=True)
+        del a, b, damped, h, x, w, xg, imp, q, c, cf, wf
+        torch.cuda.empty_cache()
 
 
 def print_row(r, header):

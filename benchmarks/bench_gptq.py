@@ -312,7 +312,7 @@ def run_moequant_pass(layer: Layer, args) -> dict:
     """The quantize pass's GPTQ (gptq_pass_shared: gate and up in one solve, down alone), timed by phase:
     the searched grid (formats.search_triton on CUDA) inside the solve's scales phase, the solve, the refit."""
     from moequant.algorithms import gptq
-    from moequant.algorithms.refit import refit_scales
+    from moequant.algorithms.refit import refit_scales_shared
 
     device = args.device
     base = peak_reset(device)
@@ -330,7 +330,7 @@ def run_moequant_pass(layer: Layer, args) -> dict:
         grid_s += report.seconds["prepare"]
         sync(device)
         t_refit = time.perf_counter()
-        qs = [refit_scales(q, w, h) for q, w in zip(qs, weights)]
+        qs = refit_scales_shared(qs, weights, h)
         sync(device)
         refit_s += time.perf_counter() - t_refit
         for p, q in zip(projs, qs):
@@ -703,7 +703,7 @@ def profile_refit(device, shape, experts, key):
         old = importlib.util.module_from_spec(load)
         load.loader.exec_module(old)
     g = torch.Generator(device=device).manual_seed(0)
-    for proj, rows, cols in (("gate", width, hidden), ("down", hidden, width)):
+    for proj, rows, cols in (("gate", width, hidden), ("down", hidden, width))[: int(os.environ.get("PROFILE_PROJS", 2))]:
         w = (torch.randn(experts, rows, cols, device=device, generator=g) * 0.02).to(torch.bfloat16)
         x = torch.randn(4096, cols, device=device, generator=g) * torch.exp(0.5 * torch.randn(cols, device=device, generator=g))
         h = (x.T @ x / 4096).expand(experts, cols, cols).contiguous()
@@ -723,7 +723,8 @@ def profile_refit(device, shape, experts, key):
             print(f"  grid kernel (OLD_SEARCH)          {t * scale:9.1f}", flush=True)
             new_s = core.searched_fit(spec, xg, imp)[0]
             print(f"  scales differing new vs old       {(new_s != old.searched_fit_triton(spec, xg, imp, s0, z0, divs)[0]).float().mean().item():.2e}")
-        for bm, warps in ((16, 4), (32, 4), (8, 4), (16, 2)):
+        default_grid = dict(search_triton.LAUNCH)
+        for bm, warps in ((16, 4), (8, 4), (16, 2), (32, 2)):
             search_triton.LAUNCH[gs] = (bm, warps)
             try:
                 t = ms(lambda: core.searched_fit(spec, xg, imp))
@@ -731,19 +732,23 @@ def profile_refit(device, shape, experts, key):
             except Exception as err:  # noqa: BLE001
                 print(f"  grid kernel {bm} {warps}: {type(err).__name__}", flush=True)
         search_triton.LAUNCH.clear()
+        search_triton.LAUNCH.update(default_grid)
         q = formats.quantize(w, spec)
         groups = cols // gs
+        default_launch = refit_triton.LAUNCH
         c = q.codes if q.zeros is None else q.codes - q.zeros.repeat_interleave(gs, dim=-1)
         t = ms(lambda: refit_triton.hessian_pieces(h, gs))
         print(f"  H pieces                          {t * scale:9.1f}", flush=True)
-        for br, warps in ((64, 4), (64, 8), (128, 4), (128, 8), (32, 4)):
-            refit_triton.LAUNCH = (br, warps)
+        pieces = refit_triton.hessian_pieces(h, gs)
+        for launch in ((32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 8, 3), (32, 4, 2), (16, 4, 3), (64, 8, 2)):
+            refit_triton.LAUNCH = launch
             try:
-                t = ms(lambda: refit_triton.normal_equations(c, w, h, gs))
-                print(f"  normal eq. kernel R={br:3} w={warps}      {t * scale:9.1f}", flush=True)
+                t = ms(lambda: refit_triton.normal_equations(c, w, pieces, gs))
+                print(f"  normal eq. kernel R, warps, stages {launch}  {t * scale:9.1f}", flush=True)
             except Exception as err:  # noqa: BLE001
-                print(f"  normal eq. kernel R={br} w={warps}: {type(err).__name__} {str(err)[:100]}", flush=True)
-        refit_triton.LAUNCH = (64, 4)
+                print(f"  normal eq. kernel {launch}: {type(err).__name__} {str(err)[:300]}", flush=True)
+        refit_triton.LAUNCH = default_launch
+        del pieces
         cf, wf = c.float(), w.float()
         try:
             t = ms(lambda: refit._normal_equations(cf, wf, h, groups))
@@ -759,10 +764,8 @@ def profile_refit(device, shape, experts, key):
         del a64, b64, a32, b32
         a, b = refit_triton.normal_equations(c, w, h, gs)
         t = ms(lambda: refit._solve(a, b, q.scales))
-        print(f"  solve + choose (solve_ex)         {t * scale:9.1f}", flush=True)
+        print(f"  solve + choose (Cholesky)         {t * scale:9.1f}", flush=True)
         damped = a + 1e-9 * torch.eye(groups, device=device)
-        t = ms(lambda: torch.linalg.solve_ex(damped, b))
-        print(f"  solve_ex alone                    {t * scale:9.1f}", flush=True)
         t = ms(lambda: torch.cholesky_solve(b.unsqueeze(-1), torch.linalg.cholesky_ex(damped)[0]))
         print(f"  cholesky_ex + cholesky_solve      {t * scale:9.1f}", flush=True)
         del a, b, damped, h, x, w, xg, imp, q, c, cf, wf

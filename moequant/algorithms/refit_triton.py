@@ -30,7 +30,7 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's CPU interpreter (development)
 GROUP_SIZES = (32, 64, 128)  # group widths the kernel takes (the int8 products' depth)
 BASE = 128.0  # the pieces' radix: P1 * BASE^2 + P2 * BASE + P3
-LAUNCH = (64, 4)  # rows per program, warps (measured on the H200: benchmarks/bench_gptq.py --profile-refit)
+LAUNCH = (32, 4, 3)  # rows per program, warps, pipeline stages (H200: benchmarks/bench_gptq.py --profile-refit)
 
 
 def column_block(group_size: int, cols: int) -> int | None:
@@ -50,73 +50,111 @@ def usable(bits: int, group_size: int, cols: int, device: torch.device) -> bool:
     return device.type == "cuda" or INTERPRETED
 
 
-def hessian_pieces(h: torch.Tensor, group_size: int):
-    """H [e, n, n] float32 -> (P1, P2, P3 int8 [e, n, n], scales [e, G, n] float32) with
-    H[i, j] ~ s[g, j] * (P1 * 128^2 + P2 * 128 + P3) for the rows i of group g: one scale per column
-    of each group's row block, so an outlier channel's large column costs the others no precision.
-    Off by at most 0.625 * s, about 2.4e-7 of the largest |H[i, j]| of the group's rows in that
-    column (P1 in +-127; P2, P3 in +-64)."""
+def hessian_pieces_reference(h: torch.Tensor, group_size: int):
+    """`hessian_pieces` in torch (its definition; tests compare the two)."""
     e, n, _ = h.shape
-    g = n // group_size
-    rows = h.view(e, g, group_size, n)
-    s = rows.abs().amax(dim=2) / (127.0 * BASE * BASE)
+    rows = h.view(e, n, n // group_size, group_size)  # H[j, group g's columns i]
+    s = rows.abs().amax(dim=-1) * (1.0 / (127.0 * BASE * BASE))  # [e, n (j), G]
     s = torch.where(s > 0, s, torch.ones_like(s))
-    v = rows / s[:, :, None, :]  # |v| <= 127 * 128^2
+    v = rows / s[..., None]  # |v| <= 127 * 128^2
     pieces = []
     for step in (BASE * BASE, BASE, 1.0):
         p = torch.round(v / step).clamp_(-127, 127)
         v -= p * step  # exact: both are multiples of v's last bit
         pieces.append(p.to(torch.int8).view(e, n, n))
         del p
-    return pieces[0], pieces[1], pieces[2], s.contiguous()
+    return pieces[0], pieces[1], pieces[2], s.transpose(1, 2).contiguous()
 
 
-def normal_equations(codes: torch.Tensor, weight: torch.Tensor, hessian: torch.Tensor, group_size: int):
+def hessian_pieces(h: torch.Tensor, group_size: int):
+    """H [e, n, n] float32 (symmetric) -> (P1, P2, P3 int8 [e, n, n], scales [e, G, n] float32) with
+    H[j, i] ~ s[g, j] * (P1 * 128^2 + P2 * 128 + P3)[j, i] for the columns i of group g: one scale per
+    row j and group, so an outlier channel's large entries cost the others no precision. Off by at
+    most 0.625 * s, about 2.4e-7 of the largest |H[j, i]| over the group (P1 in +-127; P2, P3 in
+    +-64). Row j of group g's pieces is column j of H's row block g (H is symmetric), stored with
+    the group's columns contiguous: the K-major operand the int8 tensor-core products take."""
+    e, n, _ = h.shape
+    if not (h.is_cuda or INTERPRETED) or group_size not in GROUP_SIZES:
+        return hessian_pieces_reference(h, group_size)
+    h = h.contiguous()
+    p1, p2, p3 = (torch.empty(e, n, n, dtype=torch.int8, device=h.device) for _ in range(3))
+    s = torch.empty(e, n // group_size, n, dtype=torch.float32, device=h.device)
+    rows = 64
+    _pieces_kernel[(triton.cdiv(n, rows), n // group_size, e)](h, p1, p2, p3, s, n, n // group_size,
+                                                              GS=group_size, BLOCK_J=rows, num_warps=4)
+    return p1, p2, p3, s
+
+
+def normal_equations(codes: torch.Tensor, weight: torch.Tensor, hessian, group_size: int):
     """A [e, r, G, G] and b [e, r, G] (float32) of the refit: codes [e, r, n] centred int8, weight
-    [e, r, n] (float32 or bf16), hessian [e, n, n] float32."""
+    [e, r, n] (float32 or bf16), hessian [e, n, n] float32 or its `hessian_pieces` (projections that
+    share a Hessian share its pieces)."""
     e, rows, n = codes.shape
     groups = n // group_size
     block = column_block(group_size, n)
-    p1, p2, p3, scales = hessian_pieces(hessian, group_size)
+    p1, p2, p3, scales = hessian_pieces(hessian, group_size) if isinstance(hessian, torch.Tensor) else hessian
     codes, weight = codes.contiguous(), weight.contiguous()
     a = torch.empty(e, rows, groups, groups, dtype=torch.float32, device=codes.device)
     b = torch.empty(e, rows, groups, dtype=torch.float32, device=codes.device)
-    block_r, warps = LAUNCH
-    grid = (groups, triton.cdiv(rows, block_r), e)
+    block_r, warps, stages = LAUNCH
+    # row tiles vary fastest: the programs of one group read its block of H while it is in L2
+    grid = (triton.cdiv(rows, block_r), groups, e)
     _normal_kernel[grid](codes, weight, p1, p2, p3, scales, a, b, rows, n, groups,
-                         NBLOCKS=n // block, GS=group_size, BLOCK_R=block_r, BLOCK_N=block, num_warps=warps)
+                         NBLOCKS=n // block, GS=group_size, BLOCK_R=block_r, BLOCK_N=block, num_warps=warps,
+                         **({} if INTERPRETED else {"num_stages": stages}))
     return a, b
 
 
 if triton is not None:
 
     @triton.jit
+    def _pieces_kernel(H, P1, P2, P3, S, n, groups, GS: tl.constexpr, BLOCK_J: tl.constexpr):
+        j = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)
+        g = tl.program_id(1)
+        e = tl.program_id(2).to(tl.int64)
+        live = j < n
+        cols = g * GS + tl.arange(0, GS)
+        off = e * n * n + tl.where(live, j, 0).to(tl.int64)[:, None] * n + cols[None, :]
+        h = tl.load(H + off)
+        s = tl.max(tl.abs(h), axis=1) * (1.0 / (127.0 * 128.0 * 128.0))
+        s = tl.where(s > 0, s, 1.0)
+        v = tl.div_rn(h, s[:, None])
+        p1 = tl.minimum(tl.maximum((v * (1.0 / 16384.0) + 12582912.0) - 12582912.0, -127.0), 127.0)
+        v = v - p1 * 16384.0
+        p2 = tl.minimum(tl.maximum((v * (1.0 / 128.0) + 12582912.0) - 12582912.0, -127.0), 127.0)
+        v = v - p2 * 128.0
+        p3 = tl.minimum(tl.maximum((v + 12582912.0) - 12582912.0, -127.0), 127.0)
+        tl.store(P1 + off, p1.to(tl.int8), mask=live[:, None])
+        tl.store(P2 + off, p2.to(tl.int8), mask=live[:, None])
+        tl.store(P3 + off, p3.to(tl.int8), mask=live[:, None])
+        tl.store(S + (e * groups + g) * n + j, s, mask=live)
+
+    @triton.jit
     def _normal_kernel(C, W, P1, P2, P3, S, A, B, rows, n, groups,
                        NBLOCKS: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-        g = tl.program_id(0)  # groups vary fastest: the programs of one row tile share its codes in L2
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        g = tl.program_id(1)
         e = tl.program_id(2).to(tl.int64)
-        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         live = r < rows
         r64 = tl.where(live, r, 0).to(tl.int64)
         row_off = e * rows * n + r64 * n  # [R] offsets of the rows in C and W
         kk = tl.arange(0, GS)
         cg = tl.load(C + row_off[:, None] + (g * GS + kk)[None, :])  # [R, GS] int8
-        h_rows = e * n * n + (g * GS + kk).to(tl.int64) * n  # [GS] offsets of H's rows of group g
         s_row = S + (e * groups + g) * n
         b_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
         NPB: tl.constexpr = BLOCK_N // GS  # groups per column block
-        for j in range(0, NBLOCKS):
-            cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
-            hp = h_rows[:, None] + cols[None, :]
-            acc = tl.dot(cg, tl.load(P1 + hp), out_dtype=tl.int32) * 128  # |acc| < 2^26: int32 is exact
-            acc = tl.dot(cg, tl.load(P2 + hp), acc, out_dtype=tl.int32)
-            t = acc.to(tl.float32) * 128.0 + tl.dot(cg, tl.load(P3 + hp), out_dtype=tl.int32).to(tl.float32)
+        for jb in range(0, NBLOCKS):
+            cols = jb * BLOCK_N + tl.arange(0, BLOCK_N)
+            hp = e * n * n + cols.to(tl.int64)[:, None] * n + (g * GS + kk)[None, :]  # [BLOCK_N, GS], K-major
+            acc = tl.dot(cg, tl.trans(tl.load(P1 + hp)), out_dtype=tl.int32) * 128  # |acc| < 2^26: exact
+            acc = tl.dot(cg, tl.trans(tl.load(P2 + hp)), acc, out_dtype=tl.int32)
+            t = acc.to(tl.float32) * 128.0 + tl.dot(cg, tl.trans(tl.load(P3 + hp)), out_dtype=tl.int32).to(tl.float32)
             t = t * tl.load(s_row + cols)[None, :]  # T = C_g H[g, block]  [R, BLOCK_N]
             ch = tl.load(C + row_off[:, None] + cols[None, :]).to(tl.float32)
             wh = tl.load(W + row_off[:, None] + cols[None, :]).to(tl.float32)
             b_acc += tl.sum(t * wh, axis=1)
             a_blk = tl.sum(tl.reshape(t * ch, [BLOCK_R, NPB, GS]), axis=2)  # [R, NPB]: A[g, h] of this block
-            hs = j * NPB + tl.arange(0, NPB)
+            hs = jb * NPB + tl.arange(0, NPB)
             a_off = (e * rows + r64) * groups * groups + g * groups
             tl.store(A + a_off[:, None] + hs[None, :], a_blk, mask=live[:, None])
         tl.store(B + (e * rows + r64) * groups + g, b_acc, mask=live)

@@ -92,8 +92,9 @@ def searched_fit_triton(spec, x: torch.Tensor, importance, start_scales: torch.T
     return out_s.reshape(lead), None if symmetric else out_z.reshape(lead)
 
 
-# groups per program and warps, by group width (default: 2048 elements per program, 4 warps)
-LAUNCH: dict[int, tuple[int, int]] = {}
+# groups per program and warps, by group width (default: 2048 elements per program, 4 warps);
+# measured on the H200 (benchmarks/bench_gptq.py --profile-refit): within 5% of the default
+LAUNCH: dict[int, tuple[int, int]] = {128: (8, 4), 32: (16, 2)}
 
 
 if triton is not None:

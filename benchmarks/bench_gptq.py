@@ -735,19 +735,19 @@ def profile_refit(device, shape, experts, key):
         search_triton.LAUNCH.update(default_grid)
         q = formats.quantize(w, spec)
         groups = cols // gs
-        default_launch = refit_triton.LAUNCH
+        default_launch = dict(refit_triton.LAUNCH)
         c = q.codes if q.zeros is None else q.codes - q.zeros.repeat_interleave(gs, dim=-1)
         t = ms(lambda: refit_triton.hessian_pieces(h, gs))
         print(f"  H pieces                          {t * scale:9.1f}", flush=True)
         pieces = refit_triton.hessian_pieces(h, gs)
         for launch in ((32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 8, 3), (32, 4, 2), (16, 4, 3), (64, 8, 2)):
-            refit_triton.LAUNCH = launch
+            refit_triton.LAUNCH[gs] = launch
             try:
                 t = ms(lambda: refit_triton.normal_equations(c, w, pieces, gs))
                 print(f"  normal eq. kernel R, warps, stages {launch}  {t * scale:9.1f}", flush=True)
             except Exception as err:  # noqa: BLE001
                 print(f"  normal eq. kernel {launch}: {type(err).__name__} {str(err)[:300]}", flush=True)
-        refit_triton.LAUNCH = default_launch
+        refit_triton.LAUNCH.update(default_launch)
         del pieces
         cf, wf = c.float(), w.float()
         try:

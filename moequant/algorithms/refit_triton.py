@@ -30,7 +30,10 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's CPU interpreter (development)
 GROUP_SIZES = (32, 64, 128)  # group widths the kernel takes (the int8 products' depth)
 BASE = 128.0  # the pieces' radix: P1 * BASE^2 + P2 * BASE + P3
-LAUNCH = (32, 4, 3)  # rows per program, warps, pipeline stages (H200: benchmarks/bench_gptq.py --profile-refit)
+# rows per program, warps, pipeline stages, by group width (H200, DeepSeek-V3 gate shape,
+# benchmarks/bench_gptq.py --profile-refit: g128 0.54 s per 256 experts at (128, 8, 3) vs 0.71 at
+# (32, 4, 3); g32 1.68 s at (64, 4, 3), the others within 10% or slower)
+LAUNCH = {128: (128, 8, 3), 64: (64, 4, 3), 32: (64, 4, 3)}
 
 
 def column_block(group_size: int, cols: int) -> int | None:
@@ -96,7 +99,7 @@ def normal_equations(codes: torch.Tensor, weight: torch.Tensor, hessian, group_s
     codes, weight = codes.contiguous(), weight.contiguous()
     a = torch.empty(e, rows, groups, groups, dtype=torch.float32, device=codes.device)
     b = torch.empty(e, rows, groups, dtype=torch.float32, device=codes.device)
-    block_r, warps, stages = LAUNCH
+    block_r, warps, stages = LAUNCH[group_size]
     # row tiles vary fastest: the programs of one group read its block of H while it is in L2
     grid = (triton.cdiv(rows, block_r), groups, e)
     _normal_kernel[grid](codes, weight, p1, p2, p3, scales, a, b, rows, n, groups,

@@ -740,7 +740,9 @@ def profile_refit(device, shape, experts, key):
         t = ms(lambda: refit_triton.hessian_pieces(h, gs))
         print(f"  H pieces                          {t * scale:9.1f}", flush=True)
         pieces = refit_triton.hessian_pieces(h, gs)
-        for launch in ((32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 8, 3), (32, 4, 2), (16, 4, 3), (64, 8, 2)):
+        variants = ((128, 8, 3, 1), (64, 4, 3, 1)) if gs == 128 else \
+            ((64, 8, 3, 128 // gs), (32, 4, 3, 128 // gs), (64, 4, 3, 128 // gs), (128, 8, 3, 128 // gs), (64, 4, 3, 1))
+        for launch in variants:
             refit_triton.LAUNCH[gs] = launch
             try:
                 t = ms(lambda: refit_triton.normal_equations(c, w, pieces, gs))

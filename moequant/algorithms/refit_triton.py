@@ -30,10 +30,12 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's CPU interpreter (development)
 GROUP_SIZES = (32, 64, 128)  # group widths the kernel takes (the int8 products' depth)
 BASE = 128.0  # the pieces' radix: P1 * BASE^2 + P2 * BASE + P3
-# rows per program, warps, pipeline stages, by group width (H200, DeepSeek-V3 gate shape,
-# benchmarks/bench_gptq.py --profile-refit: g128 0.54 s per 256 experts at (128, 8, 3) vs 0.71 at
-# (32, 4, 3); g32 1.68 s at (64, 4, 3), the others within 10% or slower)
-LAUNCH = {128: (128, 8, 3), 64: (64, 4, 3), 32: (64, 4, 3)}
+# rows per program, warps, pipeline stages, groups per program, by group width (H200, DeepSeek-V3
+# gate shape, benchmarks/bench_gptq.py --profile-refit: g128 0.54 s per 256 experts at (128, 8, 3, 1)
+# vs 0.71 at (32, 4, 3, 1); g32 1.68 s at (64, 4, 3, 1), bound by the per-group epilogue's loads of the
+# codes and weights, which several groups per program share). Fixed, not tuned per run: the launch
+# shape sets the order of float32 sums, and results must not depend on timings.
+LAUNCH = {128: (128, 8, 3, 1), 64: (64, 8, 3, 2), 32: (64, 8, 3, 4)}
 
 
 def column_block(group_size: int, cols: int) -> int | None:
@@ -99,11 +101,12 @@ def normal_equations(codes: torch.Tensor, weight: torch.Tensor, hessian, group_s
     codes, weight = codes.contiguous(), weight.contiguous()
     a = torch.empty(e, rows, groups, groups, dtype=torch.float32, device=codes.device)
     b = torch.empty(e, rows, groups, dtype=torch.float32, device=codes.device)
-    block_r, warps, stages = LAUNCH[group_size]
+    block_r, warps, stages, gb = LAUNCH[group_size]
+    gb = gb if groups % gb == 0 and gb * group_size <= block else 1
     # row tiles vary fastest: the programs of one group read its block of H while it is in L2
-    grid = (triton.cdiv(rows, block_r), groups, e)
+    grid = (triton.cdiv(rows, block_r), groups // gb, e)
     _normal_kernel[grid](codes, weight, p1, p2, p3, scales, a, b, rows, n, groups,
-                         NBLOCKS=n // block, GS=group_size, BLOCK_R=block_r, BLOCK_N=block, num_warps=warps,
+                         NBLOCKS=n // block, GS=group_size, BLOCK_R=block_r, BLOCK_N=block, GB=gb, num_warps=warps,
                          **({} if INTERPRETED else {"num_stages": stages}))
     return a, b
 
@@ -134,30 +137,35 @@ if triton is not None:
 
     @triton.jit
     def _normal_kernel(C, W, P1, P2, P3, S, A, B, rows, n, groups,
-                       NBLOCKS: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                       NBLOCKS: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                       GB: tl.constexpr):
+        # one program: BLOCK_R rows x GB consecutive groups g (their codes and weights per column block
+        # loaded once for all GB), every column block of H
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        g = tl.program_id(1)
+        g0 = tl.program_id(1) * GB
         e = tl.program_id(2).to(tl.int64)
         live = r < rows
         r64 = tl.where(live, r, 0).to(tl.int64)
         row_off = e * rows * n + r64 * n  # [R] offsets of the rows in C and W
         kk = tl.arange(0, GS)
-        cg = tl.load(C + row_off[:, None] + (g * GS + kk)[None, :])  # [R, GS] int8
-        s_row = S + (e * groups + g) * n
-        b_acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+        a_off = (e * rows + r64) * groups * groups
+        b_acc = tl.zeros([BLOCK_R, GB], dtype=tl.float32)
+        which = tl.arange(0, GB)[None, :]
         NPB: tl.constexpr = BLOCK_N // GS  # groups per column block
         for jb in range(0, NBLOCKS):
             cols = jb * BLOCK_N + tl.arange(0, BLOCK_N)
-            hp = e * n * n + cols.to(tl.int64)[:, None] * n + (g * GS + kk)[None, :]  # [BLOCK_N, GS], K-major
-            acc = tl.dot(cg, tl.trans(tl.load(P1 + hp)), out_dtype=tl.int32) * 128  # |acc| < 2^26: exact
-            acc = tl.dot(cg, tl.trans(tl.load(P2 + hp)), acc, out_dtype=tl.int32)
-            t = acc.to(tl.float32) * 128.0 + tl.dot(cg, tl.trans(tl.load(P3 + hp)), out_dtype=tl.int32).to(tl.float32)
-            t = t * tl.load(s_row + cols)[None, :]  # T = C_g H[g, block]  [R, BLOCK_N]
-            ch = tl.load(C + row_off[:, None] + cols[None, :]).to(tl.float32)
-            wh = tl.load(W + row_off[:, None] + cols[None, :]).to(tl.float32)
-            b_acc += tl.sum(t * wh, axis=1)
-            a_blk = tl.sum(tl.reshape(t * ch, [BLOCK_R, NPB, GS]), axis=2)  # [R, NPB]: A[g, h] of this block
+            ch = tl.load(C + row_off[:, None] + cols[None, :])
+            wh = tl.load(W + row_off[:, None] + cols[None, :])
             hs = jb * NPB + tl.arange(0, NPB)
-            a_off = (e * rows + r64) * groups * groups + g * groups
-            tl.store(A + a_off[:, None] + hs[None, :], a_blk, mask=live[:, None])
-        tl.store(B + (e * rows + r64) * groups + g, b_acc, mask=live)
+            for gi in tl.static_range(GB):
+                g = g0 + gi
+                cg = tl.load(C + row_off[:, None] + (g * GS + kk)[None, :])  # [R, GS] int8
+                hp = e * n * n + cols.to(tl.int64)[:, None] * n + (g * GS + kk)[None, :]  # [BLOCK_N, GS], K-major
+                acc = tl.dot(cg, tl.trans(tl.load(P1 + hp)), out_dtype=tl.int32) * 128  # |acc| < 2^26: exact
+                acc = tl.dot(cg, tl.trans(tl.load(P2 + hp)), acc, out_dtype=tl.int32)
+                t = acc.to(tl.float32) * 128.0 + tl.dot(cg, tl.trans(tl.load(P3 + hp)), out_dtype=tl.int32).to(tl.float32)
+                t = t * tl.load(S + (e * groups + g) * n + cols)[None, :]  # T = C_g H[g, block]  [R, BLOCK_N]
+                b_acc += tl.where(which == gi, tl.sum(t * wh.to(tl.float32), axis=1)[:, None], 0.0)
+                a_blk = tl.sum(tl.reshape(t * ch.to(tl.float32), [BLOCK_R, NPB, GS]), axis=2)  # [R, NPB]: A[g, h]
+                tl.store(A + (a_off + g * groups)[:, None] + hs[None, :], a_blk, mask=live[:, None])
+        tl.store(B + (e * rows + r64)[:, None] * groups + g0 + which, b_acc, mask=live[:, None])

@@ -25,6 +25,40 @@ on_sequential_epoch_end, which observes the weights and quantizes). `--llmc-expe
 llm-compressor on the first N experts only (its time is then scaled by E / N and marked "~");
 errors are always compared on the experts each tool actually ran.
 
+Measured 2026-12-03 (later, issue 36) on one H200 (torch 2.11, Triton 3.6, llm-compressor 0.14.0.1), branch
+issue-36: the refit's normal equations from one Triton kernel (algorithms/refit_triton.py: int8 tensor-core
+products with H in three int8 pieces, no G x intermediate; the pieces made once for gate and up), Cholesky
+solves, the searched grid's candidate errors by reciprocal multiplication (formats/search_triton.py). Two
+calls, each `python benchmarks/bench_gptq.py --device cuda --shape qwen3-30b-a3b qwen3-235b-a22b deepseek-v3
+--tools moequant moequant-pass [--format int4-g32-sym]`; the first call ran each g128 shape on its own with
+`--tools moequant moequant-pass llmc-batched` (235B, DeepSeek: `--llmc-experts 32 --compare-experts 32`).
+GPTQ solve seconds per layer (gate + up + down), call 1 / call 2; grid = the scales phase (searched grid,
+act order, dead columns), refit = the refit's wall time, call 2:
+  shape            format  plain GPTQ   recipe default (grid / refit s)      default / plain  llmc-batched
+  qwen3-30b-a3b    g128    0.15 / 0.15  0.21 / 0.19  (0.054 / 0.038)         1.40x / 1.27x    0.99
+  qwen3-235b-a22b  g128    0.45 / 0.44  0.80 / 0.75  (0.187 / 0.160)         1.78x / 1.70x    ~3.90
+  deepseek-v3      g128    2.61 / 2.56  4.92 / 4.56  (0.891 / 1.178)         1.89x / 1.78x    ~28.72
+  qwen3-30b-a3b    g32     0.15 / 0.15  0.29 / 0.27  (0.060 / 0.113)         1.93x / 1.80x    -
+  qwen3-235b-a22b  g32     0.49 / 0.49  1.44 / 1.37  (0.213 / 0.750)         2.94x / 2.80x    -
+  deepseek-v3      g32     2.86 / 2.83  9.85 / 9.35  (1.013 / 5.794)         3.44x / 3.30x    -
+  Held-out error (equal to 4 digits to the table below wherever both ran): plain -> default at g32
+  0.001063 / 0.001064 / 0.00786 -> 0.000679 / 0.000680 / 0.006586 (235B), 0.001118 / 0.001118 / 0.009887 ->
+  0.000774 / 0.000774 / 0.008402 (DeepSeek). Peak GPU of the default 13.9 / 53.4 / 120.8 GiB (g128).
+  The <= 1.3x target: met at Qwen3-30B-A3B g128 in one call of two (1.27x; 1.40x in the other), missed
+  elsewhere (1.7-1.9x at g128, 1.8-3.4x at g32). Before: 2.0x / 4.1x / 4.7x at g128, 6.2x at 30B g32.
+  Recipe default vs llm-compressor's batched GPTQ: 4.7x (30B), ~4.9x (235B), ~5.8x (DeepSeek); moequant's
+  plain solve 6.6x / ~8.7x / ~11.0x.
+  Where the rest goes (--profile-refit 16, DeepSeek-V3 gate shape [2048, 7168], ms per 256 experts): the
+  grid kernel 276 (g128) / 265 (g32) per projection (the kernel before: 358 / 296; it is bound by its
+  per-element arithmetic, ~60 float32 operations per candidate divisor, not by the divisions it no longer
+  does); the normal equations 544 (g128) / 1069 (g32; the split-TF32 torch products: 2870 / out of memory);
+  the H pieces 25; the batched Cholesky solves 76 (G = 56) / 866 (G = 224; LU 2001). At g32 the refit is
+  bound by the kernel's per-group epilogue (float32 row sums of T * c and T * w: rows x G x in) and by
+  the [rows, 224, 224] solves. The g32 rows ran the kernel at (64, 4, 3) in call 1 (one group per program)
+  and at (64, 8, 3, 4) in call 2 (refit_triton.LAUNCH: rows, warps, stages, groups per program); the
+  default is now (64, 4, 3, 1), measured alone in call 2 at 1069 ms vs 1471 per 256 gate experts, so
+  ~0.8 s less per DeepSeek layer at g32 than call 2 (not measured end to end).
+
 Measured 2026-12-03 on one H200 (torch 2.11, Triton 3.6, llm-compressor 0.14.0.1), main after the batched
 searched grid (formats/search_triton.py) and refit (algorithms/refit.py) and gate/up sharing one solve in
 the pass: `--device cuda --shape S --tools moequant moequant-pass llmc-batched [--llmc-experts 32

@@ -55,9 +55,9 @@ act order, dead columns), refit = the refit's wall time, call 2:
   the H pieces 25; the batched Cholesky solves 76 (G = 56) / 866 (G = 224; LU 2001). At g32 the refit is
   bound by the kernel's per-group epilogue (float32 row sums of T * c and T * w: rows x G x in) and by
   the [rows, 224, 224] solves. The g32 rows ran the kernel at (64, 4, 3) in call 1 (one group per program)
-  and at (64, 8, 3, 4) in call 2 (refit_triton.LAUNCH: rows, warps, stages, groups per program); the
-  default is now (64, 4, 3, 1), measured alone in call 2 at 1069 ms vs 1471 per 256 gate experts, so
-  ~0.8 s less per DeepSeek layer at g32 than call 2 (not measured end to end).
+  and at (64, 8, 3, 4) in call 2, the default (refit_triton.LAUNCH: rows, warps, stages, groups per
+  program); (64, 4, 3, 1) measured faster alone in call 2, 1069 ms vs 1471 per 256 gate experts (~0.8 s
+  per DeepSeek layer at g32), but has not run the GPU tests or this benchmark: not the default yet.
 
 Measured 2026-12-03 on one H200 (torch 2.11, Triton 3.6, llm-compressor 0.14.0.1), main after the batched
 searched grid (formats/search_triton.py) and refit (algorithms/refit.py) and gate/up sharing one solve in

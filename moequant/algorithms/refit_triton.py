@@ -3,16 +3,19 @@
 For one output row with centred codes c (c_i = q_i - z_i) and weights w, the refit
 (moequant.algorithms.refit) needs A[g, h] = c_g^T H[g, h] c_h and b[g] = c_g^T (H w)_g for all
 groups g, h. In torch that is Y = C_g H, an intermediate G times the weight's size in float32,
-and the refit is bound by moving it. Here one program takes a tile of rows and one group g,
-walks the column blocks of H's row block g, and per block forms T = C_g H[g, block] with the
-tensor cores, then A[g, h] = rowsum(T * c_h) for the groups h of the block and b[g] += rowsum(T * w):
-rows x in^2 multiply-adds (one matrix product's worth) and no intermediate in memory.
+and the refit is bound by moving it. Here one program takes a tile of rows and one group g (or a
+few consecutive ones, LAUNCH), walks the column blocks of H's row block g, and per block forms
+T = C_g H[g, block] with the tensor cores, then A[g, h] = rowsum(T * c_h) for the groups h of the
+block and b[g] += rowsum(T * w): rows x in^2 multiply-adds (one matrix product's worth) and no
+intermediate in memory. Rows x G x in float32 operations remain in those row sums, which bound
+the kernel at narrow groups (g32).
 
-Exactness: the codes are small integers (int8 for formats of <= 7 bits). H is written per column of
-each group's row block as s * (P1 * 2^14 + P2 * 2^7 + P3) with int8 pieces P (`hessian_pieces`):
-about 2^-22 of the column's largest entry there. The three products C_g P are
-integer products (int8 in, int32 sums: exact), combined in float32; the row sums with c_h and
-w are float32. So A and b carry float32-level rounding, like the split-TF32 products they replace.
+Exactness: the codes are small integers (int8 for formats of <= 7 bits). H is written, per row j
+and group g, as s[g, j] * (P1 * 2^14 + P2 * 2^7 + P3) with int8 pieces P (`hessian_pieces`): about
+2^-22 of the largest |H[j, i]| over the group. The three products C_g P are integer products (int8
+in, int32 sums: exact), combined in float32; the row sums with c_h and w are float32. So A and b
+carry float32-level rounding (measured 2e-7 relative to float64 on the H200; the split-TF32 torch
+products they replace: 8e-8 for A, 4e-6 to 2e-5 for b).
 """
 
 from __future__ import annotations

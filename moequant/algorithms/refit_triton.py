@@ -81,8 +81,7 @@ def hessian_pieces(h: torch.Tensor, group_size: int):
     row j and group, so an outlier channel's large entries cost the others no precision. Off by at
     most 0.625 * s, about 2.4e-7 of the largest |H[j, i]| over the group (P1 in +-127; P2, P3 in
     +-64). Row j of group g's pieces is column j of H's row block g (H is symmetric up to
-    its rounding), stored with
-    the group's columns contiguous: the K-major operand the int8 tensor-core products take."""
+    its rounding), stored with the group's columns contiguous: the K-major operand the int8 tensor-core products take."""
     e, n, _ = h.shape
     if not (h.is_cuda or INTERPRETED) or group_size not in GROUP_SIZES:
         return hessian_pieces_reference(h, group_size)

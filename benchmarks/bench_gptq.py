@@ -25,6 +25,40 @@ on_sequential_epoch_end, which observes the weights and quantizes). `--llmc-expe
 llm-compressor on the first N experts only (its time is then scaled by E / N and marked "~");
 errors are always compared on the experts each tool actually ran.
 
+Measured 2026-12-03 (later, issue 36) on one H200 (torch 2.11, Triton 3.6, llm-compressor 0.14.0.1), branch
+issue-36: the refit's normal equations from one Triton kernel (algorithms/refit_triton.py: int8 tensor-core
+products with H in three int8 pieces, no G x intermediate; the pieces made once for gate and up), Cholesky
+solves, the searched grid's candidate errors by reciprocal multiplication (formats/search_triton.py). Two
+calls, each `python benchmarks/bench_gptq.py --device cuda --shape qwen3-30b-a3b qwen3-235b-a22b deepseek-v3
+--tools moequant moequant-pass [--format int4-g32-sym]`; the first call ran each g128 shape on its own with
+`--tools moequant moequant-pass llmc-batched` (235B, DeepSeek: `--llmc-experts 32 --compare-experts 32`).
+GPTQ solve seconds per layer (gate + up + down), call 1 / call 2; grid = the scales phase (searched grid,
+act order, dead columns), refit = the refit's wall time, call 2:
+  shape            format  plain GPTQ   recipe default (grid / refit s)      default / plain  llmc-batched
+  qwen3-30b-a3b    g128    0.15 / 0.15  0.21 / 0.19  (0.054 / 0.038)         1.40x / 1.27x    0.99
+  qwen3-235b-a22b  g128    0.45 / 0.44  0.80 / 0.75  (0.187 / 0.160)         1.78x / 1.70x    ~3.90
+  deepseek-v3      g128    2.61 / 2.56  4.92 / 4.56  (0.891 / 1.178)         1.89x / 1.78x    ~28.72
+  qwen3-30b-a3b    g32     0.15 / 0.15  0.29 / 0.27  (0.060 / 0.113)         1.93x / 1.80x    -
+  qwen3-235b-a22b  g32     0.49 / 0.49  1.44 / 1.37  (0.213 / 0.750)         2.94x / 2.80x    -
+  deepseek-v3      g32     2.86 / 2.83  9.85 / 9.35  (1.013 / 5.794)         3.44x / 3.30x    -
+  Held-out error (equal to 4 digits to the table below wherever both ran): plain -> default at g32
+  0.001063 / 0.001064 / 0.00786 -> 0.000679 / 0.000680 / 0.006586 (235B), 0.001118 / 0.001118 / 0.009887 ->
+  0.000774 / 0.000774 / 0.008402 (DeepSeek). Peak GPU of the default 13.9 / 53.4 / 120.8 GiB (g128).
+  The <= 1.3x target: met at Qwen3-30B-A3B g128 in one call of two (1.27x; 1.40x in the other), missed
+  elsewhere (1.7-1.9x at g128, 1.8-3.4x at g32). Before: 2.0x / 4.1x / 4.7x at g128, 6.2x at 30B g32.
+  Recipe default vs llm-compressor's batched GPTQ: 4.7x (30B), ~4.9x (235B), ~5.8x (DeepSeek); moequant's
+  plain solve 6.6x / ~8.7x / ~11.0x.
+  Where the rest goes (--profile-refit 16, DeepSeek-V3 gate shape [2048, 7168], ms per 256 experts): the
+  grid kernel 276 (g128) / 265 (g32) per projection (the kernel before: 358 / 296; it is bound by its
+  per-element arithmetic, ~60 float32 operations per candidate divisor, not by the divisions it no longer
+  does); the normal equations 544 (g128) / 1069 (g32; the split-TF32 torch products: 2870 / out of memory);
+  the H pieces 25; the batched Cholesky solves 76 (G = 56) / 866 (G = 224; LU 2001). At g32 the refit is
+  bound by the kernel's per-group epilogue (float32 row sums of T * c and T * w: rows x G x in) and by
+  the [rows, 224, 224] solves. The g32 rows ran the kernel at (64, 4, 3) in call 1 (one group per program)
+  and at (64, 8, 3, 4) in call 2, the default (refit_triton.LAUNCH: rows, warps, stages, groups per
+  program); (64, 4, 3, 1) measured faster alone in call 2, 1069 ms vs 1471 per 256 gate experts (~0.8 s
+  per DeepSeek layer at g32), but has not run the GPU tests or this benchmark: not the default yet.
+
 Measured 2026-12-03 on one H200 (torch 2.11, Triton 3.6, llm-compressor 0.14.0.1), main after the batched
 searched grid (formats/search_triton.py) and refit (algorithms/refit.py) and gate/up sharing one solve in
 the pass: `--device cuda --shape S --tools moequant moequant-pass llmc-batched [--llmc-experts 32
@@ -312,7 +346,7 @@ def run_moequant_pass(layer: Layer, args) -> dict:
     """The quantize pass's GPTQ (gptq_pass_shared: gate and up in one solve, down alone), timed by phase:
     the searched grid (formats.search_triton on CUDA) inside the solve's scales phase, the solve, the refit."""
     from moequant.algorithms import gptq
-    from moequant.algorithms.refit import refit_scales
+    from moequant.algorithms.refit import refit_scales_shared
 
     device = args.device
     base = peak_reset(device)
@@ -330,7 +364,7 @@ def run_moequant_pass(layer: Layer, args) -> dict:
         grid_s += report.seconds["prepare"]
         sync(device)
         t_refit = time.perf_counter()
-        qs = [refit_scales(q, w, h) for q, w in zip(qs, weights)]
+        qs = refit_scales_shared(qs, weights, h)
         sync(device)
         refit_s += time.perf_counter() - t_refit
         for p, q in zip(projs, qs):
@@ -483,11 +517,18 @@ def main():
                     help="time each tool's first call too (default: each tool first runs once on the small shape)")
     ap.add_argument("--profile", type=int, default=None, metavar="E",
                     help="time the phases of GPTQ on the first E experts of each --shape (torch vs fused sweep)")
+    ap.add_argument("--profile-refit", type=int, default=None, metavar="E",
+                    help="time the searched grid and the scale refit's parts on E random experts of each --shape "
+                    "and --format (kernel launch shapes, solvers; OLD_SEARCH=path of an older search_triton.py to compare)")
     ap.add_argument("--verify", action="store_true", help="first check on the device: CUDA-graph sweep == eager, "
                     "batched == one expert at a time (same codes)")
     args = ap.parse_args()
     if args.verify:
         verify(args.device)
+    if args.profile_refit:
+        for shape in args.shape:
+            profile_refit(args.device, shape, args.profile_refit, args.format)
+        return
     if args.profile:
         for shape in args.shape:
             profile(args.device, shape, args.profile)
@@ -673,6 +714,98 @@ def profile(device, shape, experts, out_dir=None):
                     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70)
                 print(table, flush=True)
     os.environ["MOEQUANT_TRITON"] = "1"
+
+
+def profile_refit(device, shape, experts, key):
+    """The searched grid and the refit's parts on `experts` random experts (gate's and down's shapes):
+    grid kernel (and an older one, OLD_SEARCH), normal equations by the Triton kernel per launch shape
+    and by the torch split-TF32 products, their error against float64, the batched solvers."""
+    import importlib.util
+
+    from triton.testing import do_bench
+
+    from moequant import formats
+    from moequant.algorithms import refit, refit_triton
+    from moequant.formats import core, search_triton
+
+    spec = formats.parse_key(key)
+    _, hidden, width, *_ = SHAPES[shape]
+    gs = spec.group_size
+    old = None
+    if os.environ.get("OLD_SEARCH"):
+        load = importlib.util.spec_from_file_location("old_search_triton", os.environ["OLD_SEARCH"])
+        old = importlib.util.module_from_spec(load)
+        load.loader.exec_module(old)
+    g = torch.Generator(device=device).manual_seed(0)
+    for proj, rows, cols in (("gate", width, hidden), ("down", hidden, width))[: int(os.environ.get("PROFILE_PROJS", 2))]:
+        w = (torch.randn(experts, rows, cols, device=device, generator=g) * 0.02).to(torch.bfloat16)
+        x = torch.randn(4096, cols, device=device, generator=g) * torch.exp(0.5 * torch.randn(cols, device=device, generator=g))
+        h = (x.T @ x / 4096).expand(experts, cols, cols).contiguous()
+        h += 0.01 * torch.eye(cols, device=device) * torch.rand(experts, 1, 1, device=device, generator=g)
+        imp = h.diagonal(dim1=-2, dim2=-1)[:, None, :].unflatten(-1, (-1, gs))
+        xg = w.float().unflatten(-1, (-1, gs))
+        ms = lambda fn: do_bench(fn, warmup=50, rep=300, return_mode="median")  # noqa: E731
+        scale = 256 / experts  # per 256 experts ("per layer" of DeepSeek; Qwen3 has 128: halve)
+        print(f"\n== {shape} {proj} [{experts}, {rows}, {cols}] {key}; ms per 256 experts", flush=True)
+        t = ms(lambda: core.searched_fit(spec, xg, imp))
+        print(f"  grid kernel (this tree)           {t * scale:9.1f}", flush=True)
+        if old is not None and spec.symmetric:
+            qmax = 2 ** (spec.bits - 1) - 1
+            divs = torch.linspace(qmax, 1.6 * qmax, core.SEARCH_STEPS).tolist() + [qmax + 0.5, qmax + 1]
+            s0, z0 = core._fit(spec, xg, None, None)
+            t = ms(lambda: old.searched_fit_triton(spec, xg, imp, s0, z0, divs))
+            print(f"  grid kernel (OLD_SEARCH)          {t * scale:9.1f}", flush=True)
+            new_s = core.searched_fit(spec, xg, imp)[0]
+            print(f"  scales differing new vs old       {(new_s != old.searched_fit_triton(spec, xg, imp, s0, z0, divs)[0]).float().mean().item():.2e}")
+        default_grid = dict(search_triton.LAUNCH)
+        for bm, warps in ((16, 4), (8, 4), (16, 2), (32, 2)):
+            search_triton.LAUNCH[gs] = (bm, warps)
+            try:
+                t = ms(lambda: core.searched_fit(spec, xg, imp))
+                print(f"  grid kernel {bm:3} groups {warps} warps  {t * scale:9.1f}", flush=True)
+            except Exception as err:  # noqa: BLE001
+                print(f"  grid kernel {bm} {warps}: {type(err).__name__}", flush=True)
+        search_triton.LAUNCH.clear()
+        search_triton.LAUNCH.update(default_grid)
+        q = formats.quantize(w, spec)
+        groups = cols // gs
+        default_launch = dict(refit_triton.LAUNCH)
+        c = q.codes if q.zeros is None else q.codes - q.zeros.repeat_interleave(gs, dim=-1)
+        t = ms(lambda: refit_triton.hessian_pieces(h, gs))
+        print(f"  H pieces                          {t * scale:9.1f}", flush=True)
+        pieces = refit_triton.hessian_pieces(h, gs)
+        variants = ((128, 8, 3, 1), (64, 4, 3, 1)) if gs == 128 else \
+            ((64, 8, 3, 128 // gs), (32, 4, 3, 128 // gs), (64, 4, 3, 128 // gs), (128, 8, 3, 128 // gs), (64, 4, 3, 1))
+        for launch in variants:
+            refit_triton.LAUNCH[gs] = launch
+            try:
+                t = ms(lambda: refit_triton.normal_equations(c, w, pieces, gs))
+                print(f"  normal eq. kernel R, warps, stages {launch}  {t * scale:9.1f}", flush=True)
+            except Exception as err:  # noqa: BLE001
+                print(f"  normal eq. kernel {launch}: {type(err).__name__} {str(err)[:300]}", flush=True)
+        refit_triton.LAUNCH.update(default_launch)
+        del pieces
+        cf, wf = c.float(), w.float()
+        try:
+            t = ms(lambda: refit._normal_equations(cf, wf, h, groups))
+            print(f"  normal eq. torch split TF32       {t * scale:9.1f}", flush=True)
+        except torch.OutOfMemoryError:
+            print("  normal eq. torch split TF32: out of memory", flush=True)
+        a, b = refit_triton.normal_equations(c[:2], w[:2], h[:2], gs)
+        a64, b64 = refit._normal_equations(c[:2].double(), w[:2].double(), h[:2].double(), groups)
+        a32, b32 = refit._normal_equations(cf[:2], wf[:2], h[:2], groups)
+        rel = lambda u, v: ((u.double() - v).norm() / v.norm()).item()  # noqa: E731
+        print(f"  vs float64: kernel A {rel(a, a64):.2e} b {rel(b, b64):.2e}; split TF32 A {rel(a32, a64):.2e} "
+              f"b {rel(b32, b64):.2e}", flush=True)
+        del a64, b64, a32, b32
+        a, b = refit_triton.normal_equations(c, w, h, gs)
+        t = ms(lambda: refit._solve(a, b, q.scales))
+        print(f"  solve + choose (Cholesky)         {t * scale:9.1f}", flush=True)
+        damped = a + 1e-9 * torch.eye(groups, device=device)
+        t = ms(lambda: torch.cholesky_solve(b.unsqueeze(-1), torch.linalg.cholesky_ex(damped)[0]))
+        print(f"  cholesky_ex + cholesky_solve      {t * scale:9.1f}", flush=True)
+        del a, b, damped, h, x, w, xg, imp, q, c, cf, wf
+        torch.cuda.empty_cache()
 
 
 def print_row(r, header):

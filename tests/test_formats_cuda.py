@@ -82,9 +82,12 @@ def test_searched_grid_kernel_picks_the_torch_loops_scales(key, monkeypatch):
     e_k, e_t = error(s_k, z_k), error(s_t, z_t)
     print(f"{key}: {differ.float().mean().item():.2e} of the groups differ; error ratio "
           f"{(e_k.sum() / e_t.sum()).item():.8f}, worst group {(e_k / e_t.clamp(min=1e-30)).max().item():.6f}")
-    if spec.symmetric:  # the same arithmetic: only float32 sums in another order may tip a near tie
+    if spec.symmetric:  # the same arithmetic: only float32 sums in another order may tip a near tie, or
+        # round a least-squares candidate's quotient to the other bf16 neighbour (a different candidate:
+        # seen on the H200, 2026-12-03, in 3 of 131k groups at int4-g32, one 0.6% apart)
         assert differ.float().mean().item() < 1e-3
-        assert torch.allclose(e_k[differ], e_t[differ], rtol=1e-5, atol=0)
+        assert torch.allclose(e_k[differ], e_t[differ], rtol=1e-2, atol=0)
+        assert abs((e_k.sum() / e_t.sum()).item() - 1) < 1e-5
     else:  # the least-squares (scale, offset) refit divides by sw * sll - sl^2, which cancels: its candidates
         # move with the order of the sums, so more near ties tip, at the same total error
         assert differ.float().mean().item() < 0.05

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -80,3 +82,40 @@ def test_refit_in_expert_chunks_equals_the_whole_batch():
     one_by_one = refit_scales(q, w.float(), h.float(), budget_bytes=1)
     assert torch.equal(whole.scales, one_by_one.scales)
     assert not torch.equal(whole.scales, q.scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("key", ["int4-g32-sym", "int4-g128-sym", "int4-g64-asym", "int3-g32-asym"])
+def test_refit_kernel_normal_equations_against_float64(key):
+    """refit_triton's A = [c_g^T H c_h] and b = [c_g^T H w] against float64 (poisoned outputs, rows not a
+    multiple of the row tile, outlier channels), and the CUDA refit's scales against the CPU's float64 refit:
+    the same bf16 scales except in rows where the two candidates' errors tie within float32 rounding."""
+    from moequant.algorithms import refit_triton
+
+    spec = formats.parse_key(key)
+    if not refit_triton.usable(spec.bits, spec.group_size, 256, torch.device("cuda")):
+        pytest.skip("needs Triton")
+    gen = torch.Generator().manual_seed(5)
+    e, rows, cols = 3, 72, 256
+    w = torch.randn(e, rows, cols, generator=gen) * 0.02
+    x = torch.randn(e, 1024, cols, generator=gen) * torch.exp(0.5 * torch.randn(cols, generator=gen))
+    x[..., ::32] *= 8.0
+    h = x.transpose(1, 2) @ x / 1024
+    q, _ = gptq(w, h, key, act_order=True, static_groups=True, grid="searched")
+    gs = spec.group_size
+    c = q.codes if q.zeros is None else q.codes - q.zeros.repeat_interleave(gs, dim=-1)
+    a, b = refit_triton.normal_equations(c.cuda(), w.cuda(), h.cuda(), gs)
+    c64 = c.double()
+    a64 = torch.einsum("erga,egahb,erhb->ergh", c64.view(e, rows, -1, gs),
+                       h.double().view(e, cols // gs, gs, cols // gs, gs), c64.view(e, rows, -1, gs))
+    b64 = (c64 * (w.double() @ h.double())).view(e, rows, -1, gs).sum(-1)
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    rel = lambda u, v: ((u.cpu().double() - v).norm() / v.norm()).item()  # noqa: E731
+    assert rel(a, a64) < 2e-6 and rel(b, b64) < 2e-6
+    gpu = refit_scales(q.to("cuda"), w.cuda(), h.cuda()).scales.cpu()
+    cpu = refit_scales(q, w, h).scales
+    differ = (gpu != cpu).any(-1)
+    assert differ.double().mean().item() < 0.02
+    err = lambda s: ((x @ (w - dataclasses.replace(q, scales=s).dequantize()).transpose(1, 2)).double() ** 2).sum(1)  # noqa: E731
+    torch.testing.assert_close(err(gpu)[differ], err(cpu)[differ], rtol=1e-4, atol=0)

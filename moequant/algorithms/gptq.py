@@ -173,14 +173,13 @@ def gptq_pass_shared(weights: Sequence[torch.Tensor], hessian: torch.Tensor, spe
     sweep for all (`gptq_shared_hessian`), each weight's own scales and refit; the same codes and
     scales as one `gptq_pass` per weight. Returns ([QuantizedTensor per weight], GPTQReport)."""
     from moequant import formats
-    from moequant.algorithms.refit import refit_scales
+    from moequant.algorithms.refit import refit_scales_shared
 
     spec = formats.get_format(spec)
     qs, report = gptq_shared_hessian(weights, hessian, spec, act_order=spec.is_int, static_groups=True,
                                      device=device, grid=grid if spec.is_int else "minmax")
-    if refit and spec.is_int and spec.granularity == "group":
-        h = hessian.to(qs[0].codes.device)
-        qs = [refit_scales(q, w.to(q.codes.device), h) for q, w in zip(qs, weights)]
+    if refit and spec.is_int and spec.granularity == "group":  # one Hessian preparation for all weights
+        qs = refit_scales_shared(qs, weights, hessian)
     return qs, report
 
 

@@ -447,7 +447,15 @@ def searched_fit(spec, xg: torch.Tensor, importance: torch.Tensor | None = None,
     Integer group / channel formats only. importance broadcasts against xg (the inputs' second
     moments per column, i.e. diag(H)); None weighs every element alike. Scales are stored (bf16)
     before their codes and error are computed, as everywhere else. Returns (scales, zeros)
-    shaped xg.shape[:-1], like `_fit`."""
+    shaped xg.shape[:-1], like `_fit`.
+
+    A candidate's error takes an element's code as round(x * (1 / s)) with 1 / s rounded once per
+    group, not round(x / s) as `_encode`: one IEEE division per group instead of one per element
+    and candidate, which bound the search. The two differ only where x / s lies within a rounding
+    of a half-integer, where either code has the same error to that rounding, so the chosen scale
+    is the same up to ties (tests/test_quality_grids.py measures it against the division). The
+    codes a least-squares candidate is fitted on stay divisions: they define the candidate.
+    The codes of the chosen scale are always `_encode`'s."""
     spec = get_format(spec)
     if not spec.is_int:
         raise UserError("the searched grid applies to integer formats (int8, int4, int3, int2), not %s" % spec.key)
@@ -456,13 +464,22 @@ def searched_fit(spec, xg: torch.Tensor, importance: torch.Tensor | None = None,
     qmin, qmax = -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1
     best_s, best_z = _fit(spec, x, None, name)
     divisors = (torch.linspace(qmax, 1.6 * qmax, SEARCH_STEPS).tolist() + [qmax + 0.5, -qmin] if spec.symmetric
-                else torch.linspace(-1.0, 1.0, SEARCH_STEPS).tolist())
+                else [float(2 ** spec.bits - 1) + d for d in torch.linspace(-1.0, 1.0, SEARCH_STEPS).tolist()])
+    # candidate = spread * (1 / divisor), 1 / divisor in float32: what torch computes on CUDA for a
+    # tensor divided by a Python number, here on every device alike
+    factors = 1.0 / torch.tensor(divisors, dtype=torch.float32)
     if search_triton.usable(spec, x):  # every candidate of every group in one kernel (same arithmetic)
-        return search_triton.searched_fit_triton(spec, x, importance, best_s, best_z, divisors)
+        return search_triton.searched_fit_triton(spec, x, importance, best_s, best_z, factors)
+    factors = factors.tolist()
 
     def error(s, z):
-        codes = _encode(spec, x, s.unsqueeze(-1), None if z is None else z.unsqueeze(-1), None)
-        back = _decode(spec, codes, s.unsqueeze(-1), None if z is None else z.unsqueeze(-1), None)
+        sc = s.to(torch.float32)
+        y = (x * torch.where(sc > 0, 1.0 / torch.where(sc > 0, sc, 1.0), 0.0).unsqueeze(-1)).round_()
+        if z is None:
+            back = y.clamp_(qmin, qmax).mul_(sc.unsqueeze(-1))
+        else:
+            zc = z.to(torch.float32).unsqueeze(-1)
+            back = y.add_(zc).clamp_(qmin, qmax).sub_(zc).mul_(sc.unsqueeze(-1))
         return (w * (x - back).square()).sum(-1)
 
     best = error(best_s, best_z)
@@ -487,8 +504,8 @@ def searched_fit(spec, xg: torch.Tensor, importance: torch.Tensor | None = None,
 
     if spec.symmetric:
         amax = _absmax(x, -1)
-        for d in divisors:
-            s32 = amax / d
+        for f in factors:
+            s32 = amax * f
             consider(s32, None)
             consider(refit_sym(s32), None)
         return best_s, None
@@ -496,8 +513,8 @@ def searched_fit(spec, xg: torch.Tensor, importance: torch.Tensor | None = None,
     lo, hi = x.amin(-1), x.amax(-1)
     steps = 2 ** spec.bits - 1
     sw, sx = w.sum(-1), (w * x).sum(-1)
-    for delta in divisors:
-        s0 = (hi - lo) / (steps + delta)
+    for f in factors:
+        s0 = (hi - lo) * f
         consider(s0, lambda s, lo=lo: qmin + torch.round(-lo / s))
         # weighted least squares x ~ s * l + m on the candidate's codes l in 0..2^B-1
         l = torch.clamp(torch.round((x - lo.unsqueeze(-1)) / torch.where(s0 > 0, s0, 1.0).unsqueeze(-1)), 0, steps)

@@ -7,14 +7,16 @@ full passes over the weights, ~1,400 passes per projection. Here one program loa
 groups once and evaluates every candidate in registers: one read of the weights and the
 importance, one write of the chosen scales (and zero points).
 
-Arithmetic is searched_fit's on CUDA, operation for operation: the candidate scale amax / d is
-amax * (1 / d) with 1 / d rounded to float32 first (what torch does on CUDA for a tensor divided
-by a Python number), every other division is IEEE (div_rn), rounding is half to even, scales are
-rounded to bf16 before their codes and error are computed, and a candidate replaces the best so
-far only when its error is strictly smaller (candidates in searched_fit's order). The sums over a
-group run in another order than torch's, so a group whose two best candidates tie to within a
-float32 rounding may pick the other one (benchmarks/bench_gptq.py --verify counts them).
-Compiled without floating-point contraction, as moequant.algorithms.gptq_triton.
+Arithmetic is searched_fit's torch loop, operation for operation: candidate scales are
+spread * (1 / d) with 1 / d in float32 (`factors`); in a candidate's error an element's code is
+round(x * (1 / s)) with 1 / s one IEEE division (div_rn) per group; the codes a least-squares
+candidate is fitted on, and its quotients, are IEEE divisions;
+rounding is half to even, scales are rounded to bf16 before their codes and error are computed,
+and a candidate replaces the best so far only when its error is strictly smaller (candidates in
+searched_fit's order). The sums over a group run in another order than torch's, so a group whose
+two best candidates tie to within a float32 rounding may pick the other one
+(tests/test_formats_cuda.py counts them). Compiled without floating-point contraction, as
+moequant.algorithms.gptq_triton.
 """
 
 from __future__ import annotations
@@ -57,11 +59,12 @@ def _lead3(t: torch.Tensor, shape) -> tuple[torch.Tensor, tuple[int, ...]]:
 
 
 def searched_fit_triton(spec, x: torch.Tensor, importance, start_scales: torch.Tensor, start_zeros,
-                        divisors: list[float]):
+                        factors: torch.Tensor):
     """searched_fit's search on CUDA. x: float32 [..., k] groups; importance broadcasting against x
     (or None); start_scales / start_zeros: the min/max rule's bf16 scales / int8 zero points
-    [...] (the first candidate); divisors: the symmetric divisors d or the asymmetric deltas,
-    in searched_fit's order. Returns (scales bf16, zeros int8 or None) shaped x.shape[:-1]."""
+    [...] (the first candidate); factors: float32 [candidates], 1 / the symmetric divisors or
+    1 / the asymmetric level counts, in searched_fit's order. Returns (scales bf16, zeros int8
+    or None) shaped x.shape[:-1]."""
     k = x.shape[-1]
     shape = tuple(x.shape)
     xv, xs = _lead3(x, shape)
@@ -75,30 +78,30 @@ def searched_fit_triton(spec, x: torch.Tensor, importance, start_scales: torch.T
     symmetric = start_zeros is None
     z_in = s_in if symmetric else start_zeros.reshape(-1).contiguous()
     out_z = out_s if symmetric else torch.empty(m, dtype=torch.int8, device=x.device)
-    if symmetric:  # amax * (1 / d), 1 / d in float32: torch's CUDA division by a Python number
-        factors = 1.0 / torch.tensor(divisors, dtype=torch.float32)
-    else:  # (max - min) * (1 / (2^B - 1 + delta))
-        factors = 1.0 / torch.tensor([float(2 ** spec.bits - 1) + d for d in divisors], dtype=torch.float32)
-    factors = factors.to(x.device)
-    block_m = max(1, 2048 // k)
+    factors = factors.to(device=x.device, dtype=torch.float32)
+    block_m, warps = LAUNCH.get(k, (max(1, 2048 // k), 4))
     grid = (triton.cdiv(m, block_m),)
     _search_kernel[grid](
         xv, wv, s_in, z_in, out_s, out_z, factors, m, n1, n2,
         xs[0], xs[1], xs[2], xs[3], ws[0], ws[1], ws[2], ws[3],
         float(-(2 ** (spec.bits - 1))), float(2 ** (spec.bits - 1) - 1), float(2 ** spec.bits - 1),
-        SYMMETRIC=symmetric, K=k, BLOCK_M=block_m, N_CAND=len(divisors), num_warps=4,
+        SYMMETRIC=symmetric, K=k, BLOCK_M=block_m, N_CAND=len(factors), num_warps=warps,
         **({} if INTERPRETED else {"enable_fp_fusion": False}),
     )
     lead = shape[:-1]
     return out_s.reshape(lead), None if symmetric else out_z.reshape(lead)
 
 
+# groups per program and warps, by group width (default: 2048 elements per program, 4 warps);
+# measured on the H200 (benchmarks/bench_gptq.py --profile-refit): within 5% of the default
+LAUNCH: dict[int, tuple[int, int]] = {128: (8, 4), 32: (16, 2)}
+
+
 if triton is not None:
 
     @triton.jit
     def _round(y):
-        """Half to even for |y| <= 2^22 (larger values are clamped first: they saturate anyway)."""
-        y = tl.minimum(tl.maximum(y, -4194304.0), 4194304.0)
+        """Half to even for |y| <= 2^22 (callers clamp to the code range first)."""
         return (y + 12582912.0) - 12582912.0
 
     @triton.jit
@@ -106,15 +109,21 @@ if triton is not None:
         return (s == s) & (s > 0) & (s < float("inf"))
 
     @triton.jit
+    def _reciprocal(s, default):
+        """1 / s where s > 0 (one IEEE division per group), else `default`."""
+        return tl.where(s > 0, tl.div_rn(1.0, tl.where(s > 0, s, 1.0)), default)
+
+    @triton.jit
     def _error(x, w, s, z, qmin, qmax, SYMMETRIC: tl.constexpr):
-        """sum w (x - dequantized)^2 per group for bf16-valued scales s [M] (zero points z [M])."""
+        """sum w (x - dequantized)^2 per group for bf16-valued scales s [M] (zero points z [M]): codes
+        round(x * (1 / s)) (+ z), clamped (clamping first gives the same integers: rounding is monotone)."""
         sc = s[:, None]
-        y = _round(tl.where(sc > 0, tl.div_rn(x, tl.where(sc > 0, sc, 1.0)), 0.0))
+        y = x * _reciprocal(s, 0.0)[:, None]
         if SYMMETRIC:
-            back = tl.minimum(tl.maximum(y, qmin), qmax) * sc
+            back = _round(tl.minimum(tl.maximum(y, qmin), qmax)) * sc
         else:
             zc = z[:, None]
-            back = (tl.minimum(tl.maximum(y + zc, qmin), qmax) - zc) * sc
+            back = _round(tl.minimum(tl.maximum(y, qmin - zc), qmax - zc)) * sc
         d = x - back
         return tl.sum(w * (d * d), axis=1)
 
@@ -138,6 +147,7 @@ if triton is not None:
     @triton.jit
     def _zero_point(v, s, qmin, qmax):
         """qmin + round(v) as an int8-valued zero point: NaN -> 0, clamped; 0 where the scale is 0."""
+        v = tl.minimum(tl.maximum(v, -4194304.0), 4194304.0)  # in _round's range (saturates below anyway)
         z = tl.where(v == v, tl.minimum(tl.maximum(qmin + _round(v), qmin), qmax), 0.0)
         return tl.where(s > 0, z, 0.0)
 
@@ -167,7 +177,7 @@ if triton is not None:
                 best, best_s, best_z = _consider(x, w, _store_scale(s32), best_z, best, best_s, best_z, qmin, qmax,
                                                  SYMMETRIC)
                 # its weighted least-squares refit on the codes of the unrounded candidate
-                codes = tl.minimum(tl.maximum(_round(tl.div_rn(x, tl.where(s32 > 0, s32, 1.0)[:, None])), qmin), qmax)
+                codes = _round(tl.minimum(tl.maximum(tl.div_rn(x, tl.where(s32 > 0, s32, 1.0)[:, None]), qmin), qmax))
                 s = _store_scale(tl.div_rn(tl.sum(w * x * codes, axis=1), tl.sum(w * (codes * codes), axis=1)))
                 best, best_s, best_z = _consider(x, w, s, best_z, best, best_s, best_z, qmin, qmax, SYMMETRIC)
         else:
@@ -182,7 +192,7 @@ if triton is not None:
                 best, best_s, best_z = _consider(x, w, s, z, best, best_s, best_z, qmin, qmax, SYMMETRIC)
                 # weighted least squares x ~ s * l + m on the candidate's codes l in 0..steps
                 step = tl.where(s0 > 0, s0, 1.0)
-                lev = tl.minimum(tl.maximum(_round(tl.div_rn(x - lo[:, None], step[:, None])), 0.0), steps)
+                lev = _round(tl.minimum(tl.maximum(tl.div_rn(x - lo[:, None], step[:, None]), 0.0), steps))
                 sl = tl.sum(w * lev, axis=1)
                 sll = tl.sum(w * lev * lev, axis=1)
                 slx = tl.sum(w * lev * x, axis=1)

@@ -659,7 +659,8 @@ def export_gguf(ckpt, adapter, items: dict, out_dir, *, kept: dict | None = None
         return _Lazy(np_shape, dtype, np.dtype(dtype).itemsize * math.prod(np_shape), make), raw
 
     class _Source:  # the checkpoint as adapters read it, kept tensors first
-        get = staticmethod(read)
+        def get(self, n, device=None):  # read_experts passes a device; GGUF is written from the host
+            return read(n)
 
         def get_slice(self, n):
             return read(n)

@@ -63,15 +63,21 @@ def venv_path() -> Path:
     return Path(os.environ.get("MOEQUANT_LLAMA_VENV", DEFAULT_VENV)).expanduser()
 
 
+_CHECKED: set[Path] = set()  # venvs whose import check passed in this process (calibration calls often)
+
+
 def ensure_llama_cpp(log=print) -> Path:
     """The python of a venv with llama_cpp (built if missing); the marker is written last."""
     venv = venv_path()
     python = venv / "bin" / "python"
     marker = venv / READY_MARKER
     want = {"version": VERSION, "packages": list(PACKAGES)}
+    if venv in _CHECKED and marker.exists():
+        return python
     try:
         if json.loads(marker.read_text()) == want and subprocess.run(
                 [str(python), "-c", "import llama_cpp, gguf"], capture_output=True).returncode == 0:
+            _CHECKED.add(venv)
             return python
     except (OSError, ValueError):
         pass

@@ -80,7 +80,7 @@ def main(argv=None) -> int:  # noqa: C901
     from moequant.arch import adapter_for
     from moequant.calib.calibrate import calibrate
     from moequant.errors import UserError
-    from moequant.export.gguf import GGUF_FILE, gguf_bytes, write_imatrix
+    from moequant.export.gguf import GGUF_FILE, gguf_bytes, reshaped_reason, write_imatrix
     from moequant.export.layouts import export_checkpoint
     from moequant.export.verify_llamacpp import evaluate_gguf, quantize
     from moequant.io.checkpoint import open_checkpoint
@@ -119,7 +119,8 @@ def main(argv=None) -> int:  # noqa: C901
         probe = {}
         for name in ckpt.keys():
             role = ad.classify(name).role
-            if role in ("attention", "shared_expert", "lm_head") and name.endswith("weight") and len(ckpt.shape(name)) == 2:
+            if (role in ("attention", "shared_expert", "lm_head") and name.endswith("weight") and len(ckpt.shape(name)) == 2
+                    and reshaped_reason(ckpt.config.get("model_type"), name) is None):  # as the plan keeps them
                 probe[name] = formats.quantize(ckpt.get(name).float(), recipe.non_experts.format)
         probe_dir = export_checkpoint(src, probe, out / "probe", layout="gguf", target="llama.cpp", gguf_types=types)
         acct = gguf_bytes(probe_dir / GGUF_FILE)

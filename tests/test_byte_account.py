@@ -34,10 +34,10 @@ MODELS = [f"zoo:{name}" for name in zoo.names()]
 # non_experts.formats needs the per-tensor probe); the budget counts those tensors at non_experts.format
 TINY = ["calibration.samples=4", "calibration.seq_len=32", "calibration.probe_samples=0", "non_experts.formats=[]"]
 ROUTED = re.compile(r"\.experts\.\d+\.")  # per-expert tensors of the bundled models (not shared_expert.)
-# the low-bit GGUF budgets (3 bits per routed weight) cannot be met where down_proj is narrower than a
-# 256-element K / IQ block (64 and 128 wide): their plans must be refused, in apply's one sentence
-NARROW = {"zoo:tiny-qwen2moe", "zoo:tiny-mixtral"}
-REFUSED = {(recipe, model) for recipe in ("gguf-lowbit", "gguf-iq") for model in NARROW}
+# gguf-lowbit's 3 bits per routed weight cannot be met where down_proj is narrower than a 256-element K
+# block (64 and 128 wide: a 32-block type of >= 4.5 bits); its plan must be refused, in apply's one
+# sentence. gguf-iq meets it there (IQ2 gate / up, Q4_0 down).
+REFUSED = {("gguf-lowbit", model) for model in ("zoo:tiny-qwen2moe", "zoo:tiny-mixtral")}
 
 
 def _recipe(path: Path, model: str, out: Path):

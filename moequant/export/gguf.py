@@ -351,6 +351,18 @@ def gguf_targets(model_type: str, hf_name: str) -> list[tuple[str, Callable | No
     return []
 
 
+def reshaped_reason(model_type: str | None, hf_name: str) -> str | None:
+    """Why GGUF writes this tensor unquantized: llama.cpp's graph wants it split or transformed in ways
+    that packed ggml rows cannot take (deepseek2's kv_b_proj into attn_k_b / attn_v_b); None otherwise."""
+    if model_type not in GRAPHS:
+        return None
+    targets = gguf_targets(model_type, hf_name)
+    if not targets or (len(targets) == 1 and targets[0][1] in (None, *ROW_ORDER)):
+        return None
+    return (f"llama.cpp's {GRAPHS[model_type].arch} graph reshapes it into "
+            f"{', '.join(t for t, _ in targets)}, which GGUF export writes unquantized")
+
+
 def gguf_name(model_type: str, hf_name: str) -> str | None:
     targets = gguf_targets(model_type, hf_name)
     return targets[0][0] if len(targets) == 1 else None

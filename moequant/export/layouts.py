@@ -343,6 +343,12 @@ class _Layout:
         return math.prod(shape) * element_size
 
     @staticmethod
+    def kept_reason(model_type: str | None, name: str) -> str | None:
+        """Why the layout writes this non-expert tensor unquantized whatever the recipe says (None: it
+        takes the planned format). The plan keeps such tensors and counts them as written."""
+        return None
+
+    @staticmethod
     def copied_tensors(names) -> list[tuple[str, str, str]]:
         """Tensors the layout writes beyond the checkpoint's `names`: (name written, its role, the tensor
         it copies). The plan counts them as kept tensors."""
@@ -774,6 +780,12 @@ class _Gguf(_Layout):
         from moequant.export.gguf import plain_nbytes  # GGUF chooses its own float types
 
         return plain_nbytes(role, shape, export.gguf_float, export.gguf_types)
+
+    @staticmethod
+    def kept_reason(model_type, name):
+        from moequant.export.gguf import reshaped_reason
+
+        return reshaped_reason(model_type, name)
 
     @staticmethod
     def copied_tensors(names):

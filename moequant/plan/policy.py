@@ -564,8 +564,8 @@ def sensitivity(table: dict, layer: int, proj: str, key: str) -> np.ndarray:
 class _Context:
     """What make_plan computes once: routed experts, usage, byte and loss lookups."""
 
-    def __init__(self, recipe: Recipe, tensors: list[TensorInfo], stats):
-        self.recipe, self.tensors, self.stats = recipe, tensors, stats
+    def __init__(self, recipe: Recipe, tensors: list[TensorInfo], stats, model_type: str | None = None):
+        self.recipe, self.tensors, self.stats, self.model_type = recipe, tensors, stats, model_type
         self.formats = _formats()
         self.layout = _layout_for(recipe.export.format)
         self.experts: dict[tuple[int, int], list[TensorInfo]] = defaultdict(list)
@@ -972,11 +972,13 @@ def check_plan(recipe: Recipe, checkpoint_or_tensors) -> list[str]:
 
 def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
     """make_plan, or with shapes_only the checks of check_plan (its notes returned, no plan)."""
+    model_type = None
     if hasattr(checkpoint_or_tensors, "keys") and hasattr(checkpoint_or_tensors, "shape"):
         tensors = tensors_from_checkpoint(checkpoint_or_tensors)
+        model_type = checkpoint_or_tensors.config.get("model_type")
     else:
         tensors = as_tensor_infos(checkpoint_or_tensors)
-    ctx = _Context(recipe, tensors, stats)
+    ctx = _Context(recipe, tensors, stats, model_type)
     target = recipe.target
     notes: list[str] = []
     if not ctx.experts:
@@ -1033,7 +1035,7 @@ def _non_expert_plans(ctx: _Context, recipe: Recipe, tensors: list[TensorInfo], 
     for t in tensors:
         if t.is_routed_weight:
             continue
-        why = _non_expert_kept_reason(recipe, t)
+        why = _non_expert_kept_reason(recipe, t) or ctx.layout.kept_reason(ctx.model_type, t.name)
         spec = bf16 if why else non_expert_spec
         if not spec.quantized and not why:
             why = "non_experts.format is bf16"

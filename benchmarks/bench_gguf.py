@@ -16,6 +16,28 @@ apply before any work, and the row says so. All GGUFs are run by llama.cpp on th
 windows; KL against transformers (float32) on the original weights. Prints a table and writes
 runs/bench_gguf/results.json. Prints numbers; asserts nothing.
 
+Measured 2026-12-03 (second run) on this shared 2-core CPU (load 3-5), on the wide bundled models (every
+expert width 256: K types everywhere, no fallback), recipes/gguf-lowbit.yaml's K-type menu, 32 x 256
+calibration and evaluation tokens, one run each (not repeated: the Q4_K_M ratio sits near the 0.8 target):
+
+    python benchmarks/bench_gguf.py --samples 32 --eval-samples 32 --models tiny-qwen3moe --ftypes Q4_K_M,Q3_K_M,Q2_K
+
+| model | GGUF | bytes | bits (all tensors) | KL mean | KL p99 | top-1 | KL / (llama.cpp + our imatrix) |
+|---|---|---|---|---|---|---|---|
+| tiny-qwen3moe | moequant @ Q4_K_M's bytes (5.04 bits / routed weight) | 6,029,568 | 5.251 | 0.0157 | 0.109 | 0.928 | 0.78 |
+| tiny-qwen3moe | Q4_K_M + our imatrix | 6,039,296 | 5.260 | 0.0201 | 0.137 | 0.925 | 1 |
+| tiny-qwen3moe | Q4_K_M | 6,039,296 | 5.260 | 0.0202 | 0.136 | 0.926 | 1.00 |
+| tiny-qwen3moe | moequant @ Q3_K_M's bytes (3.77) | 5,029,376 | 4.380 | 0.0435 | 0.279 | 0.891 | 0.66 |
+| tiny-qwen3moe | Q3_K_M + our imatrix | 5,037,824 | 4.387 | 0.0664 | 0.394 | 0.867 | 1 |
+| tiny-qwen3moe | Q3_K_M | 5,037,824 | 4.387 | 0.0694 | 0.430 | 0.861 | 1.04 |
+| tiny-qwen3moe | moequant @ Q2_K's bytes (2.70) | 4,190,208 | 3.649 | 0.1548 | 0.928 | 0.795 | 0.62 |
+| tiny-qwen3moe | Q2_K + our imatrix | 4,200,192 | 3.658 | 0.2486 | 1.481 | 0.752 | 1 |
+| tiny-qwen3moe | Q2_K | 4,200,192 | 3.658 | 0.2819 | 1.732 | 0.738 | 1.13 |
+
+moequant's types (layer.proj) on tiny-qwen3moe: at Q4_K_M's bytes q4_k, with q5_k for 1.gate, 2.gate, 2.up; at
+Q3_K_M's q3_k, with q4_k for 2.gate / 2.up; at Q2_K's q2_k, with q3_k for 2.up. 33 min for the model.
+tiny-deepseek-v3: not measured yet.
+
 Measured 2026-12-03 on this shared 2-core CPU (load 8-13), main + issue 37 (K-type menu of
 recipes/gguf-lowbit.yaml: q8_0 .. q2_k, routed experts GPTQ on the types' grids, non-experts q3_k .. q8_0 per
 tensor from their measured KL, token_embd Q4_K / output Q6_K), 32 x 256 calibration and 32 x 256 evaluation

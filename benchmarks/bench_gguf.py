@@ -36,7 +36,28 @@ calibration and evaluation tokens, one run each (not repeated: the Q4_K_M ratio 
 
 moequant's types (layer.proj) on tiny-qwen3moe: at Q4_K_M's bytes q4_k, with q5_k for 1.gate, 2.gate, 2.up; at
 Q3_K_M's q3_k, with q4_k for 2.gate / 2.up; at Q2_K's q2_k, with q3_k for 2.up. 33 min for the model.
-tiny-deepseek-v3: not measured yet.
+Same day and command, `--models tiny-deepseek-v3` (14 min): the 0.8x targets are missed, by the non-routed bytes.
+
+| model | GGUF | bytes | bits (all tensors) | KL mean | KL p99 | top-1 | KL / (llama.cpp + our imatrix) |
+|---|---|---|---|---|---|---|---|
+| tiny-deepseek-v3 | moequant @ Q4_K_M's bytes (3.08 bits / routed weight) | 5,048,224 | 4.477 | 0.1049 | 0.655 | 0.845 | 2.60 |
+| tiny-deepseek-v3 | Q4_K_M + our imatrix | 5,902,944 | 5.235 | 0.0404 | 0.366 | 0.909 | 1 |
+| tiny-deepseek-v3 | Q4_K_M | 5,902,944 | 5.235 | 0.0406 | 0.347 | 0.906 | 1.00 |
+| tiny-deepseek-v3 | moequant @ Q3_K_M's bytes (1.28) | refused (smallest feasible plan: 4.08 bits / routed weight) | | | | | |
+| tiny-deepseek-v3 | Q3_K_M + our imatrix | 4,840,800 | 4.293 | 0.1218 | 0.815 | 0.823 | 1 |
+| tiny-deepseek-v3 | Q3_K_M | 4,840,800 | 4.293 | 0.1252 | 0.827 | 0.819 | 1.03 |
+| tiny-deepseek-v3 | moequant @ Q2_K's bytes (< 0) | refused (the non-routed tensors alone exceed the file) | | | | | |
+| tiny-deepseek-v3 | Q2_K + our imatrix | 4,043,872 | 3.586 | 0.4651 | 2.642 | 0.662 | 1 |
+| tiny-deepseek-v3 | Q2_K | 4,043,872 | 3.586 | 0.5045 | 2.701 | 0.647 | 1.08 |
+
+Why (gguf-py's reader over both Q4_K_M-sized files): routed experts are only 1.33 M of this model's weights,
+so what the non-routed tensors cost decides the routed budget. MLA's kv_b_proj, which llama.cpp's deepseek2
+graph wants split into attn_k_b / attn_v_b, is written BF16 by moequant (524,288 bytes; the split of packed
+rows is not possible, so the plan keeps it) and Q5_0 by llama_model_quantize (180,224): those 344 KB are 2.1
+bits per routed weight, which moequant's routed experts then lack (3.08 bits: q3_k gate / up, q2_k down,
+against llama.cpp's Q4_K / Q6_K). Next: quantize kv_b's split halves as tensors of their own (their float
+values are at hand at export) and plan their bytes; and let the low-bit recipes lower token_embd / output
+(fixed Q4_K / Q6_K, 1.45 MB here) as llama.cpp's Q2_K does.
 
 Measured 2026-12-03 on this shared 2-core CPU (load 8-13), main + issue 37 (K-type menu of
 recipes/gguf-lowbit.yaml: q8_0 .. q2_k, routed experts GPTQ on the types' grids, non-experts q3_k .. q8_0 per
@@ -167,6 +188,9 @@ def main(argv=None) -> int:  # noqa: C901
             shutil.copytree(stats, run / "stats")  # the same statistics: apply reuses them
             row = {"routed_bits_budget": bits}
             try:
+                if bits <= 0:
+                    raise UserError(f"the non-routed tensors alone ({non_routed:,} bytes as the recipe types them) "
+                                    f"exceed {ftype}'s file ({limit:,} bytes).")
                 apply(args.recipe, model=f"zoo:{model}", output=str(run), progress=False, log=lambda *_: None,
                       overrides=[*base, f"experts.budget.bits_per_weight={bits}"])
                 plan = json.loads((run / "plan.json").read_text())

@@ -212,7 +212,10 @@ def test_ctrl_c_exits_130_in_one_line_and_the_rerun_says_where_it_resumes(model_
     out = tmp_path / "interrupted"
     cmd = [sys.executable, "-m", "moequant", *apply_args(model_dir, out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal delivers it: a shell's background job (`.ci/run &`) starts its children with SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler, so the signal would be dropped
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     while proc.poll() is None and not (out / "work" / "progress.json").exists():
         time.sleep(0.005)
     assert proc.poll() is None, "the run ended before its quantize pass finished a layer"

@@ -323,7 +323,9 @@ def _kept_element_size(ckpt, name: str) -> int:
         from moequant.export.layouts import model_dtype
 
         return model_dtype(ckpt.config).itemsize
-    return {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1}.get(ckpt.dtype(name), 2)
+    from moequant.io.checkpoint import DTYPE_SIZES
+
+    return DTYPE_SIZES.get(ckpt.dtype(name), 2)
 
 
 # ---------------------------------------------------------------------------------------------

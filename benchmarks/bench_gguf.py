@@ -128,6 +128,7 @@ def main(argv=None) -> int:  # noqa: C901
     from moequant.export.verify_llamacpp import evaluate_gguf, quantize
     from moequant.io.checkpoint import open_checkpoint
     from moequant.pipeline.apply import apply, calibration_settings, resolve_recipe
+    from moequant.plan.policy import NON_EXPERT_ROLES
     from moequant.zoo import path as zoo_path
 
     p = argparse.ArgumentParser()
@@ -162,8 +163,8 @@ def main(argv=None) -> int:  # noqa: C901
         probe = {}
         for name in ckpt.keys():
             role = ad.classify(name).role
-            if (role in ("attention", "shared_expert", "lm_head") and name.endswith("weight") and len(ckpt.shape(name)) == 2
-                    and reshaped_reason(ckpt.config.get("model_type"), name) is None):  # as the plan keeps them
+            if (role in NON_EXPERT_ROLES and name.endswith("weight") and len(ckpt.shape(name)) == 2  # as the plan has them
+                    and reshaped_reason(ckpt.config.get("model_type"), name) is None):
                 probe[name] = formats.quantize(ckpt.get(name).float(), recipe.non_experts.format)
         probe_dir = export_checkpoint(src, probe, out / "probe", layout="gguf", target="llama.cpp", gguf_types=types)
         acct = gguf_bytes(probe_dir / GGUF_FILE)

@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 from moequant.errors import UserError
-from moequant.formats import get_format, quantize_ggml
+from moequant.formats import check_shape, get_format, quantize_ggml
 from moequant.io.checkpoint import EXPORT_INFO, atomic_directory
 
 GGUF_FILE = "model.gguf"
@@ -106,6 +106,9 @@ def _k_b(t, c):  # attn_k_b: ggml {nope, kv_lora, n_head} = torch [n_head, kv_lo
 
 def _v_b(t, c):  # attn_v_b: ggml {kv_lora, v_head, n_head} = torch [n_head, v_head, kv_lora]
     return _kv_b(t, c)[:, int(c["qk_nope_head_dim"]):].contiguous()
+
+
+SPLITS = (_k_b, _v_b)  # transforms whose parts GGUF quantizes as tensors of their own (export_gguf's _split)
 
 
 def _even(t, c):  # gpt-oss gate_up bias [E, 2I]: gate = even columns
@@ -352,15 +355,28 @@ def gguf_targets(model_type: str, hf_name: str) -> list[tuple[str, Callable | No
 
 
 def reshaped_reason(model_type: str | None, hf_name: str) -> str | None:
-    """Why GGUF writes this tensor unquantized: llama.cpp's graph wants it split or transformed in ways
-    that packed ggml rows cannot take (deepseek2's kv_b_proj into attn_k_b / attn_v_b); None otherwise."""
+    """Why GGUF writes this tensor unquantized: llama.cpp's graph wants it transformed in a way that
+    packed ggml rows cannot take and that GGUF export does not requantize; None otherwise (kv_b_proj's
+    halves are quantized as tensors of their own: written_shapes)."""
     if model_type not in GRAPHS:
         return None
     targets = gguf_targets(model_type, hf_name)
-    if not targets or (len(targets) == 1 and targets[0][1] in (None, *ROW_ORDER)):
+    if all(fn in (None, *ROW_ORDER, *SPLITS) for _, fn in targets):
         return None
     return (f"llama.cpp's {GRAPHS[model_type].arch} graph reshapes it into "
             f"{', '.join(t for t, _ in targets)}, which GGUF export writes unquantized")
+
+
+def written_shapes(config: dict, hf_name: str, shape) -> list[tuple[str, tuple[int, int]]]:
+    """(GGUF name, [rows, row width]) of each tensor GGUF writes for this one in a ggml type: ggml quantizes
+    along the row, so each width must hold the type's blocks (kv_b_proj: attn_k_b's rows are qk_nope wide,
+    attn_v_b's kv_lora). [] for a tensor GGUF does not write one to one or split."""
+    targets = gguf_targets(config.get("model_type"), hf_name) if config.get("model_type") in GRAPHS else []
+    out = []
+    for name, fn in targets:
+        s = tuple(shape) if fn in (None, *ROW_ORDER) else tuple(fn(torch.empty(tuple(shape), device="meta"), config).shape)
+        out.append((name, (math.prod(s[:-1]), s[-1])))
+    return out
 
 
 def gguf_name(model_type: str, hf_name: str) -> str | None:
@@ -464,10 +480,11 @@ def check_gguf(ckpt, adapter, items: dict) -> None:
                             f"tensor {name} is planned as {q.spec.key} (use target llama.cpp).")
         if q.spec.quantized and (role.role in ("router", "shared_expert_gate", "norm") or len(q.shape) < 2):
             raise UserError(f"tensor {name} ({role.role}) stays unquantized in GGUF; it is planned as {q.spec.key}.")
-        targets = gguf_targets(mt, name)
-        if q.spec.quantized and name not in expert_names and (len(targets) != 1 or targets[0][1] not in (None, *ROW_ORDER)):
-            raise UserError(f"llama.cpp's {graph.arch} graph reshapes tensor {name} ({', '.join(t for t, _ in targets)}), "
-                            f"which GGUF export writes unquantized; it is planned as {q.spec.key} (keep it).")
+        if q.spec.quantized and name not in expert_names:
+            if reshaped_reason(mt, name):
+                raise UserError(f"{reshaped_reason(mt, name)}; tensor {name} is planned as {q.spec.key} (keep it).")
+            for out, shape in written_shapes(c, name, q.shape):
+                check_shape(q.spec, shape, f"{out} (of {name})")
     for layer in adapter.moe_layers:
         for proj in adapter.projections:
             if adapter.fused_experts:
@@ -653,6 +670,8 @@ def export_gguf(ckpt, adapter, items: dict, out_dir, *, kept: dict | None = None
     def tensor_for(out_name: str) -> _Lazy:
         hf_name, fn = plan_of[out_name]
         q = items.get(hf_name) if out_name != "output.weight" or hf_name == "lm_head.weight" else None
+        if q is not None and q.spec.quantized and fn in SPLITS:
+            return _split(q, fn, lambda: read(hf_name), out_name)
         if q is not None and q.spec.quantized:  # packed blocks, one-to-one or rows reordered (check_gguf)
             arr, raw = _packed(q if fn is None else _rows(q, fn(torch.arange(q.shape[0]), c)))
             return _Lazy(arr.shape, arr.dtype, arr.nbytes, lambda: arr), raw
@@ -669,6 +688,21 @@ def export_gguf(ckpt, adapter, items: dict, out_dir, *, kept: dict | None = None
             return _plain(t, key, out_name)[0]
 
         return _Lazy(np_shape, dtype, np.dtype(dtype).itemsize * math.prod(np_shape), make), raw
+
+    def _split(q, fn, original, out_name):
+        """One part of a tensor llama.cpp's graph splits (kv_b_proj -> attn_k_b / attn_v_b) in q's type: rows
+        the part keeps along the same axis are q's own packed rows (its codes, GPTQ's where it ran); a
+        transposed part (attn_k_b) is quantized here from the original weights along its new rows (no
+        statistics of its input, q_nope, exist: the type's own scale search)."""
+        rows = fn(torch.arange(q.shape[0]).unsqueeze(-1), c)
+        if rows.shape[-1] == 1:  # rows of q, reordered: [..., rows, 1] of row indices
+            order = rows[..., 0]
+            arr = q.codes[order.reshape(-1)].cpu().reshape(*order.shape, q.codes.shape[-1]).contiguous().numpy()
+            return _Lazy(arr.shape, arr.dtype, arr.nbytes, lambda: arr), _ggml_type(q.spec)
+        shape = tuple(fn(torch.empty(tuple(q.shape), device="meta"), c).shape)
+        np_shape, dtype, raw = _plain_meta(shape, q.spec.key)
+        return _Lazy(np_shape, dtype, np.dtype(dtype).itemsize * math.prod(np_shape),
+                     lambda: _plain(fn(original(), c), q.spec.key, out_name)[0]), raw
 
     class _Source:  # the checkpoint as adapters read it, kept tensors first
         def get(self, n, device=None):  # read_experts passes a device; GGUF is written from the host

@@ -349,6 +349,12 @@ class _Layout:
         return None
 
     @staticmethod
+    def written_shapes(config: dict, name: str, shape) -> list[tuple[str, tuple]]:
+        """(name written, shape) of each tensor the layout writes for this one in a quantized format, the
+        last axis being the one the format's groups run along: the plan checks and counts each."""
+        return [(name, tuple(shape))]
+
+    @staticmethod
     def copied_tensors(names) -> list[tuple[str, str, str]]:
         """Tensors the layout writes beyond the checkpoint's `names`: (name written, its role, the tensor
         it copies). The plan counts them as kept tensors."""
@@ -786,6 +792,12 @@ class _Gguf(_Layout):
         from moequant.export.gguf import reshaped_reason
 
         return reshaped_reason(model_type, name)
+
+    @staticmethod
+    def written_shapes(config, name, shape):
+        from moequant.export.gguf import written_shapes  # deepseek2's kv_b_proj: attn_k_b and attn_v_b
+
+        return [(n, s) for n, s in written_shapes(config, name, shape) if len(s) == 2] or [(name, tuple(shape))]
 
     @staticmethod
     def copied_tensors(names):

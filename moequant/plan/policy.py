@@ -566,8 +566,10 @@ def sensitivity(table: dict, layer: int, proj: str, key: str) -> np.ndarray:
 class _Context:
     """What make_plan computes once: routed experts, usage, byte and loss lookups."""
 
-    def __init__(self, recipe: Recipe, tensors: list[TensorInfo], stats, model_type: str | None = None):
-        self.recipe, self.tensors, self.stats, self.model_type = recipe, tensors, stats, model_type
+    def __init__(self, recipe: Recipe, tensors: list[TensorInfo], stats, config: dict | None = None):
+        self.recipe, self.tensors, self.stats = recipe, tensors, stats
+        self.config = config or {}  # the checkpoint's config.json ({} for a list of tensors)
+        self.model_type = self.config.get("model_type")
         self.formats = _formats()
         self.layout = _layout_for(recipe.export.format)
         self.experts: dict[tuple[int, int], list[TensorInfo]] = defaultdict(list)
@@ -590,19 +592,24 @@ class _Context:
     def nbytes(self, spec, t) -> int:
         """Bytes of tensor `t` (a TensorInfo / TensorPlan) in `spec`, as the export layout writes them."""
         shape = tuple(t.shape)
-        element_size = getattr(t, "element_size", 2)
-        # a layout stores plain tensors by role and, copying them, in their stored dtype
-        key = (spec.key, shape, None if spec.quantized else (t.role, element_size))
-        if key in self._nbytes:
+        if not spec.quantized:  # a layout stores plain tensors by role and, copying them, in their stored dtype
+            element_size = getattr(t, "element_size", 2)
+            key = (spec.key, shape, t.role, element_size)
+            if key not in self._nbytes:
+                self._nbytes[key] = self.layout.plain_nbytes(t.role, shape, self.recipe.export, element_size)
             return self._nbytes[key]
-        if not spec.quantized:
-            self._nbytes[key] = self.layout.plain_nbytes(t.role, shape, self.recipe.export, element_size)
-            return self._nbytes[key]
-        try:
-            self._nbytes[key] = self.formats.nbytes(spec, shape, symmetric_zeros=self.layout.symmetric_zeros)
-        except UserError:
-            self.formats.check_shape(spec, shape, t.name)  # the same refusal, naming the tensor
-            raise
+        # what the layout writes for it: itself, or its parts (GGUF splits deepseek2's kv_b_proj)
+        written = self.layout.written_shapes(self.config, t.name, shape) if t.role in NON_EXPERT_ROLES else [(t.name, shape)]
+        key = (spec.key, tuple(s for _, s in written))
+        if key not in self._nbytes:
+            total = 0
+            for name, s in written:
+                try:
+                    total += self.formats.nbytes(spec, s, symmetric_zeros=self.layout.symmetric_zeros)
+                except UserError:
+                    self.formats.check_shape(spec, s, name if name == t.name else f"{name} (of {t.name})")
+                    raise  # the same refusal, naming the tensor
+            self._nbytes[key] = total
         return self._nbytes[key]
 
     def usage(self, layer: int) -> np.ndarray | None:
@@ -974,13 +981,13 @@ def check_plan(recipe: Recipe, checkpoint_or_tensors) -> list[str]:
 
 def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
     """make_plan, or with shapes_only the checks of check_plan (its notes returned, no plan)."""
-    model_type = None
+    config = None
     if hasattr(checkpoint_or_tensors, "keys") and hasattr(checkpoint_or_tensors, "shape"):
         tensors = tensors_from_checkpoint(checkpoint_or_tensors)
-        model_type = checkpoint_or_tensors.config.get("model_type")
+        config = checkpoint_or_tensors.config
     else:
         tensors = as_tensor_infos(checkpoint_or_tensors)
-    ctx = _Context(recipe, tensors, stats, model_type)
+    ctx = _Context(recipe, tensors, stats, config)
     target = recipe.target
     notes: list[str] = []
     if not ctx.experts:

@@ -117,6 +117,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def main(argv=None) -> int:  # noqa: C901
     import shutil
 
+    import gguf
     import torch
 
     from moequant import formats
@@ -132,7 +133,7 @@ def main(argv=None) -> int:  # noqa: C901
     from moequant.zoo import path as zoo_path
 
     p = argparse.ArgumentParser()
-    p.add_argument("--models", default="tiny-qwen2moe,tiny-mixtral")
+    p.add_argument("--models", default="tiny-qwen2moe,tiny-mixtral,tiny-qwen3moe,tiny-deepseek-v3")
     p.add_argument("--ftypes", default="Q4_K_M,Q3_K_M,Q3_K_S,Q2_K")
     p.add_argument("--recipe", default=str(ROOT / "recipes" / "gguf-lowbit.yaml"))
     p.add_argument("--samples", type=int, default=64)
@@ -152,25 +153,27 @@ def main(argv=None) -> int:  # noqa: C901
         base = [f"calibration.samples={args.samples}", f"calibration.seq_len={args.seq_len}",
                 f"evaluate.samples={args.eval_samples}", f"evaluate.seq_len={args.seq_len}"]
         recipe = resolve_recipe(args.recipe, f"zoo:{model}", str(out / "moequant"), base)
-        types = {"token_embd.weight": recipe.export.gguf_token_embd, "output.weight": recipe.export.gguf_output}
         bf16 = export_checkpoint(src, {}, out / "bf16", layout="gguf", target="llama.cpp")
         all_weights = sum(math.prod(ckpt.shape(n)) for n in ckpt.keys())
         if "lm_head.weight" not in ckpt.keys():
             all_weights += math.prod(ckpt.shape("model.embed_tokens.weight"))  # GGUF's output.weight copy
 
-        # our non-routed bytes (non-experts in non_experts.format, token_embd / output in the recipe's
-        # types, the rest F32 / BF16): what the routed experts may use beside them
-        probe = {}
-        for name in ckpt.keys():
-            role = ad.classify(name).role
-            if (role in NON_EXPERT_ROLES and name.endswith("weight") and len(ckpt.shape(name)) == 2  # as the plan has them
-                    and reshaped_reason(ckpt.config.get("model_type"), name) is None):
-                probe[name] = formats.quantize(ckpt.get(name).float(), recipe.non_experts.format)
-        probe_dir = export_checkpoint(src, probe, out / "probe", layout="gguf", target="llama.cpp", gguf_types=types)
-        acct = gguf_bytes(probe_dir / GGUF_FILE)
-        header = os.path.getsize(probe_dir / GGUF_FILE) - acct["total"]  # metadata, tokenizer, alignment
-        non_routed = acct["total"] - acct["by_role"]["routed_expert"] + header
         routed_numel = sum(ad.num_experts * math.prod(ad.expert_shape(pj)) for _ in ad.moe_layers for pj in ad.projections)
+
+        def non_routed_bytes(types: dict, tag: str) -> int:
+            """Our non-routed bytes (non-experts in non_experts.format, token_embd / output in `types`, the rest
+            F32 / BF16): what the routed experts may use beside them."""
+            probe = {}
+            for name in ckpt.keys():
+                role = ad.classify(name).role
+                if (role in NON_EXPERT_ROLES and name.endswith("weight") and len(ckpt.shape(name)) == 2  # as the plan has them
+                        and reshaped_reason(ckpt.config.get("model_type"), name) is None):
+                    probe[name] = formats.quantize(ckpt.get(name).float(), recipe.non_experts.format)
+            probe_dir = export_checkpoint(src, probe, out / f"probe-{tag}", layout="gguf", target="llama.cpp",
+                                          gguf_types=types)
+            acct = gguf_bytes(probe_dir / GGUF_FILE)
+            header = os.path.getsize(probe_dir / GGUF_FILE) - acct["total"]  # metadata, tokenizer, alignment
+            return acct["total"] - acct["by_role"]["routed_expert"] + header
 
         # one calibration, with the settings apply uses (every apply below reuses it): its imatrix for llama.cpp
         stats = out / "stats"
@@ -183,17 +186,24 @@ def main(argv=None) -> int:  # noqa: C901
                 rc = quantize(bf16 / GGUF_FILE, dst, ftype, imatrix=im)["rc"]
                 assert rc == 0, f"llama_model_quantize {ftype} failed ({rc})"
             limit = min(os.path.getsize(q_im), os.path.getsize(q_no))
+            # token_embd / output in the types llama.cpp's own mixture gives them at this size (the recipe's
+            # budget does not choose them): the routed experts and the non-experts share the rest
+            theirs = {t.name: t.tensor_type.name.lower() for t in gguf.GGUFReader(str(q_im)).tensors}
+            types = {n: theirs[n] for n in ("token_embd.weight", "output.weight")}
+            non_routed = non_routed_bytes(types, ftype.lower())
             bits = math.floor((limit - non_routed) * 8 / routed_numel * 1e4) / 1e4 - 0.01  # slack for alignment padding
             run = out / f"moequant-{ftype.lower()}"
             shutil.rmtree(run, ignore_errors=True)
             shutil.copytree(stats, run / "stats")  # the same statistics: apply reuses them
-            row = {"routed_bits_budget": bits}
+            row = {"routed_bits_budget": bits, "token_embd / output": types}
             try:
                 if bits <= 0:
                     raise UserError(f"the non-routed tensors alone ({non_routed:,} bytes as the recipe types them) "
                                     f"exceed {ftype}'s file ({limit:,} bytes).")
                 apply(args.recipe, model=f"zoo:{model}", output=str(run), progress=False, log=lambda *_: None,
-                      overrides=[*base, f"experts.budget.bits_per_weight={bits}"])
+                      overrides=[*base, f"experts.budget.bits_per_weight={bits}",
+                                 f"export.gguf_token_embd={types['token_embd.weight']}",
+                                 f"export.gguf_output={types['output.weight']}"])
                 plan = json.loads((run / "plan.json").read_text())
                 row["types"] = {f"{t['layer']}.{t['proj']}": t["format"] for t in plan["tensors"]
                                 if t["role"] == "routed_expert"}

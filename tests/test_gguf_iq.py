@@ -73,3 +73,26 @@ def test_a_budget_the_low_bit_menu_cannot_meet_is_refused_before_calibration(tmp
         lines = [ln for ln in proc.stderr.strip().splitlines() if not ln.startswith("note:")]
         assert len(lines) == 1 and "below the smallest feasible plan" in lines[0] and "Traceback" not in proc.stderr
         assert not out.exists()
+
+
+def test_the_smallest_feasible_budget_it_names_is_feasible_with_per_tensor_non_experts():
+    """gguf-lowbit's non-experts move between types (non_experts.formats) inside the budget: the refusal's
+    "accepted: bits_per_weight >= X" counts them at non_experts.format, so X passes and just below it does not."""
+    import re
+
+    from moequant.errors import UserError
+    from moequant.io.checkpoint import open_checkpoint
+    from moequant.pipeline.apply import resolve_recipe
+    from moequant.plan.policy import check_plan
+    from moequant.zoo import path as zoo_path
+
+    ckpt = open_checkpoint(zoo_path("tiny-deepseek-v3"))
+    recipe = lambda bits: resolve_recipe("recipes/gguf-lowbit.yaml", "zoo:tiny-deepseek-v3", "runs/x",  # noqa: E731
+                                         [f"experts.budget.bits_per_weight={bits}"])
+    with pytest.raises(UserError) as info:
+        check_plan(recipe(1.0), ckpt)
+    shown = float(re.search(r"bits_per_weight >= ([\d.]+)\.$", str(info.value))[1])
+    assert 2.0 < shown < 2.625  # q2_k routed experts, the non-experts at their smallest types
+    check_plan(recipe(shown), ckpt)
+    with pytest.raises(UserError, match="below the smallest feasible plan"):
+        check_plan(recipe(round(shown - 0.002, 4)), ckpt)

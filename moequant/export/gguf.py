@@ -28,7 +28,9 @@ llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants):
   projection);
 - deepseek2 (DeepSeek-V2 / V3 / Kimi-K2): `leading_dense_block_count` dense layers (`ffn_{gate,up,
   down}`), MLA with kv_b_proj split per head into `attn_k_b` {qk_nope, kv_lora, n_head} (K part,
-  transposed) and `attn_v_b` {kv_lora, v_head, n_head}, one KV head, key/value lengths kv_lora+rope /
+  transposed) and `attn_v_b` {kv_lora, v_head, n_head} (a planned ggml type writes both halves in it:
+  attn_v_b as the planned codes' own rows, attn_k_b requantized along its qk_nope-wide rows from the
+  original weights; `written_shapes` lets the plan check and count them), one KV head, key/value lengths kv_lora+rope /
   kv_lora and the `_mla` ones nope+rope / v_head, `expert_gating_func` (V3 sigmoid, V2 softmax),
   `exp_probs_b.bias` = e_score_correction_bias (selection only), `expert_weights_scale` =
   routed_scaling_factor, `expert_weights_norm`, groups as `expert_group_count` / `_used_count` ranked

@@ -1150,8 +1150,8 @@ def _budget_assignment(ctx: _Context, recipe: Recipe, plans: list[TensorPlan], n
         table = _option_table(ctx, _groups(ctx, target, free), specs, notes) + list(flexible.values())
         minimum = sum(min(o[1] for o in options) for options in table)
         notes.extend(_unfit_notes(ctx))
-        if minimum > limit:
-            raise _infeasible_budget(recipe, minimum, *sizes, [s.key for s in specs])
+        if minimum > limit:  # shown per routed weight, the flexible tensors counted at non_experts.format
+            raise _infeasible_budget(recipe, minimum - flex_bytes, *sizes, [s.key for s in specs])
         return None
     if not (free or flexible):
         solved = ({}, 0)

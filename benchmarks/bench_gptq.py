@@ -751,7 +751,8 @@ def profile_refit(device, shape, experts, key):
         print(f"  grid kernel (this tree)           {t * scale:9.1f}", flush=True)
         if old is not None and spec.symmetric:
             qmax = 2 ** (spec.bits - 1) - 1
-            divs = torch.linspace(qmax, 1.6 * qmax, core.SEARCH_STEPS).tolist() + [qmax + 0.5, qmax + 1]
+            divs = 1.0 / torch.tensor(torch.linspace(qmax, 1.6 * qmax, core.SEARCH_STEPS).tolist()
+                                      + [qmax + 0.5, qmax + 1], dtype=torch.float32)  # factors, as searched_fit
             s0, z0 = core._fit(spec, xg, None, None)
             t = ms(lambda: old.searched_fit_triton(spec, xg, imp, s0, z0, divs))
             print(f"  grid kernel (OLD_SEARCH)          {t * scale:9.1f}", flush=True)
@@ -774,8 +775,8 @@ def profile_refit(device, shape, experts, key):
         t = ms(lambda: refit_triton.hessian_pieces(h, gs))
         print(f"  H pieces                          {t * scale:9.1f}", flush=True)
         pieces = refit_triton.hessian_pieces(h, gs)
-        variants = ((128, 8, 3, 1), (64, 4, 3, 1)) if gs == 128 else \
-            ((64, 8, 3, 128 // gs), (32, 4, 3, 128 // gs), (64, 4, 3, 128 // gs), (128, 8, 3, 128 // gs), (64, 4, 3, 1))
+        variants = [tuple(int(v) for v in x.split(",")) for x in os.environ["REFIT_LAUNCH"].split(";")] \
+            if os.environ.get("REFIT_LAUNCH") else ((64, 8, 3), (64, 4, 3), (128, 8, 3), (32, 4, 3))
         for launch in variants:
             refit_triton.LAUNCH[gs] = launch
             try:
@@ -786,11 +787,12 @@ def profile_refit(device, shape, experts, key):
         refit_triton.LAUNCH.update(default_launch)
         del pieces
         cf, wf = c.float(), w.float()
-        try:
-            t = ms(lambda: refit._normal_equations(cf, wf, h, groups))
-            print(f"  normal eq. torch split TF32       {t * scale:9.1f}", flush=True)
-        except torch.OutOfMemoryError:
-            print("  normal eq. torch split TF32: out of memory", flush=True)
+        if os.environ.get("PROFILE_TORCH", "1") == "1":
+            try:
+                t = ms(lambda: refit._normal_equations(cf, wf, h, groups))
+                print(f"  normal eq. torch split TF32       {t * scale:9.1f}", flush=True)
+            except torch.OutOfMemoryError:
+                print("  normal eq. torch split TF32: out of memory", flush=True)
         a, b = refit_triton.normal_equations(c[:2], w[:2], h[:2], gs)
         a64, b64 = refit._normal_equations(c[:2].double(), w[:2].double(), h[:2].double(), groups)
         a32, b32 = refit._normal_equations(cf[:2], wf[:2], h[:2], groups)
@@ -804,6 +806,32 @@ def profile_refit(device, shape, experts, key):
         damped = a + 1e-9 * torch.eye(groups, device=device)
         t = ms(lambda: torch.cholesky_solve(b.unsqueeze(-1), torch.linalg.cholesky_ex(damped)[0]))
         print(f"  cholesky_ex + cholesky_solve      {t * scale:9.1f}", flush=True)
+        for lib in ("magma", "cusolver"):
+            try:
+                torch.backends.cuda.preferred_linalg_library(lib)
+                t = ms(lambda: torch.cholesky_solve(b.unsqueeze(-1), torch.linalg.cholesky_ex(damped)[0]))
+                t2 = ms(lambda: torch.linalg.cholesky_ex(damped)[0])
+                print(f"  {lib}: cholesky_ex + solve {t * scale:9.1f}  cholesky_ex alone {t2 * scale:9.1f}", flush=True)
+            except Exception as err:  # noqa: BLE001
+                print(f"  {lib}: {type(err).__name__} {str(err)[:200]}", flush=True)
+        torch.backends.cuda.preferred_linalg_library("default")
+        from moequant.algorithms.gptq import _blocked_cholesky
+        for nb in (32, 64):
+            t = ms(lambda: torch.cholesky_solve(b.unsqueeze(-1), _blocked_cholesky(damped.clone(), nb)[0]))
+            t2 = ms(lambda: damped.clone())
+            print(f"  blocked Cholesky nb={nb} + solve (less a clone {t2 * scale:.1f})  {(t - t2) * scale:9.1f}", flush=True)
+        ref = torch.cholesky_solve(b.unsqueeze(-1), torch.linalg.cholesky_ex(damped)[0])
+        alt = torch.cholesky_solve(b.unsqueeze(-1), _blocked_cholesky(damped.clone(), 32)[0])
+        print(f"  blocked vs cusolver solution: {((alt - ref).norm() / ref.norm()).item():.2e}", flush=True)
+        del ref, alt
+        for lib in ("magma", "cusolver"):
+            try:
+                torch.backends.cuda.preferred_linalg_library(lib)
+                t = ms(lambda: refit._solve(a, b, q.scales))
+                print(f"  {lib}: solve + choose (refit._solve) {t * scale:9.1f}", flush=True)
+            except Exception as err:  # noqa: BLE001
+                print(f"  {lib}: {type(err).__name__} {str(err)[:200]}", flush=True)
+        torch.backends.cuda.preferred_linalg_library("default")
         del a, b, damped, h, x, w, xg, imp, q, c, cf, wf
         torch.cuda.empty_cache()
 

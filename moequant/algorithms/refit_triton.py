@@ -3,12 +3,14 @@
 For one output row with centred codes c (c_i = q_i - z_i) and weights w, the refit
 (moequant.algorithms.refit) needs A[g, h] = c_g^T H[g, h] c_h and b[g] = c_g^T (H w)_g for all
 groups g, h. In torch that is Y = C_g H, an intermediate G times the weight's size in float32,
-and the refit is bound by moving it. Here one program takes a tile of rows and one group g (or a
-few consecutive ones, LAUNCH), walks the column blocks of H's row block g, and per block forms
-T = C_g H[g, block] with the tensor cores, then A[g, h] = rowsum(T * c_h) for the groups h of the
-block and b[g] += rowsum(T * w): rows x in^2 multiply-adds (one matrix product's worth) and no
-intermediate in memory. Rows x G x in float32 operations remain in those row sums, which bound
-the kernel at narrow groups (g32).
+and the refit is bound by moving it. Here one program takes a tile of rows and one column block of
+H (their codes and weights loaded and widened to float32 once), and walks every group g: T = C_g
+H[g, block] with the tensor cores, then A[g, h] = rowsum(T * c_h) for the groups h of the block and
+b[g]'s share rowsum(T * w), stored per column block and added up afterwards in a fixed order:
+rows x in^2 multiply-adds (one matrix product's worth) and no intermediate in memory. Rows x G x
+in float32 operations remain in those row sums, which bound the kernel at narrow groups (g32);
+the int32 products become float32 by two full-rate operations each (they are below 2^22), not by
+conversion instructions, which run at a quarter of the float32 rate.
 
 Exactness: the codes are small integers (int8 for formats of <= 7 bits). H is written, per row j
 and group g, as s[g, j] * (P1 * 2^14 + P2 * 2^7 + P3) with int8 pieces P (`hessian_pieces`): about
@@ -33,13 +35,11 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's CPU interpreter (development)
 GROUP_SIZES = (32, 64, 128)  # group widths the kernel takes (the int8 products' depth)
 BASE = 128.0  # the pieces' radix: P1 * BASE^2 + P2 * BASE + P3
-# rows per program, warps, pipeline stages, groups per program, by group width (H200, DeepSeek-V3
-# gate shape, benchmarks/bench_gptq.py --profile-refit, ms per 256 experts: g128 544 at (128, 8, 3, 1)
-# vs 710 at (32, 4, 3, 1); g32 1471 at (64, 8, 3, 4), 1493 at (32, 4, 3, 4), 1855 at (128, 8, 3, 4),
-# and 1069 at (64, 4, 3, 1), which is not the default yet: only timed there, while the GPU tests and
-# the end-to-end benchmark ran the defaults below). Fixed, not tuned per run: the launch shape sets
-# the order of float32 sums, and results must not depend on timings.
-LAUNCH = {128: (128, 8, 3, 1), 64: (64, 8, 3, 2), 32: (64, 8, 3, 4)}
+# rows per program, warps, pipeline stages, by group width. Before (one program per row tile and
+# group, walking the column blocks; H200, DeepSeek-V3 gate shape, benchmarks/bench_gptq.py
+# --profile-refit, ms per 256 experts): g128 544, g32 1069-1471. Fixed, not tuned per run: results
+# must not depend on timings.
+LAUNCH = {128: (64, 8, 3), 64: (64, 8, 3), 32: (64, 8, 3)}
 
 
 def column_block(group_size: int, cols: int) -> int | None:
@@ -101,18 +101,26 @@ def normal_equations(codes: torch.Tensor, weight: torch.Tensor, hessian, group_s
     e, rows, n = codes.shape
     groups = n // group_size
     block = column_block(group_size, n)
+    nblocks = n // block
     p1, p2, p3, scales = hessian_pieces(hessian, group_size) if isinstance(hessian, torch.Tensor) else hessian
     codes, weight = codes.contiguous(), weight.contiguous()
     a = torch.empty(e, rows, groups, groups, dtype=torch.float32, device=codes.device)
-    b = torch.empty(e, rows, groups, dtype=torch.float32, device=codes.device)
-    block_r, warps, stages, gb = LAUNCH[group_size]
-    gb = gb if groups % gb == 0 and gb * group_size <= block else 1
-    # row tiles vary fastest: the programs of one group read its block of H while it is in L2
-    grid = (triton.cdiv(rows, block_r), groups // gb, e)
-    _normal_kernel[grid](codes, weight, p1, p2, p3, scales, a, b, rows, n, groups,
-                         NBLOCKS=n // block, GS=group_size, BLOCK_R=block_r, BLOCK_N=block, GB=gb, num_warps=warps,
+    # b's sums per column block, added up afterwards in a fixed order (no atomics: results must not
+    # depend on timings)
+    b_parts = torch.empty(e, nblocks, rows, groups, dtype=torch.float32, device=codes.device)
+    block_r, warps, stages = LAUNCH[group_size]
+    # row tiles vary fastest: the programs of one column block read its columns of H while they are in L2
+    grid = (triton.cdiv(rows, block_r), nblocks, e)
+    _normal_kernel[grid](codes, weight, p1, p2, p3, scales, a, b_parts, rows, n, nblocks, GROUPS=groups,
+                         GS=group_size, BLOCK_R=block_r, BLOCK_N=block, num_warps=warps,
                          **({} if INTERPRETED else {"num_stages": stages}))
-    return a, b
+    return a, b_parts.sum(1)
+
+
+def b_parts_bytes(rows: int, cols: int, group_size: int) -> int:
+    """Bytes per expert of `normal_equations`' per-column-block sums of b (for chunk sizing)."""
+    block = column_block(group_size, cols) or group_size
+    return 4 * rows * (cols // block) * (cols // group_size)
 
 
 if triton is not None:
@@ -140,36 +148,42 @@ if triton is not None:
         tl.store(S + (e * groups + g) * n + j, s, mask=live)
 
     @triton.jit
-    def _normal_kernel(C, W, P1, P2, P3, S, A, B, rows, n, groups,
-                       NBLOCKS: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                       GB: tl.constexpr):
-        # one program: BLOCK_R rows x GB consecutive groups g (their codes and weights per column block
-        # loaded once for all GB), every column block of H
+    def _int_to_float(x):
+        """int32 -> float32 for |x| < 2^22, exactly: two full-rate operations instead of a conversion
+        instruction (a quarter of the float32 rate); callers' products are bounded by 128 * 127 * 127."""
+        return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+    @triton.jit
+    def _normal_kernel(C, W, P1, P2, P3, S, A, BP, rows, n, nblocks, GROUPS: tl.constexpr,
+                       GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+        # one program: BLOCK_R rows x one column block of BLOCK_N columns (their codes and weights
+        # loaded and widened once), every group g: T = C_g H[g, block], then A[g, h] for the block's
+        # groups h and b[g]'s share of the block
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        g0 = tl.program_id(1) * GB
+        jb = tl.program_id(1)
         e = tl.program_id(2).to(tl.int64)
         live = r < rows
         r64 = tl.where(live, r, 0).to(tl.int64)
         row_off = e * rows * n + r64 * n  # [R] offsets of the rows in C and W
+        cols = jb * BLOCK_N + tl.arange(0, BLOCK_N)
+        ch = tl.load(C + row_off[:, None] + cols[None, :]).to(tl.float32)
+        wh = tl.load(W + row_off[:, None] + cols[None, :]).to(tl.float32)
         kk = tl.arange(0, GS)
-        a_off = (e * rows + r64) * groups * groups
-        b_acc = tl.zeros([BLOCK_R, GB], dtype=tl.float32)
-        which = tl.arange(0, GB)[None, :]
         NPB: tl.constexpr = BLOCK_N // GS  # groups per column block
-        for jb in range(0, NBLOCKS):
-            cols = jb * BLOCK_N + tl.arange(0, BLOCK_N)
-            ch = tl.load(C + row_off[:, None] + cols[None, :])
-            wh = tl.load(W + row_off[:, None] + cols[None, :])
-            hs = jb * NPB + tl.arange(0, NPB)
-            for gi in tl.static_range(GB):
-                g = g0 + gi
-                cg = tl.load(C + row_off[:, None] + (g * GS + kk)[None, :])  # [R, GS] int8
-                hp = e * n * n + cols.to(tl.int64)[:, None] * n + (g * GS + kk)[None, :]  # [BLOCK_N, GS], K-major
-                acc = tl.dot(cg, tl.trans(tl.load(P1 + hp)), out_dtype=tl.int32) * 128  # |acc| < 2^26: exact
-                acc = tl.dot(cg, tl.trans(tl.load(P2 + hp)), acc, out_dtype=tl.int32)
-                t = acc.to(tl.float32) * 128.0 + tl.dot(cg, tl.trans(tl.load(P3 + hp)), out_dtype=tl.int32).to(tl.float32)
-                t = t * tl.load(S + (e * groups + g) * n + cols)[None, :]  # T = C_g H[g, block]  [R, BLOCK_N]
-                b_acc += tl.where(which == gi, tl.sum(t * wh.to(tl.float32), axis=1)[:, None], 0.0)
-                a_blk = tl.sum(tl.reshape(t * ch.to(tl.float32), [BLOCK_R, NPB, GS]), axis=2)  # [R, NPB]: A[g, h]
-                tl.store(A + (a_off + g * groups)[:, None] + hs[None, :], a_blk, mask=live[:, None])
-        tl.store(B + (e * rows + r64)[:, None] * groups + g0 + which, b_acc, mask=live[:, None])
+        hs = jb * NPB + tl.arange(0, NPB)
+        groups = GROUPS
+        a_off = (e * rows + r64) * groups * groups
+        b_off = ((e * nblocks + jb) * rows + r64) * groups
+        h_off = e * n * n + cols.to(tl.int64)[:, None] * n  # [BLOCK_N, 1]
+        for g in range(0, GROUPS):
+            cg = tl.load(C + row_off[:, None] + (g * GS + kk)[None, :])  # [R, GS] int8
+            hp = h_off + (g * GS + kk)[None, :]  # [BLOCK_N, GS], K-major
+            # each product is an exact int32 below 2^22 (|c| <= 127, |P| <= 127, GS <= 128)
+            t1 = _int_to_float(tl.dot(cg, tl.trans(tl.load(P1 + hp)), out_dtype=tl.int32))
+            t2 = _int_to_float(tl.dot(cg, tl.trans(tl.load(P2 + hp)), out_dtype=tl.int32))
+            t3 = _int_to_float(tl.dot(cg, tl.trans(tl.load(P3 + hp)), out_dtype=tl.int32))
+            t = (t1 * 128.0 + t2) * 128.0 + t3
+            t = t * tl.load(S + (e * groups + g) * n + cols)[None, :]  # T = C_g H[g, block]  [R, BLOCK_N]
+            tl.store(BP + b_off + g, tl.sum(t * wh, axis=1), mask=live)
+            a_blk = tl.sum(tl.reshape(t * ch, [BLOCK_R, NPB, GS]), axis=2)  # [R, NPB]: A[g, h]
+            tl.store(A + (a_off + g * groups)[:, None] + hs[None, :], a_blk, mask=live[:, None])

@@ -114,6 +114,20 @@ if triton is not None:
         return tl.where(s > 0, tl.div_rn(1.0, tl.where(s > 0, s, 1.0)), default)
 
     @triton.jit
+    def _codes_of_quotient(x, s, qmin, qmax):
+        """round(clamp(x / s)) per element with x / s an IEEE division, as searched_fit's torch loop, for
+        s > 0 [M]: y = x * (1 / s) is within 2^-22 |y| of the quotient, so the two round alike unless y
+        lies within 2^-13 of a half-integer (|y| <= 512) or is not finite; only a tile holding such an
+        element does the divisions (the candidates are scales, |x| / s <= the largest divisor)."""
+        y = x * tl.div_rn(1.0, s)[:, None]
+        k = _round(y)
+        near = ~(tl.abs(tl.abs(y - k) - 0.5) > 1.0 / 8192.0) | ~(tl.abs(y) <= 512.0)
+        codes = tl.minimum(tl.maximum(k, qmin), qmax)
+        if tl.max(near.to(tl.int32)) > 0:
+            codes = _round(tl.minimum(tl.maximum(tl.div_rn(x, s[:, None]), qmin), qmax))
+        return codes
+
+    @triton.jit
     def _error(x, w, s, z, qmin, qmax, SYMMETRIC: tl.constexpr):
         """sum w (x - dequantized)^2 per group for bf16-valued scales s [M] (zero points z [M]): codes
         round(x * (1 / s)) (+ z), clamped (clamping first gives the same integers: rounding is monotone)."""
@@ -177,7 +191,7 @@ if triton is not None:
                 best, best_s, best_z = _consider(x, w, _store_scale(s32), best_z, best, best_s, best_z, qmin, qmax,
                                                  SYMMETRIC)
                 # its weighted least-squares refit on the codes of the unrounded candidate
-                codes = _round(tl.minimum(tl.maximum(tl.div_rn(x, tl.where(s32 > 0, s32, 1.0)[:, None]), qmin), qmax))
+                codes = _codes_of_quotient(x, tl.where(s32 > 0, s32, 1.0), qmin, qmax)
                 s = _store_scale(tl.div_rn(tl.sum(w * x * codes, axis=1), tl.sum(w * (codes * codes), axis=1)))
                 best, best_s, best_z = _consider(x, w, s, best_z, best, best_s, best_z, qmin, qmax, SYMMETRIC)
         else:

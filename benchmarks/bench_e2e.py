@@ -319,6 +319,7 @@ def main() -> None:
     p.add_argument("--source", choices=("bf16", "fp8-block"), default="bf16",
                    help="fp8-block: the model is written as DeepSeek's FP8 128x128 blocks (moequant reads it natively)")
     p.add_argument("--set-config", action="append", default=[], help="config key=value (JSON) for the built model")
+    p.add_argument("--keep-models", action="store_true", help="keep each layer count's model after its runs")
     p.add_argument("--child", nargs=7)
     a = p.parse_args()
     if a.child:
@@ -349,6 +350,8 @@ def main() -> None:
             print(f"{tool:20s} {layers}L " + (json.dumps(r) if "error" not in r else "FAILED\n" + r["error"]),
                   flush=True)
             shutil.rmtree(work / f"{tool}-{layers}L", ignore_errors=True)
+        if not a.keep_models:  # a DeepSeek-V3 source is 11.6 GB a layer: 1 + 2 + 3 layers fill the H200's disk
+            shutil.rmtree(model, ignore_errors=True)
     print_table(results, tools, a.layers)
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 
 import torch
 
@@ -20,6 +21,8 @@ from moequant.errors import UserError
 MARGIN_BYTES = 2 * 2**30  # left free for the allocator's fragmentation, kernels' workspaces, other processes
 CPU_TEMPORARY_BYTES = 4 * 2**30  # the CPU's default share (its float64 work is slow beyond this anyway)
 _limits: dict[str, int | None] = {"gpu": None, "host": None}  # the caps; None: what is free
+_reserved = {"gpu": 0}  # bytes promised to work in flight on another thread (a read-ahead) not yet allocated
+_reserved_lock = threading.Lock()
 
 
 def parse_bytes(text: str, what: str) -> int:
@@ -77,7 +80,24 @@ def device_free_bytes(device) -> int:
     cap = _limit("gpu")
     if cap is not None:
         free = min(free, cap - torch.cuda.memory_allocated(device))
-    return max(0, free - MARGIN_BYTES)
+    return max(0, free - MARGIN_BYTES - _reserved["gpu"])
+
+
+def reserve_gpu(nbytes: int):
+    """Promise `nbytes` of the GPU to work that a thread is about to allocate (the next layer's read-ahead):
+    chunks sized meanwhile leave them free. Returns the function that ends the promise (call it once that
+    work holds its memory, or failed): while both count, the budget errs on the small side."""
+    with _reserved_lock:
+        _reserved["gpu"] += nbytes
+    done = []
+
+    def release() -> None:
+        with _reserved_lock:
+            if not done:
+                _reserved["gpu"] -= nbytes
+                done.append(True)
+
+    return release
 
 
 def temporary_bytes(device) -> int:

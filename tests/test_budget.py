@@ -113,3 +113,20 @@ def test_a_cuda_out_of_memory_is_one_sentence_and_exit_2(monkeypatch, tmp_path):
     message = result.output.strip()
     assert result.exit_code == 2 and "\n" not in message and "Traceback" not in message, message
     assert message.startswith("error: the GPU ran out of memory (CUDA out of memory. Tried to allocate 20.00 GiB)")
+
+
+def test_a_read_ahead_s_reservation_is_left_free_until_released(monkeypatch):
+    """The next layer's read-ahead allocates on another thread while this layer sizes its chunks: its bytes
+    are reserved from the moment it is submitted (the DeepSeek-V3 two-layer runs ran out of memory when
+    chunks took what the read-ahead was about to fill), and given back once, however often released."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    free = budget.device_free_bytes("cuda")
+    assert free == 100 * 2**30 - budget.MARGIN_BYTES
+    release = budget.reserve_gpu(30 * 2**30)
+    assert budget.device_free_bytes("cuda") == free - 30 * 2**30
+    assert budget.temporary_bytes("cuda") == int(0.85 * (free - 30 * 2**30))
+    release()
+    release()
+    assert budget.device_free_bytes("cuda") == free

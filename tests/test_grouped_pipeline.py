@@ -168,3 +168,52 @@ def test_quantize_pass_in_expert_chunks_equals_the_whole_layer(tiny_dirs, tmp_pa
         rep, other = dict(rep), dict(chunked_report[L])
         rep.pop("seconds"), other.pop("seconds")
         assert rep == other, L
+
+
+@pytest.mark.parametrize("later_gptq", [False, True], ids=["model-free", "before-a-gptq-layer"])
+def test_round_to_nearest_streamed_a_chunk_of_experts_at_a_time_equals_the_whole_layer(tiny_dirs, tmp_path,
+                                                                                        monkeypatch, later_gptq):
+    """Round-to-nearest layers on a GPU are read, quantized and sent to the host a chunk of experts at a
+    time (`quantize._rtn_experts_streamed`, never a layer in float32 on the device). Forced here on the CPU
+    with chunks of 4 experts (6 per layer): the same codes and scales as the whole-layer path, and where a
+    later layer runs GPTQ, the same GPTQ codes there too (its input comes from the streamed layers'
+    dequantized experts)."""
+    import dataclasses
+    from pathlib import Path
+
+    from moequant.calib.calibrate import CalibrationSettings
+    from moequant.calib.data import Sample
+    from moequant.pipeline import quantize
+    from moequant.plan.policy import make_plan
+    from moequant.plan.recipe import load_recipe
+
+    d = tiny_dirs["qwen3_moe"]
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "uniform-int4.yaml",
+                         [f"model={d}", "formats.int4.group_size=32", "algorithms.int4=rtn"])
+    plan = make_plan(recipe, open_checkpoint(d), None)
+    last = max(t.layer for t in plan.tensors if t.role == "routed_expert")
+    if later_gptq:  # the last layer's experts by GPTQ: the layers before it run their quantized forward
+        plan.tensors = [dataclasses.replace(t, algorithm="gptq") if t.role == "routed_expert" and t.layer == last
+                        else t for t in plan.tensors]
+    samples = [Sample(row, "test", "test") for row in _ids()]
+    settings = CalibrationSettings(samples=N, seq_len=SEQ, batch_size=BS)
+    whole, _ = quantize.quantize_model(str(d), plan, settings, tmp_path / "whole", samples=samples, progress=False)
+    calls = []
+    real = quantize._rtn_experts_streamed
+
+    def streamed(run, L, mine):
+        calls.append(L)
+        return real(run, L, mine)
+
+    monkeypatch.setattr(quantize, "_rtn_experts_streamed", streamed)
+    monkeypatch.setattr(quantize, "_rtn_streamed", lambda run, rows: any(
+        t.role == "routed_expert" and t.algorithm == "rtn" for t in rows))
+    adapter = adapter_for(open_checkpoint(d).config)
+    monkeypatch.setattr(quantize, "RTN_CHUNK_BYTES", 4 * quantize._expert_bytes(adapter, 1, torch.float32))
+    chunked, _ = quantize.quantize_model(str(d), plan, settings, tmp_path / "streamed", samples=samples,
+                                         progress=False)
+    rtn_layers = sorted({t.layer for t in plan.tensors if t.role == "routed_expert" and t.algorithm == "rtn"})
+    assert calls == rtn_layers and rtn_layers and adapter.num_experts == 6
+    assert whole.keys() == chunked.keys()
+    for key, q in whole.items():
+        assert torch.equal(q.codes, chunked[key].codes) and torch.equal(q.scales, chunked[key].scales), key

@@ -174,25 +174,48 @@ def _split_replacements(quantized: Mapping, kept: Mapping[str, torch.Tensor] | N
     return quantized, kept
 
 
+PACK_WORKERS = 4  # threads packing quantized tensors (torch releases the GIL) while the main thread writes
+PACK_AHEAD = 8  # packed tensors waiting at most: host memory stays at a few tensors, never a shard
+
+
 def _write_shards(tmp: Path, ckpt, adapter, writer, items: dict, plain: dict, kept: dict, max_shard_bytes: int) -> None:
     """Every tensor of the source in checkpoint order: packed by the layout, carried as stored,
-    bf16 from its codes, or kept / copied (dense in the model's dtype when the source stored it quantized)."""
+    bf16 from its codes, or kept / copied (dense in the model's dtype when the source stored it quantized).
+    Quantized tensors are read and packed by a few threads ahead of the writer (reading the work file,
+    unpacking and packing were the export's time, not the disk)."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
     dense_dtype = model_dtype(ckpt.config)
     shards = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
-    for name in ckpt.keys():
-        if name in items:
-            for packed_name, tensor in writer.pack(name, items[name]).items():
-                shards.add(packed_name, tensor)
-        elif name in writer.carried:
-            for stored in ckpt.encodings[name].parts.values():
-                shards.add(stored, ckpt.read_stored(stored))
-        elif name in plain:
-            shards.add(name, _from_linear(adapter, name, plain[name].codes))
-        else:
-            tensor = kept[name] if name in kept else ckpt.get(name)
-            if name in ckpt.encodings:  # the source stored it quantized: kept tensors are written dense
-                tensor = tensor.to(dense_dtype)
-            shards.add(name, tensor)
+    names = list(ckpt.keys())
+    packed = deque()  # (name, future) of the next quantized tensors, in checkpoint order
+    upcoming = iter([n for n in names if n in items])
+    with ThreadPoolExecutor(PACK_WORKERS, thread_name_prefix="moequant-pack") as pool:
+        def refill():
+            while len(packed) < PACK_AHEAD:
+                name = next(upcoming, None)
+                if name is None:
+                    return
+                packed.append((name, pool.submit(writer.pack, name, items[name])))
+
+        for name in names:
+            if name in items:
+                refill()
+                ahead, future = packed.popleft()
+                assert ahead == name
+                for packed_name, tensor in future.result().items():
+                    shards.add(packed_name, tensor)
+            elif name in writer.carried:
+                for stored in ckpt.encodings[name].parts.values():
+                    shards.add(stored, ckpt.read_stored(stored))
+            elif name in plain:
+                shards.add(name, _from_linear(adapter, name, plain[name].codes))
+            else:
+                tensor = kept[name] if name in kept else ckpt.get(name)
+                if name in ckpt.encodings:  # the source stored it quantized: kept tensors are written dense
+                    tensor = tensor.to(dense_dtype)
+                shards.add(name, tensor)
     shards.finish()
 
 

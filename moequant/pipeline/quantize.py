@@ -38,8 +38,11 @@ the next layer.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,16 +141,26 @@ class StoredQuantizedTensor(formats.QuantizedTensor):
     def _part(self, part: str):
         if part not in self._parts:
             return None
-        from safetensors import safe_open
-
-        with safe_open(str(self._path), "pt") as f:
-            t = f.get_tensor(f"{self._prefix}.{part}")
+        st = os.stat(self._path)  # a rerun replaces the file: a handle is kept per file version
+        handle, lock = _open_work_file(self._path, st.st_ino, st.st_mtime_ns)
+        with lock:  # the export's packing threads share the file's handle
+            t = handle.get_tensor(f"{self._prefix}.{part}")
         return _unpack_nibbles(t) if part == "codes" and self._nibbles else t
 
     codes = property(lambda self: self._part("codes"))
     scales = property(lambda self: self._part("scales"))
     zeros = property(lambda self: self._part("zeros"))
     global_scale = property(lambda self: self._part("global_scale"))
+
+
+@functools.lru_cache(maxsize=4)
+def _open_work_file(path: Path, inode: int, mtime_ns: int):
+    """(a safetensors handle, its lock) of one work file, opened once for all its tensors (parsing a layer's
+    header for each of its ~1,500 parts cost a third of the export); the export reads layer by layer,
+    so a few handles suffice."""
+    from safetensors import safe_open
+
+    return safe_open(str(path), "pt"), threading.Lock()
 
 
 def load_quantized(path: Path, lazy: bool = False) -> dict:
@@ -405,9 +418,10 @@ def load_awq_scales(work_dir, layer: int) -> dict[str, torch.Tensor] | None:
 
 def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, min_tokens: int, device,
                       weights: dict, input_scale: torch.Tensor | None = None, first_expert: int = 0,
-                      gptq_grid: str = "minmax", gptq_refit: bool = False):
+                      gptq_grid: str = "minmax", gptq_refit: bool = False, codes_to=None):
     """GPTQ / RTN for one layer's routed experts, batched per (projection, format, algorithm);
     GPTQ rounds as `gptq_grid` / `gptq_refit` say (the recipe's gptq section, `gptq_pass`).
+    `codes_to`: the device the returned codes and scales are moved to (the host: off the GPU per chunk).
 
     `weights` (proj -> [E, out, in] float32) are the weights to quantize (AWQ-scaled where AWQ
     ran); AWQ rows are round-to-nearest of them. `input_scale`: the shared gate/up scale folded
@@ -468,6 +482,7 @@ def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, mi
             if not torch.isfinite(deq).all():
                 raise RuntimeError(f"quantizing layer {layer} {p} in {key} produced non-finite weights")
             dequant[p][idx] = deq
+            q = q.to(codes_to) if codes_to is not None else q  # one copy per stack, not one per expert
             for i, e in enumerate(experts):
                 quantized[(layer, e, p)] = q.expert(i)
             report[f"{p}:{key}"] = entries[p]
@@ -527,8 +542,12 @@ def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expe
             for hook in hooks:
                 hook.remove()
         routed_tokens = torch.bincount(torch.cat(record["indices"]).reshape(-1), minlength=E).tolist()
-        dequant = {p: torch.empty((last - first,) + tuple(adapter.expert_shape(p)), dtype=dtype, device=dev)
+        # one resident copy: each chunk's dequantized values overwrite its original weights once they are
+        # copied for solving (a second layer-sized buffer where the resident copy is not in the compute dtype)
+        dequant = {p: host[p] if own is None and host[p].dtype == dtype and host[p].device.type == torch.device(dev).type
+                   else torch.empty((last - first,) + tuple(adapter.expert_shape(p)), dtype=dtype, device=dev)
                    for p in adapter.projections}
+        on_gpu = torch.device(dev).type == "cuda"
         chunk = _experts_per_chunk(adapter, dev)
         for lo in range(first, last, chunk):
             hi = min(last, lo + chunk)
@@ -542,7 +561,7 @@ def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expe
             rows = [t for t in expert_rows if lo <= t.expert < hi]
             q, rep, dq = _quantize_experts(adapter, layer, rows, collected, settings.min_tokens, dev,
                                            weights=weights, first_expert=lo, gptq_grid=settings.gptq_grid,
-                                           gptq_refit=settings.gptq_refit)
+                                           gptq_refit=settings.gptq_refit, codes_to="cpu" if on_gpu else None)
             for p in adapter.projections:
                 dequant[p][lo - first:hi - first] = dq[p].to(dtype)
             quantized.update(q)
@@ -677,10 +696,10 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
         for L in range(start, adapter.num_layers):
             bar.start(L)
             pending = read_ahead.pop(L, None)
-            if L + 1 in adapter.moe_layers and any(t.role == "routed_expert" for t in rows_by_layer.get(L + 1, [])) \
-                    and _read_ahead_fits(adapter, run, own, rows_by_layer.get(L + 1, [])):
-                read_ahead[L + 1] = reader.submit(_read_layer_experts, adapter, ckpt, L + 1, own,
-                                                  *_experts_placement(run, _uses_awq(rows_by_layer.get(L + 1, []))))
+            next_rows = rows_by_layer.get(L + 1, [])
+            if L + 1 in adapter.moe_layers and any(t.role == "routed_expert" for t in next_rows) \
+                    and not _rtn_streamed(run, next_rows) and _read_ahead_fits(adapter, run, own, next_rows):
+                read_ahead[L + 1] = _submit_read_ahead(reader, run, L + 1, next_rows)
             # `hidden` is held only here and in the call: each layer's input is freed once it returns its output
             hidden = _quantize_layer(run, L, rows_by_layer.get(L, []), hidden,
                                      pending.result() if pending is not None else None)
@@ -745,6 +764,29 @@ def _uses_awq(rows) -> bool:
     return any(t.algorithm == "awq" and t.quantized for t in rows if t.role == "routed_expert")
 
 
+def _expert_bytes(adapter, experts: int, dtype) -> int:
+    """Bytes of `experts` experts' three projections in `dtype`."""
+    return experts * 3 * adapter.hidden * adapter.expert_intermediate * torch.finfo(dtype).bits // 8
+
+
+def _submit_read_ahead(reader, run: "_Pass", L: int, rows):
+    """Read layer L's experts on the reader thread; on a GPU their bytes are reserved in the budget from now
+    until they are allocated, so chunks sized meanwhile (this layer's statistics, GPTQ) leave room for them."""
+    from moequant import budget
+
+    device, dtype = _experts_placement(run, _uses_awq(rows))
+    n = run.adapter.num_experts if run.own is None else len(run.own)
+    release = budget.reserve_gpu(_expert_bytes(run.adapter, n, dtype)) if device is not None else (lambda: None)
+
+    def read():
+        try:
+            return _read_layer_experts(run.adapter, run.ckpt, L, run.own, device, dtype)
+        finally:
+            release()
+
+    return reader.submit(read)
+
+
 def _read_ahead_fits(adapter, run: "_Pass", own: range | None, rows) -> bool:
     """Whether the next layer's experts may be read while this one computes: always into host memory; onto
     a GPU only when the budget (moequant.budget) holds a second layer's experts besides this one's work."""
@@ -754,8 +796,57 @@ def _read_ahead_fits(adapter, run: "_Pass", own: range | None, rows) -> bool:
     if device is None:
         return True
     n = adapter.num_experts if own is None else len(own)
-    layer_bytes = n * 3 * adapter.hidden * adapter.expert_intermediate * torch.finfo(dtype).bits // 8
-    return budget.device_free_bytes(device) > 3 * layer_bytes
+    return budget.device_free_bytes(device) > 3 * _expert_bytes(adapter, n, dtype)
+
+
+RTN_CHUNK_BYTES = 2 * 2**30  # float32 expert weights per chunk of a streamed round-to-nearest layer: it is
+# bound by reading the source, so larger chunks buy nothing but memory
+
+
+def _rtn_streamed(run: "_Pass", rows) -> bool:
+    """Whether a layer's routed experts are round-to-nearest on a GPU with no statistics: then they are read,
+    decoded, quantized and moved to the host a chunk of experts at a time (the next chunk read meanwhile),
+    never a whole layer in float32 on the device."""
+    expert_rows = [t for t in rows if t.role == "routed_expert" and t.expert is not None]
+    needs_stats = any(t.algorithm in ("gptq", "awq", "imatrix") and t.quantized for t in expert_rows)
+    return bool(expert_rows) and not needs_stats and torch.device(run.settings.device).type == "cuda"
+
+
+def _rtn_experts_streamed(run: "_Pass", L: int, mine: list):
+    """Round-to-nearest of layer L's routed experts (this rank's), a chunk at a time (`_rtn_streamed`); codes
+    go to the host per chunk. Returns (quantized, report, dequantized experts in the compute dtype when a
+    later layer's forward needs them, else None)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    adapter, device = run.adapter, torch.device(run.settings.device)
+    read_dtype = _experts_placement(run)[1]
+    first, last = (run.own.start, run.own.stop) if run.own is not None else (0, adapter.num_experts)
+    chunk = max(1, RTN_CHUNK_BYTES // _expert_bytes(adapter, 1, torch.float32))
+    forward = L < run.last_data_layer
+    dequant = ({p: torch.empty((last - first,) + tuple(adapter.expert_shape(p)), dtype=run.runner.dtype,
+                               device=device) for p in adapter.projections} if forward else None)
+    quantized, report = {}, {}
+    starts = list(range(first, last, chunk))
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moequant-read") as reader:
+        read = lambda lo: reader.submit(_read_layer_experts, adapter, run.ckpt, L,  # noqa: E731
+                                        range(lo, min(last, lo + chunk)), device, read_dtype)
+        pending = read(starts[0])
+        for i, lo in enumerate(starts):
+            hi = min(last, lo + chunk)
+            weights = pending.result()
+            if i + 1 < len(starts):
+                pending = read(starts[i + 1])
+            weights = {p: w.to(device, torch.float32) for p, w in weights.items()}
+            rows = [t for t in mine if lo <= t.expert < hi]
+            q, rep, dq = _quantize_experts(adapter, L, rows, None, run.settings.min_tokens, device,
+                                           weights=weights, first_expert=lo, codes_to="cpu")
+            quantized.update(q)
+            _merge_chunk_report(report, rep)
+            if forward:
+                for p in adapter.projections:
+                    dequant[p][lo - first:hi - first] = dq[p].to(run.runner.dtype)
+            del weights, q, dq
+    return quantized, report, dequant
 
 
 def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict | None):
@@ -769,7 +860,8 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
     needs_stats = any(t.algorithm in ("gptq", "awq", "imatrix") and t.quantized for t in expert_rows)
     uses_awq = any(t.algorithm == "awq" and t.quantized for t in expert_rows)
     collected, routed_tokens, routing_before, tokens, weights = None, None, [], {}, None
-    if expert_rows and (uses_awq or not needs_stats):
+    streamed = _rtn_streamed(run, rows)
+    if expert_rows and (uses_awq or not needs_stats) and not streamed:
         dev = "cpu" if uses_awq else run.settings.device  # AWQ's search runs on host copies
         host = host_experts or _read_layer_experts(adapter, run.ckpt, L, run.own, *_experts_placement(run, uses_awq))
         weights = {p: host[p].to(dev, torch.float32) for p in adapter.projections}
@@ -787,6 +879,9 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
     quantized, report, experts_dq, replaced, awq_report = {}, {}, None, {}, {}
     if chunked is not None:
         quantized, report, experts_dq, routed_tokens = chunked
+    elif streamed:
+        run.bar.stage("quantizing experts")
+        quantized, report, experts_dq = _rtn_experts_streamed(run, L, mine)
     elif expert_rows:
         run.bar.stage("quantizing experts")
         quantized, report, experts_dq, replaced, awq_report = _quantize_whole_layer_experts(

@@ -817,11 +817,13 @@ def profile_refit(device, shape, experts, key):
         torch.backends.cuda.preferred_linalg_library("default")
         from moequant.algorithms.gptq import _blocked_cholesky
         for nb in (32, 64):
-            t = ms(lambda: torch.cholesky_solve(b.unsqueeze(-1), _blocked_cholesky(damped.clone(), nb)[0]))
-            t2 = ms(lambda: damped.clone())
+            flat = damped.view(-1, groups, groups)
+            t = ms(lambda: torch.cholesky_solve(b.view(-1, groups, 1), _blocked_cholesky(flat.clone(), nb)[0]))
+            t2 = ms(lambda: flat.clone())
             print(f"  blocked Cholesky nb={nb} + solve (less a clone {t2 * scale:.1f})  {(t - t2) * scale:9.1f}", flush=True)
         ref = torch.cholesky_solve(b.unsqueeze(-1), torch.linalg.cholesky_ex(damped)[0])
-        alt = torch.cholesky_solve(b.unsqueeze(-1), _blocked_cholesky(damped.clone(), 32)[0])
+        alt = torch.cholesky_solve(b.view(-1, groups, 1), _blocked_cholesky(damped.view(-1, groups, groups).clone(),
+                                                                             32)[0]).view_as(ref)
         print(f"  blocked vs cusolver solution: {((alt - ref).norm() / ref.norm()).item():.2e}", flush=True)
         del ref, alt
         for lib in ("magma", "cusolver"):

@@ -94,35 +94,3 @@ def test_searched_grid_kernel_picks_the_torch_loops_scales(key, monkeypatch):
         assert abs((e_k.sum() / e_t.sum()).item() - 1) < 1e-3
 
 
-
-try:  # a kernel that applies search_triton._codes_of_quotient to one [16, 32] tile per program
-    import triton
-    import triton.language as tl
-
-    from moequant.formats.search_triton import _codes_of_quotient
-
-    @triton.jit
-    def _quotient_codes_kernel(X, S, OUT, qmin, qmax):
-        rows = tl.program_id(0) * 16 + tl.arange(0, 16)
-        off = rows[:, None] * 32 + tl.arange(0, 32)[None, :]
-        tl.store(OUT + off, _codes_of_quotient(tl.load(X + off), tl.load(S + rows), qmin, qmax))
-except Exception:  # noqa: BLE001 - no Triton: the test below skips
-    _quotient_codes_kernel = None
-
-def test_searched_grid_quotient_codes_round_as_the_division():
-    """The searched grid kernel's codes of x / s (its least-squares candidates' codes) take x * (1 / s) and
-    fall back to the IEEE division in tiles where that could round otherwise. Tile 0: s = 0.8515625 and
-    x = (k + 1/2) s exactly, where x * (1 / s) falls just below the half-integer (1.5 -> 1.4999999 rounds to 1,
-    the division's 1.5 to 2); tile 1: random values (the shortcut). Both must equal round(clamp(x / s))."""
-    if _quotient_codes_kernel is None:
-        pytest.skip("needs Triton")
-    gen = torch.Generator().manual_seed(3)
-    s = torch.cat([torch.full((16,), 0.8515625), torch.rand(16, generator=gen) + 0.05])
-    halves = torch.tensor([1.5, 3.5, -1.5, -3.5, 0.5, 2.5, 5.5, -6.5]).repeat(16, 4)
-    x = torch.cat([halves * s[:16, None], (torch.rand(16, 32, generator=gen) - 0.5) * 16 * s[16:, None]])
-    x, s = x.cuda(), s.cuda()
-    out = torch.full_like(x, float("nan"))
-    _quotient_codes_kernel[(2,)](x, s, out, -8.0, 7.0)
-    want = torch.round(torch.clamp(x / s[:, None], -8, 7))
-    assert torch.equal(out, want)
-    assert (torch.round(x[:16] * (1 / s[:16, None])) != want[:16]).any()  # the shortcut alone would differ

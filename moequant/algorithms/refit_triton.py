@@ -35,10 +35,11 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's CPU interpreter (development)
 GROUP_SIZES = (32, 64, 128)  # group widths the kernel takes (the int8 products' depth)
 BASE = 128.0  # the pieces' radix: P1 * BASE^2 + P2 * BASE + P3
-# rows per program, warps, pipeline stages, by group width. Before (one program per row tile and
-# group, walking the column blocks; H200, DeepSeek-V3 gate shape, benchmarks/bench_gptq.py
-# --profile-refit, ms per 256 experts): g128 544, g32 1069-1471. Fixed, not tuned per run: results
-# must not depend on timings.
+# rows per program, warps, pipeline stages, by group width (H200, 2026-12-04, DeepSeek-V3 gate shape
+# [2048, 7168], benchmarks/bench_gptq.py --profile-refit 16, ms per 256 experts): g128 311 at
+# (64, 8, 3), 421 at (32, 4, 3), 578 at (128, 8, 3), 1116 at (64, 4, 3); g32 1157, 1208, 1856, 1707.
+# The kernel before (one program per row tile and group, walking the column blocks): g128 544,
+# g32 1069 at its best launch shape. Fixed, not tuned per run: results must not depend on timings.
 LAUNCH = {128: (64, 8, 3), 64: (64, 8, 3), 32: (64, 8, 3)}
 
 

@@ -25,6 +25,41 @@ on_sequential_epoch_end, which observes the weights and quantizes). `--llmc-expe
 llm-compressor on the first N experts only (its time is then scaled by E / N and marked "~");
 errors are always compared on the experts each tool actually ran.
 
+Measured 2026-12-04 (issue 36) on one H200 (torch 2.11, Triton 3.6, llm-compressor 0.14.0.1), main: the refit
+kernel (algorithms/refit_triton.py) now one program per row tile and column block of H walking every group
+(codes and weights loaded and widened once per program, b summed per column block in a fixed order, the
+int32 products widened without conversion instructions); grid kernel unchanged. Two calls, each
+`python benchmarks/bench_gptq.py --device cuda --shape qwen3-30b-a3b qwen3-235b-a22b deepseek-v3 --tools
+moequant moequant-pass [--format int4-g32-sym]`, and in call 1 `--shape qwen3-30b-a3b --tools llmc-batched
+moequant-pass`. GPTQ solve seconds per layer (gate + up + down), call 1 / call 2; grid / refit s of call 2:
+  shape            format  plain GPTQ   recipe default (grid / refit s)      default / plain  target <= 1.3x
+  qwen3-30b-a3b    g128    0.14 / 0.12  0.22 / 0.19  (0.057 / 0.031)         1.55x / 1.53x    missed
+  qwen3-235b-a22b  g128    0.45 / 0.45  0.75 / 0.75  (0.206 / 0.137)         1.66x / 1.68x    missed
+  deepseek-v3      g128    2.59 / 2.57  4.47 / 4.48  (0.990 / 0.992)         1.73x / 1.74x    missed
+  qwen3-30b-a3b    g32     0.14 / 0.14  0.27 / 0.27  (0.064 / 0.100)         1.98x / 1.94x    missed
+  qwen3-235b-a22b  g32     0.48 / 0.49  1.31 / 1.32  (0.230 / 0.676)         2.72x / 2.71x    missed
+  deepseek-v3      g32     2.80 / 2.80  8.75 / 8.74  (1.095 / 5.123)         3.13x / 3.12x    missed
+  Held-out errors equal to 4 digits to the 2026-12-03 rows (the same codes: the new kernel's A is bit
+  for bit the old one's in Triton's interpreter). llm-compressor's batched GPTQ at Qwen3-30B-A3B g128:
+  0.90 s against the recipe default's 0.22 s in the same call (4.1x; the >= 10x target missed; moequant's
+  plain solve 0.14 / 0.12 s in the two calls, 6.3x / 7.3x). Against 2026-12-03 the refit went from 1.178 to 0.992 s per
+  DeepSeek layer at g128 (0.160 -> 0.137 at 235B) and from 5.79 to 5.12 s at g32; the 30B g128 ratio
+  (1.27x / 1.40x then, 1.53x / 1.55x now) moved with plain GPTQ's own time (0.15 then, 0.12-0.14 now)
+  and the refit's 0.031-0.058 s run to run spread, not with the code.
+  Profile (--profile-refit 16 --format int4-g128-sym / int4-g32-sym, DeepSeek-V3 gate shape, ms per 256
+  experts, same day): normal-equations kernel 311 (g128, at (64, 8, 3); 544 before) / 1157 (g32;
+  1069 before at (64, 4, 3, 1), 1471 at the old default) -- at g32 the per-group row sums (a [rows, 4, 32]
+  reshape-and-sum per column block of 128) bound it as before; the batched Cholesky + solve at G = 224
+  867 (cuSOLVER; MAGMA 867 as well, its cholesky_ex 723 alone), "solve + choose" 1001; grid kernel 246
+  (g128) / 203 (g32). A grid kernel that took the least-squares candidates' codes by x * (1/s), with the
+  IEEE division only in tiles near a half-integer, picked the same scales but ran slower (303 / 323:
+  the tile-wide test costs a block reduction per candidate) and was not kept.
+  Still missing for <= 1.3x: at g128 the grid's scales phase (~0.67 s over plain's at DeepSeek, bound by
+  the kernel's per-element float32 arithmetic) plus the refit (~1.0 s: kernel, H pieces, Cholesky
+  solves) against a 0.77 s allowance; at g32 the refit kernel's row sums and the [rows, 224, 224]
+  Cholesky solves (~2 s per DeepSeek layer; --profile-refit now also times algorithms.gptq's blocked
+  batched Cholesky on them, not run yet).
+
 Measured 2026-12-03 (later, issue 36) on one H200 (torch 2.11, Triton 3.6, llm-compressor 0.14.0.1), branch
 issue-36: the refit's normal equations from one Triton kernel (algorithms/refit_triton.py: int8 tensor-core
 products with H in three int8 pieces, no G x intermediate; the pieces made once for gate and up), Cholesky

@@ -23,6 +23,29 @@ layer counts, with its RMS residual (`fit_per_layer`).
     python benchmarks/bench_e2e.py [--config qwen3-30b-a3b] [--layers 2 3] [--samples 128] [--seq-len 512]
         [--tools moequant-gptq,moequant-selective,moequant-fp8,llmc-gptq] [--json out.json]
 
+Measured 2026-12-04 on one H200, DeepSeek-V3 shape from an FP8-block source under one GPU budget
+(MOEQUANT_MAX_GPU_MEMORY=56GiB), main e573cd3's changes (the next layer's read-ahead reserves its GPU bytes until
+allocated; codes sent to the host per chunk; RTN layers streamed a chunk of experts at a time; the export packing on
+4 threads through one work-file handle):
+  --config deepseek-v3 --source fp8-block --layers 1 2 3 --tools moequant-fp8,moequant-gptq --eval-samples 8
+  tool / layers     run s   quantize / export / evaluate s   peak GPU GiB  RSS GiB  scratch GB  KL       top-1
+  moequant-gptq 1L  71.6    50.4 / 7.6 / 6.5                 59.4          24.0     5.8         0.00413  0.906
+  moequant-gptq 2L  128.5   95.1 / 14.0 / 11.8               60.3          24.5     12.6        0.0504   0.719
+  moequant-fp8  1L  45.2    20.9 / 8.5 / 8.4                 49.9          22.3     11.3        0.00140  0.938
+  (a second call, with the resident bf16 copy overwritten in place and codes moved per stack: fp8 1L 59.8 s,
+  quantize 29.0 / export 11.6 / evaluate 10.7, the same peaks and KL)
+  -> two DeepSeek-V3 layers now run (on 2026-12-03 every 2- and 3-layer run ran out of GPU memory): 57 s per added
+     GPTQ layer (two points only; the issue asks <= 20 s on <= 60 GiB GPU and <= 16 GiB host). The export of a
+     layer fell from 29.7 to ~7 s. Host RSS rose from 8.4 to 24 GiB: the codes of a layer (int8, 11.3 GB) now wait on
+     the host instead of the GPU until the layer's work file is written. Not measured: 3 GPTQ layers and FP8 RTN at
+     2 and 3 layers: the H200's 64 GiB disk is full with the source (11.6 GB a layer), the int8 work file (11.3 GB a
+     layer for FP8) and the output at once. Item 3 of issue 35 (pack on the GPU per chunk into the output shards,
+     no work file) removes both the host copy and the work file. The 2-layer KL (0.050 vs 0.0041 at one layer) is
+     not explained yet: no earlier 2-layer DeepSeek run exists to compare with. A regression check of the same
+     changes at Qwen3-30B-A3B shape (`--config qwen3-30b-a3b --layers 2 --tools moequant-gptq --eval-samples 8`):
+     KL 0.00070, top-1 0.913, exactly the 2-layer KL of 2026-12-03; run 26.5 s (quantize 15.4, export 1.5, evaluate
+     2.1; 2026-12-03: 26.5 s), pass layers 10.9 (first, with Triton compilation) / 1.7 s, peak GPU 22.7 GiB.
+
 Measured 2026-12-03 (third and fourth calls, main 0b365a0: issue 36's refit kernel) on one H200, both tools in one
 call each, `--tools moequant-gptq,llmc-gptq --eval-samples 8`; seconds per layer = least-squares slope (+- RMS residual):
   --config qwen3-235b-a22b --layers 1 2 3

@@ -202,10 +202,19 @@ class Checkpoint:
         self.config = config
         self.stored = entries
         self.config_only = config_only
+        self.decode = decode
         self._handles: dict[Path, object] = {}
         self._last: tuple[str, torch.Tensor] | None = None  # the last decoded tensor, for get_slice
         self.encodings = dequant.encodings(config, entries, path, self.read_stored) if decode and entries else {}
         self.entries = _logical_entries(entries, self.encodings)
+
+    # An opened checkpoint stands wherever its path is accepted (os.PathLike, str): the stages of one run
+    # are handed it, and open_checkpoint returns it as it is instead of reading every header again.
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
 
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -304,9 +313,13 @@ def _logical_entries(stored: dict[str, TensorEntry], encodings: dict) -> dict[st
 
 def open_checkpoint(spec: str | os.PathLike, decode: bool = True) -> Checkpoint:
     """Open a checkpoint directory, a bare config.json, or `zoo:NAME`; validate what is there.
+    An already opened Checkpoint is returned as it is (one run reads config.json and the headers once),
+    or opened again when it was opened with the other `decode`.
 
     decode=True (the default) presents the logical model, quantized weights dequantized on read
     (see Checkpoint); decode=False lists and reads the stored tensors as they are."""
+    if isinstance(spec, Checkpoint) and spec.decode == decode:
+        return spec
     path = resolve_model_path(spec)
     if path.is_file():
         if path.suffix != ".json":

@@ -77,19 +77,20 @@ def sensitivity_formats(recipe: Recipe) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def calibration_settings(recipe: Recipe, device: str = "cpu", formats: tuple[str, ...] | None = None) -> CalibrationSettings:
+def calibration_settings(recipe: Recipe, device: str = "cpu", formats: tuple[str, ...] | None = None,
+                         ckpt=None) -> CalibrationSettings:
     c = recipe.calibration
     formats = formats or sensitivity_formats(recipe)
     # the probe scales a budget's predicted losses; plans without a budget never read it. Its cost
     # grows with layers² (one stream per probed layer), so past PROBE_MAX_EXPERT_PARAMS routed-expert
     # parameters it runs only when the recipe asks for it by name
     probe_samples = c.probe_samples if recipe.experts.method == "budget" else 0
-    if probe_samples and "probe_samples" not in c.model_fields_set and _routed_params(recipe) > PROBE_MAX_EXPERT_PARAMS:
+    if probe_samples and "probe_samples" not in c.model_fields_set and _routed_params(recipe, ckpt) > PROBE_MAX_EXPERT_PARAMS:
         probe_samples = 0
     return CalibrationSettings(dataset=c.dataset, samples=c.samples, seq_len=c.seq_len, seed=recipe.seed,
                                all_experts=c.all_experts, formats=formats, device=device,
                                probe_samples=probe_samples,
-                               probe_algorithm=probe_algorithm(recipe, formats) if probe_samples else "rtn",
+                               probe_algorithm=probe_algorithm(recipe, formats, ckpt) if probe_samples else "rtn",
                                compute_dtype=c.compute_dtype, tensor_formats=tensor_formats(recipe),
                                hessian_weighting=c.hessian_weighting, gptq_grid=recipe.gptq.grid,
                                gptq_refit=recipe.gptq.refit)
@@ -110,14 +111,14 @@ def tensor_formats(recipe: Recipe) -> tuple[str, ...]:
 PROBE_MAX_EXPERT_PARAMS = 2 * 10**9  # the default probe's limit (routed-expert parameters)
 
 
-def _routed_params(recipe: Recipe) -> int:
-    ckpt = open_checkpoint(recipe.model)
+def _routed_params(recipe: Recipe, ckpt=None) -> int:
+    ckpt = open_checkpoint(ckpt or recipe.model)
     adapter = adapter_for(ckpt.config)
     shape = [adapter.expert_shape(p) for p in adapter.projections]
     return len(adapter.moe_layers) * adapter.num_experts * sum(o * i for o, i in shape)
 
 
-def probe_algorithm(recipe: Recipe, format_keys) -> str:
+def probe_algorithm(recipe: Recipe, format_keys, ckpt=None) -> str:
     """The recipe's probe algorithm; `auto` is the algorithm the quantize pass will give the probe's
     format (gptq where the recipe says gptq, else rtn: the probe runs no AWQ)."""
     chosen = recipe.calibration.probe_algorithm
@@ -127,7 +128,7 @@ def probe_algorithm(recipe: Recipe, format_keys) -> str:
     from moequant.arch import adapter_for
     from moequant.calib.probe import choose_probe_format
 
-    adapter = adapter_for(open_checkpoint(recipe.model).config)
+    adapter = adapter_for(open_checkpoint(ckpt or recipe.model).config)
     key = choose_probe_format(format_keys, [tuple(adapter.expert_shape(p)) for p in adapter.projections])
     if key is None:
         return "rtn"
@@ -143,9 +144,9 @@ def resolve_recipe(recipe_path, model=None, output=None, overrides=()) -> Recipe
     return load_recipe(recipe_path, overrides)
 
 
-def plan_stage(recipe: Recipe, stats_dir: Path, plan_path: Path, settings: CalibrationSettings):
+def plan_stage(recipe: Recipe, stats_dir: Path, plan_path: Path, settings: CalibrationSettings, ckpt=None):
     """Make the plan; rewrite plan.json only when its content changes (so a rerun reuses it)."""
-    ckpt = open_checkpoint(recipe.model)
+    ckpt = open_checkpoint(ckpt or recipe.model)
     plan = make_plan(recipe, ckpt, stats_dir)
     plan.run_fingerprint = run_fingerprint(recipe, ckpt, settings, plan)
     if plan_path.exists():
@@ -216,14 +217,14 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
     ranks = world.size if world is not None else 1
     timings: dict[str, float] = {}
     tokenizer = load_tokenizer(ckpt.directory)
-    settings = calibration_settings(recipe, device)
+    settings = calibration_settings(recipe, device, ckpt=ckpt)
 
     t0 = time.perf_counter()
-    stats_dir = _calibration_stage(recipe, out / "stats", settings, tokenizer, progress, log)
+    stats_dir = _calibration_stage(recipe, ckpt, out / "stats", settings, tokenizer, progress, log)
     timings["calibrate"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    plan, reused_plan = parallel.shared(lambda: plan_stage(recipe, stats_dir, out / "plan.json", settings), "the plan")
+    plan, reused_plan = parallel.shared(lambda: plan_stage(recipe, stats_dir, out / "plan.json", settings, ckpt), "the plan")
     timings["plan"] = time.perf_counter() - t0
     log(f"plan: {out / 'plan.json'}" + (" (unchanged, reused)" if reused_plan else ""))
 
@@ -232,13 +233,15 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
     if world is not None and world.rank != 0:
         return None  # rank 0 alone exports, evaluates and reports
 
+    # the output, opened once for the evaluation and the report (a GGUF file is read by llama.cpp and gguf-py)
+    output = checkpoint_dir if recipe.export.format == "gguf" else open_checkpoint(checkpoint_dir)
     t0 = time.perf_counter()
-    quality = evaluate_stage(recipe, ckpt, checkpoint_dir, progress)
+    quality = evaluate_stage(recipe, ckpt, output, progress)
     timings["evaluate"] = time.perf_counter() - t0
 
     from moequant.report import build_report
 
-    report = build_report(model=recipe.model, checkpoint=checkpoint_dir, original=ckpt.directory,
+    report = build_report(model=recipe.model, checkpoint=output, original=ckpt,
                           recipe=recipe_to_dict(recipe), target=recipe.target, plan=plan_to_dict(plan),
                           quality=quality, stats=stats_dir, timings=timings, output_dir=out, ranks=ranks)
     q = report.get("quality") or {}
@@ -247,12 +250,12 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
     return out / "report.html"
 
 
-def _calibration_stage(recipe: Recipe, stats_dir: Path, settings: CalibrationSettings, tokenizer, progress,
+def _calibration_stage(recipe: Recipe, ckpt, stats_dir: Path, settings: CalibrationSettings, tokenizer, progress,
                        log) -> Path | None:
     """The calibration statistics in `stats_dir` (reused when unchanged), or None when the plan reads none."""
     if needs_statistics(recipe):
         before = (stats_dir / "summary.json").stat().st_mtime_ns if (stats_dir / "summary.json").exists() else None
-        calibrate(recipe.model, stats_dir, settings, overwrite=True, tokenizer=tokenizer, progress=progress)
+        calibrate(ckpt, stats_dir, settings, overwrite=True, tokenizer=tokenizer, progress=progress)
         reused_stats = before is not None and (stats_dir / "summary.json").stat().st_mtime_ns == before
         log(f"calibration statistics: {stats_dir}" + (" (reused)" if reused_stats else ""))
         return stats_dir
@@ -301,14 +304,14 @@ def _quantize_and_export(recipe: Recipe, ckpt, plan, settings: CalibrationSettin
     t0 = time.perf_counter()
     # `quantized` also holds the full-precision tensors AWQ folds changed (plain tensors), exported as they are
     # lazy: the export reads each tensor's codes from work/ as it writes them (host RAM stays at one layer)
-    quantized, quant_report = quantize_model(recipe.model, plan, settings, out / "work", progress=progress,
+    quantized, quant_report = quantize_model(ckpt, plan, settings, out / "work", progress=progress,
                                              lazy=True)
     parallel.finish()  # the expert-parallel part ends: rank 0 alone exports, evaluates and reports
     if world is not None and world.rank != 0:
         return None
     timings["quantize"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    export_checkpoint(ckpt.directory, quantized, checkpoint_dir, **export_arguments(recipe))
+    export_checkpoint(ckpt, quantized, checkpoint_dir, **export_arguments(recipe))
     del quantized
     timings["export"] = time.perf_counter() - t0
     stamp_checkpoint(checkpoint_dir, plan.run_fingerprint)
@@ -328,9 +331,9 @@ def evaluate_stage(recipe: Recipe, ckpt, checkpoint_dir: Path, progress=True) ->
         from moequant.export.gguf import GGUF_FILE
         from moequant.export.verify_llamacpp import evaluate_gguf
 
-        return evaluate_gguf(checkpoint_dir / GGUF_FILE, ckpt.directory, dataset=e.dataset, samples=e.samples,
+        return evaluate_gguf(Path(checkpoint_dir) / GGUF_FILE, ckpt.directory, dataset=e.dataset, samples=e.samples,
                              seq_len=e.seq_len, seed=recipe.seed, progress=progress)
-    return evaluate_checkpoints(checkpoint_dir, ckpt.directory, dataset=e.dataset, samples=e.samples,
+    return evaluate_checkpoints(checkpoint_dir, ckpt, dataset=e.dataset, samples=e.samples,
                                 seq_len=e.seq_len, seed=recipe.seed, progress=progress)
 
 

@@ -24,9 +24,19 @@ from pathlib import Path
 
 from measure import peak_rss_bytes  # benchmarks/measure.py (the script's own directory)
 
-SHAPE = dict(hidden_size=512, moe_intermediate_size=384, num_experts=32, num_experts_per_tok=4,
-             num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=512, intermediate_size=1024,
-             max_position_embeddings=1024, tie_word_embeddings=False)
+SHAPE = dict(
+    hidden_size=512,
+    moe_intermediate_size=384,
+    num_experts=32,
+    num_experts_per_tok=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    vocab_size=512,
+    intermediate_size=1024,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
 
 
 def build(directory: Path, layers: int) -> None:
@@ -53,10 +63,17 @@ def child(model: str, out: str, samples: int, seq_len: int, device: str, hessian
     if model.startswith("zoo:"):
         samples_arg = None
     else:
-        samples_arg = [Sample(torch.randint(0, vocab, (seq_len,), generator=g), "synthetic", "bench")
-                       for _ in range(samples)]
-    settings = CalibrationSettings(samples=samples, seq_len=seq_len, batch_size=8, device=device, hessians=hessians,
-                                   formats=("int4-g128-sym", "int8-channel"))
+        samples_arg = [
+            Sample(torch.randint(0, vocab, (seq_len,), generator=g), "synthetic", "bench") for _ in range(samples)
+        ]
+    settings = CalibrationSettings(
+        samples=samples,
+        seq_len=seq_len,
+        batch_size=8,
+        device=device,
+        hessians=hessians,
+        formats=("int4-g128-sym", "int8-channel"),
+    )
     t0 = time.perf_counter()
     calibrate(model, out, settings, samples=samples_arg, progress=False, overwrite=True)
     seconds = time.perf_counter() - t0
@@ -102,20 +119,28 @@ def main() -> None:
         hess_mb = (H * H + 2 * E * I * I + E * H * H) * 4 / 2**20
         one = run_child(tmp / "one", tmp / "s1", a.samples, a.seq_len, a.device, 1)
         many = run_child(tmp / "many", tmp / "s2", a.samples, a.seq_len, a.device, 1)
-        print(f"synthetic qwen3_moe: {a.layers} MoE layers, checkpoint {total_bytes / 2**20:.0f} MiB bf16 "
-              f"= {total_bytes / (layer_params * 2):.1f}x one layer")
+        print(
+            f"synthetic qwen3_moe: {a.layers} MoE layers, checkpoint {total_bytes / 2**20:.0f} MiB bf16 "
+            f"= {total_bytes / (layer_params * 2):.1f}x one layer"
+        )
         print(f"  one layer materialised (fp32): {layer_fp32_mb:8.1f} MiB")
         print(f"  carried activations (fp32):    {act_mb:8.1f} MiB ({a.samples} x {a.seq_len} tokens)")
         print(f"  one layer's Hessians (fp32):   {hess_mb:8.1f} MiB")
         print(f"  peak RSS, 1-layer model:       {one['peak_rss_mb']:8.1f} MiB  (fixed overhead + one layer)")
-        print(f"  peak RSS, {a.layers}-layer model:      {many['peak_rss_mb']:8.1f} MiB  "
-              f"(+{many['peak_rss_mb'] - one['peak_rss_mb']:.1f} MiB for {a.layers - 1} more layers "
-              f"of {total_bytes / a.layers / 2**20:.0f} MiB each on disk)")
-        print(f"  throughput: {many['tokens'] * a.layers / many['seconds']:.0f} token-layers/s "
-              f"({many['tokens'] / many['seconds']:.0f} tokens/s through all {a.layers} layers)")
+        print(
+            f"  peak RSS, {a.layers}-layer model:      {many['peak_rss_mb']:8.1f} MiB  "
+            f"(+{many['peak_rss_mb'] - one['peak_rss_mb']:.1f} MiB for {a.layers - 1} more layers "
+            f"of {total_bytes / a.layers / 2**20:.0f} MiB each on disk)"
+        )
+        print(
+            f"  throughput: {many['tokens'] * a.layers / many['seconds']:.0f} token-layers/s "
+            f"({many['tokens'] / many['seconds']:.0f} tokens/s through all {a.layers} layers)"
+        )
     zoo = run_child(f"zoo:{a.zoo}", tempfile.mkdtemp(), 64, 256, a.device, 1)
-    print(f"zoo:{a.zoo}: {zoo['tokens']} tokens in {zoo['seconds']:.1f} s = {zoo['tokens'] / zoo['seconds']:.0f} tokens/s "
-          f"on {a.device}, peak RSS {zoo['peak_rss_mb']:.0f} MiB")
+    print(
+        f"zoo:{a.zoo}: {zoo['tokens']} tokens in {zoo['seconds']:.1f} s = {zoo['tokens'] / zoo['seconds']:.0f} tokens/s "
+        f"on {a.device}, peak RSS {zoo['peak_rss_mb']:.0f} MiB"
+    )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,20 @@ import torch
 
 from moequant import formats
 
-DEFAULT_KEYS = ["bf16", "fp8-channel", "fp8-block128", "fp8-tensor", "int8-channel", "int4-g128-sym",
-                "int4-g128-asym", "int4-g32-sym", "int3-g128-sym", "int2-g128-asym", "mxfp4", "nvfp4"]
+DEFAULT_KEYS = [
+    "bf16",
+    "fp8-channel",
+    "fp8-block128",
+    "fp8-tensor",
+    "int8-channel",
+    "int4-g128-sym",
+    "int4-g128-asym",
+    "int4-g32-sym",
+    "int3-g128-sym",
+    "int2-g128-asym",
+    "mxfp4",
+    "nvfp4",
+]
 
 
 def sync(device):
@@ -59,7 +71,7 @@ def mxfp4_rule_errors(rows=512, cols=4096):
     dists = {"normal": torch.randn(rows, cols), "student-t(3)": torch.distributions.StudentT(3.0).sample((rows, cols))}
     print("\nMXFP4 relative MSE by e8m0 exponent rule (%dx%d)" % (rows, cols))
     for rule in ("OCP floor(log2 amax)-2", "nearest pow2 (moequant, CT)", "ceil(log2(amax/6))"):
-        errs = ["%s %.5f" % (k, ((qdq(w, rule) - w) ** 2).mean() / (w ** 2).mean()) for k, w in dists.items()]
+        errs = ["%s %.5f" % (k, ((qdq(w, rule) - w) ** 2).mean() / (w**2).mean()) for k, w in dists.items()]
         print("  %-28s %s" % (rule, "   ".join(errs)))
 
 
@@ -81,12 +93,16 @@ def main():
     torch.manual_seed(0)
     w = (torch.distributions.StudentT(3.0).sample(shape) * 0.01).to(torch.bfloat16).to(args.device)
     gb = w.numel() * 2 / 1e9
-    print("weight %s bf16 = %.1f MB on %s, torch %s, %d threads" % (
-        list(shape), gb * 1e3, args.device, torch.__version__, torch.get_num_threads()))
+    print(
+        "weight %s bf16 = %.1f MB on %s, torch %s, %d threads"
+        % (list(shape), gb * 1e3, args.device, torch.__version__, torch.get_num_threads())
+    )
     print("%-16s %10s %10s %12s" % ("format", "GB/s", "ms", "bits/weight"))
     for key in keys:
+
         def run():
             formats.pack_compressed_tensors(formats.quantize(w, key))
+
         t = best_time(run, args.repeat, args.device)
         print("%-16s %10.2f %10.1f %12.4f" % (key, gb / t, t * 1e3, formats.parse_key(key).bits_per_weight(shape)))
         if key.startswith("int4-g128"):

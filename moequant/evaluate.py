@@ -62,7 +62,9 @@ def _as_windows(samples) -> list[tuple[torch.Tensor, str | None]]:
     """(input_ids [T] int64, domain or None) for Sample objects, 1-D tensors or a 2-D tensor."""
     if isinstance(samples, torch.Tensor):
         if samples.dim() != 2:
-            raise UserError(f"evaluation samples as a tensor must be 2-D [samples, tokens], got shape {list(samples.shape)}.")
+            raise UserError(
+                f"evaluation samples as a tensor must be 2-D [samples, tokens], got shape {list(samples.shape)}."
+            )
         return [(row, None) for row in samples]
     out = []
     for s in samples:
@@ -84,7 +86,7 @@ def _batches(windows, batch_size: int):
     for length in sorted(by_len):
         idx = by_len[length]
         for start in range(0, len(idx), batch_size):
-            yield idx[start:start + batch_size]
+            yield idx[start : start + batch_size]
 
 
 def _input_device(model) -> torch.device:
@@ -126,10 +128,10 @@ class _Capture:
     adapter: object
     keep_inputs: bool
     active: bool = True
-    indices: dict = field(default_factory=dict)   # layer -> [tokens, k] expert ids
-    inputs: dict = field(default_factory=dict)    # layer -> MoE block input [tokens, hidden]
+    indices: dict = field(default_factory=dict)  # layer -> [tokens, k] expert ids
+    inputs: dict = field(default_factory=dict)  # layer -> MoE block input [tokens, hidden]
     pre_norm: dict = field(default_factory=dict)  # layer -> input of the norm before the MoE block
-    outputs: dict = field(default_factory=dict)   # layer -> MoE block output [tokens, hidden]
+    outputs: dict = field(default_factory=dict)  # layer -> MoE block output [tokens, hidden]
     handles: list = field(default_factory=list)
 
     def __post_init__(self):
@@ -146,9 +148,12 @@ class _Capture:
         def hook(module, args, output):
             if self.active:
                 if not (isinstance(output, tuple) and len(output) == 3):
-                    raise UserError(f"the router of layer {layer} ({type(module).__name__}) does not return "
-                                    "(logits, weights, indices); this model's MoE implementation is not supported.")
+                    raise UserError(
+                        f"the router of layer {layer} ({type(module).__name__}) does not return "
+                        "(logits, weights, indices); this model's MoE implementation is not supported."
+                    )
                 self.indices[layer] = output[2].detach().reshape(-1, self.adapter.top_k)
+
         return hook
 
     def _on_block(self, layer):
@@ -159,12 +164,14 @@ class _Capture:
                 if self.keep_inputs:
                     self.inputs[layer] = x.detach()
                 self.outputs[layer] = y.detach().reshape(-1, y.shape[-1])
+
         return hook
 
     def _on_norm(self, layer):
         def hook(module, args, output):
             if self.active:
                 self.pre_norm[layer] = args[0].detach()
+
         return hook
 
     def clear(self):
@@ -196,8 +203,11 @@ def _expert_output(adapter, experts, x: torch.Tensor, expert: int) -> torch.Tens
 
 def _has_fused_experts(model, adapter, layer) -> bool:
     experts = getattr(_moe_block(model, layer), "experts", None)
-    return experts is not None and hasattr(experts, "down_proj") and (
-        hasattr(experts, "gate_up_proj") or hasattr(experts, "gate_up_proj_blocks"))
+    return (
+        experts is not None
+        and hasattr(experts, "down_proj")
+        and (hasattr(experts, "gate_up_proj") or hasattr(experts, "gate_up_proj_blocks"))
+    )
 
 
 # ----------------------------------------------------------------------------- evaluate
@@ -239,7 +249,9 @@ class _Tally:
         L, E = len(self.layers), self.num_experts
         self.route_same = {layer: 0 for layer in self.layers}
         self.route_same_dom = defaultdict(lambda: {layer: 0 for layer in self.layers})
-        self.block_sq = {layer: [0.0, 0.0, 0.0] for layer in self.layers}  # |Δ|² (ref input), |Δ|² (own input), |y_ref|²
+        self.block_sq = {
+            layer: [0.0, 0.0, 0.0] for layer in self.layers
+        }  # |Δ|² (ref input), |Δ|² (own input), |y_ref|²
         self.routed = torch.zeros(L, E, dtype=torch.int64)
         self.exp_sq = torch.zeros(L, E, dtype=torch.float64)
         self.exp_ref_sq = torch.zeros(L, E, dtype=torch.float64)
@@ -254,12 +266,15 @@ class _Tally:
     def add_logits(self, ids: torch.Tensor, doms: list, ref_logits: torch.Tensor, q_logits: torch.Tensor) -> None:
         B, T = ids.shape
         if ref_logits.shape != q_logits.shape:
-            raise UserError(f"the two models' logits differ in shape ({list(ref_logits.shape)} vs "
-                            f"{list(q_logits.shape)}); they must share one vocabulary.")
+            raise UserError(
+                f"the two models' logits differ in shape ({list(ref_logits.shape)} vs "
+                f"{list(q_logits.shape)}); they must share one vocabulary."
+            )
         targets = torch.full((B, T), -100, dtype=torch.long)
         targets[:, :-1] = ids[:, 1:]
-        kl, same, nr, nq = token_statistics(ref_logits.reshape(B * T, -1), q_logits.reshape(B * T, -1),
-                                            targets.reshape(-1))
+        kl, same, nr, nq = token_statistics(
+            ref_logits.reshape(B * T, -1), q_logits.reshape(B * T, -1), targets.reshape(-1)
+        )
         self.kl_all.append(kl)
         self.dom_all.extend(d for d in doms for _ in range(T))
         self.top1_same += int(same.sum())
@@ -284,7 +299,7 @@ class _Tally:
         self.route_same[L] += int(equal.sum())
         for b, d in enumerate(doms):
             if d is not None:
-                self.route_same_dom[d][L] += int(equal[b * T:(b + 1) * T].sum())
+                self.route_same_dom[d][L] += int(equal[b * T : (b + 1) * T].sum())
         self.routed[li] += torch.bincount(r_idx.reshape(-1).cpu(), minlength=self.num_experts)
 
         y_ref = ref_cap.outputs[L].float()
@@ -323,24 +338,31 @@ class _Tally:
         layer_rows = []
         for L in self.layers:
             d_ref, d_own, ref_sq = self.block_sq[L]
-            layer_rows.append({
-                "layer": L,
-                "tokens": self.route_tokens,
-                "routing_agreement": self.route_same[L] / self.route_tokens,
-                "moe_output_error": math.sqrt(d_ref / ref_sq) if ref_sq > 0 else float("nan"),
-                "moe_output_error_accumulated": math.sqrt(d_own / ref_sq) if ref_sq > 0 else float("nan"),
-            })
+            layer_rows.append(
+                {
+                    "layer": L,
+                    "tokens": self.route_tokens,
+                    "routing_agreement": self.route_same[L] / self.route_tokens,
+                    "moe_output_error": math.sqrt(d_ref / ref_sq) if ref_sq > 0 else float("nan"),
+                    "moe_output_error_accumulated": math.sqrt(d_own / ref_sq) if ref_sq > 0 else float("nan"),
+                }
+            )
         expert_rows = []
         for li, L in enumerate(self.layers):
             total = max(int(self.routed[li].sum()), 1)
             for e in range(self.num_experts):
                 n = int(self.routed[li, e])
                 has = self.expert_errors and n > 0 and float(self.exp_ref_sq[li, e]) > 0
-                expert_rows.append({
-                    "layer": L, "expert": e, "tokens": n, "share": n / total,
-                    "error": math.sqrt(float(self.exp_sq[li, e]) / float(self.exp_ref_sq[li, e])) if has else None,
-                    "sq_error_per_token": float(self.exp_sq[li, e]) / n if (self.expert_errors and n > 0) else None,
-                })
+                expert_rows.append(
+                    {
+                        "layer": L,
+                        "expert": e,
+                        "tokens": n,
+                        "share": n / total,
+                        "error": math.sqrt(float(self.exp_sq[li, e]) / float(self.exp_ref_sq[li, e])) if has else None,
+                        "sq_error_per_token": float(self.exp_sq[li, e]) / n if (self.expert_errors and n > 0) else None,
+                    }
+                )
         by_domain = {}
         for d in sorted({d for d in self.dom_all if d is not None}):
             sel = kl_values[dom_arr == d]
@@ -351,8 +373,9 @@ class _Tally:
                 "kl_mean": float(sel.mean()),
                 "kl_p99": _quantile(sel, 0.99),
                 "top1_agreement": self.top1_dom[d] / self.pos_dom[d],
-                "routing_agreement": float(np.mean([self.route_same_dom[d][L] / self.route_tokens_dom[d]
-                                                    for L in self.layers])),
+                "routing_agreement": float(
+                    np.mean([self.route_same_dom[d][L] / self.route_tokens_dom[d] for L in self.layers])
+                ),
             }
         mean = lambda xs: float(np.mean(xs)) if xs else float("nan")  # noqa: E731
         return {
@@ -379,9 +402,14 @@ class _Tally:
 
 def _same_structure(adapter, q_adapter) -> None:
     if (q_adapter.moe_layers, q_adapter.num_experts, q_adapter.top_k) != (
-            adapter.moe_layers, adapter.num_experts, adapter.top_k):
-        raise UserError("the quantized model's MoE structure (layers, experts, top-k) differs from the reference model's; "
-                        "compare a checkpoint with the model it was made from.")
+        adapter.moe_layers,
+        adapter.num_experts,
+        adapter.top_k,
+    ):
+        raise UserError(
+            "the quantized model's MoE structure (layers, experts, top-k) differs from the reference model's; "
+            "compare a checkpoint with the model it was made from."
+        )
 
 
 def _check_batch_size(batch_size) -> None:
@@ -389,8 +417,9 @@ def _check_batch_size(batch_size) -> None:
         raise UserError(f"batch_size must be a positive integer, got {batch_size!r}.")
 
 
-def evaluate(reference_model, quantized_model, samples, batch_size: int = 4, per_expert: bool = True,
-             progress: bool = False) -> dict:
+def evaluate(
+    reference_model, quantized_model, samples, batch_size: int = 4, per_expert: bool = True, progress: bool = False
+) -> dict:
     """Compare `quantized_model` with `reference_model` (transformers causal LMs, already loaded,
     eval mode) on `samples` (moequant.calib.data Samples, 1-D token tensors, or a [N, T] tensor).
 
@@ -409,8 +438,9 @@ def evaluate(reference_model, quantized_model, samples, batch_size: int = 4, per
     _same_structure(adapter, _adapter(quantized_model))
     windows = _as_windows(samples)
     layers = list(adapter.moe_layers)
-    expert_errors = per_expert and all(_has_fused_experts(m, adapter, L)
-                                       for m in (reference_model, quantized_model) for L in layers)
+    expert_errors = per_expert and all(
+        _has_fused_experts(m, adapter, L) for m in (reference_model, quantized_model) for L in layers
+    )
     tally = _Tally(layers, adapter.num_experts, expert_errors)
     ref_cap = _Capture(reference_model, adapter, keep_inputs=True)
     q_cap = _Capture(quantized_model, adapter, keep_inputs=False)
@@ -435,8 +465,9 @@ def evaluate(reference_model, quantized_model, samples, batch_size: int = 4, per
                 del ref_logits, q_logits
                 tally.add_tokens(doms, ids.shape[1])
                 for li, L in enumerate(layers):
-                    tally.add_moe_layer(li, L, adapter, reference_model, quantized_model, ref_cap, q_cap, doms,
-                                        ids.shape[1])
+                    tally.add_moe_layer(
+                        li, L, adapter, reference_model, quantized_model, ref_cap, q_cap, doms, ids.shape[1]
+                    )
                 ref_cap.clear()
                 q_cap.clear()
     finally:
@@ -465,8 +496,16 @@ def _real_head(runner, adapter) -> None:
         head.load_state_dict({"weight": runner.checkpoint.get("lm_head.weight").to(runner.dtype)})
 
 
-def evaluate_streaming(reference, quantized, samples, batch_size: int = 4, per_expert: bool = True,
-                       device: str = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False) -> dict:
+def evaluate_streaming(
+    reference,
+    quantized,
+    samples,
+    batch_size: int = 4,
+    per_expert: bool = True,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    progress: bool = False,
+) -> dict:
     """evaluate()'s numbers from two checkpoints (paths or open Checkpoints), without loading
     either model: both run layer by layer over the evaluation tokens (moequant.io.layers.LayerRunner,
     one decoder layer of each in memory at a time, the quantized one read through its
@@ -504,12 +543,13 @@ def evaluate_streaming(reference, quantized, samples, batch_size: int = 4, per_e
                 idx = by_len[length]
                 ids = torch.stack([windows[i][0] for i in idx])
                 doms = [windows[i][1] for i in idx]
-                batch_doms = [doms[s:s + batch_size] for s in range(0, len(idx), batch_size)]
+                batch_doms = [doms[s : s + batch_size] for s in range(0, len(idx), batch_size)]
                 ref_run = LayerRunner(ref_ckpt, adapter, ids, batch_size, device, dtype)
                 q_run = LayerRunner(q_ckpt, q_adapter, ids, batch_size, device, dtype)
                 if tally is None:
-                    expert_errors = per_expert and all(_has_fused_experts(r.model, adapter, L)
-                                                       for r in (ref_run, q_run) for L in layers)
+                    expert_errors = per_expert and all(
+                        _has_fused_experts(r.model, adapter, L) for r in (ref_run, q_run) for L in layers
+                    )
                     tally = _Tally(layers, adapter.num_experts, expert_errors)
                 for d in batch_doms:
                     tally.add_tokens(d, length)
@@ -525,8 +565,17 @@ def evaluate_streaming(reference, quantized, samples, batch_size: int = 4, per_e
                                 h_ref[b] = ref_run.run(ref_layer, L, b, h_ref[b])
                                 h_q[b] = q_run.run(q_layer, L, b, h_q[b])
                                 if L in layers:
-                                    tally.add_moe_layer(layers.index(L), L, adapter, ref_run.model, q_run.model,
-                                                        ref_cap, q_cap, batch_doms[b], length)
+                                    tally.add_moe_layer(
+                                        layers.index(L),
+                                        L,
+                                        adapter,
+                                        ref_run.model,
+                                        q_run.model,
+                                        ref_cap,
+                                        q_cap,
+                                        batch_doms[b],
+                                        length,
+                                    )
                         if progress:
                             bar.advance(task)
                 finally:
@@ -580,14 +629,26 @@ def load_quantized(path, dtype=None, device: str = "cpu"):
     except UserError:
         raise
     except Exception as e:
-        raise UserError(f"cannot load {path} as a quantized model: moequant's loader said "
-                        f"\"{first_error}\" and transformers failed with {type(e).__name__}: {e}") from None
+        raise UserError(
+            f"cannot load {path} as a quantized model: moequant's loader said "
+            f'"{first_error}" and transformers failed with {type(e).__name__}: {e}'
+        ) from None
     return model.eval()
 
 
-def evaluate_checkpoints(checkpoint, reference, dataset: str = "builtin:mix", samples: int = 64, seq_len: int = 512,
-                         seed: int = 0, batch_size: int = 4, device: str | None = None, dtype=None,
-                         lm_eval_tasks: list[str] | None = None, progress: bool = True) -> dict:
+def evaluate_checkpoints(
+    checkpoint,
+    reference,
+    dataset: str = "builtin:mix",
+    samples: int = 64,
+    seq_len: int = 512,
+    seed: int = 0,
+    batch_size: int = 4,
+    device: str | None = None,
+    dtype=None,
+    lm_eval_tasks: list[str] | None = None,
+    progress: bool = True,
+) -> dict:
     """`moequant eval CHECKPOINT --reference ORIGINAL`: evaluate on the evaluation split of `dataset`
     (tokenised with the reference's tokenizer). Returns evaluate()'s dict plus `checkpoint`,
     `reference`, `dataset`, `seq_len`, `seed` and, when asked, `lm_eval`.
@@ -611,17 +672,33 @@ def evaluate_checkpoints(checkpoint, reference, dataset: str = "builtin:mix", sa
     windows = load_samples(dataset, tokenizer, samples, seq_len, split="evaluation", seed=seed)
     q_ckpt = None if lm_eval_tasks else _readable(checkpoint)
     if q_ckpt is not None:
-        result = evaluate_streaming(ref_ckpt, q_ckpt, windows, batch_size=batch_size, device=device,
-                                    dtype=dtype or model_dtype(ref_ckpt.config), progress=progress)
+        result = evaluate_streaming(
+            ref_ckpt,
+            q_ckpt,
+            windows,
+            batch_size=batch_size,
+            device=device,
+            dtype=dtype or model_dtype(ref_ckpt.config),
+            progress=progress,
+        )
     else:
         ref_model = _load_reference(ref_ckpt, dtype, device)
         q_model = load_quantized(checkpoint, dtype=dtype, device=device)
         result = evaluate(ref_model, q_model, windows, batch_size=batch_size, progress=progress)
-    result.update({"checkpoint": str(checkpoint), "reference": str(reference), "dataset": dataset,
-                   "seq_len": seq_len, "seed": seed})
+    result.update(
+        {
+            "checkpoint": str(checkpoint),
+            "reference": str(reference),
+            "dataset": dataset,
+            "seq_len": seq_len,
+            "seed": seed,
+        }
+    )
     if lm_eval_tasks:
-        result["lm_eval"] = {"original": run_lm_eval(ref_model, tokenizer, lm_eval_tasks, batch_size),
-                             "quantized": run_lm_eval(q_model, tokenizer, lm_eval_tasks, batch_size)}
+        result["lm_eval"] = {
+            "original": run_lm_eval(ref_model, tokenizer, lm_eval_tasks, batch_size),
+            "quantized": run_lm_eval(q_model, tokenizer, lm_eval_tasks, batch_size),
+        }
     return result
 
 
@@ -657,13 +734,16 @@ def format_quality(q: dict) -> str:
         f"KL per token      mean {q['kl_mean']:.4g}  p90 {q['kl_p90']:.4g}  p99 {q['kl_p99']:.4g}  max {q['kl_max']:.4g}",
         f"top-1 agreement   {q['top1_agreement']:.4f}",
         f"routing agreement {q['routing_agreement']:.4f} (mean over MoE layers; lowest "
-        + (f"{min(r['routing_agreement'] for r in q['layers']):.4f}" if q["layers"] else "-") + ")",
+        + (f"{min(r['routing_agreement'] for r in q['layers']):.4f}" if q["layers"] else "-")
+        + ")",
         f"MoE-block error   {q['moe_output_error']:.4g} on the reference input, "
         f"{q['moe_output_error_accumulated']:.4g} on its own",
     ]
     for d, v in q.get("by_domain", {}).items():
-        lines.append(f"  {d:<14} ppl {v['ppl_original']:.3f} -> {v['ppl_quantized']:.3f}  KL {v['kl_mean']:.4g}"
-                     f"  top-1 {v['top1_agreement']:.4f}  routing {v['routing_agreement']:.4f}")
+        lines.append(
+            f"  {d:<14} ppl {v['ppl_original']:.3f} -> {v['ppl_quantized']:.3f}  KL {v['kl_mean']:.4g}"
+            f"  top-1 {v['top1_agreement']:.4f}  routing {v['routing_agreement']:.4f}"
+        )
     for name, scores in (q.get("lm_eval") or {}).items():
         lines.append(f"lm-eval {name}: " + ", ".join(f"{t} {s}" for t, s in scores.items()))
     return "\n".join(lines)
@@ -673,8 +753,10 @@ def _require_lm_eval():
     try:
         import lm_eval  # noqa: F401
     except ImportError:
-        raise UserError("lm-eval tasks were asked for but lm_eval is not installed; install lm-eval "
-                        "(pip install lm-eval) in the environment that runs moequant, or leave out the tasks.") from None
+        raise UserError(
+            "lm-eval tasks were asked for but lm_eval is not installed; install lm-eval "
+            "(pip install lm-eval) in the environment that runs moequant, or leave out the tasks."
+        ) from None
 
 
 def run_lm_eval(model, tokenizer, tasks: list[str], batch_size: int = 4) -> dict:
@@ -684,5 +766,7 @@ def run_lm_eval(model, tokenizer, tasks: list[str], batch_size: int = 4) -> dict
     from lm_eval.models.huggingface import HFLM
 
     out = simple_evaluate(model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size), tasks=list(tasks))
-    return {task: {k: v for k, v in scores.items() if isinstance(v, (int, float))}
-            for task, scores in out["results"].items()}
+    return {
+        task: {k: v for k, v in scores.items() if isinstance(v, (int, float))}
+        for task, scores in out["results"].items()
+    }

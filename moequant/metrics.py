@@ -18,14 +18,14 @@ def token_statistics(ref_logits: torch.Tensor, q_logits: torch.Tensor, targets: 
     chunk = max(1, LOGIT_CHUNK_ELEMENTS // v)
     kl, same, nll_r, nll_q = [], [], [], []
     for s in range(0, n, chunk):
-        lp = torch.log_softmax(ref_logits[s:s + chunk].double(), dim=-1)
-        lq = torch.log_softmax(q_logits[s:s + chunk].to(lp.device).double(), dim=-1)
+        lp = torch.log_softmax(ref_logits[s : s + chunk].double(), dim=-1)
+        lq = torch.log_softmax(q_logits[s : s + chunk].to(lp.device).double(), dim=-1)
         p = lp.exp()
         # tokens the original gives probability 0 (masked logits, -inf) add nothing, not NaN
         kl.append(torch.where(p > 0, p * (lp - lq), 0.0).sum(-1).clamp_min(0).cpu())
-        same.append((ref_logits[s:s + chunk].argmax(-1).cpu() == q_logits[s:s + chunk].argmax(-1).cpu()))
+        same.append((ref_logits[s : s + chunk].argmax(-1).cpu() == q_logits[s : s + chunk].argmax(-1).cpu()))
         if targets is not None:
-            t = targets[s:s + chunk].to(lp.device)
+            t = targets[s : s + chunk].to(lp.device)
             has = t >= 0
             tt = t.clamp_min(0)[:, None]
             nll_r.append(torch.where(has, -lp.gather(1, tt)[:, 0], torch.nan).cpu())

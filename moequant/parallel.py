@@ -80,9 +80,11 @@ def start(num_experts: int, device: str = "cpu") -> str:
     if size <= 1:
         return device
     if size > num_experts:
-        raise UserError(f"{size} processes were started but the model has {num_experts} routed experts per MoE layer; "
-                        f"every process needs at least one expert: start at most {num_experts} "
-                        f"(torchrun --nproc-per-node {num_experts}).")
+        raise UserError(
+            f"{size} processes were started but the model has {num_experts} routed experts per MoE layer; "
+            f"every process needs at least one expert: start at most {num_experts} "
+            f"(torchrun --nproc-per-node {num_experts})."
+        )
     cuda = torch.device(device).type == "cuda"
     if cuda:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
@@ -92,8 +94,12 @@ def start(num_experts: int, device: str = "cpu") -> str:
 
         timeout = float(os.environ.get("MOEQUANT_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT_S))
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout))
-        _WORLD = World(rank=dist.get_rank(), size=dist.get_world_size(), timeout=timeout,
-                       device=torch.device(device) if cuda else torch.device("cpu"))
+        _WORLD = World(
+            rank=dist.get_rank(),
+            size=dist.get_world_size(),
+            timeout=timeout,
+            device=torch.device(device) if cuda else torch.device("cpu"),
+        )
         _JOINED = True
     return device
 
@@ -144,9 +150,11 @@ class World:
             return fn(*args, **kwargs)
         except RuntimeError as error:  # DistBackendError (a lost peer, a timeout) is a RuntimeError
             first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-            raise RankLost(f"rank {self.rank} of {self.size}: {what} did not complete ({first}); another rank has "
-                           f"stopped or did not answer within {self.timeout:.0f} s, so this rank stops too; run the "
-                           "same command again to continue from the last layer every rank finished.") from None
+            raise RankLost(
+                f"rank {self.rank} of {self.size}: {what} did not complete ({first}); another rank has "
+                f"stopped or did not answer within {self.timeout:.0f} s, so this rank stops too; run the "
+                "same command again to continue from the last layer every rank finished."
+            ) from None
 
     def barrier(self, what: str) -> None:
         import torch.distributed as dist
@@ -173,11 +181,11 @@ class World:
     def _padded(self, local: torch.Tensor, num_experts: int) -> torch.Tensor:
         most = max(len(expert_range(num_experts, r, self.size)) for r in range(self.size))
         padded = torch.zeros((most,) + tuple(local.shape[1:]), dtype=local.dtype, device=self.device)
-        padded[:local.shape[0]] = local
+        padded[: local.shape[0]] = local
         return padded
 
     def _joined(self, parts: list[torch.Tensor], num_experts: int, like: torch.Tensor) -> torch.Tensor:
-        rows = [p[:len(expert_range(num_experts, r, self.size))] for r, p in enumerate(parts)]
+        rows = [p[: len(expert_range(num_experts, r, self.size))] for r, p in enumerate(parts)]
         return torch.cat(rows).to(like.device)
 
     def all_gather_experts(self, local: torch.Tensor, num_experts: int, what: str) -> torch.Tensor:
@@ -199,8 +207,9 @@ class World:
         return self._joined(parts, num_experts, local) if self.rank == 0 else None
 
 
-def read_experts(adapter, checkpoint, layer: int, proj: str, experts: range | None = None, device=None,
-                 dtype=None) -> torch.Tensor:
+def read_experts(
+    adapter, checkpoint, layer: int, proj: str, experts: range | None = None, device=None, dtype=None
+) -> torch.Tensor:
     """`adapter.read_experts` for the experts of `experts` only (all when None): `[len, out, in]`."""
     if experts is not None and len(experts) == adapter.num_experts:
         experts = None
@@ -210,6 +219,9 @@ def read_experts(adapter, checkpoint, layer: int, proj: str, experts: range | No
 def whole_layer_experts(adapter, checkpoint, layer: int, w: World) -> dict[str, torch.Tensor]:
     """A layer's original expert weights on every rank: each rank reads its own slice, the rest is all-gathered."""
     own = w.experts(adapter.num_experts)
-    return {p: w.all_gather_experts(read_experts(adapter, checkpoint, layer, p, own), adapter.num_experts,
-                                    f"layer {layer}'s {p} experts")
-            for p in adapter.projections}
+    return {
+        p: w.all_gather_experts(
+            read_experts(adapter, checkpoint, layer, p, own), adapter.num_experts, f"layer {layer}'s {p} experts"
+        )
+        for p in adapter.projections
+    }

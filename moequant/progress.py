@@ -15,8 +15,14 @@ class LayerProgress:
         if enabled and total > 0:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), transient=False)
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]}"),
+                TimeRemainingColumn(),
+                transient=False,
+            )
             self._bar.start()
             self._task = self._bar.add_task(label, total=total, rate="")
 

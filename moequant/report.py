@@ -92,9 +92,22 @@ SCHEMA = "moequant.report/1"
 # Suffixes of stored tensors that encode the original tensor `module + ".weight"` (or `module`
 # for gpt-oss's fused expert tensors, which have no ".weight").
 _ENCODING_SUFFIXES = (
-    ".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_global_scale",
-    ".weight_g_idx", ".weight_scale_inv", ".input_scale", ".input_zero_point", ".input_global_scale",
-    ".qweight", ".qzeros", ".scales", ".g_idx", "_blocks", "_scales",
+    ".weight_packed",
+    ".weight_scale",
+    ".weight_zero_point",
+    ".weight_shape",
+    ".weight_global_scale",
+    ".weight_g_idx",
+    ".weight_scale_inv",
+    ".input_scale",
+    ".input_zero_point",
+    ".input_global_scale",
+    ".qweight",
+    ".qzeros",
+    ".scales",
+    ".g_idx",
+    "_blocks",
+    "_scales",
 )
 
 
@@ -162,9 +175,15 @@ def checkpoint_bytes(path, adapter=None) -> dict:
                 fused[role.layer] += entry.nbytes
             else:
                 experts[(role.layer, role.expert)] += entry.nbytes
-    return {"by_role": dict(by_role), "weights_by_role": dict(weights), "experts": dict(experts),
-            "fused_experts": dict(fused), "total": sum(by_role.values()) + metadata, "layout_metadata": metadata,
-            "expert_biases": biases}
+    return {
+        "by_role": dict(by_role),
+        "weights_by_role": dict(weights),
+        "experts": dict(experts),
+        "fused_experts": dict(fused),
+        "total": sum(by_role.values()) + metadata,
+        "layout_metadata": metadata,
+        "expert_biases": biases,
+    }
 
 
 def is_expert_bias(role) -> bool:
@@ -192,8 +211,15 @@ def _config_only_bytes(adapter) -> dict:
         routed = nbytes("bf16", (weights.get("routed_expert", 0),))
         fused = {L: routed // max(len(adapter.moe_layers), 1) for L in adapter.moe_layers}
     by_role = {r: nbytes("bf16", (n,)) for r, n in weights.items()}
-    return {"by_role": by_role, "weights_by_role": weights, "experts": per_expert, "fused_experts": fused,
-            "total": sum(by_role.values()), "layout_metadata": 0, "expert_biases": biases}
+    return {
+        "by_role": by_role,
+        "weights_by_role": weights,
+        "experts": per_expert,
+        "fused_experts": fused,
+        "total": sum(by_role.values()),
+        "layout_metadata": 0,
+        "expert_biases": biases,
+    }
 
 
 def _bytes_per_token(account: dict, adapter, shares: dict | None) -> int:
@@ -233,17 +259,25 @@ def memory_account(original, checkpoint, shares: dict | None = None) -> dict:
     quant = checkpoint_bytes(checkpoint, adapter)
     weights = orig["weights_by_role"]
     roles = [r for r in dict.fromkeys([*weights, *quant["by_role"]])]
-    by_role = {r: {"weights": int(weights.get(r, 0)), "bytes_original": int(orig["by_role"].get(r, 0)),
-                   "bytes_quantized": int(quant["by_role"].get(r, 0))} for r in roles}
+    by_role = {
+        r: {
+            "weights": int(weights.get(r, 0)),
+            "bytes_original": int(orig["by_role"].get(r, 0)),
+            "bytes_quantized": int(quant["by_role"].get(r, 0)),
+        }
+        for r in roles
+    }
     n_weights = sum(weights.values())
 
     def biases(account: dict, key: str) -> int:  # of the routed experts' weights or bytes (GGUF: none)
         return account.get("expert_biases", {}).get(key, 0)
 
     # the routed experts' weight matrices (their biases left out): what the budget and the plan count
-    experts = {"weights": int(weights.get("routed_expert", 0) - biases(orig, "weights")),
-               "bytes_original": int(orig["by_role"].get("routed_expert", 0) - biases(orig, "bytes")),
-               "bytes_quantized": int(quant["by_role"].get("routed_expert", 0) - biases(quant, "bytes"))}
+    experts = {
+        "weights": int(weights.get("routed_expert", 0) - biases(orig, "weights")),
+        "bytes_original": int(orig["by_role"].get("routed_expert", 0) - biases(orig, "bytes")),
+        "bytes_quantized": int(quant["by_role"].get("routed_expert", 0) - biases(quant, "bytes")),
+    }
 
     def bpw(nbytes, n):
         return bits_per_weight(nbytes, n) if n else float("nan")
@@ -260,8 +294,10 @@ def memory_account(original, checkpoint, shares: dict | None = None) -> dict:
         "bits_per_weight_experts_original": bpw(experts["bytes_original"], experts["weights"]),
         "by_role": by_role,
         "routed_expert_matrices": experts,
-        "bytes_per_token": {"original": _bytes_per_token(orig, adapter, shares),
-                            "quantized": _bytes_per_token(quant, adapter, shares)},
+        "bytes_per_token": {
+            "original": _bytes_per_token(orig, adapter, shares),
+            "quantized": _bytes_per_token(quant, adapter, shares),
+        },
         "gpus_needed": {"original": gpus_needed(orig["total"]), "quantized": gpus_needed(quant["total"])},
         "gpu_sizes_gb": list(GPU_SIZES_GB),
         "kv_headroom": KV_HEADROOM,
@@ -314,8 +350,9 @@ def _projection_formats(pairs: list[tuple[str | None, str]]) -> str:
     return " ".join("+".join(dict.fromkeys(p or "?" for p, k in pairs if k == key)) + ":" + key for key in keys)
 
 
-def expert_rows(adapter, plan: dict | None = None, stats=None, quality: dict | None = None,
-                checkpoint=None) -> list[dict]:
+def expert_rows(
+    adapter, plan: dict | None = None, stats=None, quality: dict | None = None, checkpoint=None
+) -> list[dict]:
     """The per-expert table (see the module docstring), one row per (MoE layer, routed expert)."""
     stats = _load_stats(stats)
     fmt = _expert_formats(plan, checkpoint, adapter)
@@ -341,16 +378,20 @@ def expert_rows(adapter, plan: dict | None = None, stats=None, quality: dict | N
             elif key == "bf16":
                 predicted = 0.0
             share = float(ls.share[e]) if ls is not None else m.get("share")
-            rows.append({
-                "layer": L, "expert": e, "share": share,
-                "share_by_domain": {d: float(s[e]) for d, s in dshare.items()},
-                "format": key,
-                "predicted_error": predicted,
-                "predicted_loss": predicted_loss[(L, e)] if (L, e) in has_loss else None,
-                "error": m.get("error"),
-                "sq_error_per_token": m.get("sq_error_per_token"),
-                "eval_tokens": m.get("tokens"),
-            })
+            rows.append(
+                {
+                    "layer": L,
+                    "expert": e,
+                    "share": share,
+                    "share_by_domain": {d: float(s[e]) for d, s in dshare.items()},
+                    "format": key,
+                    "predicted_error": predicted,
+                    "predicted_loss": predicted_loss[(L, e)] if (L, e) in has_loss else None,
+                    "error": m.get("error"),
+                    "sq_error_per_token": m.get("sq_error_per_token"),
+                    "eval_tokens": m.get("tokens"),
+                }
+            )
     return rows
 
 
@@ -361,9 +402,14 @@ def _plan_summary(plan: dict | None) -> dict | None:
     if not plan:
         return None
     s = plan.get("summary", {})
-    return {"method": plan.get("method"), "bits_per_weight": s.get("bits_per_weight"),
-            "predicted_loss": s.get("predicted_loss"), "per_expert_alternative": s.get("per_expert_alternative"),
-            "uniform_alternatives": s.get("uniform_alternatives"), "notes": plan.get("notes", [])}
+    return {
+        "method": plan.get("method"),
+        "bits_per_weight": s.get("bits_per_weight"),
+        "predicted_loss": s.get("predicted_loss"),
+        "per_expert_alternative": s.get("per_expert_alternative"),
+        "uniform_alternatives": s.get("uniform_alternatives"),
+        "notes": plan.get("notes", []),
+    }
 
 
 def _finite(obj):
@@ -377,9 +423,20 @@ def _finite(obj):
     return obj
 
 
-def build_report(*, model: str, checkpoint, original=None, recipe: dict | None = None, target: str | None = None,
-                 plan: dict | None = None, quality: dict | None = None, stats=None, timings: dict | None = None,
-                 output_dir=None, ranks: int = 1) -> dict:
+def build_report(
+    *,
+    model: str,
+    checkpoint,
+    original=None,
+    recipe: dict | None = None,
+    target: str | None = None,
+    plan: dict | None = None,
+    quality: dict | None = None,
+    stats=None,
+    timings: dict | None = None,
+    output_dir=None,
+    ranks: int = 1,
+) -> dict:
     """report.json's dict from plain inputs; also writes report.json / .md / .html when output_dir is given.
 
     `original` is the original checkpoint (defaults to `model`), `stats` a stats directory or a
@@ -392,9 +449,11 @@ def build_report(*, model: str, checkpoint, original=None, recipe: dict | None =
 
     run = (plan or {}).get(KEY)  # the run that made the plan; its checkpoint must carry the same one
     if run is not None and checkpoint_fingerprint(checkpoint) != run:
-        raise UserError(f"the report of {checkpoint} would mix two runs: the checkpoint's run fingerprint is "
-                        f"{checkpoint_fingerprint(checkpoint) or 'missing'} but its plan's is {run}; rerun "
-                        "`moequant apply` to remake the checkpoint.")
+        raise UserError(
+            f"the report of {checkpoint} would mix two runs: the checkpoint's run fingerprint is "
+            f"{checkpoint_fingerprint(checkpoint) or 'missing'} but its plan's is {run}; rerun "
+            "`moequant apply` to remake the checkpoint."
+        )
     original = original if original is not None else model
     adapter = adapter_for(open_checkpoint(original).config)
     stats = _load_stats(stats)
@@ -443,10 +502,15 @@ def sibling_runs(output_dir) -> list[dict]:
     for p in sorted(Path(output_dir).resolve().parent.glob("*/report.json")):
         try:
             r = json.loads(p.read_text())
-            runs.append({"name": p.parent.name, "bytes": r["memory"]["bytes_quantized"],
-                         "kl_mean": (r.get("quality") or {}).get("kl_mean"),
-                         "top1": (r.get("quality") or {}).get("top1_agreement"),
-                         "this": p.parent == Path(output_dir).resolve()})
+            runs.append(
+                {
+                    "name": p.parent.name,
+                    "bytes": r["memory"]["bytes_quantized"],
+                    "kl_mean": (r.get("quality") or {}).get("kl_mean"),
+                    "top1": (r.get("quality") or {}).get("top1_agreement"),
+                    "this": p.parent == Path(output_dir).resolve(),
+                }
+            )
         except (OSError, ValueError, KeyError, TypeError):
             continue  # not a moequant report: leave it out of the comparison
     return [r for r in runs if r["kl_mean"] is not None]
@@ -482,73 +546,181 @@ def _f(x, digits=4) -> str:
 def _summary_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) tables shared by the Markdown and HTML renderings."""
     m = report["memory"]
-    tables = [("Memory", ["", "original", "quantized"], [
-        ["bytes", _b(m["bytes_original"]), _b(m["bytes_quantized"])],
-        ["bits per weight", _bits(m["bits_per_weight_original"]), _bits(m["bits_per_weight"])],
-        ["bits per weight, routed experts", _bits(m["bits_per_weight_experts_original"]),
-         _bits(m["bits_per_weight_experts"])],
-        ["layout metadata (tensor shapes, column order; not weights)", "–", _b(m.get("layout_metadata_bytes"))],
-        ["bytes read per decoded token", _b(m["bytes_per_token"]["original"]), _b(m["bytes_per_token"]["quantized"])],
-        *[[f"{g} GB GPUs ({int(100 * m['kv_headroom'])}% headroom)", str(m["gpus_needed"]["original"][f"{g}GB"]),
-           str(m["gpus_needed"]["quantized"][f"{g}GB"])] for g in m["gpu_sizes_gb"]],
-    ])]
-    tables.append(("Bytes by role", ["role", "weights", "original", "quantized", "bits/weight"], [
-        [r, f"{v['weights']:,}" if v["weights"] or not v["bytes_quantized"] else _copy_of_weights(r),
-         _b(v["bytes_original"]), _b(v["bytes_quantized"]),
-         _bits(bits_per_weight(v["bytes_quantized"], v["weights"])) if v["weights"] else "–"]
-        for r, v in m["by_role"].items()]))
+    tables = [
+        (
+            "Memory",
+            ["", "original", "quantized"],
+            [
+                ["bytes", _b(m["bytes_original"]), _b(m["bytes_quantized"])],
+                ["bits per weight", _bits(m["bits_per_weight_original"]), _bits(m["bits_per_weight"])],
+                [
+                    "bits per weight, routed experts",
+                    _bits(m["bits_per_weight_experts_original"]),
+                    _bits(m["bits_per_weight_experts"]),
+                ],
+                ["layout metadata (tensor shapes, column order; not weights)", "–", _b(m.get("layout_metadata_bytes"))],
+                [
+                    "bytes read per decoded token",
+                    _b(m["bytes_per_token"]["original"]),
+                    _b(m["bytes_per_token"]["quantized"]),
+                ],
+                *[
+                    [
+                        f"{g} GB GPUs ({int(100 * m['kv_headroom'])}% headroom)",
+                        str(m["gpus_needed"]["original"][f"{g}GB"]),
+                        str(m["gpus_needed"]["quantized"][f"{g}GB"]),
+                    ]
+                    for g in m["gpu_sizes_gb"]
+                ],
+            ],
+        )
+    ]
+    tables.append(
+        (
+            "Bytes by role",
+            ["role", "weights", "original", "quantized", "bits/weight"],
+            [
+                [
+                    r,
+                    f"{v['weights']:,}" if v["weights"] or not v["bytes_quantized"] else _copy_of_weights(r),
+                    _b(v["bytes_original"]),
+                    _b(v["bytes_quantized"]),
+                    _bits(bits_per_weight(v["bytes_quantized"], v["weights"])) if v["weights"] else "–",
+                ]
+                for r, v in m["by_role"].items()
+            ],
+        )
+    )
     layers = layer_formats(report["experts"])
     if layers:
-        tables.append(("Formats per MoE layer (routed experts)", ["layer", "formats", "experts per format"], [
-            [str(L), ", ".join(counts), ", ".join(f"{k} ×{n}" for k, n in counts.items())]
-            for L, counts in layers.items()]))
+        tables.append(
+            (
+                "Formats per MoE layer (routed experts)",
+                ["layer", "formats", "experts per format"],
+                [
+                    [str(L), ", ".join(counts), ", ".join(f"{k} ×{n}" for k, n in counts.items())]
+                    for L, counts in layers.items()
+                ],
+            )
+        )
     q = report.get("quality")
     if q:
-        tables.append(("Quality", ["metric", "value"], [
-            ["perplexity, original", _f(q.get("ppl_original"))],
-            ["perplexity, quantized", _f(q.get("ppl_quantized"))],
-            ["KL(original ‖ quantized) mean / p90 / p99",
-             " / ".join(_f(q.get(k)) for k in ("kl_mean", "kl_p90", "kl_p99"))],
-            ["top-1 agreement", _f(q.get("top1_agreement"))],
-            ["routing agreement (mean over MoE layers)", _f(q.get("routing_agreement"))],
-            ["MoE-block relative error (reference input / own input)",
-             f"{_f(q.get('moe_output_error'))} / {_f(q.get('moe_output_error_accumulated'))}"],
-            ["evaluation tokens", _f(q.get("tokens"))],
-        ]))
+        tables.append(
+            (
+                "Quality",
+                ["metric", "value"],
+                [
+                    ["perplexity, original", _f(q.get("ppl_original"))],
+                    ["perplexity, quantized", _f(q.get("ppl_quantized"))],
+                    [
+                        "KL(original ‖ quantized) mean / p90 / p99",
+                        " / ".join(_f(q.get(k)) for k in ("kl_mean", "kl_p90", "kl_p99")),
+                    ],
+                    ["top-1 agreement", _f(q.get("top1_agreement"))],
+                    ["routing agreement (mean over MoE layers)", _f(q.get("routing_agreement"))],
+                    [
+                        "MoE-block relative error (reference input / own input)",
+                        f"{_f(q.get('moe_output_error'))} / {_f(q.get('moe_output_error_accumulated'))}",
+                    ],
+                    ["evaluation tokens", _f(q.get("tokens"))],
+                ],
+            )
+        )
         if q.get("layers"):
-            tables.append(("Per MoE layer", ["layer", "routing agreement", "block error (ref. input)",
-                                             "block error (own input)"],
-                           [[str(r["layer"]), _f(r["routing_agreement"]), _f(r["moe_output_error"]),
-                             _f(r["moe_output_error_accumulated"])] for r in q["layers"]]))
+            tables.append(
+                (
+                    "Per MoE layer",
+                    ["layer", "routing agreement", "block error (ref. input)", "block error (own input)"],
+                    [
+                        [
+                            str(r["layer"]),
+                            _f(r["routing_agreement"]),
+                            _f(r["moe_output_error"]),
+                            _f(r["moe_output_error_accumulated"]),
+                        ]
+                        for r in q["layers"]
+                    ],
+                )
+            )
         if q.get("by_domain"):
-            tables.append(("Per domain", ["domain", "tokens", "ppl original", "ppl quantized", "KL mean", "KL p99",
-                                          "top-1", "routing"],
-                           [[d, str(v["tokens"]), _f(v["ppl_original"]), _f(v["ppl_quantized"]), _f(v["kl_mean"]),
-                             _f(v["kl_p99"]), _f(v["top1_agreement"]), _f(v["routing_agreement"])]
-                            for d, v in q["by_domain"].items()]))
+            tables.append(
+                (
+                    "Per domain",
+                    ["domain", "tokens", "ppl original", "ppl quantized", "KL mean", "KL p99", "top-1", "routing"],
+                    [
+                        [
+                            d,
+                            str(v["tokens"]),
+                            _f(v["ppl_original"]),
+                            _f(v["ppl_quantized"]),
+                            _f(v["kl_mean"]),
+                            _f(v["kl_p99"]),
+                            _f(v["top1_agreement"]),
+                            _f(v["routing_agreement"]),
+                        ]
+                        for d, v in q["by_domain"].items()
+                    ],
+                )
+            )
     plan = report.get("plan") or {}
     if plan.get("predicted_loss") is not None or plan.get("uniform_alternatives"):
         routed = m["by_role"].get("routed_expert", {})
 
         def bits_of(nbytes):  # the memory account's bits per routed-expert weight, for any byte count
-            return _bits(bits_per_weight(nbytes, routed["weights"])) if nbytes is not None and routed.get("weights") \
+            return (
+                _bits(bits_per_weight(nbytes, routed["weights"]))
+                if nbytes is not None and routed.get("weights")
                 else "–"
+            )
 
-        rows = [["this plan (" + str(plan.get("method") or "?") + ")", _b(routed.get("bytes_quantized")),
-                 bits_of(routed.get("bytes_quantized")), _f(plan.get("predicted_loss"))]]
+        rows = [
+            [
+                "this plan (" + str(plan.get("method") or "?") + ")",
+                _b(routed.get("bytes_quantized")),
+                bits_of(routed.get("bytes_quantized")),
+                _f(plan.get("predicted_loss")),
+            ]
+        ]
         alt = plan.get("per_expert_alternative")
         if alt:
-            rows.append(["per-expert plan (transformers target)", _b(alt.get("routed_bytes")),
-                         bits_of(alt.get("routed_bytes")), _f(alt.get("predicted_loss"))])
+            rows.append(
+                [
+                    "per-expert plan (transformers target)",
+                    _b(alt.get("routed_bytes")),
+                    bits_of(alt.get("routed_bytes")),
+                    _f(alt.get("predicted_loss")),
+                ]
+            )
         for u in plan.get("uniform_alternatives") or []:
-            rows.append([f"uniform {u.get('format')}", _b(u.get("routed_bytes")), bits_of(u.get("routed_bytes")),
-                         _f(u.get("predicted_loss"))])
-        tables.append(("Plan vs alternatives (routed experts, predicted)",
-                       ["plan", "routed-expert bytes", "bits/weight", "predicted loss (usage × error; ≈ KL/token when probe-scaled)"], rows))
+            rows.append(
+                [
+                    f"uniform {u.get('format')}",
+                    _b(u.get("routed_bytes")),
+                    bits_of(u.get("routed_bytes")),
+                    _f(u.get("predicted_loss")),
+                ]
+            )
+        tables.append(
+            (
+                "Plan vs alternatives (routed experts, predicted)",
+                [
+                    "plan",
+                    "routed-expert bytes",
+                    "bits/weight",
+                    "predicted loss (usage × error; ≈ KL/token when probe-scaled)",
+                ],
+                rows,
+            )
+        )
     if report.get("timings"):
-        tables.append(("Timings", ["stage", "seconds"],
-                       [[k, f"{v:.1f}"] for k, v in report["timings"].items()] +
-                       [["total", f"{sum(report['timings'].values()):.1f}"]]))
+        tables.append(
+            (
+                "Timings",
+                ["stage", "seconds"],
+                [[k, f"{v:.1f}"] for k, v in report["timings"].items()]
+                + [["total", f"{sum(report['timings'].values()):.1f}"]],
+            )
+        )
     return tables
 
 
@@ -564,12 +736,18 @@ def layer_formats(rows: list[dict]) -> dict[int, dict[str, int]]:
 
 # What each error column of the per-expert table measures, and in which unit.
 ERROR_COLUMNS = (
-    ("predicted sq. error/token", "calibration's prediction for round-to-nearest in the expert's format: "
-     "Σ over gate/up/down of tr(ΔW H ΔWᵀ), the squared L2 error of each projection's output per routed token "
-     "(units: squared activations; the plan weights it by usage into its predicted loss)"),
-    ("measured sq. error/token", "measured on the evaluation tokens the original router sends to the expert, with "
-     "the exported weights (GPTQ / AWQ included): ‖y_q − y‖² of the expert's output per routed token (same units "
-     "as the prediction, but of the whole expert, not summed per projection)"),
+    (
+        "predicted sq. error/token",
+        "calibration's prediction for round-to-nearest in the expert's format: "
+        "Σ over gate/up/down of tr(ΔW H ΔWᵀ), the squared L2 error of each projection's output per routed token "
+        "(units: squared activations; the plan weights it by usage into its predicted loss)",
+    ),
+    (
+        "measured sq. error/token",
+        "measured on the evaluation tokens the original router sends to the expert, with "
+        "the exported weights (GPTQ / AWQ included): ‖y_q − y‖² of the expert's output per routed token (same units "
+        "as the prediction, but of the whole expert, not summed per projection)",
+    ),
     ("measured relative error", "‖y_q − y‖ / ‖y‖ of the expert's output over those tokens (no unit; 0.01 = 1 %)"),
 )
 
@@ -577,9 +755,19 @@ ERROR_COLUMNS = (
 def _expert_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     domains = sorted({d for r in rows for d in r["share_by_domain"]})
     header = ["layer", "expert", "share", *[f"share {d}" for d in domains], "format", *[c for c, _ in ERROR_COLUMNS]]
-    body = [[str(r["layer"]), str(r["expert"]), _f(r["share"], 3),
-             *[_f(r["share_by_domain"].get(d), 3) for d in domains], r["format"] or "–",
-             _f(r["predicted_error"], 3), _f(r["sq_error_per_token"], 3), _f(r["error"], 3)] for r in rows]
+    body = [
+        [
+            str(r["layer"]),
+            str(r["expert"]),
+            _f(r["share"], 3),
+            *[_f(r["share_by_domain"].get(d), 3) for d in domains],
+            r["format"] or "–",
+            _f(r["predicted_error"], 3),
+            _f(r["sq_error_per_token"], 3),
+            _f(r["error"], 3),
+        ]
+        for r in rows
+    ]
     return header, body
 
 
@@ -595,19 +783,28 @@ def _md_table(header, rows) -> str:
 
 def _headline(report: dict) -> str:
     m, q = report["memory"], report.get("quality") or {}
-    s = (f"{_b(m['bytes_original'])} → {_b(m['bytes_quantized'])} ({_f(m['compression'], 3)}× smaller, "
-         f"{_bits(m['bits_per_weight'])} bits/weight overall, {_bits(m['bits_per_weight_experts'])} in routed experts)")
+    s = (
+        f"{_b(m['bytes_original'])} → {_b(m['bytes_quantized'])} ({_f(m['compression'], 3)}× smaller, "
+        f"{_bits(m['bits_per_weight'])} bits/weight overall, {_bits(m['bits_per_weight_experts'])} in routed experts)"
+    )
     if q.get("kl_mean") is not None:
-        s += (f"; perplexity {_f(q.get('ppl_original'))} → {_f(q.get('ppl_quantized'))}, KL mean "
-              f"{_f(q.get('kl_mean'))}, top-1 agreement {_f(q.get('top1_agreement'))}")
+        s += (
+            f"; perplexity {_f(q.get('ppl_original'))} → {_f(q.get('ppl_quantized'))}, KL mean "
+            f"{_f(q.get('kl_mean'))}, top-1 agreement {_f(q.get('top1_agreement'))}"
+        )
     return s + "."
 
 
 def render_markdown(report: dict, top_experts: int = 20) -> str:
-    lines = [f"# moequant report: {report['model']}", "",
-             f"target: {report.get('target') or '–'} · checkpoint: `{report['checkpoint']}`"
-             + (f" · expert-parallel over {report['ranks']} ranks" if report.get("ranks", 1) > 1 else ""), "",
-             _headline(report), ""]
+    lines = [
+        f"# moequant report: {report['model']}",
+        "",
+        f"target: {report.get('target') or '–'} · checkpoint: `{report['checkpoint']}`"
+        + (f" · expert-parallel over {report['ranks']} ranks" if report.get("ranks", 1) > 1 else ""),
+        "",
+        _headline(report),
+        "",
+    ]
     for title, header, rows in _summary_tables(report):
         lines += [f"## {title}", "", _md_table(header, rows), ""]
     rows = report["experts"]
@@ -615,8 +812,14 @@ def render_markdown(report: dict, top_experts: int = 20) -> str:
     if measured:
         worst = sorted(measured, key=lambda r: -r["error"])[:top_experts]
         header, body = _expert_table(worst)
-        lines += [f"## The {len(worst)} experts with the largest measured relative error", "", _md_table(header, body), "",
-                  *[f"- {line}" for line in _error_legend()], ""]
+        lines += [
+            f"## The {len(worst)} experts with the largest measured relative error",
+            "",
+            _md_table(header, body),
+            "",
+            *[f"- {line}" for line in _error_legend()],
+            "",
+        ]
     lines += [f"The full per-expert table ({len(rows)} experts) is in report.json and report.html.", ""]
     plan = report.get("plan") or {}
     if plan.get("notes"):
@@ -686,14 +889,24 @@ def plot_format_map(rows) -> str | None:
     data = np.array([[keys.index(v or "unknown") for v in row] for row in grid])
     colors = plt.get_cmap("tab10").colors
     fig, ax = plt.subplots(figsize=(min(14, 3 + 0.12 * E + 3), 1.8 + 0.25 * len(layers)))
-    ax.imshow(data, aspect="auto", cmap=ListedColormap([colors[i % 10] for i in range(len(keys))]),
-              vmin=-0.5, vmax=len(keys) - 0.5, interpolation="nearest")
+    ax.imshow(
+        data,
+        aspect="auto",
+        cmap=ListedColormap([colors[i % 10] for i in range(len(keys))]),
+        vmin=-0.5,
+        vmax=len(keys) - 0.5,
+        interpolation="nearest",
+    )
     ax.set_xlabel("expert")
     ax.set_ylabel("MoE layer")
     ax.set_yticks(range(len(layers)), [str(L) for L in layers])
     ax.set_title("format of each routed expert")
-    ax.legend(handles=[Patch(color=colors[i % 10], label=k) for i, k in enumerate(keys)], loc="upper left",
-              bbox_to_anchor=(1.01, 1), fontsize=8)
+    ax.legend(
+        handles=[Patch(color=colors[i % 10], label=k) for i, k in enumerate(keys)],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1),
+        fontsize=8,
+    )
     fig.tight_layout()
     return _png(fig)
 
@@ -755,16 +968,27 @@ def plot_pareto(runs: list[dict]) -> str | None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in runs:
-        ax.scatter(r["bytes"] / 1e6, r["kl_mean"], s=40 if r["this"] else 20,
-                   color="tab:red" if r["this"] else "tab:blue", zorder=3)
+        ax.scatter(
+            r["bytes"] / 1e6,
+            r["kl_mean"],
+            s=40 if r["this"] else 20,
+            color="tab:red" if r["this"] else "tab:blue",
+            zorder=3,
+        )
         ax.annotate(r["name"], (r["bytes"] / 1e6, r["kl_mean"]), fontsize=8, xytext=(4, 4), textcoords="offset points")
     front, best = [], float("inf")
     for r in sorted(runs, key=lambda r: (r["bytes"], r["kl_mean"])):
         if r["kl_mean"] < best:
             front.append(r)
             best = r["kl_mean"]
-    ax.plot([r["bytes"] / 1e6 for r in front], [r["kl_mean"] for r in front], color="gray", lw=1, zorder=2,
-            label="Pareto front")
+    ax.plot(
+        [r["bytes"] / 1e6 for r in front],
+        [r["kl_mean"] for r in front],
+        color="gray",
+        lw=1,
+        zorder=2,
+        label="Pareto front",
+    )
     ax.set_xlabel("checkpoint MB")
     ax.set_ylabel("KL(original ‖ quantized), mean per token")
     if all(r["kl_mean"] > 0 for r in runs):
@@ -820,26 +1044,34 @@ def render_html(report: dict, runs: list[dict] | None = None) -> str:
     """One self-contained page: tables, and every plot as an embedded PNG (no scripts, no links)."""
     e = html.escape
     parts = [
-        "<!DOCTYPE html>", "<html lang=\"en\"><head><meta charset=\"utf-8\">",
-        "<link rel=\"icon\" href=\"data:,\">",
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<link rel="icon" href="data:,">',
         f"<title>moequant report: {e(report['model'])}</title><style>{_CSS}</style></head><body>",
         f"<h1>moequant report: {e(report['model'])}</h1>",
         f"<p>target: <b>{e(str(report.get('target') or '–'))}</b> · checkpoint: <code>{e(report['checkpoint'])}</code></p>",
-        f"<p class=\"headline\">{e(_headline(report))}</p>",
+        f'<p class="headline">{e(_headline(report))}</p>',
     ]
     for title, header, rows in _summary_tables(report):
         parts += [f"<h2>{e(title)}</h2>", _html_table(header, rows)]
     plots = report_plots(report, runs)
     parts.append("<h2>Plots</h2>")
     for pid, (title, png) in plots.items():
-        parts.append(f"<figure id=\"plot-{pid}\"><img class=\"plot\" alt=\"{e(title)}\" "
-                     f"src=\"data:image/png;base64,{png}\"><figcaption>{e(title)}</figcaption></figure>")
+        parts.append(
+            f'<figure id="plot-{pid}"><img class="plot" alt="{e(title)}" '
+            f'src="data:image/png;base64,{png}"><figcaption>{e(title)}</figcaption></figure>'
+        )
     plan = report.get("plan") or {}
     if plan.get("notes"):
         parts += ["<h2>Plan notes</h2><ul>"] + [f"<li>{e(n)}</li>" for n in plan["notes"]] + ["</ul>"]
     if report["experts"]:
         header, body = _expert_table(report["experts"])
-        parts += [f"<h2>Per expert ({len(body)})</h2>", "<div class=\"scroll\">", _html_table(header, body), "</div>",
-                  "<ul>" + "".join(f"<li>{e(line)}</li>" for line in _error_legend()) + "</ul>"]
+        parts += [
+            f"<h2>Per expert ({len(body)})</h2>",
+            '<div class="scroll">',
+            _html_table(header, body),
+            "</div>",
+            "<ul>" + "".join(f"<li>{e(line)}</li>" for line in _error_legend()) + "</ul>",
+        ]
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"

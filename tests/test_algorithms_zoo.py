@@ -65,8 +65,10 @@ pytestmark = pytest.mark.slow
 
 
 def recipe_for(model: str, fmt: str, algorithm: str, *extra):
-    return load_recipe("recipes/uniform-int4.yaml", [f"model={model}", f"experts.format={fmt}",
-                                                     f"algorithms.{fmt}={algorithm}", *extra])
+    return load_recipe(
+        "recipes/uniform-int4.yaml",
+        [f"model={model}", f"experts.format={fmt}", f"algorithms.{fmt}={algorithm}", *extra],
+    )
 
 
 def settings(samples, seq_len, batch_size=8, **gptq):
@@ -90,10 +92,16 @@ def block_errors(reference, q_model, samples, layers, batch_size=4) -> list[floa
     hooks = []
     for L in layers:
         layer = reference.model.layers[L]
-        hooks.append(layer.post_attention_layernorm.register_forward_hook(
-            lambda m, a, o, L=L: captured.__setitem__(("h", L), a[0].detach())))
-        hooks.append(layer.mlp.register_forward_hook(
-            lambda m, a, o, L=L: captured.__setitem__(("y", L), (o[0] if isinstance(o, tuple) else o).detach())))
+        hooks.append(
+            layer.post_attention_layernorm.register_forward_hook(
+                lambda m, a, o, L=L: captured.__setitem__(("h", L), a[0].detach())
+            )
+        )
+        hooks.append(
+            layer.mlp.register_forward_hook(
+                lambda m, a, o, L=L: captured.__setitem__(("y", L), (o[0] if isinstance(o, tuple) else o).detach())
+            )
+        )
     sums = {L: [0.0, 0.0] for L in layers}
     ids = torch.stack([s.input_ids for s in samples])
     try:
@@ -151,9 +159,15 @@ def evidence(tmp_path_factory):
         tokenizer = load_tokenizer(ckpt.directory)
         calibration = load_samples("builtin:mix", tokenizer, *CALIBRATION, split="calibration", seed=0)
         # held_out is exactly load_samples(..., *EVALUATION, split="evaluation"); more: further windows
-        held_out, more = load_samples_with_holdout("builtin:mix", tokenizer, EVALUATION[0],
-                                                   KL_EVALUATION[0] - EVALUATION[0], EVALUATION[1],
-                                                   split="evaluation", seed=0)
+        held_out, more = load_samples_with_holdout(
+            "builtin:mix",
+            tokenizer,
+            EVALUATION[0],
+            KL_EVALUATION[0] - EVALUATION[0],
+            EVALUATION[1],
+            split="evaluation",
+            seed=0,
+        )
         kl_ids = torch.stack([s.input_ids for s in held_out + more])
         reference = reference_model(ckpt.directory)
         reference_logits = model_logits(reference, kl_ids)
@@ -162,12 +176,15 @@ def evidence(tmp_path_factory):
                 run = root / f"{model.split(':')[1]}-{fmt}-{algorithm}"
                 plan = make_plan(recipe_for(model, fmt, "gptq" if algorithm == SEARCHED else algorithm), ckpt)
                 grid = dict(gptq_grid="searched", gptq_refit=True) if algorithm == SEARCHED else {}
-                quantized, report = quantize_model(model, plan, settings(*CALIBRATION, **grid), run / "work",
-                                                   samples=calibration, progress=False)
+                quantized, report = quantize_model(
+                    model, plan, settings(*CALIBRATION, **grid), run / "work", samples=calibration, progress=False
+                )
                 export_checkpoint(ckpt.directory, quantized, run / "checkpoint")
                 q_model = moequant.load(run / "checkpoint", dtype=torch.float32)
                 quality = evaluate(reference, q_model, held_out, per_expert=False)
-                quality["block_errors"] = block_errors(reference, q_model, held_out, adapter_for(ckpt.config).moe_layers)
+                quality["block_errors"] = block_errors(
+                    reference, q_model, held_out, adapter_for(ckpt.config).moe_layers
+                )
                 quality["token_kl"] = token_kl(reference_logits, q_model, kl_ids)  # held_out's tokens first
                 results[(model, fmt, algorithm)] = quality
                 reports[(model, fmt, algorithm)] = report
@@ -177,9 +194,11 @@ def evidence(tmp_path_factory):
 
 
 def _print_table(results, reports):
-    print("\nheld-out output error of post-attention norm + MoE block per layer (original residual input) "
-          "and end-to-end KL; "
-          f"calibration {CALIBRATION[0]}x{CALIBRATION[1]}, evaluation {EVALUATION[0]}x{EVALUATION[1]} (disjoint)")
+    print(
+        "\nheld-out output error of post-attention norm + MoE block per layer (original residual input) "
+        "and end-to-end KL; "
+        f"calibration {CALIBRATION[0]}x{CALIBRATION[1]}, evaluation {EVALUATION[0]}x{EVALUATION[1]} (disjoint)"
+    )
     for model in MODELS:
         for fmt in FORMATS:
             rows = {a: results[(model, fmt, a)] for a in ALGORITHMS}
@@ -195,18 +214,25 @@ def _print_table(results, reports):
                 kl = {a: float(rows[a]["token_kl"][:n].mean()) for a in ALGORITHMS}
                 dg, sg = paired_kl_difference(rows["gptq"], rows["rtn"], n)
                 da, sa = paired_kl_difference(rows["awq"], rows["rtn"], n)
-                print(f"  KL on {label}: rtn {kl['rtn']:.6f} gptq {kl['gptq']:.6f} awq {kl['awq']:.6f}; per token "
-                      f"gptq - rtn {dg:+.6f} +- {sg:.6f}, awq - rtn {da:+.6f} +- {sa:.6f} (SE)")
+                print(
+                    f"  KL on {label}: rtn {kl['rtn']:.6f} gptq {kl['gptq']:.6f} awq {kl['awq']:.6f}; per token "
+                    f"gptq - rtn {dg:+.6f} +- {sg:.6f}, awq - rtn {da:+.6f} +- {sa:.6f} (SE)"
+                )
             if (model, fmt, SEARCHED) in results:
                 d, se = paired_kl_difference(results[(model, fmt, SEARCHED)], rows["gptq"])
-                print("  gptq searched grid + refit: block errors "
-                      + " ".join(f"{e:.5f}" for e in results[(model, fmt, SEARCHED)]["block_errors"])
-                      + f"; KL {float(results[(model, fmt, SEARCHED)]['token_kl'].mean()):.6f}, "
-                      f"per token - gptq {d:+.6f} +- {se:.6f} (SE)")
+                print(
+                    "  gptq searched grid + refit: block errors "
+                    + " ".join(f"{e:.5f}" for e in results[(model, fmt, SEARCHED)]["block_errors"])
+                    + f"; KL {float(results[(model, fmt, SEARCHED)]['token_kl'].mean()):.6f}, "
+                    f"per token - gptq {d:+.6f} +- {se:.6f} (SE)"
+                )
             shared = [reports[(model, fmt, "awq")][L].get("awq_shared_scale", {}) for L in layers]
-            print("  awq shared gate/up alpha per layer: " + ", ".join(str(s.get("alpha")) for s in shared)
-                  + "; routing agreement after the fold: "
-                  + ", ".join(f"{s.get('routing_agreement', float('nan')):.4f}" for s in shared))
+            print(
+                "  awq shared gate/up alpha per layer: "
+                + ", ".join(str(s.get("alpha")) for s in shared)
+                + "; routing agreement after the fold: "
+                + ", ".join(f"{s.get('routing_agreement', float('nan')):.4f}" for s in shared)
+            )
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -283,7 +309,7 @@ def _key(fmt):
 # AWQ folds, resume, unused experts (small calibration: these check identities, not accuracy)
 
 SMALL = (8, 128)
-BF16_UNIT_ROUNDOFF = 2.0 ** -8  # |bf16(x) - x| <= 2^-8 |x| (round to nearest, 8-bit significand: u = 2^-p)
+BF16_UNIT_ROUNDOFF = 2.0**-8  # |bf16(x) - x| <= 2^-8 |x| (round to nearest, 8-bit significand: u = 2^-p)
 
 
 def _awq_run(model, root, *extra, samples=None):
@@ -291,8 +317,9 @@ def _awq_run(model, root, *extra, samples=None):
     if samples is None:
         samples = load_samples("builtin:mix", load_tokenizer(ckpt.directory), *SMALL, split="calibration", seed=0)
     plan = make_plan(recipe_for(model, "int4", "awq", *extra), ckpt)
-    quantized, report = quantize_model(model, plan, settings(*SMALL, batch_size=4), root / "work", samples=samples,
-                                       progress=False)
+    quantized, report = quantize_model(
+        model, plan, settings(*SMALL, batch_size=4), root / "work", samples=samples, progress=False
+    )
     out = export_checkpoint(ckpt.directory, quantized, root / "checkpoint")
     return quantized, report, out
 
@@ -310,13 +337,17 @@ def _fold(model, scales_by_layer, exported=None):
             mlp.experts.gate_up_proj.mul_(s)  # [E, 2I, H]: every input column
             mlp.experts.gate_up_proj[:, I:, :].div_(s_down[:, :, None])  # up rows
             mlp.experts.down_proj.mul_(s_down[:, None, :])
-            consumers = [(layer.post_attention_layernorm.weight, "model.layers.{L}.post_attention_layernorm.weight", -1),
-                         (adapter.router_module(mlp).weight, adapter.moe_prefix(L) + "gate.weight", 1)]
+            consumers = [
+                (layer.post_attention_layernorm.weight, "model.layers.{L}.post_attention_layernorm.weight", -1),
+                (adapter.router_module(mlp).weight, adapter.moe_prefix(L) + "gate.weight", 1),
+            ]
             if hasattr(mlp, "shared_expert"):
                 p = adapter.moe_prefix(L)
-                consumers += [(mlp.shared_expert.gate_proj.weight, p + "shared_expert.gate_proj.weight", 1),
-                              (mlp.shared_expert.up_proj.weight, p + "shared_expert.up_proj.weight", 1),
-                              (mlp.shared_expert_gate.weight, p + "shared_expert_gate.weight", 1)]
+                consumers += [
+                    (mlp.shared_expert.gate_proj.weight, p + "shared_expert.gate_proj.weight", 1),
+                    (mlp.shared_expert.up_proj.weight, p + "shared_expert.up_proj.weight", 1),
+                    (mlp.shared_expert_gate.weight, p + "shared_expert_gate.weight", 1),
+                ]
             for param, name, power in consumers:
                 name = name.format(L=L)
                 if exported is not None:
@@ -371,14 +402,19 @@ def test_awq_folds_are_exact_in_float_and_rounded_once_in_the_export(tmp_path):
     # a factor (1 + d1)(1 + d2) (norm and consumer rounded once each; the routed
     # experts are float here, so only the norm's rounding reaches them); |d| <= u = 2^-8
     inputs = {}
-    hooks = [original.model.layers[L].post_attention_layernorm.register_forward_hook(
-        lambda m, a, o, L=L: inputs.__setitem__(L, o.detach())) for L in adapter.moe_layers]
+    hooks = [
+        original.model.layers[L].post_attention_layernorm.register_forward_hook(
+            lambda m, a, o, L=L: inputs.__setitem__(L, o.detach())
+        )
+        for L in adapter.moe_layers
+    ]
     with torch.no_grad():
         original(input_ids=ids)
     for h in hooks:
         h.remove()
-    rounded = _fold(AutoModelForCausalLM.from_pretrained(str(src.directory), dtype=torch.float32).eval(), scales,
-                    exported=exported)
+    rounded = _fold(
+        AutoModelForCausalLM.from_pretrained(str(src.directory), dtype=torch.float32).eval(), scales, exported=exported
+    )
     bound2 = (1 + BF16_UNIT_ROUNDOFF) ** 2 - 1
     for L in adapter.moe_layers:
         x = inputs[L].reshape(-1, adapter.hidden).double()  # the bound is checked in float64
@@ -386,11 +422,13 @@ def test_awq_folds_are_exact_in_float_and_rounded_once_in_the_export(tmp_path):
         n = x / w_old  # the unscaled normalised state
         w_new = rounded.model.layers[L].post_attention_layernorm.weight.double()
         mlp_o, mlp_r = original.model.layers[L].mlp, rounded.model.layers[L].mlp
-        pairs = [(mlp_o.gate.weight, mlp_r.gate.weight, bound2),
-                 (mlp_o.shared_expert.gate_proj.weight, mlp_r.shared_expert.gate_proj.weight, bound2),
-                 (mlp_o.shared_expert.up_proj.weight, mlp_r.shared_expert.up_proj.weight, bound2),
-                 (mlp_o.shared_expert_gate.weight, mlp_r.shared_expert_gate.weight, bound2),
-                 (mlp_o.experts.gate_up_proj.flatten(0, 1), mlp_r.experts.gate_up_proj.flatten(0, 1), None)]
+        pairs = [
+            (mlp_o.gate.weight, mlp_r.gate.weight, bound2),
+            (mlp_o.shared_expert.gate_proj.weight, mlp_r.shared_expert.gate_proj.weight, bound2),
+            (mlp_o.shared_expert.up_proj.weight, mlp_r.shared_expert.up_proj.weight, bound2),
+            (mlp_o.shared_expert_gate.weight, mlp_r.shared_expert_gate.weight, bound2),
+            (mlp_o.experts.gate_up_proj.flatten(0, 1), mlp_r.experts.gate_up_proj.flatten(0, 1), None),
+        ]
         for w_o, w_r, bound in pairs:
             w_o, w_r = w_o.double(), w_r.double()
             if bound is None:  # routed experts: [E*2I, H] float64 fold of the original, norm rounding only
@@ -408,8 +446,9 @@ def test_interrupted_awq_pass_resumes_to_an_identical_checkpoint(tmp_path, monke
     from moequant.io import layers
 
     model = "zoo:tiny-qwen2moe"
-    samples = load_samples("builtin:mix", load_tokenizer(open_checkpoint(model).directory), *SMALL,
-                           split="calibration", seed=0)
+    samples = load_samples(
+        "builtin:mix", load_tokenizer(open_checkpoint(model).directory), *SMALL, split="calibration", seed=0
+    )
     _, _, whole = _awq_run(model, tmp_path / "whole", samples=samples)
 
     real_forward = layers.LayerRunner.forward
@@ -447,7 +486,10 @@ def test_awq_experts_no_token_reaches_are_quantized_finite_and_reported(tmp_path
     down = report[1]["down:int4-g32-sym"]
     for e in range(2, adapter.num_experts):
         assert down["awq"]["fallbacks"][str(e)] == "all-tokens statistics: 0 routed tokens < 64"
-        assert report[1]["gate:int4-g32-sym"]["awq"]["fallbacks"][str(e)] == "0 routed tokens: gets the layer's shared scale"
+        assert (
+            report[1]["gate:int4-g32-sym"]["awq"]["fallbacks"][str(e)]
+            == "0 routed tokens: gets the layer's shared scale"
+        )
     weights = dequantized_state_dict(out, torch.float32)
     for e in range(adapter.num_experts):
         for proj in ("gate", "up", "down"):

@@ -97,8 +97,15 @@ def test_gptq_pass_beats_rtn_on_held_out_data(model_dir, tmp_path):
     quality = {}
     for algo in ("gptq", "rtn"):
         out = tmp_path / algo
-        run_apply(model_dir, out, "experts.method=uniform", "experts.format=int4", f"algorithms.int4={algo}",
-                  "calibration.samples=16", "evaluate.samples=16")
+        run_apply(
+            model_dir,
+            out,
+            "experts.method=uniform",
+            "experts.format=int4",
+            f"algorithms.int4={algo}",
+            "calibration.samples=16",
+            "evaluate.samples=16",
+        )
         quality[algo] = json.loads((out / "report.json").read_text())["quality"]
     assert quality["gptq"]["moe_output_error"] < quality["rtn"]["moe_output_error"], quality
     assert quality["gptq"]["kl_mean"] < quality["rtn"]["kl_mean"], quality
@@ -107,8 +114,9 @@ def test_gptq_pass_beats_rtn_on_held_out_data(model_dir, tmp_path):
 def test_bad_recipe_is_one_sentence(model_dir, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("target: tensorrt\n")
-    result = CliRunner().invoke(main, ["apply", "--recipe", str(bad), "--model", str(model_dir),
-                                       "--output", str(tmp_path / "o")])
+    result = CliRunner().invoke(
+        main, ["apply", "--recipe", str(bad), "--model", str(model_dir), "--output", str(tmp_path / "o")]
+    )
     assert result.exit_code == 2 and result.output.startswith("error: ") and "target" in result.output
     assert not (tmp_path / "o").exists()
 
@@ -175,12 +183,19 @@ def _first_layer_runs(model_dir, tmp_path, overrides: list[str], contrast: list[
     for name, extra in (("changed", overrides), ("contrast", contrast)):
         run_apply(model_dir, tmp_path / name, *uniform, *extra)
         module = adapter.experts_module(moequant.load(tmp_path / name / "checkpoint", dtype=torch.float32), layer)
-        experts[name] = {p: torch.stack([adapter.expert_from_module(module, e, p).detach()
-                                         for e in range(adapter.num_experts)]) for p in adapter.projections}
-    settings = calibration_settings(resolve_recipe("recipes/selective.yaml", model_dir, tmp_path / "x",
-                                                   SMALL + uniform + overrides))
-    stats_dir = calibrate(str(model_dir), tmp_path / "stats", CalibrationSettings(
-        **{**settings.__dict__, "save_hessians": True, "probe_samples": 0}), progress=False)
+        experts[name] = {
+            p: torch.stack([adapter.expert_from_module(module, e, p).detach() for e in range(adapter.num_experts)])
+            for p in adapter.projections
+        }
+    settings = calibration_settings(
+        resolve_recipe("recipes/selective.yaml", model_dir, tmp_path / "x", SMALL + uniform + overrides)
+    )
+    stats_dir = calibrate(
+        str(model_dir),
+        tmp_path / "stats",
+        CalibrationSettings(**{**settings.__dict__, "save_hessians": True, "probe_samples": 0}),
+        progress=False,
+    )
     tensors = load_stats(stats_dir).layers[layer].tensors
     references = {}
     for proj in adapter.projections:
@@ -199,8 +214,12 @@ def test_routing_weighted_hessians_reach_the_quantize_pass(model_dir, tmp_path):
     from moequant.algorithms.gptq import gptq
 
     plain = ["gptq.grid=minmax", "gptq.refit=false"]
-    _, settings, experts, references = _first_layer_runs(model_dir, tmp_path, ["calibration.hessian_weighting=routing",
-                                                         *plain], ["calibration.hessian_weighting=tokens", *plain])
+    _, settings, experts, references = _first_layer_runs(
+        model_dir,
+        tmp_path,
+        ["calibration.hessian_weighting=routing", *plain],
+        ["calibration.hessian_weighting=tokens", *plain],
+    )
     assert settings.hessian_weighting == "routing"
     for proj, (w, h) in references.items():
         want = gptq(w, h, "int4-g32-sym", act_order=True, static_groups=True)[0].dequantize(torch.float32)
@@ -222,8 +241,12 @@ def test_searched_grid_and_refit_reach_the_quantize_pass(model_dir, tmp_path):
     from moequant.pipeline.apply import calibration_settings, resolve_recipe
 
     tokens = "calibration.hessian_weighting=tokens"
-    _, settings, experts, references = _first_layer_runs(model_dir, tmp_path, ["gptq.grid=searched", "gptq.refit=true",
-                                                         tokens], ["gptq.grid=minmax", "gptq.refit=false", tokens])
+    _, settings, experts, references = _first_layer_runs(
+        model_dir,
+        tmp_path,
+        ["gptq.grid=searched", "gptq.refit=true", tokens],
+        ["gptq.grid=minmax", "gptq.refit=false", tokens],
+    )
     assert (settings.gptq_grid, settings.gptq_refit) == ("searched", True)
     default = calibration_settings(resolve_recipe("recipes/selective.yaml", model_dir, tmp_path / "d", []))
     assert (default.hessian_weighting, default.gptq_grid, default.gptq_refit) == ("routing", "searched", True)

@@ -147,8 +147,7 @@ def test_shared_scale_over_groups_in_different_formats_is_the_best_of_the_grid_o
     h, _, _ = awq.input_stats(calib)
     all_tokens = torch.cat(calib)
     magnitude = all_tokens.abs().mean(0).float()
-    groups = [awq.SharedGroup(gate.float(), "int4-g32-sym", h, counts),
-              awq.SharedGroup(up.float(), "mxfp4", h, counts)]
+    groups = [awq.SharedGroup(gate.float(), "int4-g32-sym", h, counts), awq.SharedGroup(up.float(), "mxfp4", h, counts)]
     result = awq.awq_shared_scale(groups, magnitude, grid=10)
 
     def measured(alpha):
@@ -180,8 +179,9 @@ def test_shared_scale_on_the_moe_block_output_is_the_best_of_the_grid():
     weights, indices = torch.softmax(logits, -1).topk(2, dim=-1)
     specs = [("int4-g32-sym", "int4-g32-sym"), ("int4-g32-sym", "mxfp4"), None, ("int4-g32-sym", "int4-g32-sym")]
     magnitude = x.abs().mean(0).float()
-    result = awq.awq_shared_scale_moe(x.float(), indices, weights.float(), gate.float(), up.float(), down.float(),
-                                      specs, F.silu, magnitude, grid=8)
+    result = awq.awq_shared_scale_moe(
+        x.float(), indices, weights.float(), gate.float(), up.float(), down.float(), specs, F.silu, magnitude, grid=8
+    )
 
     def measured(alpha):
         s = magnitude.double().clamp(min=1e-8).pow(alpha).clamp(min=1e-4)
@@ -190,8 +190,10 @@ def test_shared_scale_on_the_moe_block_output_is_the_best_of_the_grid():
         for e in range(4):
             hat[e] = (gate[e], up[e])
             if specs[e] is not None:
-                hat[e] = tuple(formats.quantize((w[e] * s).float(), key).dequantize(torch.float64) / s
-                               for w, key in zip((gate, up), specs[e]))
+                hat[e] = tuple(
+                    formats.quantize((w[e] * s).float(), key).dequantize(torch.float64) / s
+                    for w, key in zip((gate, up), specs[e])
+                )
         total = 0.0
         for t in range(x.shape[0]):
             diff = torch.zeros(128, dtype=torch.float64)
@@ -207,9 +209,22 @@ def test_shared_scale_on_the_moe_block_output_is_the_best_of_the_grid():
     errs = [measured(i / 8) for i in range(8)]
     chosen = int(round(result.alpha * 8))
     assert errs[chosen] <= min(errs) * (1 + 1e-4)
-    energy = sum(float((sum(weights[t, k] * ((F.silu(gate[int(indices[t, k])] @ x[t]) * (up[int(indices[t, k])] @ x[t]))
-                                             @ down[int(indices[t, k])].T) for k in range(2)) ** 2).sum())
-                 for t in range(x.shape[0]))
+    energy = sum(
+        float(
+            (
+                sum(
+                    weights[t, k]
+                    * (
+                        (F.silu(gate[int(indices[t, k])] @ x[t]) * (up[int(indices[t, k])] @ x[t]))
+                        @ down[int(indices[t, k])].T
+                    )
+                    for k in range(2)
+                )
+                ** 2
+            ).sum()
+        )
+        for t in range(x.shape[0])
+    )
     for i in range(8):
         assert abs(result.objective[i] - errs[i] / energy) <= 1e-3 * errs[i] / energy
 
@@ -226,9 +241,11 @@ def test_clip_picks_per_group_ranges_that_lower_the_output_error_measured_on_tok
     size = spec.group_size if spec.granularity == "group" else gate.shape[-1]
     w = gate.float()
     for e, x in enumerate(calib):
+
         def err(v):
             d = formats.quantize(v, key).dequantize(torch.float64) - gate[e]
             return float(((x @ d.T) ** 2).sum()) / x.shape[0]
+
         before, after = err(w[e]), err(result.weight[e])
         assert after <= before * (1 + 1e-6), (e, before, after)
         assert abs(after - float(result.error_after[e])) <= 1e-3 * after
@@ -266,14 +283,28 @@ def test_shared_scale_on_the_moe_block_keeps_alpha_only_if_the_held_out_fold_agr
     specs = [("int4-g32-sym", "int4-g32-sym")] * 4
     down_hat = formats.quantize(down.float(), "int4-g32-sym").dequantize(torch.float32)
     magnitude = x.abs().mean(0)
-    result = awq.awq_shared_scale_moe(x, indices, weights.float(), gate.float(), up.float(), down.float(), specs,
-                                      F.silu, magnitude, grid=8, down_hat=down_hat, holdout=0.25)
+    result = awq.awq_shared_scale_moe(
+        x,
+        indices,
+        weights.float(),
+        gate.float(),
+        up.float(),
+        down.float(),
+        specs,
+        F.silu,
+        magnitude,
+        grid=8,
+        down_hat=down_hat,
+        holdout=0.25,
+    )
     v = result.validation
     assert v["fit_tokens"] == 120 and v["held_out_tokens"] == 40
 
     def block_error(alpha, tokens):
         s = awq._scales(magnitude, alpha)
-        g_hat, u_hat = (formats.quantize(w.float() * s, "int4-g32-sym").dequantize(torch.float32) / s for w in (gate, up))
+        g_hat, u_hat = (
+            formats.quantize(w.float() * s, "int4-g32-sym").dequantize(torch.float32) / s for w in (gate, up)
+        )
         total = 0.0
         for t in tokens:
             diff = torch.zeros(128, dtype=torch.float64)
@@ -286,10 +317,14 @@ def test_shared_scale_on_the_moe_block_keeps_alpha_only_if_the_held_out_fold_agr
         return total
 
     fit = [block_error(i / 8, range(120)) for i in range(8)]
-    assert v["alpha_fit"] == min(range(8), key=fit.__getitem__) / 8 or fit[int(v["alpha_fit"] * 8)] <= min(fit) * (1 + 1e-4)
+    assert v["alpha_fit"] == min(range(8), key=fit.__getitem__) / 8 or fit[int(v["alpha_fit"] * 8)] <= min(fit) * (
+        1 + 1e-4
+    )
     if v["alpha_fit"] > 0:
         held = {a: block_error(a, range(120, 160)) for a in (0.0, v["alpha_fit"])}
-        assert v["kept"] == (held[v["alpha_fit"]] < held[0.0]) or abs(held[v["alpha_fit"]] - held[0.0]) <= 1e-4 * held[0.0]
+        assert (
+            v["kept"] == (held[v["alpha_fit"]] < held[0.0]) or abs(held[v["alpha_fit"]] - held[0.0]) <= 1e-4 * held[0.0]
+        )
     assert result.alpha == (v["alpha_fit"] if v["kept"] else 0.0)
     if not v["kept"]:
         assert torch.equal(result.scale, torch.ones(128))

@@ -19,8 +19,10 @@ from moequant.errors import UserError
 from tests.test_gptq import make_layer
 
 
-@pytest.mark.parametrize("text, want", [("60GiB", 60 * 2**30), ("512MiB", 512 * 2**20), ("1.5T", int(1.5 * 2**40)),
-                                        ("123", 123), ("2 GB", 2 * 2**30)])
+@pytest.mark.parametrize(
+    "text, want",
+    [("60GiB", 60 * 2**30), ("512MiB", 512 * 2**20), ("1.5T", int(1.5 * 2**40)), ("123", 123), ("2 GB", 2 * 2**30)],
+)
 def test_memory_sizes_are_read_as_written(text, want):
     assert budget.parse_bytes(text, "--max-gpu-memory") == want
 
@@ -78,8 +80,22 @@ def test_a_deepseek_v3_layer_under_a_small_gpu_budget_is_refused_before_reading_
     _header_only_checkpoint(model, DeepseekV3Config(num_hidden_layers=4, first_k_dense_replace=3))
     out = tmp_path / "run"
     t0 = time.perf_counter()
-    result = CliRunner().invoke(main, ["apply", "--recipe", "uniform-int4", "--model", str(model), "--output", str(out),
-                                       "--device", "cuda", "--max-gpu-memory", "16GiB"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "apply",
+            "--recipe",
+            "uniform-int4",
+            "--model",
+            str(model),
+            "--output",
+            str(out),
+            "--device",
+            "cuda",
+            "--max-gpu-memory",
+            "16GiB",
+        ],
+    )
     assert time.perf_counter() - t0 < 10  # headers only: ~13 GB of (sparse) weights are never read
     message = result.output.strip()
     assert result.exit_code == 2, message
@@ -90,11 +106,26 @@ def test_a_deepseek_v3_layer_under_a_small_gpu_budget_is_refused_before_reading_
     assert "more than --max-gpu-memory 16.0 GiB" in message
     assert not out.exists()
     # the same run under a budget that holds the layer gets past the check (to the missing tokenizer)
-    result = CliRunner().invoke(main, ["apply", "--recipe", "uniform-int4", "--model", str(model), "--output", str(out),
-                                       "--device", "cuda", "--max-gpu-memory", "120GiB"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "apply",
+            "--recipe",
+            "uniform-int4",
+            "--model",
+            str(model),
+            "--output",
+            str(out),
+            "--device",
+            "cuda",
+            "--max-gpu-memory",
+            "120GiB",
+        ],
+    )
     assert result.exit_code == 2 and "needs at least" not in result.output, result.output
     assert not out.exists()
     from moequant import budget as b
+
     assert b.gpu_limit_bytes() == 120 * 2**30
     CliRunner().invoke(main, ["apply", "--recipe", "uniform-int4", "--model", str(model), "--output", str(out)])
     assert b.gpu_limit_bytes() is None  # each invocation sets its own caps

@@ -111,11 +111,13 @@ def pipeline(statistics, tmp_path_factory):
                 made[(recipe_path, model)] = None
                 return None
             plan = make_plan(recipe, ckpt, stats)
-            quantized, _ = quantize_model(recipe.model, plan, calibration_settings(recipe), out / "work",
-                                          progress=False, lazy=True)
+            quantized, _ = quantize_model(
+                recipe.model, plan, calibration_settings(recipe), out / "work", progress=False, lazy=True
+            )
             export_checkpoint(ckpt.directory, quantized, out / "checkpoint", **export_arguments(recipe))
-            report = build_report(model=model, checkpoint=out / "checkpoint", original=ckpt.directory,
-                                  plan=plan_to_dict(plan))
+            report = build_report(
+                model=model, checkpoint=out / "checkpoint", original=ckpt.directory, plan=plan_to_dict(plan)
+            )
             made[(recipe_path, model)] = recipe, plan, report, _written_tensors(out / "checkpoint")
         return made[(recipe_path, model)]
 
@@ -165,9 +167,11 @@ def test_plan_and_report_agree_on_every_role(recipe_path, model, pipeline):
         return  # refused as REFUSED says (pipeline asserted it)
     _, plan, report, _ = made
     memory = report["memory"]
-    assert {r: v["bytes_quantized"] for r, v in memory["by_role"].items() if v["bytes_quantized"]} == \
-        {r: b for r, b in plan.summary["bytes_by_role"].items() if b}
+    assert {r: v["bytes_quantized"] for r, v in memory["by_role"].items() if v["bytes_quantized"]} == {
+        r: b for r, b in plan.summary["bytes_by_role"].items() if b
+    }
     assert memory["bytes_quantized"] - memory["layout_metadata_bytes"] == plan.summary["total_bytes"]
+
 
 def test_a_gguf_plan_counts_f32_and_the_typed_output_copy(tmp_path):
     """export.gguf_float f32 (layer 0's experts, kept, are written F32 as well) and output.weight, the tied
@@ -177,21 +181,35 @@ def test_a_gguf_plan_counts_f32_and_the_typed_output_copy(tmp_path):
 
     model = "zoo:tiny-qwen2moe"
     rtn = [f"algorithms.{name}=rtn" for name in formats.format_names() if name != "bf16"]
-    recipe = resolve_recipe(RECIPES[0].with_name("gguf.yaml"), model, str(tmp_path / "run"), [
-        *TINY, *rtn, "experts.method=uniform", "experts.format=q4_0", "keep=[model.layers.0.*experts.*]",
-        "export.gguf_float=f32", "export.gguf_token_embd=null", "export.gguf_output=q8_0"])
+    recipe = resolve_recipe(
+        RECIPES[0].with_name("gguf.yaml"),
+        model,
+        str(tmp_path / "run"),
+        [
+            *TINY,
+            *rtn,
+            "experts.method=uniform",
+            "experts.format=q4_0",
+            "keep=[model.layers.0.*experts.*]",
+            "export.gguf_float=f32",
+            "export.gguf_token_embd=null",
+            "export.gguf_output=q8_0",
+        ],
+    )
     ckpt = open_checkpoint(recipe.model)
     plan = make_plan(recipe, ckpt)
-    quantized, _ = quantize_model(recipe.model, plan, calibration_settings(recipe), tmp_path / "work",
-                                  progress=False, lazy=True)
+    quantized, _ = quantize_model(
+        recipe.model, plan, calibration_settings(recipe), tmp_path / "work", progress=False, lazy=True
+    )
     export_checkpoint(ckpt.directory, quantized, tmp_path / "checkpoint", **export_arguments(recipe))
     memory = build_report(model=model, checkpoint=tmp_path / "checkpoint", plan=plan_to_dict(plan))["memory"]
 
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "checkpoint" / "model.gguf")).tensors}
     assert types["blk.0.ffn_down_exps.weight"] == "F32" and types["output.weight"] == "Q8_0"
     assert types["token_embd.weight"] == "F32" and types["output_norm.weight"] == "F32"
-    assert {r: v["bytes_quantized"] for r, v in memory["by_role"].items() if v["bytes_quantized"]} == \
-        {r: b for r, b in plan.summary["bytes_by_role"].items() if b}
+    assert {r: v["bytes_quantized"] for r, v in memory["by_role"].items() if v["bytes_quantized"]} == {
+        r: b for r, b in plan.summary["bytes_by_role"].items() if b
+    }
     assert memory["bytes_quantized"] == plan.summary["total_bytes"]
 
 
@@ -235,8 +253,13 @@ def test_an_f4_tensor_counts_the_bytes_it_stores(tmp_path):
     from moequant.io.checkpoint import read_safetensors_header
 
     path = tmp_path / "f4.safetensors"
-    save_file({"w": torch.zeros(4, 8, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
-               "s": torch.zeros(4, 1, dtype=torch.uint8)}, str(path))
+    save_file(
+        {
+            "w": torch.zeros(4, 8, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+            "s": torch.zeros(4, 1, dtype=torch.uint8),
+        },
+        str(path),
+    )
     entries = read_safetensors_header(path)
     assert entries["w"].dtype == "F4" and entries["w"].shape == (4, 16)
     assert entries["w"].nbytes == 32 and sum(e.nbytes for e in entries.values()) == 36
@@ -248,12 +271,17 @@ def test_expert_biases_stay_out_of_the_bits_per_routed_expert_weight(tmp_path):
     from tiny import build_tiny_with_tokenizer
 
     model = build_tiny_with_tokenizer("gpt_oss", tmp_path / "model")
-    recipe = resolve_recipe(RECIPES[0].with_name("mxfp4-experts.yaml"), str(model), str(tmp_path / "run"),
-                            ["algorithms.mxfp4=rtn", "export.format=gpt-oss-mxfp4"])
+    recipe = resolve_recipe(
+        RECIPES[0].with_name("mxfp4-experts.yaml"),
+        str(model),
+        str(tmp_path / "run"),
+        ["algorithms.mxfp4=rtn", "export.format=gpt-oss-mxfp4"],
+    )
     ckpt = open_checkpoint(recipe.model)
     plan = make_plan(recipe, ckpt)
-    quantized, _ = quantize_model(recipe.model, plan, calibration_settings(recipe), tmp_path / "work",
-                                  progress=False, lazy=True)
+    quantized, _ = quantize_model(
+        recipe.model, plan, calibration_settings(recipe), tmp_path / "work", progress=False, lazy=True
+    )
     export_checkpoint(ckpt.directory, quantized, tmp_path / "checkpoint", **export_arguments(recipe))
     memory = build_report(model=str(model), checkpoint=tmp_path / "checkpoint", plan=plan_to_dict(plan))["memory"]
 

@@ -48,10 +48,16 @@ def reference_pass(directory, samples):
     hooks = []
     for L in adapter.moe_layers:
         mlp = model.model.layers[L].mlp
-        hooks.append(adapter.router_module(mlp).register_forward_hook(
-            lambda m, a, out, L=L: seen[L]["indices"].append(out[2].reshape(-1, adapter.top_k))))
-        hooks.append(mlp.experts.register_forward_pre_hook(
-            lambda m, a, L=L: seen[L]["x"].append(a[0].reshape(-1, a[0].shape[-1]).double())))
+        hooks.append(
+            adapter.router_module(mlp).register_forward_hook(
+                lambda m, a, out, L=L: seen[L]["indices"].append(out[2].reshape(-1, adapter.top_k))
+            )
+        )
+        hooks.append(
+            mlp.experts.register_forward_pre_hook(
+                lambda m, a, L=L: seen[L]["x"].append(a[0].reshape(-1, a[0].shape[-1]).double())
+            )
+        )
     ids = torch.stack([s.input_ids for s in samples])
     model = model.float()
     with torch.no_grad():
@@ -65,12 +71,14 @@ def reference_pass(directory, samples):
 @pytest.mark.parametrize("model_type", list(TINY_CONFIGS))
 def test_routing_counts_and_statistics_match_an_independent_hook(tiny_dirs, tmp_path, model_type):
     samples = make_samples()
-    out = calibrate(str(tiny_dirs[model_type]), tmp_path / "stats", settings(save_hessians=True), samples=samples,
-                    progress=False)
+    out = calibrate(
+        str(tiny_dirs[model_type]), tmp_path / "stats", settings(save_hessians=True), samples=samples, progress=False
+    )
     stats = load_stats(out)
     # by default the statistics keep only the Hessians' diagonals, equal to the full ones'
-    lean = load_stats(calibrate(str(tiny_dirs[model_type]), tmp_path / "lean", settings(), samples=samples,
-                                progress=False))
+    lean = load_stats(
+        calibrate(str(tiny_dirs[model_type]), tmp_path / "lean", settings(), samples=samples, progress=False)
+    )
     for L, ls in lean.layers.items():
         assert not [k for k in ls.tensors if k.startswith(("hessian.", "hessian_routed."))]
         for group in ("gate_up", "down"):
@@ -113,10 +121,18 @@ def test_routing_counts_and_statistics_match_an_independent_hook(tiny_dirs, tmp_
 
 def test_routed_only_mode_differs_only_where_it_should(tiny_dirs, tmp_path):
     d = str(tiny_dirs["qwen2_moe"])
-    a = load_stats(calibrate(d, tmp_path / "all", settings(save_hessians=True), samples=make_samples(),
-                             progress=False)).layers
-    r = load_stats(calibrate(d, tmp_path / "routed", settings(all_experts=False, save_hessians=True),
-                             samples=make_samples(), progress=False)).layers
+    a = load_stats(
+        calibrate(d, tmp_path / "all", settings(save_hessians=True), samples=make_samples(), progress=False)
+    ).layers
+    r = load_stats(
+        calibrate(
+            d,
+            tmp_path / "routed",
+            settings(all_experts=False, save_hessians=True),
+            samples=make_samples(),
+            progress=False,
+        )
+    ).layers
     for L in a:
         for k, v in r[L].tensors.items():
             if k.startswith(("routing.", "input_routed.", "hessian_routed.")):
@@ -147,8 +163,13 @@ def test_resume_after_interruption_gives_identical_statistics(tiny_dirs, tmp_pat
     assert json.loads((tmp_path / "resumed" / ".work" / "progress.json").read_text())["next_layer"] == 2
     monkeypatch.setattr(layers.LayerRunner, "forward", real_forward)
     seen = []
-    monkeypatch.setattr(layers.LayerRunner, "forward",
-                        lambda self, m, layer, h, before_batch=None: seen.append(layer) or real_forward(self, m, layer, h, before_batch))
+    monkeypatch.setattr(
+        layers.LayerRunner,
+        "forward",
+        lambda self, m, layer, h, before_batch=None: (
+            seen.append(layer) or real_forward(self, m, layer, h, before_batch)
+        ),
+    )
     resumed = calibrate(d, tmp_path / "resumed", settings(), samples=make_samples(), progress=False)
     assert seen == [2]  # only the unfinished layer ran again
     a, b = load_stats(whole).layers, load_stats(resumed).layers
@@ -165,16 +186,25 @@ def test_bad_input(tiny_dirs, tmp_path):
     calibrate(d, tmp_path / "s", settings(), samples=make_samples(), progress=False)
     with pytest.raises(UserError, match="another model.*--overwrite"):
         calibrate(str(tiny_dirs["olmoe"]), tmp_path / "s", settings(), samples=make_samples(), progress=False)
-    calibrate(str(tiny_dirs["olmoe"]), tmp_path / "s", settings(), samples=make_samples(), progress=False, overwrite=True)
+    calibrate(
+        str(tiny_dirs["olmoe"]), tmp_path / "s", settings(), samples=make_samples(), progress=False, overwrite=True
+    )
     assert load_stats(tmp_path / "s").summary["model_type"] == "olmoe"
     # the CLI: a model without tokenizer files is one sentence, exit 2
-    result = CliRunner().invoke(main, ["calibrate", "--model", d, "--output", str(tmp_path / "c"), "--samples", "2",
-                                       "--seq-len", "8"])
+    result = CliRunner().invoke(
+        main, ["calibrate", "--model", d, "--output", str(tmp_path / "c"), "--samples", "2", "--seq-len", "8"]
+    )
     assert result.exit_code == 2 and "tokenizer" in result.output
 
 
-@pytest.mark.parametrize("zoo_name", ["tiny-mixtral", "tiny-qwen2moe", *(pytest.param(n, marks=pytest.mark.slow)
-                                                                         for n in ("tiny-qwen3moe", "tiny-deepseek-v3"))])
+@pytest.mark.parametrize(
+    "zoo_name",
+    [
+        "tiny-mixtral",
+        "tiny-qwen2moe",
+        *(pytest.param(n, marks=pytest.mark.slow) for n in ("tiny-qwen3moe", "tiny-deepseek-v3")),
+    ],
+)
 def test_zoo_routing_counts_match_an_independent_hook(tmp_path, zoo_name):
     """Real data through a trained zoo model: exact counts, and experts specialise by domain."""
     from moequant import zoo

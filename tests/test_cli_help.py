@@ -9,8 +9,12 @@ from moequant.cli import main
 
 
 def test_every_option_has_help_text():
-    missing = [f"{name} {opt.opts[0]}" for name, command in main.commands.items() for opt in command.params
-               if isinstance(opt, click.Option) and not (opt.help or "").strip()]
+    missing = [
+        f"{name} {opt.opts[0]}"
+        for name, command in main.commands.items()
+        for opt in command.params
+        if isinstance(opt, click.Option) and not (opt.help or "").strip()
+    ]
     assert missing == []
 
 

@@ -29,8 +29,14 @@ from moequant.cli import main
 from moequant.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["calibration.samples=2", "calibration.seq_len=32", "calibration.dataset=builtin:stdlib-prose",
-        "evaluate.samples=2", "evaluate.seq_len=32", "evaluate.dataset=builtin:stdlib-prose"]
+TINY = [
+    "calibration.samples=2",
+    "calibration.seq_len=32",
+    "calibration.dataset=builtin:stdlib-prose",
+    "evaluate.samples=2",
+    "evaluate.seq_len=32",
+    "evaluate.dataset=builtin:stdlib-prose",
+]
 
 
 pytestmark = pytest.mark.slow
@@ -50,8 +56,11 @@ def run_apply(model_dir, out, *extra, expect=0):
 
 
 def digest(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def same_safetensors(a: Path, b: Path) -> bool:
@@ -62,8 +71,15 @@ def same_safetensors(a: Path, b: Path) -> bool:
     ta, tb = load_file(str(a)), load_file(str(b))
     with safe_open(str(a), "pt") as fa, safe_open(str(b), "pt") as fb:
         same_meta = fa.metadata() == fb.metadata()
-    return same_meta and ta.keys() == tb.keys() and all(
-        ta[k].dtype == tb[k].dtype and torch.equal(ta[k].reshape(-1).view(torch.uint8), tb[k].reshape(-1).view(torch.uint8)) for k in ta)
+    return (
+        same_meta
+        and ta.keys() == tb.keys()
+        and all(
+            ta[k].dtype == tb[k].dtype
+            and torch.equal(ta[k].reshape(-1).view(torch.uint8), tb[k].reshape(-1).view(torch.uint8))
+            for k in ta
+        )
+    )
 
 
 def report_numbers(out: Path) -> dict:
@@ -99,8 +115,9 @@ def test_same_recipe_data_and_seed_give_identical_checkpoint_and_report(model_di
     run_apply(model_dir, again)
     assert digest(again / "checkpoint") == digest(ref / "checkpoint")
     # plan.json records the recipe, whose `output` is the run's own directory
-    assert ((again / "plan.json").read_text().replace(str(again), "OUT")
-            == (ref / "plan.json").read_text().replace(str(ref), "OUT"))
+    assert (again / "plan.json").read_text().replace(str(again), "OUT") == (ref / "plan.json").read_text().replace(
+        str(ref), "OUT"
+    )
     layer_stats = sorted(p.name for p in (ref / "stats").glob("layer_*.safetensors"))
     assert layer_stats and all(same_safetensors(again / "stats" / n, ref / "stats" / n) for n in layer_stats)
     assert report_numbers(again) == report_numbers(ref)
@@ -169,8 +186,9 @@ def test_sigkill_at_random_points_leaves_no_half_checkpoint_and_resumes_identica
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # killed runs' temporaries removed
 
 
-def test_interrupt_between_hidden_states_and_progress_marker_resumes_identically(model_dir, reference, tmp_path,
-                                                                                 monkeypatch):
+def test_interrupt_between_hidden_states_and_progress_marker_resumes_identically(
+    model_dir, reference, tmp_path, monkeypatch
+):
     """The narrowest windows of the resumable stages: killed after a layer's carried hidden states
     were written but before the progress marker saying so (calibration, then the quantize pass)."""
     from moequant.calib import calibrate
@@ -183,9 +201,14 @@ def test_interrupt_between_hidden_states_and_progress_marker_resumes_identically
     def dying_at(where: str, layer: int):
         def write(path, text):
             path = Path(path)
-            if path.name == "progress.json" and path.parent.name == where and json.loads(text)["next_layer"] == layer + 1:
+            if (
+                path.name == "progress.json"
+                and path.parent.name == where
+                and json.loads(text)["next_layer"] == layer + 1
+            ):
                 raise KeyboardInterrupt  # the process dies here: hidden states of `layer` are on disk
             return real_write(path, text)
+
         return write
 
     monkeypatch.setattr(calibrate, "atomic_write_text", dying_at(".work", 1))
@@ -214,17 +237,26 @@ def test_ctrl_c_exits_130_in_one_line_and_the_rerun_says_where_it_resumes(model_
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     # SIGINT as a terminal delivers it: a shell's background job (`.ci/run &`) starts its children with SIGINT
     # ignored, and Python then installs no KeyboardInterrupt handler, so the signal would be dropped
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     while proc.poll() is None and not (out / "work" / "progress.json").exists():
         time.sleep(0.005)
     assert proc.poll() is None, "the run ended before its quantize pass finished a layer"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-2000:]
-    assert err.strip().splitlines()[-1] == ("interrupted: the finished stages and layers are kept in the output "
-                                            "directory (a half-written file never is); run the same command again "
-                                            "to resume."), err[-2000:]
+    assert err.strip().splitlines()[-1] == (
+        "interrupted: the finished stages and layers are kept in the output "
+        "directory (a half-written file never is); run the same command again "
+        "to resume."
+    ), err[-2000:]
     assert "Traceback" not in err and "Aborted" not in err
     left = json.loads((out / "work" / "progress.json").read_text())["next_layer"]
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -256,8 +288,7 @@ def test_temporaries_of_killed_writers_are_removed_and_live_ones_kept(tmp_path):
 def _small_filesystem(directory: Path, size: str):
     """A size-limited tmpfs at `directory` (needs root); None when it cannot be mounted."""
     directory.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
-                          capture_output=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], capture_output=True)
     return directory if done.returncode == 0 else None
 
 
@@ -268,8 +299,12 @@ def _quantized_experts(model_dir):
 
     ckpt = open_checkpoint(model_dir)
     ad = adapter_for(ckpt.config)
-    return {(L, e, p): formats.quantize(ad.read_expert(ckpt, L, e, p).float(), "int8")
-            for L in ad.moe_layers for e in range(ad.num_experts) for p in ad.projections}
+    return {
+        (L, e, p): formats.quantize(ad.read_expert(ckpt, L, e, p).float(), "int8")
+        for L in ad.moe_layers
+        for e in range(ad.num_experts)
+        for p in ad.projections
+    }
 
 
 def test_full_disk_during_export_fails_in_one_sentence_and_leaves_no_checkpoint(model_dir, tmp_path, monkeypatch):
@@ -297,8 +332,9 @@ def test_full_disk_during_export_fails_in_one_sentence_and_leaves_no_checkpoint(
             subprocess.run(["umount", "--lazy", str(disk)], check=True)  # lazy: the test process may hold a file
 
 
-def test_full_disk_during_apply_is_one_line_and_the_run_continues_once_there_is_space(model_dir, reference,
-                                                                                     tmp_path, monkeypatch):
+def test_full_disk_during_apply_is_one_line_and_the_run_continues_once_there_is_space(
+    model_dir, reference, tmp_path, monkeypatch
+):
     from moequant.pipeline import quantize
 
     ref, _ = reference
@@ -347,8 +383,9 @@ def _damaged_copy(model_dir: Path, directory: Path, name: str, index, value) -> 
 def _calibrate(model, out, **kw):
     from moequant.calib.calibrate import CalibrationSettings, calibrate
 
-    settings = CalibrationSettings(dataset="builtin:stdlib-prose", samples=2, seq_len=32, formats=("int4-g32-sym",),
-                                   **kw)
+    settings = CalibrationSettings(
+        dataset="builtin:stdlib-prose", samples=2, seq_len=32, formats=("int4-g32-sym",), **kw
+    )
     return calibrate(str(model), out, settings, progress=False)
 
 
@@ -369,8 +406,9 @@ def test_non_finite_attention_weight_and_overflowing_activations_are_named(model
     with pytest.raises(UserError, match=rf"{name} \(layer 2, attention\) holds 1 NaN"):
         _calibrate(bad, tmp_path / "s1")
     # finite weights whose activations overflow float32: the layer and batch are named
-    huge = _damaged_copy(model_dir, tmp_path / "huge", "model.layers.0.input_layernorm.weight",
-                         slice(None), 3e38)  # near the largest bf16: finite, but attention scores overflow
+    huge = _damaged_copy(
+        model_dir, tmp_path / "huge", "model.layers.0.input_layernorm.weight", slice(None), 3e38
+    )  # near the largest bf16: finite, but attention scores overflow
     with pytest.raises(UserError, match=r"layer 0 produced NaN or Inf activations on calibration batch 0"):
         _calibrate(huge, tmp_path / "s2")
 
@@ -395,8 +433,14 @@ def test_experts_no_token_reaches_are_counted_as_unused_and_still_quantized(mode
     route_only_to_experts_0_and_1(directory)
 
     out = tmp_path / "run"
-    run_apply(directory, out, "calibration.all_experts=false", "experts.method=uniform", "experts.format=int4",
-              "algorithms.int4=gptq")
+    run_apply(
+        directory,
+        out,
+        "calibration.all_experts=false",
+        "experts.method=uniform",
+        "experts.format=int4",
+        "algorithms.int4=gptq",
+    )
     assert not (out / "stats").exists()  # a uniform recipe calibrates nothing: the quantize pass counts
     report = json.loads((out / "checkpoint.json").read_text())["quantize"]["1"]
     assert report["routed_tokens"] == [64, 64, 0, 0, 0, 0]  # 2 samples x 32 tokens, each to experts 0 and 1
@@ -480,7 +524,9 @@ def test_budget_exactly_at_the_feasibility_edge(model_dir, reference):
         plan(f"{{gigabytes: {(total - 1) // 10**9}.{(total - 1) % 10**9:09d}}}")
 
 
-@pytest.mark.parametrize("key", ["int4-g32-sym", "int4-g64-asym", "int3-g32-asym", "int2-g32-sym", "int8-channel", "fp8-block128"])
+@pytest.mark.parametrize(
+    "key", ["int4-g32-sym", "int4-g64-asym", "int3-g32-asym", "int2-g32-sym", "int8-channel", "fp8-block128"]
+)
 def test_work_files_hold_low_bit_codes_two_to_a_byte_and_give_them_back(key, tmp_path):
     """The quantize pass's resume record: integer codes of <= 4 bits are stored as nibbles (half the
     scratch of int8 codes) and read back exactly, eagerly and lazily; other formats as they are."""
@@ -501,5 +547,6 @@ def test_work_files_hold_low_bit_codes_two_to_a_byte_and_give_them_back(key, tmp
         back = load_quantized(path, lazy=lazy)[(0, 1, "gate")]
         for part in ("codes", "scales", "zeros"):
             a, b = getattr(q, part), getattr(back, part)
-            assert (a is None and b is None) or torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
-                                                             b.view(torch.uint8) if b.dtype.itemsize == 1 else b)
+            assert (a is None and b is None) or torch.equal(
+                a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(torch.uint8) if b.dtype.itemsize == 1 else b
+            )

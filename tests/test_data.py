@@ -122,7 +122,9 @@ def test_held_out_samples_leave_the_requested_ones_unchanged_and_are_disjoint(to
     used = {tuple(s.input_ids.tolist()) for s in samples}
     assert not any(tuple(s.input_ids.tolist()) in used for s in held)
     both = data.load_samples(source, tokenizer, n + k, 64, seed=3)
-    assert sorted(tuple(s.input_ids.tolist()) for s in samples + held) == sorted(tuple(s.input_ids.tolist()) for s in both)
+    assert sorted(tuple(s.input_ids.tolist()) for s in samples + held) == sorted(
+        tuple(s.input_ids.tolist()) for s in both
+    )
     if k >= 2:  # spread over domains like any sample set
         assert len({s.domain for s in held}) >= 2
 

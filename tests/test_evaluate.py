@@ -55,9 +55,12 @@ def _samples(lengths_domains, seed=0):
 def _block_inputs(model, layers, ids):
     """Each MoE block's input for a batch, via plain forward pre-hooks (test-side capture)."""
     seen = {}
-    handles = [model.model.layers[L].mlp.register_forward_pre_hook(
-        lambda m, args, L=L: seen.__setitem__(L, args[0].detach().reshape(-1, args[0].shape[-1])))
-        for L in layers]
+    handles = [
+        model.model.layers[L].mlp.register_forward_pre_hook(
+            lambda m, args, L=L: seen.__setitem__(L, args[0].detach().reshape(-1, args[0].shape[-1]))
+        )
+        for L in layers
+    ]
     with torch.no_grad():
         model(input_ids=ids, use_cache=False)
     for h in handles:
@@ -73,7 +76,9 @@ def _topk_sets(x, router_weight, k):
 
 def test_perplexity_kl_top1_match_float64_reference(sharp_reference):
     ref = sharp_reference
-    q = _perturbed(ref, lambda m: [p.add_(torch.randn_like(p) * 0.05) for n, p in m.named_parameters() if "experts" in n])
+    q = _perturbed(
+        ref, lambda m: [p.add_(torch.randn_like(p) * 0.05) for n, p in m.named_parameters() if "experts" in n]
+    )
     samples = _samples([(12, "code"), (12, "prose"), (12, "code"), (9, "prose"), (12, "code"), (9, "code")])
     got = evaluate(ref, q, samples, batch_size=2)
 
@@ -137,7 +142,9 @@ def test_model_against_itself_agrees_perfectly(sharp_reference):
 
 def test_perturbed_router_lowers_routing_agreement_of_its_layer_only(sharp_reference):
     ref = sharp_reference
-    q = _perturbed(ref, lambda m: m.model.layers[1].mlp.gate.weight.add_(torch.randn_like(m.model.layers[1].mlp.gate.weight)))
+    q = _perturbed(
+        ref, lambda m: m.model.layers[1].mlp.gate.weight.add_(torch.randn_like(m.model.layers[1].mlp.gate.weight))
+    )
     ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(4))
     got = evaluate(ref, q, ids, batch_size=3)
     by_layer = {r["layer"]: r for r in got["layers"]}
@@ -149,8 +156,10 @@ def test_perturbed_router_lowers_routing_agreement_of_its_layer_only(sharp_refer
     x_ref = _block_inputs(ref, [1], ids)[1]
     x_q = _block_inputs(q, [1], ids)[1]
     k = ref.config.num_experts_per_tok
-    same = (_topk_sets(x_ref, ref.model.layers[1].mlp.gate.weight, k)
-            == _topk_sets(x_q, q.model.layers[1].mlp.gate.weight, k)).all(-1)
+    same = (
+        _topk_sets(x_ref, ref.model.layers[1].mlp.gate.weight, k)
+        == _topk_sets(x_q, q.model.layers[1].mlp.gate.weight, k)
+    ).all(-1)
     assert by_layer[1]["routing_agreement"] == pytest.approx(same.double().mean().item())
     # the router is not part of the block's input: layer 0's block is untouched
     assert by_layer[0]["moe_output_error"] == 0.0
@@ -205,7 +214,9 @@ def test_other_architectures(tmp_path, model_type):
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(6))
     same = evaluate(ref, copy.deepcopy(ref), ids)
     assert same["kl_mean"] == 0.0 and same["routing_agreement"] == 1.0 and same["moe_output_error"] == 0.0
-    q = _perturbed(ref, lambda m: [p.add_(torch.randn_like(p) * 0.05) for n, p in m.named_parameters() if "experts." in n])
+    q = _perturbed(
+        ref, lambda m: [p.add_(torch.randn_like(p) * 0.05) for n, p in m.named_parameters() if "experts." in n]
+    )
     got = evaluate(ref, q, ids)
     assert got["kl_mean"] > 0 and got["moe_output_error"] > 0
     assert any(r["error"] for r in got["experts"])
@@ -249,8 +260,12 @@ def test_evaluate_checkpoints_moequant_and_foreign_compressed_tensors(tmp_path):
     ckpt = open_checkpoint(src)
     ad = adapter_for(ckpt.config)
     spec = formats.parse_key("int8-channel")
-    quantized = {(L, e, p): formats.quantize(ad.read_expert(ckpt, L, e, p).float(), spec)
-                 for L in ad.moe_layers for e in range(ad.num_experts) for p in ad.projections}
+    quantized = {
+        (L, e, p): formats.quantize(ad.read_expert(ckpt, L, e, p).float(), spec)
+        for L in ad.moe_layers
+        for e in range(ad.num_experts)
+        for p in ad.projections
+    }
     ours = export_checkpoint(src, quantized, tmp_path / "ours", target="vllm")
 
     # the same weights as a tool that targets "Linear" with an ignore list would write them
@@ -261,9 +276,17 @@ def test_evaluate_checkpoints_moequant_and_foreign_compressed_tensors(tmp_path):
     qc = cfg["quantization_config"]
     (group,) = qc["config_groups"].values()
     group["targets"] = ["Linear"]
-    qc["ignore"] = ["lm_head"] + [f"model.layers.{L}.{m}" for L in range(3) for m in
-                                  ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                                   "block_sparse_moe.gate")]
+    qc["ignore"] = ["lm_head"] + [
+        f"model.layers.{L}.{m}"
+        for L in range(3)
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "block_sparse_moe.gate",
+        )
+    ]
     (foreign / "config.json").write_text(json.dumps(cfg))
 
     kwargs = dict(dataset="builtin:stdlib-code", samples=3, seq_len=24, seed=0, dtype=torch.float32, progress=False)
@@ -283,7 +306,6 @@ def test_evaluate_checkpoints_moequant_and_foreign_compressed_tensors(tmp_path):
     assert b["ppl_quantized"] == pytest.approx(a["ppl_quantized"], rel=1e-9)
     text = format_quality(a)
     assert "3 samples, 72 tokens of builtin:stdlib-code" in text and f"{a['ppl_original']:.4f}" in text
-
 
 
 def test_lm_eval_tasks_need_lm_eval(monkeypatch, tmp_path):
@@ -335,8 +357,21 @@ def test_a_checkpoint_under_other_tensor_names_is_refused_not_randomly_filled(tm
         moequant.load(renamed)
     with pytest.raises(UserError, match="lacks"):
         load_quantized(renamed)
-    result = CliRunner().invoke(main, ["eval", str(renamed), "--reference", str(src), "--samples", "1",
-                                       "--seq-len", "16", "--dataset", "builtin:stdlib-code"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "eval",
+            str(renamed),
+            "--reference",
+            str(src),
+            "--samples",
+            "1",
+            "--seq-len",
+            "16",
+            "--dataset",
+            "builtin:stdlib-code",
+        ],
+    )
     assert result.exit_code == 2 and "lacks" in result.output, result.output
 
 
@@ -357,8 +392,14 @@ def _close(a, b, path=""):
         assert a == b, (path, a, b)
 
 
-@pytest.mark.parametrize("zoo", ["zoo:tiny-qwen2moe", "zoo:tiny-mixtral", *(pytest.param(z, marks=pytest.mark.slow)
-                                                                           for z in ("zoo:tiny-qwen3moe", "zoo:tiny-deepseek-v3"))])
+@pytest.mark.parametrize(
+    "zoo",
+    [
+        "zoo:tiny-qwen2moe",
+        "zoo:tiny-mixtral",
+        *(pytest.param(z, marks=pytest.mark.slow) for z in ("zoo:tiny-qwen3moe", "zoo:tiny-deepseek-v3")),
+    ],
+)
 def test_streamed_evaluation_equals_the_whole_model_evaluation(zoo, tmp_path):
     """evaluate_streaming (two checkpoints, one decoder layer of each in memory) gives evaluate()'s
     numbers on the two loaded models: every metric, per layer, per expert and per domain."""
@@ -374,8 +415,12 @@ def test_streamed_evaluation_equals_the_whole_model_evaluation(zoo, tmp_path):
     src = open_checkpoint(zoo)
     ad = adapter_for(src.config)
     keys = ("int4-g32-sym", "int8-channel")  # a per-expert mix, read through the dequantizing reader
-    quantized = {(L, e, p): formats.quantize(ad.read_expert(src, L, e, p).float(), keys[(L + e) % 2])
-                 for L in ad.moe_layers for e in range(ad.num_experts) for p in ad.projections}
+    quantized = {
+        (L, e, p): formats.quantize(ad.read_expert(src, L, e, p).float(), keys[(L + e) % 2])
+        for L in ad.moe_layers
+        for e in range(ad.num_experts)
+        for p in ad.projections
+    }
     out = export_checkpoint(src.directory, quantized, tmp_path / "q", target="transformers")
     windows = load_samples("builtin:mix", load_tokenizer(src.directory), 5, 48, split="evaluation", seed=0)
     windows += [SimpleNamespace(input_ids=w.input_ids[:20], domain=w.domain) for w in windows[:2]]  # two lengths

@@ -23,8 +23,20 @@ from moequant.io.checkpoint import open_checkpoint
 from moequant.io.loader import dequantized_state_dict, load
 
 # every format moequant has, cycled over the experts of one model: a per-expert mix
-ALL_KEYS = ["int4-g128-sym", "int4-g32-asym", "int3-g64-sym", "int2-g32-asym", "int8-channel", "fp8-channel",
-            "fp8-block128", "fp8-tensor", "mxfp4", "nvfp4", "int4-g64-sym", "int3-g128-asym"]
+ALL_KEYS = [
+    "int4-g128-sym",
+    "int4-g32-asym",
+    "int3-g64-sym",
+    "int2-g32-asym",
+    "int8-channel",
+    "fp8-channel",
+    "fp8-block128",
+    "fp8-tensor",
+    "mxfp4",
+    "nvfp4",
+    "int4-g64-sym",
+    "int3-g128-asym",
+]
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +74,18 @@ def _ct_native(path) -> dict:
     from compressed_tensors.quantization import QuantizationConfig
     from compressed_tensors.utils.match import match_quantizable_tensors
 
-    config = QuantizationConfig.model_validate(json.loads((Path(path) / "config.json").read_text())["quantization_config"])
+    config = QuantizationConfig.model_validate(
+        json.loads((Path(path) / "config.json").read_text())["quantization_config"]
+    )
     tensors = _all_tensors(path)
     out = {}
     for scheme in config.config_groups.values():
         assert scheme.format == infer_module_format(torch.nn.Linear, scheme)  # our per-group format is theirs
         compressor = BaseCompressor.get_value_from_registry(scheme.format)
         names = compressor.compression_param_names(scheme)
-        for module, _ in match_quantizable_tensors(tensors, ignore=config.ignore, targets=scheme.targets,
-                                                   param_targets=[names[0]]):
+        for module, _ in match_quantizable_tensors(
+            tensors, ignore=config.ignore, targets=scheme.targets, param_targets=[names[0]]
+        ):
             state = {p: tensors[f"{module}.{p}"] for p in names if f"{module}.{p}" in tensors}
             out[f"{module}.weight"] = compressor.decompress(state, scheme)["weight"]
     return out
@@ -78,15 +93,25 @@ def _ct_native(path) -> dict:
 
 # ---- compressed-tensors -----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("int8_activations", ["none", "dynamic"])
 def test_compressed_tensors_decompression_equals_ours_for_a_per_expert_mix_of_every_format(
-        mixtral, tmp_path, int8_activations):
+    mixtral, tmp_path, int8_activations
+):
     experts = quantize_experts(mixtral, _per_expert_mix)
-    attention = quantize_named(mixtral, lambda n, role: {"q_proj": "int8-channel", "k_proj": "int4-g64-asym",
-                                                         "v_proj": "fp8-block128", "o_proj": "nvfp4"}.get(
-        n.split(".")[-2]) if role == "attention" else None)
-    out = export_checkpoint(mixtral, {**experts, **attention}, tmp_path / "ct", target="transformers",
-                            int8_activations=int8_activations)
+    attention = quantize_named(
+        mixtral,
+        lambda n, role: (
+            {"q_proj": "int8-channel", "k_proj": "int4-g64-asym", "v_proj": "fp8-block128", "o_proj": "nvfp4"}.get(
+                n.split(".")[-2]
+            )
+            if role == "attention"
+            else None
+        ),
+    )
+    out = export_checkpoint(
+        mixtral, {**experts, **attention}, tmp_path / "ct", target="transformers", int8_activations=int8_activations
+    )
     assert {q.spec.key for q in experts.values()} == set(ALL_KEYS)
 
     native = _ct_native(out)
@@ -126,10 +151,14 @@ def test_config_for_vllm_and_sglang(qwen2, tmp_path):
 
     experts = quantize_experts(qwen2, lambda L, e, p: ["int4-g128-sym", "int8-channel"][L])
     shared = quantize_named(qwen2, lambda n, role: "int8-channel" if role == "shared_expert" else None)
-    for target, int8, expect_global in [("vllm", "none", "pack-quantized"), ("vllm", "dynamic", "mixed-precision"),
-                                        ("sglang", "dynamic", "pack-quantized")]:
-        out = export_checkpoint(qwen2, {**experts, **shared}, tmp_path / f"{target}-{int8}", target=target,
-                                int8_activations=int8)
+    for target, int8, expect_global in [
+        ("vllm", "none", "pack-quantized"),
+        ("vllm", "dynamic", "mixed-precision"),
+        ("sglang", "dynamic", "pack-quantized"),
+    ]:
+        out = export_checkpoint(
+            qwen2, {**experts, **shared}, tmp_path / f"{target}-{int8}", target=target, int8_activations=int8
+        )
         qc = json.loads((out / "config.json").read_text())["quantization_config"]
         QuantizationConfig.model_validate(qc)
         assert qc["quant_method"] == "compressed-tensors" and qc["quantization_status"] == "compressed"
@@ -221,8 +250,13 @@ def test_moequant_load_gives_a_transformers_model_with_our_weights(mixtral, tmp_
 # ---- refusals: one sentence, before any work, nothing written ------------------------------------------
 
 REFUSALS = [
-    ("vllm per-expert mix", "compressed-tensors", "vllm", lambda L, e, p: ["int4-g128-sym", "int8-channel"][e % 2],
-     "one format for all routed experts of an MoE layer"),
+    (
+        "vllm per-expert mix",
+        "compressed-tensors",
+        "vllm",
+        lambda L, e, p: ["int4-g128-sym", "int8-channel"][e % 2],
+        "one format for all routed experts of an MoE layer",
+    ),
     ("vllm int3", "compressed-tensors", "vllm", lambda L, e, p: "int3-g128-sym", "4- and 8-bit"),
     ("gptq asym", "gptq", "vllm", lambda L, e, p: "int4-g128-asym", "symmetric int4 / int8"),
     ("awq mxfp4", "awq", "transformers", lambda L, e, p: "mxfp4", "int4 with groups only"),
@@ -243,8 +277,12 @@ def test_a_plan_the_layout_cannot_hold_is_refused_before_any_work(mixtral, tmp_p
 
 
 def test_fused_projections_need_one_format_for_vllm(mixtral, tmp_path):
-    attention = quantize_named(mixtral, lambda n, role: ("int8-channel" if n.endswith("q_proj.weight") else
-                                                         "int4-g128-sym") if role == "attention" else None)
+    attention = quantize_named(
+        mixtral,
+        lambda n, role: (
+            ("int8-channel" if n.endswith("q_proj.weight") else "int4-g128-sym") if role == "attention" else None
+        ),
+    )
     with pytest.raises(UserError, match="fuses the projections of model.layers.0.self_attn"):
         export_checkpoint(mixtral, attention, tmp_path / "out", target="vllm")
     export_checkpoint(mixtral, attention, tmp_path / "out", target="transformers")  # fine there
@@ -263,6 +301,7 @@ def test_bad_inputs_name_what_is_wrong(mixtral, tmp_path):
 
 # ---- GPTQ v1 -------------------------------------------------------------------------------------
 
+
 def _gptq_v1_reference(qweight, qzeros, scales, g_idx, bits):
     """GPTQ v1 from its definition: codes packed along the input axis, 32/bits per int32, lowest
     bits first; zeros packed along the output axis holding zero - 1."""
@@ -275,12 +314,19 @@ def _gptq_v1_reference(qweight, qzeros, scales, g_idx, bits):
 
 def test_gptq_v1_export_unpacks_by_definition_with_per_layer_overrides(mixtral, tmp_path):
     experts = quantize_experts(mixtral, lambda L, e, p: ["int4-g128-sym", "int8-channel"][L])
-    attention = quantize_named(mixtral, lambda n, role: "int4-g128-sym" if role == "attention" and "o_proj" not in n
-                               else None)
+    attention = quantize_named(
+        mixtral, lambda n, role: "int4-g128-sym" if role == "attention" and "o_proj" not in n else None
+    )
     out = export_checkpoint(mixtral, {**experts, **attention}, tmp_path / "gptq", layout="gptq")
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert json.loads((out / "quantize_config.json").read_text()) == qc
-    assert (qc["bits"], qc["group_size"], qc["sym"], qc["desc_act"], qc["checkpoint_format"]) == (4, 128, True, False, "gptq")
+    assert (qc["bits"], qc["group_size"], qc["sym"], qc["desc_act"], qc["checkpoint_format"]) == (
+        4,
+        128,
+        True,
+        False,
+        "gptq",
+    )
     dyn = qc["dynamic"]
 
     def rule(module):  # the first matching rule, as vLLM and GPTQModel apply them (re.match)
@@ -300,8 +346,9 @@ def test_gptq_v1_export_unpacks_by_definition_with_per_layer_overrides(mixtral, 
     for name, q in names.items():
         m = name[: -len(".weight")]
         bits = q.spec.bits
-        ref = _gptq_v1_reference(tensors[m + ".qweight"], tensors[m + ".qzeros"], tensors[m + ".scales"],
-                                 tensors[m + ".g_idx"], bits)
+        ref = _gptq_v1_reference(
+            tensors[m + ".qweight"], tensors[m + ".qzeros"], tensors[m + ".scales"], tensors[m + ".g_idx"], bits
+        )
         assert tensors[m + ".scales"].dtype == torch.float16
         assert torch.equal(ref.float(), q.dequantize(torch.float32)), name
         zero_word = sum(((1 << (bits - 1)) - 1) << (bits * k) for k in range(32 // bits))  # sym: 2^(B-1) - 1
@@ -312,6 +359,7 @@ def test_gptq_v1_export_unpacks_by_definition_with_per_layer_overrides(mixtral, 
 
 
 # ---- AWQ -------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("key", ["int4-g128-asym", "int4-g64-sym"])
 def test_awq_export_read_by_compressed_tensors_autoawq_converter(mixtral, tmp_path, key):
@@ -339,6 +387,7 @@ def test_awq_export_read_by_compressed_tensors_autoawq_converter(mixtral, tmp_pa
 
 # ---- transformers: DeepSeek FP8 and gpt-oss MXFP4 -------------------------------------------------------
 
+
 def test_transformers_loads_the_deepseek_fp8_export_with_our_weights(tmp_path, monkeypatch):
     import transformers.quantizers.quantizer_finegrained_fp8 as fp8_quantizer
     from transformers import AutoModelForCausalLM
@@ -347,8 +396,12 @@ def test_transformers_loads_the_deepseek_fp8_export_with_our_weights(tmp_path, m
     # does not use it; the reader below is transformers' own FP8 loading code.
     monkeypatch.setattr(fp8_quantizer, "is_accelerate_available", lambda: True)
     src = build_model("deepseek_v3", tmp_path / "ds3")
-    q = quantize_named(src, lambda n, role: "fp8-block128" if role in
-                       ("routed_expert", "shared_expert", "dense_mlp", "attention") else None)
+    q = quantize_named(
+        src,
+        lambda n, role: (
+            "fp8-block128" if role in ("routed_expert", "shared_expert", "dense_mlp", "attention") else None
+        ),
+    )
     out = export_checkpoint(src, q, tmp_path / "fp8", layout="deepseek-fp8", target="transformers")
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["weight_block_size"] == [128, 128] and "model.layers.1.mlp.gate" in qc["modules_to_not_convert"]
@@ -380,10 +433,12 @@ def test_transformers_loads_the_gpt_oss_mxfp4_export_with_our_weights(tmp_path):
     assert tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"].shape == (4, 256, 8, 16)
     assert tensors["model.layers.0.mlp.experts.down_proj_scales"].shape == (4, 256, 4)
     source = _all_tensors(src)
-    assert torch.equal(tensors["model.layers.0.mlp.experts.gate_up_proj_bias"],
-                       source["model.layers.0.mlp.experts.gate_up_proj_bias"])
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16,
-                                                 quantization_config=Mxfp4Config(dequantize=True))
+    assert torch.equal(
+        tensors["model.layers.0.mlp.experts.gate_up_proj_bias"], source["model.layers.0.mlp.experts.gate_up_proj_bias"]
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.bfloat16, quantization_config=Mxfp4Config(dequantize=True)
+    )
     ad = adapter_for(open_checkpoint(src).config)
     for (layer, expert, proj), q in experts.items():
         got = ad.expert_from_module(ad.experts_module(model, layer), expert, proj)
@@ -422,8 +477,13 @@ def test_kept_tensors_and_bf16_plans_are_written_as_given(mixtral, tmp_path):
     router = torch.randn(4, 256).to(torch.bfloat16)
     attn = formats.quantize(torch.randn(256, 256), "bf16")
     q = {"model.layers.0.self_attn.o_proj.weight": attn}
-    out = export_checkpoint(mixtral, q, tmp_path / "o", target="transformers",
-                            kept={"model.norm.weight": norm, "model.layers.1.block_sparse_moe.gate.weight": router})
+    out = export_checkpoint(
+        mixtral,
+        q,
+        tmp_path / "o",
+        target="transformers",
+        kept={"model.norm.weight": norm, "model.layers.1.block_sparse_moe.gate.weight": router},
+    )
     got = _all_tensors(out)
     assert torch.equal(got["model.norm.weight"], norm)
     assert torch.equal(got["model.layers.1.block_sparse_moe.gate.weight"], router)
@@ -445,9 +505,10 @@ def test_vllm_moequant_target_writes_the_per_expert_format_map(qwen2, tmp_path):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     adapter = adapter_for(open_checkpoint(qwen2).config)
     assert qc["quant_method"] == "moequant"
-    assert qc["expert_formats"] == {f"model.layers.{L}.mlp.experts": [fmt(L, e, "gate") for e in
-                                                                      range(adapter.num_experts)]
-                                    for L in adapter.moe_layers}
+    assert qc["expert_formats"] == {
+        f"model.layers.{L}.mlp.experts": [fmt(L, e, "gate") for e in range(adapter.num_experts)]
+        for L in adapter.moe_layers
+    }
     assert {g["format"] for g in qc["config_groups"].values()} == {"pack-quantized", "int-quantized"}
     ours = dequantized_state_dict(out, torch.float32)
     for (L, e, p), qt in q.items():
@@ -458,6 +519,8 @@ def test_vllm_moequant_target_writes_the_per_expert_format_map(qwen2, tmp_path):
     assert str(info.value).startswith("target vllm-moequant serves each routed expert in one format")
     with pytest.raises(UserError) as info:
         export_checkpoint(qwen2, q, tmp_path / "gptq", target="vllm-moequant", layout="gptq")
-    assert str(info.value) == ("target vllm-moequant (moequant's vLLM plugin) reads the compressed-tensors layout, "
-                               "not gptq; set export.format compressed-tensors.")
+    assert str(info.value) == (
+        "target vllm-moequant (moequant's vLLM plugin) reads the compressed-tensors layout, "
+        "not gptq; set export.format compressed-tensors."
+    )
     assert not (tmp_path / "split").exists() and not (tmp_path / "gptq").exists()

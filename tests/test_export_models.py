@@ -17,20 +17,53 @@ from moequant.arch import adapter_for
 from moequant.io.checkpoint import open_checkpoint
 
 VOCAB = 512
-COMMON = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=512, initializer_range=0.02, tie_word_embeddings=False)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.02,
+    tie_word_embeddings=False,
+)
 ARCH = {
     "mixtral": dict(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(moe_intermediate_size=128, shared_expert_intermediate_size=128, intermediate_size=256,
-                      num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1),
-    "qwen3_moe": dict(moe_intermediate_size=128, intermediate_size=256, head_dim=64, num_experts=4,
-                      num_experts_per_tok=2),
-    "deepseek_v3": dict(intermediate_size=256, moe_intermediate_size=128, num_key_value_heads=4, n_routed_experts=4,
-                        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=64,
-                        kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64, n_group=1,
-                        topk_group=1),
-    "gpt_oss": dict(intermediate_size=128, head_dim=64, num_local_experts=4, num_experts_per_tok=2,
-                    layer_types=["sliding_attention", "full_attention"], sliding_window=64),
+    "qwen2_moe": dict(
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        intermediate_size=256,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+    ),
+    "qwen3_moe": dict(
+        moe_intermediate_size=128, intermediate_size=256, head_dim=64, num_experts=4, num_experts_per_tok=2
+    ),
+    "deepseek_v3": dict(
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=32,
+        v_head_dim=64,
+        n_group=1,
+        topk_group=1,
+    ),
+    "gpt_oss": dict(
+        intermediate_size=128,
+        head_dim=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=64,
+    ),
 }
 
 

@@ -13,8 +13,15 @@ import torch
 from moequant import formats
 from moequant.errors import UserError
 
-INT_KEYS = ["int8-channel", "int4-g128-sym", "int4-g32-asym", "int3-g64-sym", "int3-g32-asym",
-            "int2-g128-sym", "int2-g64-asym"]
+INT_KEYS = [
+    "int8-channel",
+    "int4-g128-sym",
+    "int4-g32-asym",
+    "int3-g64-sym",
+    "int3-g32-asym",
+    "int2-g128-sym",
+    "int2-g64-asym",
+]
 FLOAT_KEYS = ["fp8-channel", "fp8-block128", "fp8-tensor", "mxfp4", "nvfp4"]
 QUANT_KEYS = INT_KEYS + FLOAT_KEYS
 
@@ -38,6 +45,7 @@ def shape_for(key, experts=None):
 
 # ---------------------------------------------------------------- specs and keys
 
+
 def test_every_key_round_trips_and_params_build_the_same_spec():
     keys = formats.all_keys()
     assert len(keys) == len(set(keys)) == 5 + 3 * 3 * 2 + 3  # bf16, fp8 x3, int8; int4/3/2; mxfp4, mxfp8, nvfp4
@@ -53,16 +61,19 @@ def test_every_key_round_trips_and_params_build_the_same_spec():
         spec.bits = 4  # frozen
 
 
-@pytest.mark.parametrize("call, needle", [
-    (lambda: formats.get_format("int5"), "int5"),
-    (lambda: formats.get_format("int4", group_size=48), "48"),
-    (lambda: formats.get_format("int4", groupsize=128), "groupsize"),
-    (lambda: formats.get_format("fp8", granularity="row"), "row"),
-    (lambda: formats.get_format("fp8", granularity="block", block_size=64), "64"),
-    (lambda: formats.get_format("int8", symmetric=False), "symmetric"),
-    (lambda: formats.get_format("mxfp4", group_size=16), "32"),
-    (lambda: formats.parse_key("int4-g128"), "int4-g128"),
-])
+@pytest.mark.parametrize(
+    "call, needle",
+    [
+        (lambda: formats.get_format("int5"), "int5"),
+        (lambda: formats.get_format("int4", group_size=48), "48"),
+        (lambda: formats.get_format("int4", groupsize=128), "groupsize"),
+        (lambda: formats.get_format("fp8", granularity="row"), "row"),
+        (lambda: formats.get_format("fp8", granularity="block", block_size=64), "64"),
+        (lambda: formats.get_format("int8", symmetric=False), "symmetric"),
+        (lambda: formats.get_format("mxfp4", group_size=16), "32"),
+        (lambda: formats.parse_key("int4-g128"), "int4-g128"),
+    ],
+)
 def test_bad_format_parameters_are_user_errors_naming_the_value(call, needle):
     with pytest.raises(UserError, match=needle):
         call()
@@ -71,11 +82,17 @@ def test_bad_format_parameters_are_user_errors_naming_the_value(call, needle):
 def test_bits_per_weight_hand_derived():
     shape = (4096, 4096)
     expected = {
-        "bf16": 16, "fp8-tensor": 8 + 32 / 4096 ** 2, "fp8-channel": 8 + 32 / 4096,
-        "fp8-block128": 8 + 32 / 128 ** 2, "int8-channel": 8 + 16 / 4096,
-        "int4-g128-sym": 4 + 16 / 128, "int4-g128-asym": 4 + 16 / 128 + 4 / 128,
-        "int3-g64-sym": 3 + 16 / 64, "int2-g32-asym": 2 + 16 / 32 + 2 / 32,
-        "mxfp4": 4 + 8 / 32, "nvfp4": 4 + 8 / 16 + 32 / 4096 ** 2,
+        "bf16": 16,
+        "fp8-tensor": 8 + 32 / 4096**2,
+        "fp8-channel": 8 + 32 / 4096,
+        "fp8-block128": 8 + 32 / 128**2,
+        "int8-channel": 8 + 16 / 4096,
+        "int4-g128-sym": 4 + 16 / 128,
+        "int4-g128-asym": 4 + 16 / 128 + 4 / 128,
+        "int3-g64-sym": 3 + 16 / 64,
+        "int2-g32-asym": 2 + 16 / 32 + 2 / 32,
+        "mxfp4": 4 + 8 / 32,
+        "nvfp4": 4 + 8 / 16 + 32 / 4096**2,
     }
     for key, bits in expected.items():
         assert formats.parse_key(key).bits_per_weight(shape) == pytest.approx(bits, rel=1e-12)
@@ -83,6 +100,7 @@ def test_bits_per_weight_hand_derived():
 
 
 # ---------------------------------------------------------------- float64 reference quantizer
+
 
 def _reference(w64: np.ndarray, key: str):
     """Independent float64 implementation of each documented scale rule -> (codes as values, dequant).
@@ -130,8 +148,8 @@ def _reference(w64: np.ndarray, key: str):
         vals, deq = q, (q - z) * s
     elif spec.name == "mxfp4":
         e = np.floor(np.log2(np.where(amax > 0, amax, 1.0)))
-        e = e + (amax / 2.0 ** e >= 1.75) - 2
-        s = np.where(amax > 0, 2.0 ** np.clip(e, -127, 127), 2.0 ** -127)
+        e = e + (amax / 2.0**e >= 1.75) - 2
+        s = np.where(amax > 0, 2.0 ** np.clip(e, -127, 127), 2.0**-127)
         vals = (blocks / s).astype(ml_dtypes.float4_e2m1fn).astype(np.float64)
         deq = vals * s
     else:  # nvfp4
@@ -139,7 +157,9 @@ def _reference(w64: np.ndarray, key: str):
         s_blk = (np.float64(gs) * (amax / 6.0)).astype(np.float32)
         s_blk = np.clip(s_blk, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
         eff = (s_blk / np.float64(gs)).astype(np.float32).astype(np.float64)
-        vals = np.where(eff > 0, blocks / np.where(eff > 0, eff, 1), 0).astype(ml_dtypes.float4_e2m1fn).astype(np.float64)
+        vals = (
+            np.where(eff > 0, blocks / np.where(eff > 0, eff, 1), 0).astype(ml_dtypes.float4_e2m1fn).astype(np.float64)
+        )
         deq = vals * eff
     return vals.reshape(rows, cols), deq.reshape(rows, cols)
 
@@ -172,6 +192,7 @@ def test_matches_float64_reference(key, kind):
 
 # ---------------------------------------------------------------- experts, dtypes
 
+
 @pytest.mark.parametrize("key", QUANT_KEYS + ["bf16"])
 def test_stacked_experts_get_their_own_scales(key):
     w = make_weight(shape_for(key, experts=3), "student_t", seed=3)
@@ -183,7 +204,9 @@ def test_stacked_experts_get_their_own_scales(key):
         a, b = getattr(q, field), getattr(singles, field)
         assert (a is None) == (b is None), field
         if a is not None:
-            assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(torch.uint8) if b.dtype.itemsize == 1 else b), field
+            assert torch.equal(
+                a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(torch.uint8) if b.dtype.itemsize == 1 else b
+            ), field
     assert torch.equal(q.dequantize(), torch.stack([q.expert(e).dequantize() for e in range(3)]))
     assert q.nbytes == formats.nbytes(key, w.shape) == 3 * formats.nbytes(key, w.shape[1:])
 
@@ -225,6 +248,7 @@ def test_any_float_dtype_in_is_quantized_from_its_float32_value(dtype):
 
 
 # ---------------------------------------------------------------- edge cases
+
 
 @pytest.mark.parametrize("key", QUANT_KEYS)
 def test_all_zero_rows_groups_and_tensors_give_exact_zeros(key):
@@ -268,7 +292,7 @@ def test_e2m1_saturates_at_six_and_int_codes_clamp():
 
 def test_fp8_subnormal_codes_and_ties_hand_derived():
     # amax 448 -> scale exactly 1, so the weight is the e4m3 quotient itself.
-    m = 2.0 ** -9  # smallest e4m3 subnormal
+    m = 2.0**-9  # smallest e4m3 subnormal
     vals = [448.0, 3 * m, m / 2, 3 * m / 2, 5 * m / 2, 7 * m, 7.5 * m, 17.0, 19.0]
     expect = [448.0, 3 * m, 0.0, 2 * m, 2 * m, 7 * m, 8 * m, 16.0, 20.0]  # ties to even mantissa
     w = torch.tensor([vals + [0.0] * (128 - len(vals))])
@@ -288,9 +312,11 @@ def test_e2m1_subnormal_and_ties_hand_derived():
     assert out.tolist() == expect and torch.signbit(out[8])
 
 
-@pytest.mark.parametrize("key, bad", [(key, float("nan")) for key in QUANT_KEYS + ["bf16"]]
-                         + [(key, float(v)) for key in ("int4-g32-asym", "fp8-block128", "nvfp4", "bf16")
-                            for v in ("inf", "-inf")])
+@pytest.mark.parametrize(
+    "key, bad",
+    [(key, float("nan")) for key in QUANT_KEYS + ["bf16"]]
+    + [(key, float(v)) for key in ("int4-g32-asym", "fp8-block128", "nvfp4", "bf16") for v in ("inf", "-inf")],
+)
 def test_nan_or_inf_is_a_user_error_naming_the_tensor(key, bad):
     w = make_weight(shape_for(key, experts=2), seed=1)
     w[1, 5, 7] = bad
@@ -301,8 +327,16 @@ def test_nan_or_inf_is_a_user_error_naming_the_tensor(key, bad):
             formats.column_quantizer(key, w, name="experts.w1")
 
 
-@pytest.mark.parametrize("key, shape", [("int4-g128-sym", (8, 192)), ("int3-g32-asym", (8, 48)),
-                                        ("mxfp4", (8, 48)), ("nvfp4", (8, 40)), ("int2-g64-sym", (2, 8, 96))])
+@pytest.mark.parametrize(
+    "key, shape",
+    [
+        ("int4-g128-sym", (8, 192)),
+        ("int3-g32-asym", (8, 48)),
+        ("mxfp4", (8, 48)),
+        ("nvfp4", (8, 40)),
+        ("int2-g64-sym", (2, 8, 96)),
+    ],
+)
 def test_shape_not_divisible_by_the_group_is_a_user_error(key, shape):
     with pytest.raises(UserError, match="w2.*%d input columns" % shape[-1]):
         formats.quantize(torch.ones(shape), key, name="w2")
@@ -335,6 +369,7 @@ def test_bad_weights_are_user_errors():
 
 
 # ---------------------------------------------------------------- GPTQ column quantizer
+
 
 def _walk_columns(cq, w, update=None):
     """GPTQ's loop shape: fit at each group start, quantize column by column."""
@@ -449,8 +484,10 @@ def test_every_layout_unpacks_to_the_same_quantized_tensor(key):
             back = formats.QuantizedTensor(q.spec, q.shape, tensors["weight"], tensors["weight_scale_inv"])
         assert back.shape == q.shape and torch.equal(back.dequantize(), q.dequantize()), layout
         if key != "bf16":
-            assert torch.equal(back.codes.view(torch.uint8) if back.codes.dtype.itemsize == 1 else back.codes,
-                               q.codes.view(torch.uint8) if q.codes.dtype.itemsize == 1 else q.codes), layout
+            assert torch.equal(
+                back.codes.view(torch.uint8) if back.codes.dtype.itemsize == 1 else back.codes,
+                q.codes.view(torch.uint8) if q.codes.dtype.itemsize == 1 else q.codes,
+            ), layout
 
 
 def test_gptq_v1_refuses_a_zero_point_of_zero():
@@ -465,8 +502,9 @@ def test_gptq_v1_refuses_a_zero_point_of_zero():
     assert (formats.unpack_int32(t["qzeros"], 4, 8) == 15).all()
     back = formats.unpack_gptq(t, q.spec, q.shape)
     assert (back.zeros == 8).all() and torch.equal(back.dequantize(), q16.dequantize())
-    assert torch.equal(formats.unpack_gptq(formats.pack_gptq(q, version=2), q.spec, q.shape, version=2).dequantize(),
-                       q.dequantize())
+    assert torch.equal(
+        formats.unpack_gptq(formats.pack_gptq(q, version=2), q.spec, q.shape, version=2).dequantize(), q.dequantize()
+    )
 
 
 @pytest.mark.parametrize("byte_path", [True, False])
@@ -476,7 +514,7 @@ def test_int_bit_streams_hand_derived(byte_path, monkeypatch):
     g = torch.Generator().manual_seed(31)
     for bits in (2, 3, 4, 8):
         n = 70
-        u = torch.randint(0, 2 ** bits, (3, n), generator=g, dtype=torch.int32)
+        u = torch.randint(0, 2**bits, (3, n), generator=g, dtype=torch.int32)
         before = u.clone()
         words = formats.pack_int32(u, bits)
         assert torch.equal(u, before)

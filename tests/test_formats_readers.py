@@ -38,10 +38,13 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- compressed-tensors: integers
 
 INT_CASES = [  # key, preset, overrides
-    ("int4-g128-sym", "W4A16", {}), ("int4-g32-sym", "W4A16", {"group_size": 32}),
-    ("int4-g64-asym", "W4A16_ASYM", {"group_size": 64}), ("int3-g128-sym", "W3A16", {}),
+    ("int4-g128-sym", "W4A16", {}),
+    ("int4-g32-sym", "W4A16", {"group_size": 32}),
+    ("int4-g64-asym", "W4A16_ASYM", {"group_size": 64}),
+    ("int3-g128-sym", "W3A16", {}),
     ("int3-g32-asym", "W3A16", {"group_size": 32, "symmetric": False}),
-    ("int2-g64-sym", "W2A16", {"group_size": 64}), ("int2-g128-asym", "W2A16", {"symmetric": False}),
+    ("int2-g64-sym", "W2A16", {"group_size": 64}),
+    ("int2-g128-asym", "W2A16", {"symmetric": False}),
     ("int8-channel", "W8A16", {"strategy": "channel", "group_size": None}),
 ]
 
@@ -77,16 +80,20 @@ def test_compressed_tensors_int_layout_is_bit_exact(key, preset, overrides, kind
 def test_compressed_tensors_reads_stacked_experts():
     w = make_weight((3, 16, 128), "student_t", seed=43)
     q = formats.quantize(w, "int4-g32-asym")
-    out = PackedQuantizationCompressor.decompress(dict(formats.pack_compressed_tensors(q)),
-                                                  ct_scheme("W4A16_ASYM", group_size=32))["weight"]
+    out = PackedQuantizationCompressor.decompress(
+        dict(formats.pack_compressed_tensors(q)), ct_scheme("W4A16_ASYM", group_size=32)
+    )["weight"]
     assert torch.equal(out, q.dequantize(torch.bfloat16))
 
 
 # ---------------------------------------------------------------- compressed-tensors: floats
 
+
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("key, preset, overrides", [
-    ("fp8-channel", "FP8_DYNAMIC", {}), ("fp8-tensor", "FP8", {}), ("fp8-block128", "FP8_BLOCK", {})])
+@pytest.mark.parametrize(
+    "key, preset, overrides",
+    [("fp8-channel", "FP8_DYNAMIC", {}), ("fp8-tensor", "FP8", {}), ("fp8-block128", "FP8_BLOCK", {})],
+)
 def test_compressed_tensors_fp8_is_bit_exact(key, preset, overrides, kind):
     scheme = ct_scheme(preset, **overrides)
     w = make_weight((300, 200), kind, seed=47)  # ragged for 128x128 blocks
@@ -134,11 +141,19 @@ def test_compressed_tensors_mxfp4_is_bit_exact_and_picks_our_scales(kind):
     assert torch.equal(out, q.dequantize(out.dtype))
 
 
-@pytest.mark.parametrize("key, preset, overrides", [
-    ("int4-g128-sym", "W4A16", {}), ("int4-g64-asym", "W4A16_ASYM", {"group_size": 64}),
-    ("int8-channel", "W8A16", {"strategy": "channel", "group_size": None}),
-    ("fp8-block128", "FP8_BLOCK", {}), ("fp8-channel", "FP8_DYNAMIC", {}), ("fp8-tensor", "FP8", {}),
-    ("mxfp4", "MXFP4A16", {}), ("nvfp4", "NVFP4A16", {})])
+@pytest.mark.parametrize(
+    "key, preset, overrides",
+    [
+        ("int4-g128-sym", "W4A16", {}),
+        ("int4-g64-asym", "W4A16_ASYM", {"group_size": 64}),
+        ("int8-channel", "W8A16", {"strategy": "channel", "group_size": None}),
+        ("fp8-block128", "FP8_BLOCK", {}),
+        ("fp8-channel", "FP8_DYNAMIC", {}),
+        ("fp8-tensor", "FP8", {}),
+        ("mxfp4", "MXFP4A16", {}),
+        ("nvfp4", "NVFP4A16", {}),
+    ],
+)
 def test_our_config_args_are_compressed_tensors_presets_and_decode_our_tensors(key, preset, overrides):
     from compressed_tensors.compressors.base import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs
@@ -158,6 +173,7 @@ def test_our_config_args_are_compressed_tensors_presets_and_decode_our_tensors(k
 
 
 # ---------------------------------------------------------------- AWQ and GPTQ through compressed-tensors
+
 
 @pytest.mark.parametrize("key", ["int4-g128-asym", "int4-g32-sym"])
 def test_autoawq_converter_reads_our_awq_gemm_tensors(key):
@@ -179,8 +195,11 @@ def test_gptq_bit_streams_are_the_ones_compressed_tensors_reads(key):
     w = make_weight((40, 256), seed=67)
     q = formats.quantize(w, key)
     gptq = formats.pack_gptq(q, version=2)
-    state = {"weight_packed": gptq["qweight"].T.contiguous(), "weight_scale": gptq["scales"].T.contiguous(),
-             "weight_shape": torch.tensor(q.shape)}
+    state = {
+        "weight_packed": gptq["qweight"].T.contiguous(),
+        "weight_scale": gptq["scales"].T.contiguous(),
+        "weight_shape": torch.tensor(q.shape),
+    }
     if not q.spec.symmetric:
         state["weight_zero_point"] = gptq["qzeros"].T.contiguous()
         scheme = ct_scheme("W4A16_ASYM", num_bits=q.spec.bits, group_size=q.spec.group_size)
@@ -204,6 +223,7 @@ def test_gptq_v1_zero_points_are_stored_minus_one():
 
 
 # ---------------------------------------------------------------- transformers
+
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_transformers_gpt_oss_dequantizer_reads_our_mxfp4(kind):
@@ -231,6 +251,7 @@ def test_transformers_fp8_block_dequantizers_read_our_deepseek_layout(kind):
 
 # ---------------------------------------------------------------- element types: ml_dtypes and torch
 
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_e2m1_codes_match_ml_dtypes(kind):
     w = make_weight((16, 128), kind, seed=83)
@@ -243,8 +264,10 @@ def test_e2m1_codes_match_ml_dtypes(kind):
         y = (w.unflatten(-1, (-1, q.spec.group_size)) / eff.unsqueeze(-1)).flatten(-2)
         theirs = y.numpy().astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0x0F
         assert np.array_equal(theirs, q.codes.numpy())
-        assert np.array_equal(q.codes.numpy().astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32),
-                              decode_e2m1(q.codes).numpy())
+        assert np.array_equal(
+            q.codes.numpy().astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32),
+            decode_e2m1(q.codes).numpy(),
+        )
 
 
 def test_e8m0_scales_match_ml_dtypes():
@@ -263,7 +286,11 @@ def test_e4m3_codes_match_torch_and_ml_dtypes(kind):
     for key in ("fp8-channel", "fp8-tensor", "fp8-block128"):
         q = formats.quantize(w, key)
         assert q.codes.dtype == torch.float8_e4m3fn
-        scale = q.scales if key != "fp8-block128" else q.scales.repeat_interleave(128, 0).repeat_interleave(128, 1)[:64, :256]
+        scale = (
+            q.scales
+            if key != "fp8-block128"
+            else q.scales.repeat_interleave(128, 0).repeat_interleave(128, 1)[:64, :256]
+        )
         y = (w / scale).clamp(-448, 448)
         theirs = y.numpy().astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
         assert np.array_equal(theirs, bits(q.codes).numpy())

@@ -131,7 +131,7 @@ def _within(ours: float, published: float, rounding: str = "nearest") -> bool:
     when rounded to nearest, one unit above it when the publisher truncates)."""
     text = repr(published)
     decimals = len(text.split(".")[1]) if "." in text and not text.endswith(".0") else 0
-    unit = 10.0 ** -decimals
+    unit = 10.0**-decimals
     if rounding == "truncated":
         return published - 0.01 * published <= ours < published + max(0.01 * published, unit)
     return abs(ours - published) <= max(0.01 * published, 0.5 * unit)
@@ -145,7 +145,11 @@ def test_inspect_matches_published_parameter_counts(name):
     assert isinstance(acc["total_params"], int) and isinstance(acc["active_params"], int)
     pub = PUBLISHED[name]
     assert abs(acc["total_params"] / 1e9 / pub["total"] - 1) < 0.01
-    key = "active_params_excluding_embedding" if pub.get("active_convention") == "excluding_embedding" else "active_params"
+    key = (
+        "active_params_excluding_embedding"
+        if pub.get("active_convention") == "excluding_embedding"
+        else "active_params"
+    )
     assert _within(acc[key] / 1e9, pub["active"], pub.get("active_rounding", "nearest")), (acc[key], pub)
 
 

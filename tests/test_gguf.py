@@ -101,8 +101,10 @@ def _reference_model(source, dequantized: dict, tmp, replaced: dict | None = Non
     kept = {ad.expert_tensor_name(L, e, p): w for (L, e, p), w in dequantized.items()} | dict(replaced or {})
     tmp.mkdir(parents=True)
     shutil.copy(source / "config.json", tmp / "config.json")
-    save_file({n: (kept[n] if n in kept else ckpt.get(n)).to(torch.float32).contiguous() for n in ckpt.keys()},
-              str(tmp / "model.safetensors"))
+    save_file(
+        {n: (kept[n] if n in kept else ckpt.get(n)).to(torch.float32).contiguous() for n in ckpt.keys()},
+        str(tmp / "model.safetensors"),
+    )
     return AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
 
 
@@ -128,9 +130,15 @@ def _plan_types(source):
     """Per (layer, proj) one ggml type: K types where the row length allows, 32-blocks elsewhere."""
     ckpt = open_checkpoint(source)
     ad = adapter_for(ckpt.config)
-    cycle_k, cycle_32 = itertools.cycle(["q4_k", "q6_k", "q3_k", "q5_k", "q2_k"]), itertools.cycle(["q5_0", "q4_0", "q8_0", "q4_1", "q5_1"])
-    return {(L, p): next(cycle_k) if ad.expert_shape(p)[1] % 256 == 0 else next(cycle_32)
-            for L in ad.moe_layers for p in ad.projections}
+    cycle_k, cycle_32 = (
+        itertools.cycle(["q4_k", "q6_k", "q3_k", "q5_k", "q2_k"]),
+        itertools.cycle(["q5_0", "q4_0", "q8_0", "q4_1", "q5_1"]),
+    )
+    return {
+        (L, p): next(cycle_k) if ad.expert_shape(p)[1] % 256 == 0 else next(cycle_32)
+        for L in ad.moe_layers
+        for p in ad.projections
+    }
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -174,7 +182,9 @@ def test_llama_cpp_runs_our_gguf(model, llama, tmp_path):
     kl_f32 = np.concatenate([V.kl_per_token(r, g) for r, g in zip(base, ll_f32)])
     kl_same = np.concatenate([V.kl_per_token(r, g) for r, g in zip(ours, ll_q)])
     kl_quant = np.concatenate([V.kl_per_token(r, g) for r, g in zip(base, ours)])
-    print(f"{model}: KL f32 {kl_f32.mean():.2e}, llama.cpp vs ours {kl_same.mean():.2e}, quantization {kl_quant.mean():.2e}")
+    print(
+        f"{model}: KL f32 {kl_f32.mean():.2e}, llama.cpp vs ours {kl_same.mean():.2e}, quantization {kl_quant.mean():.2e}"
+    )
     assert kl_f32.mean() < 1e-5
     assert kl_quant.mean() > 1e-3  # the quantization is visible ...
     # ... and llama.cpp runs our blocks as we decode them (what remains is its 8-bit activations in quantized matmuls)
@@ -204,9 +214,19 @@ def test_apply_writes_the_planned_gguf_and_llama_cpp_evaluates_it(llama, tmp_pat
     from moequant.pipeline.apply import apply
 
     out = tmp_path / "run"
-    apply("recipes/gguf.yaml", output=str(out), progress=False, log=lambda *_: None,
-          overrides=["calibration.samples=8", "calibration.seq_len=64", "calibration.probe_samples=4",
-                     "evaluate.samples=4", "evaluate.seq_len=64"])
+    apply(
+        "recipes/gguf.yaml",
+        output=str(out),
+        progress=False,
+        log=lambda *_: None,
+        overrides=[
+            "calibration.samples=8",
+            "calibration.seq_len=64",
+            "calibration.probe_samples=4",
+            "evaluate.samples=4",
+            "evaluate.seq_len=64",
+        ],
+    )
     plan = json.loads((out / "plan.json").read_text())
     planned = {}
     for t in plan["tensors"]:
@@ -226,10 +246,25 @@ def test_cli_refuses_a_malformed_gguf_request(tmp_path):
     import sys
 
     out = tmp_path / "bad"
-    for extra in (["--set", "target=vllm"], ["--set", "experts.formats=[q4_k, int4]", "--set", "experts.method=uniform",
-                                             "--set", "experts.format=int4"]):
-        proc = subprocess.run([sys.executable, "-m", "moequant.cli", "apply", "--recipe", "recipes/gguf.yaml",
-                               "--output", str(out), *extra], capture_output=True, text=True)
+    for extra in (
+        ["--set", "target=vllm"],
+        ["--set", "experts.formats=[q4_k, int4]", "--set", "experts.method=uniform", "--set", "experts.format=int4"],
+    ):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "moequant.cli",
+                "apply",
+                "--recipe",
+                "recipes/gguf.yaml",
+                "--output",
+                str(out),
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert proc.returncode == 2, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
         assert not out.exists() or not (out / "checkpoint").exists()
@@ -245,9 +280,28 @@ def test_imatrix_from_our_statistics_is_accepted_by_llama_model_quantize(llama, 
     from moequant.calib.stats import load_stats
 
     stats_dir, imat = tmp_path / "run" / "stats", tmp_path / "imatrix.gguf"
-    proc = subprocess.run([sys.executable, "-m", "moequant.cli", "calibrate", "--model", "zoo:tiny-qwen2moe",
-                           "--samples", "8", "--seq-len", "64", "--formats", "q4_k", "--output", str(tmp_path / "run"),
-                           "--imatrix", str(imat)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moequant.cli",
+            "calibrate",
+            "--model",
+            "zoo:tiny-qwen2moe",
+            "--samples",
+            "8",
+            "--seq-len",
+            "64",
+            "--formats",
+            "q4_k",
+            "--output",
+            str(tmp_path / "run"),
+            "--imatrix",
+            str(imat),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     stats = load_stats(stats_dir, with_hessians=False)
     reader = gguf.GGUFReader(imat)
@@ -276,32 +330,43 @@ def test_imatrix_from_our_statistics_is_accepted_by_llama_model_quantize(llama, 
     w.add_type("imatrix")
     w.add_tensor(name + ".in_sum2", np.ones((E, 100), dtype=np.float32))
     w.add_tensor(name + ".counts", np.ones((E, 1), dtype=np.float32))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()  # noqa: E702
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()  # noqa: E702
     assert V.quantize(src / "model.gguf", tmp_path / "c.gguf", "Q4_K_M", imatrix=bad)["rc"] != 0
 
 
 def test_token_embedding_and_output_types(llama, tmp_path):
     """export.gguf_token_embd / gguf_output (llama.cpp's --token-embedding-type / --output-tensor-type)."""
     source = zoo_path("tiny-mixtral")
-    out = export_checkpoint(source, {}, tmp_path / "a", layout="gguf", target="llama.cpp",
-                            gguf_types={"token_embd.weight": "q4_k", "output.weight": "q6_k"})
+    out = export_checkpoint(
+        source,
+        {},
+        tmp_path / "a",
+        layout="gguf",
+        target="llama.cpp",
+        gguf_types={"token_embd.weight": "q4_k", "output.weight": "q6_k"},
+    )
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out / "model.gguf").tensors}
     assert types["token_embd.weight"] == "Q4_K" and types["output.weight"] == "Q6_K"
     from tokenizers import Tokenizer
 
     text = _texts(1)[:2]
-    assert V.tokenize(out / "model.gguf", text) == [Tokenizer.from_file(str(source / "tokenizer.json")).encode(t).ids
-                                                     for t in text]
+    assert V.tokenize(out / "model.gguf", text) == [
+        Tokenizer.from_file(str(source / "tokenizer.json")).encode(t).ids for t in text
+    ]
     with pytest.raises(UserError, match="unknown format"):
-        export_checkpoint(source, {}, tmp_path / "b", layout="gguf", target="llama.cpp",
-                          gguf_types={"output.weight": "q7_k"})
+        export_checkpoint(
+            source, {}, tmp_path / "b", layout="gguf", target="llama.cpp", gguf_types={"output.weight": "q7_k"}
+        )
     assert not (tmp_path / "b").exists()
 
 
 def _correlated(E=3, rows=32, n=512, tokens=1024, seed=0):
     g = torch.Generator().manual_seed(seed)
     W = torch.randn(E, rows, n, generator=g)
-    mix = torch.eye(n) + 0.5 * torch.randn(n, n, generator=g) / n ** 0.5
+    mix = torch.eye(n) + 0.5 * torch.randn(n, n, generator=g) / n**0.5
     X = (torch.randn(E, tokens, n, generator=g) @ mix) * (torch.rand(n, generator=g) * 2)
     return W, X.transpose(1, 2) @ X / tokens
 

@@ -69,13 +69,19 @@ def _quantized(source):
             for e in range(W.shape[0]):
                 quantized[(L, e, p)] = q.expert(e)
             experts[(L, p)] = q.dequantize()
-    expert_names = {ad.expert_tensor_name(L, e, p) for L in ad.moe_layers for e in range(ad.num_experts)
-                    for p in ad.projections}
+    expert_names = {
+        ad.expert_tensor_name(L, e, p) for L in ad.moe_layers for e in range(ad.num_experts) for p in ad.projections
+    }
     for name in ckpt.keys():
         role = ad.classify(name).role
         targets = gguf_targets(ad.model_type, name)
-        if (name in expert_names or len(ckpt.shape(name)) != 2 or role not in OTHER_ROLES
-                or len(targets) != 1 or targets[0][1] is not None):
+        if (
+            name in expert_names
+            or len(ckpt.shape(name)) != 2
+            or role not in OTHER_ROLES
+            or len(targets) != 1
+            or targets[0][1] is not None
+        ):
             continue
         q = formats.quantize_ggml(ckpt.get(name).float(), "q4_k" if ckpt.shape(name)[1] % 256 == 0 else "q4_0")
         quantized[name] = q
@@ -157,21 +163,26 @@ def test_llama_cpp_runs_every_architecture(model_type, llama, tmp_path):
     ll_f32, ll_q = V.logits([f32 / "model.gguf", qdir / "model.gguf"], short)
     kl_f32, kl_same, kl_quant = _kl(base, ll_f32), _kl(ours, ll_q), _kl(base, ours)
     entropy = float(np.mean([_entropy(b) for b in base]))
-    print(f"{model_type}: KL f32 {kl_f32:.2e}, llama.cpp vs ours {kl_same:.2e}, quantization {kl_quant:.2e}, "
-          f"entropy {entropy:.2f} of {np.log(base[0].shape[-1]):.2f}")
+    print(
+        f"{model_type}: KL f32 {kl_f32:.2e}, llama.cpp vs ours {kl_same:.2e}, quantization {kl_quant:.2e}, "
+        f"entropy {entropy:.2f} of {np.log(base[0].shape[-1]):.2f}"
+    )
     assert entropy < 0.8 * np.log(base[0].shape[-1])  # far from uniform: the KLs below mean something
     assert kl_f32 <= 1e-4
     assert kl_same <= 1e-3
     assert kl_quant > 10 * kl_same
 
 
-@pytest.mark.parametrize("model_type, override, match", [
-    ("qwen3_moe", {"norm_topk_prob": False}, "always renormalises"),
-    ("olmoe", {"norm_topk_prob": True}, "does not renormalise"),
-    ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1}, "group_limited_greedy"),
-    ("deepseek_v3", {"rope_interleave": False}, "rope_interleave"),
-    ("gpt_oss", {"layer_types": ["full_attention", "sliding_attention"]}, "even layers"),
-])
+@pytest.mark.parametrize(
+    "model_type, override, match",
+    [
+        ("qwen3_moe", {"norm_topk_prob": False}, "always renormalises"),
+        ("olmoe", {"norm_topk_prob": True}, "does not renormalise"),
+        ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1}, "group_limited_greedy"),
+        ("deepseek_v3", {"rope_interleave": False}, "rope_interleave"),
+        ("gpt_oss", {"layer_types": ["full_attention", "sliding_attention"]}, "even layers"),
+    ],
+)
 def test_what_llama_cpp_cannot_run_is_refused_before_writing(model_type, override, match, tmp_path):
     import json
 
@@ -191,7 +202,9 @@ def test_kv_b_proj_is_written_as_llama_cpp_splits_it_in_its_planned_type(tmp_pat
     source = build_gguf_tiny("deepseek_v3", tmp_path / "src")
     ckpt = open_checkpoint(source)
     c = ckpt.config
-    heads, nope, v, lora = (int(c[k]) for k in ("num_attention_heads", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank"))
+    heads, nope, v, lora = (
+        int(c[k]) for k in ("num_attention_heads", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank")
+    )
     name = "model.layers.1.self_attn.kv_b_proj.weight"
     w = ckpt.get(name).double()
     for key in ("q8_0", "q4_0"):
@@ -223,7 +236,9 @@ def test_llama_cpp_runs_kv_b_proj_split_and_quantized(llama, tmp_path):
     source = build_gguf_tiny("deepseek_v2", tmp_path / "src")
     ckpt = open_checkpoint(source)
     c = ckpt.config
-    heads, nope, v, lora = (int(c[k]) for k in ("num_attention_heads", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank"))
+    heads, nope, v, lora = (
+        int(c[k]) for k in ("num_attention_heads", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank")
+    )
     tok = Tokenizer.from_file(str(source / "tokenizer.json"))
     ids = [tok.encode(t).ids[:96] for t in _texts()]
     base = _logits(_reference(source, {}, {}, tmp_path / "r0"), ids)
@@ -233,9 +248,13 @@ def test_llama_cpp_runs_kv_b_proj_split_and_quantized(llama, tmp_path):
         out = export_checkpoint(source, items, tmp_path / key, layout="gguf", target="llama.cpp", gguf_float="f32")
         tensors = {t.name: t for t in gguf.GGUFReader(out / "model.gguf").tensors}
         read = lambda t: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))  # noqa: E731
-        others = {n: torch.cat([read(tensors[f"blk.{L}.attn_k_b.weight"]).transpose(1, 2),
-                                read(tensors[f"blk.{L}.attn_v_b.weight"])], 1).reshape(heads * (nope + v), lora)
-                  for L, n in enumerate(names)}
+        others = {
+            n: torch.cat(
+                [read(tensors[f"blk.{L}.attn_k_b.weight"]).transpose(1, 2), read(tensors[f"blk.{L}.attn_v_b.weight"])],
+                1,
+            ).reshape(heads * (nope + v), lora)
+            for L, n in enumerate(names)
+        }
         ours = _logits(_reference(source, {}, others, tmp_path / f"r-{key}"), ids)
         (got,) = V.logits([out / "model.gguf"], ids)
         kl_same, kl_quant = _kl(ours, got), _kl(base, ours)
@@ -256,18 +275,28 @@ def test_a_type_that_kv_b_projs_split_rows_cannot_hold_is_refused_before_calibra
     from tests.test_budget import _header_only_checkpoint
 
     model = tmp_path / "deepseek-v3-shape"
-    _header_only_checkpoint(model, DeepseekV3Config(num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=16,
-                                                    vocab_size=4096))
+    _header_only_checkpoint(
+        model, DeepseekV3Config(num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=16, vocab_size=4096)
+    )
     ckpt = open_checkpoint(model)
-    recipe = resolve_recipe("recipes/gguf.yaml", str(model), str(tmp_path / "run"),
-                            ["non_experts.format=q4_k", "non_experts.formats=[]", "experts.method=uniform",
-                             "experts.format=q4_k"])
-    with pytest.raises(UserError, match=r"cannot hold tensor model\.layers\.0\.self_attn\.kv_b_proj\.weight: tensor "
-                                         r"'blk\.0\.attn_k_b\.weight \(of .*\)' has 128 input columns"):
+    recipe = resolve_recipe(
+        "recipes/gguf.yaml",
+        str(model),
+        str(tmp_path / "run"),
+        ["non_experts.format=q4_k", "non_experts.formats=[]", "experts.method=uniform", "experts.format=q4_k"],
+    )
+    with pytest.raises(
+        UserError,
+        match=r"cannot hold tensor model\.layers\.0\.self_attn\.kv_b_proj\.weight: tensor "
+        r"'blk\.0\.attn_k_b\.weight \(of .*\)' has 128 input columns",
+    ):
         check_plan(recipe, ckpt)
-    recipe = resolve_recipe("recipes/gguf.yaml", str(model), str(tmp_path / "run"),
-                            ["non_experts.format=q5_0", "non_experts.formats=[]", "experts.method=uniform",
-                             "experts.format=q4_k"])
+    recipe = resolve_recipe(
+        "recipes/gguf.yaml",
+        str(model),
+        str(tmp_path / "run"),
+        ["non_experts.format=q5_0", "non_experts.formats=[]", "experts.method=uniform", "experts.format=q4_k"],
+    )
     plan = {t.name: t for t in make_plan(recipe, ckpt, None).tensors}
     kv_b = plan["model.layers.0.self_attn.kv_b_proj.weight"]
     assert kv_b.format == "q5_0" and kv_b.kept is None
@@ -275,8 +304,10 @@ def test_a_type_that_kv_b_projs_split_rows_cannot_hold_is_refused_before_calibra
     assert kv_b.bytes == 128 * 512 * 4 * 22 + 128 * 128 * 16 * 22
 
 
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-               r"|\s+(?!\S)|\s+")  # Qwen2 / Qwen3's tokenizer.json split pattern
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)  # Qwen2 / Qwen3's tokenizer.json split pattern
 
 
 @pytest.mark.slow
@@ -292,12 +323,19 @@ def test_qwen_pre_tokenizer_round_trips_in_llama_cpp(llama, tmp_path):
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(_texts() * 4, trainers.BpeTrainer(
-        vocab_size=vocab - 8, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        _texts() * 4,
+        trainers.BpeTrainer(
+            vocab_size=vocab - 8, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tok.add_special_tokens([f"<|extra_{i}|>" for i in range(vocab - tok.get_vocab_size())])
     assert tok.get_vocab_size() == vocab
     tok.save(str(source / "tokenizer.json"))
@@ -335,19 +373,24 @@ def test_gpt_oss_mxfp4_source_keeps_its_own_codes(llama, tmp_path):
             t = tensors[f"blk.{L}.ffn_{p}_exps.weight"]
             assert t.tensor_type == gguf.GGMLQuantizationType.MXFP4
             values = np.asarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
-            assert np.array_equal(values.reshape(ad.num_experts, *ad.expert_shape(p)), ad.read_experts(ckpt, L, p).numpy())
+            assert np.array_equal(
+                values.reshape(ad.num_experts, *ad.expert_shape(p)), ad.read_experts(ckpt, L, p).numpy()
+            )
 
     ref_dir = tmp_path / "f32"  # the dequantized source as plain float32, for transformers
     ref_dir.mkdir()
     save_file({n: ckpt.get(n).float().contiguous() for n in ckpt.keys()}, str(ref_dir / "model.safetensors"))
-    (ref_dir / "config.json").write_text(json.dumps({k: v for k, v in ckpt.config.items() if k != "quantization_config"}))
+    (ref_dir / "config.json").write_text(
+        json.dumps({k: v for k, v in ckpt.config.items() if k != "quantization_config"})
+    )
     copy_aux_files(source, ref_dir)
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
     ids = [Tokenizer.from_file(str(source / "tokenizer.json")).encode(t).ids[:96] for t in _texts()]
     assert V.tokenize(out / "model.gguf", _texts()) == [
-        Tokenizer.from_file(str(source / "tokenizer.json")).encode(t).ids for t in _texts()]
+        Tokenizer.from_file(str(source / "tokenizer.json")).encode(t).ids for t in _texts()
+    ]
     ref = _logits(AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval(), ids)
     kl = _kl(ref, V.logits([out / "model.gguf"], ids)[0])
     print(f"gpt-oss MXFP4 source: KL llama.cpp vs transformers {kl:.2e}")

@@ -66,9 +66,24 @@ def test_a_budget_the_low_bit_menu_cannot_meet_is_refused_before_calibration(tmp
     cannot be met; apply refuses in one sentence, exit code 2, before any calibration."""
     out = tmp_path / "run"
     for recipe in ("recipes/gguf-lowbit.yaml", "recipes/gguf-iq.yaml"):
-        proc = subprocess.run([sys.executable, "-m", "moequant.cli", "apply", "--recipe", recipe, "--output", str(out),
-                               "--model", "zoo:tiny-qwen2moe",
-                               "--set", "experts.budget.bits_per_weight=2.0"], capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "moequant.cli",
+                "apply",
+                "--recipe",
+                recipe,
+                "--output",
+                str(out),
+                "--model",
+                "zoo:tiny-qwen2moe",
+                "--set",
+                "experts.budget.bits_per_weight=2.0",
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert proc.returncode == 2, proc.stderr
         lines = [ln for ln in proc.stderr.strip().splitlines() if not ln.startswith("note:")]
         assert len(lines) == 1 and "below the smallest feasible plan" in lines[0] and "Traceback" not in proc.stderr
@@ -87,8 +102,12 @@ def test_the_smallest_feasible_budget_it_names_is_feasible_with_per_tensor_non_e
     from moequant.zoo import path as zoo_path
 
     ckpt = open_checkpoint(zoo_path("tiny-deepseek-v3"))
-    recipe = lambda bits: resolve_recipe("recipes/gguf-lowbit.yaml", "zoo:tiny-deepseek-v3", "runs/x",  # noqa: E731
-                                         [f"experts.budget.bits_per_weight={bits}"])
+    recipe = lambda bits: resolve_recipe(
+        "recipes/gguf-lowbit.yaml",
+        "zoo:tiny-deepseek-v3",
+        "runs/x",  # noqa: E731
+        [f"experts.budget.bits_per_weight={bits}"],
+    )
     with pytest.raises(UserError) as info:
         check_plan(recipe(1.0), ckpt)
     shown = float(re.search(r"bits_per_weight >= ([\d.]+)\.$", str(info.value))[1])

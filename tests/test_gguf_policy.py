@@ -15,8 +15,14 @@ from moequant.plan.recipe import recipe_from_dict
 
 H = 512
 # bytes per block of 32 / 256 weights, from ggml's block layouts (ggml-common.h)
-BLOCK = {"q8_0": (32, 34), "q5_0": (32, 22), "q4_0": (32, 18), "q6_k": (256, 210), "q4_k": (256, 144),
-         "q3_k": (256, 110)}
+BLOCK = {
+    "q8_0": (32, 34),
+    "q5_0": (32, 22),
+    "q4_0": (32, 18),
+    "q6_k": (256, 210),
+    "q4_k": (256, 144),
+    "q3_k": (256, 110),
+}
 SCALE = {"q8_0": 1.0, "q6_k": 3.0, "q5_0": 8.0, "q4_k": 15.0, "q4_0": 25.0, "q3_k": 60.0}
 
 
@@ -24,8 +30,10 @@ def tensors(layers, experts, inter):
     out = [("model.embed_tokens.weight", "embedding", None, None, None, (100, H))]
     for L in range(layers):
         p = f"model.layers.{L}."
-        out += [(p + "mlp.gate.weight", "router", L, None, None, (experts, H)),
-                (p + "self_attn.q_proj.weight", "attention", L, None, None, (H, H))]
+        out += [
+            (p + "mlp.gate.weight", "router", L, None, None, (experts, H)),
+            (p + "self_attn.q_proj.weight", "attention", L, None, None, (H, H)),
+        ]
         for e in range(experts):
             for proj in ("gate", "up", "down"):
                 shape = (H, inter) if proj == "down" else (inter, H)
@@ -47,10 +55,15 @@ def stats(layers, experts, seed=0, tokens=1000, top_k=2):
 
 
 def plan_for(target, formats, bits, layers=2, experts=4, inter=256, seed=0, non_experts="bf16"):
-    r = recipe_from_dict({"target": target, "export": {"format": "gguf" if target == "llama.cpp" else "compressed-tensors"},
-                          "non_experts": {"format": non_experts},
-                          "experts": {"method": "budget", "budget": {"bits_per_weight": bits}, "formats": formats}},
-                         "t.yaml")
+    r = recipe_from_dict(
+        {
+            "target": target,
+            "export": {"format": "gguf" if target == "llama.cpp" else "compressed-tensors"},
+            "non_experts": {"format": non_experts},
+            "experts": {"method": "budget", "budget": {"bits_per_weight": bits}, "formats": formats},
+        },
+        "t.yaml",
+    )
     return make_plan(r, tensors(layers, experts, inter), stats(layers, experts, seed))
 
 
@@ -86,7 +99,9 @@ def test_one_type_per_layer_projection_at_the_exact_optimum(seed, bits, inter):
         b = sum(4 * nbytes(k, shape[g[1]]) for g, k in zip(groups, combo))
         if b > limit:
             continue
-        loss = sum(float(np.dot(usage[g[0]], st.layers[g[0]].sensitivity[g[1]][k].numpy())) for g, k in zip(groups, combo))
+        loss = sum(
+            float(np.dot(usage[g[0]], st.layers[g[0]].sensitivity[g[1]][k].numpy())) for g, k in zip(groups, combo)
+        )
         best = loss if best is None or loss < best else best
     assert plan.summary["predicted_loss"] == pytest.approx(best, rel=1e-9)
     assert plan.summary["routed_bytes"] <= limit
@@ -118,14 +133,21 @@ def test_non_expert_types_chosen_per_tensor_with_the_experts_at_the_exact_optimu
     st = stats(2, 4, 0)
     st.tensor_probe = {"tensors": {f"model.layers.{L}.self_attn.q_proj.weight": kl[L] for L in range(2)}}
     bits = 5.0
-    r = recipe_from_dict({"target": "llama.cpp", "export": {"format": "gguf"},
-                          "non_experts": {"format": "q5_0", "formats": ne},
-                          "experts": {"method": "budget", "budget": {"bits_per_weight": bits}, "formats": formats}},
-                         "t.yaml")
+    r = recipe_from_dict(
+        {
+            "target": "llama.cpp",
+            "export": {"format": "gguf"},
+            "non_experts": {"format": "q5_0", "formats": ne},
+            "experts": {"method": "budget", "budget": {"bits_per_weight": bits}, "formats": formats},
+        },
+        "t.yaml",
+    )
     plan = make_plan(r, tensors(2, 4, 256), st)
     attn = {t.layer: t for t in plan.tensors if t.role == "attention"}
     assert attn[1].format == "q8_0" and attn[0].format != "q8_0"  # the measured KL decides, per tensor
-    assert all(t.bytes == nbytes(t.format, t.shape) and t.predicted_loss == kl[t.layer][t.format] for t in attn.values())
+    assert all(
+        t.bytes == nbytes(t.format, t.shape) and t.predicted_loss == kl[t.layer][t.format] for t in attn.values()
+    )
     # brute force over one type per (layer, projection) and per attention tensor
     counts = {L: st.layers[L].routed_count.double().numpy() for L in range(2)}
     usage = {L: np.maximum(counts[L] / 1000, 0.05 * 2 / 4) for L in range(2)}
@@ -138,7 +160,9 @@ def test_non_expert_types_chosen_per_tensor_with_the_experts_at_the_exact_optimu
         b = sum(4 * nbytes(k, shape[g[1]]) for g, k in zip(groups, combo)) + sum(nbytes(k, (H, H)) for k in combo[-2:])
         if b > limit:
             continue
-        loss = sum(float(np.dot(usage[g[0]], st.layers[g[0]].sensitivity[g[1]][k].numpy())) for g, k in zip(groups, combo))
+        loss = sum(
+            float(np.dot(usage[g[0]], st.layers[g[0]].sensitivity[g[1]][k].numpy())) for g, k in zip(groups, combo)
+        )
         loss += kl[0][combo[-2]] + kl[1][combo[-1]]
         best = loss if best is None or loss < best else best
     got = plan.summary["predicted_loss"] + sum(t.predicted_loss for t in attn.values())
@@ -174,9 +198,15 @@ def test_fused_gate_up_gets_one_type_per_layer():
             st.layers[L].tensors[f"sensitivity.{proj}.mxfp4"] = st.layers[L].tensors[f"sensitivity.{proj}.q4_k"] * 1.1
         st.layers[L].tensors["sensitivity.gate.q3_k"] *= 100  # gate wants q4_k or better, up is fine in q3_k
         st.layers[L].tensors["sensitivity.up.q3_k"] /= 100
-    r = recipe_from_dict({"target": "llama.cpp", "export": {"format": "gguf"}, "non_experts": {"format": "bf16"},
-                          "experts": {"method": "budget", "budget": {"bits_per_weight": 4.6}, "formats": formats}},
-                         "t.yaml")
+    r = recipe_from_dict(
+        {
+            "target": "llama.cpp",
+            "export": {"format": "gguf"},
+            "non_experts": {"format": "bf16"},
+            "experts": {"method": "budget", "budget": {"bits_per_weight": 4.6}, "formats": formats},
+        },
+        "t.yaml",
+    )
     plan = make_plan(r, fused, st)
     chosen = {}
     for t in plan.tensors:

@@ -45,7 +45,7 @@ def reference_gptq(w, h, group, damp=0.01, static_groups=True, act_order=False):
     dead = np.diag(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    scales = [int4_sym_scale(w[:, g:g + group]) for g in range(0, n, group)] if static_groups else []
+    scales = [int4_sym_scale(w[:, g : g + group]) for g in range(0, n, group)] if static_groups else []
     order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(n)
     w, h = w[:, order], h[np.ix_(order, order)]
     h = h + damp * np.mean(np.diag(h)) * np.eye(n)
@@ -56,11 +56,11 @@ def reference_gptq(w, h, group, damp=0.01, static_groups=True, act_order=False):
             scale = scales[order[j] // group]
         else:
             if j % group == 0:
-                scales.append(int4_sym_scale(w[:, j:j + group]))
+                scales.append(int4_sym_scale(w[:, j : j + group]))
             scale = scales[-1]
-        codes[:, j:j + 1] = int4_sym_codes(w[:, j:j + 1], scale)
+        codes[:, j : j + 1] = int4_sym_codes(w[:, j : j + 1], scale)
         err = (w[:, j] - codes[:, j] * scale[:, 0]) / u[j, j]
-        w[:, j + 1:] -= np.outer(err, u[j, j + 1:])
+        w[:, j + 1 :] -= np.outer(err, u[j, j + 1 :])
     back = np.empty_like(codes)
     back[:, order] = codes
     return back, np.concatenate(scales, axis=1)
@@ -124,8 +124,12 @@ def test_shared_hessian_rows_equal_separate_calls(key):
     w, h, _ = make_layer(experts=2, out=24, n_in=64, tokens=200, seed=2)
     gate, up = w[:, :8], w[:, 8:]
     (q_gate, q_up), _ = gptq.gptq_shared_hessian([gate, up], h, key, act_order=True)
-    assert torch.equal(q_gate.dequantize(torch.float32), gptq.gptq(gate, h, key, act_order=True)[0].dequantize(torch.float32))
-    assert torch.equal(q_up.dequantize(torch.float32), gptq.gptq(up, h, key, act_order=True)[0].dequantize(torch.float32))
+    assert torch.equal(
+        q_gate.dequantize(torch.float32), gptq.gptq(gate, h, key, act_order=True)[0].dequantize(torch.float32)
+    )
+    assert torch.equal(
+        q_up.dequantize(torch.float32), gptq.gptq(up, h, key, act_order=True)[0].dequantize(torch.float32)
+    )
 
 
 @pytest.mark.parametrize("key", [INT4, "mxfp4"])
@@ -262,6 +266,8 @@ def test_pass_with_gate_and_up_together_equals_one_pass_each(key):
     (q_gate, q_up), _ = gptq.gptq_pass_shared([gate, up], h, key, grid="searched", refit=True)
     for q, weight in ((q_gate, gate), (q_up, up)):
         alone, _ = gptq.gptq_pass(weight, h, key, grid="searched", refit=True)
-        assert torch.equal(q.codes.view(torch.uint8) if q.codes.dtype.itemsize == 1 else q.codes,
-                           alone.codes.view(torch.uint8) if alone.codes.dtype.itemsize == 1 else alone.codes)
+        assert torch.equal(
+            q.codes.view(torch.uint8) if q.codes.dtype.itemsize == 1 else q.codes,
+            alone.codes.view(torch.uint8) if alone.codes.dtype.itemsize == 1 else alone.codes,
+        )
         assert torch.equal(q.dequantize(torch.float32), alone.dequantize(torch.float32))

@@ -75,10 +75,14 @@ def test_fused_matches_torch_sweep_on_cuda(monkeypatch, key, act_order):
     differ_torch = (fused.codes != torch_sweep.codes).float().mean().item()
     differ_exact = (fused.codes.cpu() != exact.codes).float().mean().item()
     differ_torch_exact = (torch_sweep.codes.cpu() != exact.codes).float().mean().item()
-    err = {name: output_error(w, q.dequantize(torch.float32).cpu(), held_out)
-           for name, q in (("fused", fused), ("torch", torch_sweep), ("float64", exact))}
-    print(f"{key} act_order={act_order}: codes differing fused/torch {differ_torch:.2e}, fused/float64 "
-          f"{differ_exact:.2e}, torch/float64 {differ_torch_exact:.2e}; held-out error {err}")
+    err = {
+        name: output_error(w, q.dequantize(torch.float32).cpu(), held_out)
+        for name, q in (("fused", fused), ("torch", torch_sweep), ("float64", exact))
+    }
+    print(
+        f"{key} act_order={act_order}: codes differing fused/torch {differ_torch:.2e}, fused/float64 "
+        f"{differ_exact:.2e}, torch/float64 {differ_torch_exact:.2e}; held-out error {err}"
+    )
     assert differ_exact < 5e-3 and differ_torch < 5e-3
     assert err["fused"] <= err["float64"] * 1.01 and err["fused"] <= err["torch"] * 1.01
     assert torch.equal(fused.scales, torch_sweep.scales)
@@ -86,8 +90,10 @@ def test_fused_matches_torch_sweep_on_cuda(monkeypatch, key, act_order):
         assert abs(a - b) <= 1e-3 * b
 
 
-@pytest.mark.parametrize("key,act_order", [("int4-g128-sym", True), ("int4-g64-asym", False), ("int8-channel", True),
-                                           ("int3-g128-sym", True)])
+@pytest.mark.parametrize(
+    "key,act_order",
+    [("int4-g128-sym", True), ("int4-g64-asym", False), ("int8-channel", True), ("int3-g128-sym", True)],
+)
 def test_tf32_updates_as_accurate_as_float32(monkeypatch, key, act_order):
     """The default fused sweep (TF32 lazy updates, split-TF32 Cholesky products) against the same
     sweep in float32: held-out error within 0.1%, proxy loss within 0.1%. Codes: a changed rounding
@@ -104,8 +110,10 @@ def test_tf32_updates_as_accurate_as_float32(monkeypatch, key, act_order):
     differ = (tf32.codes != fp32.codes).float().mean().item()
     err_t = output_error(w, tf32.dequantize(torch.float32).cpu(), held_out)
     err_f = output_error(w, fp32.dequantize(torch.float32).cpu(), held_out)
-    print(f"{key} act_order={act_order}: codes differing tf32/fp32 {differ:.2e}; held-out error tf32 {err_t:.6g} "
-          f"fp32 {err_f:.6g} ({err_t / err_f - 1:+.3%})")
+    print(
+        f"{key} act_order={act_order}: codes differing tf32/fp32 {differ:.2e}; held-out error tf32 {err_t:.6g} "
+        f"fp32 {err_f:.6g} ({err_t / err_f - 1:+.3%})"
+    )
     assert err_t <= err_f * 1.001
     assert differ < 2e-2
     assert torch.equal(tf32.scales, fp32.scales)
@@ -148,7 +156,6 @@ def test_blocked_cholesky_matches_cusolver():
     got, info = gptq._blocked_cholesky(a.clone(), 512)
     assert torch.equal(info.cpu(), want_info.cpu().to(info.dtype))
     torch.testing.assert_close(got[:3], want[:3], rtol=0, atol=1e-10)
-
 
 
 def test_blocked_cholesky_split_tf32_is_float32_accurate():

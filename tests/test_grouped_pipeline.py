@@ -37,8 +37,9 @@ def _ids(vocab=96):
 def _collect(directory, layer, implementation, device="cpu", dtype=torch.float32):
     ckpt = open_checkpoint(directory)
     adapter = adapter_for(ckpt.config)
-    runner = LayerRunner(ckpt, adapter, _ids(), batch_size=BS, device=device, dtype=dtype,
-                         experts_implementation=implementation)
+    runner = LayerRunner(
+        ckpt, adapter, _ids(), batch_size=BS, device=device, dtype=dtype, experts_implementation=implementation
+    )
     hidden = runner.embedded
     for L in range(layer):  # carry the real inputs of `layer`
         with runner.materialized(L) as module:
@@ -47,7 +48,8 @@ def _collect(directory, layer, implementation, device="cpu", dtype=torch.float32
     with runner.materialized(layer) as module:
         col = _LayerCollector(adapter, module.mlp.experts, adapter.num_experts, adapter.top_k, [], True, True)
         hook = adapter.router_module(module.mlp).register_forward_hook(
-            lambda m, a, out: routed.append(out[2].reshape(-1, adapter.top_k).cpu()))
+            lambda m, a, out: routed.append(out[2].reshape(-1, adapter.top_k).cpu())
+        )
         try:
             out = collect_moe_stats(runner, module, layer, col, hidden)
         finally:
@@ -60,8 +62,9 @@ def _collect(directory, layer, implementation, device="cpu", dtype=torch.float32
 def test_experts_hidden_and_block_equal_transformers(tiny_dirs, model_type):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_dirs[model_type], dtype=torch.float32,
-                                                 experts_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_dirs[model_type], dtype=torch.float32, experts_implementation="eager"
+    )
     adapter = adapter_for(open_checkpoint(tiny_dirs[model_type]).config)
     L = adapter.moe_layers[0]
     mlp = model.model.layers[L].mlp
@@ -74,8 +77,9 @@ def test_experts_hidden_and_block_equal_transformers(tiny_dirs, model_type):
         # the block rebuilt from experts_hidden: route, run each token's experts, weight, sum
         captured = {}
         h = adapter.router_module(mlp).register_forward_hook(lambda m, a, out: captured.update(r=out))
-        pre = mlp.experts.register_forward_pre_hook(lambda m, a, k: captured.update(x=(a[0] if a else k["hidden_states"])),
-                                                    with_kwargs=True)
+        pre = mlp.experts.register_forward_pre_hook(
+            lambda m, a, k: captured.update(x=(a[0] if a else k["hidden_states"])), with_kwargs=True
+        )
         reference = mlp.experts(*_experts_args(adapter, mlp, x, captured))
         h.remove(), pre.remove()
         _, weights, indices = captured["r"]
@@ -151,16 +155,20 @@ def test_quantize_pass_in_expert_chunks_equals_the_whole_layer(tiny_dirs, tmp_pa
     from moequant.plan.recipe import load_recipe
 
     d = tiny_dirs["qwen3_moe"]
-    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "uniform-int4.yaml",
-                         [f"model={d}", "formats.int4.group_size=32"])
+    recipe = load_recipe(
+        Path(__file__).resolve().parents[1] / "recipes" / "uniform-int4.yaml",
+        [f"model={d}", "formats.int4.group_size=32"],
+    )
     plan = make_plan(recipe, open_checkpoint(d), None)
     samples = [Sample(row, "test", "test") for row in _ids()]
     settings = CalibrationSettings(samples=N, seq_len=SEQ, batch_size=BS)
-    whole, whole_report = quantize.quantize_model(str(d), plan, settings, tmp_path / "whole", samples=samples,
-                                                  progress=False)
+    whole, whole_report = quantize.quantize_model(
+        str(d), plan, settings, tmp_path / "whole", samples=samples, progress=False
+    )
     monkeypatch.setattr(quantize, "_experts_per_chunk", lambda adapter, device: 4)  # 6 experts: chunks of 4 and 2
-    chunked, chunked_report = quantize.quantize_model(str(d), plan, settings, tmp_path / "chunked", samples=samples,
-                                                      progress=False)
+    chunked, chunked_report = quantize.quantize_model(
+        str(d), plan, settings, tmp_path / "chunked", samples=samples, progress=False
+    )
     assert whole.keys() == chunked.keys()
     for key, q in whole.items():
         assert torch.equal(q.codes, chunked[key].codes) and torch.equal(q.scales, chunked[key].scales), key
@@ -171,8 +179,9 @@ def test_quantize_pass_in_expert_chunks_equals_the_whole_layer(tiny_dirs, tmp_pa
 
 
 @pytest.mark.parametrize("later_gptq", [False, True], ids=["model-free", "before-a-gptq-layer"])
-def test_round_to_nearest_streamed_a_chunk_of_experts_at_a_time_equals_the_whole_layer(tiny_dirs, tmp_path,
-                                                                                        monkeypatch, later_gptq):
+def test_round_to_nearest_streamed_a_chunk_of_experts_at_a_time_equals_the_whole_layer(
+    tiny_dirs, tmp_path, monkeypatch, later_gptq
+):
     """Round-to-nearest layers on a GPU are read, quantized and sent to the host a chunk of experts at a
     time (`quantize._rtn_experts_streamed`, never a layer in float32 on the device). Forced here on the CPU
     with chunks of 4 experts (6 per layer): the same codes and scales as the whole-layer path, and where a
@@ -188,13 +197,17 @@ def test_round_to_nearest_streamed_a_chunk_of_experts_at_a_time_equals_the_whole
     from moequant.plan.recipe import load_recipe
 
     d = tiny_dirs["qwen3_moe"]
-    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "uniform-int4.yaml",
-                         [f"model={d}", "formats.int4.group_size=32", "algorithms.int4=rtn"])
+    recipe = load_recipe(
+        Path(__file__).resolve().parents[1] / "recipes" / "uniform-int4.yaml",
+        [f"model={d}", "formats.int4.group_size=32", "algorithms.int4=rtn"],
+    )
     plan = make_plan(recipe, open_checkpoint(d), None)
     last = max(t.layer for t in plan.tensors if t.role == "routed_expert")
     if later_gptq:  # the last layer's experts by GPTQ: the layers before it run their quantized forward
-        plan.tensors = [dataclasses.replace(t, algorithm="gptq") if t.role == "routed_expert" and t.layer == last
-                        else t for t in plan.tensors]
+        plan.tensors = [
+            dataclasses.replace(t, algorithm="gptq") if t.role == "routed_expert" and t.layer == last else t
+            for t in plan.tensors
+        ]
     samples = [Sample(row, "test", "test") for row in _ids()]
     settings = CalibrationSettings(samples=N, seq_len=SEQ, batch_size=BS)
     whole, _ = quantize.quantize_model(str(d), plan, settings, tmp_path / "whole", samples=samples, progress=False)
@@ -206,12 +219,14 @@ def test_round_to_nearest_streamed_a_chunk_of_experts_at_a_time_equals_the_whole
         return real(run, L, mine)
 
     monkeypatch.setattr(quantize, "_rtn_experts_streamed", streamed)
-    monkeypatch.setattr(quantize, "_rtn_streamed", lambda run, rows: any(
-        t.role == "routed_expert" and t.algorithm == "rtn" for t in rows))
+    monkeypatch.setattr(
+        quantize,
+        "_rtn_streamed",
+        lambda run, rows: any(t.role == "routed_expert" and t.algorithm == "rtn" for t in rows),
+    )
     adapter = adapter_for(open_checkpoint(d).config)
     monkeypatch.setattr(quantize, "RTN_CHUNK_BYTES", 4 * quantize._expert_bytes(adapter, 1, torch.float32))
-    chunked, _ = quantize.quantize_model(str(d), plan, settings, tmp_path / "streamed", samples=samples,
-                                         progress=False)
+    chunked, _ = quantize.quantize_model(str(d), plan, settings, tmp_path / "streamed", samples=samples, progress=False)
     rtn_layers = sorted({t.layer for t in plan.tensors if t.role == "routed_expert" and t.algorithm == "rtn"})
     assert calls == rtn_layers and rtn_layers and adapter.num_experts == 6
     assert whole.keys() == chunked.keys()

@@ -14,16 +14,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "moequant"
 
 # top to bottom; a module may import from its own layer and every layer below
 LAYERS = [
-    ("moequant.cli", "moequant.__main__", "moequant"),           # the command line and `moequant.load`
-    ("moequant.pipeline",),                                        # apply, pareto, quantize, precheck
+    ("moequant.cli", "moequant.__main__", "moequant"),  # the command line and `moequant.load`
+    ("moequant.pipeline",),  # apply, pareto, quantize, precheck
     ("moequant.evaluate", "moequant.report"),
-    ("moequant.plan",),                                            # recipe, rules, budget solver, plan I/O
-    ("moequant.export",),                                          # one class per layout, GGUF, engine checks
-    ("moequant.calib", "moequant.zoo.train"),                     # calibration, its statistics and probes
+    ("moequant.plan",),  # recipe, rules, budget solver, plan I/O
+    ("moequant.export",),  # one class per layout, GGUF, engine checks
+    ("moequant.calib", "moequant.zoo.train"),  # calibration, its statistics and probes
     ("moequant.parallel", "moequant.metrics", "moequant.progress", "moequant.vllm_plugin"),
     ("moequant.io", "moequant.arch", "moequant.algorithms", "moequant.zoo"),
     ("moequant.formats",),
-    ("moequant.errors", "moequant.budget"),                       # one clear sentence; the run's memory budget
+    ("moequant.errors", "moequant.budget"),  # one clear sentence; the run's memory budget
 ]
 
 
@@ -55,8 +55,12 @@ def _graph(lazy: bool) -> dict[str, set[str]]:
     for module, path in modules.items():
         tree = ast.parse(path.read_text())
         nodes = ast.walk(tree) if lazy else _module_level(tree.body)
-        graph[module] = {t for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))
-                         for t in _targets(module, n, modules, path.name == "__init__.py")} - {module}
+        graph[module] = {
+            t
+            for n in nodes
+            if isinstance(n, (ast.Import, ast.ImportFrom))
+            for t in _targets(module, n, modules, path.name == "__init__.py")
+        } - {module}
     return graph
 
 
@@ -131,8 +135,11 @@ def test_no_import_cycle_at_module_level():
 def test_every_module_has_a_layer_and_imports_only_downwards():
     wrong = []
     for module, deps in sorted(_graph(lazy=True).items()):
-        wrong += [f"{module} (layer {_layer(module)}) imports {d} (layer {_layer(d)})" for d in sorted(deps)
-                  if _layer(d) < _layer(module)]
+        wrong += [
+            f"{module} (layer {_layer(module)}) imports {d} (layer {_layer(d)})"
+            for d in sorted(deps)
+            if _layer(d) < _layer(module)
+        ]
     assert wrong == []
 
 

@@ -55,7 +55,7 @@ def test_mxfp8_scales_equal_compressed_tensors_mx_rule():
     from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
 
     w = _weight((16, 256), seed=2)
-    w[1, 32:64] = torch.linspace(-1.75 * 2.0 ** -3, 1.75 * 2.0 ** -3, 32)  # mantissa exactly 1.75: the bump
+    w[1, 32:64] = torch.linspace(-1.75 * 2.0**-3, 1.75 * 2.0**-3, 32)  # mantissa exactly 1.75: the bump
     q = formats.quantize(w, "mxfp8")
     amax = w.abs().reshape(16, 8, 32).amax(-1)
     theirs = generate_mx_scales(amax, num_bits=8)

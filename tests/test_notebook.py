@@ -33,8 +33,14 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
     out = tmp_path_factory.mktemp("nb")
-    env = {"MOEQUANT_NB_MODELS": ",".join(MODELS), "MOEQUANT_NB_CAL_SAMPLES": "8", "MOEQUANT_NB_CAL_SEQ_LEN": "64",
-           "MOEQUANT_NB_EVAL_SAMPLES": "4", "MOEQUANT_NB_EVAL_SEQ_LEN": "64", "MOEQUANT_NB_OUTPUT": str(out)}
+    env = {
+        "MOEQUANT_NB_MODELS": ",".join(MODELS),
+        "MOEQUANT_NB_CAL_SAMPLES": "8",
+        "MOEQUANT_NB_CAL_SEQ_LEN": "64",
+        "MOEQUANT_NB_EVAL_SAMPLES": "4",
+        "MOEQUANT_NB_EVAL_SEQ_LEN": "64",
+        "MOEQUANT_NB_OUTPUT": str(out),
+    }
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the kernel inherits this process's environment
     try:
@@ -81,8 +87,12 @@ def _routed_bytes_from_files(checkpoint: Path, adapter) -> int:
                 base = name.rsplit(".", 1)[0] + ".weight"
                 if adapter.classify(base).role == "routed_expert":
                     t = st.get_slice(name)
-                    total += math.prod(t.get_shape()) * {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8,
-                                                         "U8": 1, "I8": 1, "F8_E4M3": 1}[t.get_dtype()]
+                    total += (
+                        math.prod(t.get_shape())
+                        * {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1, "I8": 1, "F8_E4M3": 1}[
+                            t.get_dtype()
+                        ]
+                    )
     return total
 
 
@@ -93,8 +103,12 @@ def test_compared_plans_have_the_bytes_of_uniform_int4(executed):
         adapter = adapter_for(ckpt.config)
         # uniform INT4: bytes from the format definition, independently of the plan
         spec = formats.get_format("int4", group_size=GROUP[model], symmetric=True)
-        expected = sum(formats.nbytes(spec, tuple(adapter.expert_shape(p)))
-                       for _ in adapter.moe_layers for _ in range(adapter.num_experts) for p in ("gate", "up", "down"))
+        expected = sum(
+            formats.nbytes(spec, tuple(adapter.expert_shape(p)))
+            for _ in adapter.moe_layers
+            for _ in range(adapter.num_experts)
+            for p in ("gate", "up", "down")
+        )
         int4 = s["uniform_int4"]
         assert int4["routed_bytes"] == expected
         assert _routed_bytes_from_files(Path(int4["report"]).parent / "checkpoint", adapter) >= expected

@@ -36,9 +36,14 @@ def run(args, without_permission_override=False):
         return Done(result.exit_code, result.stdout, result.stderr)
     # root reads and writes whatever it likes: drop the capabilities that let it (the user's own rights remain)
     drop = "dac_override,-dac_read_search"
-    done = subprocess.run(["setpriv", f"--inh-caps=-{drop}", f"--bounding-set=-{drop}", sys.executable, "-m",
-                           "moequant", *args], cwd="/", env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        ["setpriv", f"--inh-caps=-{drop}", f"--bounding-set=-{drop}", sys.executable, "-m", "moequant", *args],
+        cwd="/",
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return Done(done.returncode, done.stdout, done.stderr)
 
 
@@ -113,15 +118,41 @@ def test_output_without_write_permission(tmp_path):
 
 def test_statistics_directory_that_is_a_file(tmp_path):
     (tmp_path / "stats").write_text("mine")
-    done = run(["calibrate", "--recipe", "selective", "--output", str(tmp_path / "run"), "--stats",
-                str(tmp_path / "stats"), "--samples", "2", "--seq-len", "16"])
+    done = run(
+        [
+            "calibrate",
+            "--recipe",
+            "selective",
+            "--output",
+            str(tmp_path / "run"),
+            "--stats",
+            str(tmp_path / "stats"),
+            "--samples",
+            "2",
+            "--seq-len",
+            "16",
+        ]
+    )
     assert_one_sentence(done, str(tmp_path / "stats"), "not a directory")
     assert listing(tmp_path) == ["stats"] and (tmp_path / "stats").read_text() == "mine"
 
 
 def test_statistics_directory_under_a_device():
-    done = run(["calibrate", "--recipe", "selective", "--output", "/tmp/moequant-never", "--stats", "/dev/full/s",
-                "--samples", "2", "--seq-len", "16"])
+    done = run(
+        [
+            "calibrate",
+            "--recipe",
+            "selective",
+            "--output",
+            "/tmp/moequant-never",
+            "--stats",
+            "/dev/full/s",
+            "--samples",
+            "2",
+            "--seq-len",
+            "16",
+        ]
+    )
     assert_one_sentence(done, "/dev/full/s", "not a directory")
     assert not os.path.exists("/tmp/moequant-never")
 
@@ -130,8 +161,10 @@ def test_model_without_read_permission(tmp_path):
     model = tmp_path / "model"
     shutil.copytree(ROOT / "moequant" / "zoo" / "tiny-qwen2moe", model)
     (model / "model.safetensors").chmod(0o000)
-    done = run(["apply", "--recipe", "uniform-int4", "--model", str(model), "--output", str(tmp_path / "run")],
-               without_permission_override=True)
+    done = run(
+        ["apply", "--recipe", "uniform-int4", "--model", str(model), "--output", str(tmp_path / "run")],
+        without_permission_override=True,
+    )
     assert_one_sentence(done, str(model / "model.safetensors"), "ermission denied")
     assert not (tmp_path / "run").exists()
 
@@ -147,8 +180,11 @@ def test_a_path_refused_later_in_a_command_is_one_sentence_too(monkeypatch, tmp_
         raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / "run" / "plan.json"))
 
     monkeypatch.setattr(apply_module, "run_plan", read_only)
-    line = assert_one_sentence(run(["plan", "--recipe", "uniform-int4", "--output", str(tmp_path / "run")]),
-                               str(tmp_path / "run" / "plan.json"), "read-only")
+    line = assert_one_sentence(
+        run(["plan", "--recipe", "uniform-int4", "--output", str(tmp_path / "run")]),
+        str(tmp_path / "run" / "plan.json"),
+        "read-only",
+    )
     assert line.endswith("check the path or choose another one.")
 
     def no_path(*args, **kwargs):

@@ -16,8 +16,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_the_wheel_holds_the_package_data_and_works_from_outside_the_checkout(tmp_path):
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(tmp_path / "dist"), str(ROOT)], capture_output=True, text=True)
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert built.returncode == 0, built.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("moequant-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -27,11 +41,18 @@ def test_the_wheel_holds_the_package_data_and_works_from_outside_the_checkout(tm
     assert {"moequant/zoo/tiny-qwen2moe/model.safetensors", "moequant/zoo/tiny-qwen2moe/config.json"} <= names
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    code = ("import moequant, moequant.calib.data as d; from moequant.plan.recipe import load_recipe; "
-            "r = load_recipe('selective'); print(moequant.__file__); print(r.model); "
-            "print(len(d.load_documents('mix')) > 0); print(d.SPEC_DIR.is_dir())")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
-                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+    code = (
+        "import moequant, moequant.calib.data as d; from moequant.plan.recipe import load_recipe; "
+        "r = load_recipe('selective'); print(moequant.__file__); print(r.model); "
+        "print(len(d.load_documents('mix')) > 0); print(d.SPEC_DIR.is_dir())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     where, model, found, specs = done.stdout.split()
     assert where.startswith(str(site)) and model and found == "True" and specs == "True"

@@ -26,9 +26,15 @@ from moequant.parallel import expert_range
 
 ROOT = Path(__file__).resolve().parent.parent
 # 512 calibration tokens: enough that some experts get their own routed-token Hessian (>= 64 tokens), some not
-FAST = ["calibration.samples=8", "calibration.seq_len=64", "calibration.dataset=builtin:stdlib-prose",
-        "calibration.probe_samples=0", "evaluate.samples=2", "evaluate.seq_len=32",
-        "evaluate.dataset=builtin:stdlib-prose"]
+FAST = [
+    "calibration.samples=8",
+    "calibration.seq_len=64",
+    "calibration.dataset=builtin:stdlib-prose",
+    "calibration.probe_samples=0",
+    "evaluate.samples=2",
+    "evaluate.seq_len=32",
+    "evaluate.dataset=builtin:stdlib-prose",
+]
 
 
 pytestmark = pytest.mark.slow
@@ -43,8 +49,7 @@ def apply_args(model: str, out: Path) -> list[str]:
 
 
 def rank_env(**extra) -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MOEQUANT_COLLECTIVE_TIMEOUT": "60", "PYTHONPATH": str(ROOT),
-            **extra}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MOEQUANT_COLLECTIVE_TIMEOUT": "60", "PYTHONPATH": str(ROOT), **extra}
 
 
 def one_process(model: str, out: Path) -> Path:
@@ -60,8 +65,16 @@ def one_process(model: str, out: Path) -> Path:
 
 
 def torchrun(ranks: int, model: str, out: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           "-m", "moequant", *apply_args(model, out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        "-m",
+        "moequant",
+        *apply_args(model, out),
+    ]
     done = subprocess.run(cmd, check=False, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return done
@@ -77,8 +90,13 @@ def tensors(directory: Path) -> dict[str, torch.Tensor]:
 def same_tensors(a: dict, b: dict) -> list[str]:
     """Names whose tensors differ (dtype, shape or any bit); [] when the two sets are identical."""
     assert a.keys() == b.keys()
-    return [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape
-            or not torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))]
+    return [
+        k
+        for k in a
+        if a[k].dtype != b[k].dtype
+        or a[k].shape != b[k].shape
+        or not torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
+    ]
 
 
 def run_json(out: Path, name: str) -> dict:
@@ -112,9 +130,16 @@ def assert_same_run(ref: Path, out: Path, ranks: int) -> None:
     for layer in ours.values():
         layer.pop("seconds")
     assert ours == one
-    fallbacks = [e for layer in one.values() for k, v in layer.items() if k.endswith(":int4-g32-sym")
-                 for e in v["gptq"]["fallbacks"]]
-    experts = [e for layer in one.values() for k, v in layer.items() if k.endswith(":int4-g32-sym") for e in v["experts"]]
+    fallbacks = [
+        e
+        for layer in one.values()
+        for k, v in layer.items()
+        if k.endswith(":int4-g32-sym")
+        for e in v["gptq"]["fallbacks"]
+    ]
+    experts = [
+        e for layer in one.values() for k, v in layer.items() if k.endswith(":int4-g32-sym") for e in v["experts"]
+    ]
     assert 0 < len(fallbacks) < len(experts)  # both Hessians (own routed tokens, all tokens) are compared
 
 
@@ -150,11 +175,24 @@ def test_two_ranks_killed_mid_layer_then_rerun_equal_one_process(tmp_path):
     procs, logs = [], []
     for rank in range(2):
         logs.append(tmp_path / f"rank{rank}.err")
-        env = rank_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = rank_env(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         with open(logs[-1], "w") as err:
-            procs.append(subprocess.Popen([sys.executable, "-m", "moequant", *apply_args("zoo:tiny-qwen2moe", out)],
-                                          cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "moequant", *apply_args("zoo:tiny-qwen2moe", out)],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                )
+            )
     try:
         deadline = time.monotonic() + 300
         while not (out / "work" / "layer_000.json").exists():
@@ -191,7 +229,8 @@ def test_more_ranks_than_experts_is_one_sentence(tmp_path, monkeypatch):
     assert result.exit_code == 2, result.output
     assert result.output.strip().splitlines()[-1] == (
         "error: 9 processes were started but the model has 8 routed experts per MoE layer; every process needs at "
-        "least one expert: start at most 8 (torchrun --nproc-per-node 8).")
+        "least one expert: start at most 8 (torchrun --nproc-per-node 8)."
+    )
     assert not out.exists() and not torch.distributed.is_initialized()
 
 

@@ -30,7 +30,12 @@ MODEL = "zoo:tiny-qwen2moe"
 # 64 evaluation windows: at 8 the half-way vLLM plan's margin below the line (~1%, measured 2026-12-03 with
 # the recipe's routing Hessians and searched + refit GPTQ) is inside the evaluation's noise
 EVAL_SAMPLES = 64
-SIZES = ["calibration.samples=16", "calibration.seq_len=128", f"evaluate.samples={EVAL_SAMPLES}", "evaluate.seq_len=128"]
+SIZES = [
+    "calibration.samples=16",
+    "calibration.seq_len=128",
+    f"evaluate.samples={EVAL_SAMPLES}",
+    "evaluate.seq_len=128",
+]
 
 
 pytestmark = pytest.mark.slow
@@ -41,8 +46,12 @@ def routed_bytes_of(spec_entry, **params) -> tuple[int, int]:
     spec), from the format definition."""
     adapter = adapter_for(open_checkpoint(MODEL).config)
     spec = spec_entry if not isinstance(spec_entry, str) else formats.get_format(spec_entry, **params)
-    shapes = [tuple(adapter.expert_shape(p)) for _ in adapter.moe_layers for _ in range(adapter.num_experts)
-              for p in ("gate", "up", "down")]
+    shapes = [
+        tuple(adapter.expert_shape(p))
+        for _ in adapter.moe_layers
+        for _ in range(adapter.num_experts)
+        for p in ("gate", "up", "down")
+    ]
     return sum(formats.nbytes(spec, s) for s in shapes), sum(math.prod(s) for s in shapes)
 
 
@@ -71,10 +80,28 @@ def limit_of(bits: float, numel: int) -> int:
 def frontier(tmp_path_factory):
     out = tmp_path_factory.mktemp("pareto")
     logs: list[str] = []
-    per_expert = pareto(RECIPE, budgets=["int3", "int4"], targets=("transformers",), uniform=["int8", "int4", "int3"],
-                        model=MODEL, output=str(out), overrides=SIZES, progress=False, log=logs.append)
-    serving = pareto(RECIPE, budgets=["int4..int8", "int3"], targets=("vllm",), uniform=["int8", "int4"],
-                     model=MODEL, output=str(out), overrides=SIZES, progress=False, log=logs.append)
+    per_expert = pareto(
+        RECIPE,
+        budgets=["int3", "int4"],
+        targets=("transformers",),
+        uniform=["int8", "int4", "int3"],
+        model=MODEL,
+        output=str(out),
+        overrides=SIZES,
+        progress=False,
+        log=logs.append,
+    )
+    serving = pareto(
+        RECIPE,
+        budgets=["int4..int8", "int3"],
+        targets=("vllm",),
+        uniform=["int8", "int4"],
+        model=MODEL,
+        output=str(out),
+        overrides=SIZES,
+        progress=False,
+        log=logs.append,
+    )
     return out, per_expert, serving, logs
 
 
@@ -131,15 +158,18 @@ def test_outputs_and_reuse(frontier):
     assert {Path(p["report"]).parent for p in first["points"] + second["points"]} <= set((out / "pareto").iterdir())
     # the frontier: exactly the points no other point beats on both bits and KL
     at = {p["name"]: (p["bits_per_weight_experts"], p["kl_mean"]) for p in data["points"]}
-    beaten = {n for n, (b, k) in at.items() if any((b2, k2) != (b, k) and b2 <= b and k2 <= k for b2, k2 in at.values())}
+    beaten = {
+        n for n, (b, k) in at.items() if any((b2, k2) != (b, k) and b2 <= b and k2 <= k for b2, k2 in at.values())
+    }
     assert set(data["frontier"]) == set(at) - beaten and data["frontier"]
     # vLLM cannot go below its cheapest servable candidate here: the int3 budget is reported, not run
     from moequant.plan.recipe import resolve_format
 
     recipe = resolve_recipe(RECIPE, MODEL)
     specs = [resolve_format(recipe, f) for f in recipe.experts.formats]
-    cheapest = min(8 * routed_bytes_of(s)[0] / routed_bytes_of(s)[1] for s in specs
-                   if not s.refuses("vllm", routed=True))
+    cheapest = min(
+        8 * routed_bytes_of(s)[0] / routed_bytes_of(s)[1] for s in specs if not s.refuses("vllm", routed=True)
+    )
     (skip,) = second["skipped"]
     assert skip["target"] == "vllm" and f"{math.ceil(cheapest * 10**4) / 10**4:.4f}" in skip["error"]
     for p in first["points"] + second["points"]:
@@ -159,26 +189,56 @@ def test_outside_checkpoint_joins_the_frontier(frontier, tmp_path):
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     path = tmp_path / "outside.json"
-    path.write_text(result.output[result.output.index("{"):])
-    r = pareto(RECIPE, budgets=[], targets=("vllm",), uniform=["int4"], model=MODEL, output=str(out),
-               overrides=SIZES, extra_reports=[path], progress=False, log=lambda m: None)
+    path.write_text(result.output[result.output.index("{") :])
+    r = pareto(
+        RECIPE,
+        budgets=[],
+        targets=("vllm",),
+        uniform=["int4"],
+        model=MODEL,
+        output=str(out),
+        overrides=SIZES,
+        extra_reports=[path],
+        progress=False,
+        log=lambda m: None,
+    )
     outside, int4 = find(r["points"], "outside"), find(r["points"], "uniform-int4-g32-sym")
     # the same checkpoint on the same tokens: the same numbers and bytes
     assert outside["kind"] == "outside"
     assert outside["kl_mean"] == pytest.approx(int4["kl_mean"], rel=1e-9)
     assert outside["bytes_quantized"] == int4["bytes_quantized"]
     # the checkpoint directory itself is evaluated on the frontier's tokens: the same numbers
-    r = pareto(RECIPE, budgets=[], targets=("vllm",), uniform=["int4"], model=MODEL, output=str(out),
-               overrides=SIZES, extra_reports=[checkpoint], progress=False, log=lambda m: None)
+    r = pareto(
+        RECIPE,
+        budgets=[],
+        targets=("vllm",),
+        uniform=["int4"],
+        model=MODEL,
+        output=str(out),
+        overrides=SIZES,
+        extra_reports=[checkpoint],
+        progress=False,
+        log=lambda m: None,
+    )
     direct = next(p for p in r["points"] if p["kind"] == "outside")
     assert direct["kl_mean"] == pytest.approx(int4["kl_mean"], rel=1e-9)
     assert direct["bytes_quantized"] == int4["bytes_quantized"]
     args[args.index("--samples") + 1] = "4"
     other = CliRunner().invoke(main, args, catch_exceptions=False).output
-    path.write_text(other[other.index("{"):])
+    path.write_text(other[other.index("{") :])
     with pytest.raises(UserError, match="not on the frontier's evaluation tokens"):
-        pareto(RECIPE, budgets=[], targets=("vllm",), uniform=["int4"], model=MODEL, output=str(out),
-               overrides=SIZES, extra_reports=[path], progress=False, log=lambda m: None)
+        pareto(
+            RECIPE,
+            budgets=[],
+            targets=("vllm",),
+            uniform=["int4"],
+            model=MODEL,
+            output=str(out),
+            overrides=SIZES,
+            extra_reports=[path],
+            progress=False,
+            log=lambda m: None,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,8 +257,9 @@ MIXTRAL_SETTINGS = [f"formats.{f}.group_size=128" for f in ("int4", "int3", "int
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
     out = tmp_path_factory.mktemp("pareto_mixtral")
-    run = lambda **kw: pareto(RECIPE, model=MIXTRAL, output=str(out), overrides=MIXTRAL_SETTINGS, progress=False,
-                              log=lambda m: None, **kw)
+    run = lambda **kw: pareto(
+        RECIPE, model=MIXTRAL, output=str(out), overrides=MIXTRAL_SETTINGS, progress=False, log=lambda m: None, **kw
+    )
     per_expert = run(budgets=["int4", "int3"], targets=("transformers",), uniform=["int8", "int4", "int3"])
     serving = run(budgets=["int4..int8"], targets=("vllm",), uniform=["int8", "int4"])
     return out, per_expert, serving
@@ -229,22 +290,35 @@ def test_mixtral_vllm_plan_is_the_best_servable_plan_at_half_way(mixtral):
     int4, int8 = find(r["points"], "uniform-int4-g128-sym"), find(r["points"], "uniform-int8-channel")
     line = interpolate_uniform(r["points"], plan_point["bits_per_weight_experts"], int4["name"], int8["name"])
     plan_json = json.loads((Path(plan_point["report"]).parent / "plan.json").read_text())
-    chosen = {t["layer"] for t in plan_json["tensors"] if t["role"] == "routed_expert" and t["format"] == "int8-channel"}
+    chosen = {
+        t["layer"] for t in plan_json["tensors"] if t["role"] == "routed_expert" and t["format"] == "int8-channel"
+    }
     ckpt = open_checkpoint(MIXTRAL)
     layers = adapter_for(ckpt.config).moe_layers
     kls = {}
     for pair in itertools.combinations(layers, 2):
         rules = [{"layers": ",".join(map(str, pair)), "format": "int8"}, {"format": "int4"}]
-        recipe = resolve_recipe(RECIPE, MIXTRAL, str(out), overrides=[*MIXTRAL_SETTINGS, "target=vllm",
-                                "experts.method=rules", "experts.rules=" + json.dumps(rules)])
+        recipe = resolve_recipe(
+            RECIPE,
+            MIXTRAL,
+            str(out),
+            overrides=[*MIXTRAL_SETTINGS, "target=vllm", "experts.method=rules", "experts.rules=" + json.dumps(rules)],
+        )
         plan = make_plan(recipe, ckpt, out / "stats")
         assert plan.summary["routed_bytes"] <= plan_point["routed_bytes"]
         name = "int8-layers-" + "-".join(map(str, pair))
-        report = _run_one(name, recipe, plan, out / name, ckpt, out / "stats", calibration_settings(recipe),
-                          False, lambda m: None)
+        report = _run_one(
+            name, recipe, plan, out / name, ckpt, out / "stats", calibration_settings(recipe), False, lambda m: None
+        )
         kls[pair] = report["quality"]["kl_mean"]
-    print("\ntiny-mixtral, vLLM plans at half-way: line", line, "plan int8 on", sorted(chosen), plan_point["kl_mean"],
-          {"".join(map(str, k)): round(v, 6) for k, v in kls.items()})
+    print(
+        "\ntiny-mixtral, vLLM plans at half-way: line",
+        line,
+        "plan int8 on",
+        sorted(chosen),
+        plan_point["kl_mean"],
+        {"".join(map(str, k)): round(v, 6) for k, v in kls.items()},
+    )
     assert len(chosen) == 2 and kls[tuple(sorted(chosen))] == pytest.approx(plan_point["kl_mean"], rel=1e-9)
     assert plan_point["kl_mean"] < np.mean(list(kls.values()))
     assert plan_point["kl_mean"] <= 1.01 * min(kls.values())

@@ -38,27 +38,45 @@ EXPERT_BYTES = {
     "int3-g32-sym": 4 * (I * 6 + I * 6 + H * 3) + 2 * (I * 2 + I * 2 + H * 1),
     "int2-g32-sym": 4 * (I * 4 + I * 4 + H * 2) + 2 * (I * 2 + I * 2 + H * 1),
 }
-SENS_SCALE = {"int8-channel": 1.0, "int4-g32-sym": 20.0, "int3-g32-sym": 80.0, "int2-g32-sym": 400.0,
-              "int4-g32-asym": 15.0, "mxfp4": 25.0, "fp8-channel": 2.0}
-KEYS_OF = {"int8": "int8-channel", "int4": "int4-g32-sym", "int3": "int3-g32-sym", "int2": "int2-g32-sym",
-           "bf16": "bf16"}
+SENS_SCALE = {
+    "int8-channel": 1.0,
+    "int4-g32-sym": 20.0,
+    "int3-g32-sym": 80.0,
+    "int2-g32-sym": 400.0,
+    "int4-g32-asym": 15.0,
+    "mxfp4": 25.0,
+    "fp8-channel": 2.0,
+}
+KEYS_OF = {
+    "int8": "int8-channel",
+    "int4": "int4-g32-sym",
+    "int3": "int3-g32-sym",
+    "int2": "int2-g32-sym",
+    "bf16": "bf16",
+}
 FORMAT_PARAMS = {"int4": {"group_size": 32}, "int3": {"group_size": 32}, "int2": {"group_size": 32}}
 
 
 def model_tensors(layers=3, experts=4, shared=True):
     """(name, role, layer, expert, proj, shape) for a small Qwen2-MoE-like model."""
-    out = [("model.embed_tokens.weight", "embedding", None, None, None, (100, H)),
-           ("model.norm.weight", "norm", None, None, None, (H,)),
-           ("lm_head.weight", "lm_head", None, None, None, (100, H))]
+    out = [
+        ("model.embed_tokens.weight", "embedding", None, None, None, (100, H)),
+        ("model.norm.weight", "norm", None, None, None, (H,)),
+        ("lm_head.weight", "lm_head", None, None, None, (100, H)),
+    ]
     for L in range(layers):
         p = f"model.layers.{L}."
-        out += [(p + "input_layernorm.weight", "norm", L, None, None, (H,)),
-                (p + "self_attn.q_proj.weight", "attention", L, None, None, (H, H)),
-                (p + "self_attn.q_proj.bias", "attention", L, None, None, (H,)),
-                (p + "mlp.gate.weight", "router", L, None, None, (experts, H))]
+        out += [
+            (p + "input_layernorm.weight", "norm", L, None, None, (H,)),
+            (p + "self_attn.q_proj.weight", "attention", L, None, None, (H, H)),
+            (p + "self_attn.q_proj.bias", "attention", L, None, None, (H,)),
+            (p + "mlp.gate.weight", "router", L, None, None, (experts, H)),
+        ]
         if shared:
-            out += [(p + "mlp.shared_expert_gate.weight", "shared_expert_gate", L, None, None, (1, H)),
-                    (p + "mlp.shared_expert.down_proj.weight", "shared_expert", L, None, "down", (H, I))]
+            out += [
+                (p + "mlp.shared_expert_gate.weight", "shared_expert_gate", L, None, None, (1, H)),
+                (p + "mlp.shared_expert.down_proj.weight", "shared_expert", L, None, "down", (H, I)),
+            ]
         for e in range(experts):
             for proj in ("gate", "up", "down"):
                 shape = (H, I) if proj == "down" else (I, H)
@@ -80,15 +98,20 @@ def make_stats(layers=3, experts=4, seed=0, tokens=1000, top_k=2, dead=()):
         tensors = {"routing.count": torch.tensor(counts, dtype=torch.int64)}
         for proj in ("gate", "up", "down"):
             for key, scale in SENS_SCALE.items():
-                tensors[f"sensitivity.{proj}.{key}"] = torch.tensor(rng.uniform(0.2, 1.8, experts) * scale,
-                                                                    dtype=torch.float64)
+                tensors[f"sensitivity.{proj}.{key}"] = torch.tensor(
+                    rng.uniform(0.2, 1.8, experts) * scale, dtype=torch.float64
+                )
         out[L] = LayerStats(L, top_k, tokens, tensors)
     return Stats(None, {}, out)
 
 
 def recipe(target="vllm", experts=None, **extra):
-    data = {"target": target, "formats": FORMAT_PARAMS,
-            "experts": experts or {"method": "uniform", "format": "int4"}, **extra}
+    data = {
+        "target": target,
+        "formats": FORMAT_PARAMS,
+        "experts": experts or {"method": "uniform", "format": "int4"},
+        **extra,
+    }
     return recipe_from_dict(data, "test.yaml")
 
 
@@ -176,7 +199,8 @@ def test_milp_fallback_matches_brute_force(seed, monkeypatch):
     choice = solve_choices(option_bytes, option_loss, limit)
     assert sum(option_bytes[g][i] for g, i in enumerate(choice)) <= limit
     assert sum(option_loss[g][i] for g, i in enumerate(choice)) == pytest.approx(
-        brute_force(option_bytes, option_loss, limit), rel=1e-9)
+        brute_force(option_bytes, option_loss, limit), rel=1e-9
+    )
 
 
 def test_solver_agrees_with_highs_on_medium_instances():
@@ -195,7 +219,8 @@ def test_solver_agrees_with_highs_on_medium_instances():
         assert notes == []  # HiGHS proved its optimum
         assert sum(option_bytes[g][i] for g, i in enumerate(choice)) <= limit
         assert sum(option_loss[g][i] for g, i in enumerate(choice)) == pytest.approx(
-            sum(option_loss[g][i] for g, i in enumerate(reference)), rel=1e-9)
+            sum(option_loss[g][i] for g, i in enumerate(reference)), rel=1e-9
+        )
 
 
 def test_solver_large_instance_is_feasible_and_no_worse_than_greedy():
@@ -223,8 +248,11 @@ def test_solver_large_instance_is_feasible_and_no_worse_than_greedy():
 
 def brute_force_plan(stats, layers, experts, keys, per_expert, limit_bytes):
     """Best predicted loss over every assignment (per layer or per expert) within the byte limit."""
-    units = [[(L, e) for e in range(experts)] for L in range(layers)] if not per_expert else \
-        [[(L, e)] for L in range(layers) for e in range(experts)]
+    units = (
+        [[(L, e) for e in range(experts)] for L in range(layers)]
+        if not per_expert
+        else [[(L, e)] for L in range(layers) for e in range(experts)]
+    )
     unit_bytes = [[EXPERT_BYTES[key] * len(unit) for key in keys] for unit in units]
     unit_loss = [[sum(expert_loss(stats, L, e, key) for L, e in unit) for key in keys] for unit in units]
     best = None
@@ -252,7 +280,8 @@ def test_budget_plan_is_the_brute_force_optimum(seed, target):
     formats = plan.expert_formats()
     assert plan.summary["routed_bytes"] == sum(EXPERT_BYTES[k] for k in formats.values())
     assert plan.summary["predicted_loss"] == pytest.approx(
-        sum(expert_loss(stats, L, e, k) for (L, e), k in formats.items()), rel=1e-12)
+        sum(expert_loss(stats, L, e, k) for (L, e), k in formats.items()), rel=1e-12
+    )
 
 
 def test_budget_at_the_exact_minimum_is_feasible_and_below_it_fails():
@@ -266,7 +295,8 @@ def test_budget_at_the_exact_minimum_is_feasible_and_below_it_fails():
         make_plan(budget("vllm", ["int8", "int4"], bits_per_weight=4.49), model_tensors(), stats)
     assert str(info.value) == (
         "experts.budget.bits_per_weight 4.49 is below the smallest feasible plan for target vllm with candidates "
-        "int8-channel, int4-g32-sym: 4.5000 bits per routed-expert weight; accepted: bits_per_weight >= 4.5000.")
+        "int8-channel, int4-g32-sym: 4.5000 bits per routed-expert weight; accepted: bits_per_weight >= 4.5000."
+    )
 
 
 def test_gigabyte_budget_counts_the_whole_model():
@@ -286,7 +316,8 @@ def test_gigabyte_budget_counts_the_whole_model():
     shown = math.ceil(minimum / 1000) / 1e6
     assert str(info.value) == (
         f"experts.budget.gigabytes {below} is below the smallest feasible plan for target vllm with candidates "
-        f"int8-channel, int4-g32-sym: {minimum} bytes for the whole model; accepted: gigabytes >= {shown:.6f}.")
+        f"int8-channel, int4-g32-sym: {minimum} bytes for the whole model; accepted: gigabytes >= {shown:.6f}."
+    )
 
 
 def test_budget_plan_beats_every_uniform_plan_at_equal_bytes():
@@ -326,20 +357,29 @@ def test_vllm_and_sglang_share_one_format_per_layer_and_model():
         # looser constraints can only help, and the summary's alternative is exactly that plan
         assert per_expert.summary["predicted_loss"] <= vllm.summary["predicted_loss"] + 1e-12
         assert vllm.summary["per_expert_alternative"]["predicted_loss"] == pytest.approx(
-            per_expert.summary["predicted_loss"], rel=1e-9)
+            per_expert.summary["predicted_loss"], rel=1e-9
+        )
         assert vllm.summary["predicted_loss"] <= sglang.summary["predicted_loss"] + 1e-12
 
 
 def test_vllm_drops_formats_its_fused_moe_cannot_load():
     stats = make_stats()
-    r = recipe_from_dict({"target": "vllm", "formats": {**FORMAT_PARAMS, "int4": {"group_size": 32, "symmetric": False}},
-                          "experts": {"method": "budget", "budget": {"bits_per_weight": 8.5},
-                                      "formats": ["int8", "int4", "int3", "int2-g32-sym"]}})
+    r = recipe_from_dict(
+        {
+            "target": "vllm",
+            "formats": {**FORMAT_PARAMS, "int4": {"group_size": 32, "symmetric": False}},
+            "experts": {
+                "method": "budget",
+                "budget": {"bits_per_weight": 8.5},
+                "formats": ["int8", "int4", "int3", "int2-g32-sym"],
+            },
+        }
+    )
     plan = make_plan(r, model_tensors(), stats)
     assert plan.candidates == ["int8-channel"]
     assert plan.dropped_candidates == {
         "int4-g32-asym": "vLLM 0.32 loads integer experts with zero points only in its CUDA kernels (Marlin, "
-                         "Triton; target vllm-cuda), not in its CPU build, where moequant checks its vllm exports",
+        "Triton; target vllm-cuda), not in its CPU build, where moequant checks its vllm exports",
         "int3-g32-sym": "vLLM loads integer weights only at 4 or 8 bits (WNA16 kernels)",
         "int2-g32-sym": "vLLM loads integer weights only at 4 or 8 bits (WNA16 kernels)",
     }
@@ -348,7 +388,8 @@ def test_vllm_drops_formats_its_fused_moe_cannot_load():
     assert make_plan(same, model_tensors(), stats).dropped_candidates == {}
     sglang = recipe_from_dict({**r.model_dump(), "target": "sglang"})
     assert make_plan(sglang, model_tensors(), stats).dropped_candidates["int4-g32-asym"] == (
-        "SGLang's compressed-tensors fused MoE loads only symmetric integer experts")
+        "SGLang's compressed-tensors fused MoE loads only symmetric integer experts"
+    )
 
 
 def test_vllm_cuda_takes_asymmetric_int4_one_format_per_layer():
@@ -356,8 +397,13 @@ def test_vllm_cuda_takes_asymmetric_int4_one_format_per_layer():
     target vllm drops, still one format per MoE layer, and a budget can only gain from them."""
     stats = make_stats()
     menu = ["int8", "int4-g32-sym", "int4-g32-asym", "int4-g64-asym", "int3"]
-    r = recipe_from_dict({"target": "vllm-cuda", "formats": FORMAT_PARAMS,
-                          "experts": {"method": "budget", "budget": {"bits_per_weight": 4.5}, "formats": menu}})
+    r = recipe_from_dict(
+        {
+            "target": "vllm-cuda",
+            "formats": FORMAT_PARAMS,
+            "experts": {"method": "budget", "budget": {"bits_per_weight": 4.5}, "formats": menu},
+        }
+    )
     plan = make_plan(r, model_tensors(), stats)
     assert plan.candidates == ["int8-channel", "int4-g32-sym", "int4-g32-asym", "int4-g64-asym"]
     assert list(plan.dropped_candidates) == ["int3-g32-sym"]
@@ -374,7 +420,8 @@ def test_uniform_and_rules_refuse_unservable_formats():
     assert str(info.value) == (
         "experts.format gives routed experts int3-g32-sym, which target vllm cannot serve: vLLM loads integer "
         "weights only at 4 or 8 bits (WNA16 kernels); accepted: fp8, int8, symmetric int4, mxfp4, nvfp4, bf16, "
-        "or target transformers.")
+        "or target transformers."
+    )
     plan = make_plan(recipe("transformers", {"method": "uniform", "format": "int3"}), model_tensors(), None)
     assert set(plan.expert_formats().values()) == {"int3-g32-sym"}
     assert plan.summary["predicted_loss"] is None  # no statistics, no prediction
@@ -382,39 +429,66 @@ def test_uniform_and_rules_refuse_unservable_formats():
 
 def test_rules_per_expert_and_the_vllm_layer_constraint():
     stats = make_stats(seed=2)
-    rules = {"method": "rules", "rules": [{"share_at_least": 1.5, "format": "int8"},
-                                          {"share_below": 0.5, "format": "int3"},
-                                          {"layers": "0", "format": "bf16"},
-                                          {"format": "int4"}]}
+    rules = {
+        "method": "rules",
+        "rules": [
+            {"share_at_least": 1.5, "format": "int8"},
+            {"share_below": 0.5, "format": "int3"},
+            {"layers": "0", "format": "bf16"},
+            {"format": "int4"},
+        ],
+    }
     plan = make_plan(recipe("transformers", rules), model_tensors(), stats)
     for (L, e), key in plan.expert_formats().items():
         rel = float(stats.layers[L].share[e]) * 4
-        expected = ("int8-channel" if rel >= 1.5 else "int3-g32-sym" if rel < 0.5
-                    else "bf16" if L == 0 else "int4-g32-sym")
+        expected = (
+            "int8-channel" if rel >= 1.5 else "int3-g32-sym" if rel < 0.5 else "bf16" if L == 0 else "int4-g32-sym"
+        )
         assert key == expected, (L, e, rel)
     assert len(set(plan.expert_formats().values())) > 1
     with pytest.raises(UserError) as info:
-        make_plan(recipe("vllm", {"method": "rules", "rules": [{"share_at_least": 1.0, "format": "int8"},
-                                                              {"format": "int4"}]}), model_tensors(), stats)
-    assert str(info.value).startswith("with target vllm every routed expert of layer 0 needs one format, but "
-                                      "experts.rules give layer 0 ")
+        make_plan(
+            recipe(
+                "vllm", {"method": "rules", "rules": [{"share_at_least": 1.0, "format": "int8"}, {"format": "int4"}]}
+            ),
+            model_tensors(),
+            stats,
+        )
+    assert str(info.value).startswith(
+        "with target vllm every routed expert of layer 0 needs one format, but experts.rules give layer 0 "
+    )
     assert str(info.value).endswith("; accepted: rules by layers only, or target transformers.")
-    by_layer = make_plan(recipe("vllm", {"method": "rules", "rules": [{"layers": "1-2", "format": "int8"},
-                                                                      {"format": "int4"}]}), model_tensors(), None)
+    by_layer = make_plan(
+        recipe("vllm", {"method": "rules", "rules": [{"layers": "1-2", "format": "int8"}, {"format": "int4"}]}),
+        model_tensors(),
+        None,
+    )
     assert by_layer.layer_formats() == {0: {"int4-g32-sym"}, 1: {"int8-channel"}, 2: {"int8-channel"}}
 
 
 def test_rules_without_a_match_or_without_stats():
     stats = make_stats()
     with pytest.raises(UserError) as info:
-        make_plan(recipe("transformers", {"method": "rules", "rules": [{"layers": "0", "format": "int8"}]}),
-                  model_tensors(), stats)
-    assert str(info.value) == ("no rule in experts.rules matches layer 1 expert 0; accepted: end the rules with "
-                               "one without conditions, such as {format: int4}.")
+        make_plan(
+            recipe("transformers", {"method": "rules", "rules": [{"layers": "0", "format": "int8"}]}),
+            model_tensors(),
+            stats,
+        )
+    assert str(info.value) == (
+        "no rule in experts.rules matches layer 1 expert 0; accepted: end the rules with "
+        "one without conditions, such as {format: int4}."
+    )
     with pytest.raises(UserError) as info:
-        make_plan(recipe("transformers", {"method": "rules", "rules": [{"share_below": 1, "format": "int3"},
-                                                                      {"format": "int4"}]}), model_tensors(), None)
-    assert str(info.value).startswith("experts.rules use share_at_least / share_below, which need calibration statistics")
+        make_plan(
+            recipe(
+                "transformers", {"method": "rules", "rules": [{"share_below": 1, "format": "int3"}, {"format": "int4"}]}
+            ),
+            model_tensors(),
+            None,
+        )
+    assert str(info.value).startswith(
+        "experts.rules use share_at_least / share_below, which need calibration statistics"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,8 +507,9 @@ def test_router_and_shared_expert_gate_stay_bf16_whatever_keep_says():
     assert by_role["shared_expert"] == {"int8-channel"} and by_role["lm_head"] == {"int8-channel"}
     assert {t.format for t in plan.tensors if t.name.endswith("q_proj.weight")} == {"int8-channel"}
     assert {t.format for t in plan.tensors if t.name.endswith("q_proj.bias")} == {"bf16"}
-    kept = make_plan(recipe("vllm", keep=["attention", "lm_head"], non_experts={"format": "int8"}),
-                     model_tensors(), None)
+    kept = make_plan(
+        recipe("vllm", keep=["attention", "lm_head"], non_experts={"format": "int8"}), model_tensors(), None
+    )
     assert {t.format for t in kept.tensors if t.role in ("attention", "lm_head")} == {"bf16"}
     assert {t.format for t in kept.tensors if t.role == "shared_expert"} == {"int8-channel"}
     assert all(t.kept for t in kept.tensors if t.format == "bf16")
@@ -443,8 +518,11 @@ def test_router_and_shared_expert_gate_stay_bf16_whatever_keep_says():
 def test_keep_patterns_for_routed_experts():
     stats = make_stats()
     pattern = ["model.layers.1.mlp.experts.*"]
-    plan = make_plan(budget("vllm", ["int8", "int4"], bits_per_weight=9.0).model_copy(update={"keep": pattern}),
-                     model_tensors(), stats)
+    plan = make_plan(
+        budget("vllm", ["int8", "int4"], bits_per_weight=9.0).model_copy(update={"keep": pattern}),
+        model_tensors(),
+        stats,
+    )
     assert plan.layer_formats()[1] == {"bf16"}
     assert all(t.kept == "keep: model.layers.1.mlp.experts.*" for t in routed_entries(plan) if t.layer == 1)
     # layer 1 in bf16 takes 16/3 of the 9 bits; one more int8 layer would need 16/3 + 8.33/3 + 4.5/3 > 9
@@ -454,9 +532,11 @@ def test_keep_patterns_for_routed_experts():
     assert str(info.value) == (
         "keep holds only some routed experts of layer 1 in bf16, which target vllm cannot serve (one format per "
         "layer); accepted: keep whole layers (e.g. model.layers.3.mlp.experts.*), routed_experts, or target "
-        "transformers.")
-    one = make_plan(recipe("transformers").model_copy(update={"keep": ["model.layers.1.mlp.experts.2.*"]}),
-                    model_tensors(), None)
+        "transformers."
+    )
+    one = make_plan(
+        recipe("transformers").model_copy(update={"keep": ["model.layers.1.mlp.experts.2.*"]}), model_tensors(), None
+    )
     assert one.expert_formats()[(1, 2)] == "bf16" and one.expert_formats()[(1, 3)] == "int4-g32-sym"
 
 
@@ -482,16 +562,22 @@ def test_unrouted_experts_cost_the_usage_floor():
 def test_candidates_that_cannot_hold_a_shape_are_not_offered():
     stats = make_stats()
     # int4 with group 64 cannot hold down [H, I=32]: only int8 remains
-    r = recipe_from_dict({"target": "vllm", "experts": {"method": "budget", "budget": {"bits_per_weight": 9},
-                                                       "formats": ["int8", "int4-g64-sym"]}})
+    r = recipe_from_dict(
+        {
+            "target": "vllm",
+            "experts": {"method": "budget", "budget": {"bits_per_weight": 9}, "formats": ["int8", "int4-g64-sym"]},
+        }
+    )
     plan = make_plan(r, model_tensors(), stats)
     assert set(plan.expert_formats().values()) == {"int8-channel"}
     for target in ("vllm", "transformers"):  # one note per format, whatever the decision unit
         notes = make_plan(r.model_copy(update={"target": target}), model_tensors(), stats).notes
         mentions = [n for n in notes if "int4-g64-sym" in n]
         assert len(mentions) == 1
-        assert mentions[0].startswith("int4-g64-sym is not offered to layer(s) 0-2: tensor "
-                                      "'model.layers.0.mlp.experts.0.down_proj.weight' has 32 input columns")
+        assert mentions[0].startswith(
+            "int4-g64-sym is not offered to layer(s) 0-2: tensor "
+            "'model.layers.0.mlp.experts.0.down_proj.weight' has 32 input columns"
+        )
     with pytest.raises(UserError) as info:
         make_plan(recipe_from_dict({"experts": {"method": "uniform", "format": "int4-g64-sym"}}), model_tensors(), None)
     assert str(info.value).startswith("format int4-g64-sym cannot hold layer 0 expert 0:")
@@ -529,8 +615,9 @@ def test_plan_json_round_trip_and_schema(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"schema": "other"}))
     with pytest.raises(UserError) as info:
         read_plan(tmp_path / "bad.json")
-    assert str(info.value) == (f"plan {tmp_path / 'bad.json'} has schema 'other'; accepted: "
-                               f"'moequant.plan/1' (write it with `moequant plan`).")
+    assert str(info.value) == (
+        f"plan {tmp_path / 'bad.json'} has schema 'other'; accepted: 'moequant.plan/1' (write it with `moequant plan`)."
+    )
 
 
 def test_summary_accounts_for_every_byte():
@@ -551,9 +638,18 @@ def test_summary_accounts_for_every_byte():
 def test_fused_experts_are_planned_per_expert():
     from moequant.arch import adapter_for
 
-    config = {"model_type": "gpt_oss", "num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 100,
-              "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    config = {
+        "model_type": "gpt_oss",
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "vocab_size": 100,
+        "intermediate_size": 32,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+    }
     adapter = adapter_for(config)
 
     class FakeCheckpoint:
@@ -577,9 +673,11 @@ def test_fused_experts_are_planned_per_expert():
     assert {t.shape for t in experts if t.proj == "down"} == {(64, 32)}
     assert {t.shape for t in experts if t.proj in ("gate", "up")} == {(32, 64)}
     assert {t.name for t in experts if t.proj in ("gate", "up") and t.layer == 0} == {
-        "model.layers.0.mlp.experts.gate_up_proj"}
-    plan = make_plan(recipe("transformers").model_copy(update={"keep": ["model.layers.1.mlp.experts.gate_up_proj"]}),
-                     infos, None)
+        "model.layers.0.mlp.experts.gate_up_proj"
+    }
+    plan = make_plan(
+        recipe("transformers").model_copy(update={"keep": ["model.layers.1.mlp.experts.gate_up_proj"]}), infos, None
+    )
     # keeping the fused gate_up keeps whole experts (one format covers gate, up and down)
     assert {k for (L, _), k in plan.expert_formats().items() if L == 1} == {"bf16"}
     assert {k for (L, _), k in plan.expert_formats().items() if L == 0} == {"int4-g32-sym"}
@@ -641,15 +739,23 @@ def test_budget_frontier_is_monotone_and_below_uniform_points():
 
 def test_rules_and_uniform_plans_show_the_budget_plan_at_their_bytes():
     stats = make_stats(seed=6)
-    rules = {"method": "rules", "rules": [{"share_at_least": 1.2, "format": "int8"}, {"format": "int4"}],
-             "formats": ["int8", "int4", "int3"]}
+    rules = {
+        "method": "rules",
+        "rules": [{"share_at_least": 1.2, "format": "int8"}, {"format": "int4"}],
+        "formats": ["int8", "int4", "int3"],
+    }
     plan = make_plan(recipe("transformers", rules), model_tensors(), stats)
     alt = plan.summary["budget_alternative"]
     assert alt["routed_bytes"] <= plan.summary["routed_bytes"]
     assert alt["predicted_loss"] <= plan.summary["predicted_loss"] + 1e-12
     assert "budget plan (target transformers) at the same bytes" in format_summary(plan)
-    solved = make_plan(budget("transformers", ["int8", "int4", "int3"],
-                              bits_per_weight=plan.summary["bits_per_weight"]["routed_experts"]), model_tensors(), stats)
+    solved = make_plan(
+        budget(
+            "transformers", ["int8", "int4", "int3"], bits_per_weight=plan.summary["bits_per_weight"]["routed_experts"]
+        ),
+        model_tensors(),
+        stats,
+    )
     assert alt["predicted_loss"] == pytest.approx(solved.summary["predicted_loss"], rel=1e-9)
     assert solved.summary["budget_alternative"] is None
 
@@ -668,13 +774,15 @@ def test_vllm_moequant_serves_per_expert_mixes_of_the_plugins_formats():
         assert plugin.summary["predicted_loss"] <= vllm.summary["predicted_loss"] + 1e-12
     mixed = make_plan(budget("vllm-moequant", names, bits_per_weight=5.5), tensors, stats)
     assert any(len(keys) > 1 for keys in mixed.layer_formats().values())  # formats differ inside a layer
-    dropped = make_plan(budget("vllm-moequant", ["int8", "int4", "fp8", "mxfp4", "int3"], bits_per_weight=6.0),
-                        tensors, stats)
+    dropped = make_plan(
+        budget("vllm-moequant", ["int8", "int4", "fp8", "mxfp4", "int3"], bits_per_weight=6.0), tensors, stats
+    )
     assert dropped.candidates == ["int8-channel", "int4-g32-sym"]
     assert set(dropped.dropped_candidates) == {"fp8-channel", "mxfp4", "int3-g32-sym"}
     assert dropped.dropped_candidates["mxfp4"] == (
         "moequant's vLLM plugin serves routed experts in bf16, per-channel int8 (W8A8) and symmetric int4 on "
-        "vLLM's CPU backend, not mxfp4")
+        "vLLM's CPU backend, not mxfp4"
+    )
     with pytest.raises(UserError) as info:
         make_plan(recipe("vllm-moequant", {"method": "uniform", "format": "fp8"}), tensors, None)
     assert str(info.value).endswith("accepted: int8 (per channel), symmetric int4, bf16, or target transformers.")

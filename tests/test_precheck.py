@@ -41,8 +41,12 @@ def tree(path: Path) -> dict:
     out = {}
     for p in sorted(path.rglob("*")):
         st = p.stat()
-        out[str(p.relative_to(path))] = (st.st_mode, st.st_size, st.st_mtime_ns,
-                                         p.read_bytes() if p.is_file() else None)
+        out[str(p.relative_to(path))] = (
+            st.st_mode,
+            st.st_size,
+            st.st_mtime_ns,
+            p.read_bytes() if p.is_file() else None,
+        )
     return out
 
 
@@ -64,8 +68,9 @@ def refused(args, output: Path, seconds: float = 1.0) -> str:
 @pytest.mark.parametrize("command", ["apply", "plan", "calibrate"])
 def test_impossible_budget_refused_before_calibration(tmp_path, command):
     out = tmp_path / "out"
-    message = refused([command, "--recipe", SELECTIVE, "--output", str(out),
-                       "--set", "experts.budget.bits_per_weight=1.0"], out)
+    message = refused(
+        [command, "--recipe", SELECTIVE, "--output", str(out), "--set", "experts.budget.bits_per_weight=1.0"], out
+    )
     # the smallest plan of int8-channel / int4-g32-sym on this model is every layer int4: 4.5 bits
     assert "bits_per_weight 1.0" in message and "bits_per_weight >= 4.5000" in message
     assert not out.exists()
@@ -103,8 +108,9 @@ def test_pareto_with_no_feasible_run_calibrates_nothing(tmp_path):
     out = tmp_path / "out"
     t0 = time.perf_counter()
     with pytest.raises(UserError, match="no budget is feasible"):
-        moequant.pipeline.pareto.pareto(SELECTIVE, budgets=[1.0, 2.0], output=str(out), uniform=[], progress=False,
-                               log=lambda *_: None)
+        moequant.pipeline.pareto.pareto(
+            SELECTIVE, budgets=[1.0, 2.0], output=str(out), uniform=[], progress=False, log=lambda *_: None
+        )
     assert time.perf_counter() - t0 < 1.0
     assert not out.exists()
 
@@ -118,11 +124,25 @@ def test_plan_says_where_it_looked_for_statistics(tmp_path):
 def test_calibrate_names_a_candidate_that_cannot_hold_a_projection(tmp_path):
     """The note comes before any work; the run here then stops at a bad seq_len (nothing written)."""
     out = tmp_path / "out"
-    result = CliRunner().invoke(main, ["calibrate", "--recipe", SELECTIVE, "--output", str(out),
-                                       "--formats", "int8-channel,int4-g128-sym", "--seq-len", "100000"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "calibrate",
+            "--recipe",
+            SELECTIVE,
+            "--output",
+            str(out),
+            "--formats",
+            "int8-channel,int4-g128-sym",
+            "--seq-len",
+            "100000",
+        ],
+    )
     assert result.exit_code == 2
-    assert ("note: int4-g128-sym cannot hold the routed experts' down projection ([256, 64]: 64 input columns are "
-            "not a multiple of its group size 128)") in result.output
+    assert (
+        "note: int4-g128-sym cannot hold the routed experts' down projection ([256, 64]: 64 input columns are "
+        "not a multiple of its group size 128)"
+    ) in result.output
     assert "int8-channel cannot" not in result.output
     assert "max_position_embeddings" in result.output
     assert not out.exists()
@@ -145,8 +165,20 @@ def test_atomic_writers_give_the_umask_modes(tmp_path, umask):
         save_safetensors({"w": torch.zeros(2)}, tmp / "model.safetensors")
         (tmp / "sub").mkdir()
     atomic_write_text(tmp_path / "report.md", "x\n")
-    write_plan(Plan(model="m", target="vllm", method="uniform", budget=None, candidates=[], dropped_candidates={},
-                    usage_floor=0.05, formats={}, tensors=[]), tmp_path / "plan.json")
+    write_plan(
+        Plan(
+            model="m",
+            target="vllm",
+            method="uniform",
+            budget=None,
+            candidates=[],
+            dropped_candidates={},
+            usage_floor=0.05,
+            formats={},
+            tensors=[],
+        ),
+        tmp_path / "plan.json",
+    )
     for p in [tmp_path / "ckpt", tmp_path / "ckpt" / "sub"]:
         assert stat.S_IMODE(p.stat().st_mode) == 0o777 & ~umask, p
     for p in [tmp_path / "ckpt" / "model.safetensors", tmp_path / "report.md", tmp_path / "plan.json"]:

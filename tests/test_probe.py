@@ -31,8 +31,9 @@ def make_samples(seed=0, n=N):
 
 
 def settings(**kw):
-    return CalibrationSettings(**{"samples": N, "seq_len": SEQ, "batch_size": BS, "formats": FORMATS,
-                                  "probe_samples": N, **kw})
+    return CalibrationSettings(
+        **{"samples": N, "seq_len": SEQ, "batch_size": BS, "formats": FORMATS, "probe_samples": N, **kw}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +81,22 @@ def test_probe_kl_equals_the_whole_model_with_layers_quantized(tiny_dirs, tmp_pa
     d = tiny_dirs[model_type]
     samples = make_samples()
     min_tokens = 20
-    out = calibrate(str(d), tmp_path / "stats", settings(probe_algorithm=algorithm, min_tokens=min_tokens,
-                                                         save_hessians=True), samples=samples, progress=False)
+    out = calibrate(
+        str(d),
+        tmp_path / "stats",
+        settings(probe_algorithm=algorithm, min_tokens=min_tokens, save_hessians=True),
+        samples=samples,
+        progress=False,
+    )
     probe = json.loads((out / "probe.json").read_text())
     if algorithm == "gptq":  # without saved Hessians the probe reads calibration's scratch copy, then it is gone
-        lean = calibrate(str(d), tmp_path / "lean", settings(probe_algorithm=algorithm, min_tokens=min_tokens),
-                         samples=samples, progress=False)
+        lean = calibrate(
+            str(d),
+            tmp_path / "lean",
+            settings(probe_algorithm=algorithm, min_tokens=min_tokens),
+            samples=samples,
+            progress=False,
+        )
         assert json.loads((lean / "probe.json").read_text()) == probe
         assert not list(lean.rglob("hessians_*")) and not (lean / ".work").exists()
     assert probe["algorithm"] == algorithm and probe["held_out"] is False  # caller-given samples: in sample
@@ -93,7 +104,9 @@ def test_probe_kl_equals_the_whole_model_with_layers_quantized(tiny_dirs, tmp_pa
     ids = torch.stack([s.input_ids for s in samples])
     ref = logits_of(d, ids)
     original = load_file(str(d / "model.safetensors"))
-    layers = sorted({int(m.group(1)) for k in original if (m := re.match(r"model\.layers\.(\d+)\..*experts\.\d+\.", k))})
+    layers = sorted(
+        {int(m.group(1)) for k in original if (m := re.match(r"model\.layers\.(\d+)\..*experts\.\d+\.", k))}
+    )
     assert len(layers) >= 2
     assert sorted(map(int, probe["layers"])) == layers and probe["tokens"] == N * SEQ
     stats = load_stats(out)
@@ -104,8 +117,11 @@ def test_probe_kl_equals_the_whole_model_with_layers_quantized(tiny_dirs, tmp_pa
         if algorithm == "gptq":
             replaced[L] = gptq_reference(stats, L, original, spec, min_tokens)
         else:
-            replaced[L] = {name: formats.quantize(w.float(), spec).dequantize(torch.float32) for name, w in original.items()
-                           if re.match(rf"model\.layers\.{L}\.\w+\.experts\.\d+\.\w+\.weight$", name)}
+            replaced[L] = {
+                name: formats.quantize(w.float(), spec).dequantize(torch.float32)
+                for name, w in original.items()
+                if re.match(rf"model\.layers\.{L}\.\w+\.experts\.\d+\.\w+\.weight$", name)
+            }
         assert len(replaced[L]) == 3 * stats.layers[L].num_experts
 
     def kl_with(quantized_layers) -> float:
@@ -171,7 +187,10 @@ def test_resume_after_a_kill_during_the_probe(tiny_dirs, tmp_path, monkeypatch):
 
 def test_probe_format_and_sample_choice():
     shapes = [(32, 64), (32, 64), (64, 32)]
-    assert choose_probe_format(["int8-channel", "int4-g32-sym", "int3-g32-asym", "int2-g32-asym"], shapes) == "int4-g32-sym"
+    assert (
+        choose_probe_format(["int8-channel", "int4-g32-sym", "int3-g32-asym", "int2-g32-asym"], shapes)
+        == "int4-g32-sym"
+    )
     assert choose_probe_format(["int8-channel", "mxfp4", "int4-g32-sym"], shapes) == "mxfp4"  # 4.25 < 4.5 bits
     assert choose_probe_format(["int3-g32-asym", "int2-g32-asym"], shapes) == "int2-g32-asym"  # none >= 4 bits
     assert choose_probe_format(["int4-g128-sym", "int8-channel"], shapes) == "int8-channel"  # g128 cannot hold 64
@@ -209,9 +228,16 @@ def hand_stats(probe_kl=None, layers=2):
         out[L] = LayerStats(L, 2, 500, t)
     probe = None
     if probe_kl is not None:
-        probe = {"schema": "moequant.calib.probe/1", "samples": 2, "tokens": 64, "usage_floor": 0.05,
-                 "layers": {str(L): {"format": "int4-g32-sym", "kl": kl, "predicted_loss": None, "scale": None}
-                            for L, kl in probe_kl.items()}}
+        probe = {
+            "schema": "moequant.calib.probe/1",
+            "samples": 2,
+            "tokens": 64,
+            "usage_floor": 0.05,
+            "layers": {
+                str(L): {"format": "int4-g32-sym", "kl": kl, "predicted_loss": None, "scale": None}
+                for L, kl in probe_kl.items()
+            },
+        }
     return Stats(None, {}, out, probe=probe)
 
 
@@ -224,8 +250,9 @@ def half_way():
     int4 = make_plan(recipe({"method": "uniform", "format": "int4"}), tensors(), None).summary["routed_bytes"]
     int8 = make_plan(recipe({"method": "uniform", "format": "int8"}), tensors(), None).summary["routed_bytes"]
     numel = 2 * E * 3 * H * I
-    return recipe({"method": "budget", "formats": ["int8", "int4"],
-                   "budget": {"bits_per_weight": (int4 + int8) // 2 * 8 / numel}})
+    return recipe(
+        {"method": "budget", "formats": ["int8", "int4"], "budget": {"bits_per_weight": (int4 + int8) // 2 * 8 / numel}}
+    )
 
 
 def layer_formats(plan):
@@ -244,8 +271,9 @@ def test_layer_scales_reverse_the_solvers_layer_choice():
     assert "per-layer KL probe used" in format_summary(probed)
     # scaled, a one-layer int4 plan's predicted loss is the probe's measured KL of that layer
     for L, kl in ((0, 0.02), (1, 0.005)):
-        rules = recipe({"method": "rules", "rules": [{"layers": L, "format": "int4"}, {"format": "bf16"}]},
-                       target="transformers")
+        rules = recipe(
+            {"method": "rules", "rules": [{"layers": L, "format": "int4"}, {"format": "bf16"}]}, target="transformers"
+        )
         plan = make_plan(rules, tensors(), hand_stats({0: 0.02, 1: 0.005}))
         assert plan.summary["predicted_loss"] == pytest.approx(kl, rel=1e-12)
         # and every tensor's loss is its unscaled loss times the layer's scale
@@ -278,7 +306,9 @@ def test_tensor_probe_kl_equals_the_whole_model_with_one_tensor_quantized(tiny_d
     ids = torch.stack([s.input_ids for s in samples])
     ref = logits_of(d, ids)
     original = load_file(str(d / "model.safetensors"))
-    expected = sorted(n for n in original if re.search(r"(self_attn\.\w_proj|shared_expert\.\w+_proj)\.weight$|^lm_head\.weight$", n))
+    expected = sorted(
+        n for n in original if re.search(r"(self_attn\.\w_proj|shared_expert\.\w+_proj)\.weight$|^lm_head\.weight$", n)
+    )
     assert sorted(probe["tensors"]) == expected and any("self_attn" in n for n in expected)
     if model_type == "qwen2_moe":
         assert any("shared_expert." in n for n in expected)

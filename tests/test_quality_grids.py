@@ -50,10 +50,12 @@ def reference_search(x, w, bits, symmetric, steps=21):
         cands = [(bf16(np.where(np.isfinite(s) & (s > 0), s, 0)), z) for s, z in cands]
     else:
         lo, hi = x.min(-1), x.max(-1)
-        n = 2 ** bits - 1
+        n = 2**bits - 1
         # the format's own min/max rule (zero inside the range)
         s = bf16((np.maximum(hi, 0) - np.minimum(lo, 0)) / n)
-        cands.append((s, np.where(s > 0, np.clip(qmin + np.round(-np.minimum(lo, 0) / np.where(s > 0, s, 1)), qmin, qmax), 0)))
+        cands.append(
+            (s, np.where(s > 0, np.clip(qmin + np.round(-np.minimum(lo, 0) / np.where(s > 0, s, 1)), qmin, qmax), 0))
+        )
         for delta in np.linspace(-1, 1, steps):
             s0 = (hi - lo) / (n + delta)
             l = np.clip(np.round((x - lo[..., None]) / np.where(s0 > 0, s0, 1)[..., None]), 0, n)
@@ -101,8 +103,9 @@ def weights(seed=0, shape=(3, 24, 128)):
 # searched grid
 
 
-@pytest.mark.parametrize("key", ["int4-g32-sym", "int4-g32-asym", "int4-g64-asym", "int3-g32-asym", "int2-g32-sym",
-                                 "int4-g128-sym"])
+@pytest.mark.parametrize(
+    "key", ["int4-g32-sym", "int4-g32-asym", "int4-g64-asym", "int3-g32-asym", "int2-g32-sym", "int4-g128-sym"]
+)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_searched_grid_is_the_best_candidate_and_beats_minmax(key, weighted):
     spec = formats.parse_key(key)
@@ -114,9 +117,13 @@ def test_searched_grid_is_the_best_candidate_and_beats_minmax(key, weighted):
     s = q.scales.double().numpy()
     z = np.zeros_like(s) if q.zeros is None else q.zeros.double().numpy()
     # the stored codes are the format's rounding on the stored scale / zero point, and dequantize to it
-    assert np.array_equal(q.codes.double().numpy().reshape(x.shape) - z[..., None],
-                          np.round(dequant(x, s, z, spec.bits) / np.where(s > 0, s, 1)[..., None]))
-    assert np.allclose(q.dequantize(torch.float64).numpy().reshape(x.shape), dequant(x, s, z, spec.bits), rtol=0, atol=0)
+    assert np.array_equal(
+        q.codes.double().numpy().reshape(x.shape) - z[..., None],
+        np.round(dequant(x, s, z, spec.bits) / np.where(s > 0, s, 1)[..., None]),
+    )
+    assert np.allclose(
+        q.dequantize(torch.float64).numpy().reshape(x.shape), dequant(x, s, z, spec.bits), rtol=0, atol=0
+    )
     ours = werr(x, wt, s, z, spec.bits)
     best = reference_search(x, wt, spec.bits, spec.symmetric)
     base = minmax_error(x, wt, spec)
@@ -174,7 +181,7 @@ def reference_gptq_fixed(w, h, s, z, group, damp=0.01):
         q = np.clip(np.round(w[:, j] / np.where(sj > 0, sj, np.inf)) + zj, -8, 7)
         codes[:, j] = q
         err = (w[:, j] - (q - zj) * sj) / u[j, j]
-        w[:, j + 1:] -= np.outer(err, u[j, j + 1:])
+        w[:, j + 1 :] -= np.outer(err, u[j, j + 1 :])
     return codes
 
 
@@ -202,7 +209,8 @@ def test_gptq_on_the_searched_grid_equals_float64_gptq_and_beats_minmax(key):
         assert int((q.codes[e].double().numpy() != codes).sum()) == 0
     minmax, _ = gptq.gptq(w, h, key, block_size=64)
     assert output_error(w, q.dequantize(torch.float64), held_out) < 0.9 * output_error(
-        w, minmax.dequantize(torch.float64), held_out)
+        w, minmax.dequantize(torch.float64), held_out
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,10 +234,18 @@ def test_routing_weighted_hessians_match_float64(tmp_path, weighting):
     g = torch.Generator().manual_seed(0)
     samples = [Sample(torch.randint(0, 96, (24,), generator=g), "prose", "test") for _ in range(6)]
     base = dict(samples=6, seq_len=24, batch_size=3, formats=("int8-channel",), save_hessians=True, probe_samples=0)
-    stats = load_stats(calibrate(str(directory), tmp_path / "w", CalibrationSettings(**base, hessian_weighting=weighting),
-                                 samples=samples, progress=False))
-    plain = load_stats(calibrate(str(directory), tmp_path / "p", CalibrationSettings(**base), samples=samples,
-                                 progress=False))
+    stats = load_stats(
+        calibrate(
+            str(directory),
+            tmp_path / "w",
+            CalibrationSettings(**base, hessian_weighting=weighting),
+            samples=samples,
+            progress=False,
+        )
+    )
+    plain = load_stats(
+        calibrate(str(directory), tmp_path / "p", CalibrationSettings(**base), samples=samples, progress=False)
+    )
     # the reference: the unmodified model, hooked for router weights / indices and the experts' input
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     adapter = adapter_for(open_checkpoint(directory).config)
@@ -237,13 +253,17 @@ def test_routing_weighted_hessians_match_float64(tmp_path, weighting):
     hooks = []
     for L in adapter.moe_layers:
         mlp = model.model.layers[L].mlp
+
         def on_router(m, a, out, L=L):  # returns None: the router's output stays as it is
             seen[L]["r"].append(out[1].reshape(-1, adapter.top_k).double())
             seen[L]["i"].append(out[2].reshape(-1, adapter.top_k))
 
         hooks.append(adapter.router_module(mlp).register_forward_hook(on_router))
-        hooks.append(mlp.experts.register_forward_pre_hook(
-            lambda m, a, L=L: seen[L]["x"].append(a[0].reshape(-1, a[0].shape[-1]).double())))
+        hooks.append(
+            mlp.experts.register_forward_pre_hook(
+                lambda m, a, L=L: seen[L]["x"].append(a[0].reshape(-1, a[0].shape[-1]).double())
+            )
+        )
     with torch.no_grad():
         for batch in torch.split(torch.stack([s.input_ids for s in samples]), 3):
             model(input_ids=batch)
@@ -264,14 +284,20 @@ def test_routing_weighted_hessians_match_float64(tmp_path, weighting):
             torch.testing.assert_close(s.hessian("gate", routed=True)[e].double(), want, rtol=1e-4, atol=1e-6)
             with torch.no_grad():
                 he = adapter.expert_hidden(experts, xe.float(), e).double()
-            torch.testing.assert_close(s.hessian("down", routed=True)[e].double(), he.T @ (he * ce[:, None]) / ce.sum(),
-                                       rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(
+                s.hessian("down", routed=True)[e].double(), he.T @ (he * ce[:, None]) / ce.sum(), rtol=1e-4, atol=1e-6
+            )
         # the unweighted statistics and the all-token Hessians are unchanged
         assert torch.equal(s.hessian("gate"), plain.layers[L].hessian("gate"))
         assert not torch.allclose(s.hessian("gate", routed=True), plain.layers[L].hessian("gate", routed=True))
     with pytest.raises(UserError, match="hessian_weighting"):
-        calibrate(str(directory), tmp_path / "bad", CalibrationSettings(**base, hessian_weighting="affinity"),
-                  samples=samples, progress=False)
+        calibrate(
+            str(directory),
+            tmp_path / "bad",
+            CalibrationSettings(**base, hessian_weighting="affinity"),
+            samples=samples,
+            progress=False,
+        )
     assert not (tmp_path / "bad").exists()
 
 
@@ -316,7 +342,7 @@ def _searched_fit_by_division(spec, xg, importance):
             consider((w * x * codes).sum(-1) / (w * codes.square()).sum(-1), None)
         return best_s, None
     lo, hi = x.amin(-1), x.amax(-1)
-    steps = 2 ** spec.bits - 1
+    steps = 2**spec.bits - 1
     sw, sx = w.sum(-1), (w * x).sum(-1)
     for delta in torch.linspace(-1.0, 1.0, 21).tolist():
         s0 = (hi - lo) * (1.0 / torch.tensor(steps + delta, dtype=torch.float32))
@@ -361,8 +387,11 @@ def test_search_by_reciprocal_matches_the_division_search_up_to_ties(key, monkey
 
         def err64(sz):
             s, z = sz[0].double(), (torch.zeros_like(sz[0]) if sz[1] is None else sz[1]).double()
-            q = torch.clamp(torch.round(xg.double() / torch.where(s > 0, s, torch.inf)[..., None]) + z[..., None],
-                            -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1)
+            q = torch.clamp(
+                torch.round(xg.double() / torch.where(s > 0, s, torch.inf)[..., None]) + z[..., None],
+                -(2 ** (spec.bits - 1)),
+                2 ** (spec.bits - 1) - 1,
+            )
             return (imp.double() * (xg.double() - (q - z[..., None]) * s[..., None]) ** 2).sum(-1)
 
         print(f"{key} {proj}: {differ.double().mean().item():.2e} of the groups' scales differ")
@@ -376,7 +405,9 @@ def test_search_by_reciprocal_matches_the_division_search_up_to_ties(key, monkey
             (q,), _ = gptq.gptq_pass_shared([w], h, spec, grid="searched", refit=True)
             back = q.dequantize(torch.float64)
             ref = x_held.double() @ w.double().transpose(1, 2)
-            results.append((q.codes, float(((x_held.double() @ back.transpose(1, 2) - ref) ** 2).sum() / (ref**2).sum())))
+            results.append(
+                (q.codes, float(((x_held.double() @ back.transpose(1, 2) - ref) ** 2).sum() / (ref**2).sum()))
+            )
         (codes_new, err_new), (codes_old, err_old) = results
         frac = (codes_new != codes_old).double().mean().item()
         print(f"{key} {proj}: codes differ {frac:.2e}; held-out error {err_new:.6g} vs {err_old:.6g}")

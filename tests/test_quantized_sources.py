@@ -27,8 +27,13 @@ from moequant.errors import UserError
 from moequant.formats import unpack_e2m1, unpack_int32
 from moequant.io.checkpoint import copy_aux_files, open_checkpoint
 
-SMALL = ["calibration.samples=8", "calibration.seq_len=64", "calibration.probe_samples=0",
-         "evaluate.samples=4", "evaluate.seq_len=64"]
+SMALL = [
+    "calibration.samples=8",
+    "calibration.seq_len=64",
+    "calibration.probe_samples=0",
+    "evaluate.samples=4",
+    "evaluate.seq_len=64",
+]
 # per source: the recipe and its overrides (gpt-oss's fused experts export only in its own MXFP4 layout)
 RECIPES = {
     "deepseek": ("recipes/uniform-int4.yaml", []),
@@ -118,8 +123,9 @@ def test_mxfp4_source_loads_as_transformers_dequantizes_it(sources):
     import moequant
 
     path = sources["gpt_oss"]
-    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
-                                                  quantization_config=Mxfp4Config(dequantize=True))
+    theirs = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, quantization_config=Mxfp4Config(dequantize=True)
+    )
     ours = dict(moequant.load(path).named_parameters())
     params = dict(theirs.named_parameters())
     assert ours.keys() == params.keys()
@@ -209,8 +215,9 @@ def test_an_fp8_block_export_carries_the_mtp_layer_unchanged(sources, tmp_path):
     for name in fp8 + [n[: -len("weight")] + "weight_scale_inv" for n in fp8]:
         assert torch.equal(exported.get(name).view(torch.uint8), src.get(name).view(torch.uint8)), name
     qc = exported.config["quantization_config"]
-    assert qc["quant_method"] == "fp8" and not any(m.startswith(mtp) and m + ".weight" in fp8
-                                                   for m in qc["modules_to_not_convert"])
+    assert qc["quant_method"] == "fp8" and not any(
+        m.startswith(mtp) and m + ".weight" in fp8 for m in qc["modules_to_not_convert"]
+    )
     assert f"{mtp}shared_head.head" in qc["modules_to_not_convert"]  # a bf16 Linear, as in the source
 
 
@@ -219,10 +226,18 @@ def test_eval_reference_of_a_quantized_source_is_its_dequantized_weights(sources
 
     # int8 per channel, so the checkpoint differs from the source (GPTQ on the searched grid gives an
     # int4-g32 source back exactly in its own format)
-    args = ["apply", "--recipe", "recipes/uniform-int4.yaml", "--model", str(copies["qwen"]), "--output",
-            str(tmp_path / "run")]
-    result = CliRunner().invoke(main, args + [a for s in SMALL + ["experts.format=int8"] for a in ("--set", s)],
-                                catch_exceptions=False)
+    args = [
+        "apply",
+        "--recipe",
+        "recipes/uniform-int4.yaml",
+        "--model",
+        str(copies["qwen"]),
+        "--output",
+        str(tmp_path / "run"),
+    ]
+    result = CliRunner().invoke(
+        main, args + [a for s in SMALL + ["experts.format=int8"] for a in ("--set", s)], catch_exceptions=False
+    )
     assert result.exit_code == 0, result.output
     run = tmp_path / "run"
     kwargs = dict(dataset="builtin:stdlib-code", samples=2, seq_len=32, dtype=torch.float32, progress=False)
@@ -264,8 +279,19 @@ def _broken_copy(source: Path, directory: Path, edit) -> Path:
 
 def _refused(model, tmp_path, *message):
     out = tmp_path / "out"
-    result = CliRunner().invoke(main, ["apply", "--recipe", "recipes/uniform-int4.yaml", "--model", str(model),
-                                       "--output", str(out), *[a for s in SMALL for a in ("--set", s)]])
+    result = CliRunner().invoke(
+        main,
+        [
+            "apply",
+            "--recipe",
+            "recipes/uniform-int4.yaml",
+            "--model",
+            str(model),
+            "--output",
+            str(out),
+            *[a for s in SMALL for a in ("--set", s)],
+        ],
+    )
     assert result.exit_code == 2, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error: ")]  # beside progress bars
     assert len(errors) == 1 and "Traceback" not in result.output, result.output
@@ -339,14 +365,30 @@ def test_nan_mxfp4_scales_are_refused(sources, tmp_path):
         open_checkpoint(bad).get("model.layers.1.mlp.experts.down_proj")
 
 
-@pytest.mark.parametrize("qc, message", [
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes', a source format moequant cannot read"),
-    ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size [64, 64] is not a source format"),
-    ({"quant_method": "compressed-tensors", "format": "sparse-24-bitmask",
-      "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
-     "compressed-tensors format 'sparse-24-bitmask'"),
-    ({"quant_method": "compressed-tensors", "config_groups": [{"targets": "Linear"}]}, "quantization_config is malformed"),
-])
+@pytest.mark.parametrize(
+    "qc, message",
+    [
+        (
+            {"quant_method": "bitsandbytes", "load_in_4bit": True},
+            "quant_method 'bitsandbytes', a source format moequant cannot read",
+        ),
+        ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size [64, 64] is not a source format"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "sparse-24-bitmask",
+                "config_groups": {
+                    "g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}
+                },
+            },
+            "compressed-tensors format 'sparse-24-bitmask'",
+        ),
+        (
+            {"quant_method": "compressed-tensors", "config_groups": [{"targets": "Linear"}]},
+            "quantization_config is malformed",
+        ),
+    ],
+)
 def test_a_source_format_we_cannot_read_is_one_sentence_naming_it(qc, message, sources, tmp_path):
     bad = tmp_path / "other"
     shutil.copytree(sources["deepseek"], bad)

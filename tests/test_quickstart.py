@@ -53,8 +53,16 @@ def setup_commands(readme: str) -> list[str]:
 
 def clone(destination: Path) -> Path:
     """The files a fresh clone of this tree has, committed in a new repository."""
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           check=True, capture_output=True).stdout.decode().split("\0")
+    files = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, files):
         src = ROOT / name
         if src.is_symlink():  # recipes/, calibration/: links into the package, as git stores them
@@ -76,17 +84,34 @@ def quickstart(tmp_path_factory):
     readme = (repo / "README.md").read_text()
     setup, lines = setup_commands(readme), quickstart_lines(readme)
     assert setup == ["moequant apply --recipe recipes/selective.yaml"], setup
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(repo)}  # the clone's own package, not this tree's
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(repo),
+    }  # the clone's own package, not this tree's
     runs = []
     for line in setup + lines:
         t0 = time.perf_counter()
-        done = subprocess.run(["bash", "-c", line], cwd=repo, env=env, capture_output=True, text=True,
-                              preexec_fn=lambda: os.umask(UMASK), timeout=900)
-        runs.append({"line": line, "rc": done.returncode, "out": done.stdout, "err": done.stderr,
-                     "seconds": time.perf_counter() - t0})
+        done = subprocess.run(
+            ["bash", "-c", line],
+            cwd=repo,
+            env=env,
+            capture_output=True,
+            text=True,
+            preexec_fn=lambda: os.umask(UMASK),
+            timeout=900,
+        )
+        runs.append(
+            {
+                "line": line,
+                "rc": done.returncode,
+                "out": done.stdout,
+                "err": done.stderr,
+                "seconds": time.perf_counter() - t0,
+            }
+        )
         print(f"$ {line}\n{done.stdout}{done.stderr}[{time.perf_counter() - t0:.0f} s, exit {done.returncode}]")
-    return {"repo": repo, "setup": runs[:len(setup)], "runs": runs[len(setup):]}
+    return {"repo": repo, "setup": runs[: len(setup)], "runs": runs[len(setup) :]}
 
 
 def run_of(quickstart, command: str) -> dict:
@@ -101,9 +126,9 @@ def test_setup_line_then_quickstart_run_verbatim_in_order(quickstart):
     assert setup["rc"] == 0, f"{setup['line']}\n{setup['out']}{setup['err']}"
     assert "report: runs/selective/report.html" in setup["out"]
     runs = quickstart["runs"]
-    assert [r["line"].split()[:2] for r in runs] == [["moequant", c] for c in
-                                                      ("inspect", "inspect", "calibrate", "plan", "apply", "eval",
-                                                       "report")]
+    assert [r["line"].split()[:2] for r in runs] == [
+        ["moequant", c] for c in ("inspect", "inspect", "calibrate", "plan", "apply", "eval", "report")
+    ]
     for r in runs:
         assert r["rc"] == 0, f"{r['line']}\n{r['out']}{r['err']}"
         assert "Traceback" not in r["err"]
@@ -128,8 +153,13 @@ def test_setup_line_then_quickstart_run_verbatim_in_order(quickstart):
 
 def test_quickstart_writes_only_under_ignored_runs(quickstart):
     repo = quickstart["repo"]
-    status = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=repo,
-                            check=True, capture_output=True, text=True).stdout.splitlines()
+    status = subprocess.run(
+        ["git", "status", "--porcelain", "--ignored", "--untracked-files=all"],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.splitlines()
     untracked = [s for s in status if s.startswith("??")]
     assert untracked == []  # every new file is ignored by git
     ignored = {s[3:] for s in status if s.startswith("!!")}
@@ -196,8 +226,11 @@ def test_one_byte_account_everywhere(quickstart):
     bits = plan["summary"]["bits_per_weight"]["routed_experts"]
     assert memory["bits_per_weight_experts"] == bits
     assert memory["bits_per_weight"] == plan["summary"]["bits_per_weight"]["overall"]
-    assert memory["layout_metadata_bytes"] == memory["bytes_quantized"] - sum(
-        v["bytes_quantized"] for v in memory["by_role"].values()) > 0  # compressed-tensors' weight_shape
+    assert (
+        memory["layout_metadata_bytes"]
+        == memory["bytes_quantized"] - sum(v["bytes_quantized"] for v in memory["by_role"].values())
+        > 0
+    )  # compressed-tensors' weight_shape
     shown = f"{bits:.3f}"
     assert math.isclose(float(shown), bits, abs_tol=5e-4)
     assert f"bits per weight: {shown} routed experts" in run_of(quickstart, "plan")["out"]
@@ -229,14 +262,23 @@ def test_the_setup_run_is_kept_and_plain_transformers_refuses_its_checkpoint(qui
     out = repo / "runs" / "selective"
     summary = json.loads((out / "stats" / "summary.json").read_text())
     assert summary["samples"] == 128, summary["samples"]
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(repo)}
-    assert subprocess.run(["moequant", "report", "runs/selective"], cwd=repo, env=env, capture_output=True,
-                          text=True, timeout=300).returncode == 0
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(repo),
+    }
+    assert (
+        subprocess.run(
+            ["moequant", "report", "runs/selective"], cwd=repo, env=env, capture_output=True, text=True, timeout=300
+        ).returncode
+        == 0
+    )
     plan = json.loads((out / "plan.json").read_text())
     assert len({t["format"] for t in plan["tensors"] if t["role"] == "routed_expert"}) > 1  # a per-layer mix
-    probe = ("import torch, transformers\n"
-             "transformers.AutoModelForCausalLM.from_pretrained('runs/selective/checkpoint', dtype=torch.float32)\n")
+    probe = (
+        "import torch, transformers\n"
+        "transformers.AutoModelForCausalLM.from_pretrained('runs/selective/checkpoint', dtype=torch.float32)\n"
+    )
     done = subprocess.run([sys.executable, "-c", probe], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     from moequant.export.layouts import TRANSFORMERS_REFUSAL

@@ -16,7 +16,10 @@ from moequant.errors import UserError
 def _problem(experts=3, rows=16, cols=128, tokens=512, seed=0):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(experts, rows, cols, generator=gen, dtype=torch.float64)
-    mix = torch.eye(cols, dtype=torch.float64) + 0.4 * torch.randn(cols, cols, generator=gen, dtype=torch.float64) / cols**0.5
+    mix = (
+        torch.eye(cols, dtype=torch.float64)
+        + 0.4 * torch.randn(cols, cols, generator=gen, dtype=torch.float64) / cols**0.5
+    )
     x = torch.randn(experts, tokens, cols, generator=gen, dtype=torch.float64) @ mix + 0.3  # inputs with a mean
     return w, x
 
@@ -44,7 +47,9 @@ def test_refit_scales_are_the_least_squares_scales_of_the_codes(key):
     agree = changed = 0
     for e in range(w.shape[0]):
         for r in range(w.shape[1]):
-            feats = torch.stack([x[e][:, g * gs:(g + 1) * gs] @ c[e, r, g * gs:(g + 1) * gs] for g in range(groups)], 1)
+            feats = torch.stack(
+                [x[e][:, g * gs : (g + 1) * gs] @ c[e, r, g * gs : (g + 1) * gs] for g in range(groups)], 1
+            )
             best = torch.linalg.lstsq(feats, x[e] @ w[e, r]).solution
             if not torch.equal(refit.scales[e, r], q.scales[e, r]):
                 changed += 1
@@ -107,8 +112,12 @@ def test_refit_kernel_normal_equations_against_float64(key):
     c = q.codes if q.zeros is None else q.codes - q.zeros.repeat_interleave(gs, dim=-1)
     a, b = refit_triton.normal_equations(c.cuda(), w.cuda(), h.cuda(), gs)
     c64 = c.double()
-    a64 = torch.einsum("erga,egahb,erhb->ergh", c64.view(e, rows, -1, gs),
-                       h.double().view(e, cols // gs, gs, cols // gs, gs), c64.view(e, rows, -1, gs))
+    a64 = torch.einsum(
+        "erga,egahb,erhb->ergh",
+        c64.view(e, rows, -1, gs),
+        h.double().view(e, cols // gs, gs, cols // gs, gs),
+        c64.view(e, rows, -1, gs),
+    )
     b64 = (c64 * (w.double() @ h.double())).view(e, rows, -1, gs).sum(-1)
     assert torch.isfinite(a).all() and torch.isfinite(b).all()
     rel = lambda u, v: ((u.cpu().double() - v).norm() / v.norm()).item()  # noqa: E731

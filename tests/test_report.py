@@ -29,13 +29,26 @@ from moequant.report import build_report, checkpoint_bytes, gpus_needed, memory_
 
 def _file_tensors(directory) -> dict[str, tuple[int, int]]:
     """name -> (bytes, elements) read straight from every safetensors file, checked against its size."""
-    sizes = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "F16": 2, "BF16": 2,
-             "I32": 4, "F32": 4, "I64": 8, "F64": 8}
+    sizes = {
+        "BOOL": 1,
+        "U8": 1,
+        "I8": 1,
+        "F8_E4M3": 1,
+        "F8_E5M2": 1,
+        "F8_E8M0": 1,
+        "I16": 2,
+        "F16": 2,
+        "BF16": 2,
+        "I32": 4,
+        "F32": 4,
+        "I64": 8,
+        "F64": 8,
+    }
     out = {}
     for path in sorted(Path(directory).glob("*.safetensors")):
         raw = path.read_bytes()
         (n,) = struct.unpack("<Q", raw[:8])
-        header = json.loads(raw[8:8 + n])
+        header = json.loads(raw[8 : 8 + n])
         header.pop("__metadata__", None)
         data = 0
         for name, t in header.items():
@@ -93,10 +106,16 @@ def qwen(tmp_path_factory):
     src = build_tiny("qwen2_moe", root / "orig")
     ckpt = open_checkpoint(src)
     ad = adapter_for(ckpt.config)
-    fmt = {(L, e): ("fp8-channel" if (L + e) % 3 == 0 else "int8-channel")
-           for L in ad.moe_layers for e in range(ad.num_experts)}
-    quantized = {(L, e, p): formats.quantize(ad.read_expert(ckpt, L, e, p).float(), formats.parse_key(fmt[(L, e)]))
-                 for (L, e) in fmt for p in ad.projections}
+    fmt = {
+        (L, e): ("fp8-channel" if (L + e) % 3 == 0 else "int8-channel")
+        for L in ad.moe_layers
+        for e in range(ad.num_experts)
+    }
+    quantized = {
+        (L, e, p): formats.quantize(ad.read_expert(ckpt, L, e, p).float(), formats.parse_key(fmt[(L, e)]))
+        for (L, e) in fmt
+        for p in ad.projections
+    }
     out = export_checkpoint(src, quantized, root / "runs" / "mixed" / "checkpoint", target="transformers")
     return {"src": src, "ckpt": out, "adapter": ad, "formats": fmt, "root": root}
 
@@ -111,24 +130,32 @@ def test_bytes_by_role_from_file_headers(qwen):
     assert checkpoint_bytes(qwen["ckpt"])["layout_metadata"] > 0  # compressed-tensors' weight_shape
     orig, quant = _bytes_by_role(qwen["src"]), _bytes_by_role(qwen["ckpt"])
     assert quant["routed_expert"] < orig["routed_expert"] / 1.5
-    assert {r: b for r, b in quant.items() if r != "routed_expert"} == {r: b for r, b in orig.items() if r != "routed_expert"}
+    assert {r: b for r, b in quant.items() if r != "routed_expert"} == {
+        r: b for r, b in orig.items() if r != "routed_expert"
+    }
     # per expert: the export's own tensors of that expert's three modules
     got = checkpoint_bytes(qwen["ckpt"])["experts"]
     files = _file_tensors(qwen["ckpt"])
     for (L, e), b in got.items():
-        assert b == sum(n for name, (n, _) in files.items() if f"layers.{L}.mlp.experts.{e}." in name
-                        and not METADATA.search(name))
+        assert b == sum(
+            n for name, (n, _) in files.items() if f"layers.{L}.mlp.experts.{e}." in name and not METADATA.search(name)
+        )
 
 
-@pytest.mark.parametrize("layout,key", [("gptq", "int8-channel"), ("awq", "int4-g32-asym"),
-                                        ("deepseek-fp8", "fp8-block128")])
+@pytest.mark.parametrize(
+    "layout,key", [("gptq", "int8-channel"), ("awq", "int4-g32-asym"), ("deepseek-fp8", "fp8-block128")]
+)
 def test_other_layouts_bytes_by_role(qwen, tmp_path, layout, key):
     ad, src = qwen["adapter"], qwen["src"]
     ckpt = open_checkpoint(src)
     spec = formats.parse_key(key)
     projs = ("gate", "up") if layout == "awq" else ad.projections  # down has 16 columns: no int4 group fits
-    quantized = {(L, e, p): formats.quantize(ad.read_expert(ckpt, L, e, p).float(), spec)
-                 for L in ad.moe_layers for e in range(ad.num_experts) for p in projs}
+    quantized = {
+        (L, e, p): formats.quantize(ad.read_expert(ckpt, L, e, p).float(), spec)
+        for L in ad.moe_layers
+        for e in range(ad.num_experts)
+        for p in projs
+    }
     out = export_checkpoint(src, quantized, tmp_path / layout, layout=layout, target="transformers")
     got = checkpoint_bytes(out)
     assert got["by_role"] == _bytes_by_role(out)
@@ -146,8 +173,12 @@ def test_fused_gpt_oss_mxfp4_bytes_by_role(tmp_path):
     ckpt = open_checkpoint(tmp_path / "orig")
     ad = adapter_for(ckpt.config)
     spec = formats.parse_key("mxfp4")
-    quantized = {(L, e, p): formats.quantize(ad.read_expert(ckpt, L, e, p).float(), spec)
-                 for L in ad.moe_layers for e in range(ad.num_experts) for p in ad.projections}
+    quantized = {
+        (L, e, p): formats.quantize(ad.read_expert(ckpt, L, e, p).float(), spec)
+        for L in ad.moe_layers
+        for e in range(ad.num_experts)
+        for p in ad.projections
+    }
     out = export_checkpoint(tmp_path / "orig", quantized, tmp_path / "q", layout="gpt-oss-mxfp4")
     assert any(n.endswith("_blocks") for n in _file_tensors(out))
     for directory in (tmp_path / "orig", out):
@@ -155,10 +186,14 @@ def test_fused_gpt_oss_mxfp4_bytes_by_role(tmp_path):
     mem = memory_account(tmp_path / "orig", out)
     routed = [(n, b) for n, b in _file_tensors(out).items() if ".mlp.experts." in n]
     matrices = [(n, b) for n, b in routed if not n.endswith("_bias")]  # what the budget counts
-    weights = sum(e for n, (_, e) in _file_tensors(tmp_path / "orig").items()
-                  if ".mlp.experts." in n and not n.endswith("_bias"))
+    weights = sum(
+        e for n, (_, e) in _file_tensors(tmp_path / "orig").items() if ".mlp.experts." in n and not n.endswith("_bias")
+    )
     assert mem["routed_expert_matrices"] == {
-        "weights": weights, "bytes_original": 2 * weights, "bytes_quantized": sum(b for _, (b, _) in matrices)}
+        "weights": weights,
+        "bytes_original": 2 * weights,
+        "bytes_quantized": sum(b for _, (b, _) in matrices),
+    }
     assert mem["by_role"]["routed_expert"]["bytes_quantized"] == sum(b for _, (b, _) in routed)  # biases too
     assert mem["bits_per_weight_experts"] == 8 * sum(b for _, (b, _) in matrices) / weights == 4.25  # biases stay bf16
 
@@ -173,7 +208,9 @@ def test_memory_account_numbers(qwen):
     assert mem["bytes_quantized"] == sum(b for b, _ in quant_files.values())
     assert mem["bits_per_weight_original"] == pytest.approx(16.0)
     assert mem["layout_metadata_bytes"] == _metadata_bytes(qwen["ckpt"]) > 0
-    assert mem["bits_per_weight"] == pytest.approx(8 * (mem["bytes_quantized"] - mem["layout_metadata_bytes"]) / weights)
+    assert mem["bits_per_weight"] == pytest.approx(
+        8 * (mem["bytes_quantized"] - mem["layout_metadata_bytes"]) / weights
+    )
     routed_w = sum(e for n, (_, e) in orig_files.items() if _role_of(n) == "routed_expert")
     q_roles = _bytes_by_role(qwen["ckpt"])
     assert mem["bits_per_weight_experts"] == pytest.approx(8 * q_roles["routed_expert"] / routed_w)
@@ -189,8 +226,9 @@ def test_memory_account_numbers(qwen):
     # with routing shares: each expert's bytes weighted by top_k * share
     shares = {L: [1.0] + [0.0] * (E - 1) for L in ad.moe_layers}  # only expert 0 is ever used
     skewed = memory_account(qwen["src"], qwen["ckpt"], shares)
-    expert0 = sum(b for n, (b, _) in quant_files.items() if re.search(r"\.mlp\.experts\.0\.", n)
-                  and not METADATA.search(n))
+    expert0 = sum(
+        b for n, (b, _) in quant_files.items() if re.search(r"\.mlp\.experts\.0\.", n) and not METADATA.search(n)
+    )
     fixed = sum(q_roles.values()) - q_roles["embedding"] - q_roles["routed_expert"]
     assert skewed["bytes_per_token"]["quantized"] == round(fixed + k * expert0)
 
@@ -216,7 +254,11 @@ def _fake_stats(directory: Path, ad, domains=("code", "prose"), tokens=100) -> P
             per_domain[d] = (c / c.sum() * tokens * k / len(domains)).round().long()
         per_domain[domains[0]][0] += (-int(sum(per_domain.values()).sum())) % k  # real counts sum to tokens * k
         count = sum(per_domain.values())
-        t = {"routing.count": count, "routing.weight_sum": count.double(), "routing.rank_count": torch.zeros(E, k, dtype=torch.int64)}
+        t = {
+            "routing.count": count,
+            "routing.weight_sum": count.double(),
+            "routing.rank_count": torch.zeros(E, k, dtype=torch.int64),
+        }
         t.update({f"routing.count.{d}": c for d, c in per_domain.items()})
         for p in ad.projections:
             for key in ("int8-channel", "fp8-channel"):
@@ -228,16 +270,32 @@ def _fake_stats(directory: Path, ad, domains=("code", "prose"), tokens=100) -> P
 
 
 def _plan(qwen) -> dict:
-    tensors = [{"name": f"e{L}.{e}.{p}", "role": "routed_expert", "layer": L, "expert": e, "proj": p,
-                "format": f, "predicted_loss": 0.001 * (e + 1)}
-               for (L, e), f in qwen["formats"].items() for p in qwen["adapter"].projections]
-    return {"schema": "moequant.plan/1", "target": "transformers", "method": "budget", "tensors": tensors,
-            "summary": {"bits_per_weight": {"overall": 12.0, "routed_experts": 8.5}, "predicted_loss": 1.0,
-                        "per_expert_alternative": {"predicted_loss": 0.5, "routed_bytes": 30000, "candidates": [],
-                                                   "counts": {}},
-                        "uniform_alternatives": [{"format": "int8-channel", "routed_bytes": 31000,
-                                                  "predicted_loss": 2.0}]},
-            "notes": ["a note from the policy"]}
+    tensors = [
+        {
+            "name": f"e{L}.{e}.{p}",
+            "role": "routed_expert",
+            "layer": L,
+            "expert": e,
+            "proj": p,
+            "format": f,
+            "predicted_loss": 0.001 * (e + 1),
+        }
+        for (L, e), f in qwen["formats"].items()
+        for p in qwen["adapter"].projections
+    ]
+    return {
+        "schema": "moequant.plan/1",
+        "target": "transformers",
+        "method": "budget",
+        "tensors": tensors,
+        "summary": {
+            "bits_per_weight": {"overall": 12.0, "routed_experts": 8.5},
+            "predicted_loss": 1.0,
+            "per_expert_alternative": {"predicted_loss": 0.5, "routed_bytes": 30000, "candidates": [], "counts": {}},
+            "uniform_alternatives": [{"format": "int8-channel", "routed_bytes": 31000, "predicted_loss": 2.0}],
+        },
+        "notes": ["a note from the policy"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -253,10 +311,25 @@ def quality(qwen):
 
 
 DOCUMENTED_KEYS = [
-    "model", "recipe", "target", "memory.bytes_original", "memory.bytes_quantized", "memory.bits_per_weight",
-    "memory.bits_per_weight_experts", "memory.by_role", "quality.ppl_original", "quality.ppl_quantized",
-    "quality.kl_mean", "quality.kl_p99", "quality.top1_agreement", "quality.routing_agreement", "experts", "timings",
-    "memory.bytes_per_token.original", "memory.bytes_per_token.quantized", "memory.gpus_needed.original.24GB",
+    "model",
+    "recipe",
+    "target",
+    "memory.bytes_original",
+    "memory.bytes_quantized",
+    "memory.bits_per_weight",
+    "memory.bits_per_weight_experts",
+    "memory.by_role",
+    "quality.ppl_original",
+    "quality.ppl_quantized",
+    "quality.kl_mean",
+    "quality.kl_p99",
+    "quality.top1_agreement",
+    "quality.routing_agreement",
+    "experts",
+    "timings",
+    "memory.bytes_per_token.original",
+    "memory.bytes_per_token.quantized",
+    "memory.gpus_needed.original.24GB",
     "memory.gpus_needed.quantized.141GB",
 ]
 
@@ -273,8 +346,16 @@ def test_report_json_contract(qwen, quality, tmp_path):
     stats = _fake_stats(tmp_path / "stats", ad)
     out = tmp_path / "run"
     recipe = {"name": "selective", "experts": {"budget": {"bits_per_weight": 8.5}}}
-    report = build_report(model=str(qwen["src"]), checkpoint=qwen["ckpt"], recipe=recipe, plan=_plan(qwen),
-                          quality=quality, stats=stats, timings={"calibrate": 1.5, "evaluate": 2}, output_dir=out)
+    report = build_report(
+        model=str(qwen["src"]),
+        checkpoint=qwen["ckpt"],
+        recipe=recipe,
+        plan=_plan(qwen),
+        quality=quality,
+        stats=stats,
+        timings={"calibrate": 1.5, "evaluate": 2},
+        output_dir=out,
+    )
     data = _strict_json(out / "report.json")
     assert data == json.loads(json.dumps(report))
     for dotted in DOCUMENTED_KEYS:
@@ -306,7 +387,9 @@ def test_report_json_contract(qwen, quality, tmp_path):
                 assert row["share_by_domain"][d] == pytest.approx(float(c[e] / c.sum()))
             fmt = qwen["formats"][(L, e)]
             assert row["format"] == fmt
-            assert row["predicted_error"] == pytest.approx(sum(float(raw[L][f"sensitivity.{p}.{fmt}"][e]) for p in ad.projections))
+            assert row["predicted_error"] == pytest.approx(
+                sum(float(raw[L][f"sensitivity.{p}.{fmt}"][e]) for p in ad.projections)
+            )
             assert row["predicted_loss"] == pytest.approx(3 * 0.001 * (e + 1))
             assert row["error"] == measured[(L, e)]["error"]
     md = (out / "report.md").read_text()
@@ -337,9 +420,22 @@ class Chromium:
             os.dup2(b, 4)
 
         self.proc = subprocess.Popen(
-            [binary, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe", "--no-first-run",
-             f"--user-data-dir={profile}", "--disable-extensions", "about:blank"],
-            preexec_fn=wire, pass_fds=(3, 4), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                binary,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--remote-debugging-pipe",
+                "--no-first-run",
+                f"--user-data-dir={profile}",
+                "--disable-extensions",
+                "about:blank",
+            ],
+            preexec_fn=wire,
+            pass_fds=(3, 4),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(to_child_r)
         os.close(from_child_w)
         self._buf = b""
@@ -401,34 +497,54 @@ class Chromium:
 def render_page(html_path: Path, profile: Path) -> dict:
     """Load a page; return its images, console/exception/log errors and a full-page PNG screenshot."""
     binary = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert binary, ("Chromium is required for the report rendering test and is not installed: "
-                    "run `apt-get install -y chromium` (Debian package `chromium`).")
+    assert binary, (
+        "Chromium is required for the report rendering test and is not installed: "
+        "run `apt-get install -y chromium` (Debian package `chromium`)."
+    )
     browser = Chromium(binary, profile)
     try:
         target = browser.send("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for domain in ("Page", "Runtime", "Log"):
             browser.send(f"{domain}.enable", session=session)
-        browser.send("Emulation.setDeviceMetricsOverride",
-                     {"width": 1200, "height": 900, "deviceScaleFactor": 1, "mobile": False}, session=session)
+        browser.send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": 1200, "height": 900, "deviceScaleFactor": 1, "mobile": False},
+            session=session,
+        )
         browser.send("Page.navigate", {"url": html_path.resolve().as_uri()}, session=session)
         browser.wait_event("Page.loadEventFired")
-        images = browser.send("Runtime.evaluate", {"returnByValue": True, "expression": """
+        images = browser.send(
+            "Runtime.evaluate",
+            {
+                "returnByValue": True,
+                "expression": """
             Array.from(document.images).map(i => {
                 const r = i.getBoundingClientRect();
                 return {figure: i.closest('figure') && i.closest('figure').id, complete: i.complete,
                         width: i.naturalWidth, height: i.naturalHeight,
                         x: r.left + window.scrollX, y: r.top + window.scrollY, w: r.width, h: r.height};
-            })"""}, session=session)["result"]["value"]
+            })""",
+            },
+            session=session,
+        )["result"]["value"]
         metrics = browser.send("Page.getLayoutMetrics", session=session)["cssContentSize"]
-        shot = browser.send("Page.captureScreenshot", {
-            "format": "png", "captureBeyondViewport": True,
-            "clip": {"x": 0, "y": 0, "width": metrics["width"], "height": metrics["height"], "scale": 1}},
-            session=session)["data"]
-        errors = [ev for ev in browser.events if
-                  (ev.get("method") == "Runtime.consoleAPICalled" and ev["params"]["type"] in ("error", "assert"))
-                  or ev.get("method") == "Runtime.exceptionThrown"
-                  or (ev.get("method") == "Log.entryAdded" and ev["params"]["entry"]["level"] == "error")]
+        shot = browser.send(
+            "Page.captureScreenshot",
+            {
+                "format": "png",
+                "captureBeyondViewport": True,
+                "clip": {"x": 0, "y": 0, "width": metrics["width"], "height": metrics["height"], "scale": 1},
+            },
+            session=session,
+        )["data"]
+        errors = [
+            ev
+            for ev in browser.events
+            if (ev.get("method") == "Runtime.consoleAPICalled" and ev["params"]["type"] in ("error", "assert"))
+            or ev.get("method") == "Runtime.exceptionThrown"
+            or (ev.get("method") == "Log.entryAdded" and ev["params"]["entry"]["level"] == "error")
+        ]
         return {"images": images, "errors": errors, "screenshot": shot}
     finally:
         browser.close()
@@ -444,19 +560,32 @@ def test_report_html_renders_every_plot_in_chromium(qwen, quality, tmp_path):
     stats = _fake_stats(tmp_path / "stats", ad)
     runs = tmp_path / "runs"
     # a neighbour run (the unquantized model against itself) so the Pareto plot has two points
-    build_report(model=str(qwen["src"]), checkpoint=qwen["src"], quality={**quality, "kl_mean": 0.0},
-                 output_dir=runs / "bf16")
+    build_report(
+        model=str(qwen["src"]), checkpoint=qwen["src"], quality={**quality, "kl_mean": 0.0}, output_dir=runs / "bf16"
+    )
     out = runs / "mixed"
-    build_report(model=str(qwen["src"]), checkpoint=qwen["ckpt"], plan=_plan(qwen), quality=quality, stats=stats,
-                 timings={"evaluate": 1.0}, output_dir=out)
+    build_report(
+        model=str(qwen["src"]),
+        checkpoint=qwen["ckpt"],
+        plan=_plan(qwen),
+        quality=quality,
+        stats=stats,
+        timings={"evaluate": 1.0},
+        output_dir=out,
+    )
     html_text = (out / "report.html").read_text()
     assert "<script" not in html_text and "http" not in html_text  # self-contained, nothing fetched
 
     page = render_page(out / "report.html", tmp_path / "profile")
     assert page["errors"] == []
     figures = {i["figure"] for i in page["images"]}
-    assert figures == {"plot-routing-share", "plot-format-map", "plot-error-vs-share", "plot-memory-by-role",
-                       "plot-pareto"}
+    assert figures == {
+        "plot-routing-share",
+        "plot-format-map",
+        "plot-error-vs-share",
+        "plot-memory-by-role",
+        "plot-pareto",
+    }
     shot = Image.open(io.BytesIO(base64.b64decode(page["screenshot"]))).convert("L")
     for img in page["images"]:
         assert img["complete"] and img["width"] > 100 and img["height"] > 100, img

@@ -28,9 +28,15 @@ from moequant.io.run_lock import LOCK_FILE, output_lock
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "zoo:tiny-qwen2moe"
-SMALL = ["calibration.samples=8", "calibration.seq_len=64", "calibration.probe_samples=0",
-         "calibration.dataset=builtin:stdlib-prose", "evaluate.samples=4", "evaluate.seq_len=64",
-         "evaluate.dataset=builtin:stdlib-prose"]
+SMALL = [
+    "calibration.samples=8",
+    "calibration.seq_len=64",
+    "calibration.probe_samples=0",
+    "calibration.dataset=builtin:stdlib-prose",
+    "evaluate.samples=4",
+    "evaluate.seq_len=64",
+    "evaluate.dataset=builtin:stdlib-prose",
+]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 ENV.pop("RANK", None)
 
@@ -44,8 +50,9 @@ def apply_args(recipe: str, out: Path) -> list[str]:
 
 def start(args: list[str], log: Path) -> subprocess.Popen:
     with open(log, "wb") as f:  # a file, not a pipe: a stopped or chatty run never blocks on its output
-        return subprocess.Popen([sys.executable, "-m", "moequant.cli", *args], cwd=ROOT, env=ENV,
-                                stdout=f, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "moequant.cli", *args], cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT
+        )
 
 
 def is_held(directory: Path) -> bool:
@@ -81,14 +88,23 @@ def wait_until_held_by(directory: Path, proc: subprocess.Popen, timeout: float =
 
 def snapshot(directory: Path) -> dict:
     """Every file (hidden ones too) with its size, mtime and content hash."""
-    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns,
-                                           hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): (
+            p.stat().st_size,
+            p.stat().st_mtime_ns,
+            hashlib.sha256(p.read_bytes()).hexdigest(),
+        )
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def digest(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def weight_bits(checkpoint: Path) -> set[int]:
@@ -107,16 +123,19 @@ def one_error_line(text: str) -> str:
     return lines[0]
 
 
-HOLD = "import sys\nfrom moequant.io.run_lock import output_lock\nwith output_lock(sys.argv[1], 'test'):\n" \
-       "    print('held', flush=True)\n    sys.stdin.read()\n"
+HOLD = (
+    "import sys\nfrom moequant.io.run_lock import output_lock\nwith output_lock(sys.argv[1], 'test'):\n"
+    "    print('held', flush=True)\n    sys.stdin.read()\n"
+)
 
 
 @pytest.fixture
 def holder(tmp_path):
     """A separate process holding the lock of tmp_path/'held' until it is told to stop (or killed)."""
     directory = tmp_path / "held"
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(directory)], env=ENV, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(directory)], env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
     assert proc.stdout.readline() == b"held\n"
     yield directory, proc
     if proc.poll() is None:
@@ -138,17 +157,31 @@ def concurrent(tmp_path_factory):
     try:
         before = snapshot(out)
         t0 = time.perf_counter()
-        second = subprocess.run([sys.executable, "-m", "moequant.cli", *apply_args("uniform-int8.yaml", out)],
-                                cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+        second = subprocess.run(
+            [sys.executable, "-m", "moequant.cli", *apply_args("uniform-int8.yaml", out)],
+            cwd=ROOT,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         refused_in = time.perf_counter() - t0
         after = snapshot(out)
         holder_stopped = first.poll() is None
     finally:
         os.kill(first.pid, signal.SIGCONT)
     rc = first.wait(timeout=600)
-    return {"out": out, "first_rc": rc, "first_log": (tmp / "int4.log").read_text(), "second": second,
-            "refused_in": refused_in, "before": before, "after": after, "holder_stopped": holder_stopped,
-            "holder_pid": first.pid}
+    return {
+        "out": out,
+        "first_rc": rc,
+        "first_log": (tmp / "int4.log").read_text(),
+        "second": second,
+        "refused_in": refused_in,
+        "before": before,
+        "after": after,
+        "holder_stopped": holder_stopped,
+        "holder_pid": first.pid,
+    }
 
 
 @pytest.mark.slow  # whole apply runs in subprocesses
@@ -207,8 +240,14 @@ def test_sigkilled_holder_never_blocks_the_rerun_which_resumes_and_finishes(conc
     assert stale["pid"] == proc.pid and not is_held(out)  # the file is left, the lock died with its process
 
     t0 = time.perf_counter()
-    rerun = subprocess.run([sys.executable, "-m", "moequant.cli", *apply_args("uniform-int4.yaml", out)], cwd=ROOT,
-                           env=ENV, capture_output=True, text=True, timeout=600)
+    rerun = subprocess.run(
+        [sys.executable, "-m", "moequant.cli", *apply_args("uniform-int4.yaml", out)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     print(f"rerun after SIGKILL finished in {time.perf_counter() - t0:.1f} s")
     # resumed, not started over: the killed run's plan is reused (a uniform recipe calibrates nothing;
@@ -239,8 +278,11 @@ def test_swapped_checkpoint_is_named_by_eval_and_report_and_remade_by_a_rerun(co
     untouched = snapshot(mixed)
     runner = CliRunner()
 
-    result = runner.invoke(main, ["eval", str(mixed / "checkpoint"), "--reference", MODEL, "--samples", "2",
-                                  "--seq-len", "32"], catch_exceptions=False)
+    result = runner.invoke(
+        main,
+        ["eval", str(mixed / "checkpoint"), "--reference", MODEL, "--samples", "2", "--seq-len", "32"],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 2
     line = one_error_line(result.output)
     assert str(mixed / "checkpoint") in line and int4_fp in line and int8_fp in line, line
@@ -255,8 +297,12 @@ def test_swapped_checkpoint_is_named_by_eval_and_report_and_remade_by_a_rerun(co
     from moequant.report import build_report
 
     with pytest.raises(UserError, match=f"{int4_fp}.*{int8_fp}"):
-        build_report(model=MODEL, checkpoint=mixed / "checkpoint", plan=json.loads((mixed / "plan.json").read_text()),
-                     output_dir=mixed)
+        build_report(
+            model=MODEL,
+            checkpoint=mixed / "checkpoint",
+            plan=json.loads((mixed / "plan.json").read_text()),
+            output_dir=mixed,
+        )
     assert snapshot(mixed) == untouched
 
     # the rerun remakes the foreign checkpoint instead of reusing it beside int8's plan
@@ -273,15 +319,44 @@ def test_eval_output_writes_the_checkpoint_s_run_and_refuses_another_run_s_direc
     out = concurrent["out"]
     runner = CliRunner()
     untouched = snapshot(out)
-    result = runner.invoke(main, ["eval", str(int8_run / "checkpoint"), "--reference", MODEL, "--samples", "2",
-                                  "--seq-len", "32", "--output", str(out)], catch_exceptions=False)
+    result = runner.invoke(
+        main,
+        [
+            "eval",
+            str(int8_run / "checkpoint"),
+            "--reference",
+            MODEL,
+            "--samples",
+            "2",
+            "--seq-len",
+            "32",
+            "--output",
+            str(out),
+        ],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 2
     line = one_error_line(result.output)
     assert str(out) in line and file_fingerprint(int8_run / "plan.json") in line, line
     assert snapshot(out) == untouched and not (out / "eval.json").exists()
 
-    result = runner.invoke(main, ["eval", str(int8_run / "checkpoint"), "--reference", MODEL, "--samples", "2",
-                                  "--seq-len", "32", "--output", str(int8_run), "--json"], catch_exceptions=False)
+    result = runner.invoke(
+        main,
+        [
+            "eval",
+            str(int8_run / "checkpoint"),
+            "--reference",
+            MODEL,
+            "--samples",
+            "2",
+            "--seq-len",
+            "32",
+            "--output",
+            str(int8_run),
+            "--json",
+        ],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     written = json.loads((int8_run / "eval.json").read_text())
     assert written[KEY] == file_fingerprint(int8_run / "plan.json") and written["kl_mean"] > 0

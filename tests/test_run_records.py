@@ -15,8 +15,14 @@ from tiny import build_tiny_with_tokenizer
 from moequant.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["calibration.samples=2", "calibration.seq_len=32", "calibration.dataset=builtin:stdlib-prose",
-        "evaluate.samples=2", "evaluate.seq_len=32", "evaluate.dataset=builtin:stdlib-prose"]
+TINY = [
+    "calibration.samples=2",
+    "calibration.seq_len=32",
+    "calibration.dataset=builtin:stdlib-prose",
+    "evaluate.samples=2",
+    "evaluate.seq_len=32",
+    "evaluate.dataset=builtin:stdlib-prose",
+]
 
 pytestmark = pytest.mark.slow  # one whole apply
 
@@ -45,8 +51,21 @@ def report(directory):
 
 
 def evaluate(model, directory):
-    return CliRunner().invoke(main, ["eval", str(directory / "checkpoint"), "--reference", str(model), "--samples",
-                                     "2", "--seq-len", "32", "--dataset", "builtin:stdlib-prose"])
+    return CliRunner().invoke(
+        main,
+        [
+            "eval",
+            str(directory / "checkpoint"),
+            "--reference",
+            str(model),
+            "--samples",
+            "2",
+            "--seq-len",
+            "32",
+            "--dataset",
+            "builtin:stdlib-prose",
+        ],
+    )
 
 
 def refused(result, *words) -> str:
@@ -72,21 +91,29 @@ def test_an_intact_run_is_reported_and_evaluated(run, tmp_path):
     assert result.exit_code == 0 and "KL per token" in result.stdout, result.output
 
 
-@pytest.mark.parametrize("damage, words", [
-    (lambda d: shutil.rmtree(d / "checkpoint"), ["no checkpoint/"]),
-    (lambda d: (d / "checkpoint.json").unlink(), ["no checkpoint.json"]),
-    (lambda d: other_run(d / "checkpoint.json"), ["different runs", "0123456789abcdef"]),
-], ids=["checkpoint removed", "record removed", "record of another run"])
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (lambda d: shutil.rmtree(d / "checkpoint"), ["no checkpoint/"]),
+        (lambda d: (d / "checkpoint.json").unlink(), ["no checkpoint.json"]),
+        (lambda d: other_run(d / "checkpoint.json"), ["different runs", "0123456789abcdef"]),
+    ],
+    ids=["checkpoint removed", "record removed", "record of another run"],
+)
 def test_report_refuses(run, tmp_path, damage, words):
     refused(report(damaged(run, tmp_path, damage)), *words)
 
 
-@pytest.mark.parametrize("damage, words", [
-    (lambda d: shutil.rmtree(d / "checkpoint"), ["does not exist"]),
-    (lambda d: (d / "checkpoint.json").unlink(), ["checkpoint.json is missing"]),
-    (lambda d: other_run(d / "checkpoint.json"), ["no record", "0123456789abcdef"]),
-    (lambda d: other_run(d / "checkpoint" / "config.json"), ["does not belong", "0123456789abcdef"]),
-], ids=["checkpoint removed", "record removed", "record of another run", "checkpoint of another run"])
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (lambda d: shutil.rmtree(d / "checkpoint"), ["does not exist"]),
+        (lambda d: (d / "checkpoint.json").unlink(), ["checkpoint.json is missing"]),
+        (lambda d: other_run(d / "checkpoint.json"), ["no record", "0123456789abcdef"]),
+        (lambda d: other_run(d / "checkpoint" / "config.json"), ["does not belong", "0123456789abcdef"]),
+    ],
+    ids=["checkpoint removed", "record removed", "record of another run", "checkpoint of another run"],
+)
 def test_eval_refuses(run, tmp_path, damage, words):
     model, _ = run
     refused(evaluate(model, damaged(run, tmp_path, damage)), *words)

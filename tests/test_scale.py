@@ -19,9 +19,19 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPE = dict(hidden_size=1024, moe_intermediate_size=512, num_experts=64, num_experts_per_tok=8,
-             num_attention_heads=8, num_key_value_heads=2, head_dim=128, intermediate_size=2048,
-             max_position_embeddings=1024, tie_word_embeddings=False, norm_topk_prob=True)
+SHAPE = dict(
+    hidden_size=1024,
+    moe_intermediate_size=512,
+    num_experts=64,
+    num_experts_per_tok=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    intermediate_size=2048,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+    norm_topk_prob=True,
+)
 
 
 pytestmark = pytest.mark.slow
@@ -51,11 +61,13 @@ def big_model(tmp_path_factory):
 def test_a_1gb_moe_end_to_end_in_bounded_memory(big_model, tmp_path):
     directory, nbytes = big_model
     out = tmp_path / "run"
-    code = ("import json; from moequant.pipeline.apply import apply; "
-            f"apply({str(ROOT / 'recipes/uniform-int8.yaml')!r}, model={str(directory)!r}, output={str(out)!r}, "
-            "overrides=['evaluate.samples=2', 'evaluate.seq_len=64'], progress=False, log=lambda *a: None); "
-            "status = dict(l.split(':', 1) for l in open('/proc/self/status').read().splitlines()); "
-            "print(json.dumps({k: int(status[k].split()[0]) * 1024 for k in ('VmHWM', 'RssAnon', 'RssFile')}))")
+    code = (
+        "import json; from moequant.pipeline.apply import apply; "
+        f"apply({str(ROOT / 'recipes/uniform-int8.yaml')!r}, model={str(directory)!r}, output={str(out)!r}, "
+        "overrides=['evaluate.samples=2', 'evaluate.seq_len=64'], progress=False, log=lambda *a: None); "
+        "status = dict(l.split(':', 1) for l in open('/proc/self/status').read().splitlines()); "
+        "print(json.dumps({k: int(status[k].split()[0]) * 1024 for k in ('VmHWM', 'RssAnon', 'RssFile')}))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     measured = json.loads(done.stdout.strip().splitlines()[-1])
@@ -70,8 +82,10 @@ def test_a_1gb_moe_end_to_end_in_bounded_memory(big_model, tmp_path):
     # float32 working copy and its dequantized copy (the next layer read ahead in the checkpoint's dtype
     # meanwhile). The export streams the codes from work/ tensor by tensor: no term grows with the model.
     bound = 1.5e9 + 2 * 2 * layer_bytes
-    print(f"peak RSS {rss / 1e9:.2f} GB for a {nbytes / 1e9:.2f} GB model (bound {bound / 1e9:.2f} GB); "
-          f"(at the end: RssAnon {measured['RssAnon'] / 1e9:.2f} GB, RssFile {measured['RssFile'] / 1e9:.2f} GB)")
+    print(
+        f"peak RSS {rss / 1e9:.2f} GB for a {nbytes / 1e9:.2f} GB model (bound {bound / 1e9:.2f} GB); "
+        f"(at the end: RssAnon {measured['RssAnon'] / 1e9:.2f} GB, RssFile {measured['RssFile'] / 1e9:.2f} GB)"
+    )
     assert rss < bound
 
 
@@ -92,8 +106,14 @@ def test_round_to_nearest_plans_run_no_forward_and_write_rtn_codes(big_model, tm
 
     monkeypatch.setattr(quantize, "LayerRunner", no_forward)
     monkeypatch.setattr(layers, "LayerRunner", layers.LayerRunner)  # evaluation still runs layer by layer
-    apply(str(ROOT / "recipes/uniform-int8.yaml"), model=str(directory), output=str(tmp_path / "run"),
-          overrides=["evaluate.samples=2", "evaluate.seq_len=32"], progress=False, log=lambda *a: None)
+    apply(
+        str(ROOT / "recipes/uniform-int8.yaml"),
+        model=str(directory),
+        output=str(tmp_path / "run"),
+        overrides=["evaluate.samples=2", "evaluate.seq_len=32"],
+        progress=False,
+        log=lambda *a: None,
+    )
     ckpt = open_checkpoint(directory)
     adapter = adapter_for(ckpt.config)
     written = dequantized_state_dict(tmp_path / "run" / "checkpoint", torch.float32)

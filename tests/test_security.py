@@ -37,6 +37,7 @@ def one_sentence(message: str) -> bool:
 @contextmanager
 def no_hang(seconds: int = 20):
     """Turn a hang (a FIFO opened for reading blocks forever) into a test failure."""
+
     def fail(*_):
         raise AssertionError(f"hung for {seconds} s")
 
@@ -178,11 +179,18 @@ LIES = {
     "offsets past the end": ({"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8),
     "offsets backwards": ({"t": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}}, b"\0" * 8),
     "negative offset": ({"t": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}, b"\0" * 8),
-    "overlapping tensors": ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                             "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12),
+    "overlapping tensors": (
+        {
+            "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+        },
+        b"\0" * 12,
+    ),
     "wrong dtype size": ({"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, b"\0" * 8),
-    "shape product overflowing 64 bits": ({"t": {"dtype": "U8", "shape": [2**40, 2**40, 2**40],
-                                                 "data_offsets": [0, 8]}}, b"\0" * 8),
+    "shape product overflowing 64 bits": (
+        {"t": {"dtype": "U8", "shape": [2**40, 2**40, 2**40], "data_offsets": [0, 8]}},
+        b"\0" * 8,
+    ),
     "negative dimension": ({"t": {"dtype": "U8", "shape": [-8], "data_offsets": [0, 8]}}, b"\0" * 8),
     "unknown dtype": ({"t": {"dtype": "Q4_K", "shape": [8], "data_offsets": [0, 8]}}, b"\0" * 8),
     "shape as a string": ({"t": {"dtype": "U8", "shape": "8", "data_offsets": [0, 8]}}, b"\0" * 8),
@@ -234,8 +242,13 @@ def test_truncated_after_open_is_an_error_not_garbage(tmp_path):
 
 
 def test_an_honest_header_reads_what_the_safetensors_library_reads(tmp_path):
-    tensors = {"bf": torch.randn(3, 5).to(torch.bfloat16), "i8": torch.randint(-128, 127, (7,), dtype=torch.int8),
-               "f8": torch.randn(4, 4).to(torch.float8_e4m3fn), "empty": torch.zeros(0, 3), "scalar": torch.tensor(2.5)}
+    tensors = {
+        "bf": torch.randn(3, 5).to(torch.bfloat16),
+        "i8": torch.randint(-128, 127, (7,), dtype=torch.int8),
+        "f8": torch.randn(4, 4).to(torch.float8_e4m3fn),
+        "empty": torch.zeros(0, 3),
+        "scalar": torch.tensor(2.5),
+    }
     ckpt = small_checkpoint(tmp_path / "ckpt", {"model.safetensors": tensors})
     opened = open_checkpoint(ckpt)
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
@@ -267,8 +280,10 @@ def plant_code(directory: Path, marker: Path) -> None:
     for module in ("configuration_evil", "modeling_evil", "tokenization_evil"):
         (directory / f"{module}.py").write_text(EVIL_CODE.format(marker=str(marker), name=module))
     config = json.loads((directory / "config.json").read_text())
-    config["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig",
-                          "AutoModelForCausalLM": "modeling_evil.EvilModel"}
+    config["auto_map"] = {
+        "AutoConfig": "configuration_evil.EvilConfig",
+        "AutoModelForCausalLM": "modeling_evil.EvilModel",
+    }
     (directory / "config.json").write_text(json.dumps(config))
     tok = directory / "tokenizer_config.json"
     if tok.exists():
@@ -315,8 +330,14 @@ def test_apply_on_a_checkpoint_with_auto_map_and_pickles_runs_no_code(hostile_mo
     monkeypatch.setattr(torch, "load", refuse)
     out = tmp_path / "run"
     args = ["apply", "--recipe", "recipes/selective.yaml", "--model", str(model), "--output", str(out)]
-    for s in ("calibration.samples=2", "calibration.seq_len=32", "calibration.dataset=builtin:stdlib-prose",
-              "evaluate.samples=2", "evaluate.seq_len=32", "evaluate.dataset=builtin:stdlib-prose"):
+    for s in (
+        "calibration.samples=2",
+        "calibration.seq_len=32",
+        "calibration.dataset=builtin:stdlib-prose",
+        "evaluate.samples=2",
+        "evaluate.seq_len=32",
+        "evaluate.dataset=builtin:stdlib-prose",
+    ):
         args += ["--set", s]
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -333,8 +354,11 @@ def test_unknown_architecture_with_auto_map_is_refused_before_any_code(tmp_path)
     (model / "config.json").write_text(json.dumps(config))
     marker = tmp_path / "marker"
     plant_code(model, marker)
-    for command in (["inspect", str(model)], ["calibrate", "--model", str(model), "--output", str(tmp_path / "s")],
-                    ["apply", "--model", str(model), "--output", str(tmp_path / "o")]):
+    for command in (
+        ["inspect", str(model)],
+        ["calibrate", "--model", str(model), "--output", str(tmp_path / "s")],
+        ["apply", "--model", str(model), "--output", str(tmp_path / "o")],
+    ):
         result = CliRunner().invoke(main, command, input="y\n")
         assert result.exit_code == 2 and "evil_moe" in result.output, (command, result.output)
     assert not marker.exists()
@@ -352,7 +376,21 @@ def test_eval_of_an_unknown_architecture_never_offers_to_run_its_code(hostile_mo
     (candidate / "config.json").write_text(json.dumps(config))
     marker = tmp_path / "marker"
     plant_code(candidate, marker)
-    result = CliRunner().invoke(main, ["eval", str(candidate), "--reference", str(reference), "--samples", "2",
-                                       "--seq-len", "32", "--dataset", "builtin:stdlib-prose"], input="y\n")
+    result = CliRunner().invoke(
+        main,
+        [
+            "eval",
+            str(candidate),
+            "--reference",
+            str(reference),
+            "--samples",
+            "2",
+            "--seq-len",
+            "32",
+            "--dataset",
+            "builtin:stdlib-prose",
+        ],
+        input="y\n",
+    )
     assert result.exit_code == 2, result.output
     assert not marker.exists(), marker.read_text()

@@ -19,9 +19,14 @@ from moequant.zoo import path as zoo_path
 
 
 def plan(formats, bits, tensors, stats):
-    r = recipe_from_dict({"target": "sglang", "formats": {"int4": {"group_size": 32}},
-                          "experts": {"method": "budget", "budget": {"bits_per_weight": bits}, "formats": formats}},
-                         "t.yaml")
+    r = recipe_from_dict(
+        {
+            "target": "sglang",
+            "formats": {"int4": {"group_size": 32}},
+            "experts": {"method": "budget", "budget": {"bits_per_weight": bits}, "formats": formats},
+        },
+        "t.yaml",
+    )
     return make_plan(r, tensors, stats)
 
 
@@ -72,6 +77,7 @@ def test_export_writes_what_sglang_loads_and_refuses_the_rest(tmp_path):
     mixed = quantize_experts(mixtral, lambda L, e, p: ["int4-g32-sym", "int8-channel"][L % 2])
     with pytest.raises(UserError, match="gate_proj / up_proj / down_proj"):
         export_checkpoint(mixtral, mixed, tmp_path / "mx", target="sglang")
-    uniform = export_checkpoint(qwen2, quantize_experts(qwen2, lambda L, e, p: "fp8-channel"), tmp_path / "fp8",
-                                target="sglang")
+    uniform = export_checkpoint(
+        qwen2, quantize_experts(qwen2, lambda L, e, p: "fp8-channel"), tmp_path / "fp8", target="sglang"
+    )
     assert json.loads((uniform / "config.json").read_text())["quantization_config"]["format"] == "float-quantized"

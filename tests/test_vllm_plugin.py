@@ -56,12 +56,18 @@ from moequant.zoo import path as zoo_path
 
 MODELS = {"tiny-qwen2moe": "int4-g64-sym", "tiny-mixtral": "int4-g128-sym"}  # vLLM CPU int4 MoE: g64 / g128
 TEXTS = [  # our own sentences; ~40 tokens each, so every model sees ~160 scored positions
-    ("The river carried the old boat past the mill, where the miller counted sacks of grain and watched the "
-    "children race along the bank toward the bridge before the evening bell rang twice."),
-    ("def merge(left, right):\n    out = []\n    while left and right:\n        out.append(left.pop(0) if "
-    "left[0] < right[0] else right.pop(0))\n    return out + left + right\n"),
-    ("In the spring of that year the council met in the hall by the market and agreed, after a long debate about "
-    "taxes and roads, to build a school for the three villages."),
+    (
+        "The river carried the old boat past the mill, where the miller counted sacks of grain and watched the "
+        "children race along the bank toward the bridge before the evening bell rang twice."
+    ),
+    (
+        "def merge(left, right):\n    out = []\n    while left and right:\n        out.append(left.pop(0) if "
+        "left[0] < right[0] else right.pop(0))\n    return out + left + right\n"
+    ),
+    (
+        "In the spring of that year the council met in the hall by the market and agreed, after a long debate about "
+        "taxes and roads, to build a school for the three villages."
+    ),
 ]
 VOCAB = 4096
 STEPS = 16
@@ -70,12 +76,23 @@ TIE_NATS = 0.5
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 GAP = quantized_moe_kernel_gap()  # None where vLLM's CPU build has int4 / int8 fused-MoE kernels
-needs_kernels = pytest.mark.skipif(GAP is not None, reason=f"{GAP}; test_without_cpu_kernels_every_quantized_checkpoint_is_refused_in_one_sentence runs instead")
+needs_kernels = pytest.mark.skipif(
+    GAP is not None,
+    reason=f"{GAP}; test_without_cpu_kernels_every_quantized_checkpoint_is_refused_in_one_sentence runs instead",
+)
 MIX_GAP = mixed_layer_kernel_gap()  # None where vLLM's CPU int4 kernel can run one format group of a layer
-needs_group_kernels = pytest.mark.skipif(MIX_GAP is not None, reason=f"{MIX_GAP}; test_without_group_kernels_mixed_layers_are_refused_in_one_sentence runs instead")
-FIRST_MOE_LAYER = {"tiny-qwen2moe": "model.layers.0.mlp.experts", "tiny-mixtral": "model.layers.0.block_sparse_moe.experts"}
-REFUSAL = re.compile(r"moequant: MoE layer (\S+) has experts in (\S+), a format vLLM has no fused-MoE kernel "
-                     r"for on this backend \(([^()\n]+)\)\.")
+needs_group_kernels = pytest.mark.skipif(
+    MIX_GAP is not None,
+    reason=f"{MIX_GAP}; test_without_group_kernels_mixed_layers_are_refused_in_one_sentence runs instead",
+)
+FIRST_MOE_LAYER = {
+    "tiny-qwen2moe": "model.layers.0.mlp.experts",
+    "tiny-mixtral": "model.layers.0.block_sparse_moe.experts",
+}
+REFUSAL = re.compile(
+    r"moequant: MoE layer (\S+) has experts in (\S+), a format vLLM has no fused-MoE kernel "
+    r"for on this backend \(([^()\n]+)\)\."
+)
 
 
 def prompts() -> list[list[int]]:
@@ -97,19 +114,26 @@ def served(tmp_path_factory):
         q4 = quantize_experts(src, lambda L, e, p, key=int4: key)
         q8 = quantize_experts(src, lambda L, e, p: "int8-channel")
         mix = {k: (q4 if (k[0] + k[1]) % 2 == 0 else q8)[k] for k in q4}  # int4 and int8 inside every layer
-        layer = {k: (q4 if k[0] % 2 == 0 else q8)[k] for k in q4}           # one format per layer
+        layer = {k: (q4 if k[0] % 2 == 0 else q8)[k] for k in q4}  # one format per layer
         rotated = {(L, (e + 1) % n, p): q for (L, e, p), q in mix.items()}  # what a misread would serve
-        for name, quantized, target in [("mix", mix, "vllm-moequant"), ("int4", q4, "vllm"), ("int8", q8, "vllm"),
-                                        ("layer-ct", layer, "vllm"), ("layer-plugin", layer, "vllm-moequant"),
-                                        ("misread", rotated, "vllm-moequant")]:
-            ckpts[f"{model}-{name}"] = export_checkpoint(src, quantized, root / f"{model}-{name}", target=target,
-                                                         int8_activations="dynamic")
+        for name, quantized, target in [
+            ("mix", mix, "vllm-moequant"),
+            ("int4", q4, "vllm"),
+            ("int8", q8, "vllm"),
+            ("layer-ct", layer, "vllm"),
+            ("layer-plugin", layer, "vllm-moequant"),
+            ("misread", rotated, "vllm-moequant"),
+        ]:
+            ckpts[f"{model}-{name}"] = export_checkpoint(
+                src, quantized, root / f"{model}-{name}", target=target, int8_activations="dynamic"
+            )
         # the uniform int4 experts in two groups of one scheme: the format map labels every other expert apart
         split = export_checkpoint(src, q4, root / f"{model}-split", target="vllm-moequant")
         config = json.loads((split / "config.json").read_text())
         config["quantization_config"]["expert_formats"] = {
             layer: [f if e % 2 == 0 else f + "-b" for e, f in enumerate(fs)]
-            for layer, fs in config["quantization_config"]["expert_formats"].items()}
+            for layer, fs in config["quantization_config"]["expert_formats"].items()
+        }
         (split / "config.json").write_text(json.dumps(config))
         ckpts[f"{model}-split"] = split
     src = zoo_path("tiny-qwen2moe")
@@ -117,8 +141,7 @@ def served(tmp_path_factory):
     ckpts["unservable"] = export_checkpoint(src, asym, root / "unservable", target="vllm-moequant")
     # the unservable checkpoint last: its refusal stops its worker process
     run = [c for name, c in ckpts.items() if not name.endswith("misread")]
-    outs = run_vllm(run, prompts(), steps=STEPS, top_k=VOCAB, prompt_logprobs=True, dtype="bfloat16",
-                    max_model_len=128)
+    outs = run_vllm(run, prompts(), steps=STEPS, top_k=VOCAB, prompt_logprobs=True, dtype="bfloat16", max_model_len=128)
     return {name: (c, outs.get(str(c.resolve()))) for name, c in ckpts.items()}
 
 
@@ -139,8 +162,9 @@ def score(checkpoint, vllm_out) -> dict:
         seq = torch.tensor([list(prompt) + list(out["tokens"])])
         with torch.no_grad():
             ref = torch.log_softmax(model(seq).logits[0].double(), dim=-1)
-            greedy = model.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False,
-                                    min_new_tokens=STEPS)[0, len(prompt):].tolist()
+            greedy = model.generate(
+                torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False, min_new_tokens=STEPS
+            )[0, len(prompt) :].tolist()
         for i in range(1, len(prompt)):  # prompt_top[i]: token i given tokens < i, the reference's row i - 1
             r = ref[i - 1]
             kls.append(float((r.exp() * (r - dense(out["prompt_top"][i]))).sum()))
@@ -152,8 +176,14 @@ def score(checkpoint, vllm_out) -> dict:
             r = ref[len(prompt) - 1 + first]
             ties.append(float(r[greedy[first]] - r[theirs[first]]))
     kl = torch.tensor(kls)
-    return {"mean": float(kl.mean()), "median": float(kl.median()), "max": float(kl.max()), "n": len(kls),
-            "greedy_prefix": f"{same}/{total}", "tie_margins": ties}
+    return {
+        "mean": float(kl.mean()),
+        "median": float(kl.median()),
+        "max": float(kl.max()),
+        "n": len(kls),
+        "greedy_prefix": f"{same}/{total}",
+        "tie_margins": ties,
+    }
 
 
 @needs_group_kernels
@@ -213,7 +243,9 @@ def test_a_format_without_a_cpu_kernel_is_refused_at_load(served):
     assert sentence, out
     # without a kernel that runs one group of a layer the first group (symmetric int4, expert 0) is refused
     # before the asymmetric one
-    refused = {"int4-g64-asym"} if MIX_GAP is None else {"int4-g64-sym"} if GAP is None else {"int4-g64-asym", "int4-g64-sym"}
+    refused = (
+        {"int4-g64-asym"} if MIX_GAP is None else {"int4-g64-sym"} if GAP is None else {"int4-g64-asym", "int4-g64-sym"}
+    )
     assert sentence.group(1) == FIRST_MOE_LAYER["tiny-qwen2moe"] and sentence.group(2) in refused, out
 
 
@@ -229,15 +261,18 @@ def test_without_cpu_kernels_every_quantized_checkpoint_is_refused_in_one_senten
         if json.loads((ckpt / "config.json").read_text())["quantization_config"]["quant_method"] == "moequant":
             sentence = REFUSAL.search(out)
             assert sentence, f"{name}: {out}"
-            assert sentence.group(1) == FIRST_MOE_LAYER[next((m for m in MODELS if name.startswith(m)),
-                                                               "tiny-qwen2moe")], f"{name}: {out}"
+            assert (
+                sentence.group(1) == FIRST_MOE_LAYER[next((m for m in MODELS if name.startswith(m)), "tiny-qwen2moe")]
+            ), f"{name}: {out}"
             assert "MoE backend supports" in sentence.group(3), f"{name}: {out}"
         else:
             assert re.search(r"No (WNA16|Int8) MoE backend supports", out), f"{name}: {out}"
 
 
-@pytest.mark.skipif(GAP is not None or MIX_GAP is None,
-                    reason="this CPU's vLLM int4 kernel runs one format group of a layer (or it has no quantized kernel at all)")
+@pytest.mark.skipif(
+    GAP is not None or MIX_GAP is None,
+    reason="this CPU's vLLM int4 kernel runs one format group of a layer (or it has no quantized kernel at all)",
+)
 def test_without_group_kernels_mixed_layers_are_refused_in_one_sentence(served):
     """Where vLLM's only int4 MoE kernel routes inside itself, every checkpoint with a layer of several format groups
     is refused in the plugin's one sentence naming the first MoE layer and why; one format per layer serves."""

@@ -26,8 +26,11 @@ def test_names_and_paths():
     assert zoo.DEFAULT_MODEL == "tiny-qwen2moe"
     assert zoo.path("zoo:tiny-mixtral") == zoo.path("tiny-mixtral")
     assert (zoo.path("tiny-qwen2moe") / "model.safetensors").is_file()
-    with pytest.raises(UserError, match=r"zoo model 'nope' does not exist; available: zoo:tiny-deepseek-v3, "
-                                        r"zoo:tiny-mixtral, zoo:tiny-qwen2moe, zoo:tiny-qwen3moe"):
+    with pytest.raises(
+        UserError,
+        match=r"zoo model 'nope' does not exist; available: zoo:tiny-deepseek-v3, "
+        r"zoo:tiny-mixtral, zoo:tiny-qwen2moe, zoo:tiny-qwen3moe",
+    ):
         zoo.path("zoo:nope")
 
 
@@ -80,7 +83,9 @@ def test_mixtral_shape_on_disk():
     assert config["num_local_experts"] == 8 and config["num_experts_per_tok"] == 2
     keys = _keys_and_dtypes("tiny-mixtral")
     assert set(keys.values()) == {"BF16"}
-    experts = {k.split(".experts.")[1].split(".")[0] for k in keys if k.startswith("model.layers.0.") and ".experts." in k}
+    experts = {
+        k.split(".experts.")[1].split(".")[0] for k in keys if k.startswith("model.layers.0.") and ".experts." in k
+    }
     assert experts == {str(e) for e in range(8)}
     assert not any("shared" in k for k in keys)
 
@@ -95,9 +100,13 @@ def test_qwen3moe_shape_on_disk():
     keys = _keys_and_dtypes("tiny-qwen3moe")
     assert set(keys.values()) == {"BF16"}
     for L in range(config["num_hidden_layers"]):
-        experts = {k.split(".experts.")[1].split(".")[0] for k in keys if k.startswith(f"model.layers.{L}.mlp.experts.")}
+        experts = {
+            k.split(".experts.")[1].split(".")[0] for k in keys if k.startswith(f"model.layers.{L}.mlp.experts.")
+        }
         assert experts == {str(e) for e in range(num_experts)}
-        assert f"model.layers.{L}.self_attn.q_norm.weight" in keys and f"model.layers.{L}.self_attn.k_norm.weight" in keys
+        assert (
+            f"model.layers.{L}.self_attn.q_norm.weight" in keys and f"model.layers.{L}.self_attn.k_norm.weight" in keys
+        )
     assert not any("shared" in k for k in keys)
 
 
@@ -111,7 +120,9 @@ def test_deepseek_v3_shape_on_disk():
     for width in ("moe_intermediate_size", "intermediate_size", "hidden_size"):
         assert config[width] % 256 == 0, width
     keys = _keys_and_dtypes("tiny-deepseek-v3")
-    assert "model.layers.0.mlp.gate_proj.weight" in keys and not any(k.startswith("model.layers.0.mlp.experts.") for k in keys)
+    assert "model.layers.0.mlp.gate_proj.weight" in keys and not any(
+        k.startswith("model.layers.0.mlp.experts.") for k in keys
+    )
     for L in range(1, 4):
         p = f"model.layers.{L}.mlp."
         experts = {k.split(".experts.")[1].split(".")[0] for k in keys if k.startswith(p + "experts.")}
@@ -128,7 +139,9 @@ def test_deepseek_v3_shape_on_disk():
 
 
 # the wide models' loads and forward passes run with the slow tests (the shape tests above are fast)
-@pytest.fixture(scope="module", params=[m if m not in WIDE else pytest.param(m, marks=pytest.mark.slow) for m in MODELS])
+@pytest.fixture(
+    scope="module", params=[m if m not in WIDE else pytest.param(m, marks=pytest.mark.slow) for m in MODELS]
+)
 def loaded(request):
     import os
 
@@ -170,9 +183,14 @@ def _eval_samples(tokenizer, card, source):
 
 def _routers(model):
     hidden = model.config.hidden_size
-    return {int(n.split("layers.")[1].split(".")[0]): m for n, m in model.named_modules()
-            if n.endswith(".gate") and getattr(m, "weight", None) is not None and m.weight.shape[1] == hidden
-            and m.weight.shape[0] > 1}
+    return {
+        int(n.split("layers.")[1].split(".")[0]): m
+        for n, m in model.named_modules()
+        if n.endswith(".gate")
+        and getattr(m, "weight", None) is not None
+        and m.weight.shape[1] == hidden
+        and m.weight.shape[0] > 1
+    }
 
 
 def select_experts(x, router, config) -> torch.Tensor:
@@ -215,6 +233,7 @@ def measured(loaded):
                 ours, theirs = chosen.sort(-1).values, outputs[2].reshape(chosen.shape).sort(-1).values
                 agreement[layer] = float((ours == theirs).all(-1).double().mean())
                 counts[layer] = torch.bincount(chosen.reshape(-1), minlength=module.weight.shape[0]).double()
+
             return record
 
         handles = [m.register_forward_hook(hook(layer)) for layer, m in _routers(model).items()]

@@ -221,8 +221,18 @@ def awq(weight: torch.Tensor, spec, *, inputs=None, hessian=None, mean_abs=None,
     return formats.quantize(scaled, spec), scales, report
 
 
-def awq_down(down: torch.Tensor, up: torch.Tensor, spec, *, inputs=None, hessian=None, mean_abs=None,
-             tokens=None, grid=20, device=None) -> AWQDown:
+def awq_down(
+    down: torch.Tensor,
+    up: torch.Tensor,
+    spec,
+    *,
+    inputs=None,
+    hessian=None,
+    mean_abs=None,
+    tokens=None,
+    grid=20,
+    device=None,
+) -> AWQDown:
     """Per-expert AWQ of down_proj [E, H, I], its scales folded into the same expert's up_proj [E, I, H].
 
     inputs / hessian + mean_abs describe down_proj's input act(gate x) * (up x) per expert.
@@ -231,8 +241,10 @@ def awq_down(down: torch.Tensor, up: torch.Tensor, spec, *, inputs=None, hessian
     from moequant import formats
 
     if up.shape[0] != down.shape[0] or up.shape[1] != down.shape[2]:
-        raise UserError(f"awq_down: up_proj shape {tuple(up.shape)} does not match down_proj {tuple(down.shape)} "
-                        "(expected up [E, I, H] for down [E, H, I]).")
+        raise UserError(
+            f"awq_down: up_proj shape {tuple(up.shape)} does not match down_proj {tuple(down.shape)} "
+            "(expected up [E, I, H] for down [E, H, I])."
+        )
     h, m, counts = _stats(inputs, hessian, mean_abs, tokens, device or down.device)
     scales, report = awq_scales([down], spec, hessian=h, mean_abs=m, tokens=counts, grid=grid, device=device)
     down_scaled = down.to(scales.device, torch.float32) * scales[:, None, :]
@@ -240,8 +252,18 @@ def awq_down(down: torch.Tensor, up: torch.Tensor, spec, *, inputs=None, hessian
     return AWQDown(formats.quantize(down_scaled, spec), down_scaled, up_folded, scales, report)
 
 
-def awq_gate_up(gate: torch.Tensor, up: torch.Tensor, spec, *, inputs=None, hessian=None, mean_abs=None,
-                tokens=None, grid=20, device=None) -> AWQGateUp:
+def awq_gate_up(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    spec,
+    *,
+    inputs=None,
+    hessian=None,
+    mean_abs=None,
+    tokens=None,
+    grid=20,
+    device=None,
+) -> AWQGateUp:
     """Shared-variant AWQ of all experts' gate_proj and up_proj [E, I, H]: one input scale [H] per layer.
 
     Per-expert scales cannot be folded into the post-attention norm, which all experts share, so
@@ -251,12 +273,14 @@ def awq_gate_up(gate: torch.Tensor, up: torch.Tensor, spec, *, inputs=None, hess
     from moequant import formats
 
     h, m, counts = _stats(inputs, hessian, mean_abs, tokens, device or gate.device)
-    scale, report = awq_scales([gate, up], spec, hessian=h, mean_abs=m, tokens=counts, shared=True, grid=grid,
-                               device=device)
+    scale, report = awq_scales(
+        [gate, up], spec, hessian=h, mean_abs=m, tokens=counts, shared=True, grid=grid, device=device
+    )
     gate_scaled = gate.to(scale.device, torch.float32) * scale
     up_scaled = up.to(scale.device, torch.float32) * scale
-    return AWQGateUp(formats.quantize(gate_scaled, spec), formats.quantize(up_scaled, spec), gate_scaled,
-                     up_scaled, scale, report)
+    return AWQGateUp(
+        formats.quantize(gate_scaled, spec), formats.quantize(up_scaled, spec), gate_scaled, up_scaled, scale, report
+    )
 
 
 @dataclass
@@ -281,8 +305,14 @@ class AWQShared:
     validation: dict = field(default_factory=dict)  # awq_shared_scale_moe with holdout: the held-out check
 
 
-def awq_shared_scale(groups: Sequence[SharedGroup], magnitude: torch.Tensor, *, grid: int = 20,
-                     chunk_experts: int | None = None, device=None) -> AWQShared:
+def awq_shared_scale(
+    groups: Sequence[SharedGroup],
+    magnitude: torch.Tensor,
+    *,
+    grid: int = 20,
+    chunk_experts: int | None = None,
+    device=None,
+) -> AWQShared:
     """One AWQ input scale [in] for several weight groups that read the same input, each in its own format.
 
     The objective of alpha is sum over groups and experts of importance_e * tr(dW_e H_e dW_e^T)
@@ -309,8 +339,10 @@ def awq_shared_scale(groups: Sequence[SharedGroup], magnitude: torch.Tensor, *, 
         if g.weight.dim() != 3 or g.weight.shape[-1] != n_in:
             raise UserError(f"AWQ shared group {gi} weight must be [E, out, {n_in}]; got {tuple(g.weight.shape)}.")
         if g.hessian.shape[0] not in (1, num_experts) or tuple(g.hessian.shape[1:]) != (n_in, n_in):
-            raise UserError(f"AWQ shared group {gi} hessian has shape {tuple(g.hessian.shape)}; expected "
-                            f"({num_experts} or 1, {n_in}, {n_in}).")
+            raise UserError(
+                f"AWQ shared group {gi} hessian has shape {tuple(g.hessian.shape)}; expected "
+                f"({num_experts} or 1, {n_in}, {n_in})."
+            )
         step = chunk_experts or _default_chunk(num_experts, g.weight.shape[1], n_in, device)
         for start in range(0, num_experts, max(1, int(step))):
             part = slice(start, min(start + step, num_experts))
@@ -327,15 +359,32 @@ def awq_shared_scale(groups: Sequence[SharedGroup], magnitude: torch.Tensor, *, 
     energy = float(sum((r * imp).sum() for r, imp in zip(refs, importance)))
     best = int(torch.argmin(total))
     rel = [[float(x) for x in e[i] / r.clamp(min=1e-30)] for e, r in zip(errors, refs) for i in (0, best)]
-    return AWQShared(scale=scales[best], alpha=alphas[best],
-                     objective=[float(t) / max(energy, 1e-30) for t in total],
-                     error_rtn=rel[0::2], error_awq=rel[1::2])
+    return AWQShared(
+        scale=scales[best],
+        alpha=alphas[best],
+        objective=[float(t) / max(energy, 1e-30) for t in total],
+        error_rtn=rel[0::2],
+        error_awq=rel[1::2],
+    )
 
 
-def awq_shared_scale_moe(x: torch.Tensor, indices: torch.Tensor, routing_weights: torch.Tensor, gate: torch.Tensor,
-                         up: torch.Tensor, down: torch.Tensor, specs: Sequence, act, magnitude: torch.Tensor, *,
-                         grid: int = 20, device=None, down_hat: torch.Tensor | None = None,
-                         holdout: float = 0.0, clip: bool = False) -> AWQShared:
+def awq_shared_scale_moe(
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    routing_weights: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    specs: Sequence,
+    act,
+    magnitude: torch.Tensor,
+    *,
+    grid: int = 20,
+    device=None,
+    down_hat: torch.Tensor | None = None,
+    holdout: float = 0.0,
+    clip: bool = False,
+) -> AWQShared:
     """One AWQ input scale [H] for all routed experts' gate and up, searched on the MoE block's output.
 
     x [n, H]: the layer's normalised hidden states; indices / routing_weights [n, k]: the router's
@@ -393,14 +442,20 @@ def awq_shared_scale_moe(x: torch.Tensor, indices: torch.Tensor, routing_weights
             for a in candidates:
                 candidates[a] = error(*quantized(_scales(magnitude, alphas[a]), hessians), "held_out")
             held_energy = max(float((reference["held_out"].double() ** 2).sum()), 1e-30)
-            validation.update(held_out_error_rtn=candidates[0] / held_energy,
-                              held_out_error_awq=candidates[best] / held_energy)
+            validation.update(
+                held_out_error_rtn=candidates[0] / held_energy, held_out_error_awq=candidates[best] / held_energy
+            )
             if not candidates[best] < candidates[0]:
                 best = 0
         validation["kept"] = best != 0
-    return AWQShared(scale=_scales(magnitude, alphas[best]), alpha=alphas[best],
-                     objective=[o / max(energy, 1e-30) for o in objective], error_rtn=[], error_awq=[],
-                     validation=validation)
+    return AWQShared(
+        scale=_scales(magnitude, alphas[best]),
+        alpha=alphas[best],
+        objective=[o / max(energy, 1e-30) for o in objective],
+        error_rtn=[],
+        error_awq=[],
+        validation=validation,
+    )
 
 
 def _token_folds(n: int, holdout: float) -> tuple[float, int, dict[str, slice]]:
@@ -465,8 +520,16 @@ CLIP_STEPS = 20  # r = 1 - i / CLIP_STEPS for i < CLIP_STEPS * CLIP_MAX_SHRINK
 CLIP_MAX_SHRINK = 0.5
 
 
-def awq_clip(weight: torch.Tensor, spec, hessian: torch.Tensor, *, steps: int = CLIP_STEPS,
-             max_shrink: float = CLIP_MAX_SHRINK, chunk_experts: int | None = None, device=None) -> AWQClip:
+def awq_clip(
+    weight: torch.Tensor,
+    spec,
+    hessian: torch.Tensor,
+    *,
+    steps: int = CLIP_STEPS,
+    max_shrink: float = CLIP_MAX_SHRINK,
+    chunk_experts: int | None = None,
+    device=None,
+) -> AWQClip:
     """AWQ's weight clipping of weight [E, out, in] (already AWQ-scaled) read by inputs with Hessian
     hessian [E, in, in] (or [1, in, in]) -> AWQClip; see the module docstring.
 
@@ -497,7 +560,9 @@ def awq_clip(weight: torch.Tensor, spec, hessian: torch.Tensor, *, steps: int = 
         e = w.shape[0]
         wg = w.reshape(e, out_features, n_groups, size)
         g = torch.arange(n_groups, device=device)
-        h_blocks = h.reshape(e, n_groups, size, n_groups, size)[:, g, :, g, :].transpose(0, 1)  # [e, groups, size, size]
+        h_blocks = h.reshape(e, n_groups, size, n_groups, size)[:, g, :, g, :].transpose(
+            0, 1
+        )  # [e, groups, size, size]
         amax = wg.abs().amax(-1, keepdim=True)
         best_w, best_err, best_r = wg, None, torch.ones(e, out_features, n_groups, device=device)
         for r in ratios:

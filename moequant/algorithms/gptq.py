@@ -99,7 +99,9 @@ class GPTQReport:
     settings: dict = field(default_factory=dict)
     # wall time per phase: copies to the device and Hessian checks, scales / ordering, factorization,
     # column sweep, codes back in order (synchronised clocks; they add up to the solve's time)
-    seconds: dict = field(default_factory=lambda: dict.fromkeys(("load", "prepare", "factorize", "sweep", "finish"), 0.0))
+    seconds: dict = field(
+        default_factory=lambda: dict.fromkeys(("load", "prepare", "factorize", "sweep", "finish"), 0.0)
+    )
 
     def fallbacks(self) -> dict[int, str]:
         """Experts that did not get GPTQ on their own Hessian: {expert: "method: reason"}."""
@@ -148,16 +150,27 @@ def gptq(
         original weights, `formats.searched_fit`; the grid GPTQ then rounds onto).
     """
     quantized, report = gptq_shared_hessian(
-        [weight], hessian, spec,
-        block_size=block_size, damp=damp, act_order=act_order, static_groups=static_groups,
-        chunk_experts=chunk_experts, tokens=tokens, min_tokens=min_tokens,
-        shared_hessian=shared_hessian, max_damp_tries=max_damp_tries, device=device, grid=grid,
+        [weight],
+        hessian,
+        spec,
+        block_size=block_size,
+        damp=damp,
+        act_order=act_order,
+        static_groups=static_groups,
+        chunk_experts=chunk_experts,
+        tokens=tokens,
+        min_tokens=min_tokens,
+        shared_hessian=shared_hessian,
+        max_damp_tries=max_damp_tries,
+        device=device,
+        grid=grid,
     )
     return quantized[0], report
 
 
-def gptq_pass(weight: torch.Tensor, hessian: torch.Tensor, spec, device=None, grid: str = "minmax",
-              refit: bool = False):
+def gptq_pass(
+    weight: torch.Tensor, hessian: torch.Tensor, spec, device=None, grid: str = "minmax", refit: bool = False
+):
     """GPTQ as the quantize pass and the probe run it: activation order with static groups (vLLM takes
     no dynamic g_idx); for integer formats the `grid` GPTQ rounds onto (minmax | searched) and, with
     `refit`, the least-squares scale refit of integer group formats (moequant.algorithms.refit).
@@ -167,8 +180,9 @@ def gptq_pass(weight: torch.Tensor, hessian: torch.Tensor, spec, device=None, gr
     return q, report
 
 
-def gptq_pass_shared(weights: Sequence[torch.Tensor], hessian: torch.Tensor, spec, device=None,
-                     grid: str = "minmax", refit: bool = False):
+def gptq_pass_shared(
+    weights: Sequence[torch.Tensor], hessian: torch.Tensor, spec, device=None, grid: str = "minmax", refit: bool = False
+):
     """`gptq_pass` of projections that read the same input (gate and up): one factorization and one
     sweep for all (`gptq_shared_hessian`), each weight's own scales and refit; the same codes and
     scales as one `gptq_pass` per weight. Returns ([QuantizedTensor per weight], GPTQReport)."""
@@ -176,8 +190,15 @@ def gptq_pass_shared(weights: Sequence[torch.Tensor], hessian: torch.Tensor, spe
     from moequant.algorithms.refit import refit_scales_shared
 
     spec = formats.get_format(spec)
-    qs, report = gptq_shared_hessian(weights, hessian, spec, act_order=spec.is_int, static_groups=True,
-                                     device=device, grid=grid if spec.is_int else "minmax")
+    qs, report = gptq_shared_hessian(
+        weights,
+        hessian,
+        spec,
+        act_order=spec.is_int,
+        static_groups=True,
+        device=device,
+        grid=grid if spec.is_int else "minmax",
+    )
     if refit and spec.is_int and spec.granularity == "group":  # one Hessian preparation for all weights
         qs = refit_scales_shared(qs, weights, hessian)
     return qs, report
@@ -219,8 +240,10 @@ def gptq_shared_hessian(
     if grid not in formats.GRIDS:
         raise UserError(f"unknown GPTQ grid {grid!r}; accepted: {', '.join(formats.GRIDS)}.")
     if grid == "searched" and not (spec.is_int and static_groups):
-        raise UserError(f"GPTQ's searched grid needs an integer format and static_groups=True (got {spec.key}, "
-                        f"static_groups={static_groups}).")
+        raise UserError(
+            f"GPTQ's searched grid needs an integer format and static_groups=True (got {spec.key}, "
+            f"static_groups={static_groups})."
+        )
     single = weights[0].dim() == 2
     ws = [w.unsqueeze(0) if single else w for w in weights]
     h_all = hessian.unsqueeze(0) if hessian.dim() == 2 else hessian
@@ -239,11 +262,21 @@ def gptq_shared_hessian(
         )
 
     report = GPTQReport(
-        method=[GPTQ] * num_experts, reason=[""] * num_experts, damp=[None] * num_experts,
-        dead_columns=[0] * num_experts, proxy_loss=[None] * num_experts,
+        method=[GPTQ] * num_experts,
+        reason=[""] * num_experts,
+        damp=[None] * num_experts,
+        dead_columns=[0] * num_experts,
+        proxy_loss=[None] * num_experts,
         tokens=None if token_counts is None else [int(t) for t in token_counts],
-        settings=dict(spec=spec.key, block_size=block_size, damp=damp, act_order=act_order,
-                      static_groups=static_groups, min_tokens=min_tokens, grid=grid),
+        settings=dict(
+            spec=spec.key,
+            block_size=block_size,
+            damp=damp,
+            act_order=act_order,
+            static_groups=static_groups,
+            min_tokens=min_tokens,
+            grid=grid,
+        ),
     )
 
     rows = [w.shape[1] for w in ws]
@@ -256,10 +289,25 @@ def gptq_shared_hessian(
     while start < num_experts:
         experts = range(start, min(start + chunk_experts, num_experts))
         try:
-            quantized = _solve_chunk(ws, h_all, spec, experts, report, device, work_dtype, token_counts,
-                                     min_tokens, shared_hessian, block_size=block_size, damp=damp,
-                                     act_order=act_order, static_groups=static_groups,
-                                     max_damp_tries=max_damp_tries, squeeze=single, grid=grid)
+            quantized = _solve_chunk(
+                ws,
+                h_all,
+                spec,
+                experts,
+                report,
+                device,
+                work_dtype,
+                token_counts,
+                min_tokens,
+                shared_hessian,
+                block_size=block_size,
+                damp=damp,
+                act_order=act_order,
+                static_groups=static_groups,
+                max_damp_tries=max_damp_tries,
+                squeeze=single,
+                grid=grid,
+            )
         except torch.OutOfMemoryError:
             if chunk_experts == 1:
                 raise
@@ -278,21 +326,23 @@ def gptq_shared_hessian(
 # the batched solve
 
 
-def _solve_chunk(ws, h_all, spec, experts, report, device, work_dtype, token_counts, min_tokens, shared_hessian,
-                 **options):
+def _solve_chunk(
+    ws, h_all, spec, experts, report, device, work_dtype, token_counts, min_tokens, shared_hessian, **options
+):
     for e in experts:  # a retried chunk starts from a clean report
         report.method[e], report.reason[e], report.damp[e], report.proxy_loss[e] = GPTQ, "", None, None
     t0 = _clock(h_all)
-    w_chunk = [w[experts.start:experts.stop].to(device, work_dtype, copy=True) for w in ws]
-    h_chunk = h_all[experts.start:experts.stop].to(device, work_dtype, copy=True)
+    w_chunk = [w[experts.start : experts.stop].to(device, work_dtype, copy=True) for w in ws]
+    h_chunk = h_all[experts.start : experts.stop].to(device, work_dtype, copy=True)
     h_chunk = _choose_hessians(h_chunk, experts, token_counts, min_tokens, shared_hessian, report, device)
     report.seconds["load"] += _clock(h_chunk) - t0
     # handed over in lists that _gptq_chunk empties, so it can free them as it goes
     return _gptq_chunk(w_chunk, [h_chunk], spec, experts, report, **options)
 
 
-def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, static_groups,
-                max_damp_tries, squeeze, grid="minmax"):
+def _gptq_chunk(
+    ws, h, spec, experts, report, *, block_size, damp, act_order, static_groups, max_damp_tries, squeeze, grid="minmax"
+):
     """GPTQ of one chunk of experts. ws: list of [c, out_k, in] float32; h: [c, in, in] float32.
 
     Experts whose report says "rtn" (set by _choose_hessians) are quantized with one pass of
@@ -349,8 +399,9 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
     del ws
     if fused:
         t_sweep = _clock(w_all)
-        codes, losses = _sweep_fused(w_all, u, fixed_params, perm, group_width, per_row,
-                                     min(block_size, _FUSED_BLOCK or block_size), spec, tf32)
+        codes, losses = _sweep_fused(
+            w_all, u, fixed_params, perm, group_width, per_row, min(block_size, _FUSED_BLOCK or block_size), spec, tf32
+        )
         t0 = _clock(w_all)
         report.seconds["sweep"] += t0 - t_sweep
         del u, w_all
@@ -358,8 +409,9 @@ def _gptq_chunk(ws, h, spec, experts, report, *, block_size, damp, act_order, st
         report.seconds["finish"] += _clock(codes) - t0
         return out
     t_sweep = _clock(w_all)
-    codes, losses, merge, params = _sweep_torch(w_all, u, cqs, fixed_params, perm, group_width, per_row,
-                                                block_size, spec, out_rows, squeeze)
+    codes, losses, merge, params = _sweep_torch(
+        w_all, u, cqs, fixed_params, perm, group_width, per_row, block_size, spec, out_rows, squeeze
+    )
     t0 = _clock(w_all)
     report.seconds["sweep"] += t0 - t_sweep
     del u, w_all
@@ -404,8 +456,10 @@ def _fixed_params(cqs, ws, spec, per_row, static_groups, importance, squeeze):
             fixed_params.append([_tree_map(lambda t: t[:, g], fitted) for g in range(num_in // group_width)])
         return fixed_params
     if static_groups:
-        return [[cq_fit(cq, w[..., g:g + group_width], squeeze) for g in range(0, num_in, group_width)]
-                for cq, w in zip(cqs, ws)]
+        return [
+            [cq_fit(cq, w[..., g : g + group_width], squeeze) for g in range(0, num_in, group_width)]
+            for cq, w in zip(cqs, ws)
+        ]
     return None
 
 
@@ -413,14 +467,16 @@ def _factorize(h, idx, report, damp, max_damp_tries, *, inverse, tf32):
     """The (inverse) Cholesky factor of each damped Hessian; an expert whose every damping fails falls
     back to round-to-nearest (identity factor), and the report says so."""
     num_in = h.shape[-1]
-    u, used_damp = _inverse_cholesky(h, damp, max_damp_tries, [report.method[e] == RTN for e in idx],
-                                     inverse=inverse, tf32=tf32)
+    u, used_damp = _inverse_cholesky(
+        h, damp, max_damp_tries, [report.method[e] == RTN for e in idx], inverse=inverse, tf32=tf32
+    )
     for j, e in enumerate(idx):
         if report.method[e] == RTN:
             continue
         if used_damp[j] is None:  # every damping failed: round-to-nearest for this expert
-            report.method[e], report.reason[e] = RTN, (
-                f"Cholesky of the damped Hessian failed {max_damp_tries} times (damp grown tenfold from {damp:g})"
+            report.method[e], report.reason[e] = (
+                RTN,
+                (f"Cholesky of the damped Hessian failed {max_damp_tries} times (damp grown tenfold from {damp:g})"),
             )
             u[j] = torch.eye(num_in, device=u.device, dtype=u.dtype)
         else:
@@ -459,39 +515,49 @@ def _sweep_torch(w_all, u, cqs, fixed_params, perm, group_width, per_row, block_
             group = perm[:, i1:i2] // group_width  # each expert's own column order
         else:
             group = (torch.arange(i1, i2, device=w_all.device) // group_width).expand(c, -1)  # noqa: F821
-        return [_tree_map(lambda t: _widen(_gather_last(t, group[:, None, :].expand(-1, t.shape[1], -1))), st)
-                for st in stacked]
+        return [
+            _tree_map(lambda t: _widen(_gather_last(t, group[:, None, :].expand(-1, t.shape[1], -1))), st)
+            for st in stacked
+        ]
 
     def sweep_block(w1, u1, err1, codes1, params1):
         """GPTQ's inner loop over the columns of one block, in place on w1 / err1 / codes1."""
         for i in range(w1.shape[-1]):
             if not fixed and i % group_width == 0:  # dynamic groups: fit on the updated columns
                 params1 = []
-                for k, (cq, piece) in enumerate(zip(cqs, w1[..., i:i + group_width].split(out_rows, dim=1))):
+                for k, (cq, piece) in enumerate(zip(cqs, w1[..., i : i + group_width].split(out_rows, dim=1))):
                     dynamic_params[k].append(cq_fit(cq, piece, squeeze))
                     params1.append(_tree_map(lambda t: t.expand(*t.shape[:-1], group_width), dynamic_params[k][-1]))
                 offset = i
             else:
                 offset = 0 if fixed else offset
-            w = w1[..., i:i + 1]  # [c, rows, 1]
+            w = w1[..., i : i + 1]  # [c, rows, 1]
             values = []
             for k, (cq, piece) in enumerate(zip(sweep_cqs, w.split(sweep_rows, dim=1))):
-                p = _tree_map(lambda t: t[..., i - offset:i - offset + 1], params1[k])
+                p = _tree_map(lambda t: t[..., i - offset : i - offset + 1], params1[k])
                 column_codes = cq_call(cq.quantize, piece, p, squeeze)
-                codes1[k][..., i:i + 1] = column_codes
+                codes1[k][..., i : i + 1] = column_codes
                 values.append(cq_call(cq.dequantize, column_codes, p, squeeze).to(w.dtype))
             q = torch.cat(values, dim=1) if len(values) > 1 else values[0]
             err = (w - q) / u1[:, i, i][:, None, None]
-            w1[..., i + 1:] -= err * u1[:, None, i, i + 1:]
-            err1[..., i:i + 1] = err
+            w1[..., i + 1 :] -= err * u1[:, None, i, i + 1 :]
+            err1[..., i : i + 1] = err
 
     # Codes dtype of the format, from one column (cheap).
-    probe = [cq_call(cq.quantize, piece[..., :1], _tree_map(lambda t: t[..., :1], bp), squeeze)
-             for cq, piece, bp in zip(sweep_cqs, w_all[..., :1].split(sweep_rows, dim=1), block_params(0, 1))] \
-        if fixed else [cq_call(cq.quantize, piece[..., :1], cq_fit(cq, piece[..., :1], squeeze), squeeze)
-                       for cq, piece in zip(cqs, w_all[..., :1].split(out_rows, dim=1))]
-    codes = [torch.zeros(w_all.shape[0], r, num_in, dtype=pr.dtype, device=w_all.device)
-             for r, pr in zip(sweep_rows, probe)]
+    probe = (
+        [
+            cq_call(cq.quantize, piece[..., :1], _tree_map(lambda t: t[..., :1], bp), squeeze)
+            for cq, piece, bp in zip(sweep_cqs, w_all[..., :1].split(sweep_rows, dim=1), block_params(0, 1))
+        ]
+        if fixed
+        else [
+            cq_call(cq.quantize, piece[..., :1], cq_fit(cq, piece[..., :1], squeeze), squeeze)
+            for cq, piece in zip(cqs, w_all[..., :1].split(out_rows, dim=1))
+        ]
+    )
+    codes = [
+        torch.zeros(w_all.shape[0], r, num_in, dtype=pr.dtype, device=w_all.device) for r, pr in zip(sweep_rows, probe)
+    ]
 
     graph = None
     use_graph = fixed and w_all.is_cuda and _cuda_graphs_enabled()
@@ -532,8 +598,10 @@ def _finish(cqs, codes, out_rows, merge, perm, idx, report, losses, params, sque
     for j, e in enumerate(idx):
         if report.method[e] != RTN:
             report.proxy_loss[e] = float(losses[j])
-    return [cq.assemble(t[0] if squeeze else t, [_squeeze_params(p, squeeze) for p in ps])
-            for cq, t, ps in zip(cqs, codes, params)]
+    return [
+        cq.assemble(t[0] if squeeze else t, [_squeeze_params(p, squeeze) for p in ps])
+        for cq, t, ps in zip(cqs, codes, params)
+    ]
 
 
 def _sweep_fused(w_all, v, fixed_params, perm, group_width, per_row, block_size, spec, tf32=False):
@@ -576,8 +644,9 @@ def _sweep_fused(w_all, v, fixed_params, perm, group_width, per_row, block_size,
             s2 = min(s1 + outer, n)
             for i1 in range(s1, s2, block_size):
                 i2 = min(i1 + block_size, s2)
-                scratch = gptq_triton.sweep_block(x, w_all, vn, vd, scales, zeros, group_idx, codes, losses,
-                                                  i1, i2, qmin, qmax, scratch)
+                scratch = gptq_triton.sweep_block(
+                    x, w_all, vn, vd, scales, zeros, group_idx, codes, losses, i1, i2, qmin, qmax, scratch
+                )
                 if i2 < s2:
                     x[..., i2:s2].baddbmm_(w_all[..., i1:i2], vn[:, i1:i2, i2:s2])
             if s2 < n:
@@ -759,7 +828,7 @@ def _blocked_cholesky(a, nb, split=False):
         info = torch.where((info == 0) & (bad > 0), bad + j, info)
         panel[:, : j2 - j] = d
         if j2 < n:
-            panel[:, j2 - j:] = torch.linalg.solve_triangular(d.mT, panel[:, j2 - j:], upper=True, left=False)
+            panel[:, j2 - j :] = torch.linalg.solve_triangular(d.mT, panel[:, j2 - j :], upper=True, left=False)
             if split:  # finished columns j..j2 (rows j..n): hi in place, lo beside it
                 hi = (panel.view(torch.int32) & -8192).view(torch.float32)
                 torch.sub(panel, hi, out=lo[:, j:, j:j2])
@@ -767,7 +836,7 @@ def _blocked_cholesky(a, nb, split=False):
                 del hi
     if split:
         for j in range(0, n - nb, nb):  # the last panel was never split
-            a[:, j:, j:j + nb] += lo[:, j:, j:j + nb]
+            a[:, j:, j : j + nb] += lo[:, j:, j : j + nb]
         del lo
     return a.tril_(), info
 
@@ -810,8 +879,11 @@ def cq_call(method, cols, params, squeeze):
 def cq_fit(cq, w_group, squeeze, importance=None):
     if importance is not None and squeeze:
         importance = importance[0]
-    params = cq.fit(w_group[0] if squeeze else w_group) if importance is None else \
-        cq.fit(w_group[0] if squeeze else w_group, importance)
+    params = (
+        cq.fit(w_group[0] if squeeze else w_group)
+        if importance is None
+        else cq.fit(w_group[0] if squeeze else w_group, importance)
+    )
     return _tree_map(lambda t: t.unsqueeze(0), params) if squeeze else params
 
 
@@ -831,8 +903,8 @@ def _tree_map(fn: Callable, *trees):
         return {k: _tree_map(fn, *(t[k] for t in trees)) for k in first}
     if dataclasses.is_dataclass(first):
         return dataclasses.replace(
-            first, **{f.name: _tree_map(fn, *(getattr(t, f.name) for t in trees))
-                      for f in dataclasses.fields(first)})
+            first, **{f.name: _tree_map(fn, *(getattr(t, f.name) for t in trees)) for f in dataclasses.fields(first)}
+        )
     raise TypeError(f"cannot batch column-quantizer params of type {type(first).__name__}")
 
 
@@ -843,9 +915,12 @@ def _stack_chunks(parts):
     first = parts[0]
     cat = lambda ts: None if ts[0] is None else torch.cat(ts, dim=0)  # noqa: E731
     return dataclasses.replace(
-        first, shape=(sum(p.shape[0] for p in parts),) + tuple(first.shape[1:]),
-        codes=cat([p.codes for p in parts]), scales=cat([p.scales for p in parts]),
-        zeros=cat([p.zeros for p in parts]), global_scale=cat([p.global_scale for p in parts]),
+        first,
+        shape=(sum(p.shape[0] for p in parts),) + tuple(first.shape[1:]),
+        codes=cat([p.codes for p in parts]),
+        scales=cat([p.scales for p in parts]),
+        zeros=cat([p.zeros for p in parts]),
+        global_scale=cat([p.global_scale for p in parts]),
     )
 
 
@@ -857,13 +932,13 @@ def _check_shapes(ws, h):
     e, _, n = ws[0].shape
     for w in ws:
         if w.dim() != 3 or w.shape[0] != e or w.shape[2] != n:
-            raise UserError(
-                f"GPTQ weights must all be [E, out, in] with E={e} and in={n}; got {tuple(w.shape)}."
-            )
+            raise UserError(f"GPTQ weights must all be [E, out, in] with E={e} and in={n}; got {tuple(w.shape)}.")
         if not bool(torch.isfinite(w).all()):
             raise UserError("GPTQ weight has NaN or infinite values; the checkpoint is damaged.")
     if tuple(h.shape) != (e, n, n):
-        raise UserError(f"GPTQ Hessian has shape {tuple(h.shape)}; expected ({e}, {n}, {n}) for weights {tuple(ws[0].shape)}.")
+        raise UserError(
+            f"GPTQ Hessian has shape {tuple(h.shape)}; expected ({e}, {n}, {n}) for weights {tuple(ws[0].shape)}."
+        )
 
 
 def _token_counts(tokens, num_experts):

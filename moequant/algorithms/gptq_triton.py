@@ -78,7 +78,7 @@ def sweep_block_reference(x, w0d, vn, vd, scales, zeros, group_idx, codes, loss,
     for k in range(i1, i2):
         g = group_idx[:, k].long()[:, None, None].expand(-1, x.shape[1], 1)
         s = torch.gather(scales, 2, g)  # [c, rows, 1]
-        xk = x[..., k:k + 1].to(torch.float32)
+        xk = x[..., k : k + 1].to(torch.float32)
         y = torch.where(s > 0, xk / torch.where(s > 0, s, 1.0), 0.0).round()
         if zeros is not None:
             z = torch.gather(zeros, 2, g)
@@ -87,18 +87,34 @@ def sweep_block_reference(x, w0d, vn, vd, scales, zeros, group_idx, codes, loss,
         else:
             code = y.clamp(qmin, qmax)
             q = code * s
-        codes[..., k:k + 1] = code.to(codes.dtype)
+        codes[..., k : k + 1] = code.to(codes.dtype)
         q = q.to(x.dtype)
-        d = w0d[..., k:k + 1] - q
-        w0d[..., k:k + 1] = d
-        err = (x[..., k:k + 1] - q) * vd[:, None, k:k + 1]
+        d = w0d[..., k : k + 1] - q
+        w0d[..., k : k + 1] = d
+        err = (x[..., k : k + 1] - q) * vd[:, None, k : k + 1]
         loss += err.double().square().sum(dim=(1, 2)) / 2
-        x[..., k + 1:i2] += d * vn[:, None, k, k + 1:i2]
+        x[..., k + 1 : i2] += d * vn[:, None, k, k + 1 : i2]
     return loss_parts
 
 
-def sweep_block(x, w0d, vn, vd, scales, zeros, group_idx, codes, loss, i1, i2, qmin, qmax, loss_parts=None,
-                tile_rows=None, num_warps=None):
+def sweep_block(
+    x,
+    w0d,
+    vn,
+    vd,
+    scales,
+    zeros,
+    group_idx,
+    codes,
+    loss,
+    i1,
+    i2,
+    qmin,
+    qmax,
+    loss_parts=None,
+    tile_rows=None,
+    num_warps=None,
+):
     """The fused kernel: same arguments and results as `sweep_block_reference` (float32 only).
 
     loss_parts: optional [c, row_tiles] float32 scratch, reused between blocks of one solve.
@@ -117,13 +133,37 @@ def sweep_block(x, w0d, vn, vd, scales, zeros, group_idx, codes, loss, i1, i2, q
         loss_parts = torch.empty(c, grid[0], dtype=torch.float32, device=x.device)
     has_zeros = zeros is not None
     _sweep_kernel[grid](
-        x, w0d, vn, vd, scales, zeros if has_zeros else scales, group_idx, codes, loss_parts,
-        rows, i1,
-        x.stride(0), x.stride(1), w0d.stride(0), w0d.stride(1), vn.stride(0), vn.stride(1), vd.stride(0),
-        scales.stride(0), scales.stride(1), group_idx.stride(0), codes.stride(0), codes.stride(1),
-        float(qmin), float(qmax),
-        HAS_ZEROS=has_zeros, TILE_ROWS=tile_rows, BLOCK=block, WIDTH=width,
-        num_warps=num_warps, **({} if INTERPRETED else {"enable_fp_fusion": False}),
+        x,
+        w0d,
+        vn,
+        vd,
+        scales,
+        zeros if has_zeros else scales,
+        group_idx,
+        codes,
+        loss_parts,
+        rows,
+        i1,
+        x.stride(0),
+        x.stride(1),
+        w0d.stride(0),
+        w0d.stride(1),
+        vn.stride(0),
+        vn.stride(1),
+        vd.stride(0),
+        scales.stride(0),
+        scales.stride(1),
+        group_idx.stride(0),
+        codes.stride(0),
+        codes.stride(1),
+        float(qmin),
+        float(qmax),
+        HAS_ZEROS=has_zeros,
+        TILE_ROWS=tile_rows,
+        BLOCK=block,
+        WIDTH=width,
+        num_warps=num_warps,
+        **({} if INTERPRETED else {"enable_fp_fusion": False}),
     )
     loss += loss_parts.sum(dim=1, dtype=torch.float64) / 2
     return loss_parts
@@ -132,11 +172,37 @@ def sweep_block(x, w0d, vn, vd, scales, zeros, group_idx, codes, loss, i1, i2, q
 if triton is not None:
 
     @triton.jit
-    def _sweep_kernel(X, W0D, VN, VD, S, Z, GI, CODES, LOSS,
-                      rows, i1,
-                      sx_e, sx_r, sw_e, sw_r, sv_e, sv_r, svd_e, ss_e, ss_r, sg_e, sc_e, sc_r,
-                      qmin, qmax,
-                      HAS_ZEROS: tl.constexpr, TILE_ROWS: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+    def _sweep_kernel(
+        X,
+        W0D,
+        VN,
+        VD,
+        S,
+        Z,
+        GI,
+        CODES,
+        LOSS,
+        rows,
+        i1,
+        sx_e,
+        sx_r,
+        sw_e,
+        sw_r,
+        sv_e,
+        sv_r,
+        svd_e,
+        ss_e,
+        ss_r,
+        sg_e,
+        sc_e,
+        sc_r,
+        qmin,
+        qmax,
+        HAS_ZEROS: tl.constexpr,
+        TILE_ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        WIDTH: tl.constexpr,
+    ):
         pid_r = tl.program_id(0)
         e = tl.program_id(1).to(tl.int64)
         r = pid_r * TILE_ROWS + tl.arange(0, TILE_ROWS)

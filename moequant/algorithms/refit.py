@@ -67,8 +67,11 @@ def refit_scales_shared(qs, weights, hessian: torch.Tensor, *, budget_bytes: int
     if kernel:
         # A, its damped copy and Cholesky factor, b and its per-column-block sums, the centred codes, H and
         # its int8 pieces
-        per_expert = 4 * (3 * rows * groups * groups + 2 * rows * cols) + 8 * cols * cols \
+        per_expert = (
+            4 * (3 * rows * groups * groups + 2 * rows * cols)
+            + 8 * cols * cols
             + refit_triton.b_parts_bytes(rows, cols, gs)
+        )
     else:
         # Y and one Y-sized temporary (its second product, then the A reduction's), codes, weights, W H,
         # the Hessian and its two TF32 halves

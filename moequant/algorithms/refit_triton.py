@@ -90,8 +90,9 @@ def hessian_pieces(h: torch.Tensor, group_size: int):
     p1, p2, p3 = (torch.empty(e, n, n, dtype=torch.int8, device=h.device) for _ in range(3))
     s = torch.empty(e, n // group_size, n, dtype=torch.float32, device=h.device)
     rows = 64
-    _pieces_kernel[(triton.cdiv(n, rows), n // group_size, e)](h, p1, p2, p3, s, n, n // group_size,
-                                                              GS=group_size, BLOCK_J=rows, num_warps=4)
+    _pieces_kernel[(triton.cdiv(n, rows), n // group_size, e)](
+        h, p1, p2, p3, s, n, n // group_size, GS=group_size, BLOCK_J=rows, num_warps=4
+    )
     return p1, p2, p3, s
 
 
@@ -112,9 +113,25 @@ def normal_equations(codes: torch.Tensor, weight: torch.Tensor, hessian, group_s
     block_r, warps, stages = LAUNCH[group_size]
     # row tiles vary fastest: the programs of one column block read its columns of H while they are in L2
     grid = (triton.cdiv(rows, block_r), nblocks, e)
-    _normal_kernel[grid](codes, weight, p1, p2, p3, scales, a, b_parts, rows, n, nblocks, GROUPS=groups,
-                         GS=group_size, BLOCK_R=block_r, BLOCK_N=block, num_warps=warps,
-                         **({} if INTERPRETED else {"num_stages": stages}))
+    _normal_kernel[grid](
+        codes,
+        weight,
+        p1,
+        p2,
+        p3,
+        scales,
+        a,
+        b_parts,
+        rows,
+        n,
+        nblocks,
+        GROUPS=groups,
+        GS=group_size,
+        BLOCK_R=block_r,
+        BLOCK_N=block,
+        num_warps=warps,
+        **({} if INTERPRETED else {"num_stages": stages}),
+    )
     return a, b_parts.sum(1)
 
 
@@ -155,8 +172,23 @@ if triton is not None:
         return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
     @triton.jit
-    def _normal_kernel(C, W, P1, P2, P3, S, A, BP, rows, n, nblocks, GROUPS: tl.constexpr,
-                       GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _normal_kernel(
+        C,
+        W,
+        P1,
+        P2,
+        P3,
+        S,
+        A,
+        BP,
+        rows,
+        n,
+        nblocks,
+        GROUPS: tl.constexpr,
+        GS: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         # one program: BLOCK_R rows x one column block of BLOCK_N columns (their codes and weights
         # loaded and widened once), every group g: T = C_g H[g, block], then A[g, h] for the block's
         # groups h and b[g]'s share of the block

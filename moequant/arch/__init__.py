@@ -15,8 +15,15 @@ from moequant.errors import UserError
 
 ADAPTERS: dict[str, type[Adapter]] = {
     t: cls
-    for cls in (MixtralAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter, DeepseekV2Adapter, DeepseekV3Adapter,
-                OlmoeAdapter, GptOssAdapter)
+    for cls in (
+        MixtralAdapter,
+        Qwen2MoeAdapter,
+        Qwen3MoeAdapter,
+        DeepseekV2Adapter,
+        DeepseekV3Adapter,
+        OlmoeAdapter,
+        GptOssAdapter,
+    )
     for t in cls.model_types
 }
 
@@ -38,15 +45,23 @@ def adapter_for(config: dict) -> Adapter:
         adapter.expected_tensors()
         adapter.routing  # noqa: B018  (reads the routing fields: bad values fail here, as one sentence)
     except (TypeError, ValueError, ZeroDivisionError, KeyError, OverflowError, AttributeError) as e:
-        raise UserError(f"config.json of this {model_type} model has a value moequant cannot use "
-                        f"({type(e).__name__}: {str(e)[:120]}); sizes must be positive integers.") from None
+        raise UserError(
+            f"config.json of this {model_type} model has a value moequant cannot use "
+            f"({type(e).__name__}: {str(e)[:120]}); sizes must be positive integers."
+        ) from None
     return adapter
 
 
 # Generous bounds: DeepSeek-V3 has 61 layers × 256 experts; these only stop absurd configs
 # (num_hidden_layers: 2**40) from exhausting memory while the tensor list is built.
-LIMITS = {"num_layers": 10_000, "num_experts": 100_000, "top_k": 100_000, "hidden": 1_000_000,
-          "vocab": 100_000_000, "expert_intermediate": 10_000_000}
+LIMITS = {
+    "num_layers": 10_000,
+    "num_experts": 100_000,
+    "top_k": 100_000,
+    "hidden": 1_000_000,
+    "vocab": 100_000_000,
+    "expert_intermediate": 10_000_000,
+}
 
 
 def _check_sizes(adapter: Adapter) -> None:

@@ -22,8 +22,16 @@ from moequant.errors import UserError
 PROJECTIONS = ("gate", "up", "down")
 
 ROLES = (
-    "routed_expert", "shared_expert", "shared_expert_gate", "router", "attention",
-    "embedding", "lm_head", "norm", "dense_mlp", "other",
+    "routed_expert",
+    "shared_expert",
+    "shared_expert_gate",
+    "router",
+    "attention",
+    "embedding",
+    "lm_head",
+    "norm",
+    "dense_mlp",
+    "other",
 )
 
 
@@ -126,7 +134,8 @@ class Adapter:
         for e in range(self.num_experts):
             for proj in PROJECTIONS:
                 out[self.expert_tensor_name(layer, e, proj)] = (
-                    self.expert_shape(proj), TensorRole("routed_expert", layer, e, proj)
+                    self.expert_shape(proj),
+                    TensorRole("routed_expert", layer, e, proj),
                 )
         return out
 
@@ -226,7 +235,9 @@ class Adapter:
             del w
         return out
 
-    def write_expert(self, tensors: dict[str, torch.Tensor], layer: int, expert: int, proj: str, weight: torch.Tensor) -> None:
+    def write_expert(
+        self, tensors: dict[str, torch.Tensor], layer: int, expert: int, proj: str, weight: torch.Tensor
+    ) -> None:
         """Put one expert's `[out, in]` weight into a dict of on-disk tensors (in place)."""
         self._check_expert(layer, expert, proj)
         if tuple(weight.shape) != self.expert_shape(proj):
@@ -235,7 +246,9 @@ class Adapter:
 
     def _check_expert(self, layer: int, expert: int, proj: str) -> None:
         if layer not in self.moe_layers:
-            raise UserError(f"layer {layer} is not an MoE layer of this {self.model_type} model (MoE layers: {_ranges(self.moe_layers)}).")
+            raise UserError(
+                f"layer {layer} is not an MoE layer of this {self.model_type} model (MoE layers: {_ranges(self.moe_layers)})."
+            )
         if not 0 <= expert < self.num_experts:
             raise UserError(f"expert {expert} is out of range: this model has {self.num_experts} experts per layer.")
         if proj not in PROJECTIONS:
@@ -271,8 +284,9 @@ class Adapter:
         gate, up = torch.matmul(x, experts.gate_up_proj[ids].transpose(-1, -2)).chunk(2, dim=-1)
         return experts.act_fn(gate) * up
 
-    def layer_state_dict(self, checkpoint, layer: int, keys, dtype=torch.float32, experts=None, tensors=None,
-                         device=None) -> dict:
+    def layer_state_dict(
+        self, checkpoint, layer: int, keys, dtype=torch.float32, experts=None, tensors=None, device=None
+    ) -> dict:
         """State dict of decoder layer `layer` in transformers' in-memory layout.
 
         `experts` optionally maps proj → `[E, out, in]` replacement weights (e.g. dequantized),
@@ -290,16 +304,24 @@ class Adapter:
                     part = experts.get(proj)
                     part = self.read_experts(checkpoint, layer, proj, device=device) if part is None else part
                     if fused is None:  # where the parts are (the device, when read there)
-                        fused = torch.empty((part.shape[0], 2 * part.shape[1], part.shape[2]), dtype=dtype,
-                                            device=part.device)
-                    fused[:, half * part.shape[1]:(half + 1) * part.shape[1]] = part
+                        fused = torch.empty(
+                            (part.shape[0], 2 * part.shape[1], part.shape[2]), dtype=dtype, device=part.device
+                        )
+                    fused[:, half * part.shape[1] : (half + 1) * part.shape[1]] = part
                     del part
                 out[key] = fused
             elif key.endswith("experts.down_proj") and not self.fused_experts:
                 d = experts.get("down", None)
-                out[key] = (self.read_experts(checkpoint, layer, "down", device=device, dtype=dtype) if d is None
-                            else d.to(dtype))
-            elif self.fused_experts and (key.endswith("experts.gate_up_proj") or key.endswith("experts.down_proj")) and experts:
+                out[key] = (
+                    self.read_experts(checkpoint, layer, "down", device=device, dtype=dtype)
+                    if d is None
+                    else d.to(dtype)
+                )
+            elif (
+                self.fused_experts
+                and (key.endswith("experts.gate_up_proj") or key.endswith("experts.down_proj"))
+                and experts
+            ):
                 out[key] = self.fuse_experts(checkpoint, layer, key, experts).to(dtype)
             else:
                 name = self.memory_to_disk(layer, key)
@@ -340,9 +362,14 @@ class Adapter:
             "hidden_size": self.hidden,
             "expert_intermediate_size": self.expert_intermediate,
             "routing": {
-                "scoring": r.scoring, "top_k": r.top_k, "normalize_topk": r.normalize_topk,
-                "groups": r.groups, "topk_groups": r.topk_groups, "scaling": r.scaling,
-                "correction_bias": r.correction_bias, "router_bias": r.router_bias,
+                "scoring": r.scoring,
+                "top_k": r.top_k,
+                "normalize_topk": r.normalize_topk,
+                "groups": r.groups,
+                "topk_groups": r.topk_groups,
+                "scaling": r.scaling,
+                "correction_bias": r.correction_bias,
+                "router_bias": r.router_bias,
             },
         }
 

@@ -92,6 +92,10 @@ class DeepseekV2Adapter(DeepseekV3Adapter):
         c = self.config
         grouped = cfg_get(c, "topk_method", default="greedy") == "group_limited_greedy"
         return Routing(
-            "softmax", self.top_k, normalize_topk=bool(cfg_get(c, "norm_topk_prob", default=False)),
-            groups=r.groups if grouped else 1, topk_groups=r.topk_groups if grouped else 1, scaling=r.scaling,
+            "softmax",
+            self.top_k,
+            normalize_topk=bool(cfg_get(c, "norm_topk_prob", default=False)),
+            groups=r.groups if grouped else 1,
+            topk_groups=r.topk_groups if grouped else 1,
+            scaling=r.scaling,
         )

@@ -40,8 +40,12 @@ class GptOssAdapter(Adapter):
 
     def fused_names(self, layer):
         p = self.moe_prefix(layer) + "experts."
-        return {"gate_up": p + "gate_up_proj", "down": p + "down_proj",
-                "gate_up_bias": p + "gate_up_proj_bias", "down_bias": p + "down_proj_bias"}
+        return {
+            "gate_up": p + "gate_up_proj",
+            "down": p + "down_proj",
+            "gate_up_bias": p + "gate_up_proj_bias",
+            "down_bias": p + "down_proj_bias",
+        }
 
     def expert_tensor_name(self, layer, expert, proj):
         n = self.fused_names(layer)
@@ -68,7 +72,7 @@ class GptOssAdapter(Adapter):
         n = self.fused_names(layer)
         fused = checkpoint.get(n["down"] if proj == "down" else n["gate_up"], device)
         if experts is not None:
-            fused = fused[experts.start:experts.stop]
+            fused = fused[experts.start : experts.stop]
         part = fused if proj == "down" else fused[:, :, _half(proj)]
         return part.transpose(1, 2).to(dtype or part.dtype).contiguous()
 

@@ -15,7 +15,9 @@ class OlmoeAdapter(Adapter):
 
     @property
     def routing(self):
-        return Routing("softmax", self.top_k, normalize_topk=bool(cfg_get(self.config, "norm_topk_prob", default=False)))
+        return Routing(
+            "softmax", self.top_k, normalize_topk=bool(cfg_get(self.config, "norm_topk_prob", default=False))
+        )
 
     def attention_tensors(self, layer):
         return gqa_attention(self.config, self.hidden, bias=bool(cfg_get(self.config, "attention_bias", default=False)))

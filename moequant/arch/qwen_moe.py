@@ -23,7 +23,9 @@ class Qwen2MoeAdapter(Adapter):
 
     @property
     def routing(self):
-        return Routing("softmax", self.top_k, normalize_topk=bool(cfg_get(self.config, "norm_topk_prob", default=False)))
+        return Routing(
+            "softmax", self.top_k, normalize_topk=bool(cfg_get(self.config, "norm_topk_prob", default=False))
+        )
 
     @property
     def num_shared_experts(self):

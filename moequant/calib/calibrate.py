@@ -54,7 +54,9 @@ class CalibrationSettings:
     min_tokens: int = MIN_ROUTED_TOKENS
     allow_fewer: bool = False
     device: str = "cpu"
-    probe_samples: int = 8  # per-layer KL probe on this many samples (probe.py), held out when calibrate loads the data; 0: none
+    probe_samples: int = (
+        8  # per-layer KL probe on this many samples (probe.py), held out when calibrate loads the data; 0: none
+    )
     probe_algorithm: str = "rtn"  # how the probe quantizes its layer: rtn | gptq (see probe.py)
     compute_dtype: str = "auto"  # the layers' forward: auto (bf16 on CUDA, float32 on CPU) | float32 | bfloat16
     save_hessians: bool = False  # also write the full [E, d, d] Hessians into stats/ (inspection; large)
@@ -69,9 +71,24 @@ class CalibrationSettings:
     tensor_formats: tuple[str, ...] = ()
 
     def fingerprint_fields(self) -> dict:
-        fields = {k: getattr(self, k) for k in ("dataset", "samples", "seq_len", "seed", "all_experts", "hessians",
-                                                "formats", "min_tokens", "allow_fewer", "probe_samples",
-                                                "probe_algorithm", "compute_dtype", "save_hessians")}
+        fields = {
+            k: getattr(self, k)
+            for k in (
+                "dataset",
+                "samples",
+                "seq_len",
+                "seed",
+                "all_experts",
+                "hessians",
+                "formats",
+                "min_tokens",
+                "allow_fewer",
+                "probe_samples",
+                "probe_algorithm",
+                "compute_dtype",
+                "save_hessians",
+            )
+        }
         # absent at the library defaults (the recipe's defaults before 2026-12-02): statistics made
         # with them keep their fingerprint, and the recipe's defaults now add these fields
         if self.hessian_weighting != "tokens":
@@ -161,7 +178,8 @@ class _LayerCollector:
         flat = indices.reshape(-1)
         self._zeros("routing.count", E, torch.int64, dev).add_(torch.bincount(flat, minlength=E))
         self._zeros("routing.weight_sum", E, torch.float64, dev).index_add_(
-            0, flat, weights.reshape(-1).to(acc).to(torch.float64))
+            0, flat, weights.reshape(-1).to(acc).to(torch.float64)
+        )
         # rank = position of the choice when the token's weights are sorted high to low
         order = torch.argsort(weights.float(), dim=1, descending=True, stable=True)
         ranked = torch.gather(indices, 1, order)
@@ -222,9 +240,11 @@ class _LayerCollector:
             self._acc("input_routed.down.tokens", counts)
             xs = x_sorted.to(acc)
             self._zeros("input_routed.gate_up.sqsum", (E, d), torch.float64, dev).add_(
-                torch.zeros(E, d, dtype=acc, device=dev).index_add_(0, expert_of_pair, xs ** 2).double())
+                torch.zeros(E, d, dtype=acc, device=dev).index_add_(0, expert_of_pair, xs**2).double()
+            )
             self._zeros("input_routed.gate_up.abssum", (E, d), torch.float64, dev).add_(
-                torch.zeros(E, d, dtype=acc, device=dev).index_add_(0, expert_of_pair, xs.abs()).double())
+                torch.zeros(E, d, dtype=acc, device=dev).index_add_(0, expert_of_pair, xs.abs()).double()
+            )
             absmax = self._zeros("input_routed.gate_up.absmax", (E, d), torch.float32, dev)
             absmax.scatter_reduce_(0, expert_of_pair[:, None].expand(-1, d), x_sorted.abs(), "amax")
             del xs
@@ -233,11 +253,12 @@ class _LayerCollector:
                 h_routed = self._zeros("hessian_sum_routed.gate_up", (E, d, d), torch.float32, dev)
                 for e in range(E):
                     if offsets[e + 1] > offsets[e]:
-                        seg = x_sorted[offsets[e]:offsets[e + 1]]
-                        h_routed[e] += seg.T @ (seg if coef is None else seg * coef[offsets[e]:offsets[e + 1], None])
+                        seg = x_sorted[offsets[e] : offsets[e + 1]]
+                        h_routed[e] += seg.T @ (seg if coef is None else seg * coef[offsets[e] : offsets[e + 1], None])
                 if coef is not None:
                     self._zeros("hessian_coef_sum", E, torch.float64, dev).index_add_(
-                        0, expert_of_pair, coef.to(torch.float64))
+                        0, expert_of_pair, coef.to(torch.float64)
+                    )
             del x_sorted
             if self.all_experts:
                 self._acc("input.down.tokens", torch.full((E,), n, dtype=torch.int64, device=dev))
@@ -248,7 +269,9 @@ class _LayerCollector:
         if not self.hessians or self.hessian_weighting == "tokens":
             return None
         if self.hessian_weighting not in HESSIAN_WEIGHTINGS:
-            raise UserError(f"hessian_weighting {self.hessian_weighting!r} is not one of {', '.join(HESSIAN_WEIGHTINGS)}.")
+            raise UserError(
+                f"hessian_weighting {self.hessian_weighting!r} is not one of {', '.join(HESSIAN_WEIGHTINGS)}."
+            )
         if routing_weights is None:
             raise ValueError(f"hessian_weighting={self.hessian_weighting!r} needs the router's weights")
         r = routing_weights.reshape(-1)[pair_sorted].float()
@@ -260,36 +283,45 @@ class _LayerCollector:
         and over each expert's routed tokens (its slice of the sorted pairs)."""
         E, n, first = self.local_experts, x.shape[0], self.first_expert
         inter = self.adapter.expert_intermediate
-        budget = (2**27 if x.device.type != "cpu" else 2**24)  # elements of the [c, n, I] activation chunk
+        budget = 2**27 if x.device.type != "cpu" else 2**24  # elements of the [c, n, I] activation chunk
         chunk = max(1, budget // max(n * inter, 1))
         dev = x.device
         with torch.no_grad():
             for lo in range(0, E, chunk):
                 ids = list(range(lo, min(E, lo + chunk)))
                 if self.all_experts:
-                    h_all = self.adapter.experts_hidden(self.experts_module, x, [first + e for e in ids]).float()  # [c, n, I]
+                    h_all = self.adapter.experts_hidden(
+                        self.experts_module, x, [first + e for e in ids]
+                    ).float()  # [c, n, I]
                     hd = h_all.to(acc)
-                    self._zeros("input.down.sqsum", (E, inter), torch.float64, dev)[lo:lo + len(ids)] += (hd ** 2).sum(1).double()
-                    self._zeros("input.down.abssum", (E, inter), torch.float64, dev)[lo:lo + len(ids)] += hd.abs().sum(1).double()
+                    self._zeros("input.down.sqsum", (E, inter), torch.float64, dev)[lo : lo + len(ids)] += (
+                        (hd**2).sum(1).double()
+                    )
+                    self._zeros("input.down.abssum", (E, inter), torch.float64, dev)[lo : lo + len(ids)] += (
+                        hd.abs().sum(1).double()
+                    )
                     del hd
                     mx = self._zeros("input.down.absmax", (E, inter), torch.float32, dev)
-                    mx[lo:lo + len(ids)] = torch.maximum(mx[lo:lo + len(ids)], h_all.abs().amax(1))
+                    mx[lo : lo + len(ids)] = torch.maximum(mx[lo : lo + len(ids)], h_all.abs().amax(1))
                     if self.hessians:
-                        self._zeros("hessian_sum.down", (E, inter, inter), torch.float32, dev)[lo:lo + len(ids)] += \
+                        self._zeros("hessian_sum.down", (E, inter, inter), torch.float32, dev)[lo : lo + len(ids)] += (
                             h_all.transpose(1, 2) @ h_all
+                        )
                 for j, e in enumerate(ids):
-                    rows = token_of_pair[offsets[e]:offsets[e + 1]]
+                    rows = token_of_pair[offsets[e] : offsets[e + 1]]
                     # computed from the routed rows alone in both coverage modes, so the routed
                     # statistics do not depend on the mode (bit for bit)
                     he = self.adapter.expert_hidden(self.experts_module, x[rows], first + e).float()
                     ha = he.to(acc)
-                    self._zeros("input_routed.down.sqsum", (E, inter), torch.float64, dev)[e] += (ha ** 2).sum(0).double()
-                    self._zeros("input_routed.down.abssum", (E, inter), torch.float64, dev)[e] += ha.abs().sum(0).double()
+                    self._zeros("input_routed.down.sqsum", (E, inter), torch.float64, dev)[e] += (ha**2).sum(0).double()
+                    self._zeros("input_routed.down.abssum", (E, inter), torch.float64, dev)[e] += (
+                        ha.abs().sum(0).double()
+                    )
                     mx = self._zeros("input_routed.down.absmax", (E, inter), torch.float32, dev)
                     if he.shape[0]:
                         mx[e] = torch.maximum(mx[e], he.abs().amax(0))
                     if self.hessians:
-                        hw = he if coef is None else he * coef[offsets[e]:offsets[e + 1], None]
+                        hw = he if coef is None else he * coef[offsets[e] : offsets[e + 1], None]
                         self._zeros("hessian_sum_routed.down", (E, inter, inter), torch.float32, dev)[e] += he.T @ hw
 
     def finish(self) -> dict[str, torch.Tensor]:
@@ -380,7 +412,7 @@ def sensitivity(weights: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]
             idx = torch.arange(lo, min(E, lo + chunk), device=dev)
             _, H = chosen_hessian(stats, group, idx, min_tokens)
             H = H.to(dtype)
-            w = W[lo:lo + chunk].to(dev, torch.float32)
+            w = W[lo : lo + chunk].to(dev, torch.float32)
             for key, spec in specs:
                 if spec.is_ggml:  # as the quantize pass will: the scale search weighted by diag(H)
                     q = formats.quantize_ggml(w, spec, importance=torch.diagonal(H, dim1=-2, dim2=-1).float())
@@ -396,13 +428,22 @@ def sensitivity(weights: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]
 # ----------------------------------------------------------------------------- the runner
 
 
-def calibrate(model: str, output: str | Path, settings: CalibrationSettings, overwrite: bool = False,
-              tokenizer=None, progress=True, samples=None) -> Path:
+def calibrate(
+    model: str,
+    output: str | Path,
+    settings: CalibrationSettings,
+    overwrite: bool = False,
+    tokenizer=None,
+    progress=True,
+    samples=None,
+) -> Path:
     """Calibrate `model` on `settings.dataset`; writes `output/` (see stats.py). Returns the path."""
     from moequant.io.run_lock import output_lock
 
     if settings.hessian_weighting not in HESSIAN_WEIGHTINGS:
-        raise UserError(f"hessian_weighting {settings.hessian_weighting!r} is not one of {', '.join(HESSIAN_WEIGHTINGS)}.")
+        raise UserError(
+            f"hessian_weighting {settings.hessian_weighting!r} is not one of {', '.join(HESSIAN_WEIGHTINGS)}."
+        )
 
     with output_lock(output, "calibrate"):  # one writer per directory, before anything is read or written
         return _calibrate(model, output, settings, overwrite, tokenizer, progress, samples)
@@ -422,7 +463,9 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
     fingerprint["formats"] = list(fingerprint["formats"])
     fingerprint["probe_tokens"] = "held-out" if samples is None else "in-sample"
     if samples is not None:  # the caller's pre-tokenised samples stand for the dataset (before the reuse check)
-        fingerprint["dataset"] = hashlib.sha256(b"".join(s.input_ids.numpy().tobytes() for s in samples)).hexdigest()[:16]
+        fingerprint["dataset"] = hashlib.sha256(b"".join(s.input_ids.numpy().tobytes() for s in samples)).hexdigest()[
+            :16
+        ]
     if parallel.shared(lambda: _reusable_or_cleared(output, fingerprint, overwrite), "the statistics' reuse check"):
         return output  # complete and identical: reuse
 
@@ -436,21 +479,35 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
 
     work = output / ".work"
     work.mkdir(parents=True, exist_ok=True)
-    runner = LayerRunner(ckpt, adapter, input_ids, batch_size=settings.batch_size, device=settings.device,
-                         dtype=compute_dtype(settings.compute_dtype, settings.device))
+    runner = LayerRunner(
+        ckpt,
+        adapter,
+        input_ids,
+        batch_size=settings.batch_size,
+        device=settings.device,
+        dtype=compute_dtype(settings.compute_dtype, settings.device),
+    )
     start_layer, hidden = load_carried(work, fingerprint, len(runner.batches))
     hidden = runner.embedded if hidden is None else hidden
     writer = world is None or world.rank == 0  # the one process that writes stats/
     if start_layer and progress:
-        print(f"calibrating: resuming at layer {start_layer} (layers 0-{start_layer - 1} were finished by an earlier run)")
+        print(
+            f"calibrating: resuming at layer {start_layer} (layers 0-{start_layer - 1} were finished by an earlier run)"
+        )
     if writer:
         atomic_write_text(work / "fingerprint.json", json.dumps(fingerprint))
     own = world.experts(adapter.num_experts) if world is not None else range(adapter.num_experts)
 
     timings = {}
-    probe_needs_hessians = (settings.probe_samples > 0 and bool(adapter.moe_layers)
-                            and settings.probe_algorithm == "gptq" and settings.hessians)
-    for L in _progress(range(start_layer, adapter.num_layers), progress, "calibrating", adapter.num_layers, start_layer):
+    probe_needs_hessians = (
+        settings.probe_samples > 0
+        and bool(adapter.moe_layers)
+        and settings.probe_algorithm == "gptq"
+        and settings.hessians
+    )
+    for L in _progress(
+        range(start_layer, adapter.num_layers), progress, "calibrating", adapter.num_layers, start_layer
+    ):
         t0 = time.perf_counter()
         # expert-parallel: each rank reads its own experts, the layer's others are all-gathered (moequant.parallel)
         whole = parallel.whole_layer_experts(adapter, ckpt, L, world) if world and L in adapter.moe_layers else None
@@ -458,10 +515,12 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
             del whole
             if L in adapter.moe_layers:
                 hidden, tensors, skipped, tokens = _moe_layer_statistics(
-                    runner, module, L, hidden, ckpt, adapter, settings, domains, token_domain, own, world)
+                    runner, module, L, hidden, ckpt, adapter, settings, domains, token_domain, own, world
+                )
                 if writer:
-                    _write_layer_statistics(output, work, L, tensors, skipped, tokens, settings.save_hessians,
-                                            probe_needs_hessians)
+                    _write_layer_statistics(
+                        output, work, L, tensors, skipped, tokens, settings.save_hessians, probe_needs_hessians
+                    )
                 del tensors
             else:
                 hidden = runner.forward(module, L, hidden)
@@ -498,27 +557,43 @@ def _calibration_samples(ckpt, adapter, settings: CalibrationSettings, tokenizer
             tokenizer = load_tokenizer(ckpt.directory)
         n_probe = settings.probe_samples if adapter.moe_layers else 0
         samples, held_out = load_samples_with_holdout(
-            settings.dataset, tokenizer, settings.samples, n_probe, settings.seq_len, split="calibration",
-            seed=settings.seed, allow_fewer=settings.allow_fewer)
+            settings.dataset,
+            tokenizer,
+            settings.samples,
+            n_probe,
+            settings.seq_len,
+            split="calibration",
+            seed=settings.seed,
+            allow_fewer=settings.allow_fewer,
+        )
         if held_out:
             probe_ids = torch.stack([s.input_ids for s in held_out])
     return samples, probe_ids
 
 
-def _moe_layer_statistics(runner, module, L: int, hidden, ckpt, adapter, settings: CalibrationSettings, domains,
-                          token_domain, own, world):
+def _moe_layer_statistics(
+    runner, module, L: int, hidden, ckpt, adapter, settings: CalibrationSettings, domains, token_domain, own, world
+):
     """One MoE layer's statistics (routing, Hessians, sensitivities; all-gathered under expert
     parallelism): (hidden states after the layer, tensors, skipped sensitivities, routed tokens)."""
     from moequant import parallel
 
     bs = settings.batch_size
-    col = _LayerCollector(adapter, module.mlp.experts, adapter.num_experts, adapter.top_k, domains,
-                          settings.all_experts, settings.hessians,
-                          first_expert=own.start, chunk_experts=len(own),
-                          hessian_weighting=settings.hessian_weighting)
+    col = _LayerCollector(
+        adapter,
+        module.mlp.experts,
+        adapter.num_experts,
+        adapter.top_k,
+        domains,
+        settings.all_experts,
+        settings.hessians,
+        first_expert=own.start,
+        chunk_experts=len(own),
+        hessian_weighting=settings.hessian_weighting,
+    )
 
     def set_domains(b, col=col):
-        col.token_domains = token_domain[b * bs * settings.seq_len:(b + 1) * bs * settings.seq_len]
+        col.token_domains = token_domain[b * bs * settings.seq_len : (b + 1) * bs * settings.seq_len]
 
     hidden = collect_moe_stats(runner, module, L, col, hidden, before_batch=set_domains)
     tensors = col.finish()
@@ -531,14 +606,16 @@ def _moe_layer_statistics(runner, module, L: int, hidden, ckpt, adapter, setting
     return hidden, tensors, skipped, col.tokens
 
 
-def _write_layer_statistics(output: Path, work: Path, L: int, tensors: dict, skipped, tokens, save_hessians: bool,
-                            probe_needs_hessians: bool) -> None:
+def _write_layer_statistics(
+    output: Path, work: Path, L: int, tensors: dict, skipped, tokens, save_hessians: bool, probe_needs_hessians: bool
+) -> None:
     """stats/ of one MoE layer. The full [E, d, d] Hessians live only inside this layer; the
     statistics keep their diagonals (stats.py); the GPTQ probe gets its own scratch copy."""
     hessians = {k: v for k, v in tensors.items() if k.startswith("hessian")}
     kept = {k: v for k, v in tensors.items() if not k.startswith("hessian")}
-    kept.update({f"{k.split('.')[0]}_diag.{k.split('.')[1]}": torch.diagonal(v, dim1=-2, dim2=-1)
-                 for k, v in hessians.items()})
+    kept.update(
+        {f"{k.split('.')[0]}_diag.{k.split('.')[1]}": torch.diagonal(v, dim1=-2, dim2=-1) for k, v in hessians.items()}
+    )
     if save_hessians:
         kept.update(hessians)
     elif hessians and probe_needs_hessians:
@@ -560,19 +637,38 @@ def _run_probes(ckpt, adapter, output: Path, settings: CalibrationSettings, inpu
         held_out = probe_ids is not None
         if not held_out:
             probe_ids = input_ids[probe_indices(input_ids.shape[0], settings.probe_samples)]
-        probe = run_probe(ckpt, adapter, probe_ids, output, settings.formats,
-                          batch_size=settings.batch_size, device=settings.device,
-                          algorithm=settings.probe_algorithm, hessians=settings.hessians,
-                          min_tokens=settings.min_tokens, gptq_grid=settings.gptq_grid,
-                          gptq_refit=settings.gptq_refit, progress=progress)
+        probe = run_probe(
+            ckpt,
+            adapter,
+            probe_ids,
+            output,
+            settings.formats,
+            batch_size=settings.batch_size,
+            device=settings.device,
+            algorithm=settings.probe_algorithm,
+            hessians=settings.hessians,
+            min_tokens=settings.min_tokens,
+            gptq_grid=settings.gptq_grid,
+            gptq_refit=settings.gptq_refit,
+            progress=progress,
+        )
         write_probe(output, {**probe, "held_out": held_out})
     (output / TENSOR_PROBE_FILE).unlink(missing_ok=True)
     if settings.tensor_formats and settings.probe_samples > 0:
         if probe_ids is None:
             probe_ids = input_ids[probe_indices(input_ids.shape[0], settings.probe_samples)]
-        write_tensor_probe(output, run_tensor_probe(ckpt, adapter, probe_ids, settings.tensor_formats,
-                                                    batch_size=settings.batch_size, device=settings.device,
-                                                    progress=progress))
+        write_tensor_probe(
+            output,
+            run_tensor_probe(
+                ckpt,
+                adapter,
+                probe_ids,
+                settings.tensor_formats,
+                batch_size=settings.batch_size,
+                device=settings.device,
+                progress=progress,
+            ),
+        )
 
 
 def _reusable_or_cleared(output: Path, fingerprint: dict, overwrite: bool) -> bool:
@@ -586,12 +682,18 @@ def _reusable_or_cleared(output: Path, fingerprint: dict, overwrite: bool) -> bo
         if old.get("fingerprint") == fingerprint:
             return True
         if not overwrite:
-            what = "another model" if old.get("fingerprint", {}).get("model") != fingerprint["model"] else "other settings"
-            raise UserError(f"{output} already holds calibration statistics of {what}; pass --overwrite to replace them.")
+            what = (
+                "another model" if old.get("fingerprint", {}).get("model") != fingerprint["model"] else "other settings"
+            )
+            raise UserError(
+                f"{output} already holds calibration statistics of {what}; pass --overwrite to replace them."
+            )
         clear_directory(output)  # not rmtree: the held lock file stays
     elif output.exists() and any(not is_lock_file(p) for p in output.iterdir()) and not (output / ".work").exists():
         if not overwrite:
-            raise UserError(f"{output} exists and is not a statistics directory; choose another --output or pass --overwrite.")
+            raise UserError(
+                f"{output} exists and is not a statistics directory; choose another --output or pass --overwrite."
+            )
         clear_directory(output)
     return False
 
@@ -602,8 +704,11 @@ def _gathered_statistics(world, tensors: dict, num_experts: int, all_experts: bo
     out = {}
     for key in sorted(tensors):
         same_everywhere = key.startswith("routing.") or (all_experts and key in ("hessian.gate_up",))
-        out[key] = tensors[key] if same_everywhere else world.gather_experts(tensors[key], num_experts,
-                                                                             f"layer {layer}'s statistic {key}")
+        out[key] = (
+            tensors[key]
+            if same_everywhere
+            else world.gather_experts(tensors[key], num_experts, f"layer {layer}'s statistic {key}")
+        )
     return out if world.rank == 0 else None
 
 
@@ -662,8 +767,10 @@ def _naming_damaged_weights(ckpt, adapter, layer: int):
             if expert is None and role.role == "routed_expert" and t.dim() == 3:  # fused [E, ...]
                 expert = int(bad.flatten(1).any(1).nonzero()[0])
             where = f"layer {layer}" + (f", expert {expert}" if expert is not None else "") + f", {role.role}"
-            raise UserError(f"checkpoint tensor {name} ({where}) holds {int(torch.isnan(t).sum())} NaN and "
-                            f"{int(torch.isinf(t).sum())} infinite values; the checkpoint is damaged.") from None
+            raise UserError(
+                f"checkpoint tensor {name} ({where}) holds {int(torch.isnan(t).sum())} NaN and "
+                f"{int(torch.isinf(t).sum())} infinite values; the checkpoint is damaged."
+            ) from None
         raise error
 
 
@@ -708,16 +815,21 @@ def load_carried(work: Path, fingerprint, num_batches: int):
 
 def save_carried(work: Path, fingerprint, next_layer: int, hidden: list) -> None:
     """The hidden states feeding `next_layer` (they record their run and layer), then progress.json."""
-    _save_atomic({f"batch_{b}": h for b, h in enumerate(hidden)}, work / "hidden.safetensors",
-                 hidden_record(fingerprint, next_layer))
+    _save_atomic(
+        {f"batch_{b}": h for b, h in enumerate(hidden)},
+        work / "hidden.safetensors",
+        hidden_record(fingerprint, next_layer),
+    )
     atomic_write_text(work / "progress.json", json.dumps({"fingerprint": fingerprint, "next_layer": next_layer}))
 
 
 def collect_moe_stats(runner, module, layer: int, collector: "_LayerCollector", hidden, before_batch=None):
     """Run one MoE layer with the collector hooked to its router and experts; returns the outputs."""
     adapter, mlp = runner.adapter, module.mlp
-    hooks = [adapter.router_module(mlp).register_forward_hook(collector.on_router),
-             mlp.experts.register_forward_pre_hook(collector.on_experts, with_kwargs=True)]
+    hooks = [
+        adapter.router_module(mlp).register_forward_hook(collector.on_router),
+        mlp.experts.register_forward_pre_hook(collector.on_experts, with_kwargs=True),
+    ]
     try:
         return runner.forward(module, layer, hidden, before_batch=before_batch)
     finally:
@@ -745,7 +857,9 @@ def load_tokenizer(directory: Path):
     try:
         return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
     except Exception as e:  # no tokenizer files, or unreadable ones
-        raise UserError(f"cannot load a tokenizer from {directory} ({type(e).__name__}); the checkpoint needs tokenizer files.") from None
+        raise UserError(
+            f"cannot load a tokenizer from {directory} ({type(e).__name__}); the checkpoint needs tokenizer files."
+        ) from None
 
 
 # ----------------------------------------------------------------------------- plots

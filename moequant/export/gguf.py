@@ -80,6 +80,7 @@ _L = r"model\.layers\.(\d+)\."
 
 # ---- transforms of one HF tensor into one GGUF tensor (torch in, torch out) -----------------------
 
+
 def _rope_permute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
     """HF rotate-half row order -> llama.cpp's interleaved pairs, per head (rows of any width)."""
     r = rows.shape[0]
@@ -107,7 +108,7 @@ def _k_b(t, c):  # attn_k_b: ggml {nope, kv_lora, n_head} = torch [n_head, kv_lo
 
 
 def _v_b(t, c):  # attn_v_b: ggml {kv_lora, v_head, n_head} = torch [n_head, v_head, kv_lora]
-    return _kv_b(t, c)[:, int(c["qk_nope_head_dim"]):].contiguous()
+    return _kv_b(t, c)[:, int(c["qk_nope_head_dim"]) :].contiguous()
 
 
 SPLITS = (_k_b, _v_b)  # transforms whose parts GGUF quantizes as tensors of their own (export_gguf's _split)
@@ -159,7 +160,10 @@ def _add_common(w, adapter, c: dict) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(float(rope["factor"]))
         w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
-        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+        for key, add in (
+            ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+            ("beta_slow", w.add_rope_scaling_yarn_beta_slow),
+        ):
             if rope.get(key) is not None:
                 add(float(rope[key]))
     elif rope.get("rope_type") == "linear":
@@ -217,8 +221,9 @@ def _hp_deepseek2(w, adapter, c):
     r = adapter.routing
     w.add_expert_weights_scale(float(r.scaling))
     w.add_expert_weights_norm(bool(r.normalize_topk))
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if r.scoring == "sigmoid"
-                             else gguf.ExpertGatingFuncType.SOFTMAX)
+    w.add_expert_gating_func(
+        gguf.ExpertGatingFuncType.SIGMOID if r.scoring == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX
+    )
     if r.groups > 1 and r.topk_groups < r.groups:  # all groups kept = no group limit (llama.cpp wants used < count)
         w.add_expert_group_count(r.groups)
         w.add_expert_group_used_count(r.topk_groups)
@@ -240,29 +245,37 @@ def _no_refusal(adapter, c):
 
 def _refuse_qwen2moe(adapter, c):
     if c.get("norm_topk_prob"):
-        return ("llama.cpp's qwen2moe graph does not renormalise the top-k routing weights, but this checkpoint's "
-                "config.json sets norm_topk_prob: true")
+        return (
+            "llama.cpp's qwen2moe graph does not renormalise the top-k routing weights, but this checkpoint's "
+            "config.json sets norm_topk_prob: true"
+        )
     return _refuse_dense_layers(adapter, c)
 
 
 def _refuse_dense_layers(adapter, c):
     if adapter.dense_layers:
-        return (f"llama.cpp's {GRAPHS[adapter.model_type].arch} graph needs every layer to be an MoE layer; this "
-                f"checkpoint has dense layers (mlp_only_layers / decoder_sparse_step)")
+        return (
+            f"llama.cpp's {GRAPHS[adapter.model_type].arch} graph needs every layer to be an MoE layer; this "
+            f"checkpoint has dense layers (mlp_only_layers / decoder_sparse_step)"
+        )
     return None
 
 
 def _refuse_qwen3moe(adapter, c):
     if not adapter.routing.normalize_topk:
-        return ("llama.cpp's qwen3moe graph always renormalises the top-k routing weights, but this checkpoint's "
-                "config.json sets norm_topk_prob: false")
+        return (
+            "llama.cpp's qwen3moe graph always renormalises the top-k routing weights, but this checkpoint's "
+            "config.json sets norm_topk_prob: false"
+        )
     return _refuse_dense_layers(adapter, c)
 
 
 def _refuse_olmoe(adapter, c):
     if adapter.routing.normalize_topk:
-        return ("llama.cpp's olmoe graph does not renormalise the top-k routing weights, but this checkpoint's "
-                "config.json sets norm_topk_prob: true")
+        return (
+            "llama.cpp's olmoe graph does not renormalise the top-k routing weights, but this checkpoint's "
+            "config.json sets norm_topk_prob: true"
+        )
     if c.get("clip_qkv"):
         return "llama.cpp's olmoe graph does not clip q / k / v, but this checkpoint's config.json sets clip_qkv"
     return None
@@ -271,19 +284,27 @@ def _refuse_olmoe(adapter, c):
 def _refuse_deepseek2(adapter, c):
     moe = adapter.moe_layers
     if moe != list(range(moe[0] if moe else adapter.num_layers, adapter.num_layers)):
-        return ("llama.cpp's deepseek2 graph has dense layers only before the first MoE layer "
-                "(leading_dense_block_count); this checkpoint's moe_layer_freq interleaves them")
+        return (
+            "llama.cpp's deepseek2 graph has dense layers only before the first MoE layer "
+            "(leading_dense_block_count); this checkpoint's moe_layer_freq interleaves them"
+        )
     if c.get("rope_interleave") is False:
-        return ("llama.cpp's deepseek2 graph rotates interleaved rope pairs (DeepSeek's own weight order), but this "
-                "checkpoint's config.json sets rope_interleave: false")
+        return (
+            "llama.cpp's deepseek2 graph rotates interleaved rope pairs (DeepSeek's own weight order), but this "
+            "checkpoint's config.json sets rope_interleave: false"
+        )
     r = adapter.routing
     if adapter.model_type == "deepseek_v2":
         if r.groups > 1 and r.topk_groups < r.groups:
-            return ("llama.cpp's deepseek2 graph ranks expert groups by the sum of their two best scores (DeepSeek-V3's "
-                    "rule), but this DeepSeek-V2 checkpoint routes with group_limited_greedy (the best score)")
+            return (
+                "llama.cpp's deepseek2 graph ranks expert groups by the sum of their two best scores (DeepSeek-V3's "
+                "rule), but this DeepSeek-V2 checkpoint routes with group_limited_greedy (the best score)"
+            )
         if r.normalize_topk:
-            return ("transformers' DeepSeek-V2 does not renormalise the top-k weights, but this checkpoint's "
-                    "config.json sets norm_topk_prob: true; the GGUF could not match it")
+            return (
+                "transformers' DeepSeek-V2 does not renormalise the top-k weights, but this checkpoint's "
+                "config.json sets norm_topk_prob: true; the GGUF could not match it"
+            )
     return None
 
 
@@ -293,8 +314,10 @@ def _refuse_openai_moe(adapter, c):
     types = c.get("layer_types") or []
     want = ["sliding_attention" if L % 2 == 0 else "full_attention" for L in range(adapter.num_layers)]
     if types and list(types) != want:
-        return ("llama.cpp's openai-moe graph puts sliding-window attention on even layers and full attention on odd "
-                "ones; this config.json's layer_types differ")
+        return (
+            "llama.cpp's openai-moe graph puts sliding-window attention on even layers and full attention on odd "
+            "ones; this config.json's layer_types differ"
+        )
     return None
 
 
@@ -313,36 +336,61 @@ def _one(pattern, repl, fn=None):
 
 
 GRAPHS: dict[str, Graph] = {
-    "qwen2_moe": Graph("qwen2moe", [
-        _one(_L + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2_shexp.weight"),
-        _one(_L + r"mlp\.shared_expert_gate\.weight", r"blk.\1.ffn_gate_inp_shexp.weight", _flat),
-        *[_one(p, r) for p, r in _COMMON]], _hp_qwen2moe, _refuse_qwen2moe),
+    "qwen2_moe": Graph(
+        "qwen2moe",
+        [
+            _one(_L + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2_shexp.weight"),
+            _one(_L + r"mlp\.shared_expert_gate\.weight", r"blk.\1.ffn_gate_inp_shexp.weight", _flat),
+            *[_one(p, r) for p, r in _COMMON],
+        ],
+        _hp_qwen2moe,
+        _refuse_qwen2moe,
+    ),
     "qwen3_moe": Graph("qwen3moe", [_one(p, r) for p, r in _COMMON], _hp_qwen3moe, _refuse_qwen3moe),
     "olmoe": Graph("olmoe", [_one(p, r) for p, r in _COMMON], _hp_llama, _refuse_olmoe),
-    "mixtral": Graph("llama", [
-        _one(_L + r"self_attn\.q_proj\.weight", r"blk.\1.attn_q.weight", _permute_q),
-        _one(_L + r"self_attn\.k_proj\.weight", r"blk.\1.attn_k.weight", _permute_k),
-        _one(_L + r"block_sparse_moe\.gate\.weight", r"blk.\1.ffn_gate_inp.weight"),
-        *[_one(p, r) for p, r in _COMMON]], _hp_llama),
-    "gpt_oss": Graph("gpt-oss", [
-        _one(_L + r"post_attention_layernorm\.weight", r"blk.\1.post_attention_norm.weight"),
-        _one(_L + r"self_attn\.sinks", r"blk.\1.attn_sinks.weight"),
-        _one(_L + r"mlp\.router\.(weight|bias)", r"blk.\1.ffn_gate_inp.\2"),
-        (_L + r"mlp\.experts\.gate_up_proj_bias", [(r"blk.\1.ffn_gate_exps.bias", _even),
-                                                     (r"blk.\1.ffn_up_exps.bias", _odd)]),
-        _one(_L + r"mlp\.experts\.down_proj_bias", r"blk.\1.ffn_down_exps.bias"),
-        *[_one(p, r) for p, r in _COMMON]], _hp_openai_moe, _refuse_openai_moe),
+    "mixtral": Graph(
+        "llama",
+        [
+            _one(_L + r"self_attn\.q_proj\.weight", r"blk.\1.attn_q.weight", _permute_q),
+            _one(_L + r"self_attn\.k_proj\.weight", r"blk.\1.attn_k.weight", _permute_k),
+            _one(_L + r"block_sparse_moe\.gate\.weight", r"blk.\1.ffn_gate_inp.weight"),
+            *[_one(p, r) for p, r in _COMMON],
+        ],
+        _hp_llama,
+    ),
+    "gpt_oss": Graph(
+        "gpt-oss",
+        [
+            _one(_L + r"post_attention_layernorm\.weight", r"blk.\1.post_attention_norm.weight"),
+            _one(_L + r"self_attn\.sinks", r"blk.\1.attn_sinks.weight"),
+            _one(_L + r"mlp\.router\.(weight|bias)", r"blk.\1.ffn_gate_inp.\2"),
+            (
+                _L + r"mlp\.experts\.gate_up_proj_bias",
+                [(r"blk.\1.ffn_gate_exps.bias", _even), (r"blk.\1.ffn_up_exps.bias", _odd)],
+            ),
+            _one(_L + r"mlp\.experts\.down_proj_bias", r"blk.\1.ffn_down_exps.bias"),
+            *[_one(p, r) for p, r in _COMMON],
+        ],
+        _hp_openai_moe,
+        _refuse_openai_moe,
+    ),
 }
-_DEEPSEEK2 = Graph("deepseek2", [
-    _one(_L + r"self_attn\.q_a_proj\.weight", r"blk.\1.attn_q_a.weight"),
-    _one(_L + r"self_attn\.q_b_proj\.weight", r"blk.\1.attn_q_b.weight"),
-    _one(_L + r"self_attn\.(q_a|kv_a)_layernorm\.weight", r"blk.\1.attn_\2_norm.weight"),
-    _one(_L + r"self_attn\.kv_a_proj_with_mqa\.weight", r"blk.\1.attn_kv_a_mqa.weight"),
-    (_L + r"self_attn\.kv_b_proj\.weight", [(r"blk.\1.attn_k_b.weight", _k_b), (r"blk.\1.attn_v_b.weight", _v_b)]),
-    _one(_L + r"mlp\.gate\.e_score_correction_bias", r"blk.\1.exp_probs_b.bias"),
-    _one(_L + r"mlp\.shared_experts\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2_shexp.weight"),
-    _one(_L + r"mlp\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2.weight"),
-    *[_one(p, r) for p, r in _COMMON]], _hp_deepseek2, _refuse_deepseek2)
+_DEEPSEEK2 = Graph(
+    "deepseek2",
+    [
+        _one(_L + r"self_attn\.q_a_proj\.weight", r"blk.\1.attn_q_a.weight"),
+        _one(_L + r"self_attn\.q_b_proj\.weight", r"blk.\1.attn_q_b.weight"),
+        _one(_L + r"self_attn\.(q_a|kv_a)_layernorm\.weight", r"blk.\1.attn_\2_norm.weight"),
+        _one(_L + r"self_attn\.kv_a_proj_with_mqa\.weight", r"blk.\1.attn_kv_a_mqa.weight"),
+        (_L + r"self_attn\.kv_b_proj\.weight", [(r"blk.\1.attn_k_b.weight", _k_b), (r"blk.\1.attn_v_b.weight", _v_b)]),
+        _one(_L + r"mlp\.gate\.e_score_correction_bias", r"blk.\1.exp_probs_b.bias"),
+        _one(_L + r"mlp\.shared_experts\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2_shexp.weight"),
+        _one(_L + r"mlp\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2.weight"),
+        *[_one(p, r) for p, r in _COMMON],
+    ],
+    _hp_deepseek2,
+    _refuse_deepseek2,
+)
 GRAPHS["deepseek_v2"] = GRAPHS["deepseek_v3"] = _DEEPSEEK2
 ARCHS = {mt: g.arch for mt, g in GRAPHS.items()}  # model_type -> llama.cpp architecture
 
@@ -365,8 +413,10 @@ def reshaped_reason(model_type: str | None, hf_name: str) -> str | None:
     targets = gguf_targets(model_type, hf_name)
     if all(fn in (None, *ROW_ORDER, *SPLITS) for _, fn in targets):
         return None
-    return (f"llama.cpp's {GRAPHS[model_type].arch} graph reshapes it into "
-            f"{', '.join(t for t, _ in targets)}, which GGUF export writes unquantized")
+    return (
+        f"llama.cpp's {GRAPHS[model_type].arch} graph reshapes it into "
+        f"{', '.join(t for t, _ in targets)}, which GGUF export writes unquantized"
+    )
 
 
 def written_shapes(config: dict, hf_name: str, shape) -> list[tuple[str, tuple[int, int]]]:
@@ -376,7 +426,11 @@ def written_shapes(config: dict, hf_name: str, shape) -> list[tuple[str, tuple[i
     targets = gguf_targets(config.get("model_type"), hf_name) if config.get("model_type") in GRAPHS else []
     out = []
     for name, fn in targets:
-        s = tuple(shape) if fn in (None, *ROW_ORDER) else tuple(fn(torch.empty(tuple(shape), device="meta"), config).shape)
+        s = (
+            tuple(shape)
+            if fn in (None, *ROW_ORDER)
+            else tuple(fn(torch.empty(tuple(shape), device="meta"), config).shape)
+        )
         out.append((name, (math.prod(s[:-1]), s[-1])))
     return out
 
@@ -464,8 +518,10 @@ def check_gguf(ckpt, adapter, items: dict) -> None:
     """Refuse, before any work, what llama.cpp could not run as planned."""
     mt = adapter.model_type
     if mt not in GRAPHS:
-        raise UserError(f"GGUF export supports {', '.join(sorted(GRAPHS))} (llama.cpp's "
-                        f"{', '.join(sorted(set(ARCHS.values())))} graphs); this checkpoint is {mt}.")
+        raise UserError(
+            f"GGUF export supports {', '.join(sorted(GRAPHS))} (llama.cpp's "
+            f"{', '.join(sorted(set(ARCHS.values())))} graphs); this checkpoint is {mt}."
+        )
     c = ckpt.config
     graph = GRAPHS[mt]
     why = graph.refuses(adapter, c)
@@ -478,8 +534,10 @@ def check_gguf(ckpt, adapter, items: dict) -> None:
     for name, q in items.items():
         role = adapter.classify(name)
         if q.spec.quantized and not (q.spec.is_ggml or (stores_natively(q.spec) and name in expert_names)):
-            raise UserError(f"the gguf layout holds ggml block types (q8_0 ... q2_k), MXFP4 routed experts or bf16; "
-                            f"tensor {name} is planned as {q.spec.key} (use target llama.cpp).")
+            raise UserError(
+                f"the gguf layout holds ggml block types (q8_0 ... q2_k), MXFP4 routed experts or bf16; "
+                f"tensor {name} is planned as {q.spec.key} (use target llama.cpp)."
+            )
         if q.spec.quantized and (role.role in ("router", "shared_expert_gate", "norm") or len(q.shape) < 2):
             raise UserError(f"tensor {name} ({role.role}) stays unquantized in GGUF; it is planned as {q.spec.key}.")
         if q.spec.quantized and name not in expert_names:
@@ -493,16 +551,24 @@ def check_gguf(ckpt, adapter, items: dict) -> None:
                 q = items.get(adapter.expert_tensor_name(layer, 0, proj))
                 keys = {q.spec.key if q is not None else "bf16"}
             else:
-                keys = {items[n].spec.key if n in items else "bf16"
-                        for n in (adapter.expert_tensor_name(layer, e, proj) for e in range(adapter.num_experts))}
+                keys = {
+                    items[n].spec.key if n in items else "bf16"
+                    for n in (adapter.expert_tensor_name(layer, e, proj) for e in range(adapter.num_experts))
+                }
             if len(keys) > 1:
-                raise UserError(f"GGUF stacks the experts of a layer per projection into one tensor of one ggml type, but "
-                                f"layer {layer} {proj} has {', '.join(sorted(keys))}; plan with target llama.cpp.")
+                raise UserError(
+                    f"GGUF stacks the experts of a layer per projection into one tensor of one ggml type, but "
+                    f"layer {layer} {proj} has {', '.join(sorted(keys))}; plan with target llama.cpp."
+                )
 
 
 def _expert_names(adapter) -> set:
-    return {adapter.expert_tensor_name(L, e, p) for L in adapter.moe_layers for e in range(adapter.num_experts)
-            for p in adapter.projections}
+    return {
+        adapter.expert_tensor_name(L, e, p)
+        for L in adapter.moe_layers
+        for e in range(adapter.num_experts)
+        for p in adapter.projections
+    }
 
 
 def _tokenizer_json(directory) -> dict:
@@ -530,15 +596,24 @@ def tokenizer_pre(directory) -> str:
     if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space") and not norm:
         name = "gpt-2"
     parts = pre.get("pretokenizers") or []
-    if pre.get("type") == "Sequence" and len(parts) == 2 and parts[0].get("type") == "Split" \
-            and parts[0].get("behavior") == "Isolated" and not parts[0].get("invert") \
-            and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True) \
-            and not parts[1].get("add_prefix_space") and (norm is None or norm in _NORMALIZERS_IGNORED):
+    if (
+        pre.get("type") == "Sequence"
+        and len(parts) == 2
+        and parts[0].get("type") == "Split"
+        and parts[0].get("behavior") == "Isolated"
+        and not parts[0].get("invert")
+        and parts[1].get("type") == "ByteLevel"
+        and not parts[1].get("use_regex", True)
+        and not parts[1].get("add_prefix_space")
+        and (norm is None or norm in _NORMALIZERS_IGNORED)
+    ):
         name = _SPLIT_PRES.get((parts[0].get("pattern") or {}).get("Regex"))
     if model.get("type") != "BPE" or name is None:
-        raise UserError(f"GGUF export writes byte-level BPE tokenizers with GPT-2's or Qwen2's pre-tokenizer; "
-                        f"{directory}/tokenizer.json has model {model.get('type')!r} with pre-tokenizer "
-                        f"{pre.get('type')!r}{' and a normalizer' if norm else ''}.")
+        raise UserError(
+            f"GGUF export writes byte-level BPE tokenizers with GPT-2's or Qwen2's pre-tokenizer; "
+            f"{directory}/tokenizer.json has model {model.get('type')!r} with pre-tokenizer "
+            f"{pre.get('type')!r}{' and a normalizer' if norm else ''}."
+        )
     return name
 
 
@@ -572,8 +647,11 @@ def add_tokenizer(writer, directory) -> None:
         t = t.get("content") if isinstance(t, dict) else t
         return ids.get(t)
 
-    for key, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
-                     ("pad_token", writer.add_pad_token_id)):
+    for key, add in (
+        ("bos_token", writer.add_bos_token_id),
+        ("eos_token", writer.add_eos_token_id),
+        ("pad_token", writer.add_pad_token_id),
+    ):
         if token_id(key) is not None:
             add(token_id(key))
     single = (tok.get("post_processor") or {}).get("single") or []  # a template that starts with a special token
@@ -581,9 +659,25 @@ def add_tokenizer(writer, directory) -> None:
     writer.add_add_eos_token(False)
 
 
-_FTYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k": 12, "q4_k": 15, "q5_k": 17,
-           "q6_k": 18, "iq2_xxs": 19, "iq2_xs": 20, "iq3_xxs": 23, "iq3_s": 26, "iq2_s": 28, "iq4_xs": 30,
-           "mxfp4": 38}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+_FTYPES = {
+    "q4_0": 2,
+    "q4_1": 3,
+    "q8_0": 7,
+    "q5_0": 8,
+    "q5_1": 9,
+    "q2_k": 10,
+    "q3_k": 12,
+    "q4_k": 15,
+    "q5_k": 17,
+    "q6_k": 18,
+    "iq2_xxs": 19,
+    "iq2_xs": 20,
+    "iq3_xxs": 23,
+    "iq3_s": 26,
+    "iq2_s": 28,
+    "iq4_xs": 30,
+    "mxfp4": 38,
+}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
 
 
 def _file_type(items: dict, float_type: str) -> int:
@@ -608,8 +702,10 @@ class _Lazy:
     def tofile(self, fp) -> None:
         arr = np.ascontiguousarray(self._make())
         if arr.nbytes != self.nbytes or arr.dtype != self.dtype:
-            raise RuntimeError(f"GGUF tensor data ({arr.dtype}, {arr.nbytes} bytes) differs from its header "
-                               f"({self.dtype}, {self.nbytes} bytes)")
+            raise RuntimeError(
+                f"GGUF tensor data ({arr.dtype}, {arr.nbytes} bytes) differs from its header "
+                f"({self.dtype}, {self.nbytes} bytes)"
+            )
         arr.tofile(fp)
 
 
@@ -630,8 +726,18 @@ def _plain_meta(shape, key: str):
     return (*shape[:-1], nbytes(key, (1, shape[-1]))), np.uint8, _ggml_type(spec)
 
 
-def export_gguf(ckpt, adapter, items: dict, out_dir, *, kept: dict | None = None, float_type: str = "bf16",
-                info: dict | None = None, max_shard_bytes: int = 0, types: dict | None = None) -> Path:
+def export_gguf(
+    ckpt,
+    adapter,
+    items: dict,
+    out_dir,
+    *,
+    kept: dict | None = None,
+    float_type: str = "bf16",
+    info: dict | None = None,
+    max_shard_bytes: int = 0,
+    types: dict | None = None,
+) -> Path:
     """Write out_dir/model.gguf (split as llama.cpp names splits when max_shard_bytes > 0 and exceeded)."""
     import gguf
 
@@ -703,8 +809,12 @@ def export_gguf(ckpt, adapter, items: dict, out_dir, *, kept: dict | None = None
             return _Lazy(arr.shape, arr.dtype, arr.nbytes, lambda: arr), _ggml_type(q.spec)
         shape = tuple(fn(torch.empty(tuple(q.shape), device="meta"), c).shape)
         np_shape, dtype, raw = _plain_meta(shape, q.spec.key)
-        return _Lazy(np_shape, dtype, np.dtype(dtype).itemsize * math.prod(np_shape),
-                     lambda: _plain(fn(original(), c), q.spec.key, out_name)[0]), raw
+        return _Lazy(
+            np_shape,
+            dtype,
+            np.dtype(dtype).itemsize * math.prod(np_shape),
+            lambda: _plain(fn(original(), c), q.spec.key, out_name)[0],
+        ), raw
 
     class _Source:  # the checkpoint as adapters read it, kept tensors first
         def get(self, n, device=None):  # read_experts passes a device; GGUF is written from the host
@@ -733,8 +843,9 @@ def export_gguf(ckpt, adapter, items: dict, out_dir, *, kept: dict | None = None
             if q is not None and q.spec.quantized:
                 arr, raw = _packed(q, rows)
                 return _Lazy(arr.shape, arr.dtype, arr.nbytes, lambda: arr), raw
-            make_stacked = (lambda: q.codes[:, rows]) if q is not None else \
-                (lambda: adapter.read_experts(_Source(), layer, proj))
+            make_stacked = (
+                (lambda: q.codes[:, rows]) if q is not None else (lambda: adapter.read_experts(_Source(), layer, proj))
+            )
         else:
             names = [adapter.expert_tensor_name(layer, e, proj) for e in range(adapter.num_experts)]
             if names[0] in items and items[names[0]].spec.quantized:
@@ -750,8 +861,12 @@ def export_gguf(ckpt, adapter, items: dict, out_dir, *, kept: dict | None = None
         shape = (adapter.num_experts, *adapter.expert_shape(proj))
         key = plain_type("routed_expert", 3, float_type, types)
         np_shape, dtype, raw = _plain_meta(shape, key)
-        return _Lazy(np_shape, dtype, np.dtype(dtype).itemsize * math.prod(np_shape),
-                     lambda: _plain(make_stacked(), key, name)[0]), raw
+        return _Lazy(
+            np_shape,
+            dtype,
+            np.dtype(dtype).itemsize * math.prod(np_shape),
+            lambda: _plain(make_stacked(), key, name)[0],
+        ), raw
 
     out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:
@@ -779,10 +894,17 @@ def export_gguf(ckpt, adapter, items: dict, out_dir, *, kept: dict | None = None
     return out_dir
 
 
-_ROLES = [(r"token_embd\.", "embedding"), (r"output\.", "lm_head"), (r".*norm\.", "norm"),
-          (r".*ffn_gate_inp_shexp\.", "shared_expert_gate"), (r".*(ffn_gate_inp|exp_probs_b)\.", "router"),
-          (r".*ffn_(gate|up|down)\.", "dense_mlp"),
-          (r".*_shexp\.", "shared_expert"), (r".*_exps\.", "routed_expert"), (r".*attn_", "attention")]
+_ROLES = [
+    (r"token_embd\.", "embedding"),
+    (r"output\.", "lm_head"),
+    (r".*norm\.", "norm"),
+    (r".*ffn_gate_inp_shexp\.", "shared_expert_gate"),
+    (r".*(ffn_gate_inp|exp_probs_b)\.", "router"),
+    (r".*ffn_(gate|up|down)\.", "dense_mlp"),
+    (r".*_shexp\.", "shared_expert"),
+    (r".*_exps\.", "routed_expert"),
+    (r".*attn_", "attention"),
+]
 
 
 def gguf_bytes(path) -> dict:
@@ -803,8 +925,13 @@ def gguf_bytes(path) -> dict:
             layer = int(t.name.split(".")[1])
             for e in range(n_expert):
                 experts[(layer, e)] += int(t.n_bytes) // n_expert
-    return {"by_role": dict(by_role), "weights_by_role": dict(weights), "experts": dict(experts),
-            "fused_experts": {}, "total": sum(by_role.values())}
+    return {
+        "by_role": dict(by_role),
+        "weights_by_role": dict(weights),
+        "experts": dict(experts),
+        "fused_experts": {},
+        "total": sum(by_role.values()),
+    }
 
 
 def write_imatrix(stats_dir, out_path) -> Path:
@@ -829,8 +956,10 @@ def write_imatrix(stats_dir, out_path) -> Path:
         for group, projs in (("gate_up", ("gate", "up")), ("down", ("down",))):
             sq, n = ls.tensors.get(f"input.{group}.sq_mean"), ls.tensors.get(f"input.{group}.tokens")
             if sq is None or n is None:
-                raise UserError(f"the statistics in {stats_dir} hold no input.{group}.sq_mean for layer {L}; "
-                                f"calibrate again with this version.")
+                raise UserError(
+                    f"the statistics in {stats_dir} hold no input.{group}.sq_mean for layer {L}; "
+                    f"calibrate again with this version."
+                )
             sums = (sq.double() * n.double()[:, None]).float()
             for p in projs:
                 entries[f"blk.{L}.ffn_{p}_exps.weight"] = (sums, n.float())

@@ -75,22 +75,43 @@ from moequant.formats import QuantizedTensor
 from moequant.io.checkpoint import EXPORT_INFO, ShardWriter, atomic_directory, copy_aux_files, open_checkpoint
 
 TARGETS = ("vllm", "sglang", "transformers", "llama.cpp", "vllm-moequant", "vllm-cuda")
-ENGINE_TARGETS = ("vllm", "sglang", "vllm-moequant", "vllm-cuda")  # load through an engine's own kernels: int formats of 4 or 8 bits
+ENGINE_TARGETS = (
+    "vllm",
+    "sglang",
+    "vllm-moequant",
+    "vllm-cuda",
+)  # load through an engine's own kernels: int formats of 4 or 8 bits
 
 # Linear modules a serving engine fuses into one: they must share one scheme.
-_FUSED_SIBLINGS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"w1", "w3"},
-                   {"q_a_proj", "kv_a_proj_with_mqa"})
+_FUSED_SIBLINGS = (
+    {"q_proj", "k_proj", "v_proj"},
+    {"gate_proj", "up_proj"},
+    {"w1", "w3"},
+    {"q_a_proj", "kv_a_proj_with_mqa"},
+)
 _NOT_LINEAR_ROLES = ("norm", "embedding")
 SGLANG_EXPERT_NAMES = {"gate_proj", "up_proj", "down_proj"}  # the names SGLang reads a layer's scheme from
 # vLLM's names for those fused modules (GPTQ `dynamic` rules are matched against them)
-_FUSED_NAMES = {("k_proj", "q_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_proj"): "gate_up_proj",
-                ("kv_a_proj_with_mqa", "q_a_proj"): "fused_qkv_a_proj"}
+_FUSED_NAMES = {
+    ("k_proj", "q_proj", "v_proj"): "qkv_proj",
+    ("gate_proj", "up_proj"): "gate_up_proj",
+    ("kv_a_proj_with_mqa", "q_a_proj"): "fused_qkv_a_proj",
+}
 
 
-def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[str, torch.Tensor] | None = None,
-                      layout: str = "compressed-tensors", target: str = "vllm", int8_activations: str = "none",
-                      max_shard_bytes: int = 2 * 1024**3, gguf_float: str = "bf16",
-                      gguf_types: Mapping[str, str] | None = None) -> Path:
+def export_checkpoint(
+    source_dir,
+    quantized: Mapping,
+    out_dir,
+    *,
+    kept: Mapping[str, torch.Tensor] | None = None,
+    layout: str = "compressed-tensors",
+    target: str = "vllm",
+    int8_activations: str = "none",
+    max_shard_bytes: int = 2 * 1024**3,
+    gguf_float: str = "bf16",
+    gguf_types: Mapping[str, str] | None = None,
+) -> Path:
     """Write `out_dir`: the source checkpoint with `quantized` tensors in `layout`. Returns the path."""
     _check_export_options(layout, target, int8_activations)
     ckpt = open_checkpoint(source_dir)
@@ -113,14 +134,18 @@ def export_checkpoint(source_dir, quantized: Mapping, out_dir, *, kept: Mapping[
         for n, q in plain.items():
             kept.setdefault(n, _from_linear(adapter, n, q.codes))
         info = {"layout": layout, "target": target, "formats": {n: q.spec.key for n, q in sorted(items.items())}}
-        return export_gguf(ckpt, adapter, {**items, **plain}, out_dir, kept=kept, float_type=gguf_float, info=info,
-                           types=gguf_types)
+        return export_gguf(
+            ckpt, adapter, {**items, **plain}, out_dir, kept=kept, float_type=gguf_float, info=info, types=gguf_types
+        )
     writer = LAYOUTS[layout](ckpt, adapter, items, roles, target, int8_activations)
     writer.check()  # refuse before any work
     # tensors no adapter knows (DeepSeek's MTP layers) that the source holds in the output's own
     # encoding: carried through unchanged, codes and scales as stored
-    writer.carried = {n for n, enc in ckpt.encodings.items()
-                      if roles[n].role == "other" and n not in kept and n not in plain and writer.carries(enc)}
+    writer.carried = {
+        n
+        for n, enc in ckpt.encodings.items()
+        if roles[n].role == "other" and n not in kept and n not in plain and writer.carries(enc)
+    }
 
     out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:
@@ -151,8 +176,9 @@ def _check_export_options(layout: str, target: str, int8_activations: str) -> No
         raise UserError(f"int8_activations {int8_activations!r} is not supported; accepted: none, dynamic.")
 
 
-def _split_replacements(quantized: Mapping, kept: Mapping[str, torch.Tensor] | None, ckpt,
-                        source_dir) -> tuple[dict, dict[str, torch.Tensor]]:
+def _split_replacements(
+    quantized: Mapping, kept: Mapping[str, torch.Tensor] | None, ckpt, source_dir
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """(the QuantizedTensor entries of `quantized`, kept with its plain-tensor entries added), every
     kept tensor checked against the checkpoint's names and shapes."""
     kept = dict(kept or {})
@@ -160,8 +186,10 @@ def _split_replacements(quantized: Mapping, kept: Mapping[str, torch.Tensor] | N
     quantized = {k: v for k, v in quantized.items() if not isinstance(v, torch.Tensor)}
     for name, tensor in replacements.items():
         if not isinstance(name, str):
-            raise UserError(f"quantized[{name!r}] is a plain tensor: full-precision replacements are keyed by their "
-                            "on-disk tensor name.")
+            raise UserError(
+                f"quantized[{name!r}] is a plain tensor: full-precision replacements are keyed by their "
+                "on-disk tensor name."
+            )
         if name in kept:
             raise UserError(f"tensor {name!r} is given twice (as a plain tensor in quantized and in kept).")
         kept[name] = tensor
@@ -169,8 +197,10 @@ def _split_replacements(quantized: Mapping, kept: Mapping[str, torch.Tensor] | N
         if name not in ckpt:
             raise UserError(f"kept tensor {name!r} is not a tensor of {source_dir}.")
         if tuple(tensor.shape) != tuple(ckpt.shape(name)):
-            raise UserError(f"kept tensor {name!r} has shape {list(tensor.shape)}, but the checkpoint's is "
-                            f"{list(ckpt.shape(name))}.")
+            raise UserError(
+                f"kept tensor {name!r} has shape {list(tensor.shape)}, but the checkpoint's is "
+                f"{list(ckpt.shape(name))}."
+            )
     return quantized, kept
 
 
@@ -192,6 +222,7 @@ def _write_shards(tmp: Path, ckpt, adapter, writer, items: dict, plain: dict, ke
     packed = deque()  # (name, future) of the next quantized tensors, in checkpoint order
     upcoming = iter([n for n in names if n in items])
     with ThreadPoolExecutor(PACK_WORKERS, thread_name_prefix="moequant-pack") as pool:
+
         def refill():
             while len(packed) < PACK_AHEAD:
                 name = next(upcoming, None)
@@ -253,8 +284,10 @@ def _resolve(quantized: Mapping, ckpt, adapter) -> dict[str, QuantizedTensor]:
             raise UserError(f"tensor {name!r} is given twice in the quantized mapping.")
         expected = _linear_shape(adapter, name, ckpt.shape(name))
         if tuple(q.shape) != expected:
-            raise UserError(f"quantized tensor {name!r} has shape {list(q.shape)}, but the checkpoint's weight is "
-                            f"{list(expected)} (in the [out, in] convention).")
+            raise UserError(
+                f"quantized tensor {name!r} has shape {list(q.shape)}, but the checkpoint's weight is "
+                f"{list(expected)} (in the [out, in] convention)."
+            )
         out[name] = q
     for name, parts in fused_parts.items():
         if name in out:
@@ -283,8 +316,10 @@ def _fuse_experts(adapter, name: str, parts: dict, disk_shape) -> QuantizedTenso
     projs = ("down",) if name.endswith("down_proj") else ("gate", "up")
     missing = [(e, p) for e in range(E) for p in projs if (e, p) not in parts]
     if missing:
-        raise UserError(f"{name} is fused on disk: every expert's {'/'.join(projs)} must be given; missing "
-                        f"(expert, proj) {missing[0]} and {len(missing) - 1} more.")
+        raise UserError(
+            f"{name} is fused on disk: every expert's {'/'.join(projs)} must be given; missing "
+            f"(expert, proj) {missing[0]} and {len(missing) - 1} more."
+        )
     specs = {q.spec for q in parts.values()}
     if len(specs) > 1:
         raise UserError(f"{name} is fused on disk and holds one format; got {', '.join(sorted(s.key for s in specs))}.")
@@ -293,9 +328,16 @@ def _fuse_experts(adapter, name: str, parts: dict, disk_shape) -> QuantizedTenso
     per_expert = []
     for e in range(E):
         g, u = parts[(e, "gate")], parts[(e, "up")]
-        per_expert.append(QuantizedTensor(g.spec, (2 * g.shape[0], g.shape[1]), _interleave(g.codes, u.codes),
-                                          _interleave(g.scales, u.scales), _interleave(g.zeros, u.zeros),
-                                          g.global_scale))
+        per_expert.append(
+            QuantizedTensor(
+                g.spec,
+                (2 * g.shape[0], g.shape[1]),
+                _interleave(g.codes, u.codes),
+                _interleave(g.scales, u.scales),
+                _interleave(g.zeros, u.zeros),
+                g.global_scale,
+            )
+        )
     q = formats.stack_experts(per_expert)
     expected = _linear_shape(adapter, name, disk_shape)
     if tuple(q.shape) != expected:
@@ -314,9 +356,11 @@ def _interleave(a, b):
 
 
 TRANSFORMERS_GUARD = "moequant_transformers_guard"
-TRANSFORMERS_REFUSAL = ("moequant: transformers' from_pretrained decodes every routed expert of a checkpoint with "
-                        "one format, and this one has several, so load it with moequant.load or serve it with vLLM "
-                        "or SGLang")
+TRANSFORMERS_REFUSAL = (
+    "moequant: transformers' from_pretrained decodes every routed expert of a checkpoint with "
+    "one format, and this one has several, so load it with moequant.load or serve it with vLLM "
+    "or SGLang"
+)
 
 
 def transformers_guard_group() -> dict:
@@ -387,8 +431,10 @@ class _Layout:
     def refuses_model(cls, adapter) -> str | None:
         """Why the layout cannot write this architecture at all (None: it can)."""
         if adapter.fused_experts:
-            return (f"the {cls.name} layout needs one tensor per expert on disk; {adapter.model_type} stores its "
-                    f"experts fused (use layout gpt-oss-mxfp4)")
+            return (
+                f"the {cls.name} layout needs one tensor per expert on disk; {adapter.model_type} stores its "
+                f"experts fused (use layout gpt-oss-mxfp4)"
+            )
         return None
 
     def __init__(self, ckpt, adapter, items, roles, target, int8_activations):
@@ -428,8 +474,12 @@ class _Layout:
         """2-D weights left in bf16 whose module is a Linear (not a norm or an embedding)."""
         out = []
         for name in self.ckpt.keys():
-            if (name in self.items or name in self.carried or not name.endswith(".weight")
-                    or len(self.ckpt.shape(name)) != 2):
+            if (
+                name in self.items
+                or name in self.carried
+                or not name.endswith(".weight")
+                or len(self.ckpt.shape(name)) != 2
+            ):
                 continue
             if self.roles[name].role in _NOT_LINEAR_ROLES:
                 continue
@@ -448,7 +498,8 @@ class _Layout:
             if len(keys) > 1:
                 raise UserError(
                     f"target {self.target} needs one format for all routed experts of an MoE layer, but layer {layer} "
-                    f"has {', '.join(sorted(keys))}; use target transformers for per-expert mixes.")
+                    f"has {', '.join(sorted(keys))}; use target transformers for per-expert mixes."
+                )
 
     def _one_format_per_fused_group(self) -> None:
         groups: dict[tuple, dict[str, str]] = defaultdict(dict)
@@ -463,8 +514,10 @@ class _Layout:
         for (parent, _), members in groups.items():
             if len(set(members.values())) > 1:
                 desc = ", ".join(f"{n.rsplit('.', 2)[-2]}={k}" for n, k in sorted(members.items()))
-                raise UserError(f"target {self.target} fuses the projections of {parent} into one module, so they need "
-                                f"one format; the plan gives {desc}.")
+                raise UserError(
+                    f"target {self.target} fuses the projections of {parent} into one module, so they need "
+                    f"one format; the plan gives {desc}."
+                )
 
     def _scheme_key(self, q) -> str:
         return q.spec.key
@@ -472,21 +525,38 @@ class _Layout:
 
 # ---- compressed-tensors -----------------------------------------------------------------------
 
-_CT_ACTIVATIONS = {"num_bits": 8, "symmetric": True, "dynamic": True, "block_structure": None, "actorder": None,
-                   "observer": None, "observer_kwargs": {}}
+_CT_ACTIVATIONS = {
+    "num_bits": 8,
+    "symmetric": True,
+    "dynamic": True,
+    "block_structure": None,
+    "actorder": None,
+    "observer": None,
+    "observer_kwargs": {},
+}
 
 
 def _ct_scheme(spec, int8_activations: str) -> dict:
     """compressed-tensors QuantizationScheme (without targets) for one format: the format's own
     weight args (moequant.formats), and the dynamic activations its kernels quantize inputs with."""
-    weights = {"actorder": None, "block_structure": None, "group_size": None, "observer": "minmax",
-               "observer_kwargs": {}, **formats.compressed_tensors_weight_args(spec)}
+    weights = {
+        "actorder": None,
+        "block_structure": None,
+        "group_size": None,
+        "observer": "minmax",
+        "observer_kwargs": {},
+        **formats.compressed_tensors_weight_args(spec),
+    }
     fmt = formats.compressed_tensors_format(spec)
     inputs = None
     if weights["type"] == "float" and spec.bits == 8:  # fp8 W8A8: per token, or per 128 inputs with blocks
         block = spec.granularity == "block"
-        inputs = {**_CT_ACTIVATIONS, "type": "float", "strategy": "group" if block else "token",
-                  "group_size": spec.group_size if block else None}
+        inputs = {
+            **_CT_ACTIVATIONS,
+            "type": "float",
+            "strategy": "group" if block else "token",
+            "group_size": spec.group_size if block else None,
+        }
     elif weights["type"] == "int" and spec.bits == 8 and int8_activations == "dynamic":
         fmt = "int-quantized"  # W8A8 with dynamic per-token int8 activations
         inputs = {**_CT_ACTIVATIONS, "type": "int", "strategy": "token", "group_size": None}
@@ -537,9 +607,11 @@ class _CompressedTensors(_Layout):
             return
         odd = sorted(s.key for s in routed.values() if not (s.is_int and s.symmetric and s.bits in (4, 8)))
         if odd:
-            raise UserError(f"target sglang takes per-layer routed-expert formats only as INT4 / INT8 weight-only groups "
-                            f"(top-level format pack-quantized); the plan mixes {', '.join(sorted(keys))}, and {odd[0]} "
-                            f"would make the format mixed-precision, which SGLang's WNA16 MoE refuses.")
+            raise UserError(
+                f"target sglang takes per-layer routed-expert formats only as INT4 / INT8 weight-only groups "
+                f"(top-level format pack-quantized); the plan mixes {', '.join(sorted(keys))}, and {odd[0]} "
+                f"would make the format mixed-precision, which SGLang's WNA16 MoE refuses."
+            )
         why = sglang_per_layer_block(routed)
         if why:
             raise UserError(f"target sglang cannot load per-layer routed-expert formats here: {why}; use one format.")
@@ -564,11 +636,19 @@ class _CompressedTensors(_Layout):
             global_format = group_formats.pop()
         else:
             global_format = "mixed-precision"
-        if self.target == "sglang" and any(f in ("pack-quantized", "int-quantized") for f in group_formats | {global_format}):
+        if self.target == "sglang" and any(
+            f in ("pack-quantized", "int-quantized") for f in group_formats | {global_format}
+        ):
             global_format = "pack-quantized"
-        config = {"quant_method": "compressed-tensors", "format": global_format, "quantization_status": "compressed",
-                  "config_groups": config_groups, "ignore": sorted(self._linear_modules_kept()),
-                  "kv_cache_scheme": None, "global_compression_ratio": None}
+        config = {
+            "quant_method": "compressed-tensors",
+            "format": global_format,
+            "quantization_status": "compressed",
+            "config_groups": config_groups,
+            "ignore": sorted(self._linear_modules_kept()),
+            "kv_cache_scheme": None,
+            "global_compression_ratio": None,
+        }
         if self.target == "vllm-moequant":  # served by moequant's vLLM plugin (moequant.vllm_plugin)
             from moequant.vllm_plugin.names import EXPERT_FORMATS, QUANT_METHOD
 
@@ -586,8 +666,10 @@ class _CompressedTensors(_Layout):
         for (layer, expert), projs in sorted(per_expert.items()):
             if len(set(projs.values())) > 1:
                 desc = ", ".join(f"{p}={k}" for p, k in sorted(projs.items()))
-                raise UserError(f"target vllm-moequant serves each routed expert in one format (vLLM stacks an "
-                                f"expert's gate, up and down together); expert {expert} of layer {layer} has {desc}.")
+                raise UserError(
+                    f"target vllm-moequant serves each routed expert in one format (vLLM stacks an "
+                    f"expert's gate, up and down together); expert {expert} of layer {layer} has {desc}."
+                )
 
     def _expert_formats(self) -> dict[str, list[str]]:
         """{MoE layer module (vLLM's fused experts module): [format key of each expert]}."""
@@ -604,6 +686,7 @@ class _CompressedTensors(_Layout):
 
 
 # ---- GPTQ v1 --------------------------------------------------------------------------------------
+
 
 def _gptq_group(spec) -> int:
     return -1 if spec.granularity == "channel" else spec.group_size
@@ -654,10 +737,19 @@ class _Gptq(_Layout):
     def _base(self) -> dict:
         # true_sequential False: down_proj's Hessian comes from the unquantized gate/up activations
         # (true-sequential within a layer was measured and dropped: bench_quality, 2026-12-02)
-        return {"bits": self.base_bits, "group_size": self.base_group, "desc_act": False, "sym": True,
-                "static_groups": False, "true_sequential": False, "damp_percent": 0.01,
-                "checkpoint_format": "gptq", "quant_method": "gptq", "pack_dtype": "int32",
-                "lm_head": False}
+        return {
+            "bits": self.base_bits,
+            "group_size": self.base_group,
+            "desc_act": False,
+            "sym": True,
+            "static_groups": False,
+            "true_sequential": False,
+            "damp_percent": 0.01,
+            "checkpoint_format": "gptq",
+            "quant_method": "gptq",
+            "pack_dtype": "int32",
+            "lm_head": False,
+        }
 
     def quantization_config(self) -> dict:
         config = self._base()
@@ -702,6 +794,7 @@ def _module_patterns(modules: list[str], all_modules: set[str]) -> list[str]:
 
 # ---- AWQ GEMM ----------------------------------------------------------------------------------------
 
+
 class _Awq(_Layout):
     name = "awq"
     symmetric_zeros = True
@@ -717,8 +810,10 @@ class _Awq(_Layout):
             raise UserError("the awq layout needs at least one quantized tensor.")
         specs = {(q.spec.group_size, q.spec.symmetric) for q in self.items.values()}
         if len(specs) > 1:
-            raise UserError(f"the awq layout holds one group size and one zero-point mode for the whole model; "
-                            f"the plan has {len(specs)} int4 variants ({', '.join(sorted({q.spec.key for q in self.items.values()}))}).")
+            raise UserError(
+                f"the awq layout holds one group size and one zero-point mode for the whole model; "
+                f"the plan has {len(specs)} int4 variants ({', '.join(sorted({q.spec.key for q in self.items.values()}))})."
+            )
         self.group, self.symmetric = specs.pop()
 
     def pack(self, name, q):
@@ -726,11 +821,18 @@ class _Awq(_Layout):
         return {f"{module}.{k}": v for k, v in formats.pack_awq(q).items()}
 
     def quantization_config(self) -> dict:
-        return {"quant_method": "awq", "bits": 4, "group_size": self.group, "zero_point": not self.symmetric,
-                "version": "gemm", "modules_to_not_convert": sorted(self._linear_modules_kept())}
+        return {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": self.group,
+            "zero_point": not self.symmetric,
+            "version": "gemm",
+            "modules_to_not_convert": sorted(self._linear_modules_kept()),
+        }
 
 
 # ---- DeepSeek FP8 block ------------------------------------------------------------------------------
+
 
 class _DeepseekFp8(_Layout):
     name = "deepseek-fp8"
@@ -752,11 +854,17 @@ class _DeepseekFp8(_Layout):
         return {f"{module}.{k}": v for k, v in formats.pack_deepseek_fp8(q).items()}
 
     def quantization_config(self) -> dict:
-        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": [128, 128], "modules_to_not_convert": sorted(self._linear_modules_kept())}
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+            "modules_to_not_convert": sorted(self._linear_modules_kept()),
+        }
 
 
 # ---- gpt-oss MXFP4 -----------------------------------------------------------------------------------
+
 
 class _GptOssMxfp4(_Layout):
     name = "gpt-oss-mxfp4"
@@ -778,13 +886,16 @@ class _GptOssMxfp4(_Layout):
         self._refuse_formats()
         for name in self.items:
             if self.roles[name].role != "routed_expert":
-                raise UserError(f"the gpt-oss-mxfp4 layout quantizes routed experts only; {name} is "
-                                f"{self.roles[name].role}.")
+                raise UserError(
+                    f"the gpt-oss-mxfp4 layout quantizes routed experts only; {name} is {self.roles[name].role}."
+                )
         for layer in self.adapter.moe_layers:
             for name in (self.adapter.fused_names(layer)[k] for k in ("gate_up", "down")):
                 if name not in self.items:
-                    raise UserError(f"the gpt-oss-mxfp4 layout (as transformers and vLLM read it) needs every "
-                                    f"expert in mxfp4; {name} is planned as bf16.")
+                    raise UserError(
+                        f"the gpt-oss-mxfp4 layout (as transformers and vLLM read it) needs every "
+                        f"expert in mxfp4; {name} is planned as bf16."
+                    )
 
     def pack(self, name, q):
         packed = formats.pack_gpt_oss_mxfp4(q)
@@ -792,11 +903,19 @@ class _GptOssMxfp4(_Layout):
 
     def quantization_config(self) -> dict:
         # gpt-oss's own spelling: everything but the experts stays in bf16
-        return {"quant_method": "mxfp4", "modules_to_not_convert": [
-            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+        return {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+        }
 
 
 # ---- GGUF (llama.cpp) ----------------------------------------------------------------------------
+
 
 class _Gguf(_Layout):
     """One file in llama.cpp's names and block layouts, written by moequant.export.gguf: its plain tensors
@@ -861,14 +980,18 @@ def sglang_per_layer_block(names) -> str | None:
     leaves = {n.rsplit(".", 2)[-2] if n.endswith(".weight") else n.rsplit(".", 1)[-1] for n in names}
     if leaves <= SGLANG_EXPERT_NAMES:
         return None
-    return (f"SGLang resolves a layer's scheme from its expert 0's gate_proj / up_proj / down_proj, and this "
-            f"model's experts are {', '.join(sorted(leaves - SGLANG_EXPERT_NAMES))}")
+    return (
+        f"SGLang resolves a layer's scheme from its expert 0's gate_proj / up_proj / down_proj, and this "
+        f"model's experts are {', '.join(sorted(leaves - SGLANG_EXPERT_NAMES))}"
+    )
 
 
 def _target_refusal(layout: str, target: str) -> str | None:
     if target == "vllm-moequant" and layout != "compressed-tensors":
-        return (f"target vllm-moequant (moequant's vLLM plugin) reads the compressed-tensors layout, not {layout}; "
-                "set export.format compressed-tensors")
+        return (
+            f"target vllm-moequant (moequant's vLLM plugin) reads the compressed-tensors layout, not {layout}; "
+            "set export.format compressed-tensors"
+        )
     return None
 
 

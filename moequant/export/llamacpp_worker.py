@@ -25,8 +25,9 @@ import numpy as np
 def _llama(path: str, n_ctx: int = 512):
     from llama_cpp import Llama
 
-    return Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, n_threads=2, verbose=False,
-                 n_gpu_layers=0)
+    return Llama(
+        model_path=path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, n_threads=2, verbose=False, n_gpu_layers=0
+    )
 
 
 def tokenize(op):
@@ -105,8 +106,10 @@ def types(op):
     import gguf
 
     reader = gguf.GGUFReader(op["model"])
-    return {"types": {t.name: t.tensor_type.name for t in reader.tensors},
-            "bytes": {t.name: int(t.n_bytes) for t in reader.tensors}}
+    return {
+        "types": {t.name: t.tensor_type.name for t in reader.tensors},
+        "bytes": {t.name: int(t.n_bytes) for t in reader.tensors},
+    }
 
 
 def _ggml_base():
@@ -117,8 +120,24 @@ def _ggml_base():
     return ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
 
 
-_GGML_IDS = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q2_k": 10, "q3_k": 11, "q4_k": 12, "q5_k": 13,
-             "q6_k": 14, "iq2_xxs": 16, "iq2_xs": 17, "iq3_xxs": 18, "iq3_s": 21, "iq2_s": 22, "iq4_xs": 23}
+_GGML_IDS = {
+    "q4_0": 2,
+    "q4_1": 3,
+    "q5_0": 6,
+    "q5_1": 7,
+    "q8_0": 8,
+    "q2_k": 10,
+    "q3_k": 11,
+    "q4_k": 12,
+    "q5_k": 13,
+    "q6_k": 14,
+    "iq2_xxs": 16,
+    "iq2_xs": 17,
+    "iq3_xxs": 18,
+    "iq3_s": 21,
+    "iq2_s": 22,
+    "iq4_xs": 23,
+}
 
 
 def dequantize(op):
@@ -144,16 +163,36 @@ def quantize_rows(op):
     row = lib.ggml_row_size(_GGML_IDS[op["type"]], x.shape[1])
     dst = np.zeros((x.shape[0], row), dtype=np.uint8)
     lib.ggml_quantize_chunk.restype = ctypes.c_size_t
-    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                        ctypes.c_int64, ctypes.c_void_p]
-    lib.ggml_quantize_chunk(_GGML_IDS[op["type"]], x.ctypes.data, dst.ctypes.data, 0, x.shape[0], x.shape[1],
-                            None if imat is None else imat.ctypes.data)
+    lib.ggml_quantize_chunk.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+    ]
+    lib.ggml_quantize_chunk(
+        _GGML_IDS[op["type"]],
+        x.ctypes.data,
+        dst.ctypes.data,
+        0,
+        x.shape[0],
+        x.shape[1],
+        None if imat is None else imat.ctypes.data,
+    )
     np.save(op["out"], dst)
     return {"row_bytes": int(row)}
 
 
-OPS = {"tokenize": tokenize, "logits": logits, "quantize": quantize, "types": types, "dequantize": dequantize,
-       "quantize_rows": quantize_rows}
+OPS = {
+    "tokenize": tokenize,
+    "logits": logits,
+    "quantize": quantize,
+    "types": types,
+    "dequantize": dequantize,
+    "quantize_rows": quantize_rows,
+}
 
 
 def main(job_path: str, result_path: str) -> None:

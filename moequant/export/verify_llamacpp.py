@@ -44,7 +44,9 @@ def tokenize(model: str | os.PathLike, texts: list[str]) -> list[list[int]]:
 def logits(models: list, tokens: list[list[int]]) -> list[list[np.ndarray]]:
     """llama.cpp's logits [len, vocab] of each token sequence, for each GGUF in `models` (one process)."""
     with tempfile.TemporaryDirectory() as tmp:
-        ops = [{"op": "logits", "model": str(m), "tokens": tokens, "out": f"{tmp}/l{i}.npz"} for i, m in enumerate(models)]
+        ops = [
+            {"op": "logits", "model": str(m), "tokens": tokens, "out": f"{tmp}/l{i}.npz"} for i, m in enumerate(models)
+        ]
         run_ops(ops)
         out = []
         for i in range(len(models)):
@@ -53,19 +55,38 @@ def logits(models: list, tokens: list[list[int]]) -> list[list[np.ndarray]]:
         return out
 
 
-def quantize(src, dst, ftype: str = "Q4_K_M", imatrix=None, overrides=None, token_embedding_type=None,
-             output_tensor_type=None) -> dict:
-    return run_ops([{"op": "quantize", "src": str(src), "dst": str(dst), "ftype": ftype,
-                     "imatrix": None if imatrix is None else str(imatrix), "overrides": overrides or {},
-                     "token_embedding_type": token_embedding_type, "output_tensor_type": output_tensor_type}])[0]
+def quantize(
+    src, dst, ftype: str = "Q4_K_M", imatrix=None, overrides=None, token_embedding_type=None, output_tensor_type=None
+) -> dict:
+    return run_ops(
+        [
+            {
+                "op": "quantize",
+                "src": str(src),
+                "dst": str(dst),
+                "ftype": ftype,
+                "imatrix": None if imatrix is None else str(imatrix),
+                "overrides": overrides or {},
+                "token_embedding_type": token_embedding_type,
+                "output_tensor_type": output_tensor_type,
+            }
+        ]
+    )[0]
 
 
 def tensor_types(model) -> dict:
     return run_ops([{"op": "types", "model": str(model)}])[0]
 
 
-def evaluate_gguf(gguf_path, reference, dataset: str = "builtin:mix", samples: int = 32, seq_len: int = 256,
-                  seed: int = 0, progress: bool = False) -> dict:
+def evaluate_gguf(
+    gguf_path,
+    reference,
+    dataset: str = "builtin:mix",
+    samples: int = 32,
+    seq_len: int = 256,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict:
     """KL / top-1 / perplexity of llama.cpp running `gguf_path` against transformers running the
     reference (float32), on the evaluation split of `dataset` (evaluate()'s keys, engine llama.cpp).
     progress: a bar with the time left over the reference's windows, then a line for llama.cpp's run."""
@@ -104,20 +125,35 @@ def evaluate_gguf(gguf_path, reference, dataset: str = "builtin:mix", samples: i
 
     top1 = np.concatenate([r.argmax(-1) == g.argmax(-1) for r, g in zip(ref, got)])
     n_ref, n_q = nll(ref), nll(got)
-    return {"engine": "llama.cpp", "samples": len(ids), "tokens": int(kl.size),
-            "ppl_original": float(np.exp(n_ref)), "ppl_quantized": float(np.exp(n_q)),
-            "nll_original": float(n_ref), "nll_quantized": float(n_q), "kl_mean": float(kl.mean()),
-            "kl_p90": float(np.quantile(kl, 0.9)), "kl_p99": float(np.quantile(kl, 0.99)), "kl_max": float(kl.max()),
-            "top1_agreement": float(top1.mean()), "checkpoint": str(gguf_path), "reference": str(reference),
-            "dataset": dataset, "seq_len": seq_len, "seed": seed}
+    return {
+        "engine": "llama.cpp",
+        "samples": len(ids),
+        "tokens": int(kl.size),
+        "ppl_original": float(np.exp(n_ref)),
+        "ppl_quantized": float(np.exp(n_q)),
+        "nll_original": float(n_ref),
+        "nll_quantized": float(n_q),
+        "kl_mean": float(kl.mean()),
+        "kl_p90": float(np.quantile(kl, 0.9)),
+        "kl_p99": float(np.quantile(kl, 0.99)),
+        "kl_max": float(kl.max()),
+        "top1_agreement": float(top1.mean()),
+        "checkpoint": str(gguf_path),
+        "reference": str(reference),
+        "dataset": dataset,
+        "seq_len": seq_len,
+        "seed": seed,
+    }
 
 
 def kl_per_token(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
     """KL(ref || other) per position, log-softmax in float64."""
+
     def logsm(x):
         x = x.astype(np.float64)
         x = x - x.max(-1, keepdims=True)
         return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
     lp, lq = logsm(ref_logits), logsm(logits)
     return (np.exp(lp) * (lp - lq)).sum(-1)
 

@@ -97,11 +97,15 @@ def ensure_vllm_plugin(python: Path | None = None, log=print) -> Path:
     python = python or ensure_vllm_env()
     root = Path(__file__).resolve().parents[2]
     if not (root / "pyproject.toml").is_file():
-        raise RuntimeError(f"moequant is not installed from a source checkout ({root} has no pyproject.toml), so "
-                           "its vLLM plugin cannot be installed editable; pip install moequant into the vLLM env.")
-    probe = ("import importlib.metadata as m, moequant.vllm_plugin as p; "
-             "assert any(e.value == 'moequant.vllm_plugin:register' "
-             "for e in m.entry_points(group='vllm.general_plugins')); print(p.__file__)")
+        raise RuntimeError(
+            f"moequant is not installed from a source checkout ({root} has no pyproject.toml), so "
+            "its vLLM plugin cannot be installed editable; pip install moequant into the vLLM env."
+        )
+    probe = (
+        "import importlib.metadata as m, moequant.vllm_plugin as p; "
+        "assert any(e.value == 'moequant.vllm_plugin:register' "
+        "for e in m.entry_points(group='vllm.general_plugins')); print(p.__file__)"
+    )
     found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, cwd="/")
     if found.returncode == 0 and Path(found.stdout.strip()).resolve().is_relative_to(root):
         return python
@@ -109,8 +113,9 @@ def ensure_vllm_plugin(python: Path | None = None, log=print) -> Path:
     subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(root)], check=True)
     found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, cwd="/")
     if found.returncode != 0 or not Path(found.stdout.strip()).resolve().is_relative_to(root):
-        raise RuntimeError(f"moequant's vLLM plugin does not load from {root} after installing it:\n"
-                           f"{found.stderr[-2000:]}")
+        raise RuntimeError(
+            f"moequant's vLLM plugin does not load from {root} after installing it:\n{found.stderr[-2000:]}"
+        )
     return python
 
 
@@ -164,10 +169,18 @@ if __name__ == "__main__":
 """
 
 
-def run_vllm(checkpoints: list[str | os.PathLike], prompts: list[list[int]] | dict, *, steps: int = 32,
-             top_k: int = 5, dtype: str | list[str] = "bfloat16", max_model_len: int = 256,
-             python: Path | None = None, timeout: float = 1800, prompt_logprobs: bool = False
-             ) -> dict[str, list[dict] | str]:
+def run_vllm(
+    checkpoints: list[str | os.PathLike],
+    prompts: list[list[int]] | dict,
+    *,
+    steps: int = 32,
+    top_k: int = 5,
+    dtype: str | list[str] = "bfloat16",
+    max_model_len: int = 256,
+    python: Path | None = None,
+    timeout: float = 1800,
+    prompt_logprobs: bool = False,
+) -> dict[str, list[dict] | str]:
     """Greedy-decode every prompt with vLLM for every checkpoint, in as few worker processes as possible.
 
     `prompts`: token-id lists for every checkpoint, or {checkpoint: token-id lists}.
@@ -209,12 +222,28 @@ def run_vllm(checkpoints: list[str | os.PathLike], prompts: list[list[int]] | di
                 todo = todo[:1]
             job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
             result.unlink(missing_ok=True)
-            job.write_text(json.dumps({"checkpoints": todo, "prompts": {c: prompts[c] for c in todo},
-                                       "steps": steps, "top_k": top_k, "hide_zentorch": hide_zentorch,
-                                       "prompt_logprobs": prompt_logprobs,
-                                       "dtypes": [dtypes[c] for c in todo], "max_model_len": max_model_len}))
-            proc = subprocess.run([str(python), str(script), str(job), str(result)], env=env,
-                                  capture_output=True, text=True, timeout=timeout, cwd=tmp)
+            job.write_text(
+                json.dumps(
+                    {
+                        "checkpoints": todo,
+                        "prompts": {c: prompts[c] for c in todo},
+                        "steps": steps,
+                        "top_k": top_k,
+                        "hide_zentorch": hide_zentorch,
+                        "prompt_logprobs": prompt_logprobs,
+                        "dtypes": [dtypes[c] for c in todo],
+                        "max_model_len": max_model_len,
+                    }
+                )
+            )
+            proc = subprocess.run(
+                [str(python), str(script), str(job), str(result)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                cwd=tmp,
+            )
             done = json.loads(result.read_text()) if result.exists() else {}
             results.update(done)
             if proc.returncode != 0:
@@ -225,8 +254,12 @@ def run_vllm(checkpoints: list[str | os.PathLike], prompts: list[list[int]] | di
 
 def _error_summary(log: str) -> str:
     """The most telling lines of a failed vLLM run: its last exception lines."""
-    lines = [ln for ln in log.splitlines() if re.search(r"(Error|Exception|error:|Illegal|Aborted)", ln)
-             and not ln.lstrip().startswith(("File ", "[rank0]:   File"))]
+    lines = [
+        ln
+        for ln in log.splitlines()
+        if re.search(r"(Error|Exception|error:|Illegal|Aborted)", ln)
+        and not ln.lstrip().startswith(("File ", "[rank0]:   File"))
+    ]
     return "\n".join(lines[-4:]) or log[-2000:]
 
 
@@ -258,7 +291,7 @@ class Tolerance:
 class Agreement:
     checkpoint: str
     steps: int = 0
-    exact_argmax: int = 0          # steps where our argmax is vLLM's token
+    exact_argmax: int = 0  # steps where our argmax is vLLM's token
     diffs: list[float] = field(default_factory=list)  # per step: max |Δ logprob| over vLLM's top-k
     failures: list[str] = field(default_factory=list)
 
@@ -274,13 +307,21 @@ class Agreement:
 
     def summary(self) -> str:
         verdict = "OK" if self.ok else "FAIL"
-        return (f"{verdict} {self.checkpoint}: {self.exact_argmax}/{self.steps} greedy tokens identical, "
-                f"|Δ logprob| median {self.quantile(0.5):.3f} p95 {self.quantile(0.95):.3f} "
-                f"max {self.quantile(1.0):.3f}")
+        return (
+            f"{verdict} {self.checkpoint}: {self.exact_argmax}/{self.steps} greedy tokens identical, "
+            f"|Δ logprob| median {self.quantile(0.5):.3f} p95 {self.quantile(0.95):.3f} "
+            f"max {self.quantile(1.0):.3f}"
+        )
 
 
-def compare_with_moequant(checkpoint: str | os.PathLike, prompts: list[list[int]], vllm_out: list[dict] | str,
-                          *, tolerance: Tolerance | None = None, model=None) -> Agreement:
+def compare_with_moequant(
+    checkpoint: str | os.PathLike,
+    prompts: list[list[int]],
+    vllm_out: list[dict] | str,
+    *,
+    tolerance: Tolerance | None = None,
+    model=None,
+) -> Agreement:
     """Score vLLM's greedy sequences with `moequant.load(checkpoint)` (teacher forcing)."""
     import torch
 
@@ -304,8 +345,9 @@ def compare_with_moequant(checkpoint: str | os.PathLike, prompts: list[list[int]
                 report.exact_argmax += 1
             report.diffs.append(max(abs(float(lp[int(k)]) - v) for k, v in out["top"][t].items()))
     if report.steps and report.exact_argmax < tol.greedy_match * report.steps:
-        report.failures.append(f"only {report.exact_argmax}/{report.steps} greedy tokens identical "
-                               f"(need {tol.greedy_match:.0%})")
+        report.failures.append(
+            f"only {report.exact_argmax}/{report.steps} greedy tokens identical (need {tol.greedy_match:.0%})"
+        )
     if report.quantile(0.5) > tol.median:
         report.failures.append(f"median |Δ logprob| {report.quantile(0.5):.3f} > {tol.median}")
     if report.quantile(0.95) > tol.p95:
@@ -359,8 +401,10 @@ def quantized_moe_kernel_gap() -> str | None:
     if "amx_tile" in flags or (vendor == "AuthenticAMD" and any(f.startswith("avx512") for f in flags)):
         return None
     isa = "AVX-512" if any(f.startswith("avx512") for f in flags) else "AVX2" if "avx2" in flags else "no AVX2"
-    return (f"vLLM 0.32's CPU build has no quantized fused-MoE kernel on this CPU ({vendor or 'unknown vendor'}, "
-            f"{isa}, no AMX): it needs AMX (Intel) or AVX-512 with zentorch (AMD)")
+    return (
+        f"vLLM 0.32's CPU build has no quantized fused-MoE kernel on this CPU ({vendor or 'unknown vendor'}, "
+        f"{isa}, no AMX): it needs AMX (Intel) or AVX-512 with zentorch (AMD)"
+    )
 
 
 def mixed_layer_kernel_gap() -> str | None:
@@ -378,9 +422,11 @@ def mixed_layer_kernel_gap() -> str | None:
     vendor, flags = _cpu_flags()
     if "amx_tile" in flags:
         return None
-    return (f"vLLM 0.32's CPU build runs int4 MoE experts on this CPU ({vendor or 'unknown vendor'}, no AMX) only "
-            "through zentorch's DA8W4 kernel, which routes inside itself: a layer mixing int4 with another format "
-            "needs AMX")
+    return (
+        f"vLLM 0.32's CPU build runs int4 MoE experts on this CPU ({vendor or 'unknown vendor'}, no AMX) only "
+        "through zentorch's DA8W4 kernel, which routes inside itself: a layer mixing int4 with another format "
+        "needs AMX"
+    )
 
 
 def _cpu_has_float16() -> bool:
@@ -388,8 +434,14 @@ def _cpu_has_float16() -> bool:
     return vendor != "AuthenticAMD" or "avx512_fp16" in flags
 
 
-def verify(checkpoints: list[str | os.PathLike], *, prompts: list[list[int]] | None = None, steps: int = 32,
-           tolerance: Tolerance | None = None, top_k: int = 5) -> list[Agreement]:
+def verify(
+    checkpoints: list[str | os.PathLike],
+    *,
+    prompts: list[list[int]] | None = None,
+    steps: int = 32,
+    tolerance: Tolerance | None = None,
+    top_k: int = 5,
+) -> list[Agreement]:
     """Run vLLM on every checkpoint (one process) and compare each with moequant.load()."""
     checkpoints = [Path(c) for c in checkpoints]
     for c in checkpoints:
@@ -398,8 +450,14 @@ def verify(checkpoints: list[str | os.PathLike], *, prompts: list[list[int]] | N
     if prompts is None:
         vocab = json.loads((checkpoints[0] / "config.json").read_text()).get("vocab_size", 1000)
         prompts = default_prompts(vocab)
-    outs = run_vllm(checkpoints, prompts, steps=steps, top_k=top_k, dtype=[engine_dtype(c) for c in checkpoints],
-                    max_model_len=max(len(p) for p in prompts) + steps + 8)
+    outs = run_vllm(
+        checkpoints,
+        prompts,
+        steps=steps,
+        top_k=top_k,
+        dtype=[engine_dtype(c) for c in checkpoints],
+        max_model_len=max(len(p) for p in prompts) + steps + 8,
+    )
     return [compare_with_moequant(c, prompts, outs[str(c.resolve())], tolerance=tolerance) for c in checkpoints]
 
 
@@ -444,8 +502,9 @@ json.dump(out, open(sys.argv[2], "w"))
 """
 
 
-def run_gptqmodel(checkpoint: str | os.PathLike, prompts: list[list[int]], *, python: Path | None = None,
-                  timeout: float = 1200) -> list[list[list[float]]]:
+def run_gptqmodel(
+    checkpoint: str | os.PathLike, prompts: list[list[int]], *, python: Path | None = None, timeout: float = 1200
+) -> list[list[list[float]]]:
     """Log-probabilities [prompt][position][vocab] of GPTQModel's own load of a GPTQ checkpoint."""
     python = python or ensure_gptqmodel_env()
     with tempfile.TemporaryDirectory(prefix="moequant-gptqmodel-") as tmp:
@@ -454,8 +513,14 @@ def run_gptqmodel(checkpoint: str | os.PathLike, prompts: list[list[int]], *, py
         job.write_text(json.dumps({"checkpoint": str(Path(checkpoint).resolve()), "prompts": prompts}))
         env = {**os.environ, "GPTQMODEL_CPU_WORKERS": os.environ.get("GPTQMODEL_CPU_WORKERS", "2")}
         env.pop("PYTHONPATH", None)
-        proc = subprocess.run([str(python), str(script), str(job), str(result)], env=env, capture_output=True,
-                              text=True, timeout=timeout, cwd=tmp)
+        proc = subprocess.run(
+            [str(python), str(script), str(job), str(result)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=tmp,
+        )
         if proc.returncode != 0 or not result.exists():
             raise RuntimeError(f"GPTQModel failed on {checkpoint}:\n{_error_summary(proc.stdout + proc.stderr)}")
         return json.loads(result.read_text())
@@ -480,8 +545,12 @@ def compare_logprobs(checkpoint, prompts: list[list[int]], theirs: list, *, top_
         top = other.topk(top_k, dim=-1).indices
         diffs.append((ours.gather(-1, top) - other.gather(-1, top)).abs().amax(-1))
     d = torch.cat(diffs)
-    return {"argmax_agree": same / total, "median": float(d.median()), "p95": float(d.quantile(0.95)),
-            "max": float(d.max())}
+    return {
+        "argmax_agree": same / total,
+        "median": float(d.median()),
+        "p95": float(d.quantile(0.95)),
+        "max": float(d.max()),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

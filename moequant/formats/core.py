@@ -73,13 +73,24 @@ class QuantizedTensor:
         if len(self.shape) != 3:
             raise ValueError("expert() needs a stacked [E, out, in] QuantizedTensor")
         pick = lambda t: None if t is None else t[e]  # noqa: E731
-        return QuantizedTensor(self.spec, tuple(self.shape[1:]), self.codes[e], pick(self.scales),
-                               pick(self.zeros), pick(self.global_scale))
+        return QuantizedTensor(
+            self.spec,
+            tuple(self.shape[1:]),
+            self.codes[e],
+            pick(self.scales),
+            pick(self.zeros),
+            pick(self.global_scale),
+        )
 
     def to(self, device) -> "QuantizedTensor":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return replace(self, codes=self.codes.to(device), scales=move(self.scales), zeros=move(self.zeros),
-                       global_scale=move(self.global_scale))
+        return replace(
+            self,
+            codes=self.codes.to(device),
+            scales=move(self.scales),
+            zeros=move(self.zeros),
+            global_scale=move(self.global_scale),
+        )
 
 
 def stack_experts(qs: list) -> QuantizedTensor:
@@ -88,14 +99,29 @@ def stack_experts(qs: list) -> QuantizedTensor:
     if any(q.spec != first.spec or q.shape != first.shape for q in qs):
         raise ValueError("stack_experts needs QuantizedTensors of one format and one shape")
     st = lambda ts: None if ts[0] is None else torch.stack(ts)  # noqa: E731
-    return QuantizedTensor(first.spec, (len(qs),) + tuple(first.shape), st([q.codes for q in qs]),
-                           st([q.scales for q in qs]), st([q.zeros for q in qs]), st([q.global_scale for q in qs]))
+    return QuantizedTensor(
+        first.spec,
+        (len(qs),) + tuple(first.shape),
+        st([q.codes for q in qs]),
+        st([q.scales for q in qs]),
+        st([q.zeros for q in qs]),
+        st([q.global_scale for q in qs]),
+    )
 
 
 # ---------------------------------------------------------------- entry points
 
-def quantize(weight: torch.Tensor, spec, *, name: str | None = None, global_scale=None, grid: str = "minmax",
-             importance: torch.Tensor | None = None, **params) -> QuantizedTensor:
+
+def quantize(
+    weight: torch.Tensor,
+    spec,
+    *,
+    name: str | None = None,
+    global_scale=None,
+    grid: str = "minmax",
+    importance: torch.Tensor | None = None,
+    **params,
+) -> QuantizedTensor:
     """Quantize `weight` ([out, in] or [E, out, in], any float dtype, CPU or CUDA) to `spec`.
 
     spec: a FormatSpec, a format name with its parameters (quantize(w, "int4", group_size=64)),
@@ -118,8 +144,13 @@ def quantize(weight: torch.Tensor, spec, *, name: str | None = None, global_scal
         raise UserError("importance weights the searched grid only; pass grid='searched' (format %s)" % spec.key)
     if global_scale is not None and not spec.family.global_scale:
         raise UserError("global_scale applies to nvfp4 only, not %s" % spec.key)
-    if (spec.quantized and isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.shape[0] > 1
-            and weight.numel() > _chunk_elements(weight.device)):
+    if (
+        spec.quantized
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 3
+        and weight.shape[0] > 1
+        and weight.numel() > _chunk_elements(weight.device)
+    ):
         return _quantize_in_expert_chunks(weight, spec, name, global_scale, grid, importance)
     x = _prepare(weight, spec, name)
     if not spec.quantized:
@@ -156,18 +187,34 @@ def _quantize_in_expert_chunks(weight, spec, name, global_scale, grid="minmax", 
     per_expert = importance is not None and importance.dim() == 2 and importance.shape[0] > 1
     gs = None if global_scale is None else torch.as_tensor(global_scale, dtype=torch.float32, device=weight.device)
     if gs is not None and tuple(gs.shape) != (weight.shape[0],):
-        raise UserError("nvfp4 global_scale for %s must have shape %s, got %s"
-                        % (_label(name), (weight.shape[0],), tuple(gs.shape)))
-    parts = [quantize(weight[i : i + per], spec, name=name, global_scale=None if gs is None else gs[i : i + per],
-                      grid=grid, importance=importance[i : i + per] if per_expert else importance)
-             for i in range(0, weight.shape[0], per)]
+        raise UserError(
+            "nvfp4 global_scale for %s must have shape %s, got %s" % (_label(name), (weight.shape[0],), tuple(gs.shape))
+        )
+    parts = [
+        quantize(
+            weight[i : i + per],
+            spec,
+            name=name,
+            global_scale=None if gs is None else gs[i : i + per],
+            grid=grid,
+            importance=importance[i : i + per] if per_expert else importance,
+        )
+        for i in range(0, weight.shape[0], per)
+    ]
     cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
-    return QuantizedTensor(spec, tuple(weight.shape), cat([p.codes for p in parts]), cat([p.scales for p in parts]),
-                           cat([p.zeros for p in parts]), cat([p.global_scale for p in parts]))
+    return QuantizedTensor(
+        spec,
+        tuple(weight.shape),
+        cat([p.codes for p in parts]),
+        cat([p.scales for p in parts]),
+        cat([p.zeros for p in parts]),
+        cat([p.global_scale for p in parts]),
+    )
 
 
-def quantize_ggml(weight: torch.Tensor, spec, *, name: str | None = None, importance=None,
-                  hessian=None) -> QuantizedTensor:
+def quantize_ggml(
+    weight: torch.Tensor, spec, *, name: str | None = None, importance=None, hessian=None
+) -> QuantizedTensor:
     """A ggml block type: codes are the packed blocks (uint8 [..., out, row bytes]); importance
     per input column ([in] or [E, in], the inputs' second moments) weights the scale search;
     a Hessian ([in, in] or [E, in, in]) instead runs GPTQ on the type's grid (ggml.gptq_tensor)."""
@@ -200,6 +247,7 @@ def qdq(weight: torch.Tensor, spec, *, name: str | None = None, **params) -> tor
 
 # ---------------------------------------------------------------- GPTQ-style column quantizer
 
+
 @dataclass(frozen=True)
 class ColumnParams:
     """Scales (and zero points) of one group of input columns, shaped for [..., out, k] columns:
@@ -221,16 +269,16 @@ class ColumnQuantizer:
     unchanged weight this gives exactly `quantize(weight, spec)`.
     """
 
-    def __init__(self, spec, weight: torch.Tensor, *, name: str | None = None, global_scale=None,
-                 grid: str = "minmax"):
+    def __init__(self, spec, weight: torch.Tensor, *, name: str | None = None, global_scale=None, grid: str = "minmax"):
         self.spec = get_format(spec)
         if not self.spec.quantized:
             raise UserError("format bf16 keeps weights as they are; there is nothing to quantize column by column")
         if grid not in GRIDS:
             raise UserError("unknown grid %r; accepted: %s" % (grid, ", ".join(GRIDS)))
         if grid == "searched" and not (self.spec.is_int and self.spec.granularity in ("group", "channel")):
-            raise UserError("the searched grid applies to integer formats (int8, int4, int3, int2), not %s"
-                            % self.spec.key)
+            raise UserError(
+                "the searched grid applies to integer formats (int8, int4, int3, int2), not %s" % self.spec.key
+            )
         self.grid = grid
         x = _prepare(weight, self.spec, name)
         check_finite(_absmax(x.flatten(), 0), x, name)  # fail before any column work, as quantize() does
@@ -247,8 +295,11 @@ class ColumnQuantizer:
         x = w_group.to(torch.float32)
         spec = self.spec
         if self.grid == "searched":
-            return ColumnParams(*searched_fit(spec, x.unsqueeze(-2), None if importance is None
-                                              else importance.unsqueeze(-2), self.name))
+            return ColumnParams(
+                *searched_fit(
+                    spec, x.unsqueeze(-2), None if importance is None else importance.unsqueeze(-2), self.name
+                )
+            )
         if spec.granularity == "block":
             b = spec.group_size
             pad = -x.shape[-2] % b
@@ -301,19 +352,25 @@ class ColumnQuantizer:
         return QuantizedTensor(self.spec, self.shape, codes, scales, zeros, self.global_scale)
 
 
-def column_quantizer(spec, weight: torch.Tensor, *, name: str | None = None, global_scale=None,
-                     grid: str = "minmax") -> ColumnQuantizer:
+def column_quantizer(
+    spec, weight: torch.Tensor, *, name: str | None = None, global_scale=None, grid: str = "minmax"
+) -> ColumnQuantizer:
     """A ColumnQuantizer for `weight` ([out, in] or [E, out, in]) in format `spec`."""
     return ColumnQuantizer(spec, weight, name=name, global_scale=global_scale, grid=grid)
 
 
 # ---------------------------------------------------------------- internals
 
+
 def _prepare(weight, spec: FormatSpec, name) -> torch.Tensor:
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
-        raise UserError("%s must be a floating-point tensor, got %s" % (_label(name), getattr(weight, "dtype", type(weight))))
+        raise UserError(
+            "%s must be a floating-point tensor, got %s" % (_label(name), getattr(weight, "dtype", type(weight)))
+        )
     if weight.dim() not in (2, 3):
-        raise UserError("%s has shape %s; accepted: [out, in] or [experts, out, in]" % (_label(name), tuple(weight.shape)))
+        raise UserError(
+            "%s has shape %s; accepted: [out, in] or [experts, out, in]" % (_label(name), tuple(weight.shape))
+        )
     check_shape(spec, weight.shape, name)
     if not spec.quantized:
         check_finite(_absmax(weight.flatten().float(), 0), weight, name)
@@ -325,8 +382,10 @@ def check_finite(stat: torch.Tensor, x: torch.Tensor, name) -> None:
     """Reductions (amax / amin) propagate NaN and Inf, so checking them covers the whole weight."""
     if not bool(torch.isfinite(stat).all()):
         bad = x.to(torch.float32)
-        raise UserError("%s contains %d NaN and %d infinite values; only finite weights can be quantized"
-                        % (_label(name), int(torch.isnan(bad).sum()), int(torch.isinf(bad).sum())))
+        raise UserError(
+            "%s contains %d NaN and %d infinite values; only finite weights can be quantized"
+            % (_label(name), int(torch.isnan(bad).sum()), int(torch.isinf(bad).sum()))
+        )
 
 
 def _global_scale(spec: FormatSpec, x: torch.Tensor, given, name):
@@ -341,8 +400,10 @@ def _global_scale(spec: FormatSpec, x: torch.Tensor, given, name):
         if g.numel() == 1 and not lead:
             g = g.reshape(())
         if tuple(g.shape) != tuple(lead) or not bool((torch.isfinite(g) & (g > 0)).all()):
-            raise UserError("nvfp4 global_scale for %s must be positive, finite and of shape %s, got %s"
-                            % (_label(name), tuple(lead), tuple(g.shape)))
+            raise UserError(
+                "nvfp4 global_scale for %s must be positive, finite and of shape %s, got %s"
+                % (_label(name), tuple(lead), tuple(g.shape))
+            )
         return g
     return spec.family.default_global_scale(absmax_checked(x.flatten(-2), name))
 
@@ -353,9 +414,15 @@ def _importance_view(spec: FormatSpec, importance, x: torch.Tensor, name):
         return None
     imp = torch.as_tensor(importance, dtype=torch.float32, device=x.device)
     cols = x.shape[-1]
-    if imp.dim() not in (1, 2) or imp.shape[-1] != cols or (imp.dim() == 2 and (x.dim() != 3 or imp.shape[0] not in (1, x.shape[0]))):
-        raise UserError("importance for %s must have shape [%d] or [experts, %d] matching the weight %s, got %s"
-                        % (_label(name), cols, cols, tuple(x.shape), tuple(imp.shape)))
+    if (
+        imp.dim() not in (1, 2)
+        or imp.shape[-1] != cols
+        or (imp.dim() == 2 and (x.dim() != 3 or imp.shape[0] not in (1, x.shape[0])))
+    ):
+        raise UserError(
+            "importance for %s must have shape [%d] or [experts, %d] matching the weight %s, got %s"
+            % (_label(name), cols, cols, tuple(x.shape), tuple(imp.shape))
+        )
     if not bool((torch.isfinite(imp) & (imp >= 0)).all()):
         raise UserError("importance for %s must be finite and non-negative" % _label(name))
     if imp.dim() == 2:
@@ -463,8 +530,11 @@ def searched_fit(spec, xg: torch.Tensor, importance: torch.Tensor | None = None,
     w = torch.ones_like(x) if importance is None else importance.to(torch.float32).expand_as(x)
     qmin, qmax = -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1
     best_s, best_z = _fit(spec, x, None, name)
-    divisors = (torch.linspace(qmax, 1.6 * qmax, SEARCH_STEPS).tolist() + [qmax + 0.5, -qmin] if spec.symmetric
-                else [float(2 ** spec.bits - 1) + d for d in torch.linspace(-1.0, 1.0, SEARCH_STEPS).tolist()])
+    divisors = (
+        torch.linspace(qmax, 1.6 * qmax, SEARCH_STEPS).tolist() + [qmax + 0.5, -qmin]
+        if spec.symmetric
+        else [float(2**spec.bits - 1) + d for d in torch.linspace(-1.0, 1.0, SEARCH_STEPS).tolist()]
+    )
     # candidate = spread * (1 / divisor), 1 / divisor in float32: what torch computes on CUDA for a
     # tensor divided by a Python number, here on every device alike
     factors = 1.0 / torch.tensor(divisors, dtype=torch.float32)
@@ -511,7 +581,7 @@ def searched_fit(spec, xg: torch.Tensor, importance: torch.Tensor | None = None,
         return best_s, None
 
     lo, hi = x.amin(-1), x.amax(-1)
-    steps = 2 ** spec.bits - 1
+    steps = 2**spec.bits - 1
     sw, sx = w.sum(-1), (w * x).sum(-1)
     for f in factors:
         s0 = (hi - lo) * f

@@ -23,8 +23,9 @@ class Fp8(Format):
     def spec(self, name, params):
         p = take_params(name, params, {"granularity": "channel", "block_size": FP8_BLOCK})
         if p["granularity"] not in FP8_GRANULARITIES:
-            raise UserError("fp8 granularity %r is not supported; accepted: %s"
-                            % (p["granularity"], ", ".join(FP8_GRANULARITIES)))
+            raise UserError(
+                "fp8 granularity %r is not supported; accepted: %s" % (p["granularity"], ", ".join(FP8_GRANULARITIES))
+            )
         if p["granularity"] == "block":
             if p["block_size"] != FP8_BLOCK:
                 raise UserError("fp8 block_size %r is not supported; accepted: %d" % (p["block_size"], FP8_BLOCK))

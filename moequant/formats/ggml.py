@@ -54,19 +54,28 @@ GGML_TYPES = ("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "q
 
 @dataclass(frozen=True)
 class BlockType:
-    name: str          # moequant's format name, e.g. "q4_k"
-    ggml_id: int       # GGMLQuantizationType value
-    block: int         # weights per block
-    nbytes: int        # bytes per block
-    bits: int          # bits of one code
+    name: str  # moequant's format name, e.g. "q4_k"
+    ggml_id: int  # GGMLQuantizationType value
+    block: int  # weights per block
+    nbytes: int  # bytes per block
+    bits: int  # bits of one code
 
 
-TYPES = {t.name: t for t in (
-    BlockType("q4_0", 2, 32, 18, 4), BlockType("q4_1", 3, 32, 20, 4), BlockType("q5_0", 6, 32, 22, 5),
-    BlockType("q5_1", 7, 32, 24, 5), BlockType("q8_0", 8, 32, 34, 8), BlockType("q2_k", 10, 256, 84, 2),
-    BlockType("q3_k", 11, 256, 110, 3), BlockType("q4_k", 12, 256, 144, 4), BlockType("q5_k", 13, 256, 176, 5),
-    BlockType("q6_k", 14, 256, 210, 6),
-)}
+TYPES = {
+    t.name: t
+    for t in (
+        BlockType("q4_0", 2, 32, 18, 4),
+        BlockType("q4_1", 3, 32, 20, 4),
+        BlockType("q5_0", 6, 32, 22, 5),
+        BlockType("q5_1", 7, 32, 24, 5),
+        BlockType("q8_0", 8, 32, 34, 8),
+        BlockType("q2_k", 10, 256, 84, 2),
+        BlockType("q3_k", 11, 256, 110, 3),
+        BlockType("q4_k", 12, 256, 144, 4),
+        BlockType("q5_k", 13, 256, 176, 5),
+        BlockType("q6_k", 14, 256, 210, 6),
+    )
+}
 GGML_NAME = {t.name: t.name.upper() for t in TYPES.values()}  # llama.cpp's spelling, "Q4_K"
 
 _SEARCH = torch.linspace(-0.6, 1.2, 19).tolist()  # offsets of the code range tried per block
@@ -83,6 +92,7 @@ def row_bytes(name: str, cols: int) -> int:
 
 # ------------------------------------------------------------------------------- fitting
 
+
 def _lsq_scale(x, w, L):
     """argmin_s sum w (x - s L)^2 over the last axis (0 where L is all zero)."""
     num = (w * x * L).sum(-1)
@@ -96,7 +106,7 @@ def _fit_symmetric(x, w, qmin: int, qmax: int):
     xm = x.gather(-1, idx).squeeze(-1)  # the signed extreme
     best_err = best_s = best_L = None
     for off in _SEARCH:
-        for end in ((qmin,) if qmin == -qmax else (qmin, qmax)):  # an uneven range: try both ends for the extreme
+        for end in (qmin,) if qmin == -qmax else (qmin, qmax):  # an uneven range: try both ends for the extreme
             denom = end - off if end < 0 else end + off
             if denom == 0:
                 continue
@@ -149,8 +159,10 @@ def _fit_scale_min(x, w, nmax: int, min_le_zero: bool):
         else:
             better = err < best_err
             best_err = torch.where(better, err, best_err)
-            best = tuple(torch.where(better if t.dim() == better.dim() else better[..., None], t, b)
-                         for t, b in zip((s2, m2, L), best))
+            best = tuple(
+                torch.where(better if t.dim() == better.dim() else better[..., None], t, b)
+                for t, b in zip((s2, m2, L), best)
+            )
     return best
 
 
@@ -160,10 +172,11 @@ def _half(t):
 
 # ------------------------------------------------------------------------------- per type
 
+
 def _q_simple(x, w, t: BlockType):
     """Q8_0 / Q4_0 / Q5_0 (d) and Q4_1 / Q5_1 (d, m): x [N, 32] -> dict of fields."""
     if t.name in ("q4_1", "q5_1"):
-        nmax = 2 ** t.bits - 1
+        nmax = 2**t.bits - 1
         s, m, _ = _fit_scale_min(x, w, nmax, False)
         d, mm = _half(s), _half(m)
         L = torch.clamp(torch.round((x - mm[:, None]) / torch.where(d == 0, 1.0, d)[:, None]), 0, nmax)
@@ -197,7 +210,7 @@ def _q_k_symmetric(x, w, t: BlockType):
 def _q_k_scale_min(x, w, t: BlockType):
     """Q2_K / Q4_K / Q5_K -> d, dmin [N], scales, mins [N, n_sub] (unsigned), codes [N, 256]."""
     sub = 16 if t.name == "q2_k" else 32
-    nmax = 2 ** t.bits - 1
+    nmax = 2**t.bits - 1
     smax = 15 if t.name == "q2_k" else 63
     xs, ws = x.reshape(x.shape[0], -1, sub), w.reshape(x.shape[0], -1, sub)
     s, m, _ = _fit_scale_min(xs, ws, nmax, True)  # s >= 0, m <= 0
@@ -227,6 +240,7 @@ def _q_k_scale_min(x, w, t: BlockType):
 
 
 # ------------------------------------------------------------------------------- packing
+
 
 def _u8(t):
     return t.to(torch.uint8)
@@ -361,7 +375,7 @@ def unpack(name: str, blocks: torch.Tensor) -> torch.Tensor:
         qs = b[:, -16:]
         q = torch.cat([qs & 15, qs >> 4], dim=1).to(torch.int64)
         if name.startswith("q5"):
-            qh = b[:, at:at + 4].contiguous().view(torch.int32).to(torch.int64)
+            qh = b[:, at : at + 4].contiguous().view(torch.int32).to(torch.int64)
             q = q | (((qh >> torch.arange(32)) & 1) << 4)
         q = q.to(torch.float32)
         if m is not None:
@@ -371,8 +385,10 @@ def unpack(name: str, blocks: torch.Tensor) -> torch.Tensor:
         scales, qs = b[:, :16], b[:, 16:80]
         d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
         q = _unpack_2bit(qs).reshape(-1, 16, 16).to(torch.float32)
-        y = d[:, None, None] * (scales & 15).to(torch.float32)[..., None] * q \
+        y = (
+            d[:, None, None] * (scales & 15).to(torch.float32)[..., None] * q
             - dmin[:, None, None] * (scales >> 4).to(torch.float32)[..., None]
+        )
         return y.reshape(-1, 256)
     if name == "q3_k":
         hmask, qs, sb, d = b[:, :32], b[:, 32:96], b[:, 96:108], _f16(b[:, 108:110])
@@ -389,7 +405,10 @@ def unpack(name: str, blocks: torch.Tensor) -> torch.Tensor:
             qh = b[:, 16:48]
             q = q | torch.cat([((qh >> s) & 1).to(torch.int32)[:, None] for s in range(8)], 1).reshape(-1, 256) << 4
         q = q.reshape(-1, 8, 32).to(torch.float32)
-        y = d[:, None, None] * sc.to(torch.float32)[..., None] * q - dmin[:, None, None] * mn.to(torch.float32)[..., None]
+        y = (
+            d[:, None, None] * sc.to(torch.float32)[..., None] * q
+            - dmin[:, None, None] * mn.to(torch.float32)[..., None]
+        )
         return y.reshape(-1, 256)
     if name == "q6_k":
         ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208], _f16(b[:, 208:210])
@@ -404,6 +423,7 @@ def unpack(name: str, blocks: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------- entry points
+
 
 def fit_blocks(name: str, x: torch.Tensor, w: torch.Tensor | None = None) -> dict:
     """float32 [N, block] (weights w, same shape, or None) -> the fields of N blocks (see `pack`)."""
@@ -433,20 +453,29 @@ def grid(name: str, fields: dict):
         return d.expand(-1, 32), torch.zeros_like(d).expand(-1, 32), -127, 127
     if name in ("q4_0", "q5_0"):
         qmin = -(2 ** (t.bits - 1))
-        return d.expand(-1, 32), (d * qmin).expand(-1, 32), 0, 2 ** t.bits - 1
+        return d.expand(-1, 32), (d * qmin).expand(-1, 32), 0, 2**t.bits - 1
     if name in ("q4_1", "q5_1"):
-        return d.expand(-1, 32), fields["m"][:, None].expand(-1, 32), 0, 2 ** t.bits - 1
+        return d.expand(-1, 32), fields["m"][:, None].expand(-1, 32), 0, 2**t.bits - 1
     sub = 16 if name in ("q2_k", "q3_k", "q6_k") else 32
     eff = (d * fields["sc"].to(torch.float32))[..., None].expand(-1, -1, sub).reshape(-1, t.block)
     if name in ("q3_k", "q6_k"):
         lo, hi = (-4, 3) if name == "q3_k" else (-32, 31)
         return eff, torch.zeros_like(eff), lo, hi
-    off = -(fields["dmin"][:, None] * fields["mn"].to(torch.float32))[..., None].expand(-1, -1, sub).reshape(-1, t.block)
-    return eff, off, 0, 2 ** t.bits - 1
+    off = (
+        -(fields["dmin"][:, None] * fields["mn"].to(torch.float32))[..., None].expand(-1, -1, sub).reshape(-1, t.block)
+    )
+    return eff, off, 0, 2**t.bits - 1
 
 
-def gptq_tensor(weight: torch.Tensor, hessian: torch.Tensor, name: str, *, damp: float = 0.01,
-                block_size: int = 128, max_damp_tries: int = 6) -> torch.Tensor:
+def gptq_tensor(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    name: str,
+    *,
+    damp: float = 0.01,
+    block_size: int = 128,
+    max_damp_tries: int = 6,
+) -> torch.Tensor:
     """GPTQ on the type's grid: block scales / mins fitted first from the weights (the scale search
     weighted by diag(H)), then the column sweep (codes in order, the rounding error spread over the
     remaining columns through the Cholesky factor of H^-1). weight [E, out, in] (or [out, in]),
@@ -469,7 +498,7 @@ def gptq_tensor(weight: torch.Tensor, hessian: torch.Tensor, name: str, *, damp:
     for e in range(E):  # upper Cholesky factor of H^-1, damping grown tenfold until it factorizes
         mean = float(H[e].diagonal().mean())
         for k in range(max_damp_tries):
-            Hd = H[e] + (damp * 10 ** k) * mean * torch.eye(n, dtype=H.dtype)
+            Hd = H[e] + (damp * 10**k) * mean * torch.eye(n, dtype=H.dtype)
             L, info = torch.linalg.cholesky_ex(Hd)
             if int(info) == 0:
                 U[e] = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
@@ -486,7 +515,7 @@ def gptq_tensor(weight: torch.Tensor, hessian: torch.Tensor, name: str, *, damp:
             q = torch.clamp(torch.round((col - o_) / torch.where(e_ == 0, 1.0, e_)), lo, hi)
             q = torch.where(e_ == 0, torch.zeros_like(q).clamp(lo, hi), q)
             err = (col - (e_ * q + o_)) / U1[:, i, i][:, None]
-            W1[..., i + 1:] -= err[..., None] * U1[:, None, i, i + 1:]
+            W1[..., i + 1 :] -= err[..., None] * U1[:, None, i, i + 1 :]
             Err1[..., i], Q[..., i1 + i] = err, q
         if i2 < n:
             W[..., i2:] -= torch.bmm(Err1, U[:, i1:i2, i2:])
@@ -521,8 +550,10 @@ def quantize_tensor(weight: torch.Tensor, name: str, importance: torch.Tensor | 
     w = None if importance is None else _block_weights(importance, x)
     xf = x.reshape(-1, t.block)
     wf = None if w is None else w.reshape(-1, t.block)
-    out = [quantize_blocks(name, xf[i:i + CHUNK_BLOCKS], None if wf is None else wf[i:i + CHUNK_BLOCKS])
-           for i in range(0, xf.shape[0], CHUNK_BLOCKS)]
+    out = [
+        quantize_blocks(name, xf[i : i + CHUNK_BLOCKS], None if wf is None else wf[i : i + CHUNK_BLOCKS])
+        for i in range(0, xf.shape[0], CHUNK_BLOCKS)
+    ]
     return torch.cat(out).reshape(*shape[:-1], nb * t.nbytes)
 
 

@@ -25,8 +25,14 @@ from moequant.errors import UserError
 from moequant.formats.specs import Format, FormatSpec, register, take_params
 
 # name: (ggml type name, bytes per 256 weights, nominal bits of a code), from ggml's block layouts
-IQ_TYPES = {"iq4_xs": ("IQ4_XS", 136, 4), "iq3_s": ("IQ3_S", 110, 3), "iq3_xxs": ("IQ3_XXS", 98, 3),
-            "iq2_s": ("IQ2_S", 82, 2), "iq2_xs": ("IQ2_XS", 74, 2), "iq2_xxs": ("IQ2_XXS", 66, 2)}
+IQ_TYPES = {
+    "iq4_xs": ("IQ4_XS", 136, 4),
+    "iq3_s": ("IQ3_S", 110, 3),
+    "iq3_xxs": ("IQ3_XXS", 98, 3),
+    "iq2_s": ("IQ2_S", 82, 2),
+    "iq2_xs": ("IQ2_XS", 74, 2),
+    "iq2_xxs": ("IQ2_XXS", 66, 2),
+}
 BLOCK = 256
 
 
@@ -61,14 +67,21 @@ class GgmlIQuants(Format):
         from moequant.formats.llamacpp import ggml_quantize
 
         if hessian is not None:
-            raise UserError(f"GPTQ is not offered for {spec.name} (ggml's lattice codebook has no per-column rounding); "
-                            f"use algorithm imatrix for it.")
+            raise UserError(
+                f"GPTQ is not offered for {spec.name} (ggml's lattice codebook has no per-column rounding); "
+                f"use algorithm imatrix for it."
+            )
         rows, cols = x.shape[-2], x.shape[-1]
         flat = x.reshape(-1, rows, cols).float()
         imp = torch.ones(cols) if importance is None else importance.float()
-        imp = imp.reshape(-1, cols).expand(flat.shape[0], cols) if imp.dim() == 1 or imp.shape[0] == 1 else \
-            imp.reshape(flat.shape[0], cols)
-        out = ggml_quantize([(spec.name, flat[i].numpy(), imp[i].clamp_min(1e-12).numpy()) for i in range(flat.shape[0])])
+        imp = (
+            imp.reshape(-1, cols).expand(flat.shape[0], cols)
+            if imp.dim() == 1 or imp.shape[0] == 1
+            else imp.reshape(flat.shape[0], cols)
+        )
+        out = ggml_quantize(
+            [(spec.name, flat[i].numpy(), imp[i].clamp_min(1e-12).numpy()) for i in range(flat.shape[0])]
+        )
         return torch.from_numpy(np.stack(out)).reshape(*x.shape[:-1], -1)
 
     def dequantize(self, codes: torch.Tensor, spec, shape) -> torch.Tensor:

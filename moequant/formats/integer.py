@@ -38,13 +38,17 @@ class Integer(Format):
         if name == "int8":
             p = take_params(name, params, {"symmetric": True, "granularity": "channel"})
             if p["symmetric"] is not True or p["granularity"] != "channel":
-                raise UserError("int8 is symmetric per output channel only; got symmetric=%r, granularity=%r"
-                                % (p["symmetric"], p["granularity"]))
+                raise UserError(
+                    "int8 is symmetric per output channel only; got symmetric=%r, granularity=%r"
+                    % (p["symmetric"], p["granularity"])
+                )
             return FormatSpec("int8", 8, "channel")
         p = take_params(name, params, {"group_size": 128, "symmetric": True})
         if p["group_size"] not in INT_GROUP_SIZES:
-            raise UserError("%s group_size %r is not supported; accepted: %s"
-                            % (name, p["group_size"], ", ".join(map(str, INT_GROUP_SIZES))))
+            raise UserError(
+                "%s group_size %r is not supported; accepted: %s"
+                % (name, p["group_size"], ", ".join(map(str, INT_GROUP_SIZES)))
+            )
         if not isinstance(p["symmetric"], bool):
             raise UserError("%s symmetric must be true or false, got %r" % (name, p["symmetric"]))
         return FormatSpec(name, int(name[3:]), "group", p["group_size"], p["symmetric"])
@@ -55,8 +59,9 @@ class Integer(Format):
         return "%s-g%d-%s" % (spec.name, spec.group_size, "sym" if spec.symmetric else "asym")
 
     def keys(self):
-        return ["int8-channel"] + ["int%d-g%d-%s" % (b, g, s) for b in (4, 3, 2) for g in INT_GROUP_SIZES
-                                   for s in ("sym", "asym")]
+        return ["int8-channel"] + [
+            "int%d-g%d-%s" % (b, g, s) for b in (4, 3, 2) for g in INT_GROUP_SIZES for s in ("sym", "asym")
+        ]
 
     def default_algorithm(self, name):
         return "rtn" if name == "int8" else "gptq"  # int8 per channel is near lossless already
@@ -91,7 +96,7 @@ class Integer(Format):
             check_finite(lo + hi, xg, name)
             lo = lo.clamp(max=0.0)
             hi = hi.clamp(min=0.0)
-            scale = int_scale((hi - lo) / float(2 ** spec.bits - 1), name)
+            scale = int_scale((hi - lo) / float(2**spec.bits - 1), name)
             s = scale.to(torch.float32)
             qmin, qmax = -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1
             z = torch.clamp(qmin + torch.round(-lo / torch.where(s > 0, s, 1.0)), qmin, qmax)
@@ -123,9 +128,11 @@ class Integer(Format):
     def pack_ct(self, q):
         from moequant.formats.packing import along_rows, pack_int32, unsigned
 
-        out = {"weight_packed": pack_int32(unsigned(q.codes, q.spec.bits), q.spec.bits),
-               "weight_scale": q.scales,
-               "weight_shape": torch.tensor(q.shape, dtype=torch.int64)}
+        out = {
+            "weight_packed": pack_int32(unsigned(q.codes, q.spec.bits), q.spec.bits),
+            "weight_scale": q.scales,
+            "weight_shape": torch.tensor(q.shape, dtype=torch.int64),
+        }
         if q.zeros is not None:
             out["weight_zero_point"] = along_rows(pack_int32, unsigned(q.zeros, q.spec.bits), q.spec.bits)
         return out
@@ -161,8 +168,10 @@ class Integer(Format):
             if routed and not spec.symmetric and target != "vllm-cuda":
                 if target == "sglang":
                     return "SGLang's compressed-tensors fused MoE loads only symmetric integer experts"
-                return ("vLLM 0.32 loads integer experts with zero points only in its CUDA kernels (Marlin, "
-                        "Triton; target vllm-cuda), not in its CPU build, where moequant checks its vllm exports")
+                return (
+                    "vLLM 0.32 loads integer experts with zero points only in its CUDA kernels (Marlin, "
+                    "Triton; target vllm-cuda), not in its CPU build, where moequant checks its vllm exports"
+                )
             return None
         return super().refuses(spec, target, routed)
 
@@ -172,8 +181,10 @@ def int_scale(s32: torch.Tensor, name) -> torch.Tensor:
     if not bool(torch.isfinite(s32).all()):
         from moequant.formats.specs import _label
 
-        raise UserError("%s spans a range too wide for integer scales (max - min overflows float32); "
-                        "rescale the weight or keep it in bf16" % _label(name))
+        raise UserError(
+            "%s spans a range too wide for integer scales (max - min overflows float32); "
+            "rescale the weight or keep it in bf16" % _label(name)
+        )
     return s32.to(torch.bfloat16)
 
 

@@ -29,8 +29,10 @@ DEFAULT_VENV = CACHE / "llama-cpp"
 READY_MARKER = ".moequant-llamacpp-ready"
 PACKAGES = ("numpy", "gguf==0.19.0")
 # portable CPU build, library only (no server / examples / tests / curl)
-CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF "
-              "-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF")
+CMAKE_ARGS = (
+    "-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF "
+    "-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF"
+)
 WORKER = Path(__file__).resolve().parents[1] / "export" / "llamacpp_worker.py"  # a file it runs, not an import
 
 
@@ -48,8 +50,11 @@ def build_wheel(log=print) -> Path:
     started = time.time()
     env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
     with tempfile.TemporaryDirectory(dir=WHEEL_DIR) as tmp:  # a half-built wheel never lands in WHEEL_DIR
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", f"llama-cpp-python=={VERSION}", "-w", tmp],
-                       check=True, env=env)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", f"llama-cpp-python=={VERSION}", "-w", tmp],
+            check=True,
+            env=env,
+        )
         for w in Path(tmp).glob("*.whl"):
             os.replace(w, WHEEL_DIR / w.name)
     log(f"built in {time.time() - started:.0f} s")
@@ -75,8 +80,10 @@ def ensure_llama_cpp(log=print) -> Path:
     if venv in _CHECKED and marker.exists():
         return python
     try:
-        if json.loads(marker.read_text()) == want and subprocess.run(
-                [str(python), "-c", "import llama_cpp, gguf"], capture_output=True).returncode == 0:
+        if (
+            json.loads(marker.read_text()) == want
+            and subprocess.run([str(python), "-c", "import llama_cpp, gguf"], capture_output=True).returncode == 0
+        ):
             _CHECKED.add(venv)
             return python
     except (OSError, ValueError):
@@ -97,8 +104,13 @@ def run_ops(ops: list[dict], timeout: int = 1800) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job.write_text(json.dumps({"ops": ops}))
-        proc = subprocess.run([str(python), "-P", str(WORKER), str(job), str(result)], capture_output=True, text=True,
-                              timeout=timeout, env={**os.environ, "PYTHONPATH": ""})  # -P: not moequant/ first on sys.path (inspect.py)
+        proc = subprocess.run(
+            [str(python), "-P", str(WORKER), str(job), str(result)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "PYTHONPATH": ""},
+        )  # -P: not moequant/ first on sys.path (inspect.py)
         if proc.returncode != 0 or not result.exists():
             raise RuntimeError(f"llama.cpp worker failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
         return json.loads(result.read_text())["results"]
@@ -110,8 +122,9 @@ def ggml_dequantize(items: list[tuple[str, np.ndarray, int]]) -> list[np.ndarray
         ops = []
         for i, (name, blocks, n) in enumerate(items):
             np.save(f"{tmp}/in{i}.npy", blocks)
-            ops.append({"op": "dequantize", "type": name, "in": f"{tmp}/in{i}.npy", "out": f"{tmp}/out{i}.npy",
-                        "n_per_row": n})
+            ops.append(
+                {"op": "dequantize", "type": name, "in": f"{tmp}/in{i}.npy", "out": f"{tmp}/out{i}.npy", "n_per_row": n}
+            )
         run_ops(ops)
         return [np.load(f"{tmp}/out{i}.npy") for i in range(len(items))]
 
@@ -124,7 +137,14 @@ def ggml_quantize(items: list[tuple[str, np.ndarray, np.ndarray | None]]) -> lis
             np.save(f"{tmp}/x{i}.npy", x.astype(np.float32))
             if imat is not None:
                 np.save(f"{tmp}/m{i}.npy", imat.astype(np.float32))
-            ops.append({"op": "quantize_rows", "type": name, "in": f"{tmp}/x{i}.npy",
-                        "imatrix": None if imat is None else f"{tmp}/m{i}.npy", "out": f"{tmp}/q{i}.npy"})
+            ops.append(
+                {
+                    "op": "quantize_rows",
+                    "type": name,
+                    "in": f"{tmp}/x{i}.npy",
+                    "imatrix": None if imat is None else f"{tmp}/m{i}.npy",
+                    "out": f"{tmp}/q{i}.npy",
+                }
+            )
         run_ops(ops)
         return [np.load(f"{tmp}/q{i}.npy") for i in range(len(items))]

@@ -38,8 +38,15 @@ class Mxfp4(Format):
         return super().refuses(spec, target, routed)
 
     def ct_weight_args(self, spec):
-        return {"num_bits": 4, "type": "float", "symmetric": True, "dynamic": False, "strategy": "group",
-                "group_size": MX_GROUP, "scale_dtype": "torch.uint8"}
+        return {
+            "num_bits": 4,
+            "type": "float",
+            "symmetric": True,
+            "dynamic": False,
+            "strategy": "group",
+            "group_size": MX_GROUP,
+            "scale_dtype": "torch.uint8",
+        }
 
     def pack_ct(self, q):
         from moequant.formats.packing import pack_e2m1

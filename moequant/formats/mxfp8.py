@@ -17,7 +17,7 @@ from moequant.formats.elements import e8m0_from_amax, e8m0_to_float, to_e4m3
 from moequant.formats.specs import Format, fixed_group_spec, register
 
 GROUP = 32
-E2M1_TO_E4M3_OFFSET = 2.0 ** 6  # 2^(8 - 2): the scale exponents of e4m3 and e2m1 elements differ by 6
+E2M1_TO_E4M3_OFFSET = 2.0**6  # 2^(8 - 2): the scale exponents of e4m3 and e2m1 elements differ by 6
 
 
 class Mxfp8(Format):
@@ -48,8 +48,15 @@ class Mxfp8(Format):
         return codes.to(torch.float32) * e8m0_to_float(s)
 
     def ct_weight_args(self, spec):
-        return {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "group",
-                "group_size": GROUP, "scale_dtype": "torch.uint8"}
+        return {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "dynamic": False,
+            "strategy": "group",
+            "group_size": GROUP,
+            "scale_dtype": "torch.uint8",
+        }
 
     def pack_ct(self, q):
         return {"weight": q.codes, "weight_scale": q.scales}

@@ -43,14 +43,24 @@ class Nvfp4(Format):
         return decode_e2m1(codes) * (s.to(torch.float32) / gs)
 
     def ct_weight_args(self, spec):
-        return {"num_bits": 4, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor_group",
-                "group_size": NV_GROUP, "scale_dtype": "torch.float8_e4m3fn"}
+        return {
+            "num_bits": 4,
+            "type": "float",
+            "symmetric": True,
+            "dynamic": False,
+            "strategy": "tensor_group",
+            "group_size": NV_GROUP,
+            "scale_dtype": "torch.float8_e4m3fn",
+        }
 
     def pack_ct(self, q):
         from moequant.formats.packing import pack_e2m1, per_expert_scalar
 
-        return {"weight_packed": pack_e2m1(q.codes), "weight_scale": q.scales,
-                "weight_global_scale": per_expert_scalar(q.global_scale)}
+        return {
+            "weight_packed": pack_e2m1(q.codes),
+            "weight_scale": q.scales,
+            "weight_global_scale": per_expert_scalar(q.global_scale),
+        }
 
     def unpack_ct(self, tensors, spec):
         from moequant.formats.core import QuantizedTensor

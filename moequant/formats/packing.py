@@ -46,6 +46,7 @@ AWQ_INVERSE = tuple(AWQ_ORDER.index(c) for c in range(8))  # (0, 4, 1, 5, 2, 6, 
 
 # ---------------------------------------------------------------- bit streams
 
+
 def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Unsigned codes [..., n] (0 <= v < 2^bits) -> int32 words [..., ceil(n*bits/32)], dense
     little-endian bit stream along the last axis."""
@@ -80,7 +81,7 @@ def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
         part = torch.where(sh >= 0, part << sh.clamp(min=0), part >> (-sh).clamp(min=0))
         words.append((part & 0xFFFFFFFF).sum(-1))
     out = torch.stack(words, dim=-1).flatten(-2)
-    out = torch.where(out >= 2 ** 31, out - 2 ** 32, out).to(torch.int32)
+    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
     return out[..., :n_words]
 
 
@@ -148,6 +149,7 @@ def per_expert_scalar(t: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- compressed-tensors
 
+
 def compressed_tensors_format(spec) -> str:
     """compressed-tensors `format` string for a spec."""
     return get_format(spec).family.ct_format
@@ -181,10 +183,13 @@ def unpack_compressed_tensors(tensors: dict, spec) -> QuantizedTensor:
 
 # ---------------------------------------------------------------- GPTQ
 
+
 def _int_spec_for(spec: FormatSpec, layout: str, bits_ok) -> None:
     if not spec.is_int or spec.bits not in bits_ok:
-        raise UserError("the %s layout holds %s integer formats, not %s"
-                        % (layout, "/".join("int%d" % b for b in bits_ok), spec.key))
+        raise UserError(
+            "the %s layout holds %s integer formats, not %s"
+            % (layout, "/".join("int%d" % b for b in bits_ok), spec.key)
+        )
 
 
 def _fp16_scales(q: QuantizedTensor, layout: str) -> torch.Tensor:
@@ -192,9 +197,11 @@ def _fp16_scales(q: QuantizedTensor, layout: str) -> torch.Tensor:
     s16 = q.scales.to(torch.float16)
     bad = s16.to(torch.float32) != q.scales.to(torch.float32)
     if bool(bad.any()):
-        raise UserError("the %s layout stores fp16 scales, and %d scales of this %s tensor (largest %.4g) are not "
-                        "exactly representable in fp16 (normal range 6.1e-05..65504); use compressed-tensors"
-                        % (layout, int(bad.sum()), q.spec.key, float(q.scales.float().abs().max())))
+        raise UserError(
+            "the %s layout stores fp16 scales, and %d scales of this %s tensor (largest %.4g) are not "
+            "exactly representable in fp16 (normal range 6.1e-05..65504); use compressed-tensors"
+            % (layout, int(bad.sum()), q.spec.key, float(q.scales.float().abs().max()))
+        )
     return s16.transpose(-2, -1).contiguous()
 
 
@@ -215,16 +222,22 @@ def pack_gptq(q: QuantizedTensor, version: int = 1) -> dict:
         zeros = unsigned(q.zeros, bits).to(torch.int16)
     if version == 1:
         if bool((zeros == 0).any()):
-            raise UserError("GPTQ v1 cannot store a zero point of 0 (it writes zero - 1): %d groups of this "
-                            "asymmetric %s tensor have one; use gptq_v2, compressed-tensors or a symmetric format"
-                            % (int((zeros == 0).sum()), spec.key))
+            raise UserError(
+                "GPTQ v1 cannot store a zero point of 0 (it writes zero - 1): %d groups of this "
+                "asymmetric %s tensor have one; use gptq_v2, compressed-tensors or a symmetric format"
+                % (int((zeros == 0).sum()), spec.key)
+            )
         zeros = zeros - 1
     elif version != 2:
         raise ValueError("GPTQ version must be 1 or 2")
     qzeros = pack_int32(zeros.transpose(-2, -1).contiguous(), bits)  # [..., groups, words over out]
     g = _group_size(spec, cols)
-    return {"qweight": qweight, "qzeros": qzeros, "scales": _fp16_scales(q, "GPTQ"),
-            "g_idx": torch.arange(cols, dtype=torch.int32, device=u.device) // g}
+    return {
+        "qweight": qweight,
+        "qzeros": qzeros,
+        "scales": _fp16_scales(q, "GPTQ"),
+        "g_idx": torch.arange(cols, dtype=torch.int32, device=u.device) // g,
+    }
 
 
 def unpack_gptq(tensors: dict, spec, shape, version: int = 1) -> QuantizedTensor:
@@ -245,6 +258,7 @@ def unpack_gptq(tensors: dict, spec, shape, version: int = 1) -> QuantizedTensor
 
 # ---------------------------------------------------------------- AWQ
 
+
 def pack_awq(q: QuantizedTensor) -> dict:
     """AutoAWQ GEMM tensors: qweight [in, out/8], qzeros [groups, out/8], scales [groups, out]."""
     spec = q.spec
@@ -263,8 +277,11 @@ def pack_awq(q: QuantizedTensor) -> dict:
         z = torch.full(q.scales.shape, 8, dtype=torch.uint8, device=u.device)
     else:
         z = unsigned(q.zeros, 4)
-    return {"qweight": interleave(u), "qzeros": interleave(z.transpose(-2, -1).contiguous()),
-            "scales": _fp16_scales(q, "AWQ")}
+    return {
+        "qweight": interleave(u),
+        "qzeros": interleave(z.transpose(-2, -1).contiguous()),
+        "scales": _fp16_scales(q, "AWQ"),
+    }
 
 
 def unpack_awq(tensors: dict, spec, shape) -> QuantizedTensor:
@@ -285,6 +302,7 @@ def unpack_awq(tensors: dict, spec, shape) -> QuantizedTensor:
 
 
 # ---------------------------------------------------------------- DeepSeek FP8 and gpt-oss MXFP4
+
 
 def pack_deepseek_fp8(q: QuantizedTensor) -> dict:
     """DeepSeek-V3 layout: weight float8_e4m3fn [out, in], weight_scale_inv fp32 [ceil(out/128), ceil(in/128)]."""

@@ -58,8 +58,9 @@ def _lead3(t: torch.Tensor, shape) -> tuple[torch.Tensor, tuple[int, ...]]:
     return t, tuple(t.stride())
 
 
-def searched_fit_triton(spec, x: torch.Tensor, importance, start_scales: torch.Tensor, start_zeros,
-                        factors: torch.Tensor):
+def searched_fit_triton(
+    spec, x: torch.Tensor, importance, start_scales: torch.Tensor, start_zeros, factors: torch.Tensor
+):
     """searched_fit's search on CUDA. x: float32 [..., k] groups; importance broadcasting against x
     (or None); start_scales / start_zeros: the min/max rule's bf16 scales / int8 zero points
     [...] (the first candidate); factors: float32 [candidates], 1 / the symmetric divisors or
@@ -68,8 +69,11 @@ def searched_fit_triton(spec, x: torch.Tensor, importance, start_scales: torch.T
     k = x.shape[-1]
     shape = tuple(x.shape)
     xv, xs = _lead3(x, shape)
-    w = torch.ones((1,) * x.dim(), dtype=torch.float32, device=x.device) if importance is None \
+    w = (
+        torch.ones((1,) * x.dim(), dtype=torch.float32, device=x.device)
+        if importance is None
         else importance.to(torch.float32)
+    )
     wv, ws = _lead3(w, shape)
     n0, n1, n2 = xv.shape[:3]
     m = n0 * n1 * n2
@@ -82,10 +86,32 @@ def searched_fit_triton(spec, x: torch.Tensor, importance, start_scales: torch.T
     block_m, warps = LAUNCH.get(k, (max(1, 2048 // k), 4))
     grid = (triton.cdiv(m, block_m),)
     _search_kernel[grid](
-        xv, wv, s_in, z_in, out_s, out_z, factors, m, n1, n2,
-        xs[0], xs[1], xs[2], xs[3], ws[0], ws[1], ws[2], ws[3],
-        float(-(2 ** (spec.bits - 1))), float(2 ** (spec.bits - 1) - 1), float(2 ** spec.bits - 1),
-        SYMMETRIC=symmetric, K=k, BLOCK_M=block_m, N_CAND=len(factors), num_warps=warps,
+        xv,
+        wv,
+        s_in,
+        z_in,
+        out_s,
+        out_z,
+        factors,
+        m,
+        n1,
+        n2,
+        xs[0],
+        xs[1],
+        xs[2],
+        xs[3],
+        ws[0],
+        ws[1],
+        ws[2],
+        ws[3],
+        float(-(2 ** (spec.bits - 1))),
+        float(2 ** (spec.bits - 1) - 1),
+        float(2**spec.bits - 1),
+        SYMMETRIC=symmetric,
+        K=k,
+        BLOCK_M=block_m,
+        N_CAND=len(factors),
+        num_warps=warps,
         **({} if INTERPRETED else {"enable_fp_fusion": False}),
     )
     lead = shape[:-1]
@@ -166,9 +192,33 @@ if triton is not None:
         return tl.where(s > 0, z, 0.0)
 
     @triton.jit
-    def _search_kernel(X, W, S0, Z0, OUT_S, OUT_Z, F, m, n1, n2,
-                       sx0, sx1, sx2, sx3, sw0, sw1, sw2, sw3, qmin, qmax, steps,
-                       SYMMETRIC: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, N_CAND: tl.constexpr):
+    def _search_kernel(
+        X,
+        W,
+        S0,
+        Z0,
+        OUT_S,
+        OUT_Z,
+        F,
+        m,
+        n1,
+        n2,
+        sx0,
+        sx1,
+        sx2,
+        sx3,
+        sw0,
+        sw1,
+        sw2,
+        sw3,
+        qmin,
+        qmax,
+        steps,
+        SYMMETRIC: tl.constexpr,
+        K: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        N_CAND: tl.constexpr,
+    ):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         live = rows < m
         r = tl.where(live, rows, 0).to(tl.int64)
@@ -188,8 +238,9 @@ if triton is not None:
             amax = tl.max(tl.abs(x), axis=1)
             for i in range(0, N_CAND):
                 s32 = amax * tl.load(F + i)
-                best, best_s, best_z = _consider(x, w, _store_scale(s32), best_z, best, best_s, best_z, qmin, qmax,
-                                                 SYMMETRIC)
+                best, best_s, best_z = _consider(
+                    x, w, _store_scale(s32), best_z, best, best_s, best_z, qmin, qmax, SYMMETRIC
+                )
                 # its weighted least-squares refit on the codes of the unrounded candidate
                 codes = _codes_of_quotient(x, tl.where(s32 > 0, s32, 1.0), qmin, qmax)
                 s = _store_scale(tl.div_rn(tl.sum(w * x * codes, axis=1), tl.sum(w * (codes * codes), axis=1)))

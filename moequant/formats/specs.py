@@ -118,10 +118,10 @@ class Format:
     """
 
     names: tuple[str, ...] = ()
-    quantized = True   # False: bf16, the weights as they are
-    integer = False    # signed integer codes, bit-packed in int32 words
-    ggml = False       # a llama.cpp block type: codes are the packed blocks (own quantizer)
-    e2m1 = False       # 4-bit float elements, two per byte
+    quantized = True  # False: bf16, the weights as they are
+    integer = False  # signed integer codes, bit-packed in int32 words
+    ggml = False  # a llama.cpp block type: codes are the packed blocks (own quantizer)
+    e2m1 = False  # 4-bit float elements, two per byte
     global_scale = False  # a per-expert fp32 scale on top of the block scales (nvfp4)
     ct_format = "pack-quantized"  # compressed-tensors' `format` of a group in this format
 
@@ -188,10 +188,14 @@ class Format:
     # ---- serving
     def refuses(self, spec: FormatSpec, target: str, routed: bool) -> str | None:
         if target == "llama.cpp":
-            return "llama.cpp (GGUF) stores ggml block types (q8_0, q6_k, q5_k, q4_k, q4_0, ...) or bf16, not " + spec.name
+            return (
+                "llama.cpp (GGUF) stores ggml block types (q8_0, q6_k, q5_k, q4_k, q4_0, ...) or bf16, not " + spec.name
+            )
         if target == "vllm-moequant" and routed:
-            return ("moequant's vLLM plugin serves routed experts in bf16, per-channel int8 (W8A8) and symmetric "
-                    "int4 on vLLM's CPU backend, not %s" % spec.key)
+            return (
+                "moequant's vLLM plugin serves routed experts in bf16, per-channel int8 (W8A8) and symmetric "
+                "int4 on vLLM's CPU backend, not %s" % spec.key
+            )
         return None
 
 
@@ -249,8 +253,10 @@ def fixed_group_spec(name: str, params: dict, group: int, bits: int) -> FormatSp
     """A symmetric format with one fixed group size (mxfp4, nvfp4): its spec, refusing other parameters."""
     p = take_params(name, params, {"group_size": group, "symmetric": True})
     if p["group_size"] != group or p["symmetric"] is not True:
-        raise UserError("format %s has fixed group_size=%d and is symmetric; got group_size=%r, symmetric=%r"
-                        % (name, group, p["group_size"], p["symmetric"]))
+        raise UserError(
+            "format %s has fixed group_size=%d and is symmetric; got group_size=%r, symmetric=%r"
+            % (name, group, p["group_size"], p["symmetric"])
+        )
     return FormatSpec(name, bits, "group", group, True)
 
 
@@ -317,14 +323,18 @@ def check_shape(spec: FormatSpec, shape, name: str | None = None) -> None:
     """UserError when a weight of `shape` cannot be stored in `spec` (fp8 blocks allow ragged edges)."""
     rows, cols = int(shape[-2]), int(shape[-1])
     if rows < 1 or cols < 1:
-        raise UserError("%s has empty shape %s; format %s needs at least one row and column"
-                        % (_label(name), tuple(shape), spec.key))
+        raise UserError(
+            "%s has empty shape %s; format %s needs at least one row and column"
+            % (_label(name), tuple(shape), spec.key)
+        )
     why = spec.family.check_cols(spec, cols)
     if why:
         size = spec.group_size
-        raise UserError("%s has %d input columns, %s of format %s; "
-                        "accepted: input columns divisible by %d (or a format with a smaller group)"
-                        % (_label(name), cols, why, spec.key, size))
+        raise UserError(
+            "%s has %d input columns, %s of format %s; "
+            "accepted: input columns divisible by %d (or a format with a smaller group)"
+            % (_label(name), cols, why, spec.key, size)
+        )
 
 
 def _label(name: str | None) -> str:

@@ -33,10 +33,23 @@ EXPORT_INFO = "moequant_export.json"  # what an export wrote (layout, target, ev
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit for the JSON header
 
 DTYPE_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "F4": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
 }
 
 
@@ -65,9 +78,18 @@ class TensorEntry:
 
 
 TORCH_DTYPES = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -104,11 +126,15 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
         try:
             dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         except (KeyError, TypeError):
-            raise UserError(f"{path} has a corrupt safetensors header: tensor {name!r} lacks dtype/shape/offsets.") from None
+            raise UserError(
+                f"{path} has a corrupt safetensors header: tensor {name!r} lacks dtype/shape/offsets."
+            ) from None
         # exact JSON types (no int("12") or int(1.5) coercion): what the safetensors library accepts
         if not (isinstance(dtype, str) and _int_list(shape) and _int_list(offsets) and len(offsets) == 2):
-            raise UserError(f"{path} has a corrupt safetensors header: tensor {name!r} needs a dtype string, "
-                            "a shape list of integers and two integer data offsets.")
+            raise UserError(
+                f"{path} has a corrupt safetensors header: tensor {name!r} needs a dtype string, "
+                "a shape list of integers and two integer data offsets."
+            )
         shape = tuple(shape)
         start, end = offsets
         if dtype not in DTYPE_SIZES:
@@ -134,8 +160,10 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
     covered = 0
     for start, end, name in spans:
         if start != covered:
-            raise UserError(f"{path}: tensor {name!r} starts at data byte {start}, leaving bytes {covered}..{start} "
-                            "that no tensor covers.")
+            raise UserError(
+                f"{path}: tensor {name!r} starts at data byte {start}, leaving bytes {covered}..{start} "
+                "that no tensor covers."
+            )
         covered = end
     if covered != data_size:
         raise UserError(f"{path} has {data_size - covered} bytes after its last tensor that no tensor covers.")
@@ -194,8 +222,9 @@ class Checkpoint:
     `encodings` the logical weights that are decoded on read.
     """
 
-    def __init__(self, path: Path, config: dict, entries: dict[str, TensorEntry], config_only: bool,
-                 decode: bool = True):
+    def __init__(
+        self, path: Path, config: dict, entries: dict[str, TensorEntry], config_only: bool, decode: bool = True
+    ):
         from moequant.io import dequant
 
         self.path = path
@@ -356,7 +385,9 @@ def _read_entries(directory: Path) -> dict[str, TensorEntry]:
             if not isinstance(weight_map, dict):
                 raise TypeError
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-            raise UserError(f"{index_path} is malformed: it needs a JSON object with a 'weight_map' of tensor → shard.") from None
+            raise UserError(
+                f"{index_path} is malformed: it needs a JSON object with a 'weight_map' of tensor → shard."
+            ) from None
         shards: dict[str, list[str]] = {}
         for tensor, shard in weight_map.items():
             if not isinstance(shard, str):
@@ -365,7 +396,9 @@ def _read_entries(directory: Path) -> dict[str, TensorEntry]:
         entries: dict[str, TensorEntry] = {}
         for shard, tensors in shards.items():
             if os.path.isabs(shard) or not shard.endswith(".safetensors"):
-                raise UserError(f"{index_path} names shard {shard!r}, which is not a .safetensors file inside {directory}.")
+                raise UserError(
+                    f"{index_path} names shard {shard!r}, which is not a .safetensors file inside {directory}."
+                )
             shard_path = _confined(directory, shard, f"{index_path} shard")
             if not shard_path.exists():
                 raise UserError(f"{index_path} names shard {shard}, which is missing from {directory}.")
@@ -420,8 +453,10 @@ def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
     except BaseException as error:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_disk_full(error):
-            raise UserError(f"the disk holding {final.parent} is full (no space left while writing {final.name}); "
-                            f"{final} was left as it was — free space and run again.") from None
+            raise UserError(
+                f"the disk holding {final.parent} is full (no space left while writing {final.name}); "
+                f"{final} was left as it was — free space and run again."
+            ) from None
         raise
 
 
@@ -430,7 +465,7 @@ def _remove_leftovers(final: Path) -> None:
     what a killed run leaves (a whole checkpoint's worth of disk). Live runs' are kept."""
     prefix = f".{final.name}."
     for p in final.parent.iterdir():
-        kind, _, rest = p.name[len(prefix):].partition("-") if p.name.startswith(prefix) else ("", "", "")
+        kind, _, rest = p.name[len(prefix) :].partition("-") if p.name.startswith(prefix) else ("", "", "")
         pid = rest.split("-")[0]
         if kind in ("tmp", "old") and pid.isdigit() and not _process_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
@@ -501,10 +536,22 @@ def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | No
 
 
 SAFETENSORS_DTYPES = {
-    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2", torch.float8_e8m0fnu: "F8_E8M0", torch.int16: "I16", torch.uint16: "U16",
-    torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32", torch.uint32: "U32", torch.float32: "F32",
-    torch.int64: "I64", torch.uint64: "U64", torch.float64: "F64",
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e8m0fnu: "F8_E8M0",
+    torch.int16: "I16",
+    torch.uint16: "U16",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.uint32: "U32",
+    torch.float32: "F32",
+    torch.int64: "I64",
+    torch.uint64: "U64",
+    torch.float64: "F64",
 }
 
 
@@ -543,11 +590,15 @@ class ShardWriter:
             raise ValueError(f"tensor {name} has dtype {tensor.dtype}, which safetensors cannot store")
         self._seen.add(name)
         size = tensor.numel() * tensor.element_size()
-        entry = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                 "data_offsets": [self._offset, self._offset + size]}
+        entry = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [self._offset, self._offset + size],
+        }
         entry_bytes = len(json.dumps({name: entry})) + 1
-        if self._header and (self._offset + size > self.max_shard_bytes
-                             or self._header_bytes + entry_bytes > self.reserve):
+        if self._header and (
+            self._offset + size > self.max_shard_bytes or self._header_bytes + entry_bytes > self.reserve
+        ):
             self._close_shard()
             entry["data_offsets"] = [0, size]
             entry_bytes = len(json.dumps({name: entry})) + 1
@@ -604,8 +655,15 @@ class ShardWriter:
 
 
 AUX_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja", "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
 )
 
 

@@ -47,8 +47,14 @@ from moequant.errors import UserError
 from moequant.formats import QuantizedTensor
 
 QUANT_METHODS = ("compressed-tensors", "fp8", "mxfp4", "gptq", "awq", "moequant")
-CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized", "mxfp4-pack-quantized",
-              "nvfp4-pack-quantized")
+CT_FORMATS = (
+    "pack-quantized",
+    "int-quantized",
+    "naive-quantized",
+    "float-quantized",
+    "mxfp4-pack-quantized",
+    "nvfp4-pack-quantized",
+)
 
 
 def _ct_formats() -> tuple[str, ...]:
@@ -95,18 +101,27 @@ def encodings(config: dict, stored: dict, where, read: Callable[[str], torch.Ten
     if not isinstance(qc, dict):
         raise UserError(f"{where}/config.json has a quantization_config that is not a JSON object.")
     method = qc.get("quant_method")
-    readers = {"compressed-tensors": _compressed_tensors, "fp8": _deepseek_fp8, "mxfp4": _gpt_oss_mxfp4,
-               "gptq": _gptq, "awq": _awq,
-               "moequant": _compressed_tensors}  # compressed-tensors + a per-expert format map (moequant.vllm_plugin)
+    readers = {
+        "compressed-tensors": _compressed_tensors,
+        "fp8": _deepseek_fp8,
+        "mxfp4": _gpt_oss_mxfp4,
+        "gptq": _gptq,
+        "awq": _awq,
+        "moequant": _compressed_tensors,
+    }  # compressed-tensors + a per-expert format map (moequant.vllm_plugin)
     if method not in readers:
-        raise UserError(f"{where}/config.json has quantization_config.quant_method {method!r}, a source format "
-                        f"moequant cannot read; accepted: {', '.join(QUANT_METHODS)}.")
+        raise UserError(
+            f"{where}/config.json has quantization_config.quant_method {method!r}, a source format "
+            f"moequant cannot read; accepted: {', '.join(QUANT_METHODS)}."
+        )
     found = readers[method](qc, stored, where, read)
     consumed = {p for e in found.values() for p in e.parts.values()}
     for name, entry in stored.items():  # an fp8 weight nobody explains would be read as raw codes
         if entry.dtype in FLOAT8 and name not in consumed:
-            raise UserError(f"{where}: tensor {name!r} is stored in {entry.dtype} but its quantization_config "
-                            f"({method}) gives it no scale; moequant cannot read it as a weight.")
+            raise UserError(
+                f"{where}: tensor {name!r} is stored in {entry.dtype} but its quantization_config "
+                f"({method}) gives it no scale; moequant cannot read it as a weight."
+            )
     return found
 
 
@@ -125,8 +140,10 @@ def decode(enc: Encoding, read: Callable[[str], torch.Tensor], device=None) -> t
         w = w.transpose(-2, -1).contiguous()  # dequantized [E, out, in]; the parameter is [E, in, out]
     bad = ~torch.isfinite(w)
     if bad.any():
-        raise UserError(f"tensor {enc.name!r} ({enc.description}) decodes to {int(bad.sum())} NaN or infinite "
-                        f"values (its codes in {enc.parts[_codes_role(enc)]!r} are broken).")
+        raise UserError(
+            f"tensor {enc.name!r} ({enc.description}) decodes to {int(bad.sum())} NaN or infinite "
+            f"values (its codes in {enc.parts[_codes_role(enc)]!r} are broken)."
+        )
     return w
 
 
@@ -152,8 +169,10 @@ def _quantized(enc: Encoding, t: dict) -> QuantizedTensor:
         return QuantizedTensor(spec, shape, t["weight"], t["weight_scale"])
     if layout == "pack-quantized":
         if "weight_shape" in t and tuple(int(v) for v in t["weight_shape"].tolist()) != tuple(shape):
-            raise UserError(f"tensor {enc.parts['weight_shape']!r} says {t['weight_shape'].tolist()}, but "
-                            f"{enc.parts['weight_packed']!r} and its scales hold a weight of shape {list(shape)}.")
+            raise UserError(
+                f"tensor {enc.parts['weight_shape']!r} says {t['weight_shape'].tolist()}, but "
+                f"{enc.parts['weight_packed']!r} and its scales hold a weight of shape {list(shape)}."
+            )
         t = {**t, "weight_shape": torch.tensor(shape, dtype=torch.int64)}
     return formats.unpack_compressed_tensors(t, spec)
 
@@ -164,8 +183,10 @@ def _check_scales(enc: Encoding, role: str, s: torch.Tensor) -> None:
     else:
         bad = int((~torch.isfinite(s.to(torch.float32))).sum())
     if bad:
-        raise UserError(f"tensor {enc.parts[role]!r} (scales of {enc.name}) holds {bad} NaN or infinite scales; "
-                        "the checkpoint is damaged.")
+        raise UserError(
+            f"tensor {enc.parts[role]!r} (scales of {enc.name}) holds {bad} NaN or infinite scales; "
+            "the checkpoint is damaged."
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,8 +200,7 @@ def _need(stored, where, name: str, dtypes, shape=None, what: str = ""):
     if entry.dtype not in dtypes:
         raise UserError(f"{where}: tensor {name!r} is {entry.dtype}; accepted there: {', '.join(dtypes)}.")
     if shape is not None and tuple(entry.shape) != tuple(shape):
-        raise UserError(f"{where}: tensor {name!r} has shape {list(entry.shape)}, but its weight needs "
-                        f"{list(shape)}.")
+        raise UserError(f"{where}: tensor {name!r} has shape {list(entry.shape)}, but its weight needs {list(shape)}.")
     return entry
 
 
@@ -196,6 +216,7 @@ def _modules_with(stored, param: str) -> list[str]:
 
 
 # ---- compressed-tensors ------------------------------------------------------------------------
+
 
 def spec_from_ct_scheme(scheme: dict):
     """The moequant format of a compressed-tensors config group (UserError if it has none)."""
@@ -220,8 +241,10 @@ def spec_from_ct_scheme(scheme: dict):
     spec = _registered_ct_spec(w)
     if spec is not None:
         return spec
-    raise UserError(f"compressed-tensors weights scheme {w} is not a format moequant reads (int2..int8 group, int8 "
-                    "channel, fp8 tensor / channel / 128x128 block, mxfp4, nvfp4).")
+    raise UserError(
+        f"compressed-tensors weights scheme {w} is not a format moequant reads (int2..int8 group, int8 "
+        "channel, fp8 tensor / channel / 128x128 block, mxfp4, nvfp4)."
+    )
 
 
 def _registered_ct_spec(w: dict):
@@ -248,19 +271,31 @@ def _ct_modules(targets, ignore, modules: list[str], where) -> list[str]:
         elif t[:1].isupper():  # a class name (Linear): what stores quantization parameters
             out += list(modules)
         else:
-            raise UserError(f"compressed-tensors target {t!r} in {where}/config.json matches no module of the checkpoint.")
+            raise UserError(
+                f"compressed-tensors target {t!r} in {where}/config.json matches no module of the checkpoint."
+            )
     return [m for m in dict.fromkeys(out) if not any(_matches(p, m) for p in ignore)]
 
 
 def _compressed_tensors(qc, stored, where, read):
     quantized_modules = sorted({n.rsplit(".", 1)[0] for n in stored if n.endswith((".weight_packed", ".weight_scale"))})
     groups, ignore, top = qc.get("config_groups") or {}, qc.get("ignore") or [], qc.get("format")
-    if not (isinstance(groups, dict) and all(isinstance(g, dict) and isinstance(g.get("targets", []), list)
-                                             and all(isinstance(t, str) for t in g.get("targets", []))
-                                             and isinstance(g.get("weights") or {}, dict) for g in groups.values())
-            and isinstance(ignore, list) and all(isinstance(i, str) for i in ignore)):
-        raise UserError(f"{where}/config.json: the compressed-tensors quantization_config is malformed; it needs "
-                        "config_groups {name: {targets: [names], weights: {...}}} and ignore [names].")
+    if not (
+        isinstance(groups, dict)
+        and all(
+            isinstance(g, dict)
+            and isinstance(g.get("targets", []), list)
+            and all(isinstance(t, str) for t in g.get("targets", []))
+            and isinstance(g.get("weights") or {}, dict)
+            for g in groups.values()
+        )
+        and isinstance(ignore, list)
+        and all(isinstance(i, str) for i in ignore)
+    ):
+        raise UserError(
+            f"{where}/config.json: the compressed-tensors quantization_config is malformed; it needs "
+            "config_groups {name: {targets: [names], weights: {...}}} and ignore [names]."
+        )
     out = {}
     for group, scheme in groups.items():
         if not scheme.get("weights"):
@@ -270,18 +305,24 @@ def _compressed_tensors(qc, stored, where, read):
         if fmt in (None, "mixed-precision"):  # unsaid: the format compressed-tensors infers for the scheme
             fmt = formats.compressed_tensors_format(spec)
         if fmt not in _ct_formats():
-            raise UserError(f"{where}/config.json: compressed-tensors format {fmt!r} (config group {group}) is not one "
-                            f"moequant reads; accepted: {', '.join(_ct_formats())}.")
+            raise UserError(
+                f"{where}/config.json: compressed-tensors format {fmt!r} (config group {group}) is not one "
+                f"moequant reads; accepted: {', '.join(_ct_formats())}."
+            )
         if spec.is_int and fmt in ("int-quantized", "naive-quantized") and (not spec.symmetric or spec.bits != 8):
-            raise UserError(f"{where}/config.json: {fmt} {spec.key} (config group {group}) is not one moequant reads; "
-                            "accepted there: symmetric int8.")
+            raise UserError(
+                f"{where}/config.json: {fmt} {spec.key} (config group {group}) is not one moequant reads; "
+                "accepted there: symmetric int8."
+            )
         for module in _ct_modules(scheme.get("targets", []), ignore, quantized_modules, where):
             name = f"{module}.weight"
             if name in out:
                 raise UserError(f"module {module} is targeted by two config groups in {where}/config.json.")
             if f"{module}.weight_g_idx" in stored:
-                raise UserError(f"{where}: {module}.weight_g_idx (activation reordering) is not supported; accepted: "
-                                "compressed-tensors weights without act-order.")
+                raise UserError(
+                    f"{where}: {module}.weight_g_idx (activation reordering) is not supported; accepted: "
+                    "compressed-tensors weights without act-order."
+                )
             out[name] = _ct_encoding(stored, where, module, spec, fmt, read)
     return out
 
@@ -297,8 +338,9 @@ def _ct_encoding(stored, where, module: str, spec, fmt: str, read) -> Encoding:
         scale = {"channel": (rows, 1), "block": (math.ceil(rows / 128), math.ceil(cols / 128))}.get(spec.granularity)
         s = _need(stored, where, p("weight_scale"), FLOATS, scale)
         if spec.granularity == "tensor" and math.prod(s.shape) != 1:
-            raise UserError(f"{where}: tensor {p('weight_scale')!r} has shape {list(s.shape)}; a per-tensor scale "
-                            "holds one value.")
+            raise UserError(
+                f"{where}: tensor {p('weight_scale')!r} has shape {list(s.shape)}; a per-tensor scale holds one value."
+            )
         return Encoding(name, (rows, cols), spec, fmt, {"weight": name, "weight_scale": p("weight_scale")})
     if spec.is_fp4:
         packed = p("weight_packed")
@@ -307,14 +349,20 @@ def _ct_encoding(stored, where, module: str, spec, fmt: str, read) -> Encoding:
         cols = 2 * half
         group = 32 if spec.name == "mxfp4" else 16
         if cols % group:
-            raise UserError(f"{where}: tensor {packed!r} holds {cols} columns, not a multiple of {spec.key}'s group of {group}.")
+            raise UserError(
+                f"{where}: tensor {packed!r} holds {cols} columns, not a multiple of {spec.key}'s group of {group}."
+            )
         parts = {"weight_packed": packed, "weight_scale": p("weight_scale")}
-        _need(stored, where, parts["weight_scale"], ("U8",) if spec.name == "mxfp4" else FLOAT8[:1], (rows, cols // group))
+        _need(
+            stored, where, parts["weight_scale"], ("U8",) if spec.name == "mxfp4" else FLOAT8[:1], (rows, cols // group)
+        )
         if spec.name == "nvfp4":
             parts["weight_global_scale"] = p("weight_global_scale")
             g = _need(stored, where, parts["weight_global_scale"], FLOATS)
             if math.prod(g.shape) != 1:
-                raise UserError(f"{where}: tensor {parts['weight_global_scale']!r} has shape {list(g.shape)}; it holds one value.")
+                raise UserError(
+                    f"{where}: tensor {parts['weight_global_scale']!r} has shape {list(g.shape)}; it holds one value."
+                )
         return Encoding(name, (rows, cols), spec, fmt, parts)
     if fmt in ("int-quantized", "naive-quantized"):
         _need(stored, where, name, ("I8",))
@@ -330,13 +378,17 @@ def _ct_encoding(stored, where, module: str, spec, fmt: str, read) -> Encoding:
         groups = cols // spec.group_size
     else:  # per channel: the column count is only in weight_shape (int8: up to 3 unused codes per row)
         if p("weight_shape") not in stored:
-            raise UserError(f"{where} lacks tensor {p('weight_shape')!r}, which a per-channel pack-quantized weight needs.")
+            raise UserError(
+                f"{where} lacks tensor {p('weight_shape')!r}, which a per-channel pack-quantized weight needs."
+            )
         _need(stored, where, p("weight_shape"), ("I64", "I32"), (2,))
         cols = int(read(p("weight_shape"))[1])
         groups = 1
     if cols <= 0 or tuple(scale.shape) != (rows, groups) or math.ceil(cols * spec.bits / 32) != words:
-        raise UserError(f"{where}: tensor {p('weight_scale')!r} has shape {list(scale.shape)}, which does not fit "
-                        f"{packed!r} {[rows, words]} as {spec.key}.")
+        raise UserError(
+            f"{where}: tensor {p('weight_scale')!r} has shape {list(scale.shape)}, which does not fit "
+            f"{packed!r} {[rows, words]} as {spec.key}."
+        )
     parts = {"weight_packed": packed, "weight_scale": p("weight_scale")}
     if p("weight_shape") in stored:
         _need(stored, where, p("weight_shape"), ("I64", "I32"), (2,))
@@ -365,16 +417,27 @@ def _registered_ct_encoding(stored, where, module: str, spec, fmt: str) -> Encod
     return Encoding(f"{module}.weight", (rows, cols), spec, fmt, parts)
 
 
-_SAFETENSORS_DTYPE = {torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64",
-                      torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8"}
+_SAFETENSORS_DTYPE = {
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.uint8: "U8",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int8: "I8",
+}
 
 
 # ---- DeepSeek FP8 / gpt-oss MXFP4 ----------------------------------------------------------------
 
+
 def _deepseek_fp8(qc, stored, where, read):
     if list(qc.get("weight_block_size") or []) != [128, 128]:
-        raise UserError(f"{where}/config.json: fp8 with weight_block_size {qc.get('weight_block_size')!r} is not a source "
-                        "format moequant reads; accepted: weight_block_size [128, 128] (DeepSeek-V3's).")
+        raise UserError(
+            f"{where}/config.json: fp8 with weight_block_size {qc.get('weight_block_size')!r} is not a source "
+            "format moequant reads; accepted: weight_block_size [128, 128] (DeepSeek-V3's)."
+        )
     spec = formats.get_format("fp8", granularity="block")
     out = {}
     for module in _modules_with(stored, "weight_scale_inv"):
@@ -394,38 +457,53 @@ def _gpt_oss_mxfp4(qc, stored, where, read):
         _need(stored, where, blocks, ("U8",))
         E, rows, groups, sixteen = _dims(stored, where, blocks, 4)
         if sixteen != 16:
-            raise UserError(f"{where}: tensor {blocks!r} has shape {list(stored[blocks].shape)}; MXFP4 blocks are "
-                            "[experts, out, in/32, 16].")
+            raise UserError(
+                f"{where}: tensor {blocks!r} has shape {list(stored[blocks].shape)}; MXFP4 blocks are "
+                "[experts, out, in/32, 16]."
+            )
         _need(stored, where, scales, ("U8",), (E, rows, groups), " (the e8m0 scales of its blocks)")
-        out[stem] = Encoding(stem, (E, groups * 32, rows), spec, "gpt-oss-mxfp4",
-                             {"blocks": blocks, "blocks_scales": scales})
+        out[stem] = Encoding(
+            stem, (E, groups * 32, rows), spec, "gpt-oss-mxfp4", {"blocks": blocks, "blocks_scales": scales}
+        )
     return out
 
 
 # ---- GPTQ / AWQ (as moequant writes them) -----------------------------------------------------------
 
+
 def _gptq(qc, stored, where, read):
     if qc.get("checkpoint_format", "gptq") != "gptq" or qc.get("desc_act"):
-        raise UserError(f"{where}: GPTQ checkpoints with act-order or checkpoint_format "
-                        f"{qc.get('checkpoint_format')!r} are not a source format moequant reads; accepted: GPTQ v1 "
-                        "without act-order.")
+        raise UserError(
+            f"{where}: GPTQ checkpoints with act-order or checkpoint_format "
+            f"{qc.get('checkpoint_format')!r} are not a source format moequant reads; accepted: GPTQ v1 "
+            "without act-order."
+        )
     symmetric = bool(qc.get("sym", True))
     out = {}
     for module in _modules_with(stored, "qweight"):
         parts = {r: f"{module}.{r}" for r in ("qweight", "qzeros", "scales", "g_idx")}
-        for r, dtypes in (("qweight", ("I32",)), ("qzeros", ("I32",)), ("scales", ("F16", "BF16", "F32")),
-                          ("g_idx", ("I32", "I64"))):
+        for r, dtypes in (
+            ("qweight", ("I32",)),
+            ("qzeros", ("I32",)),
+            ("scales", ("F16", "BF16", "F32")),
+            ("g_idx", ("I32", "I64")),
+        ):
             _need(stored, where, parts[r], dtypes)
         cols = math.prod(stored[parts["g_idx"]].shape)
         groups, rows = _dims(stored, where, parts["scales"], 2)
         words = _dims(stored, where, parts["qweight"], 2)[0]
         bits = words * 32 // cols if cols else 0
         try:
-            spec = (formats.get_format("int8") if bits == 8 and groups == 1 else
-                    formats.get_format(f"int{bits}", group_size=cols // groups, symmetric=symmetric))
+            spec = (
+                formats.get_format("int8")
+                if bits == 8 and groups == 1
+                else formats.get_format(f"int{bits}", group_size=cols // groups, symmetric=symmetric)
+            )
         except UserError:
-            raise UserError(f"{where}: GPTQ module {module} ({words} x {rows} qweight words for {cols} inputs in "
-                            f"{groups} groups) is not a format moequant reads.") from None
+            raise UserError(
+                f"{where}: GPTQ module {module} ({words} x {rows} qweight words for {cols} inputs in "
+                f"{groups} groups) is not a format moequant reads."
+            ) from None
         _need(stored, where, parts["qweight"], ("I32",), (math.ceil(cols * bits / 32), rows))
         out[f"{module}.weight"] = Encoding(f"{module}.weight", (rows, cols), spec, "gptq", parts)
     return out
@@ -433,8 +511,10 @@ def _gptq(qc, stored, where, read):
 
 def _awq(qc, stored, where, read):
     if str(qc.get("version", "gemm")).lower() != "gemm" or qc.get("bits", 4) != 4:
-        raise UserError(f"{where}: AWQ version {qc.get('version')!r} with {qc.get('bits')} bits is not a source format "
-                        "moequant reads; accepted: AWQ GEMM 4-bit.")
+        raise UserError(
+            f"{where}: AWQ version {qc.get('version')!r} with {qc.get('bits')} bits is not a source format "
+            "moequant reads; accepted: AWQ GEMM 4-bit."
+        )
     spec = formats.get_format("int4", group_size=qc.get("group_size"), symmetric=not qc.get("zero_point", True))
     out = {}
     for module in _modules_with(stored, "qweight"):
@@ -444,8 +524,10 @@ def _awq(qc, stored, where, read):
         _need(stored, where, parts["scales"], ("F16", "BF16", "F32"))
         groups, rows = _dims(stored, where, parts["scales"], 2)
         if groups * spec.group_size != cols or rows % 8:
-            raise UserError(f"{where}: tensor {parts['scales']!r} has shape {[groups, rows]}, which does not fit "
-                            f"{parts['qweight']!r} as {spec.key}.")
+            raise UserError(
+                f"{where}: tensor {parts['scales']!r} has shape {[groups, rows]}, which does not fit "
+                f"{parts['qweight']!r} as {spec.key}."
+            )
         _need(stored, where, parts["qweight"], ("I32",), (cols, rows // 8))
         _need(stored, where, parts["qzeros"], ("I32",), (groups, rows // 8))
         out[f"{module}.weight"] = Encoding(f"{module}.weight", (rows, cols), spec, "awq", parts)

@@ -75,13 +75,17 @@ def check_checkpoint_in_run(checkpoint) -> None:
     if checkpoint.name != "checkpoint" or expected is None:
         return
     if not checkpoint.is_dir():
-        raise UserError(f"{checkpoint} does not exist although {plan_path} plans it; run `moequant apply` for "
-                        f"{checkpoint.parent} to make it.")
+        raise UserError(
+            f"{checkpoint} does not exist although {plan_path} plans it; run `moequant apply` for "
+            f"{checkpoint.parent} to make it."
+        )
     found = checkpoint_fingerprint(checkpoint)
     if found != expected:
-        raise UserError(f"{checkpoint} does not belong to the run in {checkpoint.parent}: its run fingerprint is "
-                        f"{found or 'missing'} but {plan_path} has {expected}; rerun that directory's `moequant apply` "
-                        "to remake it, or move the checkpoint out of the directory to evaluate it alone.")
+        raise UserError(
+            f"{checkpoint} does not belong to the run in {checkpoint.parent}: its run fingerprint is "
+            f"{found or 'missing'} but {plan_path} has {expected}; rerun that directory's `moequant apply` "
+            "to remake it, or move the checkpoint out of the directory to evaluate it alone."
+        )
 
 
 def check_checkpoint_recorded(checkpoint) -> None:
@@ -95,10 +99,15 @@ def check_checkpoint_recorded(checkpoint) -> None:
         return
     records = _records(checkpoint.parent)
     if not records or any(fp != expected for fp in records.values()):
-        what = ", ".join(f"{n} has {fp or 'no run fingerprint'}" for n, fp in records.items()) or "checkpoint.json is missing"
-        raise UserError(f"{checkpoint} has no record of being made by the run in {checkpoint.parent} ({what}, "
-                        f"{plan_path} has {expected}); rerun that directory's `moequant apply` to remake and record "
-                        "it, or move the checkpoint out of the directory to evaluate it alone.")
+        what = (
+            ", ".join(f"{n} has {fp or 'no run fingerprint'}" for n, fp in records.items())
+            or "checkpoint.json is missing"
+        )
+        raise UserError(
+            f"{checkpoint} has no record of being made by the run in {checkpoint.parent} ({what}, "
+            f"{plan_path} has {expected}); rerun that directory's `moequant apply` to remake and record "
+            "it, or move the checkpoint out of the directory to evaluate it alone."
+        )
 
 
 def check_report_directory(output) -> str | None:
@@ -106,11 +115,15 @@ def check_report_directory(output) -> str | None:
     part is of one run (check_run_directory)."""
     output = Path(output)
     if not (output / "checkpoint").is_dir():
-        raise UserError(f"{output} has no checkpoint/, the checkpoint its report describes; rerun `moequant apply` "
-                        "to make it again.")
+        raise UserError(
+            f"{output} has no checkpoint/, the checkpoint its report describes; rerun `moequant apply` "
+            "to make it again."
+        )
     if not _records(output):
-        raise UserError(f"{output} has no checkpoint.json, apply's record that checkpoint/ was made from its plan; "
-                        "rerun `moequant apply` to remake and record it.")
+        raise UserError(
+            f"{output} has no checkpoint.json, apply's record that checkpoint/ was made from its plan; "
+            "rerun `moequant apply` to remake and record it."
+        )
     return check_run_directory(output)
 
 
@@ -119,13 +132,19 @@ def check_run_directory(output) -> str | None:
     none has one), else raise UserError naming the parts that disagree."""
     output = Path(output)
     parts = {}
-    for name, read in (("plan.json", file_fingerprint), ("checkpoint", checkpoint_fingerprint),
-                       *((record, file_fingerprint) for record in RECORDS), ("report.json", file_fingerprint)):
+    for name, read in (
+        ("plan.json", file_fingerprint),
+        ("checkpoint", checkpoint_fingerprint),
+        *((record, file_fingerprint) for record in RECORDS),
+        ("report.json", file_fingerprint),
+    ):
         if (output / name).exists():
             parts[name] = read(output / name)
     found = set(parts.values())
     if len(found) > 1:
         listed = ", ".join(f"{name} {fp or 'without one'}" for name, fp in parts.items())
-        raise UserError(f"{output} mixes the outputs of different runs (run fingerprints: {listed}); rerun its "
-                        "`moequant apply` to make them one run again.")
+        raise UserError(
+            f"{output} mixes the outputs of different runs (run fingerprints: {listed}); rerun its "
+            "`moequant apply` to make them one run again."
+        )
     return next(iter(found), None)

@@ -84,13 +84,23 @@ def build_skeleton(checkpoint, dtype=torch.float32, experts_implementation: str 
 class LayerRunner:
     """Carries calibration hidden states through the decoder layers, one layer in memory at a time."""
 
-    def __init__(self, checkpoint, adapter: Adapter, input_ids: torch.Tensor, batch_size: int = 8,
-                 device: str | torch.device = "cpu", dtype=torch.float32, experts_implementation: str | None = None):
+    def __init__(
+        self,
+        checkpoint,
+        adapter: Adapter,
+        input_ids: torch.Tensor,
+        batch_size: int = 8,
+        device: str | torch.device = "cpu",
+        dtype=torch.float32,
+        experts_implementation: str | None = None,
+    ):
         self.checkpoint = checkpoint
         self.adapter = adapter
         self.device = torch.device(device)
         self.dtype = dtype
-        self.model = build_skeleton(checkpoint, dtype, experts_implementation or experts_implementation_for(self.device, dtype))
+        self.model = build_skeleton(
+            checkpoint, dtype, experts_implementation or experts_implementation_for(self.device, dtype)
+        )
         self.layers = list(self.model.model.layers)
         self.batches = list(torch.split(input_ids, batch_size))
         self.layer_kwargs: list[dict] = []  # per batch: layer index → (args, kwargs)
@@ -119,8 +129,15 @@ class LayerRunner:
         module = self.layers[layer]
         keys = list(module.state_dict().keys())
         # on a GPU the checkpoint's stored bytes go there and are decoded there (no host float32 copy)
-        state = self.adapter.layer_state_dict(self.checkpoint, layer, keys, self.dtype, experts=experts, tensors=tensors,
-                                              device=self.device if torch.device(self.device).type == "cuda" else None)
+        state = self.adapter.layer_state_dict(
+            self.checkpoint,
+            layer,
+            keys,
+            self.dtype,
+            experts=experts,
+            tensors=tensors,
+            device=self.device if torch.device(self.device).type == "cuda" else None,
+        )
         missing = set(dict(module.named_buffers())) - set(state)
         if missing:
             raise RuntimeError(f"layer {layer} has buffers that are not in its state dict: {sorted(missing)}")
@@ -140,7 +157,9 @@ class LayerRunner:
         y = module(h.to(self.device), *args, **kwargs)
         return y[0] if isinstance(y, tuple) else y
 
-    def forward(self, module: nn.Module, layer: int, hidden: list[torch.Tensor], before_batch=None) -> list[torch.Tensor]:
+    def forward(
+        self, module: nn.Module, layer: int, hidden: list[torch.Tensor], before_batch=None
+    ) -> list[torch.Tensor]:
         """Run one materialised layer over every batch; `before_batch(b)` is called before batch b."""
         out = []
         with torch.no_grad():
@@ -149,8 +168,10 @@ class LayerRunner:
                     before_batch(b)
                 y = self.run(module, layer, b, h)
                 if not torch.isfinite(y).all():
-                    raise UserError(f"layer {layer} produced NaN or Inf activations on calibration batch {b}; "
-                                    "the checkpoint's weights or the data are broken.")
+                    raise UserError(
+                        f"layer {layer} produced NaN or Inf activations on calibration batch {b}; "
+                        "the checkpoint's weights or the data are broken."
+                    )
                 out.append(y.detach())  # stays on the device: the next layer reads it there
         return out
 

@@ -34,7 +34,9 @@ def load(path, dtype: torch.dtype | None = None, device: str = "cpu"):
     from moequant.io.layers import build_skeleton
 
     ckpt = open_checkpoint(path)
-    adapter = adapter_for(ckpt.config)  # a known architecture (else one UserError), so transformers needs no custom code
+    adapter = adapter_for(
+        ckpt.config
+    )  # a known architecture (else one UserError), so transformers needs no custom code
     require_complete(ckpt, adapter)
     dtype = dtype or _config_dtype(ckpt.config)
     model = build_skeleton(ckpt, dtype)
@@ -62,8 +64,10 @@ def require_complete(ckpt, adapter) -> None:
     """Refuse a checkpoint that lacks tensors its config implies (one sentence naming one)."""
     missing = sorted(set(adapter.expected_tensors()) - set(ckpt.keys()))
     if missing:
-        raise UserError(f"checkpoint {ckpt.path} lacks {len(missing)} tensors the {adapter.model_type} model needs "
-                        f"(e.g. {missing[0]}); accepted: a checkpoint under the model's own on-disk tensor names.")
+        raise UserError(
+            f"checkpoint {ckpt.path} lacks {len(missing)} tensors the {adapter.model_type} model needs "
+            f"(e.g. {missing[0]}); accepted: a checkpoint under the model's own on-disk tensor names."
+        )
 
 
 def from_pretrained_complete(directory, dtype, shown_as=None):
@@ -75,8 +79,9 @@ def from_pretrained_complete(directory, dtype, shown_as=None):
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # only our own (rich) bars on screen: its tqdm would interleave with them
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, trust_remote_code=False,
-                                                           output_loading_info=True)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(directory), dtype=dtype, trust_remote_code=False, output_loading_info=True
+        )
     finally:
         if shown:
             hf_logging.enable_progress_bar()
@@ -84,9 +89,11 @@ def from_pretrained_complete(directory, dtype, shown_as=None):
     if missing:
         unexpected = sorted(info.get("unexpected_keys") or [])
         also = f"; its own names (e.g. {unexpected[0]}) are not the architecture's" if unexpected else ""
-        raise UserError(f"checkpoint {shown_as or directory} lacks {len(missing)} tensors the "
-                        f"{model.config.model_type} model needs (e.g. {missing[0]}){also}; accepted: a checkpoint "
-                        "under the model's own on-disk tensor names.")
+        raise UserError(
+            f"checkpoint {shown_as or directory} lacks {len(missing)} tensors the "
+            f"{model.config.model_type} model needs (e.g. {missing[0]}){also}; accepted: a checkpoint "
+            "under the model's own on-disk tensor names."
+        )
     return model
 
 

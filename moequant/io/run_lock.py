@@ -51,8 +51,14 @@ def _holder_text(command: str) -> str:
     else:  # a library call: name the command and the program that made it
         what = f"moequant {command} from {shlex.join(sys.argv[:1]) or 'python'}"
     what = what if len(what) <= 200 else what[:199] + "…"  # the refusal message quotes it
-    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": what,
-                       "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
+    return json.dumps(
+        {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "command": what,
+            "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        }
+    )
 
 
 def _describe_holder(fd: int) -> str:
@@ -103,8 +109,11 @@ def _lock(path: Path, exclusive: bool, create: bool) -> int | None:
 
 
 def _refusal(directory: Path, holder: str, inside: Path | None = None) -> UserError:
-    where = f"{directory} is being written by" if inside is None else \
-        f"{directory} is inside {inside}, which is being written by"
+    where = (
+        f"{directory} is being written by"
+        if inside is None
+        else f"{directory} is inside {inside}, which is being written by"
+    )
     return UserError(f"{where} another moequant run, {holder}; wait for it to finish or choose another --output.")
 
 
@@ -172,8 +181,10 @@ def _remove_made(made: list[Path]) -> None:
 def _unwritable(directory: Path, error: OSError) -> UserError:
     from moequant.errors import path_refusal
 
-    return UserError(f"cannot write into {directory}: {path_refusal(error, directory)}; choose a directory you can "
-                     "write (--output, or --stats for calibration statistics).")
+    return UserError(
+        f"cannot write into {directory}: {path_refusal(error, directory)}; choose a directory you can "
+        "write (--output, or --stats for calibration statistics)."
+    )
 
 
 def clear_directory(directory) -> None:

@@ -57,9 +57,13 @@ def run_fingerprint(recipe, ckpt, settings, plan) -> str:
 
 def export_arguments(recipe: Recipe) -> dict:
     """`export_checkpoint`'s layout, target and activation settings for a recipe (apply and pareto)."""
-    return {"layout": layout_for(recipe.export.format).name, "target": recipe.target,
-            "int8_activations": recipe.export.int8_activations, "gguf_float": recipe.export.gguf_float,
-            "gguf_types": recipe.export.gguf_types}
+    return {
+        "layout": layout_for(recipe.export.format).name,
+        "target": recipe.target,
+        "int8_activations": recipe.export.int8_activations,
+        "gguf_float": recipe.export.gguf_float,
+        "gguf_types": recipe.export.gguf_types,
+    }
 
 
 def sensitivity_formats(recipe: Recipe) -> tuple[str, ...]:
@@ -77,23 +81,37 @@ def sensitivity_formats(recipe: Recipe) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def calibration_settings(recipe: Recipe, device: str = "cpu", formats: tuple[str, ...] | None = None,
-                         ckpt=None) -> CalibrationSettings:
+def calibration_settings(
+    recipe: Recipe, device: str = "cpu", formats: tuple[str, ...] | None = None, ckpt=None
+) -> CalibrationSettings:
     c = recipe.calibration
     formats = formats or sensitivity_formats(recipe)
     # the probe scales a budget's predicted losses; plans without a budget never read it. Its cost
     # grows with layers² (one stream per probed layer), so past PROBE_MAX_EXPERT_PARAMS routed-expert
     # parameters it runs only when the recipe asks for it by name
     probe_samples = c.probe_samples if recipe.experts.method == "budget" else 0
-    if probe_samples and "probe_samples" not in c.model_fields_set and _routed_params(recipe, ckpt) > PROBE_MAX_EXPERT_PARAMS:
+    if (
+        probe_samples
+        and "probe_samples" not in c.model_fields_set
+        and _routed_params(recipe, ckpt) > PROBE_MAX_EXPERT_PARAMS
+    ):
         probe_samples = 0
-    return CalibrationSettings(dataset=c.dataset, samples=c.samples, seq_len=c.seq_len, seed=recipe.seed,
-                               all_experts=c.all_experts, formats=formats, device=device,
-                               probe_samples=probe_samples,
-                               probe_algorithm=probe_algorithm(recipe, formats, ckpt) if probe_samples else "rtn",
-                               compute_dtype=c.compute_dtype, tensor_formats=tensor_formats(recipe),
-                               hessian_weighting=c.hessian_weighting, gptq_grid=recipe.gptq.grid,
-                               gptq_refit=recipe.gptq.refit)
+    return CalibrationSettings(
+        dataset=c.dataset,
+        samples=c.samples,
+        seq_len=c.seq_len,
+        seed=recipe.seed,
+        all_experts=c.all_experts,
+        formats=formats,
+        device=device,
+        probe_samples=probe_samples,
+        probe_algorithm=probe_algorithm(recipe, formats, ckpt) if probe_samples else "rtn",
+        compute_dtype=c.compute_dtype,
+        tensor_formats=tensor_formats(recipe),
+        hessian_weighting=c.hessian_weighting,
+        gptq_grid=recipe.gptq.grid,
+        gptq_refit=recipe.gptq.refit,
+    )
 
 
 def tensor_formats(recipe: Recipe) -> tuple[str, ...]:
@@ -171,15 +189,18 @@ def _disk_full_is_a_user_error(fn):
             if not is_disk_full(error):
                 raise
             where = getattr(error, "filename", None) or "the output directory"
-            raise UserError(f"the disk is full (no space left while writing {where}); free space and run the "
-                            "same command again to continue where it stopped.") from None
+            raise UserError(
+                f"the disk is full (no space left while writing {where}); free space and run the "
+                "same command again to continue where it stopped."
+            ) from None
 
     return wrapper
 
 
 @_disk_full_is_a_user_error
-def apply(recipe_path=None, model=None, output=None, overrides=(), device: str = "cpu", progress=True,
-          log=print) -> Path:
+def apply(
+    recipe_path=None, model=None, output=None, overrides=(), device: str = "cpu", progress=True, log=print
+) -> Path:
     """Run the whole chain; returns the path of report.html (None on the other ranks of an expert-parallel run:
     under torchrun, moequant.parallel, rank 0 prints, writes and reports)."""
     if parallel.is_helper_rank():
@@ -192,9 +213,13 @@ def apply(recipe_path=None, model=None, output=None, overrides=(), device: str =
         log(f"note: {note}")
     check_memory(recipe, adapter, device)  # a layer that cannot fit the GPU budget, before any weight is read
     load_tokenizer(ckpt.directory)  # a checkpoint without tokenizer files, too
-    if parallel.world_size() > 1 and "awq" in {recipe.algorithm_for(parse_key(k).name) for k in sensitivity_formats(recipe)}:
-        raise UserError("algorithm awq runs in one process only (its shared gate/up scale is searched over all of a "
-                        "layer's experts together); run it without torchrun, or use gptq or rtn.")
+    if parallel.world_size() > 1 and "awq" in {
+        recipe.algorithm_for(parse_key(k).name) for k in sensitivity_formats(recipe)
+    }:
+        raise UserError(
+            "algorithm awq runs in one process only (its shared gate/up scale is searched over all of a "
+            "layer's experts together); run it without torchrun, or use gptq or rtn."
+        )
     device = parallel.start(adapter.num_experts, device)  # joins the torchrun job when WORLD_SIZE > 1
     made = not out.exists()
     with contextlib.ExitStack() as held:  # the lock before anything is written into the directory (rank 0 takes it)
@@ -203,7 +228,9 @@ def apply(recipe_path=None, model=None, output=None, overrides=(), device: str =
             return _apply(recipe, out, ckpt, device, progress, log)
         except UserError:
             if made and not parallel.is_helper_rank():  # bad input found while reading the weights (NaN scales,
-                shutil.rmtree(out, ignore_errors=True)  # broken codes, ...): this call made `out`, nobody's earlier work
+                shutil.rmtree(
+                    out, ignore_errors=True
+                )  # broken codes, ...): this call made `out`, nobody's earlier work
             raise
 
 
@@ -224,7 +251,9 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
     timings["calibrate"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    plan, reused_plan = parallel.shared(lambda: plan_stage(recipe, stats_dir, out / "plan.json", settings, ckpt), "the plan")
+    plan, reused_plan = parallel.shared(
+        lambda: plan_stage(recipe, stats_dir, out / "plan.json", settings, ckpt), "the plan"
+    )
     timings["plan"] = time.perf_counter() - t0
     log(f"plan: {out / 'plan.json'}" + (" (unchanged, reused)" if reused_plan else ""))
 
@@ -241,17 +270,30 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
 
     from moequant.report import build_report
 
-    report = build_report(model=recipe.model, checkpoint=output, original=ckpt,
-                          recipe=recipe_to_dict(recipe), target=recipe.target, plan=plan_to_dict(plan),
-                          quality=quality, stats=stats_dir, timings=timings, output_dir=out, ranks=ranks)
+    report = build_report(
+        model=recipe.model,
+        checkpoint=output,
+        original=ckpt,
+        recipe=recipe_to_dict(recipe),
+        target=recipe.target,
+        plan=plan_to_dict(plan),
+        quality=quality,
+        stats=stats_dir,
+        timings=timings,
+        output_dir=out,
+        ranks=ranks,
+    )
     q = report.get("quality") or {}
-    log(f"KL {q.get('kl_mean', float('nan')):.4g}, top-1 agreement {q.get('top1_agreement', float('nan')):.3f}, "
-        f"{report['memory'].get('bits_per_weight_experts', float('nan')):.3f} bits per routed-expert weight")
+    log(
+        f"KL {q.get('kl_mean', float('nan')):.4g}, top-1 agreement {q.get('top1_agreement', float('nan')):.3f}, "
+        f"{report['memory'].get('bits_per_weight_experts', float('nan')):.3f} bits per routed-expert weight"
+    )
     return out / "report.html"
 
 
-def _calibration_stage(recipe: Recipe, ckpt, stats_dir: Path, settings: CalibrationSettings, tokenizer, progress,
-                       log) -> Path | None:
+def _calibration_stage(
+    recipe: Recipe, ckpt, stats_dir: Path, settings: CalibrationSettings, tokenizer, progress, log
+) -> Path | None:
     """The calibration statistics in `stats_dir` (reused when unchanged), or None when the plan reads none."""
     if needs_statistics(recipe):
         before = (stats_dir / "summary.json").stat().st_mtime_ns if (stats_dir / "summary.json").exists() else None
@@ -267,8 +309,9 @@ def _calibration_stage(recipe: Recipe, ckpt, stats_dir: Path, settings: Calibrat
     return None
 
 
-def _checkpoint_stage(recipe: Recipe, ckpt, plan, settings: CalibrationSettings, out: Path, world, timings: dict,
-                      progress, log) -> dict | None:
+def _checkpoint_stage(
+    recipe: Recipe, ckpt, plan, settings: CalibrationSettings, out: Path, world, timings: dict, progress, log
+) -> dict | None:
     """OUTPUT/checkpoint for the plan: reused when checkpoint.json says this plan and run made it, else
     quantized and exported (timings["quantize"], ["export"]). Returns the quantize report, or None on
     the ranks other than 0 of an expert-parallel run (rank 0 alone exports)."""
@@ -278,8 +321,10 @@ def _checkpoint_stage(recipe: Recipe, ckpt, plan, settings: CalibrationSettings,
     marker = json.loads(done_marker.read_text()) if done_marker.exists() else {}
     found = checkpoint_fingerprint(checkpoint_dir) if checkpoint_dir.exists() else None
     if checkpoint_dir.exists() and found != plan.run_fingerprint:  # e.g. a checkpoint copied in from another run
-        log(f"checkpoint: {checkpoint_dir} belongs to another run (run fingerprint {found or 'missing'}, this run's "
-            f"{plan.run_fingerprint}); quantizing again")
+        log(
+            f"checkpoint: {checkpoint_dir} belongs to another run (run fingerprint {found or 'missing'}, this run's "
+            f"{plan.run_fingerprint}); quantizing again"
+        )
     reuse = marker.get("plan") == plan_digest and marker.get(KEY) == found == plan.run_fingerprint
     if not parallel.shared(lambda: reuse, "the checkpoint's reuse check"):
         return _quantize_and_export(recipe, ckpt, plan, settings, out, plan_digest, world, timings, progress, log)
@@ -293,8 +338,18 @@ def _checkpoint_stage(recipe: Recipe, ckpt, plan, settings: CalibrationSettings,
     return quant_report
 
 
-def _quantize_and_export(recipe: Recipe, ckpt, plan, settings: CalibrationSettings, out: Path, plan_digest: str,
-                         world, timings: dict, progress, log) -> dict | None:
+def _quantize_and_export(
+    recipe: Recipe,
+    ckpt,
+    plan,
+    settings: CalibrationSettings,
+    out: Path,
+    plan_digest: str,
+    world,
+    timings: dict,
+    progress,
+    log,
+) -> dict | None:
     """The quantize pass (every rank), then rank 0 exports OUTPUT/checkpoint and writes checkpoint.json.
     Returns the quantize report, or None on the other ranks."""
     from moequant.export.layouts import export_checkpoint
@@ -304,8 +359,7 @@ def _quantize_and_export(recipe: Recipe, ckpt, plan, settings: CalibrationSettin
     t0 = time.perf_counter()
     # `quantized` also holds the full-precision tensors AWQ folds changed (plain tensors), exported as they are
     # lazy: the export reads each tensor's codes from work/ as it writes them (host RAM stays at one layer)
-    quantized, quant_report = quantize_model(ckpt, plan, settings, out / "work", progress=progress,
-                                             lazy=True)
+    quantized, quant_report = quantize_model(ckpt, plan, settings, out / "work", progress=progress, lazy=True)
     parallel.finish()  # the expert-parallel part ends: rank 0 alone exports, evaluates and reports
     if world is not None and world.rank != 0:
         return None
@@ -316,8 +370,9 @@ def _quantize_and_export(recipe: Recipe, ckpt, plan, settings: CalibrationSettin
     timings["export"] = time.perf_counter() - t0
     stamp_checkpoint(checkpoint_dir, plan.run_fingerprint)
     quant_report = {str(k): v for k, v in quant_report.items()}
-    atomic_write_text(out / "checkpoint.json", json.dumps({"plan": plan_digest, KEY: plan.run_fingerprint,
-                                                          "quantize": quant_report}))
+    atomic_write_text(
+        out / "checkpoint.json", json.dumps({"plan": plan_digest, KEY: plan.run_fingerprint, "quantize": quant_report})
+    )
     shutil.rmtree(out / "work", ignore_errors=True)
     log(f"checkpoint: {checkpoint_dir}")
     return quant_report
@@ -331,10 +386,24 @@ def evaluate_stage(recipe: Recipe, ckpt, checkpoint_dir: Path, progress=True) ->
         from moequant.export.gguf import GGUF_FILE
         from moequant.export.verify_llamacpp import evaluate_gguf
 
-        return evaluate_gguf(Path(checkpoint_dir) / GGUF_FILE, ckpt.directory, dataset=e.dataset, samples=e.samples,
-                             seq_len=e.seq_len, seed=recipe.seed, progress=progress)
-    return evaluate_checkpoints(checkpoint_dir, ckpt, dataset=e.dataset, samples=e.samples,
-                                seq_len=e.seq_len, seed=recipe.seed, progress=progress)
+        return evaluate_gguf(
+            Path(checkpoint_dir) / GGUF_FILE,
+            ckpt.directory,
+            dataset=e.dataset,
+            samples=e.samples,
+            seq_len=e.seq_len,
+            seed=recipe.seed,
+            progress=progress,
+        )
+    return evaluate_checkpoints(
+        checkpoint_dir,
+        ckpt,
+        dataset=e.dataset,
+        samples=e.samples,
+        seq_len=e.seq_len,
+        seed=recipe.seed,
+        progress=progress,
+    )
 
 
 def run_plan(recipe_path=None, model=None, output=None, overrides=(), stats=None, device: str = "cpu"):
@@ -348,8 +417,10 @@ def run_plan(recipe_path=None, model=None, output=None, overrides=(), stats=None
     found = (stats_dir / "summary.json").exists()
     if not found and (stats or needs_statistics(recipe)):
         same = " ".join(f"--{k} {v}" for k, v in (("recipe", recipe_path), ("model", model), ("output", output)) if v)
-        raise UserError(f"no calibration statistics in {stats_dir} (no summary.json there); run `moequant calibrate"
-                        f"{' ' + same if same else ''}` first (it writes them there), or pass --stats DIR.")
+        raise UserError(
+            f"no calibration statistics in {stats_dir} (no summary.json there); run `moequant calibrate"
+            f"{' ' + same if same else ''}` first (it writes them there), or pass --stats DIR."
+        )
     with output_lock(out, "plan"):
         plan = make_plan(recipe, ckpt, stats_dir if found else None)
         plan.run_fingerprint = run_fingerprint(recipe, ckpt, calibration_settings(recipe, device), plan)
@@ -366,8 +437,10 @@ def evaluate_into(checkpoint, reference, output, **settings) -> dict:
         theirs, ours = file_fingerprint(out / "plan.json"), checkpoint_fingerprint(checkpoint)
         if theirs is not None and ours != theirs:
             made_by = f"run {ours}" if ours else "no moequant run"
-            raise UserError(f"{out} holds run {theirs} (its plan.json) but {checkpoint} was made by {made_by}; "
-                            "write this evaluation to another --output.")
+            raise UserError(
+                f"{out} holds run {theirs} (its plan.json) but {checkpoint} was made by {made_by}; "
+                "write this evaluation to another --output."
+            )
         result = evaluate_checkpoints(checkpoint, reference, **settings)
         result[KEY] = ours
         atomic_write_text(out / "eval.json", json.dumps(result, indent=2, default=str) + "\n")

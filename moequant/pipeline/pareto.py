@@ -85,8 +85,11 @@ def _uniform_recipe(recipe, entry: str):
 
 def _routed(plan) -> tuple[int, int]:
     """(routed-expert bytes, routed-expert weights) of a plan."""
-    rows = [t for t in plan.tensors if t.role == "routed_expert" and t.expert is not None
-            and t.proj in ("gate", "up", "down")]
+    rows = [
+        t
+        for t in plan.tensors
+        if t.role == "routed_expert" and t.expert is not None and t.proj in ("gate", "up", "down")
+    ]
     return sum(t.bytes for t in rows), sum(math.prod(t.shape) for t in rows)
 
 
@@ -112,8 +115,10 @@ def resolve_budget(recipe, ckpt, entry, cache: dict | None = None) -> float:
             try:
                 variant, _ = _uniform_recipe(recipe, name)
             except UserError as error:
-                raise UserError(f"budget {entry!r}: {str(error).rstrip('.')}; accepted: a number of bits per "
-                                "routed-expert weight, a format such as int4, or A..B such as int4..int8.") from None
+                raise UserError(
+                    f"budget {entry!r}: {str(error).rstrip('.')}; accepted: a number of bits per "
+                    "routed-expert weight, a format such as int4, or A..B such as int4..int8."
+                ) from None
             cache[name] = _routed(make_plan(variant, ckpt, None))
         return cache[name]
 
@@ -131,8 +136,10 @@ def resolve_budget(recipe, ckpt, entry, cache: dict | None = None) -> float:
             nbytes, numel = uniform_bytes(text)
             return bits_for_bytes(nbytes, numel)
     if not (bits > 0 and math.isfinite(bits)):
-        raise UserError(f"budget {entry!r} is not a positive number of bits per routed-expert weight; "
-                        "accepted: e.g. 4.5, a format such as int4, or A..B such as int4..int8.")
+        raise UserError(
+            f"budget {entry!r} is not a positive number of bits per routed-expert weight; "
+            "accepted: e.g. 4.5, a format such as int4, or A..B such as int4..int8."
+        )
     return bits
 
 
@@ -147,12 +154,14 @@ def tensor_formats(plan) -> str:
     """What the quantize pass does with a plan: every tensor's format, params and algorithm.
     Two plans with the same text give the same checkpoint (e.g. uniform int4 and the vLLM plan at
     its bytes, when no other format fits), so the second run reuses the first one's."""
-    return json.dumps([[t.name, t.expert, t.proj, t.format, t.params, t.algorithm] for t in plan.tensors],
-                      sort_keys=True, default=str)
+    return json.dumps(
+        [[t.name, t.expert, t.proj, t.format, t.params, t.algorithm] for t in plan.tensors], sort_keys=True, default=str
+    )
 
 
-def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, settings, progress, log,
-             same_as: Path | None = None) -> dict:
+def _run_one(
+    name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, settings, progress, log, same_as: Path | None = None
+) -> dict:
     """Quantize, export, evaluate and report one plan into run_dir (reused when unchanged).
     `same_as`: a finished run directory whose plan quantizes every tensor the same way: its
     checkpoint (hard links where possible) and its evaluation are reused."""
@@ -168,14 +177,20 @@ def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, sett
     plan.run_fingerprint = run_fingerprint(recipe, ckpt, settings, plan)  # this run's, also for library callers
     plan_dict = json.loads(json.dumps(plan_to_dict(plan)))
     e = recipe.evaluate
-    marker = {"plan": json.dumps(plan_dict, sort_keys=True),
-              "evaluate": {"dataset": e.dataset, "samples": e.samples, "seq_len": e.seq_len, "seed": recipe.seed},
-              "calibration": settings.fingerprint_fields() | {"formats": list(settings.formats)},
-              "export": [recipe.export.format, recipe.target], KEY: plan.run_fingerprint}
+    marker = {
+        "plan": json.dumps(plan_dict, sort_keys=True),
+        "evaluate": {"dataset": e.dataset, "samples": e.samples, "seq_len": e.seq_len, "seed": recipe.seed},
+        "calibration": settings.fingerprint_fields() | {"formats": list(settings.formats)},
+        "export": [recipe.export.format, recipe.target],
+        KEY: plan.run_fingerprint,
+    }
     marker_path = run_dir / RUN_MARKER
-    if (marker_path.exists() and (run_dir / "report.json").exists()
-            and json.loads(marker_path.read_text()) == marker
-            and checkpoint_fingerprint(run_dir / "checkpoint") == plan.run_fingerprint):  # not one swapped in
+    if (
+        marker_path.exists()
+        and (run_dir / "report.json").exists()
+        and json.loads(marker_path.read_text()) == marker
+        and checkpoint_fingerprint(run_dir / "checkpoint") == plan.run_fingerprint
+    ):  # not one swapped in
         log(f"{name}: unchanged, reused")
         return json.loads((run_dir / "report.json").read_text())
     from moequant.io.checkpoint import atomic_write_text
@@ -186,8 +201,11 @@ def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, sett
     checkpoint_dir = run_dir / "checkpoint"
     if checkpoint_dir.exists():
         shutil.rmtree(checkpoint_dir)
-    if same_as is not None and (same_as / "quality.json").exists() and \
-            json.loads((same_as / RUN_MARKER).read_text()).get("export") == marker["export"]:
+    if (
+        same_as is not None
+        and (same_as / "quality.json").exists()
+        and json.loads((same_as / RUN_MARKER).read_text()).get("export") == marker["export"]
+    ):
         shutil.copytree(same_as / "checkpoint", checkpoint_dir, copy_function=_link_or_copy)
         stamp_checkpoint(checkpoint_dir, plan.run_fingerprint)  # replaces the linked config.json, not the sibling's
         quality = json.loads((same_as / "quality.json").read_text())
@@ -202,17 +220,35 @@ def _run_one(name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, sett
         shutil.rmtree(run_dir / "work", ignore_errors=True)
         stamp_checkpoint(checkpoint_dir, plan.run_fingerprint)
         t2 = time.perf_counter()
-        quality = evaluate_checkpoints(checkpoint_dir, ckpt.directory, dataset=e.dataset, samples=e.samples,
-                                       seq_len=e.seq_len, seed=recipe.seed, progress=progress)
+        quality = evaluate_checkpoints(
+            checkpoint_dir,
+            ckpt.directory,
+            dataset=e.dataset,
+            samples=e.samples,
+            seq_len=e.seq_len,
+            seed=recipe.seed,
+            progress=progress,
+        )
         timings = {"quantize": t1 - t0, "export": t2 - t1, "evaluate": time.perf_counter() - t2}
     atomic_write_text(run_dir / "quality.json", json.dumps(quality, default=str))
-    report = build_report(model=recipe.model, checkpoint=checkpoint_dir, original=ckpt.directory,
-                          recipe=recipe_to_dict(recipe), target=recipe.target, plan=plan_dict, quality=quality,
-                          stats=stats_dir, timings=timings, output_dir=run_dir)
+    report = build_report(
+        model=recipe.model,
+        checkpoint=checkpoint_dir,
+        original=ckpt.directory,
+        recipe=recipe_to_dict(recipe),
+        target=recipe.target,
+        plan=plan_dict,
+        quality=quality,
+        stats=stats_dir,
+        timings=timings,
+        output_dir=run_dir,
+    )
     atomic_write_text(marker_path, json.dumps(marker))
     q = report["quality"] or {}
-    log(f"{name}: KL {q.get('kl_mean', float('nan')):.4g}, top-1 {q.get('top1_agreement', float('nan')):.4f}, "
-        f"{report['memory']['bits_per_weight_experts']:.3f} bits per routed-expert weight")
+    log(
+        f"{name}: KL {q.get('kl_mean', float('nan')):.4g}, top-1 {q.get('top1_agreement', float('nan')):.4f}, "
+        f"{report['memory']['bits_per_weight_experts']:.3f} bits per routed-expert weight"
+    )
     return report
 
 
@@ -224,16 +260,38 @@ def _link_or_copy(src, dst):
     return dst
 
 
-def _point(name: str, kind: str, report: dict, report_path: Path, *, target=None, format=None,
-           budget=None, budget_bits=None, plan=None) -> dict:
+def _point(
+    name: str,
+    kind: str,
+    report: dict,
+    report_path: Path,
+    *,
+    target=None,
+    format=None,
+    budget=None,
+    budget_bits=None,
+    plan=None,
+) -> dict:
     q = report.get("quality") or {}
-    point = {"name": name, "kind": kind, "target": target, "format": format,
-             "budget": None if budget is None else str(budget), "budget_bits": budget_bits,
-             "routed_bytes": None, "bits_per_weight_experts": report["memory"]["bits_per_weight_experts"],
-             "bytes_quantized": report["memory"]["bytes_quantized"],
-             "kl_mean": q.get("kl_mean"), "kl_p99": q.get("kl_p99"), "top1_agreement": q.get("top1_agreement"),
-             "routing_agreement": q.get("routing_agreement"), "ppl_quantized": q.get("ppl_quantized"),
-             "predicted_loss": None, "counts": None, "report": str(report_path)}
+    point = {
+        "name": name,
+        "kind": kind,
+        "target": target,
+        "format": format,
+        "budget": None if budget is None else str(budget),
+        "budget_bits": budget_bits,
+        "routed_bytes": None,
+        "bits_per_weight_experts": report["memory"]["bits_per_weight_experts"],
+        "bytes_quantized": report["memory"]["bytes_quantized"],
+        "kl_mean": q.get("kl_mean"),
+        "kl_p99": q.get("kl_p99"),
+        "top1_agreement": q.get("top1_agreement"),
+        "routing_agreement": q.get("routing_agreement"),
+        "ppl_quantized": q.get("ppl_quantized"),
+        "predicted_loss": None,
+        "counts": None,
+        "report": str(report_path),
+    }
     if plan is not None:
         from collections import Counter
 
@@ -260,17 +318,27 @@ def outside_point(path, reference_dir, evaluate_settings: dict) -> dict:
     try:
         result = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        raise UserError(f"outside evaluation {path} is not a readable JSON file; accepted: the output of "
-                        "`moequant eval CHECKPOINT --reference ORIGINAL --json`.") from None
+        raise UserError(
+            f"outside evaluation {path} is not a readable JSON file; accepted: the output of "
+            "`moequant eval CHECKPOINT --reference ORIGINAL --json`."
+        ) from None
     if not isinstance(result, dict) or "kl_mean" not in result or "checkpoint" not in result:
-        raise UserError(f"outside evaluation {path} has no kl_mean / checkpoint; accepted: the output of "
-                        "`moequant eval CHECKPOINT --reference ORIGINAL --json`.")
-    used = {"dataset": result.get("dataset"), "samples": result.get("samples"), "seq_len": result.get("seq_len"),
-            "seed": result.get("seed")}
+        raise UserError(
+            f"outside evaluation {path} has no kl_mean / checkpoint; accepted: the output of "
+            "`moequant eval CHECKPOINT --reference ORIGINAL --json`."
+        )
+    used = {
+        "dataset": result.get("dataset"),
+        "samples": result.get("samples"),
+        "seq_len": result.get("seq_len"),
+        "seed": result.get("seed"),
+    }
     if used != evaluate_settings:
-        raise UserError(f"outside evaluation {path} was made with {used}, not on the frontier's evaluation tokens "
-                        f"{evaluate_settings}; rerun `moequant eval` with --dataset, --samples, --seq-len and --seed "
-                        "set to those.")
+        raise UserError(
+            f"outside evaluation {path} was made with {used}, not on the frontier's evaluation tokens "
+            f"{evaluate_settings}; rerun `moequant eval` with --dataset, --samples, --seq-len and --seed "
+            "set to those."
+        )
     checkpoint = Path(result["checkpoint"])
     if not checkpoint.is_absolute() and not checkpoint.exists():
         checkpoint = path.parent / checkpoint
@@ -282,10 +350,19 @@ def outside_point(path, reference_dir, evaluate_settings: dict) -> dict:
 # ----------------------------------------------------------------------------- the frontier
 
 
-def pareto(recipe_path=None, budgets: Sequence = ("int3", "int4", "int4..int8"), model=None, output=None,
-           overrides: Iterable[str] = (), targets: Sequence[str] = DEFAULT_TARGETS,
-           uniform: Sequence[str] = DEFAULT_UNIFORM, extra_reports: Sequence = (), device: str = "cpu",
-           progress: bool = True, log=print) -> dict:
+def pareto(
+    recipe_path=None,
+    budgets: Sequence = ("int3", "int4", "int4..int8"),
+    model=None,
+    output=None,
+    overrides: Iterable[str] = (),
+    targets: Sequence[str] = DEFAULT_TARGETS,
+    uniform: Sequence[str] = DEFAULT_UNIFORM,
+    extra_reports: Sequence = (),
+    device: str = "cpu",
+    progress: bool = True,
+    log=print,
+) -> dict:
     """Run the budget plans (each budget x each target) and the uniform baselines against one set
     of statistics; write OUTPUT/pareto.json and OUTPUT/pareto.png. Returns pareto.json's dict."""
     from moequant.io.run_lock import output_lock
@@ -312,8 +389,9 @@ def _pareto(recipe, budgets, targets, uniform, extra_reports, device, progress, 
     for name, kind, variant, plan, fields in runs:
         same = tensor_formats(plan)
         run_dir = out / RUNS_DIR / name
-        report = _run_one(name, variant, plan, run_dir, ckpt, stats_dir, settings, progress, log,
-                          same_as=done.get(same))
+        report = _run_one(
+            name, variant, plan, run_dir, ckpt, stats_dir, settings, progress, log, same_as=done.get(same)
+        )
         done.setdefault(same, run_dir)
         points.append(_point(name, kind, report, run_dir / "report.json", plan=plan, **fields))
     e = recipe.evaluate
@@ -379,8 +457,9 @@ def _calibrate_once(recipe, ckpt, uniform, out: Path, device, progress, log):
     stats_dir = out / "stats"
     summary = stats_dir / "summary.json"
     before = summary.stat().st_mtime_ns if summary.exists() else None
-    calibrate(recipe.model, stats_dir, settings, overwrite=True, tokenizer=load_tokenizer(ckpt.directory),
-              progress=progress)
+    calibrate(
+        recipe.model, stats_dir, settings, overwrite=True, tokenizer=load_tokenizer(ckpt.directory), progress=progress
+    )
     reused = before is not None and summary.stat().st_mtime_ns == before  # calibrate leaves equal statistics alone
     log(f"calibration statistics: {stats_dir}" + (" (reused)" if reused else ""))
     return settings, stats_dir
@@ -396,26 +475,41 @@ def _plan_runs(recipe, ckpt, stats_dir: Path, uniform_variants, resolved, target
     skipped: list[dict] = []
     for variant, spec in uniform_variants:
         plan = make_plan(variant, ckpt, stats_dir)
-        runs.append((f"uniform-{spec.key}", "uniform", variant, plan,
-                     {"target": variant.target, "format": spec.key}))
+        runs.append((f"uniform-{spec.key}", "uniform", variant, plan, {"target": variant.target, "format": spec.key}))
     for entry, bits in resolved:
         for target in targets:
             variant = _budget_recipe(recipe, target, bits)
             try:
                 plan = make_plan(variant, ckpt, stats_dir)
             except UserError as error:  # e.g. a budget below the target's smallest plan: say so, go on
-                skipped.append({"name": f"{target}-{_label(bits)}bpw", "target": target, "budget": str(entry),
-                                "budget_bits": bits, "error": str(error)})
+                skipped.append(
+                    {
+                        "name": f"{target}-{_label(bits)}bpw",
+                        "target": target,
+                        "budget": str(entry),
+                        "budget_bits": bits,
+                        "error": str(error),
+                    }
+                )
                 log(f"{target} at {entry!r}: {error}")
                 continue
-            runs.append((f"{target}-{_label(bits)}bpw", "plan", variant, plan,
-                         {"target": target, "budget": entry, "budget_bits": bits}))
+            runs.append(
+                (
+                    f"{target}-{_label(bits)}bpw",
+                    "plan",
+                    variant,
+                    plan,
+                    {"target": target, "budget": entry, "budget_bits": bits},
+                )
+            )
     if not runs:
         raise UserError("no budget is feasible for any target: " + " ".join(s["error"] for s in skipped))
     names = [r[0] for r in runs]
     if len(set(names)) != len(names):
-        raise UserError(f"two budgets name the same run ({', '.join(sorted({n for n in names if names.count(n) > 1}))}); "
-                        "give each budget once.")
+        raise UserError(
+            f"two budgets name the same run ({', '.join(sorted({n for n in names if names.count(n) > 1}))}); "
+            "give each budget once."
+        )
     return runs, skipped
 
 
@@ -425,13 +519,25 @@ def _write_frontier(recipe, out: Path, runs, points, skipped, evaluate_settings:
     from moequant.plan.recipe import recipe_to_dict
 
     c = recipe.calibration
-    result = {"schema": SCHEMA, "model": recipe.model, "recipe": recipe_to_dict(recipe),
-              "evaluate": evaluate_settings,
-              "calibration": {"dataset": c.dataset, "samples": c.samples, "seq_len": c.seq_len, "seed": recipe.seed},
-              "routed_weights": _routed(runs[0][3])[1] if runs else None,
-              "ppl_original": next((json.loads(Path(p["report"]).read_text())["quality"]["ppl_original"]
-                                    for p in points if p["kind"] != "outside"), None),
-              "points": points, "frontier": frontier(points), "skipped": skipped}
+    result = {
+        "schema": SCHEMA,
+        "model": recipe.model,
+        "recipe": recipe_to_dict(recipe),
+        "evaluate": evaluate_settings,
+        "calibration": {"dataset": c.dataset, "samples": c.samples, "seq_len": c.seq_len, "seed": recipe.seed},
+        "routed_weights": _routed(runs[0][3])[1] if runs else None,
+        "ppl_original": next(
+            (
+                json.loads(Path(p["report"]).read_text())["quality"]["ppl_original"]
+                for p in points
+                if p["kind"] != "outside"
+            ),
+            None,
+        ),
+        "points": points,
+        "frontier": frontier(points),
+        "skipped": skipped,
+    }
     atomic_write_text(out / "pareto.json", json.dumps(result, indent=2) + "\n")
     (out / "pareto.png").write_bytes(plot_frontier(points, title=f"{recipe.model}: KL vs routed-expert bits"))
     log(f"frontier: {out / 'pareto.json'}, {out / 'pareto.png'}")
@@ -443,8 +549,11 @@ def frontier(points: list[dict]) -> list[str]:
     weight and at most their KL with one of the two strictly lower (points without a KL are left out)."""
     measured = [p for p in points if p.get("kl_mean") is not None]
     at = lambda p: (p["bits_per_weight_experts"], p["kl_mean"])  # noqa: E731
-    kept = [p for p in measured if not any(at(q) != at(p) and at(q)[0] <= at(p)[0] and at(q)[1] <= at(p)[1]
-                                           for q in measured)]
+    kept = [
+        p
+        for p in measured
+        if not any(at(q) != at(p) and at(q)[0] <= at(p)[0] and at(q)[1] <= at(p)[1] for q in measured)
+    ]
     return [p["name"] for p in sorted(kept, key=at)]
 
 
@@ -469,7 +578,9 @@ def plot_frontier(points: list[dict], title: str = "KL vs bytes") -> bytes:
     for p in points:
         if p.get("kl_mean") is None:
             continue
-        label = {"uniform": "uniform", "outside": "outside checkpoints"}.get(p["kind"], f"budget plan, target {p['target']}")
+        label = {"uniform": "uniform", "outside": "outside checkpoints"}.get(
+            p["kind"], f"budget plan, target {p['target']}"
+        )
         series.setdefault(label, []).append(p)
     style = {"uniform": ("s", "tab:gray", "--")}
     colors = iter(["tab:blue", "tab:red", "tab:green", "tab:purple", "tab:orange"])
@@ -481,15 +592,26 @@ def plot_frontier(points: list[dict], title: str = "KL vs bytes") -> bytes:
         xs, ys = [p["bits_per_weight_experts"] for p in pts], [p["kl_mean"] for p in pts]
         if label == "uniform" and len(pts) > 1:  # the straight line in KL (a curve on the log axis)
             fine = [x0 + (x1 - x0) * i / 50 for x0, x1 in zip(xs, xs[1:]) for i in range(50)] + [xs[-1]]
-            ax.plot(fine, [_interpolate(xs, ys, x) for x in fine], color=color, linestyle=line, lw=1,
-                    label="uniform, mixed at random (straight line in KL)")
+            ax.plot(
+                fine,
+                [_interpolate(xs, ys, x) for x in fine],
+                color=color,
+                linestyle=line,
+                lw=1,
+                label="uniform, mixed at random (straight line in KL)",
+            )
             line = ""
         ax.plot(xs, ys, marker=marker, color=color, linestyle=line or "none", label=label)
         for p in pts:
             text = p["format"] if p["kind"] == "uniform" else (p["name"] if p["kind"] == "outside" else None)
             if text:
-                ax.annotate(text, (p["bits_per_weight_experts"], p["kl_mean"]), fontsize=7, xytext=(4, 4),
-                            textcoords="offset points")
+                ax.annotate(
+                    text,
+                    (p["bits_per_weight_experts"], p["kl_mean"]),
+                    fontsize=7,
+                    xytext=(4, 4),
+                    textcoords="offset points",
+                )
     if points and all((p.get("kl_mean") or 0) > 0 for p in points if p.get("kl_mean") is not None):
         ax.set_yscale("log")
     ax.set_xlabel("bits per routed-expert weight (scales included)")

@@ -42,21 +42,27 @@ def check_recipe(recipe, ckpt=None) -> list[str]:
     ckpt = ckpt or open_checkpoint(recipe.model)
     adapter = adapter_for(ckpt.config)
     if adapter.fused_experts and any(a == "awq" for a in recipe.algorithms.values()):
-        raise UserError(f"algorithms: awq is not supported for {adapter.model_type} (fused experts whose activation "
-                        "clamps up_proj, so the down_proj scale cannot be folded exactly); accepted there: gptq or rtn.")
+        raise UserError(
+            f"algorithms: awq is not supported for {adapter.model_type} (fused experts whose activation "
+            "clamps up_proj, so the down_proj scale cannot be folded exactly); accepted there: gptq or rtn."
+        )
     layout = layout_for(recipe.export.format).name
     for spec in plan_formats(recipe):
         if recipe.experts.method == "budget" and spec.refuses(recipe.target, routed=True):
             continue  # the plan drops it for the target and says so
         why = layout_refusal(layout, spec, recipe.target, adapter)
         if why:
-            raise UserError(f"export.format {recipe.export.format}: {why}; drop {spec.key} from the recipe's "
-                            f"routed-expert formats or choose another export.format.")
+            raise UserError(
+                f"export.format {recipe.export.format}: {why}; drop {spec.key} from the recipe's "
+                f"routed-expert formats or choose another export.format."
+            )
     non_expert = resolve_format(recipe, recipe.non_experts.format)
     why = layout_refusal(layout, non_expert, recipe.target, adapter, routed=False)
     if why:
-        raise UserError(f"export.format {recipe.export.format}: {why}; set non_experts.format to one it holds "
-                        f"(bf16 always works) or choose another export.format.")
+        raise UserError(
+            f"export.format {recipe.export.format}: {why}; set non_experts.format to one it holds "
+            f"(bf16 always works) or choose another export.format."
+        )
     return check_plan(recipe, ckpt)
 
 
@@ -76,9 +82,11 @@ def unfit_notes(model: str, format_keys) -> list[str]:
             try:
                 formats.check_shape(spec, (rows, cols))
             except UserError:
-                notes.append(f"{key} cannot hold the routed experts' {proj} projection ([{rows}, {cols}]: {cols} input "
-                             f"columns are not a multiple of its group size {spec.group_size}); no sensitivity is "
-                             f"measured for it there and no plan offers it there.")
+                notes.append(
+                    f"{key} cannot hold the routed experts' {proj} projection ([{rows}, {cols}]: {cols} input "
+                    f"columns are not a multiple of its group size {spec.group_size}); no sensitivity is "
+                    f"measured for it there and no plan offers it there."
+                )
     return notes
 
 
@@ -95,8 +103,10 @@ def layer_gpu_need(recipe, adapter) -> tuple[int, str]:
     c = recipe.calibration
     activations = 4 * c.samples * c.seq_len * d * 2  # layer input and output, the experts' record, a work copy
     one_expert = 4 * (6 * d * d + 8 * i * d) + 2 * 4 * (d * d + 2 * i * i)
-    parts = (f"its {e} routed experts in bf16 twice {experts / 2**30:.1f} GiB, {c.samples} x {c.seq_len} calibration "
-             f"activations {activations / 2**30:.1f} GiB, one expert's Hessians and GPTQ work {one_expert / 2**30:.1f} GiB")
+    parts = (
+        f"its {e} routed experts in bf16 twice {experts / 2**30:.1f} GiB, {c.samples} x {c.seq_len} calibration "
+        f"activations {activations / 2**30:.1f} GiB, one expert's Hessians and GPTQ work {one_expert / 2**30:.1f} GiB"
+    )
     return experts + activations + one_expert, parts
 
 
@@ -117,6 +127,8 @@ def check_memory(recipe, adapter, device: str) -> None:
     else:
         what = f"--max-gpu-memory {limit / 2**30:.1f} GiB"
     if need > limit:
-        raise UserError(f"layer {adapter.moe_layers[0]} of {recipe.model} needs at least {need / 2**30:.1f} GiB of GPU "
-                        f"memory ({parts}), more than {what}; raise --max-gpu-memory, use a larger GPU, or split the "
-                        f"experts over GPUs with torchrun (expert parallel).")
+        raise UserError(
+            f"layer {adapter.moe_layers[0]} of {recipe.model} needs at least {need / 2**30:.1f} GiB of GPU "
+            f"memory ({parts}), more than {what}; raise --max-gpu-memory, use a larger GPU, or split the "
+            f"experts over GPUs with torchrun (expert parallel)."
+        )

@@ -70,8 +70,15 @@ from moequant.progress import LayerProgress
 
 
 def _plan_fingerprint(plan: Plan, settings: CalibrationSettings, extra: str) -> str:
-    body = json.dumps({"tensors": [(t.name, t.layer, t.expert, t.proj, t.format, t.algorithm) for t in plan.tensors],
-                       "settings": settings.fingerprint_fields(), "extra": extra}, sort_keys=True, default=str)
+    body = json.dumps(
+        {
+            "tensors": [(t.name, t.layer, t.expert, t.proj, t.format, t.algorithm) for t in plan.tensors],
+            "settings": settings.fingerprint_fields(),
+            "extra": extra,
+        },
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
@@ -134,8 +141,14 @@ class StoredQuantizedTensor(formats.QuantizedTensor):
     streams a model's codes tensor by tensor instead of holding them all (host RAM would grow with the model)."""
 
     def __init__(self, spec, shape, path: Path, prefix: str, parts: tuple[str, ...], nibbles: bool = False):
-        for name, value in (("spec", spec), ("shape", shape), ("_path", path), ("_prefix", prefix), ("_parts", parts),
-                            ("_nibbles", nibbles)):
+        for name, value in (
+            ("spec", spec),
+            ("shape", shape),
+            ("_path", path),
+            ("_prefix", prefix),
+            ("_parts", parts),
+            ("_nibbles", nibbles),
+        ):
             object.__setattr__(self, name, value)
 
     def _part(self, part: str):
@@ -178,13 +191,21 @@ def load_quantized(path: Path, lazy: bool = False) -> dict:
         if entry.get("plain"):
             out[key] = plain[i]
         elif lazy:
-            out[key] = StoredQuantizedTensor(formats.parse_key(entry["spec"]), tuple(entry["shape"]), Path(path), i,
-                                             tuple(entry["parts"]), bool(entry.get("nibbles")))
+            out[key] = StoredQuantizedTensor(
+                formats.parse_key(entry["spec"]),
+                tuple(entry["shape"]),
+                Path(path),
+                i,
+                tuple(entry["parts"]),
+                bool(entry.get("nibbles")),
+            )
         else:
             parts = {p: tensors[f"{i}.{p}"] for p in entry["parts"]}
             if entry.get("nibbles"):
                 parts["codes"] = _unpack_nibbles(parts["codes"])
-            out[key] = formats.QuantizedTensor(spec=formats.parse_key(entry["spec"]), shape=tuple(entry["shape"]), **parts)
+            out[key] = formats.QuantizedTensor(
+                spec=formats.parse_key(entry["spec"]), shape=tuple(entry["shape"]), **parts
+            )
     return out
 
 
@@ -202,20 +223,25 @@ def _chosen_statistics(collected: dict, group: str, idx: torch.Tensor, num_exper
     tokens = collected[f"input_routed.{group}.tokens"][idx]
     own, H = chosen_hessian(collected, group, idx, min_tokens)
     own = own.to(tokens.device)
-    m = torch.where(own[:, None], collected[f"input_routed.{group}.abs_mean"][idx],
-                    collected[f"input.{group}.abs_mean"][idx])
+    m = torch.where(
+        own[:, None], collected[f"input_routed.{group}.abs_mean"][idx], collected[f"input.{group}.abs_mean"][idx]
+    )
     used = torch.where(own, tokens, collected[f"input.{group}.tokens"][idx])
     return own.cpu(), tokens.cpu(), H, m, used
 
 
 def _check_awq_supported(adapter, layer: int) -> None:
     if adapter.fused_experts:
-        raise UserError(f"algorithm awq is not supported for {adapter.model_type}: its experts are fused on disk and "
-                        "its activation clamps up_proj, so the down_proj scale cannot be folded exactly; use gptq or rtn.")
+        raise UserError(
+            f"algorithm awq is not supported for {adapter.model_type}: its experts are fused on disk and "
+            "its activation clamps up_proj, so the down_proj scale cannot be folded exactly; use gptq or rtn."
+        )
     norm = f"model.layers.{layer}.post_attention_layernorm.weight"
     if norm not in adapter.expected_tensors():
-        raise UserError(f"algorithm awq needs {norm} to fold the shared gate/up scale into; {adapter.model_type} "
-                        "has none; use gptq or rtn.")
+        raise UserError(
+            f"algorithm awq needs {norm} to fold the shared gate/up scale into; {adapter.model_type} "
+            "has none; use gptq or rtn."
+        )
 
 
 def _input_consumers(adapter, ckpt, layer: int) -> list[str]:
@@ -225,15 +251,25 @@ def _input_consumers(adapter, ckpt, layer: int) -> list[str]:
     for name in adapter.layer_tensor_names(layer):
         role = adapter.classify(name)
         shape = tuple(ckpt.shape(name))
-        reads_input = (role.role in ("router", "shared_expert_gate")
-                       or (role.role == "shared_expert" and role.proj in ("gate", "up")))
+        reads_input = role.role in ("router", "shared_expert_gate") or (
+            role.role == "shared_expert" and role.proj in ("gate", "up")
+        )
         if reads_input and name.endswith(".weight") and len(shape) == 2 and shape[1] == adapter.hidden:
             out.append(name)
     return out
 
 
-def _awq_layer(adapter, ckpt, layer: int, plan_rows, weights: dict, collected: dict, min_tokens: int, device,
-               tokens: dict | None = None):
+def _awq_layer(
+    adapter,
+    ckpt,
+    layer: int,
+    plan_rows,
+    weights: dict,
+    collected: dict,
+    min_tokens: int,
+    device,
+    tokens: dict | None = None,
+):
     """AWQ scales of one MoE layer, applied to `weights` (proj -> [E, out, in] float32, changed in place).
 
     down_proj: per expert, on the expert's own routed-token statistics (`awq_scales`). gate/up:
@@ -267,7 +303,8 @@ def _awq_layer(adapter, ckpt, layer: int, plan_rows, weights: dict, collected: d
     scale = None
     if shared:
         scale, folded, shared_replaced, shared_report = _awq_shared_gate_up(
-            adapter, ckpt, layer, plan_rows, weights, collected, min_tokens, device, tokens, shared)
+            adapter, ckpt, layer, plan_rows, weights, collected, min_tokens, device, tokens, shared
+        )
         replaced.update(shared_replaced)
         report.update(shared_report)
         # every routed expert reads the folded norm's output; without a fold (s = 1) only the down_proj
@@ -279,35 +316,52 @@ def _awq_layer(adapter, ckpt, layer: int, plan_rows, weights: dict, collected: d
     return scale, replaced, changed, report
 
 
-def _awq_down(weights: dict, key: str, idx: torch.Tensor, collected: dict, num_experts: int, min_tokens: int,
-              device) -> tuple[torch.Tensor, dict]:
+def _awq_down(
+    weights: dict, key: str, idx: torch.Tensor, collected: dict, num_experts: int, min_tokens: int, device
+) -> tuple[torch.Tensor, dict]:
     """AWQ of the down_proj of experts `idx` in format `key`: per-expert scales (on each expert's own
     routed-token statistics) folded into the same experts' up_proj rows, then the scaled weights clipped;
     `weights` changed in place. Returns (the scales [len(idx), I], report entry)."""
     from moequant.algorithms.awq import awq_clip, awq_scales
 
     own, counts, H, m, used = _chosen_statistics(collected, "down", idx, num_experts, min_tokens)
-    scales, rep = awq_scales([weights["down"][idx]], key, hessian=H, mean_abs=m, tokens=used, grid=AWQ_GRID,
-                             device=device)
+    scales, rep = awq_scales(
+        [weights["down"][idx]], key, hessian=H, mean_abs=m, tokens=used, grid=AWQ_GRID, device=device
+    )
     scales = scales.to("cpu", torch.float32)
     weights["down"][idx] *= scales[:, None, :]
     weights["up"][idx] /= scales[:, :, None]
     clipped = awq_clip(weights["down"][idx], key, H / (scales[:, :, None] * scales[:, None, :]), device=device)
     weights["down"][idx] = clipped.weight.to("cpu", torch.float32)
     ids = idx.tolist()
-    fallbacks = {str(e): f"all-tokens statistics: {int(counts[i])} routed tokens < {min_tokens}"
-                 for i, e in enumerate(ids) if not own[i]}
+    fallbacks = {
+        str(e): f"all-tokens statistics: {int(counts[i])} routed tokens < {min_tokens}"
+        for i, e in enumerate(ids)
+        if not own[i]
+    }
     fallbacks.update({str(ids[i]): f"{rep.method[i]}: {rep.reason[i]}" for i in range(len(ids)) if rep.reason[i]})
-    return scales, {"variant": "per expert, folded into the same expert's up_proj rows",
-                    "alpha": dict(zip(map(str, ids), rep.alpha)),
-                    "calibration_error_rtn": dict(zip(map(str, ids), rep.error_rtn)),
-                    "calibration_error_awq": dict(zip(map(str, ids), rep.error_awq)),
-                    "clip": _clip_report(clipped, ids),
-                    "fallbacks": fallbacks}
+    return scales, {
+        "variant": "per expert, folded into the same expert's up_proj rows",
+        "alpha": dict(zip(map(str, ids), rep.alpha)),
+        "calibration_error_rtn": dict(zip(map(str, ids), rep.error_rtn)),
+        "calibration_error_awq": dict(zip(map(str, ids), rep.error_awq)),
+        "clip": _clip_report(clipped, ids),
+        "fallbacks": fallbacks,
+    }
 
 
-def _awq_shared_gate_up(adapter, ckpt, layer: int, plan_rows, weights: dict, collected: dict, min_tokens: int,
-                        device, tokens: dict | None, shared: dict):
+def _awq_shared_gate_up(
+    adapter,
+    ckpt,
+    layer: int,
+    plan_rows,
+    weights: dict,
+    collected: dict,
+    min_tokens: int,
+    device,
+    tokens: dict | None,
+    shared: dict,
+):
     """The layer's one gate/up input scale (`shared`: (proj, format) -> AWQ experts): searched, multiplied
     into every routed expert's gate/up (in place), the AWQ rows clipped, and folded into the
     post-attention norm and its other consumers unless it is 1.
@@ -323,8 +377,9 @@ def _awq_shared_gate_up(adapter, ckpt, layer: int, plan_rows, weights: dict, col
         # tokens); an expert no token reached still counts as one
         groups.append(SharedGroup(weights[proj][idx], key, H, counts.clamp(min=1).double()))
         info.append((proj, key, idx.tolist(), own, counts))
-    res, objective = _search_shared_scale(plan_rows, weights, groups, collected["input.gate_up.abs_mean"][0],
-                                          tokens, adapter.num_experts, device)
+    res, objective = _search_shared_scale(
+        plan_rows, weights, groups, collected["input.gate_up.abs_mean"][0], tokens, adapter.num_experts, device
+    )
     scale = res.scale.to("cpu", torch.float32)
     for proj in ("gate", "up"):
         weights[proj] *= scale  # every routed expert reads the folded norm's output
@@ -346,8 +401,9 @@ def _awq_shared_gate_up(adapter, ckpt, layer: int, plan_rows, weights: dict, col
     return scale, folded, replaced, report
 
 
-def _search_shared_scale(plan_rows, weights: dict, groups: list, magnitude: torch.Tensor, tokens: dict | None,
-                         num_experts: int, device):
+def _search_shared_scale(
+    plan_rows, weights: dict, groups: list, magnitude: torch.Tensor, tokens: dict | None, num_experts: int, device
+):
     """The shared gate/up scale's search: on the MoE block's routed output over the recorded calibration
     tokens when there are any, else on each expert's gate/up output error through its Hessian.
     Returns (the search's result, the objective in words)."""
@@ -368,33 +424,62 @@ def _search_shared_scale(plan_rows, weights: dict, groups: list, magnitude: torc
     for key in sorted({t.format for t in plan_rows if t.proj == "down" and t.quantized}):
         idx = torch.tensor(sorted(t.expert for t in plan_rows if t.proj == "down" and t.format == key))
         down_hat[idx] = formats.quantize(down_hat[idx], key).dequantize(torch.float32)
-    res = awq_shared_scale_moe(torch.cat(tokens["x"]), torch.cat(tokens["indices"]),
-                               torch.cat(tokens["weights"]), weights["gate"], weights["up"], weights["down"],
-                               specs, tokens["act"], magnitude, grid=AWQ_GRID, device=device,
-                               down_hat=down_hat, holdout=AWQ_HOLDOUT, clip=True)
-    return res, ("MoE block output over the calibration tokens (routing-weighted; down quantized as the pass "
-                 f"does); alpha chosen on the first {1 - AWQ_HOLDOUT:.0%} of the tokens, kept only if the "
-                 f"clipped, quantized block is also better on the last {AWQ_HOLDOUT:.0%}")
+    res = awq_shared_scale_moe(
+        torch.cat(tokens["x"]),
+        torch.cat(tokens["indices"]),
+        torch.cat(tokens["weights"]),
+        weights["gate"],
+        weights["up"],
+        weights["down"],
+        specs,
+        tokens["act"],
+        magnitude,
+        grid=AWQ_GRID,
+        device=device,
+        down_hat=down_hat,
+        holdout=AWQ_HOLDOUT,
+        clip=True,
+    )
+    return res, (
+        "MoE block output over the calibration tokens (routing-weighted; down quantized as the pass "
+        f"does); alpha chosen on the first {1 - AWQ_HOLDOUT:.0%} of the tokens, kept only if the "
+        f"clipped, quantized block is also better on the last {AWQ_HOLDOUT:.0%}"
+    )
 
 
-def _shared_scale_report(res, scale: torch.Tensor, objective: str, info: list, clips: dict,
-                         folded_into: list[str]) -> dict:
+def _shared_scale_report(
+    res, scale: torch.Tensor, objective: str, info: list, clips: dict, folded_into: list[str]
+) -> dict:
     """Report entries of the shared gate/up scale: one per (proj, format) of `info`, and "shared_scale"."""
     report = {}
     for proj, key, ids, own, counts in info:
-        report[f"{proj}:{key}"] = {"variant": ("shared gate/up scale folded into post_attention_layernorm, router"
-                                               + (", shared expert" if any("shared_expert" in n for n in folded_into)
-                                                  else "")) if folded_into else
-                                   "shared gate/up scale s = 1 (alpha = 0: no gain confirmed), nothing folded",
-                                   "alpha": res.alpha,
-                                   "clip": clips[(proj, key)],
-                                   "routed_tokens": dict(zip(map(str, ids), counts.tolist())),
-                                   "fallbacks": {str(e): "0 routed tokens: gets the layer's shared scale"
-                                                 for i, e in enumerate(ids) if int(counts[i]) == 0}}
-    report["shared_scale"] = {"alpha": res.alpha, "objective": objective, "folded_into": folded_into,
-                              "scale_min": float(scale.min()), "scale_max": float(scale.max()),
-                              "objective_rtn": res.objective[0], "objective_awq": res.objective[int(round(res.alpha * AWQ_GRID))],
-                              "objective_best": min(res.objective), "validation": res.validation}
+        report[f"{proj}:{key}"] = {
+            "variant": (
+                "shared gate/up scale folded into post_attention_layernorm, router"
+                + (", shared expert" if any("shared_expert" in n for n in folded_into) else "")
+            )
+            if folded_into
+            else "shared gate/up scale s = 1 (alpha = 0: no gain confirmed), nothing folded",
+            "alpha": res.alpha,
+            "clip": clips[(proj, key)],
+            "routed_tokens": dict(zip(map(str, ids), counts.tolist())),
+            "fallbacks": {
+                str(e): "0 routed tokens: gets the layer's shared scale"
+                for i, e in enumerate(ids)
+                if int(counts[i]) == 0
+            },
+        }
+    report["shared_scale"] = {
+        "alpha": res.alpha,
+        "objective": objective,
+        "folded_into": folded_into,
+        "scale_min": float(scale.min()),
+        "scale_max": float(scale.max()),
+        "objective_rtn": res.objective[0],
+        "objective_awq": res.objective[int(round(res.alpha * AWQ_GRID))],
+        "objective_best": min(res.objective),
+        "validation": res.validation,
+    }
     return report
 
 
@@ -403,8 +488,10 @@ def _clip_report(clipped, ids) -> dict:
     of round-to-nearest after scaling, without and with the clipping (relative to each other)."""
     share = (clipped.ratio < 1).double().mean(dim=(1, 2))
     gain = clipped.error_after / clipped.error_before.clamp(min=1e-30)
-    return {"clipped_groups": dict(zip(map(str, ids), share.tolist())),
-            "error_ratio": dict(zip(map(str, ids), gain.tolist()))}
+    return {
+        "clipped_groups": dict(zip(map(str, ids), share.tolist())),
+        "error_ratio": dict(zip(map(str, ids), gain.tolist())),
+    }
 
 
 def load_awq_scales(work_dir, layer: int) -> dict[str, torch.Tensor] | None:
@@ -416,9 +503,20 @@ def load_awq_scales(work_dir, layer: int) -> dict[str, torch.Tensor] | None:
     return load_file(str(path)) if path.exists() else None
 
 
-def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, min_tokens: int, device,
-                      weights: dict, input_scale: torch.Tensor | None = None, first_expert: int = 0,
-                      gptq_grid: str = "minmax", gptq_refit: bool = False, codes_to=None):
+def _quantize_experts(
+    adapter,
+    layer: int,
+    plan_rows,
+    collected: dict | None,
+    min_tokens: int,
+    device,
+    weights: dict,
+    input_scale: torch.Tensor | None = None,
+    first_expert: int = 0,
+    gptq_grid: str = "minmax",
+    gptq_refit: bool = False,
+    codes_to=None,
+):
     """GPTQ / RTN for one layer's routed experts, batched per (projection, format, algorithm);
     GPTQ rounds as `gptq_grid` / `gptq_refit` say (the recipe's gptq section, `gptq_pass`).
     `codes_to`: the device the returned codes and scales are moved to (the host: off the GPU per chunk).
@@ -438,8 +536,12 @@ def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, mi
     # they share one Hessian, one factorization and one sweep
     jobs = []
     for (proj, key, algo), experts in sorted(groups.items()):
-        shared = algo == "gptq" and not formats.parse_key(key).is_ggml and proj in ("gate", "up") \
+        shared = (
+            algo == "gptq"
+            and not formats.parse_key(key).is_ggml
+            and proj in ("gate", "up")
             and sorted(groups.get(("gate", key, algo), [])) == sorted(groups.get(("up", key, algo), [None]))
+        )
         if shared and proj == "up":
             continue  # joined to gate's job
         projs = ("gate", "up") if shared else (proj,)
@@ -459,10 +561,14 @@ def _quantize_experts(adapter, layer: int, plan_rows, collected: dict | None, mi
                 H = H / (input_scale[:, None] * input_scale[None, :])  # Hessian of x / s
         entries = {p: {"experts": experts, "format": key, "algorithm": algo} for p in projs}
         if algo == "gptq" and collected is not None and not spec.is_ggml:
-            qs, rep = gptq_pass_shared([weights[p][idx] for p in projs], H, spec, device=device,
-                                       grid=gptq_grid, refit=gptq_refit)
-            fallbacks = {str(experts[e]): f"all-tokens Hessian: {int(tokens[e])} routed tokens < {min_tokens}"
-                         for e in range(len(experts)) if not own[e]}
+            qs, rep = gptq_pass_shared(
+                [weights[p][idx] for p in projs], H, spec, device=device, grid=gptq_grid, refit=gptq_refit
+            )
+            fallbacks = {
+                str(experts[e]): f"all-tokens Hessian: {int(tokens[e])} routed tokens < {min_tokens}"
+                for e in range(len(experts))
+                if not own[e]
+            }
             fallbacks.update({str(experts[e]): why for e, why in rep.fallbacks().items()})
             for p in projs:
                 entries[p]["gptq"] = {"fallbacks": fallbacks, "damp": rep.damp}
@@ -502,8 +608,9 @@ def _experts_per_chunk(adapter, device) -> int:
     return max(1, min(adapter.num_experts, budget.temporary_bytes(device) // 2 // per_expert))
 
 
-def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expert_rows, host: dict, settings,
-                                       own: range | None = None):
+def _statistics_and_quantize_in_chunks(
+    runner, adapter, layer: int, hidden, expert_rows, host: dict, settings, own: range | None = None
+):
     """GPTQ / RTN of one MoE layer's routed experts from one forward of the original layer.
 
     The forward records the MoE block's input and the router's choices (bf16 on the device, one
@@ -517,9 +624,16 @@ def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expe
     E, dev, dtype = adapter.num_experts, runner.device, runner.dtype
     first, last = (own.start, own.stop) if own is not None else (0, E)
     if own is not None:  # the forward only records the experts' input: other ranks' experts need not be read
-        host = {p: torch.cat([torch.zeros((first,) + tuple(h.shape[1:]), dtype=h.dtype, device=h.device), h,
-                              torch.zeros((E - last,) + tuple(h.shape[1:]), dtype=h.dtype, device=h.device)])
-                for p, h in host.items()}
+        host = {
+            p: torch.cat(
+                [
+                    torch.zeros((first,) + tuple(h.shape[1:]), dtype=h.dtype, device=h.device),
+                    h,
+                    torch.zeros((E - last,) + tuple(h.shape[1:]), dtype=h.dtype, device=h.device),
+                ]
+            )
+            for p, h in host.items()
+        }
     record = {"x": [], "indices": [], "weights": []}
 
     def on_router(_module, _args, output):
@@ -534,8 +648,10 @@ def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expe
 
     quantized, report = {}, {}
     with runner.materialized(layer, experts=host) as module:
-        hooks = [adapter.router_module(module.mlp).register_forward_hook(on_router),
-                 module.mlp.experts.register_forward_pre_hook(on_experts, with_kwargs=True)]
+        hooks = [
+            adapter.router_module(module.mlp).register_forward_hook(on_router),
+            module.mlp.experts.register_forward_pre_hook(on_experts, with_kwargs=True),
+        ]
         try:
             runner.forward(module, layer, hidden)  # only the record is used: the next layer reads the quantized output
         finally:
@@ -544,26 +660,49 @@ def _statistics_and_quantize_in_chunks(runner, adapter, layer: int, hidden, expe
         routed_tokens = torch.bincount(torch.cat(record["indices"]).reshape(-1), minlength=E).tolist()
         # one resident copy: each chunk's dequantized values overwrite its original weights once they are
         # copied for solving (a second layer-sized buffer where the resident copy is not in the compute dtype)
-        dequant = {p: host[p] if own is None and host[p].dtype == dtype and host[p].device.type == torch.device(dev).type
-                   else torch.empty((last - first,) + tuple(adapter.expert_shape(p)), dtype=dtype, device=dev)
-                   for p in adapter.projections}
+        dequant = {
+            p: host[p]
+            if own is None and host[p].dtype == dtype and host[p].device.type == torch.device(dev).type
+            else torch.empty((last - first,) + tuple(adapter.expert_shape(p)), dtype=dtype, device=dev)
+            for p in adapter.projections
+        }
         on_gpu = torch.device(dev).type == "cuda"
         chunk = _experts_per_chunk(adapter, dev)
         for lo in range(first, last, chunk):
             hi = min(last, lo + chunk)
-            col = _LayerCollector(adapter, module.mlp.experts, E, adapter.top_k, [], True, True,
-                                  first_expert=lo, chunk_experts=hi - lo, hessian_weighting=settings.hessian_weighting)
+            col = _LayerCollector(
+                adapter,
+                module.mlp.experts,
+                E,
+                adapter.top_k,
+                [],
+                True,
+                True,
+                first_expert=lo,
+                chunk_experts=hi - lo,
+                hessian_weighting=settings.hessian_weighting,
+            )
             for x, indices, weights in zip(record["x"], record["indices"], record["weights"]):
                 col.add_batch(x, indices, weights)
             collected = col.finish()
             col.t.clear()
             weights = {p: host[p][lo:hi].to(dev, torch.float32) for p in adapter.projections}
             rows = [t for t in expert_rows if lo <= t.expert < hi]
-            q, rep, dq = _quantize_experts(adapter, layer, rows, collected, settings.min_tokens, dev,
-                                           weights=weights, first_expert=lo, gptq_grid=settings.gptq_grid,
-                                           gptq_refit=settings.gptq_refit, codes_to="cpu" if on_gpu else None)
+            q, rep, dq = _quantize_experts(
+                adapter,
+                layer,
+                rows,
+                collected,
+                settings.min_tokens,
+                dev,
+                weights=weights,
+                first_expert=lo,
+                gptq_grid=settings.gptq_grid,
+                gptq_refit=settings.gptq_refit,
+                codes_to="cpu" if on_gpu else None,
+            )
             for p in adapter.projections:
-                dequant[p][lo - first:hi - first] = dq[p].to(dtype)
+                dequant[p][lo - first : hi - first] = dq[p].to(dtype)
             quantized.update(q)
             _merge_chunk_report(report, rep)
             del collected, weights, dq
@@ -606,7 +745,10 @@ def _token_recorder(adapter, module, store: dict):
     routing = {}
 
     def on_router(_module, _args, output):
-        routing["now"] = (output[2].reshape(-1, adapter.top_k).cpu(), output[1].reshape(-1, adapter.top_k).float().cpu())
+        routing["now"] = (
+            output[2].reshape(-1, adapter.top_k).cpu(),
+            output[1].reshape(-1, adapter.top_k).float().cpu(),
+        )
 
     def on_experts(_module, args, kwargs):
         x = (args[0] if args else kwargs["hidden_states"]).detach()
@@ -618,14 +760,18 @@ def _token_recorder(adapter, module, store: dict):
             store.setdefault("weights", []).append(routing["now"][1][:room])
 
     store["act"] = module.mlp.experts.act_fn
-    return [adapter.router_module(module.mlp).register_forward_hook(on_router),
-            module.mlp.experts.register_forward_pre_hook(on_experts, with_kwargs=True)]
+    return [
+        adapter.router_module(module.mlp).register_forward_hook(on_router),
+        module.mlp.experts.register_forward_pre_hook(on_experts, with_kwargs=True),
+    ]
 
 
 def _routing_recorder(adapter, module, store: list):
     """Forward hook on the layer's router that appends each batch's top-k expert sets (sorted)."""
+
     def hook(_module, _args, output):
         store.append(output[2].reshape(-1, adapter.top_k).sort(-1).values.cpu())
+
     return adapter.router_module(module.mlp).register_forward_hook(hook)
 
 
@@ -651,8 +797,15 @@ def _finished_layers(work: Path, fingerprint: str) -> int:
     return 0
 
 
-def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_dir: str | Path,
-                   samples=None, progress: bool = True, lazy: bool = False) -> tuple[dict, dict]:
+def quantize_model(
+    model: str,
+    plan: Plan,
+    settings: CalibrationSettings,
+    work_dir: str | Path,
+    samples=None,
+    progress: bool = True,
+    lazy: bool = False,
+) -> tuple[dict, dict]:
     """Run the sequential pass. Returns (quantized tensors keyed as `export_checkpoint` takes them,
     a per-layer report of algorithms and fallbacks). `lazy`: their codes stay in the work directory's
     layer files until the export reads them (which must happen before `work_dir` is removed).
@@ -666,8 +819,11 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     input_ids = _calibration_input_ids(ckpt, settings, samples)
-    fingerprint = _plan_fingerprint(plan, settings, hashlib.sha256(input_ids.numpy().tobytes()).hexdigest()
-                                    + (f" ranks {world.size}" if world is not None else ""))  # work/ files per rank
+    fingerprint = _plan_fingerprint(
+        plan,
+        settings,
+        hashlib.sha256(input_ids.numpy().tobytes()).hexdigest() + (f" ranks {world.size}" if world is not None else ""),
+    )  # work/ files per rank
     own = world.experts(adapter.num_experts) if world is not None else None
 
     _refuse_awq_where_unsupported(plan, adapter, world)  # before any work
@@ -677,13 +833,27 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
 
     # layers whose quantization reads calibration activations (GPTQ / AWQ experts); after the
     # last of them no forward is needed at all (round-to-nearest reads only the weights)
-    data_layers = sorted({t.layer for t in plan.tensors if t.role == "routed_expert" and t.quantized
-                          and t.algorithm in ("gptq", "awq") and t.layer in adapter.moe_layers})
+    data_layers = sorted(
+        {
+            t.layer
+            for t in plan.tensors
+            if t.role == "routed_expert"
+            and t.quantized
+            and t.algorithm in ("gptq", "awq")
+            and t.layer in adapter.moe_layers
+        }
+    )
     last_data_layer = data_layers[-1] if data_layers else -1
     runner = None
     if data_layers:
-        runner = LayerRunner(ckpt, adapter, input_ids, batch_size=settings.batch_size, device=settings.device,
-                             dtype=compute_dtype(settings.compute_dtype, settings.device))
+        runner = LayerRunner(
+            ckpt,
+            adapter,
+            input_ids,
+            batch_size=settings.batch_size,
+            device=settings.device,
+            dtype=compute_dtype(settings.compute_dtype, settings.device),
+        )
     start, hidden = _resume_point(work, fingerprint, runner, last_data_layer, world)
     bar = LayerProgress("quantizing", adapter.num_layers - start, int(input_ids.numel()), progress)
     run = _Pass(ckpt, adapter, settings, world, own, runner, work, fingerprint, last_data_layer, bar)
@@ -697,12 +867,17 @@ def quantize_model(model: str, plan: Plan, settings: CalibrationSettings, work_d
             bar.start(L)
             pending = read_ahead.pop(L, None)
             next_rows = rows_by_layer.get(L + 1, [])
-            if L + 1 in adapter.moe_layers and any(t.role == "routed_expert" for t in next_rows) \
-                    and not _rtn_streamed(run, next_rows) and _read_ahead_fits(adapter, run, own, next_rows):
+            if (
+                L + 1 in adapter.moe_layers
+                and any(t.role == "routed_expert" for t in next_rows)
+                and not _rtn_streamed(run, next_rows)
+                and _read_ahead_fits(adapter, run, own, next_rows)
+            ):
                 read_ahead[L + 1] = _submit_read_ahead(reader, run, L + 1, next_rows)
             # `hidden` is held only here and in the call: each layer's input is freed once it returns its output
-            hidden = _quantize_layer(run, L, rows_by_layer.get(L, []), hidden,
-                                     pending.result() if pending is not None else None)
+            hidden = _quantize_layer(
+                run, L, rows_by_layer.get(L, []), hidden, pending.result() if pending is not None else None
+            )
             release_freed_memory()
             bar.done(L)
     finally:
@@ -720,8 +895,15 @@ def _calibration_input_ids(ckpt, settings: CalibrationSettings, samples) -> torc
 
     if samples is None:
         tokenizer = load_tokenizer(ckpt.directory)
-        samples = load_samples(settings.dataset, tokenizer, settings.samples, settings.seq_len, split="calibration",
-                               seed=settings.seed, allow_fewer=settings.allow_fewer)
+        samples = load_samples(
+            settings.dataset,
+            tokenizer,
+            settings.samples,
+            settings.seq_len,
+            split="calibration",
+            seed=settings.seed,
+            allow_fewer=settings.allow_fewer,
+        )
     return torch.stack([s.input_ids for s in samples])
 
 
@@ -745,8 +927,9 @@ def _read_layer_experts(adapter, ckpt, layer: int, own: range | None, device=Non
     """A layer's routed-expert weights {proj: [E, out, in]} from disk; this rank's experts only. With a GPU
     `device` their stored bytes go there and are decoded there, into `dtype`; without, on the host as read
     (float32 for quantized sources: the CPU's exact path)."""
-    return {p: parallel.read_experts(adapter, ckpt, layer, p, own, device=device, dtype=dtype)
-            for p in adapter.projections}
+    return {
+        p: parallel.read_experts(adapter, ckpt, layer, p, own, device=device, dtype=dtype) for p in adapter.projections
+    }
 
 
 def _experts_placement(run: "_Pass", for_awq: bool = False) -> tuple:
@@ -823,13 +1006,26 @@ def _rtn_experts_streamed(run: "_Pass", L: int, mine: list):
     first, last = (run.own.start, run.own.stop) if run.own is not None else (0, adapter.num_experts)
     chunk = max(1, RTN_CHUNK_BYTES // _expert_bytes(adapter, 1, torch.float32))
     forward = L < run.last_data_layer
-    dequant = ({p: torch.empty((last - first,) + tuple(adapter.expert_shape(p)), dtype=run.runner.dtype,
-                               device=device) for p in adapter.projections} if forward else None)
+    dequant = (
+        {
+            p: torch.empty((last - first,) + tuple(adapter.expert_shape(p)), dtype=run.runner.dtype, device=device)
+            for p in adapter.projections
+        }
+        if forward
+        else None
+    )
     quantized, report = {}, {}
     starts = list(range(first, last, chunk))
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moequant-read") as reader:
-        read = lambda lo: reader.submit(_read_layer_experts, adapter, run.ckpt, L,  # noqa: E731
-                                        range(lo, min(last, lo + chunk)), device, read_dtype)
+        read = lambda lo: reader.submit(
+            _read_layer_experts,
+            adapter,
+            run.ckpt,
+            L,  # noqa: E731
+            range(lo, min(last, lo + chunk)),
+            device,
+            read_dtype,
+        )
         pending = read(starts[0])
         for i, lo in enumerate(starts):
             hi = min(last, lo + chunk)
@@ -838,13 +1034,22 @@ def _rtn_experts_streamed(run: "_Pass", L: int, mine: list):
                 pending = read(starts[i + 1])
             weights = {p: w.to(device, torch.float32) for p, w in weights.items()}
             rows = [t for t in mine if lo <= t.expert < hi]
-            q, rep, dq = _quantize_experts(adapter, L, rows, None, run.settings.min_tokens, device,
-                                           weights=weights, first_expert=lo, codes_to="cpu")
+            q, rep, dq = _quantize_experts(
+                adapter,
+                L,
+                rows,
+                None,
+                run.settings.min_tokens,
+                device,
+                weights=weights,
+                first_expert=lo,
+                codes_to="cpu",
+            )
             quantized.update(q)
             _merge_chunk_report(report, rep)
             if forward:
                 for p in adapter.projections:
-                    dequant[p][lo - first:hi - first] = dq[p].to(run.runner.dtype)
+                    dequant[p][lo - first : hi - first] = dq[p].to(run.runner.dtype)
             del weights, q, dq
     return quantized, report, dequant
 
@@ -854,9 +1059,13 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
     `host_experts` read ahead (or None). Returns the hidden states the next layer reads."""
     t0 = time.perf_counter()
     adapter = run.adapter
-    expert_rows = [t for t in rows if t.role == "routed_expert" and t.expert is not None and t.proj in ("gate", "up", "down")]
+    expert_rows = [
+        t for t in rows if t.role == "routed_expert" and t.expert is not None and t.proj in ("gate", "up", "down")
+    ]
     other_rows = [t for t in rows if t not in expert_rows]
-    mine = expert_rows if run.own is None else [t for t in expert_rows if t.expert in run.own]  # what this rank quantizes
+    mine = (
+        expert_rows if run.own is None else [t for t in expert_rows if t.expert in run.own]
+    )  # what this rank quantizes
     needs_stats = any(t.algorithm in ("gptq", "awq", "imatrix") and t.quantized for t in expert_rows)
     uses_awq = any(t.algorithm == "awq" and t.quantized for t in expert_rows)
     collected, routed_tokens, routing_before, tokens, weights = None, None, [], {}, None
@@ -874,8 +1083,9 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
         del host
     elif L in adapter.moe_layers and needs_stats:
         run.bar.stage("statistics")
-        collected, routed_tokens, routing_before, tokens = _awq_statistics(run.runner, adapter, L, hidden, weights,
-                                                                           run.settings.hessian_weighting)
+        collected, routed_tokens, routing_before, tokens = _awq_statistics(
+            run.runner, adapter, L, hidden, weights, run.settings.hessian_weighting
+        )
     quantized, report, experts_dq, replaced, awq_report = {}, {}, None, {}, {}
     if chunked is not None:
         quantized, report, experts_dq, routed_tokens = chunked
@@ -885,7 +1095,8 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
     elif expert_rows:
         run.bar.stage("quantizing experts")
         quantized, report, experts_dq, replaced, awq_report = _quantize_whole_layer_experts(
-            run, L, expert_rows, mine, weights, collected, tokens, uses_awq)
+            run, L, expert_rows, mine, weights, collected, tokens, uses_awq
+        )
     q_other, kept, forward_tensors = _quantize_layer_other(run, L, other_rows, replaced, experts_dq)
     if run.world is None or run.world.rank == 0:  # rank 0's work/ file holds the layer's non-expert tensors
         quantized.update(q_other)
@@ -894,11 +1105,13 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
     routing_after = []
     if L < run.last_data_layer or (uses_awq and routing_before):
         run.bar.stage("quantized forward")
-        hidden, routing_after = _quantized_forward(run, L, hidden, experts_dq, forward_tensors,
-                                                   record_routing=bool(uses_awq and routing_before))
+        hidden, routing_after = _quantized_forward(
+            run, L, hidden, experts_dq, forward_tensors, record_routing=bool(uses_awq and routing_before)
+        )
     del weights, experts_dq, collected
-    _add_awq_report(report, awq_report, routing_before, routing_after, bool(q_other),
-                    run.work / f"awq_{L:03d}.safetensors")
+    _add_awq_report(
+        report, awq_report, routing_before, routing_after, bool(q_other), run.work / f"awq_{L:03d}.safetensors"
+    )
     quantized.update(kept)
     _save_layer(run, L, quantized, report, routed_tokens, t0, hidden)
     return hidden
@@ -910,8 +1123,16 @@ def _awq_statistics(runner, adapter, L: int, hidden, weights: dict, hessian_weig
     Returns (statistics on the CPU, routed tokens per expert, routing [per batch], recorded tokens)."""
     routing_before, tokens = [], {}
     with runner.materialized(L, experts=weights) as module:
-        col = _LayerCollector(adapter, module.mlp.experts, adapter.num_experts, adapter.top_k, [], True, True,
-                              hessian_weighting=hessian_weighting)
+        col = _LayerCollector(
+            adapter,
+            module.mlp.experts,
+            adapter.num_experts,
+            adapter.top_k,
+            [],
+            True,
+            True,
+            hessian_weighting=hessian_weighting,
+        )
         col.token_domains = torch.zeros(0, dtype=torch.long)
         hooks = [_routing_recorder(adapter, module, routing_before), *_token_recorder(adapter, module, tokens)]
         try:
@@ -928,22 +1149,45 @@ def _awq_statistics(runner, adapter, L: int, hidden, weights: dict, hessian_weig
     return collected, routed_tokens, routing_before, tokens
 
 
-def _quantize_whole_layer_experts(run: _Pass, L: int, expert_rows: list, mine: list, weights: dict,
-                                  collected: dict | None, tokens: dict, uses_awq: bool):
+def _quantize_whole_layer_experts(
+    run: _Pass,
+    L: int,
+    expert_rows: list,
+    mine: list,
+    weights: dict,
+    collected: dict | None,
+    tokens: dict,
+    uses_awq: bool,
+):
     """The layer's routed experts in one go (no chunks): AWQ's scales first where the plan asks for
     them, then GPTQ / RTN (`_quantize_experts`).
     Returns (quantized, report, dequantized experts, full-precision replacements, AWQ report)."""
     changed, replaced, awq_report, input_scale = {}, {}, {}, None
     if uses_awq:
-        input_scale, replaced, changed, awq_report = _awq_layer(run.adapter, run.ckpt, L, expert_rows, weights,
-                                                                collected, run.settings.min_tokens,
-                                                                run.settings.device, tokens)
-    quantized, report, experts_dq = _quantize_experts(run.adapter, L, mine, collected,
-                                                      run.settings.min_tokens, run.settings.device, weights=weights,
-                                                      input_scale=input_scale,
-                                                      first_expert=run.own.start if run.own is not None else 0,
-                                                      gptq_grid=run.settings.gptq_grid,
-                                                      gptq_refit=run.settings.gptq_refit)
+        input_scale, replaced, changed, awq_report = _awq_layer(
+            run.adapter,
+            run.ckpt,
+            L,
+            expert_rows,
+            weights,
+            collected,
+            run.settings.min_tokens,
+            run.settings.device,
+            tokens,
+        )
+    quantized, report, experts_dq = _quantize_experts(
+        run.adapter,
+        L,
+        mine,
+        collected,
+        run.settings.min_tokens,
+        run.settings.device,
+        weights=weights,
+        input_scale=input_scale,
+        first_expert=run.own.start if run.own is not None else 0,
+        gptq_grid=run.settings.gptq_grid,
+        gptq_refit=run.settings.gptq_refit,
+    )
     # experts the folds changed but the plan keeps in full precision: written as folded
     for proj, mask in changed.items():
         for e in mask.nonzero().flatten().tolist():
@@ -968,18 +1212,24 @@ def _quantize_layer_other(run: _Pass, L: int, other_rows: list, replaced: dict, 
         role = adapter.classify(name)
         if role.role == "routed_expert":
             experts_dq[role.proj][role.expert] = t.float()
-    forward_tensors = {**other_dq, **{n: t.float() for n, t in kept.items() if adapter.classify(n).role != "routed_expert"}}
+    forward_tensors = {
+        **other_dq,
+        **{n: t.float() for n, t in kept.items() if adapter.classify(n).role != "routed_expert"},
+    }
     return q_other, kept, forward_tensors
 
 
-def _quantized_forward(run: _Pass, L: int, hidden, experts_dq: dict | None, forward_tensors: dict,
-                       record_routing: bool):
+def _quantized_forward(
+    run: _Pass, L: int, hidden, experts_dq: dict | None, forward_tensors: dict, record_routing: bool
+):
     """The layer with its dequantized weights (every rank runs the whole layer).
     Returns (its output hidden states, its routing [per batch] when `record_routing`, else [])."""
     world, routing_after = run.world, []
     if world is not None and experts_dq is not None:  # every rank runs the whole quantized layer
-        experts_dq = {p: world.all_gather_experts(t, run.adapter.num_experts, f"layer {L}'s quantized {p} experts")
-                      for p, t in experts_dq.items()}
+        experts_dq = {
+            p: world.all_gather_experts(t, run.adapter.num_experts, f"layer {L}'s quantized {p} experts")
+            for p, t in experts_dq.items()
+        }
     with run.runner.materialized(L, experts=experts_dq, tensors=forward_tensors) as module:
         hook = _routing_recorder(run.adapter, module, routing_after) if record_routing else None
         try:
@@ -1015,18 +1265,24 @@ def _save_layer(run: _Pass, L: int, quantized: dict, report: dict, routed_tokens
 
 def _refuse_awq_where_unsupported(plan: Plan, adapter, world) -> None:
     """AWQ runs on routed experts of architectures whose folds are exact, in one process."""
-    awq_layers = sorted({t.layer for t in plan.tensors if t.algorithm == "awq" and t.quantized
-                         and t.role == "routed_expert"})
+    awq_layers = sorted(
+        {t.layer for t in plan.tensors if t.algorithm == "awq" and t.quantized and t.role == "routed_expert"}
+    )
     for L in awq_layers:
         _check_awq_supported(adapter, L)
     if awq_layers and world is not None:
-        raise UserError("algorithm awq runs in one process only (its shared gate/up scale is searched over all of a "
-                        "layer's experts together); run it without torchrun, or use gptq or rtn.")
-    other_awq = sorted({t.name for t in plan.tensors if t.algorithm == "awq" and t.quantized
-                        and t.role != "routed_expert"})
+        raise UserError(
+            "algorithm awq runs in one process only (its shared gate/up scale is searched over all of a "
+            "layer's experts together); run it without torchrun, or use gptq or rtn."
+        )
+    other_awq = sorted(
+        {t.name for t in plan.tensors if t.algorithm == "awq" and t.quantized and t.role != "routed_expert"}
+    )
     if other_awq:
-        raise UserError(f"algorithm awq is implemented for routed experts only; the plan asks it for {other_awq[0]} "
-                        "(a non-expert tensor); use rtn or gptq for that format.")
+        raise UserError(
+            f"algorithm awq is implemented for routed experts only; the plan asks it for {other_awq[0]} "
+            "(a non-expert tensor); use rtn or gptq for that format."
+        )
 
 
 def _resume_point(work: Path, fingerprint: str, runner, last_data_layer: int, world):
@@ -1048,8 +1304,9 @@ def _resume_point(work: Path, fingerprint: str, runner, last_data_layer: int, wo
     return start, hidden
 
 
-def _add_awq_report(report: dict, awq_report: dict, routing_before, routing_after, attention_quantized: bool,
-                    scales_file: Path) -> None:
+def _add_awq_report(
+    report: dict, awq_report: dict, routing_before, routing_after, attention_quantized: bool, scales_file: Path
+) -> None:
     """AWQ's per-expert diagnostics into the layer report; its scales into `scales_file` (diagnostics for
     tests and reports: the checkpoint holds the folds themselves)."""
     scales = awq_report.pop("scales", None)
@@ -1067,7 +1324,8 @@ def _add_awq_report(report: dict, awq_report: dict, routing_before, routing_afte
         shared["routing_agreement"] = same / max(total, 1)
         shared["routing_note"] = (
             "top-k expert sets of the calibration tokens, original layer vs. the exported one (folded "
-            "norm/router in their dtype" + (", quantized attention" if attention_quantized else "") + ")")
+            "norm/router in their dtype" + (", quantized attention" if attention_quantized else "") + ")"
+        )
 
 
 def _collect_layer_files(ckpt, adapter, work: Path, top_rows: list, world, lazy: bool) -> tuple[dict, dict]:

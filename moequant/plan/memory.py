@@ -136,8 +136,8 @@ def format_account(acc: dict, name: str) -> str:
         f"routed experts hold {100 * acc['routed_expert_share']:.1f}%",
         "by role: " + ", ".join(f"{r} {_fmt_count(n)}" for r, n in acc["params_by_role"].items()),
         "",
-        f"{'routed experts in':<18}{'weights':>12}{'read/token':>13}" + "".join(f"{g + ' GPUs':>11}" for g in
-                                                                              (f"{s}GB" for s in acc["gpu_sizes_gb"])),
+        f"{'routed experts in':<18}{'weights':>12}{'read/token':>13}"
+        + "".join(f"{g + ' GPUs':>11}" for g in (f"{s}GB" for s in acc["gpu_sizes_gb"])),
     ]
     for label, v in acc["variants"].items():
         if v is None:
@@ -149,10 +149,14 @@ def format_account(acc: dict, name: str) -> str:
             f"{label:<18}{format_bytes(v['bytes']):>12}{format_bytes(v['bytes_per_token']):>13}"
             + "".join(f"{v['gpus_needed'][f'{s}GB']:>11}" for s in acc["gpu_sizes_gb"])
         )
-    lines.append(f"(everything but routed experts bf16; GPUs with {int(100 * acc['kv_headroom'])}% headroom for KV cache)")
+    lines.append(
+        f"(everything but routed experts bf16; GPUs with {int(100 * acc['kv_headroom'])}% headroom for KV cache)"
+    )
     if "bytes_on_disk" in acc:
-        lines.append(f"on disk: {format_bytes(acc['bytes_on_disk'])} in {acc['tensors_on_disk']} tensors, "
-                     f"{_fmt_count(acc['params_on_disk'])} parameters")
+        lines.append(
+            f"on disk: {format_bytes(acc['bytes_on_disk'])} in {acc['tensors_on_disk']} tensors, "
+            f"{_fmt_count(acc['params_on_disk'])} parameters"
+        )
         if acc.get("source_formats"):
             lines.append("stored quantized: " + ", ".join(f"{n} weights {f}" for f, n in acc["source_formats"].items()))
     return "\n".join(lines)

@@ -151,8 +151,14 @@ from moequant.plan.recipe import Recipe, recipe_to_dict, resolve_format
 SCHEMA = "moequant.plan/1"
 PROJECTIONS = ("gate", "up", "down")
 # The decision unit for routed experts per target (see the module docstring).
-GRANULARITY = {"transformers": "expert", "vllm": "layer", "sglang": "model", "llama.cpp": "layer_proj",
-               "vllm-moequant": "expert", "vllm-cuda": "layer"}
+GRANULARITY = {
+    "transformers": "expert",
+    "vllm": "layer",
+    "sglang": "model",
+    "llama.cpp": "layer_proj",
+    "vllm-moequant": "expert",
+    "vllm-cuda": "layer",
+}
 # Routed-expert formats moequant's vLLM plugin serves on vLLM's CPU backend (vLLM 0.32 there has
 # fused-MoE kernels for symmetric int4 groups (W4A16), int8 per channel with dynamic per-token int8
 # activations (W8A8; export.int8_activations: dynamic) and bf16; FP8 / MXFP4 / NVFP4 MoE need a GPU).
@@ -165,9 +171,14 @@ ALWAYS_BF16_ROLES = {
 }
 NON_EXPERT_ROLES = ("attention", "shared_expert", "dense_mlp", "lm_head")
 KEEP_GROUP_ROLES = {
-    "router": "router", "shared_expert_gate": "shared_expert_gate", "shared_experts": "shared_expert",
-    "attention": "attention", "dense_mlp": "dense_mlp", "embeddings": "embedding",
-    "lm_head": "lm_head", "routed_experts": "routed_expert",
+    "router": "router",
+    "shared_expert_gate": "shared_expert_gate",
+    "shared_experts": "shared_expert",
+    "attention": "attention",
+    "dense_mlp": "dense_mlp",
+    "embeddings": "embedding",
+    "lm_head": "lm_head",
+    "routed_experts": "routed_expert",
 }
 
 
@@ -210,8 +221,12 @@ class TensorInfo:
 
     @property
     def is_routed_weight(self) -> bool:
-        return (self.role == "routed_expert" and self.expert is not None and self.proj in PROJECTIONS
-                and len(self.shape) == 2)
+        return (
+            self.role == "routed_expert"
+            and self.expert is not None
+            and self.proj in PROJECTIONS
+            and len(self.shape) == 2
+        )
 
 
 @dataclass
@@ -233,6 +248,7 @@ class TensorPlan:
     def quantized(self) -> bool:
         """False for a tensor the plan keeps as it is (its format's family does not quantize: bf16)."""
         return _formats().spec_of(self.format).quantized
+
     predicted_loss: float | None = None
 
 
@@ -250,12 +266,17 @@ class Plan:
     summary: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     recipe: dict = field(default_factory=dict)
-    run_fingerprint: str | None = None  # of the run that made it (moequant.io.fingerprint), set by apply / plan / pareto
+    run_fingerprint: str | None = (
+        None  # of the run that made it (moequant.io.fingerprint), set by apply / plan / pareto
+    )
 
     def expert_formats(self) -> dict[tuple[int, int], str]:
         """(layer, expert) -> format key of its routed weights."""
-        return {(t.layer, t.expert): t.format for t in self.tensors
-                if t.role == "routed_expert" and t.expert is not None and t.proj in PROJECTIONS}
+        return {
+            (t.layer, t.expert): t.format
+            for t in self.tensors
+            if t.role == "routed_expert" and t.expert is not None and t.proj in PROJECTIONS
+        }
 
     def layer_formats(self) -> dict[int, set[str]]:
         out: dict[int, set[str]] = defaultdict(set)
@@ -308,11 +329,13 @@ def tensors_from_checkpoint(ckpt, adapter=None) -> list[TensorInfo]:
             projs = ("gate", "up") if role.proj == "gate_up" else (role.proj,)
             for expert in range(adapter.num_experts):
                 for proj in projs:
-                    out.append(TensorInfo(name, "routed_expert", role.layer, expert, proj,
-                                          tuple(adapter.expert_shape(proj))))
+                    out.append(
+                        TensorInfo(name, "routed_expert", role.layer, expert, proj, tuple(adapter.expert_shape(proj)))
+                    )
         else:
-            out.append(TensorInfo(name, role.role, role.layer, role.expert, role.proj, shape,
-                                  _kept_element_size(ckpt, name)))
+            out.append(
+                TensorInfo(name, role.role, role.layer, role.expert, role.proj, shape, _kept_element_size(ckpt, name))
+            )
     return out
 
 
@@ -332,8 +355,12 @@ def _kept_element_size(ckpt, name: str) -> int:
 # The exact solver
 
 
-def solve_choices(option_bytes: Sequence[Sequence[int]], option_loss: Sequence[Sequence[float]],
-                  limit: int, report: list[str] | None = None) -> list[int] | None:
+def solve_choices(
+    option_bytes: Sequence[Sequence[int]],
+    option_loss: Sequence[Sequence[float]],
+    limit: int,
+    report: list[str] | None = None,
+) -> list[int] | None:
     """One option per group, minimising total loss with total bytes <= limit (exactly).
 
     Returns the chosen option index per group, or None when even the smallest options exceed
@@ -366,8 +393,10 @@ def solve_choices(option_bytes: Sequence[Sequence[int]], option_loss: Sequence[S
     lower = sum(m) - lam * limit
     magnitude = abs(sum(m)) + lam * limit + abs(ub)
     gap = ub - lower + 1e-9 * magnitude  # the slack only widens the core: still exact
-    allowed = [[i for i in front if option_loss[g][i] + lam * option_bytes[g][i] - m[g] <= gap]
-               for g, front in enumerate(fronts)]
+    allowed = [
+        [i for i in front if option_loss[g][i] + lam * option_bytes[g][i] - m[g] <= gap]
+        for g, front in enumerate(fronts)
+    ]
     choice = _core_dp(allowed, option_bytes, option_loss, m, lam, gap, limit)
     if choice is None:  # too many states: fall back to the MILP
         choice = _milp_choice(fronts, option_bytes, option_loss, limit, report)
@@ -433,8 +462,11 @@ def _core_dp(allowed, option_bytes, option_loss, m, lam, gap, limit) -> list[int
     core = [g for g in range(n_groups) if len(allowed[g]) > 1]
     fixed_bytes = sum(option_bytes[g][choice[g]] for g in range(n_groups) if choice[g] is not None)
     fixed_loss = sum(option_loss[g][choice[g]] for g in range(n_groups) if choice[g] is not None)
-    fixed_r = sum(option_loss[g][choice[g]] + lam * option_bytes[g][choice[g]] - m[g]
-                  for g in range(n_groups) if choice[g] is not None)
+    fixed_r = sum(
+        option_loss[g][choice[g]] + lam * option_bytes[g][choice[g]] - m[g]
+        for g in range(n_groups)
+        if choice[g] is not None
+    )
     min_after = [0] * (len(core) + 1)
     for k in range(len(core) - 1, -1, -1):
         g = core[k]
@@ -494,10 +526,17 @@ def _milp_choice(fronts, option_bytes, option_loss, limit, report) -> list[int]:
     n = len(var_group)
     one_hot = csr_array((np.ones(n), (np.array(var_group), np.arange(n))), shape=(n_groups, n))
     for _ in range(8):
-        constraints = [LinearConstraint(one_hot, 1, 1),
-                       LinearConstraint(csr_array(scaled.astype(np.float64).reshape(1, -1)), -np.inf, cap)]
-        result = milp(objective, integrality=np.ones(n), bounds=Bounds(0, 1), constraints=constraints,
-                      options={"mip_rel_gap": 0.0, "time_limit": 300.0})
+        constraints = [
+            LinearConstraint(one_hot, 1, 1),
+            LinearConstraint(csr_array(scaled.astype(np.float64).reshape(1, -1)), -np.inf, cap),
+        ]
+        result = milp(
+            objective,
+            integrality=np.ones(n),
+            bounds=Bounds(0, 1),
+            constraints=constraints,
+            options={"mip_rel_gap": 0.0, "time_limit": 300.0},
+        )
         if result.x is None:
             raise RuntimeError(f"the budget solver failed: {result.message}")
         choice = [None] * n_groups
@@ -507,8 +546,10 @@ def _milp_choice(fronts, option_bytes, option_loss, limit, report) -> list[int]:
             raise RuntimeError("the budget solver returned a solution without one option per group")
         if sum(option_bytes[g][choice[g]] for g in range(n_groups)) <= limit:
             if result.status != 0 and report is not None:
-                report.append(f"the budget solver stopped before proving optimality ({result.message}); "
-                              f"relative gap {getattr(result, 'mip_gap', float('nan')):.2g}.")
+                report.append(
+                    f"the budget solver stopped before proving optimality ({result.message}); "
+                    f"relative gap {getattr(result, 'mip_gap', float('nan')):.2g}."
+                )
             return choice
         cap -= 1  # HiGHS' feasibility tolerance let the byte row overshoot; tighten and resolve
     raise RuntimeError("the budget solver could not meet the byte limit exactly")
@@ -529,15 +570,21 @@ def _load_stats(stats):
 def usage_weights(stats, layer: int, num_experts: int, usage_floor: float) -> np.ndarray:
     """Expected runs per token of each expert, floored (see the module docstring)."""
     if layer not in stats.layers:
-        raise UserError(f"the calibration statistics have no MoE layer {layer}; rerun `moequant calibrate` on this model.")
+        raise UserError(
+            f"the calibration statistics have no MoE layer {layer}; rerun `moequant calibrate` on this model."
+        )
     ls = stats.layers[layer]
     counts = np.asarray(ls.routed_count, dtype=np.float64)
     if counts.shape != (num_experts,):
-        raise UserError(f"the calibration statistics have {counts.shape[0]} experts in layer {layer}, "
-                        f"but the model has {num_experts}; rerun `moequant calibrate` on this model.")
+        raise UserError(
+            f"the calibration statistics have {counts.shape[0]} experts in layer {layer}, "
+            f"but the model has {num_experts}; rerun `moequant calibrate` on this model."
+        )
     tokens = int(ls.tokens)
     if tokens <= 0:
-        raise UserError(f"the calibration statistics saw no tokens in layer {layer}; rerun `moequant calibrate` with more samples.")
+        raise UserError(
+            f"the calibration statistics saw no tokens in layer {layer}; rerun `moequant calibrate` with more samples."
+        )
     top_k = getattr(ls, "top_k", None) or counts.sum() / tokens
     floor = usage_floor * top_k / num_experts
     return np.maximum(counts / tokens, floor)
@@ -545,7 +592,9 @@ def usage_weights(stats, layer: int, num_experts: int, usage_floor: float) -> np
 
 def relative_shares(stats, layer: int, num_experts: int) -> np.ndarray:
     if layer not in stats.layers:
-        raise UserError(f"the calibration statistics have no MoE layer {layer}; rerun `moequant calibrate` on this model.")
+        raise UserError(
+            f"the calibration statistics have no MoE layer {layer}; rerun `moequant calibrate` on this model."
+        )
     return np.asarray(stats.layers[layer].share, dtype=np.float64) * num_experts
 
 
@@ -553,9 +602,11 @@ def sensitivity(table: dict, layer: int, proj: str, key: str) -> np.ndarray:
     """One layer's sensitivity[proj][key] as float64 [E] (not defined for bf16, which is exact)."""
     if proj not in table or key not in table[proj]:
         have = sorted(table.get(proj, {})) if hasattr(table, "get") else []
-        raise UserError(f"the calibration statistics have no sensitivity for format {key} in layer {layer} "
-                        f"({proj}); they have: {', '.join(have) or 'none'}; rerun `moequant calibrate --recipe` "
-                        f"with this recipe (it measures every format the recipe may choose), or drop it from the recipe.")
+        raise UserError(
+            f"the calibration statistics have no sensitivity for format {key} in layer {layer} "
+            f"({proj}); they have: {', '.join(have) or 'none'}; rerun `moequant calibrate --recipe` "
+            f"with this recipe (it measures every format the recipe may choose), or drop it from the recipe."
+        )
     return np.asarray(table[proj][key], dtype=np.float64)
 
 
@@ -599,7 +650,9 @@ class _Context:
                 self._nbytes[key] = self.layout.plain_nbytes(t.role, shape, self.recipe.export, element_size)
             return self._nbytes[key]
         # what the layout writes for it: itself, or its parts (GGUF splits deepseek2's kv_b_proj)
-        written = self.layout.written_shapes(self.config, t.name, shape) if t.role in NON_EXPERT_ROLES else [(t.name, shape)]
+        written = (
+            self.layout.written_shapes(self.config, t.name, shape) if t.role in NON_EXPERT_ROLES else [(t.name, shape)]
+        )
         key = (spec.key, tuple(s for _, s in written))
         if key not in self._nbytes:
             total = 0
@@ -616,7 +669,9 @@ class _Context:
         if self.stats is None:
             return None
         if layer not in self._usage:
-            self._usage[layer] = usage_weights(self.stats, layer, self.num_experts[layer], self.recipe.experts.usage_floor)
+            self._usage[layer] = usage_weights(
+                self.stats, layer, self.num_experts[layer], self.recipe.experts.usage_floor
+            )
         return self._usage[layer]
 
     def tensor_loss(self, t: TensorInfo, key: str) -> float | None:
@@ -626,7 +681,9 @@ class _Context:
             return 0.0
         if (t.layer, t.proj, key) not in self._sensitivity:
             if t.layer not in self.stats.layers:
-                raise UserError(f"the calibration statistics have no MoE layer {t.layer}; rerun `moequant calibrate` on this model.")
+                raise UserError(
+                    f"the calibration statistics have no MoE layer {t.layer}; rerun `moequant calibrate` on this model."
+                )
             table = self.stats.layers[t.layer].sensitivity
             self._sensitivity[(t.layer, t.proj, key)] = sensitivity(table, t.layer, t.proj, key)
         scale = self.layer_scale[t.layer] if self.layer_scale else 1.0
@@ -658,8 +715,11 @@ def _probe_scales(ctx: _Context) -> tuple[dict[int, float] | None, dict]:
     """
     probe = getattr(ctx.stats, "probe", None)
     if not probe or not probe.get("layers"):
-        return None, {"used": False, "why": "the calibration statistics hold no per-layer KL probe "
-                                            "(calibration.probe_samples 0, or statistics from an older version)"}
+        return None, {
+            "used": False,
+            "why": "the calibration statistics hold no per-layer KL probe "
+            "(calibration.probe_samples 0, or statistics from an older version)",
+        }
     scales, measured = {}, {}
     for layer in ctx.layers:
         entry = probe["layers"].get(str(layer))
@@ -675,14 +735,21 @@ def _probe_scales(ctx: _Context) -> tuple[dict[int, float] | None, dict]:
             return None, {"used": False, "why": f"the statistics have no sensitivity for the probe format {key}"}
         predicted = float(np.dot(ctx.usage(layer), err))
         if not (predicted > 0 and math.isfinite(kl) and kl >= 0):
-            return None, {"used": False, "why": f"the KL probe of layer {layer} has no usable ratio "
-                                                f"(KL {kl:.3g}, predicted {predicted:.3g})"}
+            return None, {
+                "used": False,
+                "why": f"the KL probe of layer {layer} has no usable ratio (KL {kl:.3g}, predicted {predicted:.3g})",
+            }
         scales[layer], measured[layer] = kl / predicted, kl
     formats_used = sorted({probe["layers"][str(L)]["format"] for L in ctx.layers})
-    return scales, {"used": True, "format": ", ".join(formats_used), "samples": probe.get("samples"),
-                    "tokens": probe.get("tokens"), "algorithm": probe.get("algorithm"),
-                    "held_out": probe.get("held_out", False),
-                    "layers": {str(L): {"kl": measured[L], "scale": scales[L]} for L in ctx.layers}}
+    return scales, {
+        "used": True,
+        "format": ", ".join(formats_used),
+        "samples": probe.get("samples"),
+        "tokens": probe.get("tokens"),
+        "algorithm": probe.get("algorithm"),
+        "held_out": probe.get("held_out", False),
+        "layers": {str(L): {"kl": measured[L], "scale": scales[L]} for L in ctx.layers},
+    }
 
 
 def _keep_match(recipe: Recipe, t: TensorInfo) -> str | None:
@@ -765,8 +832,9 @@ def _budget_limit(recipe: Recipe, routed_numel: int, other_bytes: int, fixed_rou
     return math.floor(Fraction(str(budget.gigabytes)) * 10**9) - other_bytes - fixed_routed
 
 
-def _infeasible_budget(recipe: Recipe, min_group_bytes: int, routed_numel: int, other_bytes: int,
-                       fixed_routed: int, candidates: list[str]) -> UserError:
+def _infeasible_budget(
+    recipe: Recipe, min_group_bytes: int, routed_numel: int, other_bytes: int, fixed_routed: int, candidates: list[str]
+) -> UserError:
     budget = recipe.experts.budget
     if budget.bits_per_weight is not None:
         minimum = Fraction((min_group_bytes + fixed_routed) * 8, routed_numel)
@@ -774,13 +842,15 @@ def _infeasible_budget(recipe: Recipe, min_group_bytes: int, routed_numel: int, 
         return UserError(
             f"experts.budget.bits_per_weight {budget.bits_per_weight} is below the smallest feasible plan for "
             f"target {recipe.target} with candidates {', '.join(candidates)}: {shown:.4f} bits per routed-expert "
-            f"weight; accepted: bits_per_weight >= {shown:.4f}.")
+            f"weight; accepted: bits_per_weight >= {shown:.4f}."
+        )
     minimum_bytes = min_group_bytes + fixed_routed + other_bytes
     shown = math.ceil(minimum_bytes / 10**3) / 10**6
     return UserError(
         f"experts.budget.gigabytes {budget.gigabytes} is below the smallest feasible plan for target "
         f"{recipe.target} with candidates {', '.join(candidates)}: {minimum_bytes} bytes for the whole model; "
-        f"accepted: gigabytes >= {shown:.6f}.")
+        f"accepted: gigabytes >= {shown:.6f}."
+    )
 
 
 def _option_table(ctx: _Context, groups, specs, notes) -> list[list[tuple]]:
@@ -789,8 +859,10 @@ def _option_table(ctx: _Context, groups, specs, notes) -> list[list[tuple]]:
     for group in groups:
         options = _group_options(ctx, group, specs, notes)
         if not options:
-            raise UserError(f"no candidate format can hold the routed experts of layer(s) {_layer_text(group)}; "
-                            f"accepted: add a format whose group size divides their input dimension (e.g. int8 or fp8).")
+            raise UserError(
+                f"no candidate format can hold the routed experts of layer(s) {_layer_text(group)}; "
+                f"accepted: add a format whose group size divides their input dimension (e.g. int8 or fp8)."
+            )
         table.append(options)
     return table
 
@@ -803,8 +875,9 @@ def _solve(ctx: _Context, target: str, free, specs, limit: int, notes, extra=Non
     table = _option_table(ctx, groups, specs, notes)
     extra = extra or {}
     table_all = table + list(extra.values())
-    choice = solve_choices([[o[1] for o in opts] for opts in table_all], [[o[2] for o in opts] for opts in table_all],
-                           limit, notes)
+    choice = solve_choices(
+        [[o[1] for o in opts] for opts in table_all], [[o[2] for o in opts] for opts in table_all], limit, notes
+    )
     if choice is None:
         return None
     assignment = {}
@@ -814,7 +887,7 @@ def _solve(ctx: _Context, target: str, free, specs, limit: int, notes, extra=Non
         used += nbytes
         for e in group:
             assignment[e] = spec
-    for name, opts, index in zip(extra, extra.values(), choice[len(table):]):
+    for name, opts, index in zip(extra, extra.values(), choice[len(table) :]):
         assignment[name] = opts[index][0]
     return assignment, used
 
@@ -825,8 +898,9 @@ def _non_expert_options(ctx: _Context, recipe: Recipe, plans: list, reference, s
     if recipe.experts.method != "budget" or not recipe.non_experts.formats or not reference.quantized:
         return {}
     if recipe.target == "sglang":
-        raise UserError("non_experts.formats (a per-tensor choice) is not offered for target sglang; use "
-                        "non_experts.format.")
+        raise UserError(
+            "non_experts.formats (a per-tensor choice) is not offered for target sglang; use non_experts.format."
+        )
     specs = []
     for spec in _dedupe(resolve_format(recipe, f) for f in [recipe.non_experts.format, *recipe.non_experts.formats]):
         why = spec.refuses(recipe.target, routed=False)
@@ -848,8 +922,10 @@ def _non_expert_options(ctx: _Context, recipe: Recipe, plans: list, reference, s
             if spec.quantized and not shapes_only:
                 kl = (measured or {}).get(p.name, {}).get(spec.key)
                 if kl is None:
-                    raise UserError(f"the calibration statistics hold no per-tensor KL of {p.name} in {spec.key} "
-                                    f"(non_experts.formats); rerun `moequant calibrate --recipe` with this recipe.")
+                    raise UserError(
+                        f"the calibration statistics hold no per-tensor KL of {p.name} in {spec.key} "
+                        f"(non_experts.formats); rerun `moequant calibrate --recipe` with this recipe."
+                    )
                 loss = float(kl)
             options.append((spec, nbytes, loss))
         out[p.name] = options
@@ -897,8 +973,10 @@ def _apply_rules(ctx: _Context, recipe: Recipe, free) -> dict:
     rules = recipe.experts.rules
     needs_share = any(r.share_at_least is not None or r.share_below is not None for r in rules)
     if needs_share and ctx.stats is None:
-        raise UserError("experts.rules use share_at_least / share_below, which need calibration statistics; "
-                        "run `moequant calibrate` first and pass its statistics.")
+        raise UserError(
+            "experts.rules use share_at_least / share_below, which need calibration statistics; "
+            "run `moequant calibrate` first and pass its statistics."
+        )
     specs = [resolve_format(recipe, r.format) for r in rules]
     layer_sets = [r.layer_set() for r in rules]
     assignment = {}
@@ -918,15 +996,20 @@ def _apply_rules(ctx: _Context, recipe: Recipe, free) -> dict:
             break
         else:
             detail = f" (routing share {shares[layer][expert]:.3g}x the layer mean)" if needs_share else ""
-            raise UserError(f"no rule in experts.rules matches layer {layer} expert {expert}{detail}; "
-                            f"accepted: end the rules with one without conditions, such as {{format: int4}}.")
+            raise UserError(
+                f"no rule in experts.rules matches layer {layer} expert {expert}{detail}; "
+                f"accepted: end the rules with one without conditions, such as {{format: int4}}."
+            )
     return assignment
 
 
 def _check_uniform_groups(ctx: _Context, target: str, assignment: dict) -> None:
     unit = GRANULARITY[target]
-    if target == "sglang" and all(_sglang_per_layer(s) for s in assignment.values()) and \
-            sglang_per_layer_block({t.name for ts in ctx.experts.values() for t in ts}) is None:
+    if (
+        target == "sglang"
+        and all(_sglang_per_layer(s) for s in assignment.values())
+        and sglang_per_layer_block({t.name for ts in ctx.experts.values() for t in ts}) is None
+    ):
         unit = "layer"  # INT4 / INT8 weight-only groups may differ per layer (see the module docstring)
     if unit == "expert":
         return
@@ -937,8 +1020,10 @@ def _check_uniform_groups(ctx: _Context, target: str, assignment: dict) -> None:
         if len(by_key) > 1:
             where = f"layer {scope}" if unit in ("layer", "layer_proj") else "the model"
             parts = "; ".join(f"{k} (experts {_short_list(v)})" for k, v in by_key.items())
-            raise UserError(f"with target {target} every routed expert of {where} needs one format, but "
-                            f"experts.rules give {where} {parts}; accepted: rules by layers only, or target transformers.")
+            raise UserError(
+                f"with target {target} every routed expert of {where} needs one format, but "
+                f"experts.rules give {where} {parts}; accepted: rules by layers only, or target transformers."
+            )
 
 
 def _copied_tensors(ctx: _Context, tensors: list[TensorInfo]) -> list[TensorPlan]:
@@ -951,9 +1036,21 @@ def _copied_tensors(ctx: _Context, tensors: list[TensorInfo]) -> list[TensorPlan
         if source not in by_name:
             continue  # nothing to copy in this tensor list
         t = dataclasses.replace(by_name[source], name=name, role=role)
-        out.append(TensorPlan(t.name, t.role, t.layer, t.expert, t.proj, t.shape, bf16.key, spec_params(bf16),
-                              ctx.recipe.algorithm_for(bf16.name), ctx.nbytes(bf16, t),
-                              kept=f"the {ctx.layout.name} export writes {source} again as {name}"))
+        out.append(
+            TensorPlan(
+                t.name,
+                t.role,
+                t.layer,
+                t.expert,
+                t.proj,
+                t.shape,
+                bf16.key,
+                spec_params(bf16),
+                ctx.recipe.algorithm_for(bf16.name),
+                ctx.nbytes(bf16, t),
+                kept=f"the {ctx.layout.name} export writes {source} again as {name}",
+            )
+        )
     return out
 
 
@@ -1023,12 +1120,21 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
     plans += _routed_plans(ctx, recipe, tensors, assignment, kept_experts)
     used_specs = _dedupe([*specs, *assignment.values()])
     plan = Plan(
-        model=recipe.model, target=target, method=method, budget=budget_info,
-        candidates=[s.key for s in specs], dropped_candidates=dropped,
+        model=recipe.model,
+        target=target,
+        method=method,
+        budget=budget_info,
+        candidates=[s.key for s in specs],
+        dropped_candidates=dropped,
         usage_floor=recipe.experts.usage_floor,
-        formats={s.key: {"name": s.name, "params": spec_params(s), "algorithm": recipe.algorithm_for(s.name)}
-                 for s in used_specs},
-        tensors=plans, notes=notes, recipe=recipe_to_dict(recipe))
+        formats={
+            s.key: {"name": s.name, "params": spec_params(s), "algorithm": recipe.algorithm_for(s.name)}
+            for s in used_specs
+        },
+        tensors=plans,
+        notes=notes,
+        recipe=recipe_to_dict(recipe),
+    )
     plan.summary = _summary(plan, ctx, free, budget_info)
     return plan
 
@@ -1037,8 +1143,10 @@ def _non_expert_plans(ctx: _Context, recipe: Recipe, tensors: list[TensorInfo], 
     """The plans of every tensor but the routed experts: non_experts.format, or bf16 with the reason."""
     reason = non_expert_spec.refuses(recipe.target, routed=False)
     if reason and non_expert_spec.quantized:
-        raise UserError(f"non_experts.format {non_expert_spec.key} cannot be served by target {recipe.target}: "
-                        f"{reason}; accepted: bf16, fp8, int8, int4 (symmetric or not), mxfp4, nvfp4.")
+        raise UserError(
+            f"non_experts.format {non_expert_spec.key} cannot be served by target {recipe.target}: "
+            f"{reason}; accepted: bf16, fp8, int8, int4 (symmetric or not), mxfp4, nvfp4."
+        )
     bf16 = _formats().get_format("bf16")
     plans: list[TensorPlan] = []
     for t in tensors:
@@ -1051,9 +1159,24 @@ def _non_expert_plans(ctx: _Context, recipe: Recipe, tensors: list[TensorInfo], 
         try:
             nbytes = ctx.nbytes(spec, t)
         except UserError as error:
-            raise UserError(f"non_experts.format {spec.key} cannot hold tensor {t.name}: {str(error).rstrip('.')}.") from None
-        plans.append(TensorPlan(t.name, t.role, t.layer, t.expert, t.proj, t.shape, spec.key, spec_params(spec),
-                                recipe.algorithm_for(spec.name), nbytes, kept=None if spec.quantized else why))
+            raise UserError(
+                f"non_experts.format {spec.key} cannot hold tensor {t.name}: {str(error).rstrip('.')}."
+            ) from None
+        plans.append(
+            TensorPlan(
+                t.name,
+                t.role,
+                t.layer,
+                t.expert,
+                t.proj,
+                t.shape,
+                spec.key,
+                spec_params(spec),
+                recipe.algorithm_for(spec.name),
+                nbytes,
+                kept=None if spec.quantized else why,
+            )
+        )
     plans += _copied_tensors(ctx, tensors)
     return plans
 
@@ -1088,8 +1211,10 @@ def _check_kept_experts(ctx: _Context, recipe: Recipe, kept_experts: dict, notes
     for (layer, expert), why in kept_experts.items():
         projs = {t.proj for t in ctx.experts[(layer, expert)] if _keep_match(recipe, t)}
         if len(projs) < len(ctx.experts[(layer, expert)]):
-            notes.append(f"{why} matches only some projections of layer {layer} expert {expert}; the whole expert "
-                         f"stays bf16, since one format covers an expert's gate, up and down.")
+            notes.append(
+                f"{why} matches only some projections of layer {layer} expert {expert}; the whole expert "
+                f"stays bf16, since one format covers an expert's gate, up and down."
+            )
     unit = GRANULARITY[target]
     if unit != "expert" and kept_experts:
         per_layer = unit in ("layer", "layer_proj") or target == "sglang"  # sglang: kept layers are ignored ones
@@ -1099,9 +1224,11 @@ def _check_kept_experts(ctx: _Context, recipe: Recipe, kept_experts: dict, notes
             partial = [e for e in members if e not in kept_experts]
             if partial:
                 where = f"layer {scope}" if per_layer else "the model"
-                raise UserError(f"keep holds only some routed experts of {where} in bf16, which target {target} "
-                                f"cannot serve (one format per {unit}); accepted: keep whole layers "
-                                f"(e.g. model.layers.3.mlp.experts.*), routed_experts, or target transformers.")
+                raise UserError(
+                    f"keep holds only some routed experts of {where} in bf16, which target {target} "
+                    f"cannot serve (one format per {unit}); accepted: keep whole layers "
+                    f"(e.g. model.layers.3.mlp.experts.*), routed_experts, or target transformers."
+                )
 
 
 def _byte_sizes(ctx: _Context, plans: list[TensorPlan], kept_experts: dict) -> tuple[int, int, int]:
@@ -1126,21 +1253,33 @@ def _budget_candidates(recipe: Recipe) -> tuple[list, dict[str, str]]:
         else:
             specs.append(spec)
     if not specs:
-        raise UserError(f"experts.formats offers no format that target {target} can serve "
-                        f"({'; '.join(f'{k}: {v}' for k, v in dropped.items())}); accepted: fp8, int8, "
-                        f"symmetric int4, mxfp4, nvfp4, bf16.")
+        raise UserError(
+            f"experts.formats offers no format that target {target} can serve "
+            f"({'; '.join(f'{k}: {v}' for k, v in dropped.items())}); accepted: fp8, int8, "
+            f"symmetric int4, mxfp4, nvfp4, bf16."
+        )
     return specs, dropped
 
 
-def _budget_assignment(ctx: _Context, recipe: Recipe, plans: list[TensorPlan], non_expert_spec, free,
-                       sizes: tuple[int, int, int], shapes_only: bool, notes: list[str]):
+def _budget_assignment(
+    ctx: _Context,
+    recipe: Recipe,
+    plans: list[TensorPlan],
+    non_expert_spec,
+    free,
+    sizes: tuple[int, int, int],
+    shapes_only: bool,
+    notes: list[str],
+):
     """experts.method budget: (expert -> spec, candidates, dropped candidates, the plan's budget), with
     the non-expert tensors of non_experts.formats moved to their chosen formats in `plans`. With
     shapes_only None, once the smallest plan is known to fit. sizes: _byte_sizes."""
     target = recipe.target
     if ctx.stats is None and not shapes_only:
-        raise UserError("experts.method budget needs calibration statistics (routing and sensitivity); "
-                        "run `moequant calibrate` first and pass its statistics.")
+        raise UserError(
+            "experts.method budget needs calibration statistics (routing and sensitivity); "
+            "run `moequant calibrate` first and pass its statistics."
+        )
     specs, dropped = _budget_candidates(recipe)
     limit = _budget_limit(recipe, *sizes)
     flexible = _non_expert_options(ctx, recipe, plans, non_expert_spec, shapes_only)
@@ -1164,9 +1303,11 @@ def _budget_assignment(ctx: _Context, recipe: Recipe, plans: list[TensorPlan], n
         raise _infeasible_budget(recipe, _min_bytes(ctx, target, free, specs), *sizes, [s.key for s in specs])
     assignment, _ = solved
     _set_non_expert_choices(recipe, plans, flexible, assignment)
-    budget_info = {"bits_per_weight": recipe.experts.budget.bits_per_weight,
-                   "gigabytes": recipe.experts.budget.gigabytes,
-                   "routed_bytes_limit": limit + sizes[2]}
+    budget_info = {
+        "bits_per_weight": recipe.experts.budget.bits_per_weight,
+        "gigabytes": recipe.experts.budget.gigabytes,
+        "routed_bytes_limit": limit + sizes[2],
+    }
     return assignment, specs, dropped, budget_info
 
 
@@ -1203,16 +1344,20 @@ def _rules_assignment(ctx: _Context, recipe: Recipe, free, shapes_only: bool) ->
             spec = resolve_format(recipe, rule.format)
             why = spec.refuses(target, routed=True)
             if why:
-                raise UserError(f"experts.rules gives routed experts {spec.key}, which target {target} cannot "
-                                f"serve: {why}; accepted: {_servable_routed(target)}, or target transformers.")
+                raise UserError(
+                    f"experts.rules gives routed experts {spec.key}, which target {target} cannot "
+                    f"serve: {why}; accepted: {_servable_routed(target)}, or target transformers."
+                )
     else:
         assignment = _apply_rules(ctx, recipe, free)
     for spec in _dedupe(assignment.values()):
         why = spec.refuses(target, routed=True)
         if why:
             key = "experts.format" if method == "uniform" else "experts.rules"
-            raise UserError(f"{key} gives routed experts {spec.key}, which target {target} cannot serve: {why}; "
-                            f"accepted: {_servable_routed(target)}, or target transformers.")
+            raise UserError(
+                f"{key} gives routed experts {spec.key}, which target {target} cannot serve: {why}; "
+                f"accepted: {_servable_routed(target)}, or target transformers."
+            )
     _check_uniform_groups(ctx, target, assignment)
     return assignment
 
@@ -1227,8 +1372,9 @@ def _check_expert_bytes(ctx: _Context, assignment: dict) -> None:
             raise UserError(f"format {spec.key} cannot hold {what}: {str(error).rstrip('.')}.") from None
 
 
-def _routed_plans(ctx: _Context, recipe: Recipe, tensors: list[TensorInfo], assignment: dict,
-                  kept_experts: dict) -> list[TensorPlan]:
+def _routed_plans(
+    ctx: _Context, recipe: Recipe, tensors: list[TensorInfo], assignment: dict, kept_experts: dict
+) -> list[TensorPlan]:
     """The plans of the routed-expert tensors in their assigned formats, with usage and predicted loss."""
     plans = []
     for t in tensors:
@@ -1237,10 +1383,23 @@ def _routed_plans(ctx: _Context, recipe: Recipe, tensors: list[TensorInfo], assi
         spec = assignment.get((t.layer, t.expert, t.proj)) or assignment[(t.layer, t.expert)]
         usage = ctx.usage(t.layer)
         loss = ctx.tensor_loss(t, spec.key) if ctx.stats is not None else None
-        plans.append(TensorPlan(t.name, t.role, t.layer, t.expert, t.proj, t.shape, spec.key, spec_params(spec),
-                                recipe.algorithm_for(spec.name), ctx.nbytes(spec, t),
-                                kept=kept_experts.get((t.layer, t.expert)),
-                                usage=None if usage is None else float(usage[t.expert]), predicted_loss=loss))
+        plans.append(
+            TensorPlan(
+                t.name,
+                t.role,
+                t.layer,
+                t.expert,
+                t.proj,
+                t.shape,
+                spec.key,
+                spec_params(spec),
+                recipe.algorithm_for(spec.name),
+                ctx.nbytes(spec, t),
+                kept=kept_experts.get((t.layer, t.expert)),
+                usage=None if usage is None else float(usage[t.expert]),
+                predicted_loss=loss,
+            )
+        )
     return plans
 
 
@@ -1293,8 +1452,13 @@ def _summary(plan: Plan, ctx: _Context, free, budget_info) -> dict:
                 nbytes = sum(ctx.expert_bytes(e, spec) for e in free)
             except UserError:
                 continue
-            uniform.append({"format": key, "routed_bytes": nbytes + fixed_bytes,
-                            "predicted_loss": _predicted_loss(ctx, {e: spec for e in free})})
+            uniform.append(
+                {
+                    "format": key,
+                    "routed_bytes": nbytes + fixed_bytes,
+                    "predicted_loss": _predicted_loss(ctx, {e: spec for e in free}),
+                }
+            )
     for alt in [alternative, budget_alternative, *uniform]:  # the same bits per weight as this plan's
         if alt:
             alt["routed_bits_per_weight"] = bits_per_weight(alt["routed_bytes"], routed_numel)
@@ -1304,8 +1468,10 @@ def _summary(plan: Plan, ctx: _Context, free, budget_info) -> dict:
         "bytes_by_role": dict(bytes_by_role),
         "weights_by_role": dict(weights_by_role),
         "total_bytes": total_bytes,
-        "bits_per_weight": {"overall": bits_per_weight(total_bytes, total_numel),
-                            "routed_experts": bits_per_weight(routed_bytes, routed_numel)},
+        "bits_per_weight": {
+            "overall": bits_per_weight(total_bytes, total_numel),
+            "routed_experts": bits_per_weight(routed_bytes, routed_numel),
+        },
         "routed_bytes": routed_bytes,
         "predicted_loss": loss,
         "per_expert_alternative": alternative,
@@ -1335,10 +1501,12 @@ def _alternative(ctx: _Context, target: str, free, entries, limit: int, fixed_by
     if solved is None:
         return None
     assignment, used = solved
-    return {"predicted_loss": _predicted_loss(ctx, assignment),  # kept experts are bf16: loss 0
-            "routed_bytes": used + fixed_bytes,
-            "candidates": [s.key for s in specs],
-            "counts": dict(Counter(s.key for s in assignment.values()))}
+    return {
+        "predicted_loss": _predicted_loss(ctx, assignment),  # kept experts are bf16: loss 0
+        "routed_bytes": used + fixed_bytes,
+        "candidates": [s.key for s in specs],
+        "counts": dict(Counter(s.key for s in assignment.values())),
+    }
 
 
 def _legend(keys: list[str]) -> dict[str, str]:
@@ -1367,42 +1535,58 @@ def budget_frontier(recipe: Recipe, checkpoint_or_tensors, stats, bits_per_weigh
     experts = recipe.experts.model_copy(update={"method": "budget"})
 
     def point(target: str, bits: float) -> dict:
-        budget = experts.budget.model_copy(update={"bits_per_weight": bits, "gigabytes": None}) \
-            if experts.budget else None
+        budget = (
+            experts.budget.model_copy(update={"bits_per_weight": bits, "gigabytes": None}) if experts.budget else None
+        )
         if budget is None:
             from moequant.plan.recipe import Budget
 
             budget = Budget(bits_per_weight=bits)
-        variant = recipe.model_copy(update={"target": target,
-                                            "experts": experts.model_copy(update={"budget": budget})})
+        variant = recipe.model_copy(update={"target": target, "experts": experts.model_copy(update={"budget": budget})})
         try:
             plan = make_plan(variant, checkpoint_or_tensors, stats)
         except UserError as error:
             return {"bits_per_weight": bits, "error": str(error)}
         s = plan.summary
         counts = Counter(plan.expert_formats().values())
-        return {"bits_per_weight": bits, "routed_bytes": s["routed_bytes"], "total_bytes": s["total_bytes"],
-                "routed_bits_per_weight": s["bits_per_weight"]["routed_experts"],
-                "predicted_loss": s["predicted_loss"], "counts": dict(counts)}
+        return {
+            "bits_per_weight": bits,
+            "routed_bytes": s["routed_bytes"],
+            "total_bytes": s["total_bytes"],
+            "routed_bits_per_weight": s["bits_per_weight"]["routed_experts"],
+            "predicted_loss": s["predicted_loss"],
+            "counts": dict(counts),
+        }
 
     budgets = [float(b) for b in bits_per_weight]
-    out = {"target": recipe.target, "budgets": budgets,
-           "serving": [point(recipe.target, b) for b in budgets],
-           "per_expert": [point("transformers", b) for b in budgets] if recipe.target != "transformers" else None,
-           "uniform": []}
+    out = {
+        "target": recipe.target,
+        "budgets": budgets,
+        "serving": [point(recipe.target, b) for b in budgets],
+        "per_expert": [point("transformers", b) for b in budgets] if recipe.target != "transformers" else None,
+        "uniform": [],
+    }
     for entry in _dedupe_entries(recipe):
-        variant = recipe.model_copy(update={"target": "transformers",
-                                            "experts": experts.model_copy(update={"method": "uniform", "format": entry})})
+        variant = recipe.model_copy(
+            update={
+                "target": "transformers",
+                "experts": experts.model_copy(update={"method": "uniform", "format": entry}),
+            }
+        )
         try:
             plan = make_plan(variant, checkpoint_or_tensors, stats)
         except UserError as error:
             out["uniform"].append({"format": entry, "error": str(error)})
             continue
         s = plan.summary
-        out["uniform"].append({"format": next(iter(plan.expert_formats().values())),
-                               "routed_bytes": s["routed_bytes"],
-                               "routed_bits_per_weight": s["bits_per_weight"]["routed_experts"],
-                               "predicted_loss": s["predicted_loss"]})
+        out["uniform"].append(
+            {
+                "format": next(iter(plan.expert_formats().values())),
+                "routed_bytes": s["routed_bytes"],
+                "routed_bits_per_weight": s["bits_per_weight"]["routed_experts"],
+                "predicted_loss": s["predicted_loss"],
+            }
+        )
     return out
 
 
@@ -1435,7 +1619,9 @@ def plan_from_dict(data: dict, source: str = "<plan>") -> Plan:
         fields = {f.name for f in dataclasses.fields(Plan)} - {"tensors"}
         return Plan(tensors=tensors, **{k: data[k] for k in fields if k in data})
     except (KeyError, TypeError) as error:
-        raise UserError(f"plan {source} is malformed ({error}); accepted: a plan.json written by `moequant plan`.") from None
+        raise UserError(
+            f"plan {source} is malformed ({error}); accepted: a plan.json written by `moequant plan`."
+        ) from None
 
 
 def write_plan(plan: Plan, path: str | Path) -> Path:
@@ -1477,8 +1663,11 @@ def format_summary(plan: Plan) -> str:
     lines = [f"plan for {plan.model}: target {plan.target}, method {plan.method}"]
     if plan.budget:
         b = plan.budget
-        what = (f"{b['bits_per_weight']} bits per routed-expert weight" if b.get("bits_per_weight") is not None
-                else f"{b['gigabytes']} GB for the whole model")
+        what = (
+            f"{b['bits_per_weight']} bits per routed-expert weight"
+            if b.get("bits_per_weight") is not None
+            else f"{b['gigabytes']} GB for the whole model"
+        )
         lines.append(f"budget: {what} (routed experts may use {_size(b['routed_bytes_limit'])})")
     if plan.candidates:
         lines.append("candidates: " + ", ".join(plan.candidates))
@@ -1493,20 +1682,29 @@ def format_summary(plan: Plan) -> str:
         lines.append(row)
     bpw = s["bits_per_weight"]
     lines.append(f"bits per weight: {bpw['routed_experts']:.3f} routed experts, {bpw['overall']:.3f} overall")
-    lines.append(f"bytes: {_size(s['total_bytes'])} total; " + ", ".join(
-        f"{role} {_size(n)}" for role, n in sorted(s["bytes_by_role"].items(), key=lambda kv: -kv[1])))
+    lines.append(
+        f"bytes: {_size(s['total_bytes'])} total; "
+        + ", ".join(f"{role} {_size(n)}" for role, n in sorted(s["bytes_by_role"].items(), key=lambda kv: -kv[1]))
+    )
     if s["predicted_loss"] is not None:
         lines.append(f"predicted loss: {s['predicted_loss']:.6g}")
     alt = s.get("per_expert_alternative")
     if alt:
-        extra = (f"; serving with {plan.target} costs {(s['predicted_loss'] / alt['predicted_loss'] - 1) * 100:+.1f}%"
-                 if alt["predicted_loss"] and s["predicted_loss"] is not None else "")
-        lines.append(f"per-expert plan (target transformers) at the same budget: predicted loss "
-                     f"{alt['predicted_loss']:.6g}, {_size(alt['routed_bytes'])} routed{_bits(alt)}{extra}")
+        extra = (
+            f"; serving with {plan.target} costs {(s['predicted_loss'] / alt['predicted_loss'] - 1) * 100:+.1f}%"
+            if alt["predicted_loss"] and s["predicted_loss"] is not None
+            else ""
+        )
+        lines.append(
+            f"per-expert plan (target transformers) at the same budget: predicted loss "
+            f"{alt['predicted_loss']:.6g}, {_size(alt['routed_bytes'])} routed{_bits(alt)}{extra}"
+        )
     alt = s.get("budget_alternative")
     if alt:
-        lines.append(f"budget plan (target {plan.target}) at the same bytes: predicted loss "
-                     f"{alt['predicted_loss']:.6g}, {_size(alt['routed_bytes'])} routed{_bits(alt)}")
+        lines.append(
+            f"budget plan (target {plan.target}) at the same bytes: predicted loss "
+            f"{alt['predicted_loss']:.6g}, {_size(alt['routed_bytes'])} routed{_bits(alt)}"
+        )
     for u in s.get("uniform_alternatives", []):
         loss = f"{u['predicted_loss']:.6g}" if u["predicted_loss"] is not None else "n/a"
         lines.append(f"uniform {u['format']}: {_size(u['routed_bytes'])} routed{_bits(u)}, predicted loss {loss}")
@@ -1514,8 +1712,10 @@ def format_summary(plan: Plan) -> str:
     if probe and probe.get("used"):
         scales = ", ".join(f"L{L} x{v['scale']:.3g}" for L, v in probe["layers"].items())
         where = "held-out" if probe.get("held_out") else "calibration"
-        lines.append(f"per-layer KL probe used ({probe['format']} {probe.get('algorithm') or 'rtn'}, "
-                     f"{probe['tokens']} {where} tokens): losses scaled to measured KL per layer: {scales}")
+        lines.append(
+            f"per-layer KL probe used ({probe['format']} {probe.get('algorithm') or 'rtn'}, "
+            f"{probe['tokens']} {where} tokens): losses scaled to measured KL per layer: {scales}"
+        )
     elif probe:
         lines.append(f"per-layer KL probe not used: {probe['why']}; losses are layer-output errors added unscaled")
     lines += [f"note: {n}" for n in plan.notes]

@@ -57,8 +57,14 @@ ALGORITHMS = ("rtn", "gptq", "awq", "imatrix")
 EXPORT_FORMATS = tuple(RECIPE_LAYOUTS)  # the export layouts (moequant.export.layouts.LAYOUTS) by their recipe names
 # Names `keep` accepts besides tensor-name patterns (anything containing '*' or '.').
 KEEP_GROUPS = (
-    "router", "shared_expert_gate", "shared_experts", "attention", "dense_mlp",
-    "embeddings", "lm_head", "routed_experts",
+    "router",
+    "shared_expert_gate",
+    "shared_experts",
+    "attention",
+    "dense_mlp",
+    "embeddings",
+    "lm_head",
+    "routed_experts",
 )
 DEFAULT_MODEL = "zoo:tiny-qwen2moe"
 DEFAULT_DATASET = "builtin:mix"
@@ -73,8 +79,9 @@ def check_format_entry(value: str) -> str:
     """A format entry is a bare name (params from the recipe's `formats` map) or an exact key."""
     name = value.split("-", 1)[0]
     if name not in FORMAT_NAMES:
-        raise ValueError(f"'{value}' is not a format; accepted: {', '.join(FORMAT_NAMES)} "
-                         "(or an exact key such as int4-g64-sym)")
+        raise ValueError(
+            f"'{value}' is not a format; accepted: {', '.join(FORMAT_NAMES)} (or an exact key such as int4-g64-sym)"
+        )
     return value
 
 
@@ -124,6 +131,7 @@ class Calibration(Strict):
 class Gptq(Strict):
     """How GPTQ rounds (the quantize pass and the probe alike, algorithms.gptq.gptq_pass); quality
     and cost of each choice: benchmarks/bench_quality.py and bench_gptq.py."""
+
     # minmax: each group's scale from its largest weight; searched: the scale (and zero point) that
     # minimises the input-weighted error (formats.searched_fit)
     grid: Literal["minmax", "searched"] = "searched"
@@ -157,19 +165,23 @@ class Export(Strict):
 
 class Budget(Strict):
     """Exactly one of: bits per routed-expert weight, or gigabytes (10^9 bytes) for the whole model."""
+
     bits_per_weight: Optional[float] = Field(None, gt=0)
     gigabytes: Optional[float] = Field(None, gt=0)
 
     @model_validator(mode="after")
     def one_kind(self):
         if (self.bits_per_weight is None) == (self.gigabytes is None):
-            raise ValueError("give exactly one of bits_per_weight or gigabytes "
-                             "(override the whole budget, e.g. experts.budget={gigabytes: 2})")
+            raise ValueError(
+                "give exactly one of bits_per_weight or gigabytes "
+                "(override the whole budget, e.g. experts.budget={gigabytes: 2})"
+            )
         return self
 
 
 class Rule(Strict):
     """Conditions all hold (an empty rule matches everything); `format` is required."""
+
     share_at_least: Optional[float] = Field(None, ge=0)
     share_below: Optional[float] = Field(None, gt=0)
     layers: Optional[str | int] = None
@@ -216,6 +228,7 @@ class Experts(Strict):
 
 class NonExperts(Strict):
     """Format for attention, shared experts and dense MLPs that `keep` does not name."""
+
     format: FormatEntry = "bf16"
     # with experts.method budget: formats the solver may give each of these tensors instead, from their
     # measured KL (calibration's per-tensor probe), trading bytes with the routed experts; the budget
@@ -243,8 +256,10 @@ class Recipe(Strict):
     def _check_keep(cls, value):
         for entry in value:
             if entry not in KEEP_GROUPS and not ("*" in entry or "." in entry):
-                raise ValueError(f"'{entry}' is not a keep entry; accepted: {', '.join(KEEP_GROUPS)}, "
-                                 "or a tensor-name pattern containing '*' or '.'")
+                raise ValueError(
+                    f"'{entry}' is not a keep entry; accepted: {', '.join(KEEP_GROUPS)}, "
+                    "or a tensor-name pattern containing '*' or '.'"
+                )
         return value
 
     @field_validator("algorithms", "formats")
@@ -258,8 +273,10 @@ class Recipe(Strict):
     @model_validator(mode="after")
     def _gguf_is_llama_cpp(self):
         if (self.export.format == "gguf") != (self.target == "llama.cpp"):
-            raise ValueError("export format gguf and target llama.cpp go together (llama.cpp loads GGUF; the other "
-                             "targets load safetensors layouts); set both or neither")
+            raise ValueError(
+                "export format gguf and target llama.cpp go together (llama.cpp loads GGUF; the other "
+                "targets load safetensors layouts); set both or neither"
+            )
         return self
 
     def algorithm_for(self, format_name: str) -> str:
@@ -324,7 +341,7 @@ def _sentence(source: str, error: dict, overrides: list[str] = ()) -> str:
     loc = tuple(error["loc"])
     for text in reversed(list(overrides)):  # the last override of a key is the one that stands
         path = tuple(_parse_override(source, text)[0])
-        if loc[:len(path)] == path:
+        if loc[: len(path)] == path:
             where = f"--set {text} (on recipe {source})"
             break
     if kind == "extra_forbidden":
@@ -360,7 +377,9 @@ def _sentence(source: str, error: dict, overrides: list[str] = ()) -> str:
 
 def _parse_override(source: str, text: str) -> tuple[list[str], Any]:
     if "=" not in text:
-        raise UserError(f"override {text!r} is not of the form dotted.key=value (e.g. experts.budget.bits_per_weight=4.5).")
+        raise UserError(
+            f"override {text!r} is not of the form dotted.key=value (e.g. experts.budget.bits_per_weight=4.5)."
+        )
     key, raw = text.split("=", 1)
     key = key.strip()
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_-]+)*", key):
@@ -383,8 +402,10 @@ def apply_overrides(data: dict, overrides: list[str], source: str = "<overrides>
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise UserError(f"override {text!r}: key '{'.'.join(path[:depth + 1])}' holds "
-                                f"{_show(child)}, not a mapping, so it has no key '{path[depth + 1]}'.")
+                raise UserError(
+                    f"override {text!r}: key '{'.'.join(path[: depth + 1])}' holds "
+                    f"{_show(child)}, not a mapping, so it has no key '{path[depth + 1]}'."
+                )
             node = child
         node[path[-1]] = value
     return data
@@ -394,7 +415,9 @@ def recipe_from_dict(data: Any, source: str = "<recipe>", overrides: list[str] =
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise UserError(f"recipe {source}: the top level is {type(data).__name__}, but a mapping of keys (model, target, experts, ...) is accepted.")
+        raise UserError(
+            f"recipe {source}: the top level is {type(data).__name__}, but a mapping of keys (model, target, experts, ...) is accepted."
+        )
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as error:
@@ -413,8 +436,10 @@ def check_format_params(recipe: Recipe, source: str) -> None:
     for name, params in recipe.formats.items():  # plain values only: they reach error sentences and plan.json
         for key, value in params.items():
             if not (_scalar(value) or (isinstance(value, list) and len(value) <= 4 and all(map(_scalar, value)))):
-                raise UserError(f"recipe {source}: key 'formats.{name}.{key}' has value {_show(value)}; accepted: "
-                                "a number, true/false, a short text or a list of up to 4 of them.")
+                raise UserError(
+                    f"recipe {source}: key 'formats.{name}.{key}' has value {_show(value)}; accepted: "
+                    "a number, true/false, a short text or a list of up to 4 of them."
+                )
     entries = [(f"formats.{name}", name) for name in recipe.formats]
     entries.append(("non_experts.format", recipe.non_experts.format))
     entries += [(f"non_experts.formats[{i}]", f) for i, f in enumerate(recipe.non_experts.formats)]
@@ -466,8 +491,10 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not path.is_file():
             names = ", ".join(sorted(p.stem for p in BUNDLED_RECIPES.glob("*.yaml")))
             bare = path.parent == Path(".")  # a name, perhaps meant as a bundled recipe's
-            raise UserError(f"recipe {source} does not exist or is not a file"
-                            + (f" (bundled recipes, by name: {names})." if bare else "."))
+            raise UserError(
+                f"recipe {source} does not exist or is not a file"
+                + (f" (bundled recipes, by name: {names})." if bare else ".")
+            )
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8"))
         except UnicodeDecodeError:
@@ -479,7 +506,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         if data is None:
             data = {}
         if not isinstance(data, dict):
-            raise UserError(f"recipe {source}: the top level is {type(data).__name__}, but a mapping of keys (model, target, experts, ...) is accepted.")
+            raise UserError(
+                f"recipe {source}: the top level is {type(data).__name__}, but a mapping of keys (model, target, experts, ...) is accepted."
+            )
     return recipe_from_dict(apply_overrides(data, overrides or [], source), source, overrides or [])
 
 

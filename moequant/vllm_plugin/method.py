@@ -42,11 +42,30 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 from moequant.vllm_plugin.names import EXPERT_FORMATS, QUANT_METHOD
 
 # RoutedExperts attributes that vLLM's per-scheme methods read from "their" layer
-_LAYER_ATTRS = ("activation", "top_k", "renormalize", "use_grouped_topk", "num_expert_group", "topk_group",
-                "custom_routing_function", "scoring_func", "routed_scaling_factor", "swiglu_limit", "swiglu_alpha",
-                "swiglu_beta", "e_score_correction_bias", "apply_router_weight_on_input", "params_dtype",
-                "ckpt_gate_proj_name", "ckpt_up_proj_name", "ckpt_down_proj_name", "layer_name", "routing_sink",
-                "hidden_size", "intermediate_size_per_partition")
+_LAYER_ATTRS = (
+    "activation",
+    "top_k",
+    "renormalize",
+    "use_grouped_topk",
+    "num_expert_group",
+    "topk_group",
+    "custom_routing_function",
+    "scoring_func",
+    "routed_scaling_factor",
+    "swiglu_limit",
+    "swiglu_alpha",
+    "swiglu_beta",
+    "e_score_correction_bias",
+    "apply_router_weight_on_input",
+    "params_dtype",
+    "ckpt_gate_proj_name",
+    "ckpt_up_proj_name",
+    "ckpt_down_proj_name",
+    "layer_name",
+    "routing_sink",
+    "hidden_size",
+    "intermediate_size_per_partition",
+)
 
 
 class MoequantConfig(CompressedTensorsConfig):
@@ -61,8 +80,10 @@ class MoequantConfig(CompressedTensorsConfig):
     def from_config(cls, config: dict) -> MoequantConfig:
         formats = config.get(EXPERT_FORMATS)
         if not isinstance(formats, dict) or not all(isinstance(v, list) for v in formats.values()):
-            raise ValueError(f"moequant: quantization_config.{EXPERT_FORMATS} must map each MoE layer module to the "
-                             "list of its experts' format keys; re-export the checkpoint with target vllm-moequant.")
+            raise ValueError(
+                f"moequant: quantization_config.{EXPERT_FORMATS} must map each MoE layer module to the "
+                "list of its experts' format keys; re-export the checkpoint with target vllm-moequant."
+            )
         out = super().from_config(dict(config))
         out.expert_formats = {str(k): [str(f) for f in v] for k, v in formats.items()}
         return out
@@ -75,16 +96,20 @@ class MoequantConfig(CompressedTensorsConfig):
         if isinstance(layer, RoutedExperts):
             formats = self.expert_formats.get(prefix)
             if formats is None:
-                raise ValueError(f"moequant: quantization_config.{EXPERT_FORMATS} has no entry for the MoE layer "
-                                 f"{prefix}; re-export the checkpoint with target vllm-moequant.")
+                raise ValueError(
+                    f"moequant: quantization_config.{EXPERT_FORMATS} has no entry for the MoE layer "
+                    f"{prefix}; re-export the checkpoint with target vllm-moequant."
+                )
             return MixedExpertsMoEMethod(self, layer, prefix, formats)
         return super().get_quant_method(layer, prefix)
 
 
 def _refusal(prefix: str, fmt: str, reason: BaseException | str) -> ValueError:
     why = str(reason).strip().splitlines()[0].rstrip(".") if str(reason).strip() else type(reason).__name__
-    return ValueError(f"moequant: MoE layer {prefix} has experts in {fmt}, a format vLLM has no fused-MoE kernel for "
-                      f"on this backend ({why}).")
+    return ValueError(
+        f"moequant: MoE layer {prefix} has experts in {fmt}, a format vLLM has no fused-MoE kernel for "
+        f"on this backend ({why})."
+    )
 
 
 class ExpertGroup(torch.nn.Module):
@@ -94,8 +119,9 @@ class ExpertGroup(torch.nn.Module):
         super().__init__()
         self.format, self.experts = fmt, experts
         n = len(experts)
-        self.moe_config = dataclasses.replace(layer.moe_config, num_experts=n, num_local_experts=n,
-                                              num_logical_experts=n)
+        self.moe_config = dataclasses.replace(
+            layer.moe_config, num_experts=n, num_local_experts=n, num_logical_experts=n
+        )
         for attr in _LAYER_ATTRS:  # plain attributes: a tensor among them stays the layer's, not a group parameter
             object.__setattr__(self, attr, getattr(layer, attr, None))
         self.global_num_experts = self.local_num_experts = n
@@ -116,9 +142,11 @@ class _GroupLoader:
         group, local = self.method.owner[expert_id]
         target = group._parameters.get(self.name)
         if target is None:
-            raise ValueError(f"moequant: checkpoint tensor {weight_name} of expert {expert_id} does not belong to the "
-                             f"{group.format} experts of {self.method.prefix}; the checkpoint contradicts its "
-                             f"{EXPERT_FORMATS}.")
+            raise ValueError(
+                f"moequant: checkpoint tensor {weight_name} of expert {expert_id} does not belong to the "
+                f"{group.format} experts of {self.method.prefix}; the checkpoint contradicts its "
+                f"{EXPERT_FORMATS}."
+            )
         return self.layer.weight_loader(target, loaded_weight, weight_name, shard_id, local, return_success)
 
 
@@ -129,11 +157,15 @@ class MixedExpertsMoEMethod(FusedMoEMethodBase):
         super().__init__(layer.moe_config)
         self.prefix = prefix
         if layer.use_ep:
-            raise ValueError(f"moequant: MoE layer {prefix} is split by expert parallelism, which the moequant "
-                             "plugin does not serve; run without --enable-expert-parallel.")
+            raise ValueError(
+                f"moequant: MoE layer {prefix} is split by expert parallelism, which the moequant "
+                "plugin does not serve; run without --enable-expert-parallel."
+            )
         if len(formats) != layer.global_num_experts:
-            raise ValueError(f"moequant: quantization_config.{EXPERT_FORMATS} gives {len(formats)} formats for MoE "
-                             f"layer {prefix}, which has {layer.global_num_experts} experts.")
+            raise ValueError(
+                f"moequant: quantization_config.{EXPERT_FORMATS} gives {len(formats)} formats for MoE "
+                f"layer {prefix}, which has {layer.global_num_experts} experts."
+            )
         by_format: dict[str, list[int]] = {}
         for expert, fmt in enumerate(formats):
             by_format.setdefault(fmt, []).append(expert)
@@ -143,15 +175,20 @@ class MixedExpertsMoEMethod(FusedMoEMethodBase):
         for fmt, experts in by_format.items():
             group = ExpertGroup(layer, fmt, experts)
             scheme = _group_scheme(config, layer, prefix, fmt, experts)
-            own = CompressedTensorsConfig(target_scheme_map={"re:.*": scheme} if scheme else {}, ignore=[],
-                                          quant_format=scheme["format"] if scheme else None)
+            own = CompressedTensorsConfig(
+                target_scheme_map={"re:.*": scheme} if scheme else {},
+                ignore=[],
+                quant_format=scheme["format"] if scheme else None,
+            )
             try:  # vLLM's own choice of method and kernel for this scheme
                 method = CompressedTensorsMoEMethod.get_moe_method(own, group, layer_name=prefix)
             except (ValueError, RuntimeError, NotImplementedError, AssertionError) as e:
                 raise _refusal(prefix, fmt, e) from None
             if method.is_monolithic and len(by_format) > 1:
-                why = (f"its {type(method).__name__} kernel routes inside itself, so it cannot run one format group "
-                       "of a mixed layer; vLLM's CPU int4 experts run group by group only on AMX")
+                why = (
+                    f"its {type(method).__name__} kernel routes inside itself, so it cannot run one format group "
+                    "of a mixed layer; vLLM's CPU int4 experts run group by group only on AMX"
+                )
                 raise _refusal(prefix, fmt, why)
             self.groups.append(group)
             self.methods.append(method)
@@ -170,15 +207,21 @@ class MixedExpertsMoEMethod(FusedMoEMethodBase):
     def is_monolithic(self) -> bool:
         return len(self.methods) == 1 and self.methods[0].is_monolithic
 
-    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
-                       **extra_weight_attrs):
+    def create_weights(
+        self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra_weight_attrs
+    ):
         for i, (group, method) in enumerate(zip(self.groups, self.methods)):
             layer.add_module(f"moequant_group{i}", group)
             attrs = {**extra_weight_attrs, "global_num_experts": len(group.experts)}
             try:
-                method.create_weights(layer=group, num_experts=len(group.experts), hidden_size=hidden_size,
-                                      intermediate_size_per_partition=intermediate_size_per_partition,
-                                      params_dtype=params_dtype, **attrs)
+                method.create_weights(
+                    layer=group,
+                    num_experts=len(group.experts),
+                    hidden_size=hidden_size,
+                    intermediate_size_per_partition=intermediate_size_per_partition,
+                    params_dtype=params_dtype,
+                    **attrs,
+                )
             except (ValueError, RuntimeError, NotImplementedError, AssertionError) as e:
                 raise _refusal(self.prefix, group.format, e) from None
         self.loader_names = sorted({name for group in self.groups for name in group._parameters})
@@ -218,11 +261,23 @@ class MixedExpertsMoEMethod(FusedMoEMethodBase):
                 y = method.apply(group, x, weights[i], local[i], None, None)
             else:
                 y = torch.empty_like(x)
-                experts.apply(output=y, hidden_states=x, w1=group.w13_weight, w2=group.w2_weight,
-                              topk_weights=weights[i], topk_ids=local[i], activation=group.activation,
-                              global_num_experts=len(group.experts), expert_map=None, a1q_scale=None,
-                              a2_scale=experts.a2_scale, workspace13=None, workspace2=None, expert_tokens_meta=None,
-                              apply_router_weight_on_input=group.apply_router_weight_on_input)
+                experts.apply(
+                    output=y,
+                    hidden_states=x,
+                    w1=group.w13_weight,
+                    w2=group.w2_weight,
+                    topk_weights=weights[i],
+                    topk_ids=local[i],
+                    activation=group.activation,
+                    global_num_experts=len(group.experts),
+                    expert_map=None,
+                    a1q_scale=None,
+                    a2_scale=experts.a2_scale,
+                    workspace13=None,
+                    workspace2=None,
+                    expert_tokens_meta=None,
+                    apply_router_weight_on_input=group.apply_router_weight_on_input,
+                )
             out = y if out is None else out.add_(y)
         return out if out is not None else torch.zeros_like(x)  # no tokens at all
 
@@ -235,14 +290,22 @@ def _direct_experts(method: FusedMoEMethodBase, group: ExpertGroup):
     modular kernel would: no dispatch, the input handed over unquantized, scratch space and the top-k
     reduction inside the experts (vLLM's CPU kernels). None otherwise: then the method's apply runs."""
     kernel = getattr(method, "moe_kernel", None)
-    if kernel is None or kernel.is_monolithic or type(kernel.prepare_finalize) is not MoEPrepareAndFinalizeNoDPEPModular:
+    if (
+        kernel is None
+        or kernel.is_monolithic
+        or type(kernel.prepare_finalize) is not MoEPrepareAndFinalizeNoDPEPModular
+    ):
         return None
     experts = kernel.fused_experts
     n, moe = len(group.experts), group.moe_config
-    workspaces = experts.workspace_shapes(1, moe.intermediate_size_per_partition * 2, moe.hidden_dim, group.top_k,
-                                          n, n, None, group.activation)
-    if (not experts.expects_unquantized_inputs or workspaces[:2] != ((0,), (0,))
-            or not isinstance(experts.finalize_weight_and_reduce_impl(), TopKWeightAndReduceNoOP)):
+    workspaces = experts.workspace_shapes(
+        1, moe.intermediate_size_per_partition * 2, moe.hidden_dim, group.top_k, n, n, None, group.activation
+    )
+    if (
+        not experts.expects_unquantized_inputs
+        or workspaces[:2] != ((0,), (0,))
+        or not isinstance(experts.finalize_weight_and_reduce_impl(), TopKWeightAndReduceNoOP)
+    ):
         return None
     return experts
 
@@ -252,9 +315,13 @@ def _group_scheme(config: MoequantConfig, layer: RoutedExperts, prefix: str, fmt
     names = (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)
     schemes = [config.get_scheme_dict(layer, f"{prefix}.{e}.{p}") for e in experts for p in names if p]
     if any(s != schemes[0] for s in schemes):
-        raise ValueError(f"moequant: the {fmt} experts of MoE layer {prefix} have different compressed-tensors "
-                         f"schemes in the checkpoint; {EXPERT_FORMATS} and config_groups disagree.")
+        raise ValueError(
+            f"moequant: the {fmt} experts of MoE layer {prefix} have different compressed-tensors "
+            f"schemes in the checkpoint; {EXPERT_FORMATS} and config_groups disagree."
+        )
     if (schemes[0] is None) != (fmt == "bf16"):
-        raise ValueError(f"moequant: {EXPERT_FORMATS} gives experts {experts[:4]} of MoE layer {prefix} format {fmt}, "
-                         f"but config_groups {'leave them unquantized' if schemes[0] is None else 'quantize them'}.")
+        raise ValueError(
+            f"moequant: {EXPERT_FORMATS} gives experts {experts[:4]} of MoE layer {prefix} format {fmt}, "
+            f"but config_groups {'leave them unquantized' if schemes[0] is None else 'quantize them'}."
+        )
     return schemes[0]

@@ -24,5 +24,7 @@ def path(name: str) -> Path:
     bare = name[4:] if name.startswith("zoo:") else name
     available = names()
     if bare not in available:
-        raise UserError(f"zoo model {bare!r} does not exist; available: {', '.join('zoo:' + n for n in available) or 'none'}.")
+        raise UserError(
+            f"zoo model {bare!r} does not exist; available: {', '.join('zoo:' + n for n in available) or 'none'}."
+        )
     return ZOO_DIR / bare

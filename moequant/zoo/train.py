@@ -65,33 +65,62 @@ def model_config(arch: str, vocab_size: int, eos_id: int):
     weights with narrow experts (64 / 128); qwen3moe / deepseekv3 have every expert and dense MLP
     width a multiple of 256, as the MoEs people quantize do, in under 16 MiB each."""
     common = dict(
-        vocab_size=vocab_size, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=True,
-        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, rms_norm_eps=1e-6,
+        vocab_size=vocab_size,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     if arch == "qwen2moe":
         from transformers import Qwen2MoeConfig
 
         return Qwen2MoeConfig(
-            **common, intermediate_size=512, moe_intermediate_size=64, shared_expert_intermediate_size=128,
-            num_experts=16, num_experts_per_tok=2, norm_topk_prob=False,
-            router_aux_loss_coef=0.001, decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+            **common,
+            intermediate_size=512,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=128,
+            num_experts=16,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            router_aux_loss_coef=0.001,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            use_sliding_window=False,
         )
     if arch == "mixtral":
         from transformers import MixtralConfig
 
         return MixtralConfig(
-            **common, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2,
-            router_aux_loss_coef=0.002, head_dim=32,
+            **common,
+            intermediate_size=128,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            router_aux_loss_coef=0.002,
+            head_dim=32,
         )
     if arch == "qwen3moe":
         from transformers import Qwen3MoeConfig
 
         return Qwen3MoeConfig(
-            **{**common, "num_attention_heads": 4, "num_key_value_heads": 2}, head_dim=64, intermediate_size=768,
-            moe_intermediate_size=256, num_experts=8, num_experts_per_tok=4, norm_topk_prob=True, router_aux_loss_coef=0.001, decoder_sparse_step=1,
-            mlp_only_layers=[], use_sliding_window=False, attention_bias=False,
+            **{**common, "num_attention_heads": 4, "num_key_value_heads": 2},
+            head_dim=64,
+            intermediate_size=768,
+            moe_intermediate_size=256,
+            num_experts=8,
+            num_experts_per_tok=4,
+            norm_topk_prob=True,
+            router_aux_loss_coef=0.001,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            use_sliding_window=False,
+            attention_bias=False,
         )
     if arch == "deepseekv3":
         from transformers import DeepseekV3Config
@@ -100,11 +129,24 @@ def model_config(arch: str, vocab_size: int, eos_id: int):
         # experts (4 groups of 2, a token's experts from its best 2 groups) plus one shared expert;
         # sigmoid scores with e_score_correction_bias, trained bias-balanced as DeepSeek-V3 is.
         return DeepseekV3Config(
-            **{**common, "num_attention_heads": 4, "num_key_value_heads": 4}, q_lora_rank=128, kv_lora_rank=128,
-            qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, intermediate_size=768,
-            moe_intermediate_size=256, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-            n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-            num_mtp_layers=0, attention_bias=False,
+            **{**common, "num_attention_heads": 4, "num_key_value_heads": 4},
+            q_lora_rank=128,
+            kv_lora_rank=128,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=32,
+            v_head_dim=64,
+            intermediate_size=768,
+            moe_intermediate_size=256,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            num_mtp_layers=0,
+            attention_bias=False,
         )
     raise SystemExit(f"unknown arch {arch!r}: one of {', '.join(ARCHS)}")
 
@@ -153,7 +195,9 @@ def build_corpus(out: Path, tokenizer_from: Path | None = None) -> None:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=VOCAB_SIZE, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            vocab_size=VOCAB_SIZE,
+            special_tokens=[EOS],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
         tokenizer.train_from_iterator((t for docs in texts.values() for t in docs), trainer=trainer)
@@ -245,7 +289,9 @@ def train(corpus: Path, arch: str, seconds: float, out: Path, batch: int, lr: fl
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95), fused=device == "cuda",
+        lr=lr,
+        betas=(0.9, 0.95),
+        fused=device == "cuda",
     )
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -288,9 +334,15 @@ def train(corpus: Path, arch: str, seconds: float, out: Path, batch: int, lr: fl
         if elapsed >= next_eval or step == 1:
             ev = evaluate()
             mean = sum(ev.values()) / len(ev)
-            log.append({"step": step, "seconds": round(elapsed, 1), "train_loss": round(out_.loss.item(), 4),
-                        "tokens": tokens_seen,
-                        "heldout_loss": {k: round(v, 4) for k, v in ev.items()}})
+            log.append(
+                {
+                    "step": step,
+                    "seconds": round(elapsed, 1),
+                    "train_loss": round(out_.loss.item(), 4),
+                    "tokens": tokens_seen,
+                    "heldout_loss": {k: round(v, 4) for k, v in ev.items()},
+                }
+            )
             print(json.dumps(log[-1]), flush=True)
             if mean < best:
                 best, best_state = mean, {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -303,29 +355,49 @@ def train(corpus: Path, arch: str, seconds: float, out: Path, batch: int, lr: fl
     else:
         model.load_state_dict(best_state)
     train_seconds = time.time() - t0
-    print(f"done: {step} steps, {tokens_seen / 1e6:.1f} M tokens, {train_seconds:.0f} s; keeping step {best_step}", flush=True)
+    print(
+        f"done: {step} steps, {tokens_seen / 1e6:.1f} M tokens, {train_seconds:.0f} s; keeping step {best_step}",
+        flush=True,
+    )
 
     biases = {id(m): m.e_score_correction_bias.detach().float().clone() for m in biased}
     model = model.to(torch.bfloat16)
     for m in biased:  # kept in float32, as DeepSeek-V3's checkpoints store it (selection is sensitive to it)
         m.e_score_correction_bias.data = biases[id(m)]
     model.generation_config = GenerationConfig(
-        bos_token_id=meta["eos_id"], eos_token_id=meta["eos_id"], pad_token_id=meta["eos_id"], do_sample=False,
+        bos_token_id=meta["eos_id"],
+        eos_token_id=meta["eos_id"],
+        pad_token_id=meta["eos_id"],
+        do_sample=False,
     )
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     import transformers
 
-    (tmp / "train_log.json").write_text(json.dumps({
-        "arch": arch, "parameters": n_params, "steps": step, "kept_step": best_step,
-        "tokens_seen": best_tokens, "tokens_seen_total": tokens_seen, "batch": batch, "seq_len": SEQ_LEN,
-        "lr": lr, "seconds": round(train_seconds, 1), "seconds_budget": seconds,
-        "hardware": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "source_weights": {n: round(float(w), 4) for n, w in zip(names, weights)},
-        "log": log,
-    }, indent=1))
+    (tmp / "train_log.json").write_text(
+        json.dumps(
+            {
+                "arch": arch,
+                "parameters": n_params,
+                "steps": step,
+                "kept_step": best_step,
+                "tokens_seen": best_tokens,
+                "tokens_seen_total": tokens_seen,
+                "batch": batch,
+                "seq_len": SEQ_LEN,
+                "lr": lr,
+                "seconds": round(train_seconds, 1),
+                "seconds_budget": seconds,
+                "hardware": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "source_weights": {n: round(float(w), 4) for n, w in zip(names, weights)},
+                "log": log,
+            },
+            indent=1,
+        )
+    )
     _swap_in(tmp, out)
 
 
@@ -356,6 +428,7 @@ def evaluate_model(model, samples) -> dict:
             per_domain[layer] = per_domain.get(layer, torch.zeros(num_experts, dtype=torch.long)) + torch.bincount(
                 indices, minlength=num_experts
             )
+
         return record
 
     handles = [m.register_forward_hook(hook(layer)) for layer, m in routers.items()]
@@ -403,8 +476,12 @@ def make_card(model_dir: Path, tokenizer_dir: Path, name: str, zoo_dir: Path) ->
         result = evaluate_model(model, samples)
         domain = samples[0].domain
         ids = torch.stack([s.input_ids for s in samples]).numpy().astype("<i8").tobytes()
-        evaluation[source] = {"domain": domain, "perplexity": result["perplexity"][domain], **CARD_EVAL,
-                              "samples_sha256": hashlib.sha256(ids).hexdigest()}
+        evaluation[source] = {
+            "domain": domain,
+            "perplexity": result["perplexity"][domain],
+            **CARD_EVAL,
+            "samples_sha256": hashlib.sha256(ids).hexdigest(),
+        }
         routing[source] = result["routing_share"][domain]
         print(f"{name} {source}: perplexity {evaluation[source]['perplexity']:.2f}", flush=True)
 
@@ -421,18 +498,41 @@ def make_card(model_dir: Path, tokenizer_dir: Path, name: str, zoo_dir: Path) ->
         "safetensors_bytes": size,
         "num_experts": num_experts,
         "top_k": config.num_experts_per_tok,
-        "shared_expert": ("sigmoid-gated" if getattr(config, "shared_expert_intermediate_size", 0)
-                          else "ungated" if getattr(config, "n_shared_experts", 0) else None),
+        "shared_expert": (
+            "sigmoid-gated"
+            if getattr(config, "shared_expert_intermediate_size", 0)
+            else "ungated"
+            if getattr(config, "n_shared_experts", 0)
+            else None
+        ),
         "vocab_size": config.vocab_size,
-        "training": {k: log[k] for k in ("steps", "kept_step", "tokens_seen", "batch", "seq_len", "lr", "seconds",
-                                         "hardware", "torch", "transformers", "source_weights")},
+        "training": {
+            k: log[k]
+            for k in (
+                "steps",
+                "kept_step",
+                "tokens_seen",
+                "batch",
+                "seq_len",
+                "lr",
+                "seconds",
+                "hardware",
+                "torch",
+                "transformers",
+                "source_weights",
+            )
+        },
         "data_sources": {s: LICENCES[s] for s in log["source_weights"]},
         "evaluation": evaluation,
         "evaluation_setup": {
-            "split": "evaluation", "dtype": "float32", "device": "cpu", "python": platform.python_version(),
-            "transformers": transformers.__version__, "torch": torch.__version__,
+            "split": "evaluation",
+            "dtype": "float32",
+            "device": "cpu",
+            "python": platform.python_version(),
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
             "how": "moequant.calib.data.load_samples(f'builtin:{source}', tokenizer, split='evaluation', **setup); "
-                   "perplexity = exp(mean over samples of mean next-token NLL)",
+            "perplexity = exp(mean over samples of mean next-token NLL)",
         },
         "routing_share": routing,
         "greedy_example": {"prompt": prompt, "output": generated},
@@ -451,12 +551,18 @@ def render_card(card: dict) -> str:
         "measure quantization quality offline on a model that has learned something. It is a test",
         "subject, not a useful language model.",
         "",
-        "| | |", "|---|---|",
+        "| | |",
+        "|---|---|",
         f"| parameters | {card['parameters']:,} ({card['safetensors_bytes'] / 1e6:.2f} MB bf16 safetensors) |",
         f"| experts | {card['num_experts']} routed, top-{card['top_k']}"
-        + {"sigmoid-gated": ", one shared expert with a sigmoid gate", "ungated": ", one shared expert (always on)",
-           True: ", one shared expert with a sigmoid gate", None: ", no shared expert", False: ", no shared expert"}[
-               card["shared_expert"]] + " |",
+        + {
+            "sigmoid-gated": ", one shared expert with a sigmoid gate",
+            "ungated": ", one shared expert (always on)",
+            True: ", one shared expert with a sigmoid gate",
+            None: ", no shared expert",
+            False: ", no shared expert",
+        }[card["shared_expert"]]
+        + " |",
         f"| vocabulary | {card['vocab_size']} (byte-level BPE trained on the same text) |",
         f"| tokens seen | {t['tokens_seen']:,} ({t['steps']} steps of {t['batch']} x {t['seq_len']}, weights kept from step {t['kept_step']}) |",
         f"| training | {t['seconds']:.0f} s on one {t['hardware']} (torch {t['torch']}, transformers {t['transformers']}) |",
@@ -466,7 +572,8 @@ def render_card(card: dict) -> str:
         "Built at training time from installed packages (calibration split of `moequant.calib.data`; the",
         "evaluation split was never trained on). No text is shipped. Share of training sequences:",
         "",
-        "| source | share | origin and licence |", "|---|---|---|",
+        "| source | share | origin and licence |",
+        "|---|---|---|",
     ]
     for source, licence in card["data_sources"].items():
         lines.append(f"| builtin:{source} | {t['source_weights'][source]:.3f} | {licence} |")
@@ -480,19 +587,29 @@ def render_card(card: dict) -> str:
         f"split, {setup['dtype']} on {setup['device']} (Python {setup['python']}). tests/test_zoo.py reproduces the",
         "stdlib rows within 2 %.",
         "",
-        "| source | domain | perplexity |", "|---|---|---|",
+        "| source | domain | perplexity |",
+        "|---|---|---|",
     ]
     for source, e in card["evaluation"].items():
         lines.append(f"| builtin:{source} | {e['domain']} | {e['perplexity']:.2f} |")
-    lines += ["", "## Routing share per domain", "",
-              "Fraction of top-k assignments that each expert receives on the evaluation samples above.", ""]
+    lines += [
+        "",
+        "## Routing share per domain",
+        "",
+        "Fraction of top-k assignments that each expert receives on the evaluation samples above.",
+        "",
+    ]
     routing = card["routing_share"]
     sources = list(routing)
     layers = sorted(routing[sources[0]], key=int)
     for layer in [layers[0], layers[len(layers) // 2], layers[-1]]:
         n = len(routing[sources[0]][layer])
-        lines += [f"### layer {layer}", "", "| source | " + " | ".join(f"e{e}" for e in range(n)) + " |",
-                  "|---" * (n + 1) + "|"]
+        lines += [
+            f"### layer {layer}",
+            "",
+            "| source | " + " | ".join(f"e{e}" for e in range(n)) + " |",
+            "|---" * (n + 1) + "|",
+        ]
         for source in sources:
             lines.append(f"| {source} | " + " | ".join(f"{s:.2f}" for s in routing[source][layer]) + " |")
         lines.append("")
@@ -500,12 +617,19 @@ def render_card(card: dict) -> str:
             tv = total_variation(routing["stdlib-code"][layer], routing["stdlib-prose"][layer])
             lines += [f"Total variation between code and prose routing in layer {layer}: {tv:.2f}.", ""]
     rare = {
-        layer: [e for e in range(len(routing[sources[0]][layer]))
-                if max(routing[s][layer][e] for s in sources) < 0.5 / len(routing[sources[0]][layer])]
+        layer: [
+            e
+            for e in range(len(routing[sources[0]][layer]))
+            if max(routing[s][layer][e] for s in sources) < 0.5 / len(routing[sources[0]][layer])
+        ]
         for layer in layers
     }
-    lines += ["Experts that get less than half their even share on every source: "
-              + "; ".join(f"layer {layer}: {', '.join(map(str, r)) or 'none'}" for layer, r in rare.items()) + ".", ""]
+    lines += [
+        "Experts that get less than half their even share on every source: "
+        + "; ".join(f"layer {layer}: {', '.join(map(str, r)) or 'none'}" for layer, r in rare.items())
+        + ".",
+        "",
+    ]
     ex = card["greedy_example"]
     lines += ["## Greedy sample", "", "```", ex["output"], "```", ""]
     return "\n".join(lines)
@@ -516,7 +640,9 @@ def main() -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("corpus")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--tokenizer", type=Path, default=None, help="reuse this folder's tokenizer.json instead of training one")
+    p.add_argument(
+        "--tokenizer", type=Path, default=None, help="reuse this folder's tokenizer.json instead of training one"
+    )
     p = sub.add_parser("train")
     p.add_argument("--corpus", type=Path, required=True)
     p.add_argument("--arch", choices=ARCHS, required=True)

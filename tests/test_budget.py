@@ -3,20 +3,17 @@ precheck that refuses a layer the GPU budget cannot hold before any weight is re
 
 from __future__ import annotations
 
-import json
-import struct
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import header_only_checkpoint, make_layer
 
 from moequant import budget
 from moequant.algorithms import gptq
 from moequant.cli import main
 from moequant.errors import UserError
-from tests.test_gptq import make_layer
 
 
 @pytest.mark.parametrize(
@@ -53,31 +50,11 @@ def test_the_host_cap_bounds_what_a_chunk_may_take():
         budget.configure()
 
 
-def _header_only_checkpoint(directory: Path, config) -> None:
-    """config.json and one safetensors file of every tensor the architecture expects, in bf16, whose
-    data region is a hole (a sparse file): the shapes of a real model without its bytes."""
-    from moequant.arch import adapter_for
-
-    directory.mkdir(parents=True)
-    config.save_pretrained(directory)
-    expected = adapter_for(json.loads((directory / "config.json").read_text())).expected_tensors()
-    header, offset = {}, 0
-    for name, (shape, _role) in sorted(expected.items()):
-        size = 2 * int(torch.Size(shape).numel())
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(directory / "model.safetensors", "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        f.truncate(8 + len(raw) + offset)
-
-
 def test_a_deepseek_v3_layer_under_a_small_gpu_budget_is_refused_before_reading_weights(tmp_path):
     from transformers import DeepseekV3Config
 
     model = tmp_path / "deepseek-v3-shape"
-    _header_only_checkpoint(model, DeepseekV3Config(num_hidden_layers=4, first_k_dense_replace=3))
+    header_only_checkpoint(model, DeepseekV3Config(num_hidden_layers=4, first_k_dense_replace=3))
     out = tmp_path / "run"
     t0 = time.perf_counter()
     result = CliRunner().invoke(

@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from helpers import make_weight
 
 from moequant import formats
 from moequant.errors import UserError
@@ -24,17 +25,6 @@ INT_KEYS = [
 ]
 FLOAT_KEYS = ["fp8-channel", "fp8-block128", "fp8-tensor", "mxfp4", "nvfp4"]
 QUANT_KEYS = INT_KEYS + FLOAT_KEYS
-
-
-def make_weight(shape, kind="normal", seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    if kind == "normal":
-        w = torch.randn(shape, generator=g) * 0.02
-    else:  # heavy tails: Student-t with 2.5 degrees of freedom (finite variance, large outliers)
-        z = torch.randn(shape, generator=g, dtype=torch.float64)
-        chi2 = (torch.randn(shape + (5,), generator=g, dtype=torch.float64) ** 2).sum(-1) / 2.5 * 0.5
-        w = (z / chi2.sqrt() * 0.01).float()
-    return w.to(dtype)
 
 
 def shape_for(key, experts=None):

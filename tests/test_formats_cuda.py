@@ -5,9 +5,9 @@ Skipped (with the reason shown by `pytest -ra`) on machines without a CUDA devic
 
 import pytest
 import torch
+from helpers import make_weight
 
 from moequant import formats
-from tests.test_formats import make_weight
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

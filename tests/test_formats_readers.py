@@ -16,12 +16,12 @@ from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQCon
 from compressed_tensors.quantization import QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+from helpers import make_weight
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize, _dequantize_fp8_weight
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from moequant import formats
 from moequant.formats.elements import decode_e2m1, e8m0_to_float
-from tests.test_formats import make_weight
 
 KINDS = ["normal", "student_t"]
 

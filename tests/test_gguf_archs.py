@@ -268,14 +268,14 @@ def test_a_type_that_kv_b_projs_split_rows_cannot_hold_is_refused_before_calibra
     """At DeepSeek-V3's own shapes kv_b_proj's rows (kv_lora 512) hold Q4_K's 256-blocks, but attn_k_b's rows
     (qk_nope 128) do not: the plan refuses it in one sentence naming attn_k_b; a 32-block type is counted as the
     two halves GGUF writes."""
+    from helpers import header_only_checkpoint
     from transformers import DeepseekV3Config
 
     from moequant.pipeline.apply import resolve_recipe
     from moequant.plan.policy import check_plan, make_plan
-    from tests.test_budget import _header_only_checkpoint
 
     model = tmp_path / "deepseek-v3-shape"
-    _header_only_checkpoint(
+    header_only_checkpoint(
         model, DeepseekV3Config(num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=16, vocab_size=4096)
     )
     ckpt = open_checkpoint(model)

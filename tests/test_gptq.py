@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import make_layer, output_error
 
 from moequant.algorithms import gptq, rtn
 from moequant.errors import UserError
@@ -68,26 +69,6 @@ def reference_gptq(w, h, group, damp=0.01, static_groups=True, act_order=False):
 
 # ---------------------------------------------------------------------------------------------
 # data
-
-
-def make_layer(experts, out, n_in, tokens, seed=0, dtype=torch.float32):
-    """Random experts and per-expert inputs that, like real activations, are correlated across
-    channels (decaying spectrum) and have uneven channel scales."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(experts, out, n_in, generator=g, dtype=torch.float64) / n_in**0.5
-    channel_scale = torch.exp(0.7 * torch.randn(n_in, generator=g, dtype=torch.float64))
-    spectrum = torch.arange(1, n_in + 1, dtype=torch.float64) ** -1.0
-    mix = torch.linalg.qr(torch.randn(n_in, n_in, generator=g, dtype=torch.float64))[0] * spectrum.sqrt()[:, None]
-    x = torch.randn(experts, 2 * tokens, n_in, generator=g, dtype=torch.float64) @ mix * channel_scale
-    calib, held_out = x[:, :tokens], x[:, tokens:]
-    h = calib.transpose(1, 2) @ calib / tokens
-    return w.to(dtype), h.to(dtype), held_out
-
-
-def output_error(w, w_hat, x):
-    """Relative squared error of the layer's outputs on inputs x [E, n, in]."""
-    ref = x @ w.double().transpose(1, 2)
-    return float(((x @ w_hat.double().transpose(1, 2) - ref) ** 2).sum() / (ref**2).sum())
 
 
 # ---------------------------------------------------------------------------------------------

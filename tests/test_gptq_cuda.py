@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_layer, output_error
 
 from moequant.algorithms import gptq, gptq_triton, rtn
-from tests.test_gptq import make_layer, output_error
 
 pytestmark = [
     pytest.mark.gpu,

@@ -187,11 +187,7 @@ def reference_gptq_fixed(w, h, s, z, group, damp=0.01):
 
 @pytest.mark.parametrize("key", ["int4-g32-sym", "int4-g32-asym"])
 def test_gptq_on_the_searched_grid_equals_float64_gptq_and_beats_minmax(key):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_gptq import make_layer, output_error
+    from helpers import make_layer, output_error
 
     w, h, held_out = make_layer(experts=3, out=16, n_in=128, tokens=600, dtype=torch.float64)
     q, report = gptq.gptq(w, h, key, block_size=64, grid="searched")
@@ -219,10 +215,6 @@ def test_gptq_on_the_searched_grid_equals_float64_gptq_and_beats_minmax(key):
 
 @pytest.mark.parametrize("weighting", ["routing"])
 def test_routing_weighted_hessians_match_float64(tmp_path, weighting):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
     from tiny import build_tiny
     from transformers import AutoModelForCausalLM
 

@@ -262,11 +262,7 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
     if world is not None and world.rank != 0:
         return None  # rank 0 alone exports, evaluates and reports
 
-    # the output, opened once for the evaluation and the report (a GGUF file is read by llama.cpp and gguf-py)
-    output = checkpoint_dir if recipe.export.format == "gguf" else open_checkpoint(checkpoint_dir)
-    t0 = time.perf_counter()
-    quality = evaluate_stage(recipe, ckpt, output, progress)
-    timings["evaluate"] = time.perf_counter() - t0
+    output, quality = evaluate_output(recipe, ckpt, checkpoint_dir, timings, progress)
 
     from moequant.report import build_report
 
@@ -327,7 +323,7 @@ def _checkpoint_stage(
         )
     reuse = marker.get("plan") == plan_digest and marker.get(KEY) == found == plan.run_fingerprint
     if not parallel.shared(lambda: reuse, "the checkpoint's reuse check"):
-        return _quantize_and_export(recipe, ckpt, plan, settings, out, plan_digest, world, timings, progress, log)
+        return quantize_and_export(recipe, ckpt, plan, settings, out, plan_digest, world, timings, progress, log)
     parallel.finish()
     if world is not None and world.rank != 0:
         return None
@@ -338,7 +334,7 @@ def _checkpoint_stage(
     return quant_report
 
 
-def _quantize_and_export(
+def quantize_and_export(
     recipe: Recipe,
     ckpt,
     plan,
@@ -350,8 +346,8 @@ def _quantize_and_export(
     progress,
     log,
 ) -> dict | None:
-    """The quantize pass (every rank), then rank 0 exports OUTPUT/checkpoint and writes checkpoint.json.
-    Returns the quantize report, or None on the other ranks."""
+    """The quantize pass (every rank), then rank 0 exports OUTPUT/checkpoint and writes checkpoint.json
+    (`apply`'s stage, and each run of `pareto`). Returns the quantize report, or None on the other ranks."""
     from moequant.export.layouts import export_checkpoint
     from moequant.pipeline.quantize import quantize_model
 
@@ -376,6 +372,17 @@ def _quantize_and_export(
     shutil.rmtree(out / "work", ignore_errors=True)
     log(f"checkpoint: {checkpoint_dir}")
     return quant_report
+
+
+def evaluate_output(recipe: Recipe, ckpt, checkpoint_dir: Path, timings: dict, progress=True):
+    """The exported output against the source (`apply`'s stage, and each run of `pareto`; timings["evaluate"]).
+    Returns (the output, opened once for the evaluation and the report — a GGUF export stays its
+    directory: llama.cpp and gguf-py read its file — and the evaluation's result)."""
+    output = checkpoint_dir if recipe.export.format == "gguf" else open_checkpoint(checkpoint_dir)
+    t0 = time.perf_counter()
+    quality = evaluate_stage(recipe, ckpt, output, progress)
+    timings["evaluate"] = time.perf_counter() - t0
+    return output, quality
 
 
 def evaluate_stage(recipe: Recipe, ckpt, checkpoint_dir: Path, progress=True) -> dict:

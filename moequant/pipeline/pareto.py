@@ -45,7 +45,6 @@ import json
 import math
 import os
 import shutil
-import time
 from fractions import Fraction
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -165,11 +164,8 @@ def _run_one(
     """Quantize, export, evaluate and report one plan into run_dir (reused when unchanged).
     `same_as`: a finished run directory whose plan quantizes every tensor the same way: its
     checkpoint (hard links where possible) and its evaluation are reused."""
-    from moequant.evaluate import evaluate_checkpoints
-    from moequant.export.layouts import export_checkpoint
     from moequant.io.fingerprint import KEY, checkpoint_fingerprint, stamp_checkpoint
-    from moequant.pipeline.apply import export_arguments, run_fingerprint
-    from moequant.pipeline.quantize import quantize_model
+    from moequant.pipeline.apply import evaluate_output, quantize_and_export, run_fingerprint
     from moequant.plan.policy import plan_to_dict, write_plan
     from moequant.plan.recipe import recipe_to_dict
     from moequant.report import build_report
@@ -212,29 +208,15 @@ def _run_one(
         quality["checkpoint"] = str(checkpoint_dir)
         log(f"{name}: quantizes every tensor as {same_as.name} does; its checkpoint and evaluation are reused")
         timings = json.loads((same_as / "report.json").read_text()).get("timings", {})
-    else:
-        t0 = time.perf_counter()
-        quantized, _ = quantize_model(recipe.model, plan, settings, run_dir / "work", progress=progress, lazy=True)
-        t1 = time.perf_counter()
-        export_checkpoint(ckpt.directory, quantized, checkpoint_dir, **export_arguments(recipe))
-        shutil.rmtree(run_dir / "work", ignore_errors=True)
-        stamp_checkpoint(checkpoint_dir, plan.run_fingerprint)
-        t2 = time.perf_counter()
-        quality = evaluate_checkpoints(
-            checkpoint_dir,
-            ckpt.directory,
-            dataset=e.dataset,
-            samples=e.samples,
-            seq_len=e.seq_len,
-            seed=recipe.seed,
-            progress=progress,
-        )
-        timings = {"quantize": t1 - t0, "export": t2 - t1, "evaluate": time.perf_counter() - t2}
+    else:  # apply's own stages: the quantize pass and export, then the evaluation of the output
+        timings = {}
+        quantize_and_export(recipe, ckpt, plan, settings, run_dir, marker["plan"], None, timings, progress, _quiet)
+        checkpoint_dir, quality = evaluate_output(recipe, ckpt, checkpoint_dir, timings, progress)
     atomic_write_text(run_dir / "quality.json", json.dumps(quality, default=str))
     report = build_report(
         model=recipe.model,
         checkpoint=checkpoint_dir,
-        original=ckpt.directory,
+        original=ckpt,
         recipe=recipe_to_dict(recipe),
         target=recipe.target,
         plan=plan_dict,
@@ -250,6 +232,10 @@ def _run_one(
         f"{report['memory']['bits_per_weight_experts']:.3f} bits per routed-expert weight"
     )
     return report
+
+
+def _quiet(*_args, **_kwargs) -> None:
+    """apply's stage log inside a pareto run (each run says its own line)."""
 
 
 def _link_or_copy(src, dst):

@@ -20,11 +20,11 @@ from moequant.plan.policy import (
     format_summary,
     make_plan,
     read_plan,
-    solve_choices,
     tensors_from_checkpoint,
     write_plan,
 )
 from moequant.plan.recipe import recipe_from_dict
+from moequant.plan.solver import solve_choices
 
 H, I = 64, 32  # gate/up [I, H], down [H, I]: every projection holds 2048 weights
 EXPERT_NUMEL = 3 * H * I
@@ -189,9 +189,9 @@ def test_solver_with_ties_matches_brute_force(seed):
 
 @pytest.mark.parametrize("seed", range(20))
 def test_milp_fallback_matches_brute_force(seed, monkeypatch):
-    import moequant.plan.policy as policy
+    import moequant.plan.solver as solver
 
-    monkeypatch.setattr(policy, "MAX_DP_STATES", 0)  # every core goes to HiGHS
+    monkeypatch.setattr(solver, "MAX_DP_STATES", 0)  # every core goes to HiGHS
     rng = np.random.default_rng(2000 + seed)
     option_bytes = [[int(b) * 4096 for b in rng.integers(1, 40, 3)] for _ in range(int(rng.integers(2, 7)))]
     option_loss = [list(rng.exponential(1.0, 3)) for _ in option_bytes]
@@ -205,7 +205,7 @@ def test_milp_fallback_matches_brute_force(seed, monkeypatch):
 
 def test_solver_agrees_with_highs_on_medium_instances():
     """Too large for brute force: HiGHS' proven optimum is the reference."""
-    from moequant.plan.policy import _milp_choice, _pareto_front
+    from moequant.plan.solver import _milp_choice, _pareto_front
 
     for seed in range(3):
         rng = np.random.default_rng(seed)

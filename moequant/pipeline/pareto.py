@@ -206,16 +206,17 @@ def _run_one(
         stamp_checkpoint(checkpoint_dir, plan.run_fingerprint)  # replaces the linked config.json, not the sibling's
         quality = json.loads((same_as / "quality.json").read_text())
         quality["checkpoint"] = str(checkpoint_dir)
+        output = checkpoint_dir
         log(f"{name}: quantizes every tensor as {same_as.name} does; its checkpoint and evaluation are reused")
         timings = json.loads((same_as / "report.json").read_text()).get("timings", {})
     else:  # apply's own stages: the quantize pass and export, then the evaluation of the output
         timings = {}
         quantize_and_export(recipe, ckpt, plan, settings, run_dir, marker["plan"], None, timings, progress, _quiet)
-        checkpoint_dir, quality = evaluate_output(recipe, ckpt, checkpoint_dir, timings, progress)
+        output, quality = evaluate_output(recipe, ckpt, checkpoint_dir, timings, progress)
     atomic_write_text(run_dir / "quality.json", json.dumps(quality, default=str))
     report = build_report(
         model=recipe.model,
-        checkpoint=checkpoint_dir,
+        checkpoint=output,
         original=ckpt,
         recipe=recipe_to_dict(recipe),
         target=recipe.target,

@@ -660,12 +660,10 @@ def _statistics_and_quantize_in_chunks(
         routed_tokens = torch.bincount(torch.cat(record["indices"]).reshape(-1), minlength=E).tolist()
         # one resident copy: each chunk's dequantized values overwrite its original weights once they are
         # copied for solving (a second layer-sized buffer where the resident copy is not in the compute dtype)
-        dequant = {
-            p: host[p]
-            if own is None and host[p].dtype == dtype and host[p].device.type == torch.device(dev).type
-            else torch.empty((last - first,) + tuple(adapter.expert_shape(p)), dtype=dtype, device=dev)
-            for p in adapter.projections
-        }
+        in_place = own is None and all(
+            h.dtype == dtype and h.device.type == torch.device(dev).type for h in host.values()
+        )
+        dequant = host if in_place else _expert_buffers(adapter, last - first, dtype, dev)
         on_gpu = torch.device(dev).type == "cuda"
         chunk = _experts_per_chunk(adapter, dev)
         for lo in range(first, last, chunk):
@@ -870,7 +868,7 @@ def quantize_model(
             if (
                 L + 1 in adapter.moe_layers
                 and any(t.role == "routed_expert" for t in next_rows)
-                and not _rtn_streamed(run, next_rows)
+                and not _rtn_streamed(run, _routed_expert_rows(next_rows))
                 and _read_ahead_fits(adapter, run, own, next_rows)
             ):
                 read_ahead[L + 1] = _submit_read_ahead(reader, run, L + 1, next_rows)
@@ -986,13 +984,29 @@ RTN_CHUNK_BYTES = 2 * 2**30  # float32 expert weights per chunk of a streamed ro
 # bound by reading the source, so larger chunks buy nothing but memory
 
 
-def _rtn_streamed(run: "_Pass", rows) -> bool:
+def _routed_expert_rows(rows) -> list:
+    """A layer's plan rows of routed experts' gate / up / down."""
+    return [t for t in rows if t.role == "routed_expert" and t.expert is not None and t.proj in ("gate", "up", "down")]
+
+
+def _needs_statistics(expert_rows) -> bool:
+    """Whether quantizing these routed experts reads their inputs' statistics (GPTQ, AWQ, imatrix)."""
+    return any(t.algorithm in ("gptq", "awq", "imatrix") and t.quantized for t in expert_rows)
+
+
+def _rtn_streamed(run: "_Pass", expert_rows) -> bool:
     """Whether a layer's routed experts are round-to-nearest on a GPU with no statistics: then they are read,
     decoded, quantized and moved to the host a chunk of experts at a time (the next chunk read meanwhile),
     never a whole layer in float32 on the device."""
-    expert_rows = [t for t in rows if t.role == "routed_expert" and t.expert is not None]
-    needs_stats = any(t.algorithm in ("gptq", "awq", "imatrix") and t.quantized for t in expert_rows)
-    return bool(expert_rows) and not needs_stats and torch.device(run.settings.device).type == "cuda"
+    return bool(expert_rows) and not _needs_statistics(expert_rows) and torch.device(run.settings.device).type == "cuda"
+
+
+def _expert_buffers(adapter, experts: int, dtype, device) -> dict:
+    """Empty {proj: [experts, out, in]} tensors for a layer's dequantized experts."""
+    return {
+        p: torch.empty((experts,) + tuple(adapter.expert_shape(p)), dtype=dtype, device=device)
+        for p in adapter.projections
+    }
 
 
 def _rtn_experts_streamed(run: "_Pass", L: int, mine: list):
@@ -1006,26 +1020,16 @@ def _rtn_experts_streamed(run: "_Pass", L: int, mine: list):
     first, last = (run.own.start, run.own.stop) if run.own is not None else (0, adapter.num_experts)
     chunk = max(1, RTN_CHUNK_BYTES // _expert_bytes(adapter, 1, torch.float32))
     forward = L < run.last_data_layer
-    dequant = (
-        {
-            p: torch.empty((last - first,) + tuple(adapter.expert_shape(p)), dtype=run.runner.dtype, device=device)
-            for p in adapter.projections
-        }
-        if forward
-        else None
-    )
+    dequant = _expert_buffers(adapter, last - first, run.runner.dtype, device) if forward else None
     quantized, report = {}, {}
     starts = list(range(first, last, chunk))
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moequant-read") as reader:
-        read = lambda lo: reader.submit(
-            _read_layer_experts,
-            adapter,
-            run.ckpt,
-            L,  # noqa: E731
-            range(lo, min(last, lo + chunk)),
-            device,
-            read_dtype,
-        )
+
+        def read(lo):
+            return reader.submit(
+                _read_layer_experts, adapter, run.ckpt, L, range(lo, min(last, lo + chunk)), device, read_dtype
+            )
+
         pending = read(starts[0])
         for i, lo in enumerate(starts):
             hi = min(last, lo + chunk)
@@ -1059,17 +1063,15 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
     `host_experts` read ahead (or None). Returns the hidden states the next layer reads."""
     t0 = time.perf_counter()
     adapter = run.adapter
-    expert_rows = [
-        t for t in rows if t.role == "routed_expert" and t.expert is not None and t.proj in ("gate", "up", "down")
-    ]
+    expert_rows = _routed_expert_rows(rows)
     other_rows = [t for t in rows if t not in expert_rows]
     mine = (
         expert_rows if run.own is None else [t for t in expert_rows if t.expert in run.own]
     )  # what this rank quantizes
-    needs_stats = any(t.algorithm in ("gptq", "awq", "imatrix") and t.quantized for t in expert_rows)
+    needs_stats = _needs_statistics(expert_rows)
     uses_awq = any(t.algorithm == "awq" and t.quantized for t in expert_rows)
     collected, routed_tokens, routing_before, tokens, weights = None, None, [], {}, None
-    streamed = _rtn_streamed(run, rows)
+    streamed = _rtn_streamed(run, expert_rows)
     if expert_rows and (uses_awq or not needs_stats) and not streamed:
         dev = "cpu" if uses_awq else run.settings.device  # AWQ's search runs on host copies
         host = host_experts or _read_layer_experts(adapter, run.ckpt, L, run.own, *_experts_placement(run, uses_awq))

@@ -378,39 +378,22 @@ def evaluate_output(recipe: Recipe, ckpt, checkpoint_dir: Path, timings: dict, p
     """The exported output against the source (`apply`'s stage, and each run of `pareto`; timings["evaluate"]).
     Returns (the output, opened once for the evaluation and the report — a GGUF export stays its
     directory: llama.cpp and gguf-py read its file — and the evaluation's result)."""
-    output = checkpoint_dir if recipe.export.format == "gguf" else open_checkpoint(checkpoint_dir)
-    t0 = time.perf_counter()
-    quality = evaluate_stage(recipe, ckpt, output, progress)
-    timings["evaluate"] = time.perf_counter() - t0
-    return output, quality
-
-
-def evaluate_stage(recipe: Recipe, ckpt, checkpoint_dir: Path, progress=True) -> dict:
     from moequant.evaluate import evaluate_checkpoints
 
     e = recipe.evaluate
+    settings = dict(dataset=e.dataset, samples=e.samples, seq_len=e.seq_len, seed=recipe.seed, progress=progress)
+    t0 = time.perf_counter()
     if recipe.export.format == "gguf":  # llama.cpp itself runs the GGUF (moequant.export.verify_llamacpp)
         from moequant.export.gguf import GGUF_FILE
         from moequant.export.verify_llamacpp import evaluate_gguf
 
-        return evaluate_gguf(
-            Path(checkpoint_dir) / GGUF_FILE,
-            ckpt.directory,
-            dataset=e.dataset,
-            samples=e.samples,
-            seq_len=e.seq_len,
-            seed=recipe.seed,
-            progress=progress,
-        )
-    return evaluate_checkpoints(
-        checkpoint_dir,
-        ckpt,
-        dataset=e.dataset,
-        samples=e.samples,
-        seq_len=e.seq_len,
-        seed=recipe.seed,
-        progress=progress,
-    )
+        output = checkpoint_dir
+        quality = evaluate_gguf(Path(checkpoint_dir) / GGUF_FILE, ckpt.directory, **settings)
+    else:
+        output = open_checkpoint(checkpoint_dir)
+        quality = evaluate_checkpoints(output, ckpt, **settings)
+    timings["evaluate"] = time.perf_counter() - t0
+    return output, quality
 
 
 def run_plan(recipe_path=None, model=None, output=None, overrides=(), stats=None, device: str = "cpu"):

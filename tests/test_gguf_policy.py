@@ -10,7 +10,7 @@ import torch
 
 from moequant.calib.stats import LayerStats, Stats
 from moequant.errors import UserError
-from moequant.plan.policy import make_plan
+from moequant.plan.policy import format_summary, make_plan
 from moequant.plan.recipe import recipe_from_dict
 
 H = 512
@@ -218,3 +218,90 @@ def test_fused_gate_up_gets_one_type_per_layer():
     apart = make_plan(r, tensors(2, 4, 256), st)
     per_proj = {(t.layer, t.proj): t.format for t in apart.tensors if t.role == "routed_expert"}
     assert any(per_proj[(L, "gate")] != per_proj[(L, "up")] for L in range(2))
+
+
+def with_projection_probe(st: Stats, alone: dict, kl: dict) -> Stats:
+    """st with a KL probe in q4_k that measured each projection of each layer alone."""
+    layers = {
+        str(L): {"format": "q4_k", "kl": kl[L], "projections": {p: {"kl_alone": a} for p, a in alone[L].items()}}
+        for L in st.layers
+    }
+    return Stats(None, {}, st.layers, probe={"schema": "moequant.calib.probe/1", "tokens": 64, "layers": layers})
+
+
+def test_a_per_projection_probe_splits_each_layers_kl_between_its_projections_at_the_exact_optimum():
+    """The probe's one-projection KLs split the layer's measured KL between gate, up and down
+    (scale_L,p = kl_L * kl_alone_p / sum_q kl_alone_q / predicted_L,p); the budget's optimum over one type per
+    (layer, projection) with those scaled losses equals brute force in float64, and here (down measured 8x
+    gate's effect, the sensitivities about equal) it gives down more bits than the unsplit scale does."""
+    formats, bits, inter = list(SCALE), 4.2, 256
+    r = recipe_from_dict(
+        {
+            "target": "llama.cpp",
+            "export": {"format": "gguf"},
+            "non_experts": {"format": "bf16"},
+            "experts": {"method": "budget", "budget": {"bits_per_weight": bits}, "formats": formats},
+        },
+        "t.yaml",
+    )
+    st = stats(2, 4, seed=5)
+    alone = {L: {"gate": 0.01, "up": 0.012, "down": 0.08} for L in range(2)}
+    kl = {0: 0.05, 1: 0.07}
+    split = make_plan(r, tensors(2, 4, inter), with_projection_probe(st, alone, kl))
+    unsplit = make_plan(r, tensors(2, 4, inter), with_projection_probe(st, {L: {} for L in range(2)}, kl))
+    assert split.summary["probe"]["used"] and unsplit.summary["probe"]["used"]
+    assert isinstance(split.summary["probe"]["layers"]["0"]["scale"], dict)
+    assert "per layer and projection" in format_summary(split)
+
+    usage = {L: np.maximum(st.layers[L].routed_count.double().numpy() / 1000, 0.05 * 2 / 4) for L in range(2)}
+    sens = lambda L, p, k: st.layers[L].sensitivity[p][k].numpy()
+    scale = {
+        (L, p): kl[L] * alone[L][p] / sum(alone[L].values()) / float(usage[L] @ sens(L, p, "q4_k"))
+        for L in range(2)
+        for p in ("gate", "up", "down")
+    }
+    groups = list(scale)
+    shape = {p: ((H, inter) if p == "down" else (inter, H)) for p in ("gate", "up", "down")}
+    limit = math.floor(bits * 2 * 4 * 3 * inter * H / 8)
+    best = None
+    for combo in itertools.product(formats, repeat=len(groups)):
+        if sum(4 * nbytes(k, shape[g[1]]) for g, k in zip(groups, combo)) > limit:
+            continue
+        loss = sum(scale[g] * float(usage[g[0]] @ sens(*g, k)) for g, k in zip(groups, combo))
+        best = loss if best is None or loss < best else best
+    assert split.summary["predicted_loss"] == pytest.approx(best, rel=1e-9)
+    # in the probe format each (layer, projection)'s scaled loss is its share of the layer's KL
+    for (L, p), s in scale.items():
+        assert s * float(usage[L] @ sens(L, p, "q4_k")) == pytest.approx(kl[L] * alone[L][p] / 0.102, rel=1e-12)
+
+    def bytes_of(plan, proj):
+        return sum(t.bytes for t in plan.tensors if t.role == "routed_expert" and t.proj == proj)
+
+    assert bytes_of(split, "down") > bytes_of(unsplit, "down")
+
+
+def test_only_a_per_projection_budget_asks_calibration_to_probe_each_projection():
+    from moequant.pipeline.apply import calibration_settings
+
+    def settings_for(target, fmt, method="budget"):
+        experts = {"method": method, "formats": [fmt], "budget": {"bits_per_weight": 5.0}}
+        if method != "budget":
+            experts = {"method": "uniform", "format": fmt}
+        r = recipe_from_dict(
+            {
+                "target": target,
+                "export": {"format": "gguf" if target == "llama.cpp" else "compressed-tensors"},
+                "calibration": {"probe_samples": 4},
+                "experts": experts,
+            },
+            "t.yaml",
+        )
+        return calibration_settings(r, formats=("int8-channel",))
+
+    gguf = settings_for("llama.cpp", "q4_k")
+    assert gguf.probe_projections and gguf.fingerprint_fields()["probe_projections"] is True
+    vllm = settings_for("vllm", "int4")
+    assert (
+        vllm.probe_samples == 4 and not vllm.probe_projections and "probe_projections" not in vllm.fingerprint_fields()
+    )
+    assert not settings_for("llama.cpp", "q4_k", method="uniform").probe_projections  # no budget: no probe at all

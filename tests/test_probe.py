@@ -72,19 +72,26 @@ def gptq_reference(stats, L, original, spec, min_tokens):
     return out
 
 
-@pytest.mark.parametrize("model_type,algorithm", [("qwen2_moe", "rtn"), ("mixtral", "rtn"), ("qwen2_moe", "gptq")])
-def test_probe_kl_equals_the_whole_model_with_layers_quantized(tiny_dirs, tmp_path, model_type, algorithm):
+@pytest.mark.parametrize(
+    "model_type,algorithm,projections",
+    [("qwen2_moe", "rtn", False), ("mixtral", "rtn", True), ("qwen2_moe", "gptq", True)],
+)
+def test_probe_kl_equals_the_whole_model_with_layers_quantized(tiny_dirs, tmp_path, model_type, algorithm, projections):
     """Independent reference: copies of the checkpoint whose routed experts are replaced by their
     RTN- (or GPTQ-) dequantized weights (float32) in one layer (`kl_alone`), in every MoE layer
-    (`kl_all`) and in every MoE layer but one (`kl_all_but_this`), run whole by transformers, KL
-    in float64. The layer's `kl` is the mean of its two measured shares of the KL."""
+    (`kl_all`) and in every MoE layer but one (`kl_all_but_this`), and (`projections`) one
+    projection of one layer alone, run whole by transformers, KL in float64. The layer's `kl` is the
+    mean of its two measured shares of the KL."""
+    from moequant.arch import adapter_for
+    from moequant.io.checkpoint import open_checkpoint
+
     d = tiny_dirs[model_type]
     samples = make_samples()
     min_tokens = 20
     out = calibrate(
         str(d),
         tmp_path / "stats",
-        settings(probe_algorithm=algorithm, min_tokens=min_tokens, save_hessians=True),
+        settings(probe_algorithm=algorithm, min_tokens=min_tokens, save_hessians=True, probe_projections=projections),
         samples=samples,
         progress=False,
     )
@@ -93,7 +100,7 @@ def test_probe_kl_equals_the_whole_model_with_layers_quantized(tiny_dirs, tmp_pa
         lean = calibrate(
             str(d),
             tmp_path / "lean",
-            settings(probe_algorithm=algorithm, min_tokens=min_tokens),
+            settings(probe_algorithm=algorithm, min_tokens=min_tokens, probe_projections=projections),
             samples=samples,
             progress=False,
         )
@@ -124,12 +131,14 @@ def test_probe_kl_equals_the_whole_model_with_layers_quantized(tiny_dirs, tmp_pa
             }
         assert len(replaced[L]) == 3 * stats.layers[L].num_experts
 
-    def kl_with(quantized_layers) -> float:
-        copy = tmp_path / ("q" + "_".join(map(str, quantized_layers)))
+    proj_of = adapter_for(open_checkpoint(d).config).classify
+
+    def kl_with(quantized_layers, proj=None) -> float:
+        copy = tmp_path / ("q" + "_".join(map(str, quantized_layers)) + (proj or ""))
         shutil.copytree(d, copy)
         tensors = dict(original)
         for L in quantized_layers:
-            tensors.update(replaced[L])
+            tensors.update({n: w for n, w in replaced[L].items() if proj in (None, proj_of(n).proj)})
         save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
         return kl_mean(ref, logits_of(copy, ids))
 
@@ -152,6 +161,16 @@ def test_probe_kl_equals_the_whole_model_with_layers_quantized(tiny_dirs, tmp_pa
         sens = sum(ls.sensitivity[p][entry["format"]].double().numpy() for p in ("gate", "up", "down"))
         assert entry["predicted_loss"] == pytest.approx(float(usage @ sens), rel=1e-12)
         assert entry["scale"] == pytest.approx(entry["kl"] / entry["predicted_loss"], rel=1e-12)
+        if not projections:
+            assert "projections" not in entry
+            continue
+        assert set(entry["projections"]) == {"gate", "up", "down"}
+        for p, measured in entry["projections"].items():
+            alone_p = kl_with([L], p)
+            assert 0 < alone_p < alone
+            assert measured["kl_alone"] == close(alone_p)
+            own = float(usage @ ls.sensitivity[p][entry["format"]].double().numpy())
+            assert measured["predicted_loss"] == pytest.approx(own, rel=1e-12)
 
 
 def test_probe_samples_setting_is_fingerprinted_and_zero_disables(tiny_dirs, tmp_path):

@@ -69,6 +69,9 @@ class CalibrationSettings:
     # formats of the per-tensor probe (probe.run_tensor_probe: KL of each non-expert weight alone in
     # each), measured when a recipe lets the budget choose non-expert formats; (): none
     tensor_formats: tuple[str, ...] = ()
+    # the KL probe also measures each projection alone (probe.py), for plans that choose a format
+    # per (layer, projection): llama.cpp's
+    probe_projections: bool = False
 
     def fingerprint_fields(self) -> dict:
         fields = {
@@ -97,6 +100,8 @@ class CalibrationSettings:
             fields["gptq"] = [self.gptq_grid, self.gptq_refit]
         if self.tensor_formats:  # likewise
             fields["tensor_formats"] = list(self.tensor_formats)
+        if self.probe_projections:  # likewise
+            fields["probe_projections"] = True
         return fields
 
 
@@ -650,6 +655,7 @@ def _run_probes(ckpt, adapter, output: Path, settings: CalibrationSettings, inpu
             min_tokens=settings.min_tokens,
             gptq_grid=settings.gptq_grid,
             gptq_refit=settings.gptq_refit,
+            projections=settings.probe_projections,
             progress=progress,
         )
         write_probe(output, {**probe, "held_out": held_out})

@@ -20,6 +20,14 @@ samples otherwise):
      (what the policy predicts for layer L in that format, with the default usage floor);
   5. scale = kl / predicted.
 
+Per projection (`projections=True`, what a llama.cpp budget asks: it chooses a type per (layer,
+projection)): also kl_alone of each projection p alone quantized. The sensitivities of gate / up
+are errors of the expert's intermediate activations and down's of the layer's output, so their sum
+weighs the projections in two different spaces; the policy splits the layer's kl between the
+projections in proportion to their one-projection KLs instead (policy._probe_scales). On
+tiny-deepseek-v3 at Q4_K_M's bytes the per-layer scale gave every down_proj q3_k and gate / up
+q4_k, where llama.cpp's own mixture gives down the most bits (benchmarks/RESULTS.md, bench_gguf).
+
 Why both ends: the layers' KLs do not add up. On tiny-mixtral (4 layers, int4-g128 GPTQ vs int8;
 16 x 128 calibration, 32 x 128 evaluation tokens) the four one-layer int4 KLs sum to 1.2x the
 all-layers int4 KL, and the six plans with two int8 layers average 6% above the straight line
@@ -51,7 +59,9 @@ probe.json (schema "moequant.calib.probe/1"), in the statistics directory:
 {"schema", "samples": int, "tokens": int, "usage_floor": float, "algorithm": "rtn" | "gptq",
  "held_out": bool, "kl_all": float,
  "layers": {"L": {"format": key, "kl": float, "kl_alone": float, "kl_all_but_this": float,
-                  "restore_gain": float, "predicted_loss": float, "scale": float | null}}}
+                  "restore_gain": float, "predicted_loss": float, "scale": float | null,
+                  "projections": {proj: {"kl_alone": float, "predicted_loss": float}}  (projections=True)
+                  }}}
 scale is null when the predicted loss is 0 (nothing to scale).
 """
 
@@ -108,11 +118,13 @@ def predicted_layer_loss(
     top_k: int,
     key: str,
     usage_floor: float = DEFAULT_USAGE_FLOOR,
+    projections=PROJECTIONS,
 ) -> float:
-    """The policy's predicted loss of one layer with every routed expert in `key` (float64)."""
+    """The policy's predicted loss of one layer with every routed expert in `key` (float64), of
+    these projections."""
     counts = routed_count.double()
     usage = torch.clamp(counts / tokens, min=usage_floor * top_k / counts.numel())
-    return float(sum((usage * sensitivity[p][key].double()).sum() for p in PROJECTIONS))
+    return float(sum((usage * sensitivity[p][key].double()).sum() for p in projections))
 
 
 def _layer_sensitivity(stats_dir: Path, layer: int) -> tuple[dict, torch.Tensor]:
@@ -237,10 +249,12 @@ def run_probe(
     min_tokens: int = 64,
     gptq_grid: str = "minmax",
     gptq_refit: bool = False,
+    projections: bool = False,
     progress: bool = False,
 ) -> dict:
     """Probe every MoE layer on `input_ids` [n, seq]; needs the layers' statistics files in
-    `stats_dir` (sensitivities, routing counts). Returns probe.json's dict (not written)."""
+    `stats_dir` (sensitivities, routing counts). `projections`: also each projection alone.
+    Returns probe.json's dict (not written)."""
     from moequant.io.layers import LayerRunner
 
     stats_dir = Path(stats_dir)
@@ -266,13 +280,15 @@ def run_probe(
         adapter, checkpoint, L, probe_key, algorithm, stats_dir, min_tokens, runner.dtype, device, gptq_grid, gptq_refit
     )
     stream_bytes = tokens * adapter.hidden * torch.finfo(runner.dtype).bits // 8
-    # live streams: original, everything quantized, the two of every probed layer, two layer inputs
-    per_walk = max(1, (int(max_stream_bytes // max(stream_bytes, 1)) - 4) // 2)
+    split = tuple(adapter.projections) if projections else ()
+    # live streams: original, everything quantized, two (and one per split projection) of every
+    # probed layer, two layer inputs
+    per_walk = max(1, (int(max_stream_bytes // max(stream_bytes, 1)) - 4) // (2 + len(split)))
     chunks = [moe[i : i + per_walk] for i in range(0, len(moe), per_walk)]
     kl_alone: dict[int, float] = {}
     kl_restored: dict[int, float] = {}
     for chunk in chunks:
-        alone, restored, kl_everything = _walk(runner, adapter, head, chunk, set(moe), quantized, progress)
+        alone, restored, kl_everything = _walk(runner, adapter, head, chunk, set(moe), quantized, split, progress)
         kl_alone.update(alone)
         kl_restored.update(restored)
     kl_all = kl_everything / tokens
@@ -292,6 +308,16 @@ def run_probe(
             "predicted_loss": predicted,
             "scale": kl / predicted if predicted > 0 else None,
         }
+        if split:
+            layers_out[str(L)]["projections"] = {
+                p: {
+                    "kl_alone": kl_alone[(L, p)] / tokens,
+                    "predicted_loss": predicted_layer_loss(
+                        sens, count, layer_tokens, top_k, probe_key, usage_floor, (p,)
+                    ),
+                }
+                for p in split
+            }
     return {
         "schema": PROBE_SCHEMA,
         "samples": int(input_ids.shape[0]),
@@ -304,13 +330,14 @@ def run_probe(
 
 
 def _walk(
-    runner, adapter, head, probed_layers: list[int], moe_layers: set[int], quantized, progress: bool
-) -> tuple[dict[int, float], dict[int, float], float]:
+    runner, adapter, head, probed_layers: list[int], moe_layers: set[int], quantized, split: tuple, progress: bool
+) -> tuple[dict, dict[int, float], float]:
     """One walk over the decoder layers with these streams (per-batch hidden states):
     original (no layer quantized), everything (every MoE layer's experts quantized), and for every
-    probed layer P: alone[P] (only P quantized; branches off the original at P) and restored[P]
-    (every MoE layer but P quantized; branches off `everything` at P).
-    Returns the summed KL against the original of alone[P] and restored[P] per probed P, and of
+    probed layer P: alone[P] (only P quantized; branches off the original at P), alone[(P, p)] for
+    each projection p in `split` (only P's p quantized) and restored[P] (every MoE layer but P
+    quantized; branches off `everything` at P).
+    Returns the summed KL against the original of every alone and restored stream, and of
     everything."""
     original = everything = runner.embedded
     alone: dict[int, list[torch.Tensor]] = {}
@@ -335,13 +362,18 @@ def _walk(
                 for P in restored:
                     restored[P] = run(module, restored[P])
         if L in moe_layers:
-            with runner.materialized(L, experts=quantized(L)) as module:
+            experts = quantized(L)
+            with runner.materialized(L, experts=experts) as module:
                 if L in probed_layers:
                     alone[L] = run(module, before)
                 everything = run(module, everything_before)
                 for P in restored:
                     if P != L:
                         restored[P] = run(module, restored[P])
+            for p in split if L in probed_layers else ():
+                with runner.materialized(L, experts={p: experts[p]}) as module:
+                    alone[(L, p)] = run(module, before)
+            del experts
     return (
         {P: _kl_sum(head, original, h) for P, h in alone.items()},
         {P: _kl_sum(head, original, h) for P, h in restored.items()},

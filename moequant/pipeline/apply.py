@@ -40,7 +40,7 @@ from moequant.io.fingerprint import (
 )
 from moequant.io.run_lock import output_lock
 from moequant.pipeline.precheck import check_memory, check_recipe
-from moequant.plan.policy import make_plan, needs_statistics, plan_to_dict, read_plan, write_plan
+from moequant.plan.policy import GRANULARITY, make_plan, needs_statistics, plan_to_dict, read_plan, write_plan
 from moequant.plan.recipe import Recipe, load_recipe, recipe_to_dict, resolve_format
 
 
@@ -111,6 +111,7 @@ def calibration_settings(
         hessian_weighting=c.hessian_weighting,
         gptq_grid=recipe.gptq.grid,
         gptq_refit=recipe.gptq.refit,
+        probe_projections=bool(probe_samples) and GRANULARITY[recipe.target] == "layer_proj",
     )
 
 

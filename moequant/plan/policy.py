@@ -432,7 +432,8 @@ class _Context:
         self._sensitivity: dict[tuple, np.ndarray] = {}
         # format key -> (layers it cannot hold, the projections there when groups are per projection, why)
         self.unfit: dict[str, tuple[set[int], set[str], str]] = {}
-        self.layer_scale: dict[int, float] | None = None  # from the per-layer KL probe, when usable
+        # (layer, proj) -> loss scale, from the per-layer KL probe, when usable
+        self.layer_scale: dict[tuple[int, str], float] | None = None
         self.probe_info: dict | None = None
         if stats is not None:
             self.layer_scale, self.probe_info = _probe_scales(self)
@@ -483,7 +484,7 @@ class _Context:
                 )
             table = self.stats.layers[t.layer].sensitivity
             self._sensitivity[(t.layer, t.proj, key)] = sensitivity(table, t.layer, t.proj, key)
-        scale = self.layer_scale[t.layer] if self.layer_scale else 1.0
+        scale = self.layer_scale[(t.layer, t.proj)] if self.layer_scale else 1.0
         return float(scale * self.usage(t.layer)[t.expert] * self._sensitivity[(t.layer, t.proj, key)][t.expert])
 
     def members(self, expert: tuple) -> list[TensorInfo]:
@@ -502,13 +503,18 @@ class _Context:
         return sum(self.nbytes(spec, t) for t in self.members(expert))
 
 
-def _probe_scales(ctx: _Context) -> tuple[dict[int, float] | None, dict]:
-    """Per-layer loss scales from the statistics' KL probe: (scales or None, what the summary says).
+def _probe_scales(ctx: _Context) -> tuple[dict[tuple[int, str], float] | None, dict]:
+    """Loss scales per (layer, projection) from the statistics' KL probe: (scales or None, what the
+    summary says).
 
     scale_L = layer L's measured KL share in the probe format / this plan's predicted loss of layer
     L in that format (with the recipe's usage floor), so that after scaling, the predicted loss of
-    layer L in the probe format is its measured share. Used only when every MoE layer of
-    the plan has a positive, finite scale; otherwise the losses stay unscaled and `why` says so.
+    layer L in the probe format is its measured share. Where the probe also measured each
+    projection alone (probe.py, `projections`), the share is split between the projections in
+    proportion to their one-projection KLs: scale_L,p = kl_L * kl_alone_p / sum_q kl_alone_q /
+    predicted_L,p (the projections' sensitivities are errors in two different spaces, see probe.py);
+    else every projection takes scale_L. Used only when every MoE layer of the plan has a positive,
+    finite scale; otherwise the losses stay unscaled and `why` says so.
     """
     probe = getattr(ctx.stats, "probe", None)
     if not probe or not probe.get("layers"):
@@ -517,7 +523,7 @@ def _probe_scales(ctx: _Context) -> tuple[dict[int, float] | None, dict]:
             "why": "the calibration statistics hold no per-layer KL probe "
             "(calibration.probe_samples 0, or statistics from an older version)",
         }
-    scales, measured = {}, {}
+    scales, summary = {}, {}
     for layer in ctx.layers:
         entry = probe["layers"].get(str(layer))
         if entry is None:
@@ -527,16 +533,26 @@ def _probe_scales(ctx: _Context) -> tuple[dict[int, float] | None, dict]:
             return None, {"used": False, "why": f"the calibration statistics have no MoE layer {layer}"}
         table = ctx.stats.layers[layer].sensitivity
         try:
-            err = sum(sensitivity(table, layer, p, key) for p in PROJECTIONS)
+            predicted = {p: float(np.dot(ctx.usage(layer), sensitivity(table, layer, p, key))) for p in PROJECTIONS}
         except UserError:
             return None, {"used": False, "why": f"the statistics have no sensitivity for the probe format {key}"}
-        predicted = float(np.dot(ctx.usage(layer), err))
-        if not (predicted > 0 and math.isfinite(kl) and kl >= 0):
+        total = sum(predicted.values())
+        if not (total > 0 and math.isfinite(kl) and kl >= 0):
             return None, {
                 "used": False,
-                "why": f"the KL probe of layer {layer} has no usable ratio (KL {kl:.3g}, predicted {predicted:.3g})",
+                "why": f"the KL probe of layer {layer} has no usable ratio (KL {kl:.3g}, predicted {total:.3g})",
             }
-        scales[layer], measured[layer] = kl / predicted, kl
+        alone = {p: float(v["kl_alone"]) for p, v in (entry.get("projections") or {}).items()}
+        split = set(alone) == set(PROJECTIONS) and all(
+            alone[p] > 0 and math.isfinite(alone[p]) and predicted[p] > 0 for p in PROJECTIONS
+        )
+        if split:
+            share = {p: alone[p] / sum(alone.values()) for p in PROJECTIONS}
+            scales.update({(layer, p): kl * share[p] / predicted[p] for p in PROJECTIONS})
+            summary[str(layer)] = {"kl": kl, "scale": {p: scales[(layer, p)] for p in PROJECTIONS}}
+        else:
+            scales.update({(layer, p): kl / total for p in PROJECTIONS})
+            summary[str(layer)] = {"kl": kl, "scale": kl / total}
     formats_used = sorted({probe["layers"][str(L)]["format"] for L in ctx.layers})
     return scales, {
         "used": True,
@@ -545,7 +561,7 @@ def _probe_scales(ctx: _Context) -> tuple[dict[int, float] | None, dict]:
         "tokens": probe.get("tokens"),
         "algorithm": probe.get("algorithm"),
         "held_out": probe.get("held_out", False),
-        "layers": {str(L): {"kl": measured[L], "scale": scales[L]} for L in ctx.layers},
+        "layers": summary,
     }
 
 
@@ -1507,11 +1523,16 @@ def format_summary(plan: Plan) -> str:
         lines.append(f"uniform {u['format']}: {_size(u['routed_bytes'])} routed{_bits(u)}, predicted loss {loss}")
     probe = s.get("probe")
     if probe and probe.get("used"):
-        scales = ", ".join(f"L{L} x{v['scale']:.3g}" for L, v in probe["layers"].items())
+        scales = ", ".join(
+            f"L{L} x{v['scale']:.3g}"
+            if not isinstance(v["scale"], dict)
+            else f"L{L} " + " ".join(f"{p} x{x:.3g}" for p, x in v["scale"].items())
+            for L, v in probe["layers"].items()
+        )
         where = "held-out" if probe.get("held_out") else "calibration"
         lines.append(
             f"per-layer KL probe used ({probe['format']} {probe.get('algorithm') or 'rtn'}, "
-            f"{probe['tokens']} {where} tokens): losses scaled to measured KL per layer: {scales}"
+            f"{probe['tokens']} {where} tokens): losses scaled to measured KL per layer{' and projection' if any(isinstance(v['scale'], dict) for v in probe['layers'].values()) else ''}: {scales}"
         )
     elif probe:
         lines.append(f"per-layer KL probe not used: {probe['why']}; losses are layer-output errors added unscaled")

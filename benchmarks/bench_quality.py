@@ -295,7 +295,7 @@ def plan_variant(entry: str, index: int, model: str, args, out: Path, ad, origin
 
     from moequant.evaluate import load_quantized
     from moequant.pipeline.apply import apply
-    from moequant.plan.policy import read_plan
+    from moequant.plan.plan_io import read_plan
 
     recipe_name, *extra = entry.split(";")
     run = out / f"plan-{index}-{recipe_name}"

@@ -299,7 +299,7 @@ def calibrate(
 def plan(recipe_path, model, output, overrides, stats):
     """Decide a format for every tensor: writes OUTPUT/plan.json and prints a summary."""
     from moequant.pipeline.apply import run_plan
-    from moequant.plan.policy import format_summary
+    from moequant.plan.summary import format_summary
 
     result, path = run_plan(recipe_path, model, output, overrides, stats)
     click.echo(format_summary(result))

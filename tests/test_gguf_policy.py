@@ -10,8 +10,9 @@ import torch
 
 from moequant.calib.stats import LayerStats, Stats
 from moequant.errors import UserError
-from moequant.plan.policy import format_summary, make_plan
+from moequant.plan.policy import make_plan
 from moequant.plan.recipe import recipe_from_dict
+from moequant.plan.summary import format_summary
 
 H = 512
 # bytes per block of 32 / 256 weights, from ggml's block layouts (ggml-common.h)

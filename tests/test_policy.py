@@ -15,16 +15,12 @@ import torch
 
 from moequant.calib.stats import LayerStats, Stats
 from moequant.errors import UserError
-from moequant.plan.policy import (
-    SCHEMA,
-    format_summary,
-    make_plan,
-    read_plan,
-    tensors_from_checkpoint,
-    write_plan,
-)
+from moequant.plan.model import SCHEMA
+from moequant.plan.plan_io import read_plan, write_plan
+from moequant.plan.policy import make_plan, tensors_from_checkpoint
 from moequant.plan.recipe import recipe_from_dict
 from moequant.plan.solver import solve_choices
+from moequant.plan.summary import format_summary
 
 H, I = 64, 32  # gate/up [I, H], down [H, I]: every projection holds 2048 weights
 EXPERT_NUMEL = 3 * H * I

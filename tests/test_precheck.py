@@ -159,7 +159,8 @@ def umask(request):
 
 
 def test_atomic_writers_give_the_umask_modes(tmp_path, umask):
-    from moequant.plan.policy import Plan, write_plan
+    from moequant.plan.model import Plan
+    from moequant.plan.plan_io import write_plan
 
     with atomic_directory(tmp_path / "ckpt") as tmp:
         save_safetensors({"w": torch.zeros(2)}, tmp / "model.safetensors")

@@ -18,8 +18,9 @@ from moequant.calib.data import Sample
 from moequant.calib.probe import choose_probe_format, probe_algorithm_for, probe_indices
 from moequant.calib.stats import LayerStats, Stats, load_stats
 from moequant.errors import UserError
-from moequant.plan.policy import format_summary, make_plan
+from moequant.plan.policy import make_plan
 from moequant.plan.recipe import recipe_from_dict
+from moequant.plan.summary import format_summary
 
 SEQ, N, BS = 16, 4, 2
 FORMATS = ("int8-channel", "int4-g32-sym", "int2-g32-asym")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from moequant.arch import adapter_for
 from moequant.io.checkpoint import open_checkpoint
 from moequant.plan.memory import format_bytes
-from moequant.plan.policy import _size
+from moequant.plan.summary import _size
 from moequant.report import _expert_formats, _summary_tables
 
 

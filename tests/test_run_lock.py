@@ -211,7 +211,7 @@ def test_fingerprint_is_the_run_s_own(concurrent):
     """The stored fingerprint is recomputed from the int4 recipe and its plan (not the int8 one's)."""
     from moequant.io.checkpoint import open_checkpoint
     from moequant.pipeline.apply import calibration_settings, resolve_recipe, run_fingerprint
-    from moequant.plan.policy import read_plan
+    from moequant.plan.plan_io import read_plan
 
     out = concurrent["out"]
     plan = read_plan(out / "plan.json")

@@ -166,7 +166,7 @@ def _run_one(
     checkpoint (hard links where possible) and its evaluation are reused."""
     from moequant.io.fingerprint import KEY, checkpoint_fingerprint, stamp_checkpoint
     from moequant.pipeline.apply import evaluate_output, quantize_and_export, run_fingerprint
-    from moequant.plan.policy import plan_to_dict, write_plan
+    from moequant.plan.plan_io import plan_to_dict, write_plan
     from moequant.plan.recipe import recipe_to_dict
     from moequant.report import build_report
 

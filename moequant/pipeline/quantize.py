@@ -65,7 +65,7 @@ from moequant.calib.stats import chosen_hessian
 from moequant.errors import UserError
 from moequant.io.checkpoint import Checkpoint, atomic_write_text, open_checkpoint
 from moequant.io.layers import LayerRunner, compute_dtype, release_freed_memory
-from moequant.plan.policy import Plan
+from moequant.plan.model import Plan
 from moequant.progress import LayerProgress
 
 

@@ -1,5 +1,10 @@
 """The policy engine: recipe + calibration statistics -> one format per tensor (plan.json).
 
+This module builds plans (make_plan, check_plan, budget_frontier: the rules, the budget, the predicted
+loss and the plan's summary dict). Beside it in moequant.plan: the plan's data classes, SCHEMA and
+spec_params (model), plan.json to / from disk (plan_io), the summary as text (summary) and the budget's
+knapsack solver (solver).
+
 Which tensors are decided
 -------------------------
 Routed experts are decided per expert (one format for an expert's gate, up and down), and the
@@ -91,6 +96,8 @@ that minimum; a budget exactly at it is feasible.
 
 plan.json (schema "moequant.plan/1")
 ------------------------------------
+The fields of plan.model.Plan / TensorPlan, written and read by plan.plan_io:
+
 {
   "schema": "moequant.plan/1",
   "model": str, "target": "vllm" | "vllm-cuda" | "sglang" | "transformers" | "vllm-moequant" | "llama.cpp",
@@ -133,12 +140,9 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import json
 import math
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from fractions import Fraction
-from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -146,11 +150,10 @@ import numpy as np
 from moequant.errors import UserError
 from moequant.export.layouts import layout_for, sglang_per_layer_block
 from moequant.plan.memory import bits_per_weight
+from moequant.plan.model import PROJECTIONS, Plan, TensorInfo, TensorPlan, _formats, spec_params
 from moequant.plan.recipe import Recipe, recipe_to_dict, resolve_format
 from moequant.plan.solver import solve_choices
 
-SCHEMA = "moequant.plan/1"
-PROJECTIONS = ("gate", "up", "down")
 # The decision unit for routed experts per target (see the module docstring).
 GRANULARITY = {
     "transformers": "expert",
@@ -193,105 +196,8 @@ def _layout_for(export_format: str):
     return layout_for(export_format)
 
 
-def _formats():
-    from moequant import formats  # imported lazily: recipe validation imports this module
-
-    return formats
-
-
 # ---------------------------------------------------------------------------------------------
-# Plain data
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor as the plan sees it; routed experts are one entry per (layer, expert, proj)
-    with shape [out, in], even when the checkpoint fuses them (then `name` repeats)."""
-
-    name: str
-    role: str
-    layer: int | None
-    expert: int | None
-    proj: str | None
-    shape: tuple[int, ...]
-    element_size: int = 2  # bytes per element of a copy kept as stored (F32 routers stay F32)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def is_routed_weight(self) -> bool:
-        return (
-            self.role == "routed_expert"
-            and self.expert is not None
-            and self.proj in PROJECTIONS
-            and len(self.shape) == 2
-        )
-
-
-@dataclass
-class TensorPlan:
-    name: str
-    role: str
-    layer: int | None
-    expert: int | None
-    proj: str | None
-    shape: tuple[int, ...]
-    format: str
-    params: dict
-    algorithm: str
-    bytes: int
-    kept: str | None = None
-    usage: float | None = None
-
-    @property
-    def quantized(self) -> bool:
-        """False for a tensor the plan keeps as it is (its format's family does not quantize: bf16)."""
-        return _formats().spec_of(self.format).quantized
-
-    predicted_loss: float | None = None
-
-
-@dataclass
-class Plan:
-    model: str
-    target: str
-    method: str
-    budget: dict | None
-    candidates: list[str]
-    dropped_candidates: dict[str, str]
-    usage_floor: float
-    formats: dict[str, dict]
-    tensors: list[TensorPlan]
-    summary: dict = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    recipe: dict = field(default_factory=dict)
-    run_fingerprint: str | None = (
-        None  # of the run that made it (moequant.io.fingerprint), set by apply / plan / pareto
-    )
-
-    def expert_formats(self) -> dict[tuple[int, int], str]:
-        """(layer, expert) -> format key of its routed weights."""
-        return {
-            (t.layer, t.expert): t.format
-            for t in self.tensors
-            if t.role == "routed_expert" and t.expert is not None and t.proj in PROJECTIONS
-        }
-
-    def layer_formats(self) -> dict[int, set[str]]:
-        out: dict[int, set[str]] = defaultdict(set)
-        for (layer, _), key in self.expert_formats().items():
-            out[layer].add(key)
-        return dict(out)
-
-
-# ---------------------------------------------------------------------------------------------
-# Formats and serving constraints
-
-
-def spec_params(spec) -> dict:
-    return {k: v for k, v in dataclasses.asdict(spec).items() if k != "name"}
+# Serving constraints
 
 
 def _servable_routed(target: str) -> str:
@@ -1411,130 +1317,3 @@ def _dedupe_entries(recipe: Recipe) -> list[str]:
             seen.add(key)
             out.append(entry)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# plan.json
-
-
-def plan_to_dict(plan: Plan) -> dict:
-    data = dataclasses.asdict(plan)
-    data["tensors"] = [{**t, "shape": list(t["shape"])} for t in data["tensors"]]
-    return {"schema": SCHEMA, **data}
-
-
-def plan_from_dict(data: dict, source: str = "<plan>") -> Plan:
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise UserError(f"plan {source} has schema {found!r}; accepted: {SCHEMA!r} (write it with `moequant plan`).")
-    try:
-        tensors = [TensorPlan(**{**t, "shape": tuple(t["shape"])}) for t in data["tensors"]]
-        fields = {f.name for f in dataclasses.fields(Plan)} - {"tensors"}
-        return Plan(tensors=tensors, **{k: data[k] for k in fields if k in data})
-    except (KeyError, TypeError) as error:
-        raise UserError(
-            f"plan {source} is malformed ({error}); accepted: a plan.json written by `moequant plan`."
-        ) from None
-
-
-def write_plan(plan: Plan, path: str | Path) -> Path:
-    """Write plan.json atomically (temp file beside it, then rename)."""
-    from moequant.io.checkpoint import atomic_write_text
-
-    path = Path(path)
-    atomic_write_text(path, json.dumps(plan_to_dict(plan), indent=1) + "\n")
-    return path
-
-
-def read_plan(path: str | Path) -> Plan:
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"plan {path} does not exist; write it with `moequant plan`.")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UserError(f"plan {path} is not valid JSON; accepted: a plan.json written by `moequant plan`.") from None
-    return plan_from_dict(data, str(path))
-
-
-# ---------------------------------------------------------------------------------------------
-# Summary text
-
-
-def _size(n: int) -> str:
-    from moequant.plan.memory import format_bytes
-
-    return format_bytes(n)
-
-
-def _bits(alt: dict) -> str:
-    return f" ({alt['routed_bits_per_weight']:.3f} bits per weight)" if "routed_bits_per_weight" in alt else ""
-
-
-def format_summary(plan: Plan) -> str:
-    s = plan.summary
-    lines = [f"plan for {plan.model}: target {plan.target}, method {plan.method}"]
-    if plan.budget:
-        b = plan.budget
-        what = (
-            f"{b['bits_per_weight']} bits per routed-expert weight"
-            if b.get("bits_per_weight") is not None
-            else f"{b['gigabytes']} GB for the whole model"
-        )
-        lines.append(f"budget: {what} (routed experts may use {_size(b['routed_bytes_limit'])})")
-    if plan.candidates:
-        lines.append("candidates: " + ", ".join(plan.candidates))
-    for key, why in plan.dropped_candidates.items():
-        lines.append(f"dropped for target {plan.target}: {key} ({why})")
-    lines.append("routed experts per layer (" + ", ".join(f"{c}={k}" for c, k in s["legend"].items()) + "):")
-    for layer, info in s["layers"].items():
-        counts = ", ".join(f"{k} x{n}" for k, n in info["counts"].items())
-        row = f"  L{int(layer):>3}  {counts}"
-        if len(info["counts"]) > 1 and len(info["map"]) <= 128:
-            row += f"  [{info['map']}]"
-        lines.append(row)
-    bpw = s["bits_per_weight"]
-    lines.append(f"bits per weight: {bpw['routed_experts']:.3f} routed experts, {bpw['overall']:.3f} overall")
-    lines.append(
-        f"bytes: {_size(s['total_bytes'])} total; "
-        + ", ".join(f"{role} {_size(n)}" for role, n in sorted(s["bytes_by_role"].items(), key=lambda kv: -kv[1]))
-    )
-    if s["predicted_loss"] is not None:
-        lines.append(f"predicted loss: {s['predicted_loss']:.6g}")
-    alt = s.get("per_expert_alternative")
-    if alt:
-        extra = (
-            f"; serving with {plan.target} costs {(s['predicted_loss'] / alt['predicted_loss'] - 1) * 100:+.1f}%"
-            if alt["predicted_loss"] and s["predicted_loss"] is not None
-            else ""
-        )
-        lines.append(
-            f"per-expert plan (target transformers) at the same budget: predicted loss "
-            f"{alt['predicted_loss']:.6g}, {_size(alt['routed_bytes'])} routed{_bits(alt)}{extra}"
-        )
-    alt = s.get("budget_alternative")
-    if alt:
-        lines.append(
-            f"budget plan (target {plan.target}) at the same bytes: predicted loss "
-            f"{alt['predicted_loss']:.6g}, {_size(alt['routed_bytes'])} routed{_bits(alt)}"
-        )
-    for u in s.get("uniform_alternatives", []):
-        loss = f"{u['predicted_loss']:.6g}" if u["predicted_loss"] is not None else "n/a"
-        lines.append(f"uniform {u['format']}: {_size(u['routed_bytes'])} routed{_bits(u)}, predicted loss {loss}")
-    probe = s.get("probe")
-    if probe and probe.get("used"):
-        scales = ", ".join(
-            f"L{L} x{v['scale']:.3g}"
-            if not isinstance(v["scale"], dict)
-            else f"L{L} " + " ".join(f"{p} x{x:.3g}" for p, x in v["scale"].items())
-            for L, v in probe["layers"].items()
-        )
-        where = "held-out" if probe.get("held_out") else "calibration"
-        lines.append(
-            f"per-layer KL probe used ({probe['format']} {probe.get('algorithm') or 'rtn'}, "
-            f"{probe['tokens']} {where} tokens): losses scaled to measured KL per layer{' and projection' if any(isinstance(v['scale'], dict) for v in probe['layers'].values()) else ''}: {scales}"
-        )
-    elif probe:
-        lines.append(f"per-layer KL probe not used: {probe['why']}; losses are layer-output errors added unscaled")
-    lines += [f"note: {n}" for n in plan.notes]
-    return "\n".join(lines)

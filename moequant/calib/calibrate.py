@@ -155,6 +155,11 @@ class _LayerCollector:
     first_expert: int = 0
     chunk_experts: int | None = None
     hessian_weighting: str = "tokens"  # HESSIAN_WEIGHTINGS
+    # each expert's routed statistics from its own tokens: one Python step per expert (the CPU: exact,
+    # today's float64 sums), or, where per-expert launches cost more than the math (a GPU: 128-256
+    # experts x ~25 launches per batch), several experts at once by batched matmuls over their tokens
+    # padded to the group's largest count (padding rows are zero and masked, adding nothing). None: by device
+    grouped: bool | None = None
 
     @property
     def local_experts(self) -> int:
@@ -256,10 +261,19 @@ class _LayerCollector:
             if self.hessians:
                 # Σ over each expert's own routed tokens of x xᵀ: [E, d, d]
                 h_routed = self._zeros("hessian_sum_routed.gate_up", (E, d, d), torch.float32, dev)
-                for e in range(E):
-                    if offsets[e + 1] > offsets[e]:
-                        seg = x_sorted[offsets[e] : offsets[e + 1]]
-                        h_routed[e] += seg.T @ (seg if coef is None else seg * coef[offsets[e] : offsets[e + 1], None])
+                if self._grouped(dev):
+                    for lo, hi, pad, _, pad_coef in _padded_groups(x_sorted, expert_of_pair, offsets, d, coef):
+                        h_routed[lo:hi] += pad.transpose(1, 2) @ (
+                            pad if pad_coef is None else pad * pad_coef[..., None]
+                        )
+                        del pad
+                else:
+                    for e in range(E):
+                        if offsets[e + 1] > offsets[e]:
+                            seg = x_sorted[offsets[e] : offsets[e + 1]]
+                            h_routed[e] += seg.T @ (
+                                seg if coef is None else seg * coef[offsets[e] : offsets[e + 1], None]
+                            )
                 if coef is not None:
                     self._zeros("hessian_coef_sum", E, torch.float64, dev).index_add_(
                         0, expert_of_pair, coef.to(torch.float64)
@@ -267,7 +281,10 @@ class _LayerCollector:
             del x_sorted
             if self.all_experts:
                 self._acc("input.down.tokens", torch.full((E,), n, dtype=torch.int64, device=dev))
-            self._down_statistics(x, token_of_pair, offsets, acc, coef)
+            self._down_statistics(x, token_of_pair, offsets, acc, coef, expert_of_pair)
+
+    def _grouped(self, dev) -> bool:
+        return torch.device(dev).type != "cpu" if self.grouped is None else self.grouped
 
     def _hessian_coefficients(self, routing_weights, pair_sorted):
         """Each sorted token-expert pair's weight c in its expert's routed Hessian (None: all 1)."""
@@ -282,10 +299,11 @@ class _LayerCollector:
         r = routing_weights.reshape(-1)[pair_sorted].float()
         return r
 
-    def _down_statistics(self, x, token_of_pair, offsets, acc, coef=None):
+    def _down_statistics(self, x, token_of_pair, offsets, acc, coef=None, expert_of_pair=None):
         """down_proj's input is each expert's own intermediate activation act(x Wg) * (x Wu):
         over every token (all-experts coverage) in chunks of experts by one batched matmul,
-        and over each expert's routed tokens (its slice of the sorted pairs)."""
+        and over each expert's routed tokens (its slice of the sorted pairs; grouped: several
+        experts' padded slices by one batched matmul)."""
         E, n, first = self.local_experts, x.shape[0], self.first_expert
         inter = self.adapter.expert_intermediate
         budget = 2**27 if x.device.type != "cpu" else 2**24  # elements of the [c, n, I] activation chunk
@@ -312,6 +330,9 @@ class _LayerCollector:
                         self._zeros("hessian_sum.down", (E, inter, inter), torch.float32, dev)[lo : lo + len(ids)] += (
                             h_all.transpose(1, 2) @ h_all
                         )
+                if self._grouped(dev):
+                    self._down_routed_grouped(x, token_of_pair, expert_of_pair, offsets, acc, coef, ids)
+                    continue
                 for j, e in enumerate(ids):
                     rows = token_of_pair[offsets[e] : offsets[e + 1]]
                     # computed from the routed rows alone in both coverage modes, so the routed
@@ -328,6 +349,45 @@ class _LayerCollector:
                     if self.hessians:
                         hw = he if coef is None else he * coef[offsets[e] : offsets[e + 1], None]
                         self._zeros("hessian_sum_routed.down", (E, inter, inter), torch.float32, dev)[e] += he.T @ hw
+
+    def _down_routed_grouped(self, x, token_of_pair, expert_of_pair, offsets, acc, coef, ids) -> None:
+        """The routed down statistics of experts `ids` (local numbers, consecutive), a group of
+        experts at a time: their tokens padded to [c, m, d], one batched act(x Wg) * (x Wu), padding
+        rows masked to zero (an expert bias would make them nonzero)."""
+        E, first, dev = self.local_experts, self.first_expert, x.device
+        inter = self.adapter.expert_intermediate
+        lo_ids, hi_ids = ids[0], ids[-1] + 1
+        sel = slice(offsets[lo_ids], offsets[hi_ids])
+        local = [o - offsets[lo_ids] for o in offsets[lo_ids : hi_ids + 1]]
+        groups = _padded_groups(
+            x[token_of_pair[sel]],
+            expert_of_pair[sel] - lo_ids,
+            local,
+            max(x.shape[1], 2 * inter),
+            None if coef is None else coef[sel],
+        )
+        for key in ("input_routed.down.sqsum", "input_routed.down.abssum"):
+            self._zeros(key, (E, inter), torch.float64, dev)
+        self._zeros("input_routed.down.absmax", (E, inter), torch.float32, dev)
+        if self.hessians:
+            self._zeros("hessian_sum_routed.down", (E, inter, inter), torch.float32, dev)
+        for lo, hi, pad, mask, pad_coef in groups:
+            he = self.adapter.experts_hidden(self.experts_module, pad, [first + lo_ids + e for e in range(lo, hi)])
+            he = he.float() * mask[..., None]  # [c, m, I]
+            del pad
+            at = slice(lo_ids + lo, lo_ids + hi)
+            ha = he.to(acc)
+            self._zeros("input_routed.down.sqsum", (E, inter), torch.float64, dev)[at] += (ha**2).sum(1).double()
+            self._zeros("input_routed.down.abssum", (E, inter), torch.float64, dev)[at] += ha.abs().sum(1).double()
+            del ha
+            mx = self._zeros("input_routed.down.absmax", (E, inter), torch.float32, dev)
+            mx[at] = torch.maximum(mx[at], he.abs().amax(1))
+            if self.hessians:
+                hw = he if pad_coef is None else he * pad_coef[..., None]
+                self._zeros("hessian_sum_routed.down", (E, inter, inter), torch.float32, dev)[at] += (
+                    he.transpose(1, 2) @ hw
+                )
+            del he, mask
 
     def finish(self) -> dict[str, torch.Tensor]:
         """Turn sums into the documented per-expert statistics (means, normalised Hessians)."""
@@ -428,6 +488,39 @@ def sensitivity(weights: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]
         for key, _ in specs:
             out[f"sensitivity.{proj}.{key}"] = torch.cat(parts[key]).clamp_min(0)
     return out, skipped
+
+
+GROUPED_ELEMENTS = {"cpu": 2**24, "accelerator": 2**27}  # elements of one padded group of experts' rows
+
+
+def _padded_groups(rows, expert_of_row, offsets: list[int], row_elements: int, coef=None):
+    """Consecutive groups of experts [lo, hi) with their rows padded: yields (lo, hi, [hi - lo, m, d]
+    rows, [hi - lo, m] mask of real rows, [hi - lo, m] coefficients or None). `rows` are sorted by
+    expert, expert e's are rows[offsets[e] : offsets[e + 1]] (`expert_of_row` says whose each is);
+    m is the group's largest count; a group holds as many experts as keep c x m x `row_elements`
+    within GROUPED_ELEMENTS (one expert at least). Groups without rows are skipped."""
+    counts = [offsets[e + 1] - offsets[e] for e in range(len(offsets) - 1)]
+    limit = GROUPED_ELEMENTS["cpu" if rows.device.type == "cpu" else "accelerator"]
+    starts = torch.tensor(offsets[:-1], device=rows.device)
+    lo = 0
+    while lo < len(counts):
+        hi, m = lo + 1, max(counts[lo], 1)
+        while hi < len(counts) and (hi + 1 - lo) * max(m, counts[hi]) * row_elements <= limit:
+            m, hi = max(m, counts[hi]), hi + 1
+        if offsets[hi] > offsets[lo]:
+            sel = slice(offsets[lo], offsets[hi])
+            e = expert_of_row[sel]
+            at = (e - lo, torch.arange(offsets[lo], offsets[hi], device=rows.device) - starts[e])
+            pad = rows.new_zeros(hi - lo, m, rows.shape[1])
+            pad[at] = rows[sel]
+            mask = rows.new_zeros(hi - lo, m, dtype=torch.float32)
+            mask[at] = 1.0
+            pad_coef = None
+            if coef is not None:
+                pad_coef = coef.new_zeros(hi - lo, m)
+                pad_coef[at] = coef[sel]
+            yield lo, hi, pad, mask, pad_coef
+        lo = hi
 
 
 # ----------------------------------------------------------------------------- the runner

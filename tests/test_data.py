@@ -227,3 +227,24 @@ def test_unsupported_extension(tokenizer, tmp_path):
     file.write_text("text\nhello\n")
     with pytest.raises(UserError, match=r"unsupported extension '.csv'; accepted: .txt, .jsonl, .json, .parquet"):
         data.load_samples(str(file), tokenizer, n_samples=1, seq_len=2)
+
+
+@pytest.mark.parametrize("ahead", [1, 3, 64])
+def test_windows_pack_each_documents_own_token_ids_in_order_whatever_the_batch(tokenizer, tmp_path, monkeypatch, ahead):
+    """Round 0 reads and tokenizes ENCODE_AHEAD documents per batch; the windows are still each document's
+    own first chunk (tokenized alone, EOS after its end) packed in the documents' seeded order, the same for
+    every batch size (empty documents skipped)."""
+    texts = [f"Document {i} says {'more ' * (i % 7)}about expert {i % 5}." if i % 9 else "   " for i in range(60)]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    monkeypatch.setattr(data, "ENCODE_AHEAD", ahead)
+    samples = data.load_samples(str(tmp_path / "d.jsonl"), tokenizer, n_samples=6, seq_len=16)
+    corpus = data.load_documents(str(tmp_path / "d.jsonl"), "calibration")[0]
+    docs = sorted(corpus.documents, key=lambda d: data._seeded_order(0, corpus.source, d.id))
+    stream = []
+    for d in docs:
+        text = d.read()
+        if text.strip():
+            stream += (tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id])[:16]
+    assert sum(len(t) for t in texts if t.strip()) > 0 and tokenizer.eos_token_id is not None
+    got = torch.cat([s.input_ids for s in samples]).tolist()
+    assert len(samples) == 6 and got == stream[: 6 * 16]

@@ -534,16 +534,20 @@ def load_documents(source: str, split: str = "calibration") -> list[Corpus]:
 # ---------------------------------------------------------------- tokenised samples
 
 
-def _encoder(tokenizer) -> tuple[Callable[[str], list[int]], int | None]:
+def _encoder(tokenizer) -> tuple[Callable[[list[str]], list[list[int]]], int | None]:
+    """(texts -> their token ids, the EOS id). A Rust tokenizer encodes a batch on all cores (the
+    calibration and evaluation texts took ~2.6 s one by one on the H200's host, each apply)."""
     if hasattr(tokenizer, "encode_batch") and hasattr(tokenizer, "token_to_id"):  # tokenizers.Tokenizer
-        return (lambda text: tokenizer.encode(text, add_special_tokens=False).ids), None
+        return (lambda texts: [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]), None
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:  # a fast transformers tokenizer: same ids, no warning about long documents
-        return (lambda text: backend.encode(text, add_special_tokens=False).ids), getattr(
+        return (lambda texts: [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]), getattr(
             tokenizer, "eos_token_id", None
         )
     if hasattr(tokenizer, "encode"):  # transformers tokenizer
-        return (lambda text: tokenizer.encode(text, add_special_tokens=False)), getattr(tokenizer, "eos_token_id", None)
+        return (lambda texts: [tokenizer.encode(t, add_special_tokens=False) for t in texts]), getattr(
+            tokenizer, "eos_token_id", None
+        )
     raise UserError(
         f"tokenizer of type {type(tokenizer).__name__} has no encode method; pass a transformers or tokenizers tokenizer."
     )
@@ -553,6 +557,9 @@ def _seeded_order(seed: int, source: str, doc_id: str) -> bytes:
     # A document's place depends on its own id only, so files added or missing elsewhere (another
     # Python version's stdlib) leave the order of the others unchanged.
     return hashlib.sha256(f"{seed}:{source}/{doc_id}".encode()).digest()
+
+
+ENCODE_AHEAD = 16  # documents read and tokenized per batch in round 0
 
 
 def _domain_samples(corpora: list[Corpus], encode, eos, n: int, seq_len: int, seed: int) -> list[torch.Tensor]:
@@ -576,15 +583,15 @@ def _domain_samples(corpora: list[Corpus], encode, eos, n: int, seq_len: int, se
             samples.append(torch.tensor(buffer[:seq_len], dtype=torch.long))
             buffer = buffer[seq_len:]
 
-    for _, doc in docs:  # round 0 tokenizes lazily: most requests stop early
-        text = doc.read()
-        if not text.strip():
-            continue
-        ids = encode(text) + ([eos] if eos is not None else [])
-        tokenized.append(ids)
-        take(ids[:seq_len])
-        if len(samples) == n:
-            return samples
+    # round 0 reads and tokenizes lazily, ENCODE_AHEAD documents per batch: most requests stop early
+    for start in range(0, len(docs), ENCODE_AHEAD):
+        texts = [t for t in (doc.read() for _, doc in docs[start : start + ENCODE_AHEAD]) if t.strip()]
+        for ids in encode(texts) if texts else []:
+            ids = ids + ([eos] if eos is not None else [])
+            tokenized.append(ids)
+            take(ids[:seq_len])
+            if len(samples) == n:
+                return samples
     round_ = 1
     while any(len(ids) > round_ * seq_len for ids in tokenized):
         for ids in tokenized:

@@ -61,17 +61,10 @@ report.json (schema "moequant.report/1"; keys may be added, none of these remove
   "timings": {stage: seconds}
 }
 
-Memory conventions are those of moequant.plan.memory: bytes per decoded token = weights read for one
-token at batch size 1 = every tensor except the routed experts and the embedding table (one row
-of it is read; when lm_head is tied to it the table is read in full), plus the routed experts
-weighted by their expected use, top_k * share per layer (top_k / E each when shares are unknown);
-GPUs needed = ceil(bytes * 1.2 / GPU bytes) for 24 / 80 / 141 GB (decimal) GPUs.
-
-Bytes by role come from the safetensors headers of each checkpoint: every stored tensor is
-mapped back to the original tensor it encodes (compressed-tensors `X.weight_packed`,
-`X.weight_scale`, ... -> `X.weight`; GPTQ / AWQ `X.qweight`, `X.scales`, ... -> `X.weight`;
-DeepSeek `X.weight_scale_inv`; gpt-oss `..._blocks` / `..._scales`) and classified by the
-architecture adapter on that original name.
+The `memory` section is computed by memory_account in moequant.plan.memory, the module of every memory
+account, whose docstring states the conventions (bytes per decoded token, GPUs needed, how stored
+tensors map back to the original tensors and their roles). This module builds the rest (the per-expert
+table, report.json) and renders the text, the plots and the HTML.
 """
 
 from __future__ import annotations
@@ -85,223 +78,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from moequant.errors import UserError
-from moequant.plan.memory import GPU_SIZES_GB, KV_HEADROOM, bits_per_weight, format_bytes
+from moequant.plan.memory import bits_per_weight, format_bytes, memory_account, original_tensor_name
 
 SCHEMA = "moequant.report/1"
-
-# Suffixes of stored tensors that encode the original tensor `module + ".weight"` (or `module`
-# for gpt-oss's fused expert tensors, which have no ".weight").
-_ENCODING_SUFFIXES = (
-    ".weight_packed",
-    ".weight_scale",
-    ".weight_zero_point",
-    ".weight_shape",
-    ".weight_global_scale",
-    ".weight_g_idx",
-    ".weight_scale_inv",
-    ".input_scale",
-    ".input_zero_point",
-    ".input_global_scale",
-    ".qweight",
-    ".qzeros",
-    ".scales",
-    ".g_idx",
-    "_blocks",
-    "_scales",
-)
-
-
-# ----------------------------------------------------------------------------- memory account
-
-
-def original_tensor_name(name: str, expected) -> str:
-    """The tensor of the original checkpoint that stored tensor `name` encodes (itself if none)."""
-    if name in expected:
-        return name
-    for suffix in _ENCODING_SUFFIXES:
-        if name.endswith(suffix):
-            module = name[: -len(suffix)]
-            for candidate in (module + ".weight", module):
-                if candidate in expected:
-                    return candidate
-    return name
-
-
-def checkpoint_bytes(path, adapter=None) -> dict:
-    """Bytes of a checkpoint's tensors from its safetensors headers, by role and per routed expert.
-
-    Returns {"by_role": {role: bytes}, "experts": {(layer, expert): bytes}, "fused_experts":
-    {layer: bytes} (tensors holding every expert of a layer), "total": bytes (all as stored: codes
-    and scales of quantized weights), "weights_by_role": {role: elements of the logical model, each
-    quantized weight counted by its dense shape}, "layout_metadata": bytes, "expert_biases": {"bytes": int,
-    "weights": int} (of the routed experts' bytes and elements: their biases, e.g. gpt-oss's)}.
-    Layout metadata (compressed-tensors `weight_shape`, GPTQ `g_idx`: formats.LAYOUT_METADATA) is
-    counted in "total" only, not in a role's bytes: those are the weights' own bytes (codes, scales,
-    zero points), the account `formats.nbytes` and so the plan keep.
-    """
-    from moequant.arch import adapter_for
-    from moequant.export.gguf import GGUF_FILE, gguf_bytes
-    from moequant.formats import LAYOUT_METADATA
-    from moequant.io.checkpoint import open_checkpoint
-
-    if (Path(path) / GGUF_FILE).exists():  # a GGUF export (moequant.export.gguf)
-        return gguf_bytes(Path(path) / GGUF_FILE)
-    ckpt = open_checkpoint(path)
-    if ckpt.config_only:
-        raise UserError(f"{path} has no safetensors weights to account for.")
-    adapter = adapter or adapter_for(ckpt.config)
-    expected = adapter.expected_tensors()
-    by_role: dict[str, int] = defaultdict(int)
-    weights: dict[str, int] = defaultdict(int)
-    experts: dict[tuple[int, int], int] = defaultdict(int)
-    fused: dict[int, int] = defaultdict(int)
-    metadata = 0
-    biases = {"bytes": 0, "weights": 0}
-    for name, entry in ckpt.entries.items():  # the logical model: quantized weights by their dense shape
-        role = adapter.classify(name)
-        weights[role.role] += entry.numel
-        if is_expert_bias(role):
-            biases["weights"] += entry.numel
-    for name, entry in ckpt.stored.items():  # bytes as stored: codes and scales
-        if name.rsplit(".", 1)[-1] in LAYOUT_METADATA:
-            metadata += entry.nbytes
-            continue
-        role = adapter.classify(original_tensor_name(name, expected))
-        by_role[role.role] += entry.nbytes
-        if is_expert_bias(role):
-            biases["bytes"] += entry.nbytes
-        if role.role == "routed_expert":
-            if role.expert is None:
-                fused[role.layer] += entry.nbytes
-            else:
-                experts[(role.layer, role.expert)] += entry.nbytes
-    return {
-        "by_role": dict(by_role),
-        "weights_by_role": dict(weights),
-        "experts": dict(experts),
-        "fused_experts": dict(fused),
-        "total": sum(by_role.values()) + metadata,
-        "layout_metadata": metadata,
-        "expert_biases": biases,
-    }
-
-
-def is_expert_bias(role) -> bool:
-    """A routed expert's bias (gpt-oss): counted with the routed experts' bytes, but not with the weight
-    matrices that experts.budget.bits_per_weight and the plan's routed_bytes count."""
-    return role.role == "routed_expert" and (role.proj or "").endswith("bias")
-
-
-def _config_only_bytes(adapter) -> dict:
-    """The original's account from its config alone (bf16), when its weights are not on disk."""
-    from moequant.formats import nbytes
-
-    weights = {r: n for r, n in adapter.params_by_role().items() if n}
-    per_expert = {}
-    biases = {"bytes": 0, "weights": 0}
-    for shape, role in adapter.expected_tensors().values():
-        if is_expert_bias(role):
-            biases["bytes"] += nbytes("bf16", shape)
-            biases["weights"] += math.prod(shape)
-        if role.role == "routed_expert" and role.expert is not None:
-            key = (role.layer, role.expert)
-            per_expert[key] = per_expert.get(key, 0) + nbytes("bf16", shape)
-    fused = {}
-    if not per_expert:
-        routed = nbytes("bf16", (weights.get("routed_expert", 0),))
-        fused = {L: routed // max(len(adapter.moe_layers), 1) for L in adapter.moe_layers}
-    by_role = {r: nbytes("bf16", (n,)) for r, n in weights.items()}
-    return {
-        "by_role": by_role,
-        "weights_by_role": weights,
-        "experts": per_expert,
-        "fused_experts": fused,
-        "total": sum(by_role.values()),
-        "layout_metadata": 0,
-        "expert_biases": biases,
-    }
-
-
-def _bytes_per_token(account: dict, adapter, shares: dict | None) -> int:
-    """Weight bytes read per decoded token (module docstring)."""
-    by_role = account["by_role"]
-    fixed = sum(b for r, b in by_role.items() if r != "routed_expert")
-    if not adapter.tie_embeddings:
-        fixed -= by_role.get("embedding", 0)
-    k, E = adapter.top_k, adapter.num_experts
-    routed = 0.0
-    for L in adapter.moe_layers:
-        if L in account["fused_experts"]:
-            routed += account["fused_experts"][L] * k / E
-        for e in range(E):
-            b = account["experts"].get((L, e), 0)
-            use = k * shares[L][e] if shares and L in shares else k / E
-            routed += use * b
-    return int(round(fixed + routed))
-
-
-def gpus_needed(nbytes: int) -> dict:
-    """GPUs of each size needed to hold `nbytes` of weights with KV headroom (moequant.plan.memory convention)."""
-    return {f"{g}GB": math.ceil(nbytes * (1 + KV_HEADROOM) / (g * 1e9)) for g in GPU_SIZES_GB}
-
-
-def memory_account(original, checkpoint, shares: dict | None = None) -> dict:
-    """The `memory` section of report.json: the original vs the written checkpoint, from file headers.
-
-    `shares` maps layer -> [share per expert] (routing shares) for the bytes-per-token estimate.
-    """
-    from moequant.arch import adapter_for
-    from moequant.io.checkpoint import open_checkpoint
-
-    orig_ckpt = open_checkpoint(original)
-    adapter = adapter_for(orig_ckpt.config)
-    orig = _config_only_bytes(adapter) if orig_ckpt.config_only else checkpoint_bytes(original, adapter)
-    quant = checkpoint_bytes(checkpoint, adapter)
-    weights = orig["weights_by_role"]
-    roles = [r for r in dict.fromkeys([*weights, *quant["by_role"]])]
-    by_role = {
-        r: {
-            "weights": int(weights.get(r, 0)),
-            "bytes_original": int(orig["by_role"].get(r, 0)),
-            "bytes_quantized": int(quant["by_role"].get(r, 0)),
-        }
-        for r in roles
-    }
-    n_weights = sum(weights.values())
-
-    def biases(account: dict, key: str) -> int:  # of the routed experts' weights or bytes (GGUF: none)
-        return account.get("expert_biases", {}).get(key, 0)
-
-    # the routed experts' weight matrices (their biases left out): what the budget and the plan count
-    experts = {
-        "weights": int(weights.get("routed_expert", 0) - biases(orig, "weights")),
-        "bytes_original": int(orig["by_role"].get("routed_expert", 0) - biases(orig, "bytes")),
-        "bytes_quantized": int(quant["by_role"].get("routed_expert", 0) - biases(quant, "bytes")),
-    }
-
-    def bpw(nbytes, n):
-        return bits_per_weight(nbytes, n) if n else float("nan")
-
-    return {
-        "bytes_original": int(orig["total"]),
-        "bytes_quantized": int(quant["total"]),
-        "compression": orig["total"] / quant["total"] if quant["total"] else float("nan"),
-        "weights": int(n_weights),
-        "layout_metadata_bytes": int(quant.get("layout_metadata", 0)),  # none in a GGUF file
-        "bits_per_weight": bpw(quant["total"] - quant.get("layout_metadata", 0), n_weights),
-        "bits_per_weight_experts": bpw(experts["bytes_quantized"], experts["weights"]),
-        "bits_per_weight_original": bpw(orig["total"], n_weights),
-        "bits_per_weight_experts_original": bpw(experts["bytes_original"], experts["weights"]),
-        "by_role": by_role,
-        "routed_expert_matrices": experts,
-        "bytes_per_token": {
-            "original": _bytes_per_token(orig, adapter, shares),
-            "quantized": _bytes_per_token(quant, adapter, shares),
-        },
-        "gpus_needed": {"original": gpus_needed(orig["total"]), "quantized": gpus_needed(quant["total"])},
-        "gpu_sizes_gb": list(GPU_SIZES_GB),
-        "kv_headroom": KV_HEADROOM,
-    }
 
 
 # ----------------------------------------------------------------------------- per-expert table
@@ -527,6 +306,7 @@ def _copy_of_weights(role: str) -> str:
 
 
 def _b(n) -> str:
+    """A table cell of bytes: plan.memory.format_bytes, or "–" where there is no value."""
     return "–" if n is None else format_bytes(n)
 
 

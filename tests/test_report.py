@@ -22,7 +22,8 @@ from moequant import formats
 from moequant.arch import adapter_for
 from moequant.export.layouts import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
-from moequant.report import build_report, checkpoint_bytes, gpus_needed, memory_account
+from moequant.plan.memory import checkpoint_bytes, gpus_needed, memory_account
+from moequant.report import build_report
 
 # ---------------------------------------------------------------- independent byte counting
 

@@ -908,7 +908,7 @@ _ROLES = [
 
 
 def gguf_bytes(path) -> dict:
-    """The byte account of a GGUF file as `report.checkpoint_bytes` gives it for safetensors:
+    """The byte account of a GGUF file as `plan.memory.checkpoint_bytes` gives it for safetensors:
     bytes by role, per (layer, expert) (a stacked tensor's bytes split evenly: one type per tensor)."""
     from collections import defaultdict
 

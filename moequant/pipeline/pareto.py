@@ -293,7 +293,7 @@ def outside_point(path, reference_dir, evaluate_settings: dict) -> dict:
     evaluation tokens) or the JSON file of `moequant eval --json`, with bytes from the
     checkpoint's safetensors headers. A JSON evaluation must have used the same dataset, samples,
     seq_len and seed, so that its KL is over the same tokens."""
-    from moequant.report import memory_account
+    from moequant.plan.memory import memory_account
 
     path = Path(path)
     if path.is_dir():

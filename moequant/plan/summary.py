@@ -1,15 +1,9 @@
 """The plan's summary as text (`moequant plan` prints it): format_summary reads a Plan's summary dict
-(which plan.policy builds) and writes its lines."""
+(which plan.policy builds) and writes its lines, bytes with plan.memory.format_bytes."""
 
 from __future__ import annotations
 
 from moequant.plan.model import Plan
-
-
-def _size(n: int) -> str:
-    from moequant.plan.memory import format_bytes
-
-    return format_bytes(n)
 
 
 def _bits(alt: dict) -> str:
@@ -17,6 +11,8 @@ def _bits(alt: dict) -> str:
 
 
 def format_summary(plan: Plan) -> str:
+    from moequant.plan.memory import format_bytes  # here, not at import: plan.memory imports moequant.arch (torch)
+
     s = plan.summary
     lines = [f"plan for {plan.model}: target {plan.target}, method {plan.method}"]
     if plan.budget:
@@ -26,7 +22,7 @@ def format_summary(plan: Plan) -> str:
             if b.get("bits_per_weight") is not None
             else f"{b['gigabytes']} GB for the whole model"
         )
-        lines.append(f"budget: {what} (routed experts may use {_size(b['routed_bytes_limit'])})")
+        lines.append(f"budget: {what} (routed experts may use {format_bytes(b['routed_bytes_limit'])})")
     if plan.candidates:
         lines.append("candidates: " + ", ".join(plan.candidates))
     for key, why in plan.dropped_candidates.items():
@@ -41,8 +37,10 @@ def format_summary(plan: Plan) -> str:
     bpw = s["bits_per_weight"]
     lines.append(f"bits per weight: {bpw['routed_experts']:.3f} routed experts, {bpw['overall']:.3f} overall")
     lines.append(
-        f"bytes: {_size(s['total_bytes'])} total; "
-        + ", ".join(f"{role} {_size(n)}" for role, n in sorted(s["bytes_by_role"].items(), key=lambda kv: -kv[1]))
+        f"bytes: {format_bytes(s['total_bytes'])} total; "
+        + ", ".join(
+            f"{role} {format_bytes(n)}" for role, n in sorted(s["bytes_by_role"].items(), key=lambda kv: -kv[1])
+        )
     )
     if s["predicted_loss"] is not None:
         lines.append(f"predicted loss: {s['predicted_loss']:.6g}")
@@ -55,17 +53,19 @@ def format_summary(plan: Plan) -> str:
         )
         lines.append(
             f"per-expert plan (target transformers) at the same budget: predicted loss "
-            f"{alt['predicted_loss']:.6g}, {_size(alt['routed_bytes'])} routed{_bits(alt)}{extra}"
+            f"{alt['predicted_loss']:.6g}, {format_bytes(alt['routed_bytes'])} routed{_bits(alt)}{extra}"
         )
     alt = s.get("budget_alternative")
     if alt:
         lines.append(
             f"budget plan (target {plan.target}) at the same bytes: predicted loss "
-            f"{alt['predicted_loss']:.6g}, {_size(alt['routed_bytes'])} routed{_bits(alt)}"
+            f"{alt['predicted_loss']:.6g}, {format_bytes(alt['routed_bytes'])} routed{_bits(alt)}"
         )
     for u in s.get("uniform_alternatives", []):
         loss = f"{u['predicted_loss']:.6g}" if u["predicted_loss"] is not None else "n/a"
-        lines.append(f"uniform {u['format']}: {_size(u['routed_bytes'])} routed{_bits(u)}, predicted loss {loss}")
+        lines.append(
+            f"uniform {u['format']}: {format_bytes(u['routed_bytes'])} routed{_bits(u)}, predicted loss {loss}"
+        )
     probe = s.get("probe")
     if probe and probe.get("used"):
         scales = ", ".join(

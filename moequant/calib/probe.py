@@ -285,7 +285,7 @@ def run_probe(
     # probed layer, two layer inputs
     per_walk = max(1, (int(max_stream_bytes // max(stream_bytes, 1)) - 4) // (2 + len(split)))
     chunks = [moe[i : i + per_walk] for i in range(0, len(moe), per_walk)]
-    kl_alone: dict[int, float] = {}
+    kl_alone: dict = {}  # probed layer, or (layer, projection) -> summed KL
     kl_restored: dict[int, float] = {}
     for chunk in chunks:
         alone, restored, kl_everything = _walk(runner, adapter, head, chunk, set(moe), quantized, split, progress)

@@ -366,27 +366,24 @@ class _LayerCollector:
             max(x.shape[1], 2 * inter),
             None if coef is None else coef[sel],
         )
-        for key in ("input_routed.down.sqsum", "input_routed.down.abssum"):
-            self._zeros(key, (E, inter), torch.float64, dev)
-        self._zeros("input_routed.down.absmax", (E, inter), torch.float32, dev)
-        if self.hessians:
-            self._zeros("hessian_sum_routed.down", (E, inter, inter), torch.float32, dev)
+        sqsum = self._zeros("input_routed.down.sqsum", (E, inter), torch.float64, dev)
+        abssum = self._zeros("input_routed.down.abssum", (E, inter), torch.float64, dev)
+        absmax = self._zeros("input_routed.down.absmax", (E, inter), torch.float32, dev)
+        hessian = (
+            self._zeros("hessian_sum_routed.down", (E, inter, inter), torch.float32, dev) if self.hessians else None
+        )
         for lo, hi, pad, mask, pad_coef in groups:
             he = self.adapter.experts_hidden(self.experts_module, pad, [first + lo_ids + e for e in range(lo, hi)])
             he = he.float() * mask[..., None]  # [c, m, I]
             del pad
             at = slice(lo_ids + lo, lo_ids + hi)
             ha = he.to(acc)
-            self._zeros("input_routed.down.sqsum", (E, inter), torch.float64, dev)[at] += (ha**2).sum(1).double()
-            self._zeros("input_routed.down.abssum", (E, inter), torch.float64, dev)[at] += ha.abs().sum(1).double()
+            sqsum[at] += (ha**2).sum(1).double()
+            abssum[at] += ha.abs().sum(1).double()
             del ha
-            mx = self._zeros("input_routed.down.absmax", (E, inter), torch.float32, dev)
-            mx[at] = torch.maximum(mx[at], he.abs().amax(1))
-            if self.hessians:
-                hw = he if pad_coef is None else he * pad_coef[..., None]
-                self._zeros("hessian_sum_routed.down", (E, inter, inter), torch.float32, dev)[at] += (
-                    he.transpose(1, 2) @ hw
-                )
+            absmax[at] = torch.maximum(absmax[at], he.abs().amax(1))
+            if hessian is not None:
+                hessian[at] += he.transpose(1, 2) @ (he if pad_coef is None else he * pad_coef[..., None])
             del he, mask
 
     def finish(self) -> dict[str, torch.Tensor]:

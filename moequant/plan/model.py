@@ -15,7 +15,7 @@ PROJECTIONS = ("gate", "up", "down")
 
 
 def _formats():
-    from moequant import formats  # imported lazily: recipe validation imports this module
+    from moequant import formats  # imported lazily: the plan's data classes load without torch
 
     return formats
 

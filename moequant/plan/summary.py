@@ -68,16 +68,19 @@ def format_summary(plan: Plan) -> str:
         )
     probe = s.get("probe")
     if probe and probe.get("used"):
+        # a layer's scale is one number, or one per projection where the probe measured them alone
+        split = {L: isinstance(v["scale"], dict) for L, v in probe["layers"].items()}
         scales = ", ".join(
-            f"L{L} x{v['scale']:.3g}"
-            if not isinstance(v["scale"], dict)
-            else f"L{L} " + " ".join(f"{p} x{x:.3g}" for p, x in v["scale"].items())
+            f"L{L} " + " ".join(f"{p} x{x:.3g}" for p, x in v["scale"].items())
+            if split[L]
+            else f"L{L} x{v['scale']:.3g}"
             for L, v in probe["layers"].items()
         )
         where = "held-out" if probe.get("held_out") else "calibration"
         lines.append(
             f"per-layer KL probe used ({probe['format']} {probe.get('algorithm') or 'rtn'}, "
-            f"{probe['tokens']} {where} tokens): losses scaled to measured KL per layer{' and projection' if any(isinstance(v['scale'], dict) for v in probe['layers'].values()) else ''}: {scales}"
+            f"{probe['tokens']} {where} tokens): losses scaled to measured KL per layer"
+            f"{' and projection' if any(split.values()) else ''}: {scales}"
         )
     elif probe:
         lines.append(f"per-layer KL probe not used: {probe['why']}; losses are layer-output errors added unscaled")

@@ -126,7 +126,6 @@ def export_checkpoint(
     # bf16 "quantized" tensors are written dense, read when written (their codes may still be on disk)
     plain = {n: q for n, q in items.items() if not q.spec.quantized}
     items = {n: q for n, q in items.items() if q.spec.quantized}
-    roles = {n: adapter.classify(n) for n in ckpt.keys()}
 
     if layout == "gguf":  # one file in llama.cpp's names and block layouts (moequant.export.gguf)
         from moequant.export.gguf import export_gguf
@@ -137,30 +136,42 @@ def export_checkpoint(
         return export_gguf(
             ckpt, adapter, {**items, **plain}, out_dir, kept=kept, float_type=gguf_float, info=info, types=gguf_types
         )
-    writer = LAYOUTS[layout](ckpt, adapter, items, roles, target, int8_activations)
-    writer.check()  # refuse before any work
-    # tensors no adapter knows (DeepSeek's MTP layers) that the source holds in the output's own
-    # encoding: carried through unchanged, codes and scales as stored
-    writer.carried = {
-        n
-        for n, enc in ckpt.encodings.items()
-        if roles[n].role == "other" and n not in kept and n not in plain and writer.carries(enc)
-    }
-
+    writer = make_writer(ckpt, adapter, items, layout, target, int8_activations, excluded=set(kept) | set(plain))
     out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:
         _write_shards(tmp, ckpt, adapter, writer, items, plain, kept, max_shard_bytes)
-        # auto_map: code we neither copy nor run; the source's own quantization_config described the
-        # source: the output's describes only what this export wrote
-        config = {k: v for k, v in ckpt.config.items() if k not in ("auto_map", "quantization_config")}
-        config["quantization_config"] = writer.quantization_config()
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for fname, content in writer.extra_files().items():
-            (tmp / fname).write_text(json.dumps(content, indent=2) + "\n")
-        info = {"layout": layout, "target": target, "formats": {n: q.spec.key for n, q in sorted(items.items())}}
-        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
-        copy_aux_files(ckpt.directory, tmp)
+        write_checkpoint_files(tmp, ckpt, writer)
     return out_dir
+
+
+def make_writer(ckpt, adapter, items: Mapping, layout: str, target: str, int8_activations: str, excluded=()):
+    """The layout's writer for `items` ({on-disk name: QuantizedTensor}; only their spec and shape are read
+    here), checked: a plan the layout cannot hold is refused before any work."""
+    roles = {n: adapter.classify(n) for n in ckpt.keys()}
+    writer = LAYOUTS[layout](ckpt, adapter, dict(items), roles, target, int8_activations)
+    writer.check()
+    # tensors no adapter knows (DeepSeek's MTP layers) that the source holds in the output's own
+    # encoding: carried through unchanged, codes and scales as stored (`excluded`: written otherwise)
+    writer.carried = {
+        n for n, enc in ckpt.encodings.items() if roles[n].role == "other" and n not in excluded and writer.carries(enc)
+    }
+    return writer
+
+
+def write_checkpoint_files(tmp: Path, ckpt, writer) -> None:
+    """Everything of an export beside its weights: config.json with the layout's quantization_config, the
+    layout's own files, moequant_export.json (layout, target, every tensor's format), tokenizer files."""
+    # auto_map: code we neither copy nor run; the source's own quantization_config described the
+    # source: the output's describes only what this export wrote
+    config = {k: v for k, v in ckpt.config.items() if k not in ("auto_map", "quantization_config")}
+    config["quantization_config"] = writer.quantization_config()
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for fname, content in writer.extra_files().items():
+        (tmp / fname).write_text(json.dumps(content, indent=2) + "\n")
+    formats_written = {n: q.spec.key for n, q in sorted(writer.items.items())}
+    info = {"layout": writer.name, "target": writer.target, "formats": formats_written}
+    (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    copy_aux_files(ckpt.directory, tmp)
 
 
 def _check_export_options(layout: str, target: str, int8_activations: str) -> None:
@@ -216,7 +227,6 @@ def _write_shards(tmp: Path, ckpt, adapter, writer, items: dict, plain: dict, ke
     from collections import deque
     from concurrent.futures import ThreadPoolExecutor
 
-    dense_dtype = model_dtype(ckpt.config)
     shards = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
     names = list(ckpt.keys())
     packed = deque()  # (name, future) of the next quantized tensors, in checkpoint order
@@ -237,17 +247,24 @@ def _write_shards(tmp: Path, ckpt, adapter, writer, items: dict, plain: dict, ke
                 assert ahead == name
                 for packed_name, tensor in future.result().items():
                     shards.add(packed_name, tensor)
-            elif name in writer.carried:
-                for stored in ckpt.encodings[name].parts.values():
-                    shards.add(stored, ckpt.read_stored(stored))
-            elif name in plain:
-                shards.add(name, _from_linear(adapter, name, plain[name].codes))
             else:
-                tensor = kept[name] if name in kept else ckpt.get(name)
-                if name in ckpt.encodings:  # the source stored it quantized: kept tensors are written dense
-                    tensor = tensor.to(dense_dtype)
-                shards.add(name, tensor)
+                write_unquantized(shards, ckpt, adapter, writer, name, plain, kept)
     shards.finish()
+
+
+def write_unquantized(shards, ckpt, adapter, writer, name: str, plain: Mapping, kept: Mapping) -> None:
+    """A source tensor the layout does not pack: carried as stored, bf16 from its codes (`plain`), the
+    given replacement (`kept`), or copied (dense in the model's dtype when the source stored it quantized)."""
+    if name in writer.carried:
+        for stored in ckpt.encodings[name].parts.values():
+            shards.add(stored, ckpt.read_stored(stored))
+    elif name in plain:
+        shards.add(name, _from_linear(adapter, name, plain[name].codes))
+    else:
+        tensor = kept[name] if name in kept else ckpt.get(name)
+        if name in ckpt.encodings:  # the source stored it quantized: kept tensors are written dense
+            tensor = tensor.to(model_dtype(ckpt.config))
+        shards.add(name, tensor)
 
 
 def model_dtype(config: dict) -> torch.dtype:

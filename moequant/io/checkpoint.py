@@ -570,11 +570,18 @@ class ShardWriter:
     safetensors' own writer pads the same way), so no tensor is held back until its shard is complete.
     """
 
-    def __init__(self, directory: Path, max_shard_bytes: int = 2 * 1024**3, metadata: dict | None = None):
+    def __init__(
+        self,
+        directory: Path,
+        max_shard_bytes: int = 2 * 1024**3,
+        metadata: dict | None = None,
+        reserve: int | None = None,
+    ):
         self.directory = Path(directory)
         self.max_shard_bytes = max_shard_bytes
         self.metadata = {"format": "pt", **(metadata or {})}
-        self.reserve = header_reserve(max_shard_bytes)
+        # `reserve`: the header room, when the caller knows its tensors (too little only closes shards early)
+        self.reserve = min(reserve, header_reserve(max_shard_bytes)) if reserve else header_reserve(max_shard_bytes)
         self._file = None
         self._header: dict = {}
         self._header_bytes = 0
@@ -632,6 +639,17 @@ class ShardWriter:
         os.chmod(self.directory / name, 0o666 & ~current_umask())
         self._shards.append((name, list(self._header)))
         self._file = None
+
+    @property
+    def total_bytes(self) -> int:
+        """Tensor bytes added so far (the index's `total_size`)."""
+        return self._total_bytes
+
+    def close(self) -> list[tuple[str, list[str]]]:
+        """Close the last shard and leave every shard under its working name: [(file name, its tensors)]
+        (the streamed export names a layer's shards only once every layer is written)."""
+        self._close_shard()
+        return list(self._shards)
 
     def finish(self) -> list[str]:
         """Close the last shard, give shards their final names, write the index when there is more than one."""

@@ -351,19 +351,35 @@ def quantize_and_export(
     """The quantize pass (every rank), then rank 0 exports OUTPUT/checkpoint and writes checkpoint.json
     (`apply`'s stage, and each run of `pareto`). Returns the quantize report, or None on the other ranks."""
     from moequant.export.layouts import export_checkpoint
+    from moequant.export.streamed import StreamedExport
     from moequant.pipeline.quantize import quantize_model
 
     checkpoint_dir = out / "checkpoint"
     t0 = time.perf_counter()
+    arguments = export_arguments(recipe)
+    streamed = None  # GGUF: one file whose header lists every tensor first, written from the work files
+    if arguments["layout"] != "gguf":  # every layer is written as the output's shards as it is quantized
+        streamed = StreamedExport(
+            ckpt,
+            adapter_for(ckpt.config),
+            plan,
+            out / "work",
+            **{k: arguments[k] for k in ("layout", "target", "int8_activations")},
+        )
     # `quantized` also holds the full-precision tensors AWQ folds changed (plain tensors), exported as they are
     # lazy: the export reads each tensor's codes from work/ as it writes them (host RAM stays at one layer)
-    quantized, quant_report = quantize_model(ckpt, plan, settings, out / "work", progress=progress, lazy=True)
+    quantized, quant_report = quantize_model(
+        ckpt, plan, settings, out / "work", progress=progress, lazy=True, export=streamed
+    )
     parallel.finish()  # the expert-parallel part ends: rank 0 alone exports, evaluates and reports
     if world is not None and world.rank != 0:
         return None
     timings["quantize"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    export_checkpoint(ckpt, quantized, checkpoint_dir, **export_arguments(recipe))
+    if streamed is not None:
+        streamed.finish(checkpoint_dir, quantized, ranks=world.size if world is not None else 1)
+    else:
+        export_checkpoint(ckpt, quantized, checkpoint_dir, **arguments)
     del quantized
     timings["export"] = time.perf_counter() - t0
     stamp_checkpoint(checkpoint_dir, plan.run_fingerprint)

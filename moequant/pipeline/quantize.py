@@ -42,6 +42,7 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -516,10 +517,13 @@ def _quantize_experts(
     gptq_grid: str = "minmax",
     gptq_refit: bool = False,
     codes_to=None,
+    store=None,
 ):
     """GPTQ / RTN for one layer's routed experts, batched per (projection, format, algorithm);
     GPTQ rounds as `gptq_grid` / `gptq_refit` say (the recipe's gptq section, `gptq_pass`).
     `codes_to`: the device the returned codes and scales are moved to (the host: off the GPU per chunk).
+    `store(layer, proj, experts, stacked codes)`: where each quantized stack goes instead (the streamed
+    export packs and writes it); it returns what the caller must still hold, keyed (layer, expert, proj).
 
     `weights` (proj -> [E, out, in] float32) are the weights to quantize (AWQ-scaled where AWQ
     ran); AWQ rows are round-to-nearest of them. `input_scale`: the shared gate/up scale folded
@@ -588,9 +592,12 @@ def _quantize_experts(
             if not torch.isfinite(deq).all():
                 raise RuntimeError(f"quantizing layer {layer} {p} in {key} produced non-finite weights")
             dequant[p][idx] = deq
-            q = q.to(codes_to) if codes_to is not None else q  # one copy per stack, not one per expert
-            for i, e in enumerate(experts):
-                quantized[(layer, e, p)] = q.expert(i)
+            if store is not None:
+                quantized.update(store(layer, p, experts, q))
+            else:
+                q = q.to(codes_to) if codes_to is not None else q  # one copy per stack, not one per expert
+                for i, e in enumerate(experts):
+                    quantized[(layer, e, p)] = q.expert(i)
             report[f"{p}:{key}"] = entries[p]
     return quantized, report, dequant
 
@@ -609,7 +616,7 @@ def _experts_per_chunk(adapter, device) -> int:
 
 
 def _statistics_and_quantize_in_chunks(
-    runner, adapter, layer: int, hidden, expert_rows, host: dict, settings, own: range | None = None
+    runner, adapter, layer: int, hidden, expert_rows, host: dict, settings, own: range | None = None, store=None
 ):
     """GPTQ / RTN of one MoE layer's routed experts from one forward of the original layer.
 
@@ -698,6 +705,7 @@ def _statistics_and_quantize_in_chunks(
                 gptq_grid=settings.gptq_grid,
                 gptq_refit=settings.gptq_refit,
                 codes_to="cpu" if on_gpu else None,
+                store=store,
             )
             for p in adapter.projections:
                 dequant[p][lo - first : hi - first] = dq[p].to(dtype)
@@ -803,10 +811,14 @@ def quantize_model(
     samples=None,
     progress: bool = True,
     lazy: bool = False,
+    export=None,
 ) -> tuple[dict, dict]:
     """Run the sequential pass. Returns (quantized tensors keyed as `export_checkpoint` takes them,
     a per-layer report of algorithms and fallbacks). `lazy`: their codes stay in the work directory's
     layer files until the export reads them (which must happen before `work_dir` is removed).
+    `export` (moequant.export.streamed.StreamedExport): each layer is written as the output's shards as
+    it is quantized, no work file; the returned tensors are then only those outside the decoder
+    layers, for `export.finish`.
 
     Where AWQ folded its scales into tensors that stay in full precision (post-attention norm,
     router, shared expert, experts the plan keeps), the mapping also holds them as plain tensors
@@ -820,8 +832,10 @@ def quantize_model(
     fingerprint = _plan_fingerprint(
         plan,
         settings,
-        hashlib.sha256(input_ids.numpy().tobytes()).hexdigest() + (f" ranks {world.size}" if world is not None else ""),
-    )  # work/ files per rank
+        hashlib.sha256(input_ids.numpy().tobytes()).hexdigest()
+        + (f" ranks {world.size}" if world is not None else "")  # work/ files per rank
+        + (f" streamed export {export.describe}" if export is not None else " work files"),
+    )
     own = world.experts(adapter.num_experts) if world is not None else None
 
     _refuse_awq_where_unsupported(plan, adapter, world)  # before any work
@@ -854,7 +868,7 @@ def quantize_model(
         )
     start, hidden = _resume_point(work, fingerprint, runner, last_data_layer, world)
     bar = LayerProgress("quantizing", adapter.num_layers - start, int(input_ids.numel()), progress)
-    run = _Pass(ckpt, adapter, settings, world, own, runner, work, fingerprint, last_data_layer, bar)
+    run = _Pass(ckpt, adapter, settings, world, own, runner, work, fingerprint, last_data_layer, bar, export)
     # the next layer's experts are read from disk (into host memory) while this one computes
     from concurrent.futures import ThreadPoolExecutor
 
@@ -884,7 +898,7 @@ def quantize_model(
 
     if world is not None and world.rank != 0:  # rank 0 exports: it reads every rank's work/ files
         return {}, {}
-    return _collect_layer_files(ckpt, adapter, work, rows_by_layer.get(None, []), world, lazy)
+    return _collect_layer_files(ckpt, adapter, work, rows_by_layer.get(None, []), world, lazy, export is None)
 
 
 def _calibration_input_ids(ckpt, settings: CalibrationSettings, samples) -> torch.Tensor:
@@ -919,6 +933,16 @@ class _Pass:
     fingerprint: str
     last_data_layer: int  # the last layer whose quantization reads activations (-1: none)
     bar: LayerProgress
+    export: object = None  # StreamedExport: layers written as the output's shards (else work files)
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank if self.world is not None else 0
+
+
+def _store(run: _Pass):
+    """Where quantized stacks of experts go: the streamed export's packer, or (None) the returned mapping."""
+    return run.export.store if run.export is not None else None
 
 
 def _read_layer_experts(adapter, ckpt, layer: int, own: range | None, device=None, dtype=None) -> dict:
@@ -1048,6 +1072,7 @@ def _rtn_experts_streamed(run: "_Pass", L: int, mine: list):
                 weights=weights,
                 first_expert=lo,
                 codes_to="cpu",
+                store=_store(run),
             )
             quantized.update(q)
             _merge_chunk_report(report, rep)
@@ -1063,6 +1088,8 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
     `host_experts` read ahead (or None). Returns the hidden states the next layer reads."""
     t0 = time.perf_counter()
     adapter = run.adapter
+    if run.export is not None:
+        run.export.begin_layer(L, run.rank)
     expert_rows = _routed_expert_rows(rows)
     other_rows = [t for t in rows if t not in expert_rows]
     mine = (
@@ -1081,7 +1108,9 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
     if L in adapter.moe_layers and needs_stats and not uses_awq:
         run.bar.stage("statistics and GPTQ")
         host = host_experts or _read_layer_experts(adapter, run.ckpt, L, run.own, *_experts_placement(run))
-        chunked = _statistics_and_quantize_in_chunks(run.runner, adapter, L, hidden, mine, host, run.settings, run.own)
+        chunked = _statistics_and_quantize_in_chunks(
+            run.runner, adapter, L, hidden, mine, host, run.settings, run.own, _store(run)
+        )
         del host
     elif L in adapter.moe_layers and needs_stats:
         run.bar.stage("statistics")
@@ -1189,11 +1218,13 @@ def _quantize_whole_layer_experts(
         first_expert=run.own.start if run.own is not None else 0,
         gptq_grid=run.settings.gptq_grid,
         gptq_refit=run.settings.gptq_refit,
+        store=_store(run),
     )
     # experts the folds changed but the plan keeps in full precision: written as folded
+    planned = {(t.expert, t.proj) for t in mine if t.quantized}
     for proj, mask in changed.items():
         for e in mask.nonzero().flatten().tolist():
-            if (L, e, proj) not in quantized:
+            if (e, proj) not in planned:
                 name = run.adapter.expert_tensor_name(L, e, proj)
                 replaced[name] = weights[proj][e]
     return quantized, report, experts_dq, replaced, awq_report
@@ -1247,7 +1278,13 @@ def _save_layer(run: _Pass, L: int, quantized: dict, report: dict, routed_tokens
     merged) and the pass's progress: the hidden states the next layer reads, or past the last layer
     that reads activations, just the next layer's number. `t0`: when the layer started (its report's seconds)."""
     world = run.world
-    save_quantized(quantized, _layer_file(run.work, L, world.rank if world is not None else 0))
+    if run.export is None:
+        save_quantized(quantized, _layer_file(run.work, L, run.rank))
+    else:
+        if world is not None and run.adapter.fused_experts:  # one tensor holds every rank's experts: rank 0's
+            parts = world.gather_objects(quantized, f"layer {L}'s quantized experts")
+            quantized = {k: v for part in parts for k, v in part.items()} if world.rank == 0 else {}
+        run.export.end_layer(L, quantized, run.rank)
     if world is not None:  # written by every rank before rank 0 records the layer as finished
         parts = world.gather_objects(report, f"layer {L}'s quantize report")
         if world.rank != 0:
@@ -1300,7 +1337,7 @@ def _resume_point(work: Path, fingerprint: str, runner, last_data_layer: int, wo
         hidden = runner.embedded
     if start == 0 and (world is None or world.rank == 0):
         for p in [*work.glob("layer_*"), *work.glob("awq_*")]:
-            p.unlink()
+            shutil.rmtree(p) if p.is_dir() else p.unlink()  # directories: a streamed export's layer shards
     if world is not None:  # no rank writes into work/ before rank 0 has cleared it
         world.barrier("the start of the quantize pass")
     return start, hidden
@@ -1330,13 +1367,16 @@ def _add_awq_report(
         )
 
 
-def _collect_layer_files(ckpt, adapter, work: Path, top_rows: list, world, lazy: bool) -> tuple[dict, dict]:
-    """Every layer's quantized tensors (every rank's work/ file) and reports, plus the tensors outside the
-    decoder layers (lm_head when the plan quantizes it)."""
+def _collect_layer_files(
+    ckpt, adapter, work: Path, top_rows: list, world, lazy: bool, work_files: bool = True
+) -> tuple[dict, dict]:
+    """Every layer's quantized tensors (every rank's work/ file, when the pass wrote `work_files`) and
+    reports, plus the tensors outside the decoder layers (lm_head when the plan quantizes it)."""
     q_top, _ = _quantize_other(ckpt, top_rows)
     quantized_all, reports = dict(q_top), {}
+    files_per_layer = (world.size if world is not None else 1) if work_files else 0
     for L in range(adapter.num_layers):
-        for rank in range(world.size if world is not None else 1):
+        for rank in range(files_per_layer):
             quantized_all.update(load_quantized(_layer_file(work, L, rank), lazy=lazy))
         reports[L] = json.loads((work / f"layer_{L:03d}.json").read_text())
     return quantized_all, reports

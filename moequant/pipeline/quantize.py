@@ -33,7 +33,9 @@ For each decoder layer, one in memory at a time:
 
 Resumable: each finished layer's quantized (and replaced full-precision) tensors, report and
 carried hidden states are written to `work/`; a rerun with the same plan and data continues at
-the next layer.
+the next layer. Under `moequant apply` (any safetensors layout) a layer's tensors are written as the
+output's own shards while it is quantized (moequant.export.streamed: packed where the codes are,
+the GPU); the library call and GGUF keep a work file of codes per layer (save_quantized).
 """
 
 from __future__ import annotations

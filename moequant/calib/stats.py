@@ -144,11 +144,17 @@ def chosen_hessian(stats: dict[str, torch.Tensor], group: str, idx, min_tokens: 
     """(own [c] bool, [c, d, d] Hessian) for experts `idx`: each expert's own routed-token Hessian
     when it has at least `min_tokens` routed tokens, else the all-tokens one. The one place this
     rule lives (sensitivity, the probe's GPTQ and the quantize pass all ask here)."""
-    h_all = stats[f"hessian.{group}"]
-    h_routed = stats[f"hessian_routed.{group}"][idx]
-    h_all = h_all.expand(stats[f"hessian_routed.{group}"].shape[0], -1, -1)[idx]
-    own = stats[f"input_routed.{group}.tokens"][idx].to(h_routed.device) >= min_tokens
-    return own, torch.where(own[:, None, None], h_routed, h_all)
+    routed = stats[f"hessian_routed.{group}"]
+    idx = torch.as_tensor(idx, device=routed.device)
+    chosen = routed[idx]  # a copy (integer indexing), so the all-tokens rows are written into it in place:
+    # one [c, d, d] tensor, where expanding and torch.where made three (12 GB each for 58 DeepSeek-V3 experts)
+    own = stats[f"input_routed.{group}.tokens"][idx.to(stats[f"input_routed.{group}.tokens"].device)]
+    own = own.to(chosen.device) >= min_tokens
+    fallback = ~own
+    if fallback.any():  # the all-tokens Hessian: one for all experts ([1, d, d]) or one each (routing-weighted)
+        h_all = stats[f"hessian.{group}"].expand(routed.shape[0], -1, -1)
+        chosen[fallback] = h_all[idx[fallback].to(h_all.device)].to(chosen.device)
+    return own, chosen
 
 
 # The probe files (calib.probe writes them; their schemas are above)

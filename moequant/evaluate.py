@@ -201,6 +201,65 @@ def _expert_output(adapter, experts, x: torch.Tensor, expert: int) -> torch.Tens
     return y.float()
 
 
+def _pair_outputs(experts, x: torch.Tensor, expert_of_pair: torch.Tensor) -> torch.Tensor:
+    """Each token-expert pair's expert output (before its routing weight) for rows x [pairs, hidden]:
+    [pairs, hidden] float32, from the experts module's own forward (the model's kernels: grouped_mm on a
+    GPU, no padding), each row routed to its pair's expert alone at weight 1."""
+    ones = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
+    return experts(x, expert_of_pair[:, None], ones).float()
+
+
+def _errors_grouped(ref_experts, q_experts, x, xq, r_idx, num_experts: int):
+    """expert_output_errors by one experts forward per model over every token-expert pair (no host sync)."""
+    k = r_idx.shape[1]
+    token = torch.arange(r_idx.shape[0], device=r_idx.device).repeat_interleave(k)
+    expert = r_idx.reshape(-1)
+    q_dev = q_experts.down_proj.device
+    y_ref = _pair_outputs(ref_experts, x[token], expert)
+    y_q = _pair_outputs(q_experts, xq[token.to(xq.device)].to(q_dev), expert.to(q_dev)).to(x.device)
+    return _sq_by_expert(y_q - y_ref, expert, num_experts), _sq_by_expert(y_ref, expert, num_experts)
+
+
+def _sq_by_expert(y: torch.Tensor, expert_of_row: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Sum of squares of the rows of y [rows, hidden] per expert (float64 [num_experts]): per row in
+    float32 (a float64 reduction is slow on the CPU; a row is one token's output), across rows in float64."""
+    per_row = torch.linalg.vector_norm(y, dim=-1).double() ** 2
+    return torch.zeros(num_experts, dtype=torch.float64, device=y.device).index_add_(0, expert_of_row, per_row)
+
+
+def _errors_per_expert(adapter, ref_experts, q_experts, x, xq, r_idx, num_experts: int):
+    """expert_output_errors one expert at a time (its tokens in one slice of the pairs sorted by expert;
+    one host sync)."""
+    flat = r_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # within an expert, its tokens in ascending order
+    token = order // r_idx.shape[1]
+    offsets = [0] + torch.cumsum(torch.bincount(flat, minlength=num_experts), 0).tolist()
+    q_dev = q_experts.down_proj.device
+    err = torch.zeros(num_experts, dtype=torch.float64, device=x.device)
+    ref = torch.zeros(num_experts, dtype=torch.float64, device=x.device)
+    for e in range(num_experts):
+        if offsets[e + 1] > offsets[e]:
+            tok = token[offsets[e] : offsets[e + 1]]
+            y_ref = _expert_output(adapter, ref_experts, x[tok], e)
+            y_q = _expert_output(adapter, q_experts, xq[tok.to(xq.device)].to(q_dev), e).to(x.device)
+            err[e] = _sq_tensor(y_q - y_ref)
+            ref[e] = _sq_tensor(y_ref)
+    return err, ref
+
+
+def expert_output_errors(adapter, ref_experts, q_experts, x, xq, r_idx, grouped: bool):
+    """Per routed expert, over the tokens the reference router sends to it (r_idx [tokens, k]):
+    sum |y_q - y_ref|^2 and sum |y_ref|^2 of the expert's own output (float64 [E] each, on the host).
+    x / xq [tokens, hidden]: the reference / quantized experts' inputs. grouped: every token-expert
+    pair through each model's experts module at once (its grouped kernel on a GPU), else one expert
+    at a time (the CPU's exact arithmetic of one expert's tokens)."""
+    if grouped:
+        err, ref = _errors_grouped(ref_experts, q_experts, x, xq, r_idx, adapter.num_experts)
+    else:
+        err, ref = _errors_per_expert(adapter, ref_experts, q_experts, x, xq, r_idx, adapter.num_experts)
+    return err.cpu(), ref.cpu()
+
+
 def _has_fused_experts(model, adapter, layer) -> bool:
     experts = getattr(_moe_block(model, layer), "experts", None)
     return (
@@ -215,7 +274,12 @@ def _has_fused_experts(model, adapter, layer) -> bool:
 
 def _sq(x: torch.Tensor) -> float:
     """Sum of squares, accumulated in float64 without a float64 copy of x."""
-    return float(torch.linalg.vector_norm(x, dtype=torch.float64) ** 2)
+    return float(_sq_tensor(x))
+
+
+def _sq_tensor(x: torch.Tensor) -> torch.Tensor:
+    """_sq as a float64 tensor (no host sync)."""
+    return torch.linalg.vector_norm(x, dtype=torch.float64) ** 2
 
 
 def _quantile(values: np.ndarray, q: float) -> float:
@@ -234,6 +298,7 @@ class _Tally:
     layers: list
     num_experts: int
     expert_errors: bool
+    grouped: bool | None = None  # per-expert errors grouped (expert_errors); None: on an accelerator only
     kl_all: list = field(default_factory=list)
     dom_all: list = field(default_factory=list)
     top1_same: int = 0
@@ -319,17 +384,18 @@ class _Tally:
         if not self.expert_errors:
             return
         x = x_ref.reshape(-1, x_ref.shape[-1])
-        xq = x_q.reshape(-1, x_q.shape[-1])
-        ref_experts = adapter.experts_module(ref_model, L)
-        q_experts = adapter.experts_module(q_model, L)
-        for e in range(self.num_experts):
-            tok = (r_idx == e).any(-1).nonzero()[:, 0]
-            if tok.numel() == 0:
-                continue
-            ye_ref = _expert_output(adapter, ref_experts, x[tok], e)
-            ye_q = _expert_output(adapter, q_experts, xq[tok].to(next(q_block.parameters()).device), e)
-            self.exp_sq[li, e] += _sq(ye_q.to(ye_ref.device) - ye_ref)
-            self.exp_ref_sq[li, e] += _sq(ye_ref)
+        grouped = x.device.type != "cpu" if self.grouped is None else self.grouped
+        err, ref = expert_output_errors(
+            adapter,
+            adapter.experts_module(ref_model, L),
+            adapter.experts_module(q_model, L),
+            x,
+            x_q.reshape(-1, x_q.shape[-1]),
+            r_idx,
+            grouped,
+        )
+        self.exp_sq[li] += err
+        self.exp_ref_sq[li] += ref
 
     def result(self, samples: int, seconds: float) -> dict:
         kl_values = torch.cat(self.kl_all).numpy()
@@ -418,7 +484,13 @@ def _check_batch_size(batch_size) -> None:
 
 
 def evaluate(
-    reference_model, quantized_model, samples, batch_size: int = 4, per_expert: bool = True, progress: bool = False
+    reference_model,
+    quantized_model,
+    samples,
+    batch_size: int = 4,
+    per_expert: bool = True,
+    progress: bool = False,
+    grouped: bool | None = None,
 ) -> dict:
     """Compare `quantized_model` with `reference_model` (transformers causal LMs, already loaded,
     eval mode) on `samples` (moequant.calib.data Samples, 1-D token tensors, or a [N, T] tensor).
@@ -431,7 +503,8 @@ def evaluate(
     sq_error_per_token}], by_domain {domain: {...}}, seconds.
 
     This whole-model version is the reference implementation of `evaluate_streaming`, which
-    computes the same numbers from checkpoints one decoder layer at a time.
+    computes the same numbers from checkpoints one decoder layer at a time. `grouped`: the per-expert
+    errors by grouped matmuls (True) or one expert at a time (False); None: grouped on an accelerator.
     """
     _check_batch_size(batch_size)
     adapter = _adapter(reference_model)
@@ -441,7 +514,7 @@ def evaluate(
     expert_errors = per_expert and all(
         _has_fused_experts(m, adapter, L) for m in (reference_model, quantized_model) for L in layers
     )
-    tally = _Tally(layers, adapter.num_experts, expert_errors)
+    tally = _Tally(layers, adapter.num_experts, expert_errors, grouped)
     ref_cap = _Capture(reference_model, adapter, keep_inputs=True)
     q_cap = _Capture(quantized_model, adapter, keep_inputs=False)
 
@@ -505,12 +578,14 @@ def evaluate_streaming(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     progress: bool = False,
+    grouped: bool | None = None,
 ) -> dict:
     """evaluate()'s numbers from two checkpoints (paths or open Checkpoints), without loading
     either model: both run layer by layer over the evaluation tokens (moequant.io.layers.LayerRunner,
     one decoder layer of each in memory at a time, the quantized one read through its
     dequantizing reader), with the same hooks and the same per-batch arithmetic as evaluate().
-    Host memory: two decoder layers, the embedding and head, and both models' hidden states."""
+    Host memory: two decoder layers, the embedding and head, and both models' hidden states.
+    `grouped`: as in evaluate()."""
     from moequant.arch import adapter_for
     from moequant.io.checkpoint import open_checkpoint
     from moequant.io.layers import LayerRunner
@@ -550,7 +625,7 @@ def evaluate_streaming(
                     expert_errors = per_expert and all(
                         _has_fused_experts(r.model, adapter, L) for r in (ref_run, q_run) for L in layers
                     )
-                    tally = _Tally(layers, adapter.num_experts, expert_errors)
+                    tally = _Tally(layers, adapter.num_experts, expert_errors, grouped)
                 for d in batch_doms:
                     tally.add_tokens(d, length)
                 ref_cap = _Capture(ref_run.model, adapter, keep_inputs=True)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from tiny import build_tiny
 
+from moequant.arch import adapter_for
 from moequant.errors import UserError
 from moequant.evaluate import evaluate, evaluate_checkpoints, format_quality, load_quantized
 from moequant.metrics import token_statistics
@@ -165,7 +166,8 @@ def test_perturbed_router_lowers_routing_agreement_of_its_layer_only(sharp_refer
     assert by_layer[0]["moe_output_error"] == 0.0
 
 
-def test_perturbed_expert_shows_in_its_row_and_block_errors(sharp_reference):
+@pytest.mark.parametrize("grouped", [False, True])
+def test_perturbed_expert_shows_in_its_row_and_block_errors(sharp_reference, grouped):
     ref = sharp_reference
     E, k = ref.config.num_local_experts, ref.config.num_experts_per_tok
 
@@ -175,7 +177,7 @@ def test_perturbed_expert_shows_in_its_row_and_block_errors(sharp_reference):
 
     q = _perturbed(ref, bump)
     ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(5))
-    got = evaluate(ref, q, ids, batch_size=4)
+    got = evaluate(ref, q, ids, batch_size=4, grouped=grouped)
     rows = {(r["layer"], r["expert"]): r for r in got["experts"]}
     assert len(rows) == 3 * E
     assert rows[(0, 2)]["error"] > 0
@@ -206,6 +208,50 @@ def test_perturbed_expert_shows_in_its_row_and_block_errors(sharp_reference):
     y_ref, y_q = expert_out(ref), expert_out(q)
     expected = ((y_q - y_ref).norm() / y_ref.norm()).item()
     assert rows[(0, 2)]["error"] == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_grouped_expert_errors_equal_the_per_expert_loop_and_transformers_experts(tmp_path, model_type):
+    """expert_output_errors grouped (every token-expert pair through the experts module at once) and one
+    expert at a time both give the sums of transformers' experts module run on one expert's tokens at a
+    time. Skewed routing: a hot expert, one that gets no token, tokens whose k choices are in any order;
+    gpt-oss has expert biases and interleaved gate/up."""
+    from moequant.evaluate import expert_output_errors
+
+    ref = _load(build_tiny(model_type, tmp_path / "m"))
+    q = _perturbed(
+        ref, lambda m: [p.add_(torch.randn_like(p) * 0.05) for n, p in m.named_parameters() if "experts." in n]
+    )
+    ad = adapter_for(ref.config.to_dict())
+    L, E, k = ad.moe_layers[0], ad.num_experts, ad.top_k
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(30, ad.hidden, generator=g)
+    xq = x + 0.01 * torch.randn(x.shape, generator=g)  # the quantized block's own norm may change its input
+    scores = torch.randn(30, E, generator=g)
+    scores[:, 0] += 3  # expert 0 is hot
+    scores[:, E - 1] = float("-inf")  # expert E-1 gets no token
+    r_idx = scores.topk(k, dim=-1).indices.flip(-1)
+
+    def by_transformers(model, inputs):  # expert e alone on its tokens: top-1 index e, weight 1
+        experts = model.model.layers[L].mlp.experts
+        outs = {}
+        for e in range(E):
+            tok = (r_idx == e).any(-1)
+            n = int(tok.sum())
+            outs[e] = experts(inputs[tok], torch.full((n, 1), e), torch.ones(n, 1)).double()
+        return outs
+
+    with torch.no_grad():
+        y_ref, y_q = by_transformers(ref, x), by_transformers(q, xq)
+        expected_err = torch.tensor([float(((y_q[e] - y_ref[e]) ** 2).sum()) for e in range(E)], dtype=torch.float64)
+        expected_ref = torch.tensor([float((y_ref[e] ** 2).sum()) for e in range(E)], dtype=torch.float64)
+        ref_experts, q_experts = ad.experts_module(ref, L), ad.experts_module(q, L)
+        for grouped in (True, False):
+            err, ref_sq = expert_output_errors(ad, ref_experts, q_experts, x, xq, r_idx, grouped)
+            assert err.dtype == ref_sq.dtype == torch.float64 and err.shape == (E,)
+            assert err[E - 1] == 0 and ref_sq[E - 1] == 0 and (err[: E - 1] > 0).all()
+            assert torch.allclose(err, expected_err, rtol=1e-5, atol=0), (grouped, err, expected_err)
+            assert torch.allclose(ref_sq, expected_ref, rtol=1e-5, atol=0), (grouped, ref_sq, expected_ref)
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3", "gpt_oss"])
@@ -375,19 +421,19 @@ def test_a_checkpoint_under_other_tensor_names_is_refused_not_randomly_filled(tm
     assert result.exit_code == 2 and "lacks" in result.output, result.output
 
 
-def _close(a, b, path=""):
-    """Recursive comparison of two evaluate() dicts: integers and None exactly, floats within 1e-5 relative."""
+def _close(a, b, path="", rel=1e-5):
+    """Recursive comparison of two evaluate() dicts: integers and None exactly, floats within `rel`."""
     if isinstance(a, dict):
         assert a.keys() == b.keys(), path
         for k in a:
             if k != "seconds":
-                _close(a[k], b[k], f"{path}.{k}")
+                _close(a[k], b[k], f"{path}.{k}", rel)
     elif isinstance(a, list):
         assert len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b)):
-            _close(x, y, f"{path}[{i}]")
+            _close(x, y, f"{path}[{i}]", rel)
     elif isinstance(a, float):
-        assert (math.isnan(a) and math.isnan(b)) or b == pytest.approx(a, rel=1e-5, abs=1e-12), (path, a, b)
+        assert (math.isnan(a) and math.isnan(b)) or b == pytest.approx(a, rel=rel, abs=1e-12), (path, a, b)
     else:
         assert a == b, (path, a, b)
 
@@ -400,9 +446,10 @@ def _close(a, b, path=""):
         *(pytest.param(z, marks=pytest.mark.slow) for z in ("zoo:tiny-qwen3moe", "zoo:tiny-deepseek-v3")),
     ],
 )
-def test_streamed_evaluation_equals_the_whole_model_evaluation(zoo, tmp_path):
+def test_streamed_evaluation_equals_the_whole_model_evaluation(zoo, tmp_path, monkeypatch):
     """evaluate_streaming (two checkpoints, one decoder layer of each in memory) gives evaluate()'s
     numbers on the two loaded models: every metric, per layer, per expert and per domain."""
+    from moequant import evaluate as evaluation
     from moequant import formats
     from moequant.arch import adapter_for
     from moequant.calib.calibrate import load_tokenizer
@@ -429,3 +476,16 @@ def test_streamed_evaluation_equals_the_whole_model_evaluation(zoo, tmp_path):
     assert len(whole["by_domain"]) >= 2 and whole["kl_mean"] > 0
     assert any(r["error"] is not None for r in whole["experts"])
     _close(whole, streamed)
+    # the per-expert errors as a GPU computes them (all pairs through the experts' grouped kernel), forced on
+    # the CPU: the same sums in another order of float32 additions, which a small y_q - y_ref magnifies (~1e-5)
+    calls, errors_grouped = [], evaluation._errors_grouped
+
+    def counted(*args):
+        calls.append(args)
+        return errors_grouped(*args)
+
+    monkeypatch.setattr(evaluation, "_errors_grouped", counted)
+    grouped = evaluate_streaming(src.directory, out, windows, batch_size=2, dtype=torch.float32, grouped=True)
+    assert calls  # the grouped path ran
+    _close({**whole, "experts": None}, {**grouped, "experts": None})
+    _close(whole["experts"], grouped["experts"], ".experts", rel=2e-4)

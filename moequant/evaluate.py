@@ -632,8 +632,11 @@ def evaluate_streaming(
                 q_cap = _Capture(q_run.model, q_adapter, keep_inputs=False)
                 h_ref, h_q = list(ref_run.embedded), list(q_run.embedded)
                 try:
-                    for L in range(adapter.num_layers):
-                        with ref_run.materialized(L) as ref_layer, q_run.materialized(L) as q_layer:
+                    for L, (ref_state, q_state) in _layers_read_ahead((ref_run, q_run), adapter):
+                        with (
+                            ref_run.materialized(L, state=ref_state) as ref_layer,
+                            q_run.materialized(L, state=q_state) as q_layer,
+                        ):
                             for b in range(len(h_ref)):
                                 ref_cap.clear()
                                 q_cap.clear()
@@ -664,6 +667,43 @@ def evaluate_streaming(
         if progress:
             bar.stop()
     return tally.result(len(windows), time.perf_counter() - start)
+
+
+def _layers_read_ahead(runs, adapter, ahead: bool | None = None):
+    """(L, [each run's layer L state, or None: read when materialized]) for every decoder layer. With `ahead`
+    (None: on a GPU with room for a second layer of every run, moequant.budget) the next layer is read and
+    decoded on a thread while this one computes: the evaluation was bound by reading both models' layers one
+    after the other. On the host it is not (host memory stays at one layer of each model)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from moequant import budget
+
+    if ahead is None:
+        device = torch.device(runs[0].device)
+        one_layer = sum(_layer_bytes(r, adapter) for r in runs)
+        ahead = device.type == "cuda" and budget.device_free_bytes(device) >= 3 * one_layer
+    if not ahead:
+        for L in range(adapter.num_layers):
+            yield L, [None] * len(runs)
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moequant-eval-read") as reader:
+
+        def read(L):
+            return reader.submit(lambda: [r.read_layer(L) for r in runs])
+
+        pending = read(0)
+        for L in range(adapter.num_layers):
+            states = pending.result()
+            if L + 1 < adapter.num_layers:
+                pending = read(L + 1)
+            yield L, states
+            del states
+
+
+def _layer_bytes(run, adapter) -> int:
+    """Bytes of the largest decoder layer in the run's compute dtype (its routed experts dominate)."""
+    experts = adapter.num_experts * sum(math.prod(adapter.expert_shape(p)) for p in adapter.projections)
+    return experts * torch.empty((), dtype=run.dtype).element_size()
 
 
 # ----------------------------------------------------------------------------- checkpoints

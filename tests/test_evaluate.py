@@ -7,6 +7,7 @@ import json
 import math
 import shutil
 import string
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -457,6 +458,7 @@ def test_streamed_evaluation_equals_the_whole_model_evaluation(zoo, tmp_path, mo
     from moequant.evaluate import evaluate_streaming
     from moequant.export.layouts import export_checkpoint
     from moequant.io.checkpoint import open_checkpoint
+    from moequant.io.layers import LayerRunner
     from moequant.io.loader import load
 
     src = open_checkpoint(zoo)
@@ -489,3 +491,26 @@ def test_streamed_evaluation_equals_the_whole_model_evaluation(zoo, tmp_path, mo
     assert calls  # the grouped path ran
     _close({**whole, "experts": None}, {**grouped, "experts": None})
     _close(whole["experts"], grouped["experts"], ".experts", rel=2e-4)
+    # the next layer read (and, on a GPU, decoded) on a thread while this one computes, forced on the CPU: the
+    # same numbers to the bit (the states are the ones materialized would read itself)
+    read_ahead, threads = evaluation._layers_read_ahead, set()
+
+    def forced(runs, adapter, ahead=None):
+        for L, states in read_ahead(runs, adapter, ahead=True):
+            assert all(s is not None for s in states)
+            threads.add(threading.current_thread().name)
+            yield L, states
+
+    real_read = LayerRunner.read_layer
+
+    def on_which_thread(self, layer, *args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return real_read(self, layer, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "_layers_read_ahead", forced)
+    monkeypatch.setattr(LayerRunner, "read_layer", on_which_thread)
+    ahead = evaluate_streaming(src.directory, out, windows, batch_size=2, dtype=torch.float32, grouped=False)
+    assert any(name.startswith("moequant-eval-read") for name in threads)
+    assert {k: v for k, v in ahead.items() if "seconds" not in k} == {
+        k: v for k, v in streamed.items() if "seconds" not in k
+    }

@@ -123,21 +123,27 @@ class LayerRunner:
             self.embedded.append(record.pop("hidden").detach())
             self.layer_kwargs.append({i: _to_device(v, self.device) for i, v in record.items()})
 
-    @contextlib.contextmanager
-    def materialized(self, layer: int, experts: dict | None = None, tensors: dict | None = None):
-        """Decoder layer `layer` with its weights from disk (or the given replacements), on the device."""
-        module = self.layers[layer]
-        keys = list(module.state_dict().keys())
-        # on a GPU the checkpoint's stored bytes go there and are decoded there (no host float32 copy)
-        state = self.adapter.layer_state_dict(
+    def read_layer(self, layer: int, experts: dict | None = None, tensors: dict | None = None) -> dict:
+        """Decoder layer `layer`'s state dict from disk (or the given replacements); on a GPU the checkpoint's
+        stored bytes go there and are decoded there (no host float32 copy). Safe on a reader thread."""
+        return self.adapter.layer_state_dict(
             self.checkpoint,
             layer,
-            keys,
+            list(self.layers[layer].state_dict().keys()),
             self.dtype,
             experts=experts,
             tensors=tensors,
             device=self.device if torch.device(self.device).type == "cuda" else None,
         )
+
+    @contextlib.contextmanager
+    def materialized(
+        self, layer: int, experts: dict | None = None, tensors: dict | None = None, state: dict | None = None
+    ):
+        """Decoder layer `layer` with its weights from disk (or the given replacements, or `state` read ahead
+        by `read_layer`), on the device."""
+        module = self.layers[layer]
+        state = self.read_layer(layer, experts, tensors) if state is None else state
         missing = set(dict(module.named_buffers())) - set(state)
         if missing:
             raise RuntimeError(f"layer {layer} has buffers that are not in its state dict: {sorted(missing)}")

@@ -40,10 +40,11 @@ FAST = [
 pytestmark = pytest.mark.slow
 
 
-def apply_args(model: str, out: Path) -> list[str]:
-    """The selective recipe: calibration, a budget plan of int4 GPTQ and int8 RTN experts, quantize, export."""
-    args = ["apply", "--recipe", str(ROOT / "recipes" / "selective.yaml"), "--model", model, "--output", str(out)]
-    for s in FAST:
+def apply_args(model: str, out: Path, recipe: str = "selective.yaml", extra=()) -> list[str]:
+    """By default the selective recipe: calibration, a budget plan of int4 GPTQ and int8 RTN experts, quantize,
+    export."""
+    args = ["apply", "--recipe", str(ROOT / "recipes" / recipe), "--model", model, "--output", str(out)]
+    for s in [*FAST, *extra]:
         args += ["--set", s]
     return args
 
@@ -52,11 +53,11 @@ def rank_env(**extra) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MOEQUANT_COLLECTIVE_TIMEOUT": "60", "PYTHONPATH": str(ROOT), **extra}
 
 
-def one_process(model: str, out: Path) -> Path:
+def one_process(model: str, out: Path, *recipe) -> Path:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each torchrun rank
     try:
-        result = CliRunner().invoke(main, apply_args(model, out), catch_exceptions=False)
+        result = CliRunner().invoke(main, apply_args(model, out, *recipe), catch_exceptions=False)
     finally:
         torch.set_num_threads(threads)
     assert result.exit_code == 0, result.output
@@ -64,7 +65,7 @@ def one_process(model: str, out: Path) -> Path:
     return out
 
 
-def torchrun(ranks: int, model: str, out: Path) -> subprocess.CompletedProcess:
+def torchrun(ranks: int, model: str, out: Path, *recipe) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "-m",
@@ -73,7 +74,7 @@ def torchrun(ranks: int, model: str, out: Path) -> subprocess.CompletedProcess:
         f"--nproc-per-node={ranks}",
         "-m",
         "moequant",
-        *apply_args(model, out),
+        *apply_args(model, out, *recipe),
     ]
     done = subprocess.run(cmd, check=False, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
@@ -163,6 +164,23 @@ def test_three_ranks_equal_one_process(tmp_path):
     out = tmp_path / "ep3"
     torchrun(3, "zoo:tiny-mixtral", out)
     assert_same_run(ref, out, 3)
+
+
+def test_two_ranks_of_fused_gpt_oss_experts_equal_one_process(tmp_path):
+    """gpt-oss stores all of a layer's experts as one tensor: each rank's quantized experts are gathered to
+    rank 0, which packs and writes the layer's fused tensors (the streamed export); the checkpoint is the
+    one process's, tensor for tensor."""
+    from tiny import build_tiny_with_tokenizer
+
+    model = str(build_tiny_with_tokenizer("gpt_oss", tmp_path / "gpt-oss"))
+    recipe = ("mxfp4-experts.yaml", ["export.format=gpt-oss-mxfp4", "target=transformers"])
+    ref = one_process(model, tmp_path / "ref", *recipe)
+    out = tmp_path / "ep2"
+    torchrun(2, model, out, *recipe)
+    written = tensors(ref / "checkpoint", by_file=False)
+    assert any(name.endswith("_blocks") for name in written)  # the fused MXFP4 layout was written
+    assert same_tensors(written, tensors(out / "checkpoint", by_file=False)) == []
+    assert not (out / "work").exists()
 
 
 def _free_port() -> int:

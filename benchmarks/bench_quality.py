@@ -121,7 +121,18 @@ def main(argv=None) -> int:
         "(e.g. int4-g32-sym/gptq+refit/searched/tokens); default: all of OURS",
     )
     p.add_argument("--output", default=str(ROOT / "runs" / "bench_quality"))
+    p.add_argument(
+        "--pass-damp",
+        type=float,
+        default=None,
+        help="GPTQ's relative damping in the plans' quantize pass and probe (a benchmark-only lever: "
+        "algorithms.gptq.gptq_shared_hessian's default, 0.01, replaced while the plans run)",
+    )
     args = p.parse_args(argv)
+    if args.pass_damp is not None:
+        from moequant.algorithms import gptq as gptq_module
+
+        gptq_module.gptq_shared_hessian.__kwdefaults__["damp"] = args.pass_damp
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     weightings = args.weightings.split(",")
     results = {}
@@ -203,9 +214,10 @@ def main(argv=None) -> int:
                 nbytes[(L, pj)] = sum(b.nbytes for b in blocks)
             variants[label] = (deq, nbytes, used)
         ours = OURS if args.uniform is None else [tuple(v.split("/")) for v in args.uniform.split(",")]
-        for key, algo, grid, wt in () if args.no_uniform else ours:  # moequant
+        for key, algo_opts, grid, wt in () if args.no_uniform else ours:  # moequant
             if wt not in stats:
                 continue
+            algo, opts = lever_options(algo_opts)
             spec = formats.parse_key(key)
             nbytes = {k: formats.nbytes(spec, tuple(w.shape)) for k, w in original.items()}
             deq = {}
@@ -215,14 +227,20 @@ def main(argv=None) -> int:
                     imp = importance[(L, pj)] if grid == "searched" else None
                     deq[(L, pj)] = formats.quantize(w, spec, grid=grid, importance=imp).dequantize()
                 else:
-                    _, H = chosen_hessian(
-                        stats[wt].layers[L].tensors, group, torch.arange(ad.num_experts), MIN_ROUTED_TOKENS
-                    )
-                    q, _ = gptq(w, H.float(), spec, act_order=True, static_groups=True, grid=grid)
+                    tensors = stats[wt].layers[L].tensors
+                    _, H = chosen_hessian(tensors, group, torch.arange(ad.num_experts), MIN_ROUTED_TOKENS)
+                    H = H.float()
+                    if opts["blend"]:  # + blend x the all-tokens Hessian, both at unit mean diagonal
+                        h_all = tensors[f"hessian.{group}"].float().expand_as(H)
+                        H = unit_diag(H) + opts["blend"] * unit_diag(h_all)
+                    with importance_transform(opts["imp"]):
+                        q, _ = gptq(
+                            w, H, spec, act_order=opts["order"], static_groups=True, grid=grid, damp=opts["damp"]
+                        )
                     if algo == "gptq+refit":
                         q = refit_scales(q, w, H)
                     deq[(L, pj)] = q.dequantize()
-            label = f"{key} {algo} {grid}" + (f" H:{wt}" if algo != "rtn" else "")
+            label = f"{key} {algo_opts} {grid}" + (f" H:{wt}" if algo != "rtn" else "")
             variants[label] = (deq, nbytes, None)
 
         # moequant's own GGUF quantizer on the routed experts (what recipes/gguf.yaml's algorithms give them):
@@ -288,6 +306,55 @@ def main(argv=None) -> int:
     return 0
 
 
+# GPTQ levers of a uniform variant, ALGORITHM:KEY=VALUE:... (e.g. gptq+refit:damp=0.001:order=off):
+# damp (relative damping, 0.01), order (act order on / off), blend (the all-tokens Hessian added at this
+# weight, both at unit mean diagonal, 0 = off), imp (the searched grid's per-column weights: h = diag(H),
+# the pass's; none = unweighted; sqrt = diag(H) ** 0.5)
+LEVERS = {"damp": 0.01, "order": True, "blend": 0.0, "imp": "h"}
+
+
+def lever_options(text: str) -> tuple[str, dict]:
+    algo, *pairs = text.split(":")
+    opts = dict(LEVERS)
+    for pair in pairs:
+        k, v = pair.split("=")
+        if k not in LEVERS:
+            raise SystemExit(f"unknown GPTQ lever {k!r} in {text!r}; accepted: {', '.join(LEVERS)}")
+        opts[k] = v in ("on", "true") if k == "order" else v if k == "imp" else float(v)
+    return algo, opts
+
+
+def unit_diag(h):
+    return h / h.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)[..., None, None]
+
+
+class importance_transform:
+    """Within the block, the searched grid's column weights diag(H) become `imp`'s (algorithms.gptq's
+    _fixed_params is wrapped; a benchmark-only lever)."""
+
+    def __init__(self, imp: str):
+        self.imp = imp
+
+    def __enter__(self):
+        from moequant.algorithms import gptq as g
+
+        self.saved = g._fixed_params
+        if self.imp == "h":
+            return self
+        fn = {"none": lambda t: None, "sqrt": lambda t: None if t is None else t.clamp_min(0).sqrt()}[self.imp]
+
+        def wrapped(cqs, ws, spec, per_row, static_groups, importance, squeeze):
+            return self.saved(cqs, ws, spec, per_row, static_groups, fn(importance), squeeze)
+
+        g._fixed_params = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        from moequant.algorithms import gptq as g
+
+        g._fixed_params = self.saved
+
+
 def plan_variant(entry: str, index: int, model: str, args, out: Path, ad, original: dict):
     """`moequant apply` of a bundled recipe at --plan-bits bits per routed-expert weight, everything
     but the routed experts kept: (label, {(layer, proj): dequantized [E, out, in]}, the plan's bits)."""
@@ -323,6 +390,8 @@ def plan_variant(entry: str, index: int, model: str, args, out: Path, ad, origin
             )
             assert deq[(L, pj)].shape == original[(L, pj)].shape
     label = f"plan {recipe_name} ({plan.target}) @ {args.plan_bits} bits" + "".join(f" {x}" for x in extra)
+    if args.pass_damp is not None:
+        label += f" damp={args.pass_damp}"
     return label, deq, plan.summary["bits_per_weight"]["routed_experts"]
 
 

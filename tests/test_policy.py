@@ -8,6 +8,7 @@ byte counts derived by hand from the storage layout, losses against float64 reco
 import itertools
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from moequant.plan.recipe import recipe_from_dict
 from moequant.plan.solver import solve_choices
 from moequant.plan.summary import format_summary
 
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 H, I = 64, 32  # gate/up [I, H], down [H, I]: every projection holds 2048 weights
 EXPERT_NUMEL = 3 * H * I
 # Bytes of one expert (gate + up + down), derived from the storage layout by hand:
@@ -408,6 +410,37 @@ def test_vllm_cuda_takes_asymmetric_int4_one_format_per_layer():
     assert set(vllm.dropped_candidates) == {"int4-g32-asym", "int4-g64-asym", "int3-g32-sym"}
     assert plan.summary["predicted_loss"] <= vllm.summary["predicted_loss"] + 1e-12
     assert plan.summary["bits_per_weight"]["routed_experts"] <= 4.5 + 1e-9
+
+
+def test_bundled_vllm_cuda_recipe_menu_fills_a_layer_budget_at_least_as_well():
+    """recipes/selective-vllm-cuda.yaml: target vllm-cuda, every int4 group size symmetric and asymmetric
+    offered (none dropped), one format per MoE layer within the budget, and its plan predicts no more loss
+    than the coarser menu it replaced (int8, g32 sym, g32 / g64 asym) on the same statistics."""
+    from moequant.plan.recipe import load_recipe
+
+    rng = np.random.default_rng(7)
+    r = load_recipe(RECIPES / "selective-vllm-cuda.yaml")
+    layers = {}
+    for L in range(3):
+        tensors = {"routing.count": torch.tensor(rng.multinomial(2000, rng.dirichlet(np.ones(4))))}
+        for proj in ("gate", "up", "down"):
+            for key, scale in {"int8-channel": 1.0, "int4-g32-asym": 12.0, "int4-g64-asym": 16.0,
+                               "int4-g128-asym": 21.0, "int4-g32-sym": 15.0, "int4-g64-sym": 19.0,
+                               "int4-g128-sym": 25.0}.items():  # fmt: skip
+                tensors[f"sensitivity.{proj}.{key}"] = torch.tensor(rng.uniform(0.5, 1.5, 4) * scale)
+        layers[L] = LayerStats(L, 2, 1000, tensors)
+    stats = Stats(None, {}, layers)
+    wide = [(n, role, L, e, p, (256, 256)) for n, role, L, e, p, _ in model_tensors() if role == "routed_expert"]
+    plan = make_plan(r, wide, stats)
+    assert r.target == "vllm-cuda" and not plan.dropped_candidates
+    assert {"int4-g32-asym", "int4-g64-asym", "int4-g128-asym", "int4-g64-sym", "int4-g128-sym"} <= set(plan.candidates)
+    assert all(len(keys) == 1 for keys in plan.layer_formats().values())
+    assert plan.summary["bits_per_weight"]["routed_experts"] <= 4.5 + 1e-9
+    coarse = {"formats": ["int8", "int4-g32-sym", "int4-g32-asym", "int4-g64-asym"]}
+    before = make_plan(
+        recipe_from_dict({**r.model_dump(), "experts": {**r.experts.model_dump(), **coarse}}), wide, stats
+    )
+    assert plan.summary["predicted_loss"] <= before.summary["predicted_loss"] + 1e-12
 
 
 def test_uniform_and_rules_refuse_unservable_formats():

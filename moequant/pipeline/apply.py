@@ -366,8 +366,9 @@ def quantize_and_export(
             out / "work",
             **{k: arguments[k] for k in ("layout", "target", "int8_activations")},
         )
-    # `quantized` also holds the full-precision tensors AWQ folds changed (plain tensors), exported as they are
-    # lazy: the export reads each tensor's codes from work/ as it writes them (host RAM stays at one layer)
+    # streamed: `quantized` holds only the tensors outside the decoder layers (the layers are in work/'s shards);
+    # GGUF: it also holds the full-precision tensors AWQ folds changed (plain tensors), exported as they are,
+    # and lazy: the export reads each tensor's codes from work/ as it writes them (host RAM stays at one layer)
     quantized, quant_report = quantize_model(
         ckpt, plan, settings, out / "work", progress=progress, lazy=True, export=streamed
     )

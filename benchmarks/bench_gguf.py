@@ -47,7 +47,7 @@ def main(argv=None) -> int:  # noqa: C901
     from moequant.export.verify_llamacpp import evaluate_gguf, quantize
     from moequant.io.checkpoint import open_checkpoint
     from moequant.pipeline.apply import apply, calibration_settings, resolve_recipe
-    from moequant.plan.policy import NON_EXPERT_ROLES
+    from moequant.plan.model import NON_EXPERT_ROLES
     from moequant.zoo import path as zoo_path
 
     p = argparse.ArgumentParser()

@@ -26,7 +26,8 @@ from moequant.io.checkpoint import open_checkpoint
 from moequant.pipeline.apply import calibration_settings, export_arguments, resolve_recipe, sensitivity_formats
 from moequant.pipeline.quantize import quantize_model
 from moequant.plan.plan_io import plan_to_dict
-from moequant.plan.policy import make_plan, needs_statistics
+from moequant.plan.policy import make_plan
+from moequant.plan.rules import needs_statistics
 from moequant.report import build_report
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "moequant" / "recipes").glob("*.yaml"))

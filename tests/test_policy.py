@@ -16,9 +16,10 @@ import torch
 
 from moequant.calib.stats import LayerStats, Stats
 from moequant.errors import UserError
+from moequant.plan.context import tensors_from_checkpoint
 from moequant.plan.model import SCHEMA
 from moequant.plan.plan_io import read_plan, write_plan
-from moequant.plan.policy import make_plan, tensors_from_checkpoint
+from moequant.plan.policy import make_plan
 from moequant.plan.recipe import recipe_from_dict
 from moequant.plan.solver import solve_choices
 from moequant.plan.summary import format_summary
@@ -742,7 +743,7 @@ def test_plan_from_a_real_checkpoint_covers_every_tensor(tmp_path, model_type):
 
 
 def test_budget_frontier_is_monotone_and_below_uniform_points():
-    from moequant.plan.policy import budget_frontier
+    from moequant.plan.frontier import budget_frontier
 
     stats = make_stats(seed=4)
     r = budget("vllm", ["int8", "int4", "int3", "bf16"], bits_per_weight=5)

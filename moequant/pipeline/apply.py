@@ -41,8 +41,10 @@ from moequant.io.fingerprint import (
 from moequant.io.run_lock import output_lock
 from moequant.pipeline.precheck import check_memory, check_recipe
 from moequant.plan.plan_io import plan_to_dict, read_plan, write_plan
-from moequant.plan.policy import GRANULARITY, make_plan, needs_statistics
+from moequant.plan.policy import make_plan
 from moequant.plan.recipe import Recipe, load_recipe, recipe_to_dict, resolve_format
+from moequant.plan.rules import needs_statistics
+from moequant.plan.serving import GRANULARITY
 
 
 def run_fingerprint(recipe, ckpt, settings, plan) -> str:

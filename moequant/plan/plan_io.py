@@ -1,5 +1,5 @@
 """plan.json on disk: a Plan to and from its JSON dict (schema plan.model.SCHEMA; the layout is in
-plan.policy's docstring), written atomically and read back with a sentence for a missing, invalid or
+plan.model's docstring), written atomically and read back with a sentence for a missing, invalid or
 malformed file."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The budget's exact solver: a multiple-choice knapsack over plain lists (per group: the bytes and the
 predicted loss of each option), minimising the summed loss under a byte limit met exactly. LP relaxation,
 reduced-cost fixing and a dynamic program over the few groups left open; HiGHS' MILP (scipy) only as the
-fallback and the tests' reference. The planner (plan.policy) builds the groups and reads the choice back."""
+fallback and the tests' reference. The planner (plan.options) builds the groups' options and reads the choice back."""
 
 from __future__ import annotations
 

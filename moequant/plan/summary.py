@@ -1,9 +1,99 @@
-"""The plan's summary as text (`moequant plan` prints it): format_summary reads a Plan's summary dict
-(which plan.policy builds) and writes its lines, bytes with plan.memory.format_bytes."""
+"""The plan's summary: the dict make_plan stores in plan.summary (plan_summary: bytes and bits by role,
+the per-layer map, the predicted loss and the alternatives at the same bytes) and its text, which
+`moequant plan` prints (format_summary, bytes with plan.memory.format_bytes)."""
 
 from __future__ import annotations
 
-from moequant.plan.model import Plan
+import math
+from collections import Counter
+
+from moequant.errors import UserError
+from moequant.plan.budget import alternative_budget_plan
+from moequant.plan.context import PlanContext, predicted_loss
+from moequant.plan.memory import bits_per_weight, format_bytes
+from moequant.plan.model import PROJECTIONS, Plan, _formats
+
+
+def plan_summary(plan: Plan, ctx: PlanContext, free, budget_info) -> dict:
+    """The plan's summary dict (plan.json's `summary`, laid out in plan.model's docstring)."""
+    recipe = ctx.recipe
+    bytes_by_role: Counter = Counter()
+    weights_by_role: Counter = Counter()
+    for t in plan.tensors:
+        bytes_by_role[t.role] += t.bytes
+        weights_by_role[t.role] += math.prod(t.shape)
+    routed = [t for t in plan.tensors if t.role == "routed_expert" and t.expert is not None and t.proj in PROJECTIONS]
+    routed_bytes = sum(t.bytes for t in routed)
+    routed_numel = sum(math.prod(t.shape) for t in routed)
+    total_bytes = sum(bytes_by_role.values())
+    total_numel = sum(weights_by_role.values())
+    expert_keys = plan.expert_formats()
+    legend = _legend(sorted(set(expert_keys.values())))
+    char_of = {k: c for c, k in legend.items()}
+    layers = {}
+    for layer in ctx.layers:
+        keys = [expert_keys[(layer, e)] for e in range(ctx.num_experts[layer]) if (layer, e) in expert_keys]
+        layers[str(layer)] = {"map": "".join(char_of[k] for k in keys), "counts": dict(Counter(keys))}
+    has_loss = ctx.stats is not None and all(t.predicted_loss is not None for t in routed)
+    loss = float(sum(t.predicted_loss for t in routed)) if has_loss else None
+
+    # What the same bytes buy per expert (target transformers), and what uniform formats cost.
+    alternative = budget_alternative = None
+    uniform = []
+    if ctx.stats is not None and free:
+        free_set = set(free)
+        fixed_bytes = sum(t.bytes for t in routed if (t.layer, t.expert) not in free_set)
+        entries = list(recipe.experts.formats) + list(plan.formats)
+        limit = (budget_info["routed_bytes_limit"] if budget_info else routed_bytes) - fixed_bytes
+        if plan.target != "transformers":
+            alternative = alternative_budget_plan(ctx, "transformers", free, entries, limit, fixed_bytes)
+        if plan.method != "budget":
+            budget_alternative = alternative_budget_plan(ctx, plan.target, free, entries, limit, fixed_bytes)
+        for key in plan.candidates:
+            spec = _formats().parse_key(key)
+            try:
+                nbytes = sum(ctx.expert_bytes(e, spec) for e in free)
+            except UserError:
+                continue
+            uniform.append(
+                {
+                    "format": key,
+                    "routed_bytes": nbytes + fixed_bytes,
+                    "predicted_loss": predicted_loss(ctx, {e: spec for e in free}),
+                }
+            )
+    for alt in [alternative, budget_alternative, *uniform]:  # the same bits per weight as this plan's
+        if alt:
+            alt["routed_bits_per_weight"] = bits_per_weight(alt["routed_bytes"], routed_numel)
+    return {
+        "layers": layers,
+        "legend": legend,
+        "bytes_by_role": dict(bytes_by_role),
+        "weights_by_role": dict(weights_by_role),
+        "total_bytes": total_bytes,
+        "bits_per_weight": {
+            "overall": bits_per_weight(total_bytes, total_numel),
+            "routed_experts": bits_per_weight(routed_bytes, routed_numel),
+        },
+        "routed_bytes": routed_bytes,
+        "predicted_loss": loss,
+        "per_expert_alternative": alternative,
+        "budget_alternative": budget_alternative,
+        "uniform_alternatives": uniform,
+        "probe": ctx.probe_info,
+    }
+
+
+def _legend(keys: list[str]) -> dict[str, str]:
+    legend: dict[str, str] = {}
+    spare = iter("abcdefghijklmnopqrstuvwxyz")
+    for key in keys:
+        spec = _formats().parse_key(key)
+        char = spec.family.map_char(spec)
+        if char is None or char in legend:
+            char = next(spare)
+        legend[char] = key
+    return legend
 
 
 def _bits(alt: dict) -> str:
@@ -11,8 +101,6 @@ def _bits(alt: dict) -> str:
 
 
 def format_summary(plan: Plan) -> str:
-    from moequant.plan.memory import format_bytes  # here, not at import: plan.memory imports moequant.arch (torch)
-
     s = plan.summary
     lines = [f"plan for {plan.model}: target {plan.target}, method {plan.method}"]
     if plan.budget:

@@ -249,7 +249,14 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--eval-samples", type=int, default=16)
     p.add_argument("--tools", default=",".join(TOOLS))
-    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--json", default=None, help="also write the results here, rewritten after every run")
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run each tool once untimed on the first model before the timed runs (default: on a GPU), so "
+        "that the machine's first Triton compilation does not land in one layer count's point",
+    )
     p.add_argument("--work", default=None, help="directory for models and outputs (default: a temporary one)")
     p.add_argument("--device", default="cuda")
     p.add_argument(
@@ -278,6 +285,7 @@ def main() -> None:
         raise SystemExit(
             "llm-compressor reads no FP8-block source (it needs a bf16 copy); pass --tools without llmc-gptq"
         )
+    warmup = a.device != "cpu" if a.warmup is None else a.warmup
     for layers in a.layers:
         model = work / f"{a.config}-{a.source}-{layers}L"
         if not model.exists():
@@ -289,6 +297,12 @@ def main() -> None:
             )
             print(f"built {model.name}: {nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
         results.setdefault("model_bytes", {})[layers] = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        if warmup:
+            warmup = False
+            for tool in tools:
+                r = run_child(tool, model, work / f"warmup-{tool}", a.samples, a.seq_len, a.eval_samples, a.device)
+                print(f"{tool:20s} warm-up on {layers}L: {r.get('seconds', 'FAILED')} s (not counted)", flush=True)
+                shutil.rmtree(work / f"warmup-{tool}", ignore_errors=True)
         for tool in tools:
             r = run_child(tool, model, work / f"{tool}-{layers}L", a.samples, a.seq_len, a.eval_samples, a.device)
             results["runs"][f"{tool}@{layers}"] = r
@@ -296,11 +310,19 @@ def main() -> None:
                 f"{tool:20s} {layers}L " + (json.dumps(r) if "error" not in r else "FAILED\n" + r["error"]), flush=True
             )
             shutil.rmtree(work / f"{tool}-{layers}L", ignore_errors=True)
+            if a.json:  # a call cut short (a time limit, a machine taken back) keeps the runs it finished
+                _write_json(Path(a.json), results)
         if not a.keep_models:  # a DeepSeek-V3 source is 11.6 GB a layer: 1 + 2 + 3 layers fill the H200's disk
             shutil.rmtree(model, ignore_errors=True)
     print_table(results, tools, a.layers)
     if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=2))
+        _write_json(Path(a.json), results)
+
+
+def _write_json(path: Path, results: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=2))
+    tmp.replace(path)
 
 
 def fit_per_layer(points) -> tuple[float, float, float]:

@@ -11,7 +11,6 @@ as it was given; values moequant computes as floats are `float`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -178,9 +177,9 @@ class PlanFile(_Part):
 
 def plan_to_dict(plan: Plan) -> dict:
     """plan.json's dict (PlanFile's dump) of a plan; a plan PlanFile refuses is a bug (ValidationError)."""
-    data = dataclasses.asdict(plan)
-    data["tensors"] = [{**t, "shape": list(t["shape"])} for t in data["tensors"]]
-    return PlanFile.model_validate({"schema": SCHEMA, **data}).model_dump(by_alias=True)
+    tensors = [{**vars(t), "shape": list(t.shape)} for t in plan.tensors]
+    data = {"schema": SCHEMA, **vars(plan), "tensors": tensors}
+    return PlanFile.model_validate(data).model_dump(by_alias=True)  # the dump copies every container
 
 
 def plan_from_dict(data: dict, source: str = "<plan>") -> Plan:
@@ -188,14 +187,14 @@ def plan_from_dict(data: dict, source: str = "<plan>") -> Plan:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
         raise UserError(f"plan {source} has schema {found!r}; accepted: {SCHEMA!r} (write it with `moequant plan`).")
     try:
-        fields = PlanFile.model_validate(data).model_dump(by_alias=True)
+        file = PlanFile.model_validate(data)
     except ValidationError as error:
         raise UserError(
             f"plan {source} is malformed: {schema_refusal(error.errors()[0])}; "
             f"accepted: a plan.json written by `moequant plan`."
         ) from None
-    del fields["schema"]
-    tensors = [TensorPlan(**{**t, "shape": tuple(t["shape"])}) for t in fields.pop("tensors")]
+    fields = file.model_dump(exclude={"schema_", "tensors"})
+    tensors = [TensorPlan(**{**dict(t), "shape": tuple(t.shape)}) for t in file.tensors]  # fresh containers
     return Plan(tensors=tensors, **fields)
 
 

@@ -427,17 +427,13 @@ def report(output):
     from pathlib import Path
 
     from moequant.io.fingerprint import check_report_directory
-    from moequant.report import render_markdown
+    from moequant.report import read_report, render_markdown
 
     path = Path(output) / "report.json"
     if not path.is_file():
         raise UserError(f"{output} has no report.json; write it with `moequant apply`.")
     check_report_directory(output)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        raise UserError(f"{path} is not valid JSON; rerun `moequant apply` to write it again.") from None
-    click.echo(render_markdown(data))
+    click.echo(render_markdown(read_report(path)))
 
 
 if __name__ == "__main__":

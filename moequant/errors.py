@@ -34,6 +34,16 @@ def path_refusal(error: OSError, path) -> str:
     return f"{reason}{f' ({where})' if where else ''}"
 
 
+def schema_refusal(error: dict) -> str:
+    """The first problem a pydantic schema found in a JSON file (one of ValidationError.errors()), as
+    words: the dotted key, its value shortened, and what the schema wanted."""
+    key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]).lstrip(".")
+    key = f"key '{key}'" if key else "the top level"
+    if error["type"] == "missing":
+        return f"{key} is missing"
+    return f"{key} has value {repr(error.get('input'))[:60]}: {error['msg'][:1].lower()}{error['msg'][1:]}"
+
+
 PATH_ERRNOS = frozenset(
     {1, 2, 13, 17, 20, 21, 28, 30, 122}
 )  # EPERM ENOENT EACCES EEXIST ENOTDIR EISDIR ENOSPC EROFS EDQUOT

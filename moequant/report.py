@@ -58,8 +58,12 @@ report.json (schema "moequant.report/1"; keys may be added, none of these remove
   }],
   "plan": {"method", "bits_per_weight", "predicted_loss", "per_expert_alternative",
            "uniform_alternatives", "notes"} | null,
-  "timings": {stage: seconds}
+  "timings": {stage: seconds},
+  "ranks": int                        # processes of the run (more than 1: expert-parallel)
 }
+
+ReportFile below is the one definition of this shape: write_report writes through it, read_report
+reads through it (a malformed file is one sentence naming the file and the key).
 
 The `memory` section is computed by memory_account in moequant.plan.memory, the module of every memory
 account, whose docstring states the conventions (bytes per decoded token, GPUs needed, how stored
@@ -76,11 +80,100 @@ import json
 import math
 from collections import defaultdict
 from pathlib import Path
+from typing import Any, Literal, Optional, Union
 
-from moequant.errors import UserError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from moequant.errors import UserError, schema_refusal
 from moequant.plan.memory import bits_per_weight, format_bytes, memory_account, original_tensor_name
+from moequant.plan.plan_io import Alternative, BitsPerWeight, UniformAlternative
 
 SCHEMA = "moequant.report/1"
+
+
+# ----------------------------------------------------------------------------- report.json's schema
+# The one definition of report.json's shape (the module docstring explains the keys); field order is the
+# file's key order. NaN / Infinity are written as null (_finite), so computed ratios are Optional. Numbers
+# other modules measure (evaluate) are `int | float`: written as they were given.
+
+Number = Union[int, float]
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class RoleBytes(_Part):
+    weights: int
+    bytes_original: int
+    bytes_quantized: int
+
+
+class BytesPerToken(_Part):
+    original: int
+    quantized: int
+
+
+class GpusNeeded(_Part):
+    original: dict[str, int]  # "24GB" -> GPUs
+    quantized: dict[str, int]
+
+
+class MemorySection(_Part):
+    """plan.memory.memory_account's dict."""
+
+    bytes_original: int
+    bytes_quantized: int
+    compression: Optional[float]
+    weights: int
+    layout_metadata_bytes: int
+    bits_per_weight: Optional[float]
+    bits_per_weight_experts: Optional[float]
+    bits_per_weight_original: Optional[float]
+    bits_per_weight_experts_original: Optional[float]
+    by_role: dict[str, RoleBytes]
+    routed_expert_matrices: RoleBytes
+    bytes_per_token: BytesPerToken
+    gpus_needed: GpusNeeded
+    gpu_sizes_gb: list[int]
+    kv_headroom: float
+
+
+class ExpertRow(_Part):
+    layer: int
+    expert: int
+    share: Optional[Number]
+    share_by_domain: dict[str, float]
+    format: Optional[str]
+    predicted_error: Optional[float]
+    predicted_loss: Optional[float]
+    error: Optional[Number]
+    sq_error_per_token: Optional[Number]
+    eval_tokens: Optional[int]
+
+
+class PlanDigest(_Part):
+    method: Optional[str]
+    bits_per_weight: Optional[BitsPerWeight]
+    predicted_loss: Optional[float]
+    per_expert_alternative: Optional[Alternative]
+    uniform_alternatives: Optional[list[UniformAlternative]]
+    notes: list[str]
+
+
+class ReportFile(_Part):
+    schema_: Literal[SCHEMA] = Field(alias="schema")
+    run_fingerprint: Optional[str]
+    model: str
+    checkpoint: str
+    recipe: Optional[dict[str, Any]]  # the resolved recipe (plan.recipe.Recipe)
+    target: Optional[str]
+    memory: MemorySection
+    quality: Optional[dict[str, Any]]  # moequant.evaluate's dict without its per-expert list
+    experts: list[ExpertRow]
+    plan: Optional[PlanDigest]
+    timings: dict[str, float]
+    ranks: int
 
 
 # ----------------------------------------------------------------------------- per-expert table
@@ -268,11 +361,31 @@ def write_report(report: dict, output_dir) -> dict[str, Path]:
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "md": out / "report.md", "html": out / "report.html"}
-    atomic_write_text(paths["json"], json.dumps(report, indent=2) + "\n")
+    data = ReportFile.model_validate(report).model_dump(by_alias=True)  # a report it refuses is a bug
+    atomic_write_text(paths["json"], json.dumps(data, indent=2) + "\n")
     runs = sibling_runs(out)
     atomic_write_text(paths["md"], render_markdown(report))
     atomic_write_text(paths["html"], render_html(report, runs))
     return paths
+
+
+def read_report(path) -> dict:
+    """report.json's dict, once ReportFile accepts it; one sentence naming the file and the bad key if not."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"report {path} does not exist; write it with `moequant apply`.")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise UserError(f"{path} is not valid JSON; rerun `moequant apply` to write it again.") from None
+    try:
+        ReportFile.model_validate(data)
+    except ValidationError as error:
+        raise UserError(
+            f"report {path} is malformed: {schema_refusal(error.errors()[0])}; "
+            f"rerun `moequant apply` to write it again."
+        ) from None
+    return data
 
 
 def sibling_runs(output_dir) -> list[dict]:

@@ -3,46 +3,8 @@ Plan (plan.json in memory), the schema name SCHEMA, the projections of a routed 
 non_experts.format applies to and spec_params (a format spec's parameters as the plan stores them).
 plan.policy builds plans, plan.plan_io reads and writes them, plan.summary prints them.
 
-plan.json (schema "moequant.plan/1")
-------------------------------------
-The fields of plan.model.Plan / TensorPlan, written and read by plan.plan_io:
-
-{
-  "schema": "moequant.plan/1",
-  "model": str, "target": "vllm" | "vllm-cuda" | "sglang" | "transformers" | "vllm-moequant" | "llama.cpp",
-  "method": "budget" | "rules" | "uniform",
-  "budget": null | {"bits_per_weight": float | null, "gigabytes": float | null,
-                    "routed_bytes_limit": int},      # bytes the routed experts may use
-  "candidates": [format key, ...],                   # offered to the routed experts
-  "dropped_candidates": {format key: reason},        # refused for the target
-  "usage_floor": float,
-  "formats": {format key: {"name": str, "params": {...}, "algorithm": str}},
-  "tensors": [                                       # every tensor; fused on-disk tensors
-    {"name": str,                                    #   (gpt-oss) appear once per expert and
-     "role": str, "layer": int|null,                 #   projection, with the same name
-     "expert": int|null, "proj": "gate"|"up"|"down"|null,
-     "shape": [out, in] (routed experts) or the on-disk shape,
-     "format": format key, "params": {...}, "algorithm": "rtn"|"gptq"|"awq"|"none",
-     "bytes": int, "kept": str|null,                 # bytes as the export writes it; why it stays bf16
-     "usage": float|null, "predicted_loss": float|null}],   # routed experts with stats
-  "summary": {
-     "layers": {"L": {"map": str, "counts": {format key: experts}}},   # one char per expert
-     "legend": {char: format key},
-     "bytes_by_role": {role: int}, "weights_by_role": {role: int}, "total_bytes": int,
-     "bits_per_weight": {"overall": float, "routed_experts": float},
-     "routed_bytes": int, "predicted_loss": float|null,
-     "per_expert_alternative": null | {"predicted_loss": float, "routed_bytes": int,  # target
-                                       "routed_bits_per_weight": float,              # transformers
-                                       "candidates": [...], "counts": {format key: experts}},
-     "budget_alternative": null | {same keys},       # rules / uniform plans: the solver at their bytes
-     "uniform_alternatives": [{"format": key, "routed_bytes": int, "routed_bits_per_weight": float,
-                               "predicted_loss": float|null}],
-     "probe": null (no statistics) | {"used": false, "why": str}
-              | {"used": true, "format": key, "samples": int, "tokens": int, "algorithm": "rtn"|"gptq",
-                 "held_out": bool, "layers": {"L": {"kl": float, "scale": float}}}},
-  "notes": [str, ...],
-  "recipe": {...}                                    # the resolved recipe
-}
+plan.json's shape is defined once, by plan.plan_io.PlanFile (a pydantic schema), through which these
+dataclasses are written and read.
 """
 
 from __future__ import annotations

@@ -282,7 +282,8 @@ def test_mixtral_vllm_plan_is_the_best_servable_plan_at_half_way(mixtral):
     two formats at random gives, measured) and the best of them within 1%; and below the
     straight line between the uniform points whenever any of the six is."""
     from moequant.pipeline.apply import calibration_settings
-    from moequant.pipeline.pareto import _run_one
+    from moequant.pipeline.pareto import _run_one, point_run
+    from moequant.pipeline.run import Run
     from moequant.plan.policy import make_plan
 
     out, _, r = mixtral
@@ -307,9 +308,8 @@ def test_mixtral_vllm_plan_is_the_best_servable_plan_at_half_way(mixtral):
         plan = make_plan(recipe, ckpt, out / "stats")
         assert plan.summary["routed_bytes"] <= plan_point["routed_bytes"]
         name = "int8-layers-" + "-".join(map(str, pair))
-        report = _run_one(
-            name, recipe, plan, out / name, ckpt, out / "stats", calibration_settings(recipe), False, lambda m: None
-        )
+        run = point_run(Run(recipe, ckpt, out, progress=False), recipe, out / name)
+        report = _run_one(name, run, plan, out / "stats", calibration_settings(recipe), lambda m: None)
         kls[pair] = report["quality"]["kl_mean"]
     print(
         "\ntiny-mixtral, vLLM plans at half-way: line",

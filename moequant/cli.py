@@ -234,6 +234,7 @@ def calibrate(
     from pathlib import Path
 
     from moequant.calib.calibrate import calibrate as run
+    from moequant.io.checkpoint import open_checkpoint
     from moequant.pipeline.apply import calibration_settings, resolve_recipe, sensitivity_formats
     from moequant.pipeline.precheck import check_memory, check_recipe, unfit_notes
 
@@ -246,12 +247,13 @@ def calibrate(
     }
     overrides = [*overrides, *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)]
     recipe = resolve_recipe(recipe_path, model, output, overrides)
+    source = open_checkpoint(recipe.model)  # once: every check below and the calibration read this one
     if recipe_path:  # a recipe whose plan shapes alone refuse is refused before the calibration it would waste
-        check_recipe(recipe)
+        check_recipe(recipe, source)
     keys = tuple(f.strip() for f in formats.split(",") if f.strip()) if formats else sensitivity_formats(recipe)
-    notes = unfit_notes(recipe.model, keys)
+    notes = unfit_notes(source, keys)
     settings = dataclasses.replace(
-        calibration_settings(recipe, device, formats=keys),
+        calibration_settings(recipe, device, formats=keys, ckpt=source),
         batch_size=batch_size,
         hessians=not no_hessians,
         save_hessians=save_hessians,
@@ -262,12 +264,10 @@ def calibrate(
     import contextlib
 
     from moequant import parallel
-    from moequant.arch import adapter_for
-    from moequant.io.checkpoint import open_checkpoint
     from moequant.io.run_lock import output_lock
 
     helper = parallel.is_helper_rank()  # under torchrun rank 0 alone prints
-    adapter = adapter_for(open_checkpoint(recipe.model).config)
+    adapter = source.adapter
     num_experts = adapter.num_experts
     check_memory(recipe, adapter, device)  # a layer that cannot fit the GPU budget, before any weight is read
     settings = dataclasses.replace(settings, device=parallel.start(num_experts, device))  # joins torchrun's job
@@ -276,7 +276,7 @@ def calibrate(
         for note in notes if not helper else ():  # once the directory is ours (a refused run says only why)
             click.echo(f"note: {note}")
         out = run(
-            recipe.model,
+            source,
             Path(stats) if stats else Path(recipe.output) / "stats",
             settings,
             overwrite=overwrite,

@@ -586,7 +586,6 @@ def evaluate_streaming(
     dequantizing reader), with the same hooks and the same per-batch arithmetic as evaluate().
     Host memory: two decoder layers, the embedding and head, and both models' hidden states.
     `grouped`: as in evaluate()."""
-    from moequant.arch import adapter_for
     from moequant.io.checkpoint import open_checkpoint
     from moequant.io.layers import LayerRunner
     from moequant.io.loader import require_complete
@@ -594,7 +593,7 @@ def evaluate_streaming(
     _check_batch_size(batch_size)
     ref_ckpt = reference if hasattr(reference, "entries") else open_checkpoint(reference)
     q_ckpt = quantized if hasattr(quantized, "entries") else open_checkpoint(quantized)
-    adapter, q_adapter = adapter_for(ref_ckpt.config), adapter_for(q_ckpt.config)
+    adapter, q_adapter = ref_ckpt.adapter, q_ckpt.adapter
     _same_structure(adapter, q_adapter)
     for ckpt, ad in ((ref_ckpt, adapter), (q_ckpt, q_adapter)):
         require_complete(ckpt, ad)

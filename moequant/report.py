@@ -315,7 +315,6 @@ def build_report(
     loaded Stats, `quality` the dict of moequant.evaluate.evaluate(), `ranks` the processes of the
     run (more than 1: expert-parallel over torchrun, moequant.parallel).
     """
-    from moequant.arch import adapter_for
     from moequant.io.checkpoint import open_checkpoint
     from moequant.io.fingerprint import KEY, checkpoint_fingerprint
 
@@ -327,7 +326,7 @@ def build_report(
             "`moequant apply` to remake the checkpoint."
         )
     original = original if original is not None else model
-    adapter = adapter_for(open_checkpoint(original).config)
+    adapter = open_checkpoint(original).adapter
     stats = _load_stats(stats)
     rows = expert_rows(adapter, plan=plan, stats=stats, quality=quality, checkpoint=checkpoint)
     shares: dict[int, list[float]] = defaultdict(lambda: [0.0] * adapter.num_experts)

@@ -262,15 +262,46 @@ def test_searched_grid_and_refit_reach_the_quantize_pass(model_dir, tmp_path):
 
 def test_one_apply_reads_each_checkpoint_s_headers_once(model_dir, tmp_path, monkeypatch):
     """The source checkpoint is opened once and handed to every stage (calibration, probe, plan, quantize,
-    export, evaluation, report), the output once for the evaluation and the report: config.json and every
+    export, evaluation and report), the output once for the evaluation and the report: config.json and every
     safetensors header are read once per checkpoint (they were read 13 times on a DeepSeek-V3-sized model,
-    ~0.5 s each)."""
-    import moequant.io.checkpoint as checkpoint
+    ~0.5 s each), and each checkpoint's adapter is built once, kept on it."""
+    import traceback
+    from collections import Counter
 
-    reads = []
-    real = checkpoint._read_entries
-    monkeypatch.setattr(checkpoint, "_read_entries", lambda path: reads.append(Path(path).resolve()) or real(path))
+    import moequant.io.checkpoint as checkpoint
+    from moequant.arch.base import Adapter
+
+    reads, opened, adapters = [], Counter(), Counter()
+    real_read, real_init, real_post_init = (
+        checkpoint._read_entries,
+        checkpoint.Checkpoint.__init__,
+        Adapter.__post_init__,
+    )
+
+    def counted_init(self, path, *args, **kwargs):
+        opened[str(Path(path).resolve())] += 1
+        real_init(self, path, *args, **kwargs)
+
+    def counted_post_init(self):  # every adapter of every architecture, whoever builds it: who asked for it
+        frames = [f for f in traceback.extract_stack()[:-1] if "moequant" in f.filename and "/arch/" not in f.filename]
+        adapters[(Path(frames[-1].filename).name, frames[-1].name)] += 1
+        real_post_init(self)
+
+    monkeypatch.setattr(checkpoint, "_read_entries", lambda path: reads.append(Path(path).resolve()) or real_read(path))
+    monkeypatch.setattr(checkpoint.Checkpoint, "__init__", counted_init)
+    monkeypatch.setattr(Adapter, "__post_init__", counted_post_init)
     out = tmp_path / "run"
     run_apply(model_dir, out, "calibration.probe_samples=4")
     assert (out / "report.json").exists() and json.loads((out / "plan.json").read_text())["method"] == "budget"
-    assert sorted(map(str, reads)) == sorted([str(Path(model_dir).resolve()), str((out / "checkpoint").resolve())])
+    source, output = str(Path(model_dir).resolve()), str((out / "checkpoint").resolve())
+    assert sorted(map(str, reads)) == sorted([source, output])
+    assert opened == {source: 1, output: 1}
+    # the source's and the output's, each built once by its Checkpoint; the plan package and the probe's
+    # algorithm choice still build their own from the source's config (issue #40's plan and algorithm parts)
+    assert adapters[("checkpoint.py", "adapter")] == 2
+    own = {where for where in adapters if where[0] != "checkpoint.py"}
+    assert own <= {
+        ("policy.py", "tensors_from_checkpoint"),
+        ("memory.py", "memory_account"),
+        ("apply.py", "probe_algorithm"),
+    }

@@ -76,6 +76,38 @@ def limit_of(bits: float, numel: int) -> int:
     return math.floor(Fraction(str(bits)) * numel / 8)
 
 
+def test_pareto_opens_the_model_once_and_each_point_s_output_once(tmp_path, monkeypatch):
+    """One Run for the frontier: the model's config.json and headers are read once for the calibration, every
+    plan and every point's stages; each point's exported checkpoint once, for its evaluation and report."""
+    from collections import Counter
+
+    import moequant.io.checkpoint as checkpoint
+
+    opened, real_init = Counter(), checkpoint.Checkpoint.__init__
+
+    def counted_init(self, path, *args, **kwargs):
+        opened[Path(path).resolve()] += 1
+        real_init(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.Checkpoint, "__init__", counted_init)
+    small = ["calibration.samples=8", "calibration.seq_len=64", "evaluate.samples=4", "evaluate.seq_len=64"]
+    result = pareto(
+        RECIPE,
+        budgets=["int4..int8"],
+        targets=("transformers",),
+        uniform=["int4"],
+        model=MODEL,
+        output=str(tmp_path),
+        overrides=small,
+        progress=False,
+        log=lambda m: None,
+    )
+    points = [Path(p["report"]).parent / "checkpoint" for p in result["points"]]
+    assert len(points) == 2 and all(p.is_dir() for p in points)
+    source = checkpoint.resolve_model_path(MODEL).resolve()
+    assert opened == {source: 1, **{p.resolve(): 1 for p in points}}
+
+
 @pytest.fixture(scope="module")
 def frontier(tmp_path_factory):
     out = tmp_path_factory.mktemp("pareto")
@@ -282,7 +314,8 @@ def test_mixtral_vllm_plan_is_the_best_servable_plan_at_half_way(mixtral):
     two formats at random gives, measured) and the best of them within 1%; and below the
     straight line between the uniform points whenever any of the six is."""
     from moequant.pipeline.apply import calibration_settings
-    from moequant.pipeline.pareto import _run_one
+    from moequant.pipeline.pareto import _run_one, point_run
+    from moequant.pipeline.run import Run
     from moequant.plan.policy import make_plan
 
     out, _, r = mixtral
@@ -307,9 +340,8 @@ def test_mixtral_vllm_plan_is_the_best_servable_plan_at_half_way(mixtral):
         plan = make_plan(recipe, ckpt, out / "stats")
         assert plan.summary["routed_bytes"] <= plan_point["routed_bytes"]
         name = "int8-layers-" + "-".join(map(str, pair))
-        report = _run_one(
-            name, recipe, plan, out / name, ckpt, out / "stats", calibration_settings(recipe), False, lambda m: None
-        )
+        run = point_run(Run(recipe, ckpt, out, progress=False), recipe, out / name)
+        report = _run_one(name, run, plan, out / "stats", calibration_settings(recipe), lambda m: None)
         kls[pair] = report["quality"]["kl_mean"]
     print(
         "\ntiny-mixtral, vLLM plans at half-way: line",

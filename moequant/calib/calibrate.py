@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from moequant.arch import adapter_for
 from moequant.calib.stats import chosen_hessian, layer_file
 from moequant.errors import UserError
 from moequant.io.checkpoint import atomic_write_text, open_checkpoint, save_safetensors
@@ -551,7 +550,7 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
     ckpt = open_checkpoint(model)
     if ckpt.config_only:
         raise UserError(f"{model} has no weights (config only); calibration needs a full checkpoint.")
-    adapter = adapter_for(ckpt.config)
+    adapter = ckpt.adapter
     adapter.check_shapes(ckpt)
     output = Path(output)
     fingerprint = {"model": model_fingerprint(ckpt), **settings.fingerprint_fields()}

@@ -12,6 +12,7 @@ without touching the data.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -312,6 +313,15 @@ class Checkpoint:
     def close(self) -> None:
         self._handles.clear()
         self._last = None
+
+    @functools.cached_property
+    def adapter(self):
+        """The architecture adapter of this checkpoint's config (moequant.arch), built on first use and kept:
+        every stage handed this checkpoint asks it here instead of building its own (UserError for an
+        unsupported architecture)."""
+        from moequant.arch import adapter_for
+
+        return adapter_for(self.config)
 
     @property
     def directory(self) -> Path:

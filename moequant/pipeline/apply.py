@@ -13,11 +13,13 @@ rerun with unchanged inputs does no calibration and no planning again.
 
 One run at a time writes a directory (moequant.io.run_lock), and plan.json, the checkpoint and the
 report carry one run fingerprint (moequant.io.fingerprint): a checkpoint of another run is remade.
+
+The source checkpoint is opened once, into a Run (moequant.pipeline.run) that every stage is handed;
+`pareto` runs the same stage functions for each of its points.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -26,7 +28,6 @@ import time
 from pathlib import Path
 
 from moequant import parallel
-from moequant.arch import adapter_for
 from moequant.calib.calibrate import CalibrationSettings, calibrate, load_tokenizer, model_fingerprint
 from moequant.errors import UserError
 from moequant.export.layouts import layout_for
@@ -40,6 +41,7 @@ from moequant.io.fingerprint import (
 )
 from moequant.io.run_lock import output_lock
 from moequant.pipeline.precheck import check_memory, check_recipe
+from moequant.pipeline.run import Run, hold_lock, open_run
 from moequant.plan.plan_io import plan_to_dict, read_plan, write_plan
 from moequant.plan.policy import make_plan
 from moequant.plan.recipe import Recipe, load_recipe, recipe_to_dict, resolve_format
@@ -134,8 +136,7 @@ PROBE_MAX_EXPERT_PARAMS = 2 * 10**9  # the default probe's limit (routed-expert 
 
 
 def _routed_params(recipe: Recipe, ckpt=None) -> int:
-    ckpt = open_checkpoint(ckpt or recipe.model)
-    adapter = adapter_for(ckpt.config)
+    adapter = open_checkpoint(ckpt or recipe.model).adapter
     shape = [adapter.expert_shape(p) for p in adapter.projections]
     return len(adapter.moe_layers) * adapter.num_experts * sum(o * i for o, i in shape)
 
@@ -166,11 +167,12 @@ def resolve_recipe(recipe_path, model=None, output=None, overrides=()) -> Recipe
     return load_recipe(recipe_path, overrides)
 
 
-def plan_stage(recipe: Recipe, stats_dir: Path, plan_path: Path, settings: CalibrationSettings, ckpt=None):
-    """Make the plan; rewrite plan.json only when its content changes (so a rerun reuses it)."""
-    ckpt = open_checkpoint(ckpt or recipe.model)
-    plan = make_plan(recipe, ckpt, stats_dir)
-    plan.run_fingerprint = run_fingerprint(recipe, ckpt, settings, plan)
+def plan_stage(run: Run, stats_dir: Path | None, settings: CalibrationSettings):
+    """Make the plan; rewrite OUTPUT/plan.json only when its content changes (so a rerun reuses it).
+    Returns (the plan, whether plan.json was reused)."""
+    plan_path = run.directory / "plan.json"
+    plan = make_plan(run.recipe, run.source, stats_dir)
+    plan.run_fingerprint = run_fingerprint(run.recipe, run.source, settings, plan)
     if plan_path.exists():
         try:
             if plan_to_dict(read_plan(plan_path)) == json.loads(json.dumps(plan_to_dict(plan))):
@@ -210,13 +212,12 @@ def apply(
     if parallel.is_helper_rank():
         progress, log = False, _silent
     recipe = resolve_recipe(recipe_path, model, output, overrides)
-    out = Path(recipe.output)
-    ckpt = open_checkpoint(recipe.model)  # a bad or unreadable checkpoint is refused before anything is written
-    adapter = adapter_for(ckpt.config)  # an unsupported architecture is the first thing to say, before its tokenizer
-    for note in check_recipe(recipe, ckpt):  # what shapes alone refuse, before anything is written
+    # a bad or unreadable checkpoint is refused before anything is written, then an unsupported architecture
+    run = open_run(recipe, device, progress, log)
+    for note in check_recipe(recipe, run.source):  # what shapes alone refuse, before anything is written
         log(f"note: {note}")
-    check_memory(recipe, adapter, device)  # a layer that cannot fit the GPU budget, before any weight is read
-    load_tokenizer(ckpt.directory)  # a checkpoint without tokenizer files, too
+    check_memory(recipe, run.adapter, device)  # a layer that cannot fit the GPU budget, before any weight is read
+    load_tokenizer(run.source.directory)  # a checkpoint without tokenizer files, too
     if parallel.world_size() > 1 and "awq" in {
         recipe.algorithm_for(parse_key(k).name) for k in sensitivity_formats(recipe)
     }:
@@ -224,17 +225,16 @@ def apply(
             "algorithm awq runs in one process only (its shared gate/up scale is searched over all of a "
             "layer's experts together); run it without torchrun, or use gptq or rtn."
         )
-    device = parallel.start(adapter.num_experts, device)  # joins the torchrun job when WORLD_SIZE > 1
-    made = not out.exists()
-    with contextlib.ExitStack() as held:  # the lock before anything is written into the directory (rank 0 takes it)
-        parallel.shared(lambda: held.enter_context(output_lock(recipe.output, "apply")), "the run directory's lock")
+    run.device = parallel.start(run.adapter.num_experts, device)  # joins the torchrun job when WORLD_SIZE > 1
+    made = not run.directory.exists()
+    with hold_lock(run, "apply"):  # the lock before anything is written into the directory
         try:
-            return _apply(recipe, out, ckpt, device, progress, log)
+            return _apply(run)
         except UserError:
             if made and not parallel.is_helper_rank():  # bad input found while reading the weights (NaN scales,
                 shutil.rmtree(
-                    out, ignore_errors=True
-                )  # broken codes, ...): this call made `out`, nobody's earlier work
+                    run.directory, ignore_errors=True
+                )  # broken codes, ...): this call made the directory, nobody's earlier work
             raise
 
 
@@ -242,47 +242,30 @@ def _silent(*_args, **_kwargs) -> None:
     """The log of a rank other than 0 (rank 0 says it once)."""
 
 
-def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
+def _apply(run: Run) -> Path:
+    out, log = run.directory, run.log
     out.mkdir(parents=True, exist_ok=True)  # the lock made it; not on ranks other than 0
     world = parallel.world()
     ranks = world.size if world is not None else 1
     timings: dict[str, float] = {}
-    tokenizer = load_tokenizer(ckpt.directory)
-    settings = calibration_settings(recipe, device, ckpt=ckpt)
+    tokenizer = load_tokenizer(run.source.directory)
+    settings = calibration_settings(run.recipe, run.device, ckpt=run.source)
 
     t0 = time.perf_counter()
-    stats_dir = _calibration_stage(recipe, ckpt, out / "stats", settings, tokenizer, progress, log)
+    stats_dir = _calibration_stage(run, settings, tokenizer)
     timings["calibrate"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    plan, reused_plan = parallel.shared(
-        lambda: plan_stage(recipe, stats_dir, out / "plan.json", settings, ckpt), "the plan"
-    )
+    plan, reused_plan = parallel.shared(lambda: plan_stage(run, stats_dir, settings), "the plan")
     timings["plan"] = time.perf_counter() - t0
     log(f"plan: {out / 'plan.json'}" + (" (unchanged, reused)" if reused_plan else ""))
 
-    checkpoint_dir = out / "checkpoint"
-    _checkpoint_stage(recipe, ckpt, plan, settings, out, world, timings, progress, log)
+    _checkpoint_stage(run, plan, settings, world, timings)
     if world is not None and world.rank != 0:
         return None  # rank 0 alone exports, evaluates and reports
 
-    output, quality = evaluate_output(recipe, ckpt, checkpoint_dir, timings, progress)
-
-    from moequant.report import build_report
-
-    report = build_report(
-        model=recipe.model,
-        checkpoint=output,
-        original=ckpt,
-        recipe=recipe_to_dict(recipe),
-        target=recipe.target,
-        plan=plan_to_dict(plan),
-        quality=quality,
-        stats=stats_dir,
-        timings=timings,
-        output_dir=out,
-        ranks=ranks,
-    )
+    run.output, quality = evaluate_output(run, timings)
+    report = report_stage(run, plan_to_dict(plan), quality, stats_dir, timings, ranks)
     q = report.get("quality") or {}
     log(
         f"KL {q.get('kl_mean', float('nan')):.4g}, top-1 agreement {q.get('top1_agreement', float('nan')):.3f}, "
@@ -291,30 +274,35 @@ def _apply(recipe: Recipe, out: Path, ckpt, device: str, progress, log) -> Path:
     return out / "report.html"
 
 
-def _calibration_stage(
-    recipe: Recipe, ckpt, stats_dir: Path, settings: CalibrationSettings, tokenizer, progress, log
-) -> Path | None:
-    """The calibration statistics in `stats_dir` (reused when unchanged), or None when the plan reads none."""
-    if needs_statistics(recipe):
-        before = (stats_dir / "summary.json").stat().st_mtime_ns if (stats_dir / "summary.json").exists() else None
-        calibrate(ckpt, stats_dir, settings, overwrite=True, tokenizer=tokenizer, progress=progress)
-        reused_stats = before is not None and (stats_dir / "summary.json").stat().st_mtime_ns == before
-        log(f"calibration statistics: {stats_dir}" + (" (reused)" if reused_stats else ""))
-        return stats_dir
+def _calibration_stage(run: Run, settings: CalibrationSettings, tokenizer) -> Path | None:
+    """OUTPUT/stats (calibrate_stage), or None when the plan reads no statistics."""
+    if needs_statistics(run.recipe):
+        return calibrate_stage(run, settings, tokenizer)
     # the plan reads no statistics; GPTQ / AWQ collect their inputs in the quantize pass and the
     # report's routing shares come from the evaluation tokens
     if not parallel.is_helper_rank():
-        shutil.rmtree(stats_dir, ignore_errors=True)  # never report another run's statistics
-    log("calibration: not needed by this recipe (its plan reads no statistics)")
+        shutil.rmtree(run.directory / "stats", ignore_errors=True)  # never report another run's statistics
+    run.log("calibration: not needed by this recipe (its plan reads no statistics)")
     return None
 
 
-def _checkpoint_stage(
-    recipe: Recipe, ckpt, plan, settings: CalibrationSettings, out: Path, world, timings: dict, progress, log
-) -> dict | None:
+def calibrate_stage(run: Run, settings: CalibrationSettings, tokenizer) -> Path:
+    """The calibration statistics of `settings` in OUTPUT/stats, reused when a run of the same model, data and
+    settings left them (`apply`'s stage, and `pareto`'s one calibration). Returns the directory."""
+    stats_dir = run.directory / "stats"
+    summary = stats_dir / "summary.json"
+    before = summary.stat().st_mtime_ns if summary.exists() else None
+    calibrate(run.source, stats_dir, settings, overwrite=True, tokenizer=tokenizer, progress=run.progress)
+    reused = before is not None and summary.stat().st_mtime_ns == before  # calibrate leaves equal statistics alone
+    run.log(f"calibration statistics: {stats_dir}" + (" (reused)" if reused else ""))
+    return stats_dir
+
+
+def _checkpoint_stage(run: Run, plan, settings: CalibrationSettings, world, timings: dict) -> dict | None:
     """OUTPUT/checkpoint for the plan: reused when checkpoint.json says this plan and run made it, else
     quantized and exported (timings["quantize"], ["export"]). Returns the quantize report, or None on
     the ranks other than 0 of an expert-parallel run (rank 0 alone exports)."""
+    out, log = run.directory, run.log
     checkpoint_dir = out / "checkpoint"
     done_marker = out / "checkpoint.json"
     plan_digest = json.dumps(plan_to_dict(plan), sort_keys=True)
@@ -327,7 +315,7 @@ def _checkpoint_stage(
         )
     reuse = marker.get("plan") == plan_digest and marker.get(KEY) == found == plan.run_fingerprint
     if not parallel.shared(lambda: reuse, "the checkpoint's reuse check"):
-        return quantize_and_export(recipe, ckpt, plan, settings, out, plan_digest, world, timings, progress, log)
+        return quantize_and_export(run, plan, settings, plan_digest, world, timings)
     parallel.finish()
     if world is not None and world.rank != 0:
         return None
@@ -339,16 +327,7 @@ def _checkpoint_stage(
 
 
 def quantize_and_export(
-    recipe: Recipe,
-    ckpt,
-    plan,
-    settings: CalibrationSettings,
-    out: Path,
-    plan_digest: str,
-    world,
-    timings: dict,
-    progress,
-    log,
+    run: Run, plan, settings: CalibrationSettings, plan_digest: str, world, timings: dict
 ) -> dict | None:
     """The quantize pass (every rank), then rank 0 exports OUTPUT/checkpoint and writes checkpoint.json
     (`apply`'s stage, and each run of `pareto`). Returns the quantize report, or None on the other ranks."""
@@ -356,14 +335,15 @@ def quantize_and_export(
     from moequant.export.streamed import StreamedExport
     from moequant.pipeline.quantize import quantize_model
 
+    out = run.directory
     checkpoint_dir = out / "checkpoint"
     t0 = time.perf_counter()
-    arguments = export_arguments(recipe)
+    arguments = export_arguments(run.recipe)
     streamed = None  # GGUF: one file whose header lists every tensor first, written from the work files
     if arguments["layout"] != "gguf":  # every layer is written as the output's shards as it is quantized
         streamed = StreamedExport(
-            ckpt,
-            adapter_for(ckpt.config),
+            run.source,
+            run.adapter,
             plan,
             out / "work",
             **{k: arguments[k] for k in ("layout", "target", "int8_activations")},
@@ -372,7 +352,7 @@ def quantize_and_export(
     # GGUF: it also holds the full-precision tensors AWQ folds changed (plain tensors), exported as they are,
     # and lazy: the export reads each tensor's codes from work/ as it writes them (host RAM stays at one layer)
     quantized, quant_report = quantize_model(
-        ckpt, plan, settings, out / "work", progress=progress, lazy=True, export=streamed
+        run.source, plan, settings, out / "work", progress=run.progress, lazy=True, export=streamed
     )
     parallel.finish()  # the expert-parallel part ends: rank 0 alone exports, evaluates and reports
     if world is not None and world.rank != 0:
@@ -382,7 +362,7 @@ def quantize_and_export(
     if streamed is not None:
         streamed.finish(checkpoint_dir, quantized, ranks=world.size if world is not None else 1)
     else:
-        export_checkpoint(ckpt, quantized, checkpoint_dir, **arguments)
+        export_checkpoint(run.source, quantized, checkpoint_dir, **arguments)
     del quantized
     timings["export"] = time.perf_counter() - t0
     stamp_checkpoint(checkpoint_dir, plan.run_fingerprint)
@@ -391,30 +371,51 @@ def quantize_and_export(
         out / "checkpoint.json", json.dumps({"plan": plan_digest, KEY: plan.run_fingerprint, "quantize": quant_report})
     )
     shutil.rmtree(out / "work", ignore_errors=True)
-    log(f"checkpoint: {checkpoint_dir}")
+    run.log(f"checkpoint: {checkpoint_dir}")
     return quant_report
 
 
-def evaluate_output(recipe: Recipe, ckpt, checkpoint_dir: Path, timings: dict, progress=True):
-    """The exported output against the source (`apply`'s stage, and each run of `pareto`; timings["evaluate"]).
+def evaluate_output(run: Run, timings: dict):
+    """OUTPUT/checkpoint against the source (`apply`'s stage, and each run of `pareto`; timings["evaluate"]).
     Returns (the output, opened once for the evaluation and the report — a GGUF export stays its
     directory: llama.cpp and gguf-py read its file — and the evaluation's result)."""
     from moequant.evaluate import evaluate_checkpoints
 
+    recipe, checkpoint_dir = run.recipe, run.directory / "checkpoint"
     e = recipe.evaluate
-    settings = dict(dataset=e.dataset, samples=e.samples, seq_len=e.seq_len, seed=recipe.seed, progress=progress)
+    settings = dict(dataset=e.dataset, samples=e.samples, seq_len=e.seq_len, seed=recipe.seed, progress=run.progress)
     t0 = time.perf_counter()
     if recipe.export.format == "gguf":  # llama.cpp itself runs the GGUF (moequant.export.verify_llamacpp)
         from moequant.export.gguf import GGUF_FILE
         from moequant.export.verify_llamacpp import evaluate_gguf
 
         output = checkpoint_dir
-        quality = evaluate_gguf(Path(checkpoint_dir) / GGUF_FILE, ckpt.directory, **settings)
+        quality = evaluate_gguf(Path(checkpoint_dir) / GGUF_FILE, run.source.directory, **settings)
     else:
         output = open_checkpoint(checkpoint_dir)
-        quality = evaluate_checkpoints(output, ckpt, **settings)
+        quality = evaluate_checkpoints(output, run.source, **settings)
     timings["evaluate"] = time.perf_counter() - t0
     return output, quality
+
+
+def report_stage(run: Run, plan: dict, quality: dict, stats_dir: Path | None, timings: dict, ranks: int = 1) -> dict:
+    """report.json / report.md / report.html in OUTPUT for `run.output` against the source (`apply`'s stage,
+    and each run of `pareto`). Returns report.json's dict."""
+    from moequant.report import build_report
+
+    return build_report(
+        model=run.recipe.model,
+        checkpoint=run.output,
+        original=run.source,
+        recipe=recipe_to_dict(run.recipe),
+        target=run.recipe.target,
+        plan=plan,
+        quality=quality,
+        stats=stats_dir,
+        timings=timings,
+        output_dir=run.directory,
+        ranks=ranks,
+    )
 
 
 def run_plan(recipe_path=None, model=None, output=None, overrides=(), stats=None, device: str = "cpu"):
@@ -434,7 +435,7 @@ def run_plan(recipe_path=None, model=None, output=None, overrides=(), stats=None
         )
     with output_lock(out, "plan"):
         plan = make_plan(recipe, ckpt, stats_dir if found else None)
-        plan.run_fingerprint = run_fingerprint(recipe, ckpt, calibration_settings(recipe, device), plan)
+        plan.run_fingerprint = run_fingerprint(recipe, ckpt, calibration_settings(recipe, device, ckpt=ckpt), plan)
         return plan, write_plan(plan, out / "plan.json")
 
 

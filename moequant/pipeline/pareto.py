@@ -24,6 +24,10 @@ vLLM can serve them, else transformers.
 
 Reruns reuse the statistics and every run whose plan and evaluation settings are unchanged.
 
+The model is opened once (moequant.pipeline.run); each point is that Run with the point's recipe and
+directory, made by apply's own stages: quantize_and_export (which stamps the checkpoint), evaluate_output
+and report_stage.
+
 pareto.json (schema "moequant.pipeline.pareto/1")
 ----------------------------------------
 {"schema", "model", "recipe": {...}, "evaluate": {dataset, samples, seq_len, seed},
@@ -41,6 +45,7 @@ pareto.json (schema "moequant.pipeline.pareto/1")
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -158,19 +163,22 @@ def tensor_formats(plan) -> str:
     )
 
 
-def _run_one(
-    name: str, recipe, plan, run_dir: Path, ckpt, stats_dir: Path, settings, progress, log, same_as: Path | None = None
-) -> dict:
-    """Quantize, export, evaluate and report one plan into run_dir (reused when unchanged).
-    `same_as`: a finished run directory whose plan quantizes every tensor the same way: its
-    checkpoint (hard links where possible) and its evaluation are reused."""
-    from moequant.io.fingerprint import KEY, checkpoint_fingerprint, stamp_checkpoint
-    from moequant.pipeline.apply import evaluate_output, quantize_and_export, run_fingerprint
-    from moequant.plan.plan_io import plan_to_dict, write_plan
-    from moequant.plan.recipe import recipe_to_dict
-    from moequant.report import build_report
+def point_run(run, recipe, directory):
+    """The Run (moequant.pipeline.run) of one point: the frontier's source, adapter and device, the point's
+    recipe and directory; apply's stages log nothing there (each point says its own line)."""
+    return dataclasses.replace(run, recipe=recipe, directory=Path(directory), log=_quiet, output=None)
 
-    plan.run_fingerprint = run_fingerprint(recipe, ckpt, settings, plan)  # this run's, also for library callers
+
+def _run_one(name: str, run, plan, stats_dir: Path, settings, log, same_as: Path | None = None) -> dict:
+    """Quantize, export, evaluate and report one plan into run.directory (reused when unchanged), `run`
+    being the point's (point_run). `same_as`: a finished run directory whose plan quantizes every
+    tensor the same way: its checkpoint (hard links where possible) and its evaluation are reused."""
+    from moequant.io.fingerprint import KEY, checkpoint_fingerprint, stamp_checkpoint
+    from moequant.pipeline.apply import evaluate_output, quantize_and_export, report_stage, run_fingerprint
+    from moequant.plan.plan_io import plan_to_dict, write_plan
+
+    recipe, run_dir = run.recipe, run.directory
+    plan.run_fingerprint = run_fingerprint(recipe, run.source, settings, plan)  # this run's, also for library callers
     plan_dict = json.loads(json.dumps(plan_to_dict(plan)))
     e = recipe.evaluate
     marker = {
@@ -206,26 +214,15 @@ def _run_one(
         stamp_checkpoint(checkpoint_dir, plan.run_fingerprint)  # replaces the linked config.json, not the sibling's
         quality = json.loads((same_as / "quality.json").read_text())
         quality["checkpoint"] = str(checkpoint_dir)
-        output = checkpoint_dir
+        run.output = checkpoint_dir
         log(f"{name}: quantizes every tensor as {same_as.name} does; its checkpoint and evaluation are reused")
         timings = json.loads((same_as / "report.json").read_text()).get("timings", {})
     else:  # apply's own stages: the quantize pass and export, then the evaluation of the output
         timings = {}
-        quantize_and_export(recipe, ckpt, plan, settings, run_dir, marker["plan"], None, timings, progress, _quiet)
-        output, quality = evaluate_output(recipe, ckpt, checkpoint_dir, timings, progress)
+        quantize_and_export(run, plan, settings, marker["plan"], None, timings)
+        run.output, quality = evaluate_output(run, timings)
     atomic_write_text(run_dir / "quality.json", json.dumps(quality, default=str))
-    report = build_report(
-        model=recipe.model,
-        checkpoint=output,
-        original=ckpt,
-        recipe=recipe_to_dict(recipe),
-        target=recipe.target,
-        plan=plan_dict,
-        quality=quality,
-        stats=stats_dir,
-        timings=timings,
-        output_dir=run_dir,
-    )
+    report = report_stage(run, plan_dict, quality, stats_dir, timings)
     atomic_write_text(marker_path, json.dumps(marker))
     q = report["quality"] or {}
     log(
@@ -288,19 +285,20 @@ def _point(
     return point
 
 
-def outside_point(path, reference_dir, evaluate_settings: dict) -> dict:
+def outside_point(path, reference, evaluate_settings: dict) -> dict:
     """A point for an outside checkpoint: its directory (evaluated here on the frontier's
     evaluation tokens) or the JSON file of `moequant eval --json`, with bytes from the
     checkpoint's safetensors headers. A JSON evaluation must have used the same dataset, samples,
-    seq_len and seed, so that its KL is over the same tokens."""
+    seq_len and seed, so that its KL is over the same tokens. `reference`: the original model's
+    directory or its open Checkpoint."""
     from moequant.plan.memory import memory_account
 
     path = Path(path)
     if path.is_dir():
         from moequant.evaluate import evaluate_checkpoints
 
-        result = evaluate_checkpoints(str(path), reference_dir, progress=False, **evaluate_settings)
-        report = {"memory": memory_account(reference_dir, path), "quality": result}
+        result = evaluate_checkpoints(str(path), reference, progress=False, **evaluate_settings)
+        report = {"memory": memory_account(reference, path), "quality": result}
         return _point(path.name, "outside", report, path)
     try:
         result = json.loads(path.read_text(encoding="utf-8"))
@@ -329,7 +327,7 @@ def outside_point(path, reference_dir, evaluate_settings: dict) -> dict:
     checkpoint = Path(result["checkpoint"])
     if not checkpoint.is_absolute() and not checkpoint.exists():
         checkpoint = path.parent / checkpoint
-    memory = memory_account(reference_dir, checkpoint)
+    memory = memory_account(reference, checkpoint)
     report = {"memory": memory, "quality": result}
     return _point(path.stem, "outside", report, path)
 
@@ -354,21 +352,20 @@ def pareto(
     of statistics; write OUTPUT/pareto.json and OUTPUT/pareto.png. Returns pareto.json's dict."""
     from moequant.io.run_lock import output_lock
     from moequant.pipeline.apply import resolve_recipe
+    from moequant.pipeline.run import open_run
 
     recipe = resolve_recipe(recipe_path, model, output, overrides)
     with output_lock(recipe.output, "pareto"):  # before anything is written into the directory
-        return _pareto(recipe, budgets, targets, uniform, extra_reports, device, progress, log)
+        _check_targets(targets, budgets, uniform)
+        return _pareto(open_run(recipe, device, progress, log), budgets, targets, uniform, extra_reports)
 
 
-def _pareto(recipe, budgets, targets, uniform, extra_reports, device, progress, log) -> dict:
-    from moequant.io.checkpoint import open_checkpoint
-
-    _check_targets(targets, budgets, uniform)
-    ckpt = open_checkpoint(recipe.model)
+def _pareto(run, budgets, targets, uniform, extra_reports) -> dict:
+    recipe, ckpt, log = run.recipe, run.source, run.log
     uniform_variants, resolved = _feasible_runs(recipe, ckpt, budgets, targets, uniform)
-    out = Path(recipe.output)
+    out = run.directory
     out.mkdir(parents=True, exist_ok=True)
-    settings, stats_dir = _calibrate_once(recipe, ckpt, uniform, out, device, progress, log)
+    settings, stats_dir = _calibrate_once(run, uniform)
     runs, skipped = _plan_runs(recipe, ckpt, stats_dir, uniform_variants, resolved, targets, log)
 
     points = []
@@ -377,14 +374,14 @@ def _pareto(recipe, budgets, targets, uniform, extra_reports, device, progress, 
         same = tensor_formats(plan)
         run_dir = out / RUNS_DIR / name
         report = _run_one(
-            name, variant, plan, run_dir, ckpt, stats_dir, settings, progress, log, same_as=done.get(same)
+            name, point_run(run, variant, run_dir), plan, stats_dir, settings, log, same_as=done.get(same)
         )
         done.setdefault(same, run_dir)
         points.append(_point(name, kind, report, run_dir / "report.json", plan=plan, **fields))
     e = recipe.evaluate
     evaluate_settings = {"dataset": e.dataset, "samples": e.samples, "seq_len": e.seq_len, "seed": recipe.seed}
     for path in extra_reports:
-        points.append(outside_point(path, ckpt.directory, evaluate_settings))
+        points.append(outside_point(path, ckpt, evaluate_settings))
 
     # Re-render every run's report so that each one's frontier plot shows all its siblings.
     from moequant.report import write_report
@@ -428,28 +425,22 @@ def _feasible_runs(recipe, ckpt, budgets, targets, uniform):
     return uniform_variants, resolved
 
 
-def _calibrate_once(recipe, ckpt, uniform, out: Path, device, progress, log):
-    """The statistics every run reads, in OUTPUT/stats: every format any run may give a routed expert
-    has its sensitivity measured. Returns (calibration settings, the statistics directory)."""
-    from moequant.calib.calibrate import calibrate, load_tokenizer
-    from moequant.pipeline.apply import calibration_settings
+def _calibrate_once(run, uniform):
+    """The statistics every run reads, in OUTPUT/stats (apply's calibrate_stage): every format any run
+    may give a routed expert has its sensitivity measured. Returns (calibration settings, the statistics
+    directory)."""
+    from moequant.calib.calibrate import load_tokenizer
+    from moequant.pipeline.apply import calibrate_stage, calibration_settings
     from moequant.plan.recipe import resolve_format
 
+    recipe = run.recipe
     keys: list[str] = []
     for entry in [*recipe.experts.formats, *uniform]:
         spec = resolve_format(recipe, entry)
         if spec.quantized and spec.key not in keys:
             keys.append(spec.key)
-    settings = calibration_settings(recipe, device, formats=tuple(keys))
-    stats_dir = out / "stats"
-    summary = stats_dir / "summary.json"
-    before = summary.stat().st_mtime_ns if summary.exists() else None
-    calibrate(
-        recipe.model, stats_dir, settings, overwrite=True, tokenizer=load_tokenizer(ckpt.directory), progress=progress
-    )
-    reused = before is not None and summary.stat().st_mtime_ns == before  # calibrate leaves equal statistics alone
-    log(f"calibration statistics: {stats_dir}" + (" (reused)" if reused else ""))
-    return settings, stats_dir
+    settings = calibration_settings(recipe, run.device, formats=tuple(keys), ckpt=run.source)
+    return settings, calibrate_stage(run, settings, load_tokenizer(run.source.directory))
 
 
 def _plan_runs(recipe, ckpt, stats_dir: Path, uniform_variants, resolved, targets, log):

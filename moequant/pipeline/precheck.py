@@ -33,14 +33,13 @@ def plan_formats(recipe) -> list:
 def check_recipe(recipe, ckpt=None) -> list[str]:
     """Raise UserError for what shapes alone refuse; return the plan's notes (e.g. a candidate not
     offered to some layers because it cannot hold their dimensions, and why)."""
-    from moequant.arch import adapter_for
     from moequant.export.layouts import layout_for, layout_refusal
     from moequant.io.checkpoint import open_checkpoint
     from moequant.plan.policy import check_plan
     from moequant.plan.recipe import resolve_format
 
     ckpt = ckpt or open_checkpoint(recipe.model)
-    adapter = adapter_for(ckpt.config)
+    adapter = ckpt.adapter
     if adapter.fused_experts and any(a == "awq" for a in recipe.algorithms.values()):
         raise UserError(
             f"algorithms: awq is not supported for {adapter.model_type} (fused experts whose activation "
@@ -66,14 +65,14 @@ def check_recipe(recipe, ckpt=None) -> list[str]:
     return check_plan(recipe, ckpt)
 
 
-def unfit_notes(model: str, format_keys) -> list[str]:
-    """One sentence per format that cannot hold some routed-expert projection of `model`: calibration
-    measures no sensitivity for it there, and a plan will not offer it to those experts."""
+def unfit_notes(model, format_keys) -> list[str]:
+    """One sentence per format that cannot hold some routed-expert projection of `model` (a path or an
+    open Checkpoint): calibration measures no sensitivity for it there, and a plan will not offer it to
+    those experts."""
     from moequant import formats
-    from moequant.arch import adapter_for
     from moequant.io.checkpoint import open_checkpoint
 
-    adapter = adapter_for(open_checkpoint(model).config)
+    adapter = open_checkpoint(model).adapter
     notes = []
     for key in format_keys:
         spec = formats.parse_key(key)

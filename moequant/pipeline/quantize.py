@@ -54,7 +54,7 @@ import torch
 from safetensors.torch import load_file
 
 from moequant import formats, parallel
-from moequant.arch import Adapter, adapter_for
+from moequant.arch import Adapter
 from moequant.calib.calibrate import (
     CalibrationSettings,
     _LayerCollector,
@@ -827,7 +827,7 @@ def quantize_model(
     under their on-disk names, in the checkpoint's dtype: `export_checkpoint` writes them as they are."""
     world = parallel.world()  # None: one process; else this rank quantizes its slice of every layer's experts
     ckpt = open_checkpoint(model)
-    adapter = adapter_for(ckpt.config)
+    adapter = ckpt.adapter
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     input_ids = _calibration_input_ids(ckpt, settings, samples)

@@ -301,7 +301,6 @@ def test_one_apply_reads_each_checkpoint_s_headers_once(model_dir, tmp_path, mon
     assert adapters[("checkpoint.py", "adapter")] == 2
     own = {where for where in adapters if where[0] != "checkpoint.py"}
     assert own <= {
-        ("policy.py", "tensors_from_checkpoint"),
         ("memory.py", "memory_account"),
         ("apply.py", "probe_algorithm"),
     }

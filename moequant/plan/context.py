@@ -72,10 +72,7 @@ def as_tensor_infos(items: Iterable) -> list[TensorInfo]:
 def tensors_from_checkpoint(ckpt, adapter=None) -> list[TensorInfo]:
     """Every tensor of a checkpoint, classified by its adapter; fused expert tensors are split
     into one entry per (expert, proj) with the adapter's [out, in] shape."""
-    if adapter is None:
-        from moequant.arch import adapter_for
-
-        adapter = adapter_for(ckpt.config)
+    adapter = adapter or ckpt.adapter  # built once, kept on the checkpoint
     out = []
     for name in ckpt.keys():
         role = adapter.classify(name)

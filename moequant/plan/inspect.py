@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from moequant.arch import adapter_for
 from moequant.io.checkpoint import open_checkpoint
 from moequant.plan.memory import account
 
@@ -18,7 +17,7 @@ def inspect_model(model: str) -> dict:
     and `source_formats` {format: weights} for a quantized source.
     """
     ckpt = open_checkpoint(model)
-    adapter = adapter_for(ckpt.config)
+    adapter = ckpt.adapter
     acc = account(adapter)
     acc["model"] = str(model)
     acc["weights_checked"] = not ckpt.config_only

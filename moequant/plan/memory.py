@@ -230,7 +230,6 @@ def checkpoint_bytes(path, adapter=None) -> dict:
     counted in "total" only, not in a role's bytes: those are the weights' own bytes (codes, scales,
     zero points), the account `formats.nbytes` and so the plan keep.
     """
-    from moequant.arch import adapter_for
     from moequant.export.gguf import GGUF_FILE, gguf_bytes
     from moequant.formats import LAYOUT_METADATA
     from moequant.io.checkpoint import open_checkpoint
@@ -240,7 +239,7 @@ def checkpoint_bytes(path, adapter=None) -> dict:
     ckpt = open_checkpoint(path)
     if ckpt.config_only:
         raise UserError(f"{path} has no safetensors weights to account for.")
-    adapter = adapter or adapter_for(ckpt.config)
+    adapter = adapter or ckpt.adapter  # built once, kept on the checkpoint
     expected = adapter.expected_tensors()
     by_role: dict[str, int] = defaultdict(int)
     weights: dict[str, int] = defaultdict(int)
@@ -341,11 +340,10 @@ def memory_account(original, checkpoint, shares: dict | None = None) -> dict:
 
     `shares` maps layer -> [share per expert] (routing shares) for the bytes-per-token estimate.
     """
-    from moequant.arch import adapter_for
     from moequant.io.checkpoint import open_checkpoint
 
     orig_ckpt = open_checkpoint(original)
-    adapter = adapter_for(orig_ckpt.config)
+    adapter = orig_ckpt.adapter
     orig = _config_only_bytes(adapter) if orig_ckpt.config_only else checkpoint_bytes(original, adapter)
     quant = checkpoint_bytes(checkpoint, adapter)
     weights = orig["weights_by_role"]

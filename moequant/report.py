@@ -380,10 +380,13 @@ def read_report(path) -> dict:
     try:
         ReportFile.model_validate(data)
     except ValidationError as error:
-        raise UserError(
-            f"report {path} is malformed: {schema_refusal(error.errors()[0])}; "
-            f"rerun `moequant apply` to write it again."
-        ) from None
+        # "keys may be added, none removed or renamed": a report written before a key was added (missing)
+        # or by a later version (extra) still reads; a key of the wrong type or shape is refused
+        wrong = [e for e in error.errors() if e["type"] not in ("missing", "extra_forbidden")]
+        if wrong:
+            raise UserError(
+                f"report {path} is malformed: {schema_refusal(wrong[0])}; rerun `moequant apply` to write it again."
+            ) from None
     return data
 
 

@@ -119,3 +119,18 @@ def test_moequant_report_refuses_a_malformed_report_with_exit_2(applied, tmp_pat
     assert result.exit_code == 2, result.output
     assert f"report {out / 'report.json'} is malformed: key '{key}' has value {value!r}: " in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.slow
+def test_moequant_report_reads_a_report_from_an_older_or_newer_version(applied, tmp_path):
+    """report.json's keys may be added, none removed or renamed: a report written before a key existed (here
+    memory.routed_expert_matrices, added 2026-12-02) or by a version with a key this one lacks still renders."""
+    out = tmp_path / "run"
+    shutil.copytree(applied, out)
+    data = json.loads((out / "report.json").read_text())
+    del data["memory"]["routed_expert_matrices"]
+    data["a_later_section"] = {"anything": 1}
+    (out / "report.json").write_text(json.dumps(data))
+    result = CliRunner().invoke(main, ["report", str(out)])
+    assert result.exit_code == 0, result.output
+    assert read_report(out / "report.json") == data

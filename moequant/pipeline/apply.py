@@ -29,7 +29,6 @@ from moequant import parallel
 from moequant.arch import adapter_for
 from moequant.calib.calibrate import CalibrationSettings, calibrate, load_tokenizer, model_fingerprint
 from moequant.errors import UserError
-from moequant.export.layouts import layout_for
 from moequant.formats import parse_key
 from moequant.io.checkpoint import atomic_write_text, is_disk_full, open_checkpoint
 from moequant.io.fingerprint import (
@@ -39,6 +38,7 @@ from moequant.io.fingerprint import (
     stamp_checkpoint,
 )
 from moequant.io.run_lock import output_lock
+from moequant.layouts import layout_for
 from moequant.pipeline.precheck import check_memory, check_recipe
 from moequant.plan.plan_io import plan_to_dict, read_plan, write_plan
 from moequant.plan.policy import GRANULARITY, make_plan, needs_statistics

@@ -148,7 +148,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from moequant.errors import UserError
-from moequant.export.layouts import layout_for, sglang_per_layer_block
+from moequant.layouts import layout_for
+from moequant.layouts.compressed_tensors import sglang_per_layer_block
 from moequant.plan.memory import bits_per_weight
 from moequant.plan.model import PROJECTIONS, Plan, TensorInfo, TensorPlan, _formats, spec_params
 from moequant.plan.recipe import Recipe, recipe_to_dict, resolve_format
@@ -187,7 +188,7 @@ KEEP_GROUP_ROLES = {
 
 
 def _layout_for(export_format: str):
-    """The export layout of a recipe's export.format (moequant.export.layouts' registry), which the plan's
+    """The export layout of a recipe's export.format (moequant.layouts' registry), which the plan's
     byte account asks, so the plan's bytes are the bytes the export writes (tests/test_byte_account.py):
     the zero points it stores (`symmetric_zeros`), how it stores the tensors it leaves unquantized
     (`plain_nbytes`: GGUF writes norms, biases and routers F32, the rest in export.gguf_float, token_embd /

@@ -45,8 +45,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from typing_extensions import Annotated
 
 from moequant.errors import UserError
-from moequant.export.layouts import RECIPE_LAYOUTS
 from moequant.formats import REGISTRY, format_names, get_format, parse_key
+from moequant.layouts import RECIPE_LAYOUTS
 
 FORMAT_NAMES = format_names()  # every registered format (moequant.formats), llama.cpp's block types last
 GGML_TYPES = format_names(ggml=True)
@@ -54,7 +54,7 @@ TARGETS = ("vllm", "sglang", "transformers", "llama.cpp", "vllm-moequant", "vllm
 METHODS = ("budget", "rules", "uniform")
 # imatrix: round-to-nearest with the scale search weighted by the inputs' second moments (ggml types)
 ALGORITHMS = ("rtn", "gptq", "awq", "imatrix")
-EXPORT_FORMATS = tuple(RECIPE_LAYOUTS)  # the export layouts (moequant.export.layouts.LAYOUTS) by their recipe names
+EXPORT_FORMATS = tuple(RECIPE_LAYOUTS)  # the export layouts (moequant.layouts) by their recipe names
 # Names `keep` accepts besides tensor-name patterns (anything containing '*' or '.').
 KEEP_GROUPS = (
     "router",

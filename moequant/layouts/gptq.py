@@ -1,0 +1,121 @@
+"""The gptq layout: GPTQ v1 symmetric int4 / int8 (qweight, qzeros, scales fp16, g_idx), quantize_config.json and per-module `dynamic` overrides, as vLLM and GPTQModel read it."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+
+from moequant import formats
+from moequant.errors import UserError
+from moequant.layouts.base import Layout, module_name
+
+# vLLM's names for those fused modules (GPTQ `dynamic` rules are matched against them)
+_FUSED_NAMES = {
+    ("k_proj", "q_proj", "v_proj"): "qkv_proj",
+    ("gate_proj", "up_proj"): "gate_up_proj",
+    ("kv_a_proj_with_mqa", "q_a_proj"): "fused_qkv_a_proj",
+}
+
+
+def _gptq_group(spec) -> int:
+    return -1 if spec.granularity == "channel" else spec.group_size
+
+
+class Gptq(Layout):
+    name = "gptq"
+    symmetric_zeros = True
+
+    @staticmethod
+    def refuses(spec, target):
+        if not (spec.is_int and spec.symmetric and spec.bits in (4, 8)):
+            return "symmetric int4 / int8 only (GPTQ v1 as vLLM and GPTQModel read it)"
+        return None
+
+    def check(self) -> None:
+        self._require_unfused()
+        self._refuse_formats()
+        if not self.items:
+            raise UserError("the gptq layout needs at least one quantized tensor.")
+        if self.target in ("vllm", "vllm-cuda", "sglang"):
+            self._one_format_per_moe_layer()
+            self._one_format_per_fused_group()
+        counts = Counter((q.spec.bits, _gptq_group(q.spec)) for q in self.items.values())
+        self.base_bits, self.base_group = counts.most_common(1)[0][0]
+
+    def pack(self, name, q):
+        module = module_name(name)
+        return {f"{module}.{k}": v for k, v in formats.pack_gptq(q, version=1).items()}
+
+    def _dynamic(self) -> dict:
+        dynamic = {}
+        overrides: dict[tuple, list[str]] = defaultdict(list)
+        for name, q in sorted(self.items.items()):
+            key = (q.spec.bits, _gptq_group(q.spec))
+            if key != (self.base_bits, self.base_group):
+                overrides[key].append(module_name(name))
+        for (bits, group), modules in sorted(overrides.items()):
+            for pattern in _module_patterns(modules, self._all_modules()):
+                dynamic["+:" + pattern] = {"bits": bits, "group_size": group}
+        for pattern in _module_patterns(self._linear_modules_kept(), self._all_modules()):
+            dynamic["-:" + pattern] = {}
+        return dynamic
+
+    def _all_modules(self) -> set[str]:
+        return {module_name(n) for n in self.ckpt.keys() if n.endswith(".weight")}
+
+    def _base(self) -> dict:
+        # true_sequential False: down_proj's Hessian comes from the unquantized gate/up activations
+        # (true-sequential within a layer was measured and dropped: bench_quality, 2026-12-02)
+        return {
+            "bits": self.base_bits,
+            "group_size": self.base_group,
+            "desc_act": False,
+            "sym": True,
+            "static_groups": False,
+            "true_sequential": False,
+            "damp_percent": 0.01,
+            "checkpoint_format": "gptq",
+            "quant_method": "gptq",
+            "pack_dtype": "int32",
+            "lm_head": False,
+        }
+
+    def quantization_config(self) -> dict:
+        config = self._base()
+        dynamic = self._dynamic()
+        if dynamic:
+            config["dynamic"] = dynamic
+        return config
+
+    def extra_files(self) -> dict:
+        return {"quantize_config.json": self.quantization_config()}
+
+
+def _module_patterns(modules: list[str], all_modules: set[str]) -> list[str]:
+    """Anchored regexes (re.match, as vLLM and GPTQModel use) that select exactly `modules`.
+
+    A whole MoE layer's experts collapse to one pattern for their prefix, because vLLM asks about
+    the fused `...experts` module while GPTQModel asks about each `...experts.N.proj`; a part of
+    a layer's experts (transformers target) is listed module by module.
+    """
+    patterns = []
+    modules = list(modules)
+    leaves: dict[str, set] = defaultdict(set)
+    for m in modules:
+        parent, _, leaf = m.rpartition(".")
+        leaves[parent].add(leaf)
+    for parent, present in leaves.items():
+        for members, fused in _FUSED_NAMES.items():
+            if set(members) <= present:
+                modules.append(f"{parent}.{fused}")
+    by_prefix: dict[str, list[str]] = defaultdict(list)
+    for m in modules:
+        head, sep, _ = m.partition(".experts.")
+        by_prefix[head + ".experts" if sep else m].append(m)
+    for prefix, members in sorted(by_prefix.items()):
+        whole_layer = {m for m in all_modules if m.startswith(prefix + ".")} <= set(members)
+        if prefix.endswith(".experts") and whole_layer:
+            patterns.append(re.escape(prefix) + r"(\.|$)")
+        else:
+            patterns += [re.escape(m) + "$" for m in members]
+    return patterns

@@ -368,7 +368,7 @@ def export_gguf(
         from moequant.io import dequant
 
         dequant.decode(enc, ckpt.read_stored)  # its scales checked and its values finite, or one sentence
-        return dequant._quantized(enc, {role: ckpt.read_stored(n) for role, n in enc.parts.items()})
+        return dequant.quantized_tensor(enc, {role: ckpt.read_stored(n) for role, n in enc.parts.items()})
 
     def experts_for(layer: int, proj: str) -> tuple[_Lazy, object]:
         name = f"blk.{layer}.ffn_{proj}_exps.weight"

@@ -4,11 +4,45 @@ from __future__ import annotations
 
 from moequant import formats
 from moequant.errors import UserError
+from moequant.formats import QuantizedTensor
 from moequant.layouts.base import Layout, module_name
+from moequant.layouts.reading import Encoding, dims, modules_with, need
+
+
+def read_awq(qc, stored, where, read):
+    if str(qc.get("version", "gemm")).lower() != "gemm" or qc.get("bits", 4) != 4:
+        raise UserError(
+            f"{where}: AWQ version {qc.get('version')!r} with {qc.get('bits')} bits is not a source format "
+            "moequant reads; accepted: AWQ GEMM 4-bit."
+        )
+    spec = formats.get_format("int4", group_size=qc.get("group_size"), symmetric=not qc.get("zero_point", True))
+    out = {}
+    for module in modules_with(stored, "qweight"):
+        parts = {r: f"{module}.{r}" for r in ("qweight", "qzeros", "scales")}
+        need(stored, where, parts["qweight"], ("I32",))
+        cols = dims(stored, where, parts["qweight"], 2)[0]
+        need(stored, where, parts["scales"], ("F16", "BF16", "F32"))
+        groups, rows = dims(stored, where, parts["scales"], 2)
+        if groups * spec.group_size != cols or rows % 8:
+            raise UserError(
+                f"{where}: tensor {parts['scales']!r} has shape {[groups, rows]}, which does not fit "
+                f"{parts['qweight']!r} as {spec.key}."
+            )
+        need(stored, where, parts["qweight"], ("I32",), (cols, rows // 8))
+        need(stored, where, parts["qzeros"], ("I32",), (groups, rows // 8))
+        out[f"{module}.weight"] = Encoding(f"{module}.weight", (rows, cols), spec, "awq", parts)
+    return out
+
+
+def unpack_awq_encoding(enc: Encoding, t: dict) -> QuantizedTensor:
+    return formats.unpack_awq(t, enc.spec, enc.shape)
 
 
 class Awq(Layout):
     name = "awq"
+    quant_methods = ("awq",)  # the quantization_config.quant_method values it reads back
+    read_encodings = staticmethod(read_awq)
+    unpack = staticmethod(unpack_awq_encoding)
     symmetric_zeros = True
 
     @staticmethod

@@ -39,6 +39,20 @@ class Layout:
     recipe_name = ""  # what a recipe's export.format calls it, when not `name`
     symmetric_zeros = False  # stores zero points for symmetric formats too (the byte account counts them)
     routed_only = False  # quantizes routed experts only
+    quant_methods: tuple[str, ...] = ()  # the quantization_config.quant_method values it reads back (none: GGUF)
+    stored_transposed = False  # the stored codes are the transpose of the parameter they encode (gpt-oss)
+
+    @staticmethod
+    def read_encodings(qc: dict, stored: dict, where, read) -> dict:
+        """{logical name: Encoding (moequant.layouts.reading)} of every weight a checkpoint written in this
+        layout stores encoded, from its quantization_config and safetensors headers (`read`: a stored
+        tensor, for the few facts only a tensor holds)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def unpack(enc, t: dict) -> QuantizedTensor:
+        """The QuantizedTensor of `enc` from its stored tensors `t` ({role: tensor})."""
+        raise NotImplementedError
 
     @staticmethod
     def refuses(spec, target: str) -> str | None:

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections import defaultdict
 
 import torch
 
 from moequant import formats
 from moequant.errors import UserError
+from moequant.formats import QuantizedTensor
 from moequant.layouts.base import Layout, module_name
+from moequant.layouts.reading import FLOAT8, FLOATS, SAFETENSORS_DTYPE, Encoding, dims, need
+from moequant.vllm_plugin.names import EXPERT_FORMATS, QUANT_METHOD
 
 ENGINE_TARGETS = (
     "vllm",
@@ -57,8 +62,239 @@ def _ct_scheme(spec, int8_activations: str) -> dict:
     return {"weights": weights, "input_activations": inputs, "output_activations": None, "format": fmt}
 
 
+CT_FORMATS = (
+    "pack-quantized",
+    "int-quantized",
+    "naive-quantized",
+    "float-quantized",
+    "mxfp4-pack-quantized",
+    "nvfp4-pack-quantized",
+)
+
+
+def _ct_formats() -> tuple[str, ...]:
+    """The compressed-tensors formats moequant reads: those above and every registered format's own."""
+    return tuple(dict.fromkeys(CT_FORMATS + tuple(f.ct_format for f in formats.REGISTRY.values() if f.quantized)))
+
+
+def spec_from_ct_scheme(scheme: dict):
+    """The moequant format of a compressed-tensors config group (UserError if it has none)."""
+    w = scheme.get("weights") or {}
+    kind, bits, strategy, group = w.get("type", "int"), w.get("num_bits"), w.get("strategy"), w.get("group_size")
+    try:
+        if kind == "int":
+            if strategy == "channel" and bits == 8:
+                return formats.get_format("int8")
+            if strategy == "group":
+                return formats.get_format(f"int{bits}", group_size=group, symmetric=bool(w.get("symmetric", True)))
+        if kind == "float" and bits == 8 and strategy in ("channel", "tensor"):
+            return formats.get_format("fp8", granularity=strategy)
+        if kind == "float" and bits == 8 and strategy == "block" and list(w.get("block_structure") or []) == [128, 128]:
+            return formats.get_format("fp8", granularity="block")
+        if kind == "float" and bits == 4 and group == 32:
+            return formats.get_format("mxfp4")
+        if kind == "float" and bits == 4 and group == 16:
+            return formats.get_format("nvfp4")
+    except UserError:
+        pass
+    spec = _registered_ct_spec(w)
+    if spec is not None:
+        return spec
+    raise UserError(
+        f"compressed-tensors weights scheme {w} is not a format moequant reads (int2..int8 group, int8 "
+        "channel, fp8 tensor / channel / 128x128 block, mxfp4, nvfp4)."
+    )
+
+
+def _registered_ct_spec(w: dict):
+    """The registered format whose own compressed-tensors weight args the scheme has (None if none)."""
+    given = {"symmetric": True, "dynamic": False, **w}
+    for key in formats.all_keys():
+        args = formats.compressed_tensors_weight_args(key) or {}
+        if args and all(given.get(k) == v for k, v in args.items()):
+            return formats.parse_key(key)
+    return None
+
+
+def _matches(pattern: str, module: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    return pattern == module
+
+
+def _ct_modules(targets, ignore, modules: list[str], where) -> list[str]:
+    out = []
+    for t in targets:
+        if t.startswith("re:") or t in modules:
+            out += [m for m in modules if _matches(t, m)]
+        elif t[:1].isupper():  # a class name (Linear): what stores quantization parameters
+            out += list(modules)
+        else:
+            raise UserError(
+                f"compressed-tensors target {t!r} in {where}/config.json matches no module of the checkpoint."
+            )
+    return [m for m in dict.fromkeys(out) if not any(_matches(p, m) for p in ignore)]
+
+
+def read_compressed_tensors(qc, stored, where, read):
+    quantized_modules = sorted({n.rsplit(".", 1)[0] for n in stored if n.endswith((".weight_packed", ".weight_scale"))})
+    groups, ignore, top = qc.get("config_groups") or {}, qc.get("ignore") or [], qc.get("format")
+    if not (
+        isinstance(groups, dict)
+        and all(
+            isinstance(g, dict)
+            and isinstance(g.get("targets", []), list)
+            and all(isinstance(t, str) for t in g.get("targets", []))
+            and isinstance(g.get("weights") or {}, dict)
+            for g in groups.values()
+        )
+        and isinstance(ignore, list)
+        and all(isinstance(i, str) for i in ignore)
+    ):
+        raise UserError(
+            f"{where}/config.json: the compressed-tensors quantization_config is malformed; it needs "
+            "config_groups {name: {targets: [names], weights: {...}}} and ignore [names]."
+        )
+    out = {}
+    for group, scheme in groups.items():
+        if not scheme.get("weights"):
+            continue  # activations only: the weights stay as they are
+        spec = spec_from_ct_scheme(scheme)
+        fmt = scheme.get("format") or top
+        if fmt in (None, "mixed-precision"):  # unsaid: the format compressed-tensors infers for the scheme
+            fmt = formats.compressed_tensors_format(spec)
+        if fmt not in _ct_formats():
+            raise UserError(
+                f"{where}/config.json: compressed-tensors format {fmt!r} (config group {group}) is not one "
+                f"moequant reads; accepted: {', '.join(_ct_formats())}."
+            )
+        if spec.is_int and fmt in ("int-quantized", "naive-quantized") and (not spec.symmetric or spec.bits != 8):
+            raise UserError(
+                f"{where}/config.json: {fmt} {spec.key} (config group {group}) is not one moequant reads; "
+                "accepted there: symmetric int8."
+            )
+        for module in _ct_modules(scheme.get("targets", []), ignore, quantized_modules, where):
+            name = f"{module}.weight"
+            if name in out:
+                raise UserError(f"module {module} is targeted by two config groups in {where}/config.json.")
+            if f"{module}.weight_g_idx" in stored:
+                raise UserError(
+                    f"{where}: {module}.weight_g_idx (activation reordering) is not supported; accepted: "
+                    "compressed-tensors weights without act-order."
+                )
+            out[name] = _ct_encoding(stored, where, module, spec, fmt, read)
+    return out
+
+
+def _ct_encoding(stored, where, module: str, spec, fmt: str, read) -> Encoding:
+    p = lambda role: f"{module}.{role}"  # noqa: E731
+    name = p("weight")
+    if spec.family.ct_format == fmt and fmt not in CT_FORMATS:  # a registered format with no rules below
+        return _registered_ct_encoding(stored, where, module, spec, fmt)
+    if spec.name == "fp8":
+        need(stored, where, name, FLOAT8[:1])
+        rows, cols = dims(stored, where, name, 2)
+        scale = {"channel": (rows, 1), "block": (math.ceil(rows / 128), math.ceil(cols / 128))}.get(spec.granularity)
+        s = need(stored, where, p("weight_scale"), FLOATS, scale)
+        if spec.granularity == "tensor" and math.prod(s.shape) != 1:
+            raise UserError(
+                f"{where}: tensor {p('weight_scale')!r} has shape {list(s.shape)}; a per-tensor scale holds one value."
+            )
+        return Encoding(name, (rows, cols), spec, fmt, {"weight": name, "weight_scale": p("weight_scale")})
+    if spec.is_fp4:
+        packed = p("weight_packed")
+        need(stored, where, packed, ("U8",))
+        rows, half = dims(stored, where, packed, 2)
+        cols = 2 * half
+        group = 32 if spec.name == "mxfp4" else 16
+        if cols % group:
+            raise UserError(
+                f"{where}: tensor {packed!r} holds {cols} columns, not a multiple of {spec.key}'s group of {group}."
+            )
+        parts = {"weight_packed": packed, "weight_scale": p("weight_scale")}
+        need(
+            stored, where, parts["weight_scale"], ("U8",) if spec.name == "mxfp4" else FLOAT8[:1], (rows, cols // group)
+        )
+        if spec.name == "nvfp4":
+            parts["weight_global_scale"] = p("weight_global_scale")
+            g = need(stored, where, parts["weight_global_scale"], FLOATS)
+            if math.prod(g.shape) != 1:
+                raise UserError(
+                    f"{where}: tensor {parts['weight_global_scale']!r} has shape {list(g.shape)}; it holds one value."
+                )
+        return Encoding(name, (rows, cols), spec, fmt, parts)
+    if fmt in ("int-quantized", "naive-quantized"):
+        need(stored, where, name, ("I8",))
+        rows, cols = dims(stored, where, name, 2)
+        need(stored, where, p("weight_scale"), FLOATS, (rows, 1))
+        return Encoding(name, (rows, cols), spec, fmt, {"weight": name, "weight_scale": p("weight_scale")})
+    packed = p("weight_packed")
+    need(stored, where, packed, ("I32",))
+    rows, words = dims(stored, where, packed, 2)
+    scale = need(stored, where, p("weight_scale"), FLOATS)
+    if spec.granularity == "group":
+        cols = tuple(scale.shape)[-1] * spec.group_size if len(scale.shape) == 2 else -1
+        groups = cols // spec.group_size
+    else:  # per channel: the column count is only in weight_shape (int8: up to 3 unused codes per row)
+        if p("weight_shape") not in stored:
+            raise UserError(
+                f"{where} lacks tensor {p('weight_shape')!r}, which a per-channel pack-quantized weight needs."
+            )
+        need(stored, where, p("weight_shape"), ("I64", "I32"), (2,))
+        cols = int(read(p("weight_shape"))[1])
+        groups = 1
+    if cols <= 0 or tuple(scale.shape) != (rows, groups) or math.ceil(cols * spec.bits / 32) != words:
+        raise UserError(
+            f"{where}: tensor {p('weight_scale')!r} has shape {list(scale.shape)}, which does not fit "
+            f"{packed!r} {[rows, words]} as {spec.key}."
+        )
+    parts = {"weight_packed": packed, "weight_scale": p("weight_scale")}
+    if p("weight_shape") in stored:
+        need(stored, where, p("weight_shape"), ("I64", "I32"), (2,))
+        parts["weight_shape"] = p("weight_shape")
+    if not spec.symmetric:
+        parts["weight_zero_point"] = p("weight_zero_point")
+        need(stored, where, parts["weight_zero_point"], ("I32",), (math.ceil(rows * spec.bits / 32), groups))
+    return Encoding(name, (rows, cols), spec, fmt, parts)
+
+
+def _registered_ct_encoding(stored, where, module: str, spec, fmt: str) -> Encoding:
+    """A registered format's compressed-tensors tensors, checked against what its own packer writes for
+    one group (names, dtypes; how many logical columns one stored column of the codes holds)."""
+    probe_cols = spec.group_size or 1
+    probe = formats.pack_compressed_tensors(formats.quantize(torch.zeros(1, probe_cols), spec))
+    codes_role = next(iter(probe))
+    parts = {role: f"{module}.{role}" for role in probe}
+    for role, t in probe.items():
+        need(stored, where, parts[role], (SAFETENSORS_DTYPE[t.dtype],))
+    rows, stored_cols = dims(stored, where, parts[codes_role], 2)
+    cols = stored_cols * probe_cols // probe[codes_role].shape[-1]
+    formats.check_shape(spec, (rows, cols), parts[codes_role])
+    one_row = formats.pack_compressed_tensors(formats.quantize(torch.zeros(1, cols), spec))  # per row: shapes [1, ...]
+    for role, t in one_row.items():
+        need(stored, where, parts[role], (SAFETENSORS_DTYPE[t.dtype],), (rows,) + tuple(t.shape[1:]))
+    return Encoding(f"{module}.weight", (rows, cols), spec, fmt, parts)
+
+
+def unpack_compressed_tensors_encoding(enc: Encoding, t: dict) -> QuantizedTensor:
+    spec, layout, shape = enc.spec, enc.layout, enc.shape
+    if layout in ("int-quantized", "naive-quantized"):
+        return QuantizedTensor(spec, shape, t["weight"], t["weight_scale"])
+    if layout == "pack-quantized":
+        if "weight_shape" in t and tuple(int(v) for v in t["weight_shape"].tolist()) != tuple(shape):
+            raise UserError(
+                f"tensor {enc.parts['weight_shape']!r} says {t['weight_shape'].tolist()}, but "
+                f"{enc.parts['weight_packed']!r} and its scales hold a weight of shape {list(shape)}."
+            )
+        t = {**t, "weight_shape": torch.tensor(shape, dtype=torch.int64)}
+    return formats.unpack_compressed_tensors(t, spec)
+
+
 class CompressedTensors(Layout):
     name = "compressed-tensors"
+    quant_methods = ("compressed-tensors", QUANT_METHOD)  # the quantization_config.quant_method values it reads back
+    read_encodings = staticmethod(read_compressed_tensors)
+    unpack = staticmethod(unpack_compressed_tensors_encoding)
 
     def _scheme_key(self, q) -> str:
         return json.dumps(_ct_scheme(q.spec, self.int8_activations), sort_keys=True)
@@ -144,8 +380,6 @@ class CompressedTensors(Layout):
             "global_compression_ratio": None,
         }
         if self.target == "vllm-moequant":  # served by moequant's vLLM plugin (moequant.vllm_plugin)
-            from moequant.vllm_plugin.names import EXPERT_FORMATS, QUANT_METHOD
-
             config.update({"quant_method": QUANT_METHOD, EXPERT_FORMATS: self._expert_formats()})
         return config
 

@@ -2,12 +2,43 @@
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from moequant import formats
+from moequant.errors import UserError
+from moequant.formats import QuantizedTensor
 from moequant.layouts.base import Layout, module_name
+from moequant.layouts.reading import FLOAT8, FLOATS, Encoding, dims, modules_with, need
+
+
+def read_deepseek_fp8(qc, stored, where, read):
+    if list(qc.get("weight_block_size") or []) != [128, 128]:
+        raise UserError(
+            f"{where}/config.json: fp8 with weight_block_size {qc.get('weight_block_size')!r} is not a source "
+            "format moequant reads; accepted: weight_block_size [128, 128] (DeepSeek-V3's)."
+        )
+    spec = formats.get_format("fp8", granularity="block")
+    out = {}
+    for module in modules_with(stored, "weight_scale_inv"):
+        name, scale = f"{module}.weight", f"{module}.weight_scale_inv"
+        need(stored, where, name, FLOAT8[:1])
+        rows, cols = dims(stored, where, name, 2)
+        need(stored, where, scale, FLOATS, (math.ceil(rows / 128), math.ceil(cols / 128)))
+        out[name] = Encoding(name, (rows, cols), spec, "deepseek-fp8", {"weight": name, "weight_scale_inv": scale})
+    return out
+
+
+def unpack_deepseek_fp8(enc: Encoding, t: dict) -> QuantizedTensor:
+    return QuantizedTensor(enc.spec, enc.shape, t["weight"], t["weight_scale_inv"].to(torch.float32))
 
 
 class DeepseekFp8(Layout):
     name = "deepseek-fp8"
+    quant_methods = ("fp8",)  # the quantization_config.quant_method values it reads back
+    read_encodings = staticmethod(read_deepseek_fp8)
+    unpack = staticmethod(unpack_deepseek_fp8)
     recipe_name = "fp8-block"
 
     @staticmethod

@@ -4,11 +4,40 @@ from __future__ import annotations
 
 from moequant import formats
 from moequant.errors import UserError
+from moequant.formats import QuantizedTensor
 from moequant.layouts.base import Layout
+from moequant.layouts.reading import Encoding, dims, need
+
+
+def read_gpt_oss_mxfp4(qc, stored, where, read):
+    spec = formats.get_format("mxfp4")
+    out = {}
+    for stem in sorted(n[: -len("_blocks")] for n in stored if n.endswith("_blocks")):
+        blocks, scales = f"{stem}_blocks", f"{stem}_scales"
+        need(stored, where, blocks, ("U8",))
+        E, rows, groups, sixteen = dims(stored, where, blocks, 4)
+        if sixteen != 16:
+            raise UserError(
+                f"{where}: tensor {blocks!r} has shape {list(stored[blocks].shape)}; MXFP4 blocks are "
+                "[experts, out, in/32, 16]."
+            )
+        need(stored, where, scales, ("U8",), (E, rows, groups), " (the e8m0 scales of its blocks)")
+        out[stem] = Encoding(
+            stem, (E, groups * 32, rows), spec, "gpt-oss-mxfp4", {"blocks": blocks, "blocks_scales": scales}
+        )
+    return out
+
+
+def unpack_gpt_oss_mxfp4_encoding(enc: Encoding, t: dict) -> QuantizedTensor:
+    return formats.unpack_gpt_oss_mxfp4(t["blocks"], t["blocks_scales"])
 
 
 class GptOssMxfp4(Layout):
     name = "gpt-oss-mxfp4"
+    quant_methods = ("mxfp4",)  # the quantization_config.quant_method values it reads back
+    read_encodings = staticmethod(read_gpt_oss_mxfp4)
+    unpack = staticmethod(unpack_gpt_oss_mxfp4_encoding)
+    stored_transposed = True  # the parameter is [E, in, out]; its codes are [E, out, in]
     routed_only = True
 
     @staticmethod

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter, defaultdict
 
 from moequant import formats
 from moequant.errors import UserError
+from moequant.formats import QuantizedTensor
 from moequant.layouts.base import Layout, module_name
+from moequant.layouts.reading import Encoding, dims, modules_with, need
 
 # vLLM's names for those fused modules (GPTQ `dynamic` rules are matched against them)
 _FUSED_NAMES = {
@@ -21,8 +24,53 @@ def _gptq_group(spec) -> int:
     return -1 if spec.granularity == "channel" else spec.group_size
 
 
+def read_gptq(qc, stored, where, read):
+    if qc.get("checkpoint_format", "gptq") != "gptq" or qc.get("desc_act"):
+        raise UserError(
+            f"{where}: GPTQ checkpoints with act-order or checkpoint_format "
+            f"{qc.get('checkpoint_format')!r} are not a source format moequant reads; accepted: GPTQ v1 "
+            "without act-order."
+        )
+    symmetric = bool(qc.get("sym", True))
+    out = {}
+    for module in modules_with(stored, "qweight"):
+        parts = {r: f"{module}.{r}" for r in ("qweight", "qzeros", "scales", "g_idx")}
+        for r, dtypes in (
+            ("qweight", ("I32",)),
+            ("qzeros", ("I32",)),
+            ("scales", ("F16", "BF16", "F32")),
+            ("g_idx", ("I32", "I64")),
+        ):
+            need(stored, where, parts[r], dtypes)
+        cols = math.prod(stored[parts["g_idx"]].shape)
+        groups, rows = dims(stored, where, parts["scales"], 2)
+        words = dims(stored, where, parts["qweight"], 2)[0]
+        bits = words * 32 // cols if cols else 0
+        try:
+            spec = (
+                formats.get_format("int8")
+                if bits == 8 and groups == 1
+                else formats.get_format(f"int{bits}", group_size=cols // groups, symmetric=symmetric)
+            )
+        except UserError:
+            raise UserError(
+                f"{where}: GPTQ module {module} ({words} x {rows} qweight words for {cols} inputs in "
+                f"{groups} groups) is not a format moequant reads."
+            ) from None
+        need(stored, where, parts["qweight"], ("I32",), (math.ceil(cols * bits / 32), rows))
+        out[f"{module}.weight"] = Encoding(f"{module}.weight", (rows, cols), spec, "gptq", parts)
+    return out
+
+
+def unpack_gptq_encoding(enc: Encoding, t: dict) -> QuantizedTensor:
+    return formats.unpack_gptq(t, enc.spec, enc.shape, version=1)
+
+
 class Gptq(Layout):
     name = "gptq"
+    quant_methods = ("gptq",)  # the quantization_config.quant_method values it reads back
+    read_encodings = staticmethod(read_gptq)
+    unpack = staticmethod(unpack_gptq_encoding)
     symmetric_zeros = True
 
     @staticmethod

@@ -18,6 +18,16 @@ def register(layout: type[Layout]) -> type[Layout]:
     return layout
 
 
+def reader_for(quant_method) -> type[Layout] | None:
+    """The layout that reads checkpoints of this quantization_config.quant_method (None: none does)."""
+    return next((layout for layout in LAYOUTS.values() if quant_method in layout.quant_methods), None)
+
+
+def quant_methods() -> list[str]:
+    """Every quantization_config.quant_method a registered layout reads."""
+    return [m for layout in LAYOUTS.values() for m in layout.quant_methods]
+
+
 def layout_for(export_format: str) -> type[Layout]:
     """The layout a recipe's `export.format` names (a layout's own name is accepted too)."""
     layout = RECIPE_LAYOUTS.get(export_format) or LAYOUTS.get(export_format)

@@ -105,21 +105,48 @@ def export_checkpoint(
     plain = {n: q for n, q in items.items() if not q.spec.quantized}
     items = {n: q for n, q in items.items() if q.spec.quantized}
 
-    if layout == "gguf":  # one file in llama.cpp's names and block layouts (moequant.export.gguf)
-        from moequant.export.gguf import export_gguf
+    options = dict(
+        layout=layout,
+        target=target,
+        int8_activations=int8_activations,
+        max_shard_bytes=max_shard_bytes,
+        gguf_float=gguf_float,
+        gguf_types=gguf_types,
+    )
+    return CONTAINERS[LAYOUTS[layout].container](ckpt, adapter, items, plain, kept, Path(out_dir), options)
 
-        for n, q in plain.items():
-            kept.setdefault(n, _from_linear(adapter, n, q.codes))
-        info = {"layout": layout, "target": target, "formats": {n: q.spec.key for n, q in sorted(items.items())}}
-        return export_gguf(
-            ckpt, adapter, {**items, **plain}, out_dir, kept=kept, float_type=gguf_float, info=info, types=gguf_types
-        )
+
+def _export_safetensors(ckpt, adapter, items: dict, plain: dict, kept: dict, out_dir: Path, options: dict) -> Path:
+    """Sharded safetensors in the layout's tensors, config.json with its quantization_config."""
+    layout, target, int8_activations = options["layout"], options["target"], options["int8_activations"]
     writer = make_writer(ckpt, adapter, items, layout, target, int8_activations, excluded=set(kept) | set(plain))
-    out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:
-        _write_shards(tmp, ckpt, adapter, writer, items, plain, kept, max_shard_bytes)
+        _write_shards(tmp, ckpt, adapter, writer, items, plain, kept, options["max_shard_bytes"])
         write_checkpoint_files(tmp, ckpt, writer)
     return out_dir
+
+
+def _export_gguf(ckpt, adapter, items: dict, plain: dict, kept: dict, out_dir: Path, options: dict) -> Path:
+    """One file in llama.cpp's names and block layouts (moequant.export.gguf)."""
+    from moequant.export.gguf import export_gguf
+
+    for n, q in plain.items():
+        kept.setdefault(n, _from_linear(adapter, n, q.codes))
+    formats_written = {n: q.spec.key for n, q in sorted(items.items())}
+    info = {"layout": options["layout"], "target": options["target"], "formats": formats_written}
+    return export_gguf(
+        ckpt,
+        adapter,
+        {**items, **plain},
+        out_dir,
+        kept=kept,
+        float_type=options["gguf_float"],
+        info=info,
+        types=options["gguf_types"],
+    )
+
+
+CONTAINERS = {"safetensors": _export_safetensors, "gguf": _export_gguf}  # by the layout's `container`
 
 
 def make_writer(ckpt, adapter, items: Mapping, layout: str, target: str, int8_activations: str, excluded=()):

@@ -39,6 +39,9 @@ class Layout:
     recipe_name = ""  # what a recipe's export.format calls it, when not `name`
     symmetric_zeros = False  # stores zero points for symmetric formats too (the byte account counts them)
     routed_only = False  # quantizes routed experts only
+    # how the output is stored: "safetensors" shards (written layer by layer as they are quantized, read back
+    # by moequant's reader) or "gguf" (one file whose header lists every tensor first, run by llama.cpp)
+    container = "safetensors"
     quant_methods: tuple[str, ...] = ()  # the quantization_config.quant_method values it reads back (none: GGUF)
     stored_transposed = False  # the stored codes are the transpose of the parameter they encode (gpt-oss)
 

@@ -50,7 +50,7 @@ class DeepseekFp8(Layout):
         self._refuse_formats()
 
     def carries(self, encoding) -> bool:
-        return encoding.layout == "deepseek-fp8"
+        return encoding.reader == self.name
 
     def pack(self, name, q):
         module = module_name(name)

@@ -518,6 +518,7 @@ class Gguf(Layout):
     as gguf.plain_type stores them (F32 norms, biases and routers), tied embeddings again as output.weight."""
 
     name = "gguf"
+    container = "gguf"
 
     @staticmethod
     def plain_nbytes(role, shape, export, element_size=2):

@@ -358,7 +358,7 @@ def quantize_and_export(
     t0 = time.perf_counter()
     arguments = export_arguments(recipe)
     streamed = None  # GGUF: one file whose header lists every tensor first, written from the work files
-    if arguments["layout"] != "gguf":  # every layer is written as the output's shards as it is quantized
+    if layout_for(arguments["layout"]).container == "safetensors":  # each layer written as shards when quantized
         streamed = StreamedExport(
             ckpt,
             adapter_for(ckpt.config),
@@ -402,7 +402,7 @@ def evaluate_output(recipe: Recipe, ckpt, checkpoint_dir: Path, timings: dict, p
     e = recipe.evaluate
     settings = dict(dataset=e.dataset, samples=e.samples, seq_len=e.seq_len, seed=recipe.seed, progress=progress)
     t0 = time.perf_counter()
-    if recipe.export.format == "gguf":  # llama.cpp itself runs the GGUF (moequant.export.verify_llamacpp)
+    if layout_for(recipe.export.format).container == "gguf":  # llama.cpp runs it (moequant.export.verify_llamacpp)
         from moequant.export.gguf import GGUF_FILE
         from moequant.export.verify_llamacpp import evaluate_gguf
 

@@ -1,12 +1,65 @@
-"""The awq layout: AutoAWQ GEMM int4 (one group size and one zero-point mode for the whole model)."""
+"""The awq layout: AutoAWQ GEMM int4 (one group size and one zero-point mode for the whole model).
+
+Packing (pack_awq / unpack_awq): qweight [in, out/8] and qzeros [groups, out/8], packing along the output
+axis, nibble p of each word holding column 8j + (0, 2, 4, 6, 1, 3, 5, 7)[p]; zeros unsigned
+as is; scales fp16 [groups, out].
+"""
 
 from __future__ import annotations
 
+import torch
+
 from moequant import formats
 from moequant.errors import UserError
-from moequant.formats import QuantizedTensor
-from moequant.layouts.base import Layout, module_name
+from moequant.formats import QuantizedTensor, get_format
+from moequant.formats.packing import pack_int32, signed, unpack_int32, unsigned
+from moequant.layouts.base import Layout, fp16_scales, module_name, require_int_bits
 from moequant.layouts.reading import Encoding, dims, modules_with, need
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_INVERSE = tuple(AWQ_ORDER.index(c) for c in range(8))  # (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def pack_awq(q: QuantizedTensor) -> dict:
+    """AutoAWQ GEMM tensors: qweight [in, out/8], qzeros [groups, out/8], scales [groups, out]."""
+    spec = q.spec
+    require_int_bits(spec, "AWQ", (4,))
+    rows = q.shape[-2]
+    if rows % 8:
+        raise UserError("the AWQ layout needs output features divisible by 8, got %d" % rows)
+    order = torch.tensor(AWQ_ORDER, device=q.codes.device)
+
+    def interleave(u_t):  # [..., n, out] -> words [..., n, out/8]
+        v = u_t.unflatten(-1, (rows // 8, 8))[..., order]
+        return pack_int32(v.flatten(-2), 4)
+
+    u = unsigned(q.codes, 4).transpose(-2, -1).contiguous()
+    if q.zeros is None:
+        z = torch.full(q.scales.shape, 8, dtype=torch.uint8, device=u.device)
+    else:
+        z = unsigned(q.zeros, 4)
+    return {
+        "qweight": interleave(u),
+        "qzeros": interleave(z.transpose(-2, -1).contiguous()),
+        "scales": fp16_scales(q, "AWQ"),
+    }
+
+
+def unpack_awq(tensors: dict, spec, shape) -> QuantizedTensor:
+    """Inverse of pack_awq (a symmetric spec ignores qzeros, which hold 8)."""
+    spec = get_format(spec)
+    require_int_bits(spec, "AWQ", (4,))
+    shape = tuple(shape)
+    rows = shape[-2]
+    inverse = torch.tensor(AWQ_INVERSE, device=tensors["qweight"].device)
+
+    def deinterleave(words):  # [..., n, out/8] -> [..., n, out]
+        v = unpack_int32(words, 4, rows).unflatten(-1, (rows // 8, 8))[..., inverse]
+        return v.flatten(-2)
+
+    codes = signed(deinterleave(tensors["qweight"]), 4).transpose(-2, -1).contiguous()
+    zeros = None if spec.symmetric else signed(deinterleave(tensors["qzeros"]), 4).transpose(-2, -1).contiguous()
+    return QuantizedTensor(spec, shape, codes, tensors["scales"].transpose(-2, -1).contiguous(), zeros)
 
 
 def read_awq(qc, stored, where, read):
@@ -35,7 +88,7 @@ def read_awq(qc, stored, where, read):
 
 
 def unpack_awq_encoding(enc: Encoding, t: dict) -> QuantizedTensor:
-    return formats.unpack_awq(t, enc.spec, enc.shape)
+    return unpack_awq(t, enc.spec, enc.shape)
 
 
 class Awq(Layout):
@@ -64,7 +117,7 @@ class Awq(Layout):
 
     def pack(self, name, q):
         module = module_name(name)
-        return {f"{module}.{k}": v for k, v in formats.pack_awq(q).items()}
+        return {f"{module}.{k}": v for k, v in pack_awq(q).items()}
 
     def quantization_config(self) -> dict:
         return {

@@ -9,7 +9,7 @@ from collections import defaultdict
 import torch
 
 from moequant.errors import UserError
-from moequant.formats import QuantizedTensor
+from moequant.formats import FormatSpec, QuantizedTensor
 
 # Linear modules a serving engine fuses into one: they must share one scheme.
 FUSED_SIBLINGS = (
@@ -28,6 +28,28 @@ def module_name(name: str) -> str:
 def layer_of_experts(roles, name):
     r = roles.get(name)
     return r.layer if r is not None and r.role == "routed_expert" else None
+
+
+def require_int_bits(spec: FormatSpec, layout: str, bits_ok) -> None:
+    """Refuse a spec that is not an integer format of one of `bits_ok` bits (GPTQ and AWQ pack only those)."""
+    if not spec.is_int or spec.bits not in bits_ok:
+        raise UserError(
+            "the %s layout holds %s integer formats, not %s"
+            % (layout, "/".join("int%d" % b for b in bits_ok), spec.key)
+        )
+
+
+def fp16_scales(q: QuantizedTensor, layout: str) -> torch.Tensor:
+    """GPTQ / AWQ store fp16 scales: convert, refusing any scale that fp16 cannot hold exactly."""
+    s16 = q.scales.to(torch.float16)
+    bad = s16.to(torch.float32) != q.scales.to(torch.float32)
+    if bool(bad.any()):
+        raise UserError(
+            "the %s layout stores fp16 scales, and %d scales of this %s tensor (largest %.4g) are not "
+            "exactly representable in fp16 (normal range 6.1e-05..65504); use compressed-tensors"
+            % (layout, int(bad.sum()), q.spec.key, float(q.scales.float().abs().max()))
+        )
+    return s16.transpose(-2, -1).contiguous()
 
 
 class Layout:

@@ -1,4 +1,5 @@
-"""The compressed-tensors layout (the default): one config group per scheme, every format moequant has, the per-expert map of target vllm-moequant and the guard that stops plain transformers on mixed experts."""
+"""The compressed-tensors layout (the default): one config group per scheme, every format moequant has, the per-
+expert map of target vllm-moequant and the guard that stops plain transformers on mixed experts."""
 
 from __future__ import annotations
 

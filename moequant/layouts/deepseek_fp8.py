@@ -1,4 +1,5 @@
-"""The deepseek-fp8 layout: weight float8_e4m3fn + weight_scale_inv per 128x128 block (`weight_block_size`), as DeepSeek-V3 ships."""
+"""The deepseek-fp8 layout: weight float8_e4m3fn + weight_scale_inv per 128x128 block (`weight_block_size`), as
+DeepSeek-V3 ships."""
 
 from __future__ import annotations
 
@@ -11,6 +12,18 @@ from moequant.errors import UserError
 from moequant.formats import QuantizedTensor
 from moequant.layouts.base import Layout, module_name
 from moequant.layouts.reading import FLOAT8, FLOATS, Encoding, dims, modules_with, need
+
+
+def holds(spec) -> bool:
+    """The one format the layout holds (its packer and its rules ask here)."""
+    return spec.key == "fp8-block128"
+
+
+def pack_deepseek_fp8(q: QuantizedTensor) -> dict:
+    """DeepSeek-V3 layout: weight float8_e4m3fn [out, in], weight_scale_inv fp32 [ceil(out/128), ceil(in/128)]."""
+    if not holds(q.spec):
+        raise UserError("the DeepSeek FP8 layout holds fp8-block128, not %s" % q.spec.key)
+    return {"weight": q.codes, "weight_scale_inv": q.scales}
 
 
 def read_deepseek_fp8(qc, stored, where, read):
@@ -43,7 +56,7 @@ class DeepseekFp8(Layout):
 
     @staticmethod
     def refuses(spec, target):
-        return None if spec.key == "fp8-block128" else "fp8-block128 only (DeepSeek-V3's FP8 layout)"
+        return None if holds(spec) else "fp8-block128 only (DeepSeek-V3's FP8 layout)"
 
     def check(self) -> None:
         self._require_unfused()
@@ -54,7 +67,7 @@ class DeepseekFp8(Layout):
 
     def pack(self, name, q):
         module = module_name(name)
-        return {f"{module}.{k}": v for k, v in formats.pack_deepseek_fp8(q).items()}
+        return {f"{module}.{k}": v for k, v in pack_deepseek_fp8(q).items()}
 
     def quantization_config(self) -> dict:
         return {

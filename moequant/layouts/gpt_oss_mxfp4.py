@@ -1,12 +1,37 @@
-"""The gpt-oss-mxfp4 layout: gpt-oss's experts as `*_blocks` / `*_scales` (gate/up interleaved as on disk), every other tensor kept."""
+"""The gpt-oss-mxfp4 layout: gpt-oss's experts as `*_blocks` / `*_scales` (gate/up interleaved as on disk), every
+other tensor kept."""
 
 from __future__ import annotations
 
+import torch
+
 from moequant import formats
 from moequant.errors import UserError
-from moequant.formats import QuantizedTensor
+from moequant.formats import QuantizedTensor, get_format, pack_e2m1, unpack_e2m1
 from moequant.layouts.base import Layout
 from moequant.layouts.reading import Encoding, dims, need
+
+
+def holds(spec) -> bool:
+    """The one format the layout holds (its packer and its rules ask here)."""
+    return spec.name == "mxfp4"
+
+
+def pack_gpt_oss_mxfp4(q: QuantizedTensor) -> dict:
+    """gpt-oss layout for a [E, out, in] stack: blocks uint8 [E, out, in/32, 16], scales uint8 [E, out, in/32].
+
+    (gpt-oss names them e.g. mlp.experts.gate_up_proj_blocks / _scales; the dequantized
+    parameter is the transpose, [E, in, out].)
+    """
+    if not holds(q.spec):
+        raise UserError("the gpt-oss MXFP4 layout holds mxfp4, not %s" % q.spec.key)
+    packed = pack_e2m1(q.codes)
+    return {"blocks": packed.unflatten(-1, (packed.shape[-1] // 16, 16)).contiguous(), "scales": q.scales}
+
+
+def unpack_gpt_oss_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedTensor:
+    codes = unpack_e2m1(blocks.flatten(-2))
+    return QuantizedTensor(get_format("mxfp4"), tuple(codes.shape), codes, scales)
 
 
 def read_gpt_oss_mxfp4(qc, stored, where, read):
@@ -29,7 +54,7 @@ def read_gpt_oss_mxfp4(qc, stored, where, read):
 
 
 def unpack_gpt_oss_mxfp4_encoding(enc: Encoding, t: dict) -> QuantizedTensor:
-    return formats.unpack_gpt_oss_mxfp4(t["blocks"], t["blocks_scales"])
+    return unpack_gpt_oss_mxfp4(t["blocks"], t["blocks_scales"])
 
 
 class GptOssMxfp4(Layout):
@@ -42,7 +67,7 @@ class GptOssMxfp4(Layout):
 
     @staticmethod
     def refuses(spec, target):
-        return None if spec.name == "mxfp4" else "mxfp4 only (gpt-oss's own layout)"
+        return None if holds(spec) else "mxfp4 only (gpt-oss's own layout)"
 
     @classmethod
     def refuses_model(cls, adapter):
@@ -68,7 +93,7 @@ class GptOssMxfp4(Layout):
                     )
 
     def pack(self, name, q):
-        packed = formats.pack_gpt_oss_mxfp4(q)
+        packed = pack_gpt_oss_mxfp4(q)
         return {f"{name}_blocks": packed["blocks"], f"{name}_scales": packed["scales"]}
 
     def quantization_config(self) -> dict:

@@ -1,4 +1,13 @@
-"""The gptq layout: GPTQ v1 symmetric int4 / int8 (qweight, qzeros, scales fp16, g_idx), quantize_config.json and per-module `dynamic` overrides, as vLLM and GPTQModel read it."""
+"""The gptq layout: GPTQ v1 symmetric int4 / int8 (qweight, qzeros, scales fp16, g_idx), quantize_config.json and
+per-module `dynamic` overrides, as vLLM and GPTQModel read it.
+
+Packing (pack_gptq / unpack_gptq; integer bit streams as moequant.formats.packing describes them):
+GPTQ v1: qweight = the same stream along the input axis, stored transposed [ceil(in*B/32), out];
+qzeros [groups, ceil(out*B/32)] hold (zero - 1) (the v1 off-by-one that readers add back, so
+unsigned zero points 1..2^B are storable and 0 is not; symmetric tensors store 2^(B-1) - 1,
+which vLLM ignores); scales fp16 [groups, out];
+g_idx int32 [in] (no activation reordering). version=2 (GPTQModel's gptq_v2) stores zero as is.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +15,13 @@ import math
 import re
 from collections import Counter, defaultdict
 
+import torch
+
 from moequant import formats
 from moequant.errors import UserError
-from moequant.formats import QuantizedTensor
-from moequant.layouts.base import Layout, module_name
+from moequant.formats import FormatSpec, QuantizedTensor, get_format
+from moequant.formats.packing import pack_int32, signed, unpack_int32, unsigned
+from moequant.layouts.base import Layout, fp16_scales, module_name, require_int_bits
 from moequant.layouts.reading import Encoding, dims, modules_with, need
 
 # vLLM's names for those fused modules (GPTQ `dynamic` rules are matched against them)
@@ -22,6 +34,57 @@ _FUSED_NAMES = {
 
 def _gptq_group(spec) -> int:
     return -1 if spec.granularity == "channel" else spec.group_size
+
+
+def _group_size(spec: FormatSpec, cols: int) -> int:
+    return cols if spec.granularity == "channel" else spec.group_size
+
+
+def pack_gptq(q: QuantizedTensor, version: int = 1) -> dict:
+    """GPTQ checkpoint tensors: qweight, qzeros, scales, g_idx (see the module docstring)."""
+    spec = q.spec
+    require_int_bits(spec, "GPTQ", (2, 3, 4, 8))
+    bits, cols = spec.bits, q.shape[-1]
+    u = unsigned(q.codes, bits)
+    qweight = pack_int32(u, bits).transpose(-2, -1).contiguous()  # stream along the input axis
+    if q.zeros is None:
+        zeros = torch.full(q.scales.shape, 1 << (bits - 1), dtype=torch.int16, device=u.device)
+    else:
+        zeros = unsigned(q.zeros, bits).to(torch.int16)
+    if version == 1:
+        if bool((zeros == 0).any()):
+            raise UserError(
+                "GPTQ v1 cannot store a zero point of 0 (it writes zero - 1): %d groups of this "
+                "asymmetric %s tensor have one; use gptq_v2, compressed-tensors or a symmetric format"
+                % (int((zeros == 0).sum()), spec.key)
+            )
+        zeros = zeros - 1
+    elif version != 2:
+        raise ValueError("GPTQ version must be 1 or 2")
+    qzeros = pack_int32(zeros.transpose(-2, -1).contiguous(), bits)  # [..., groups, words over out]
+    g = _group_size(spec, cols)
+    return {
+        "qweight": qweight,
+        "qzeros": qzeros,
+        "scales": fp16_scales(q, "GPTQ"),
+        "g_idx": torch.arange(cols, dtype=torch.int32, device=u.device) // g,
+    }
+
+
+def unpack_gptq(tensors: dict, spec, shape, version: int = 1) -> QuantizedTensor:
+    """Inverse of pack_gptq for a weight of `shape` ([out, in] or [E, out, in])."""
+    spec = get_format(spec)
+    require_int_bits(spec, "GPTQ", (2, 3, 4, 8))
+    bits, shape = spec.bits, tuple(shape)
+    rows, cols = shape[-2:]
+    codes = signed(unpack_int32(tensors["qweight"].transpose(-2, -1).contiguous(), bits, cols), bits)
+    scales = tensors["scales"].transpose(-2, -1).contiguous()
+    zeros = None
+    if not spec.symmetric:
+        z = unpack_int32(tensors["qzeros"], bits, rows).to(torch.int16)
+        z = z + 1 if version == 1 else z  # v1 readers add 1 after unpacking: a stored 2^B - 1 means 2^B
+        zeros = signed(z, bits).transpose(-2, -1).contiguous()
+    return QuantizedTensor(spec, shape, codes, scales, zeros)
 
 
 def read_gptq(qc, stored, where, read):
@@ -63,7 +126,7 @@ def read_gptq(qc, stored, where, read):
 
 
 def unpack_gptq_encoding(enc: Encoding, t: dict) -> QuantizedTensor:
-    return formats.unpack_gptq(t, enc.spec, enc.shape, version=1)
+    return unpack_gptq(t, enc.spec, enc.shape, version=1)
 
 
 class Gptq(Layout):
@@ -92,7 +155,7 @@ class Gptq(Layout):
 
     def pack(self, name, q):
         module = module_name(name)
-        return {f"{module}.{k}": v for k, v in formats.pack_gptq(q, version=1).items()}
+        return {f"{module}.{k}": v for k, v in pack_gptq(q, version=1).items()}
 
     def _dynamic(self) -> dict:
         dynamic = {}

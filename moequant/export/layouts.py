@@ -23,28 +23,10 @@ reader of the layout loads it. bf16 costs 2 bytes per kept weight where FP8 had 
 the dequantized value to bf16's 8 significant bits (the source's e4m3 code times its fp32 scale
 can need more).
 
-Layouts (each refuses, before any work, a plan it cannot hold — one sentence, UserError):
-
-- "compressed-tensors" (default): one 2-D tensor set per module under the checkpoint's own names,
-  `quantization_config` with one config group per distinct scheme (exact module names as
-  targets, disjoint), `ignore` for every Linear left in bf16, per-group `format`, global
-  `format` = the single group format or `mixed-precision` (SGLang: `pack-quantized` when any
-  group is integer), `quantization_status: compressed`. int8 is W8A16 `pack-quantized`, or W8A8
-  `int-quantized` with dynamic per-token int8 activations when int8_activations="dynamic".
-  target "vllm"/"sglang" needs one format per MoE layer's routed experts, one format per fused
-  module group (q/k/v, gate/up) and int formats of 4 or 8 bits; target "transformers" takes any
-  per-expert mix (loaded by moequant.load()); target "vllm-moequant" takes a per-expert mix too,
-  one format per expert (its gate, up and down), and writes `quant_method: moequant` with
-  `expert_formats` = {MoE layer module: [format key per expert]} for moequant's vLLM plugin
-  (moequant.vllm_plugin), which serves it; moequant.load reads it as compressed-tensors.
-- "gptq": GPTQ v1 symmetric int4 / int8 (qweight, qzeros, scales fp16, g_idx), quantize_config.json,
-  per-module `dynamic` overrides: "+:" for modules whose bits / group differ from the base,
-  "-:" for Linear modules kept in bf16.
-- "awq": AutoAWQ GEMM int4 (asymmetric or symmetric, one group size).
-- "deepseek-fp8": weight float8_e4m3fn + weight_scale_inv per 128x128 block, `weight_block_size`.
-- "gpt-oss-mxfp4": gpt-oss experts as `*_blocks` / `*_scales` (gate/up interleaved as on disk),
-  biases and every other tensor kept.
-- "gguf": one `model.gguf` for llama.cpp, ggml block types (moequant.export.gguf).
+Layouts (moequant.layouts, one file each, found by name in its registry; each refuses, before any work,
+a plan it cannot hold — one sentence, UserError): compressed-tensors (default), gptq, awq, deepseek-fp8,
+gpt-oss-mxfp4, gguf. export_checkpoint writes any registered layout: safetensors shards in the layout's
+tensors, with its quantization_config, or (the gguf layout's container) one GGUF file (moequant.export.gguf).
 
 The output directory is built in a temporary sibling and renamed into place at the end; a
 `moequant_export.json` beside the weights records the layout, target and every tensor's format.

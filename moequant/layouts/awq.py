@@ -1,4 +1,5 @@
-"""The awq layout: AutoAWQ GEMM int4 (one group size and one zero-point mode for the whole model).
+"""The awq layout: AutoAWQ GEMM int4 (asymmetric or symmetric; one group size and one zero-point mode
+for the whole model).
 
 Packing (pack_awq / unpack_awq): qweight [in, out/8] and qzeros [groups, out/8], packing along the output
 axis, nibble p of each word holding column 8j + (0, 2, 4, 6, 1, 3, 5, 7)[p]; zeros unsigned

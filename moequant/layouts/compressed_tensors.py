@@ -1,5 +1,20 @@
-"""The compressed-tensors layout (the default): one config group per scheme, every format moequant has, the per-
-expert map of target vllm-moequant and the guard that stops plain transformers on mixed experts."""
+"""The compressed-tensors layout (the default): one config group per scheme, every format moequant has, the
+per-expert map of target vllm-moequant and the guard that stops plain transformers on mixed experts; its reader
+reads compressed-tensors checkpoints of other tools too (llm-compressor, Kimi-K2-Thinking).
+
+What it writes: one 2-D tensor set per module under the checkpoint's own names,
+`quantization_config` with one config group per distinct scheme (exact module names as
+targets, disjoint), `ignore` for every Linear left in bf16, per-group `format`, global
+`format` = the single group format or `mixed-precision` (SGLang: `pack-quantized` when any
+group is integer), `quantization_status: compressed`. int8 is W8A16 `pack-quantized`, or W8A8
+`int-quantized` with dynamic per-token int8 activations when int8_activations="dynamic".
+target "vllm"/"sglang" needs one format per MoE layer's routed experts, one format per fused
+module group (q/k/v, gate/up) and int formats of 4 or 8 bits; target "transformers" takes any
+per-expert mix (loaded by moequant.load()); target "vllm-moequant" takes a per-expert mix too,
+one format per expert (its gate, up and down), and writes `quant_method: moequant` with
+`expert_formats` = {MoE layer module: [format key per expert]} for moequant's vLLM plugin
+(moequant.vllm_plugin), which serves it; moequant.load reads it as compressed-tensors.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """The deepseek-fp8 layout: weight float8_e4m3fn + weight_scale_inv per 128x128 block (`weight_block_size`), as
-DeepSeek-V3 ships."""
+DeepSeek-V3 ships.
+
+What it writes: weight float8_e4m3fn + weight_scale_inv per 128x128 block, `weight_block_size`.
+"""
 
 from __future__ import annotations
 

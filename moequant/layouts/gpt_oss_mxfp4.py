@@ -1,5 +1,9 @@
 """The gpt-oss-mxfp4 layout: gpt-oss's experts as `*_blocks` / `*_scales` (gate/up interleaved as on disk), every
-other tensor kept."""
+other tensor kept.
+
+What it writes: gpt-oss experts as `*_blocks` / `*_scales` (gate/up interleaved as on disk),
+biases and every other tensor kept.
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,10 @@ qzeros [groups, ceil(out*B/32)] hold (zero - 1) (the v1 off-by-one that readers 
 unsigned zero points 1..2^B are storable and 0 is not; symmetric tensors store 2^(B-1) - 1,
 which vLLM ignores); scales fp16 [groups, out];
 g_idx int32 [in] (no activation reordering). version=2 (GPTQModel's gptq_v2) stores zero as is.
+
+What it writes: GPTQ v1 symmetric int4 / int8 (qweight, qzeros, scales fp16, g_idx), quantize_config.json,
+per-module `dynamic` overrides: "+:" for modules whose bits / group differ from the base,
+"-:" for Linear modules kept in bf16.
 """
 
 from __future__ import annotations

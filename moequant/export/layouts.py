@@ -73,13 +73,13 @@ def export_checkpoint(
     gguf_types: Mapping[str, str] | None = None,
 ) -> Path:
     """Write `out_dir`: the source checkpoint with `quantized` tensors in `layout`. Returns the path."""
-    _check_export_options(layout, target, int8_activations)
+    check_export_options(layout, target, int8_activations)
     ckpt = open_checkpoint(source_dir)
     if ckpt.config_only:
         raise UserError(f"{source_dir} has no safetensors weights to export.")
     adapter = adapter_for(ckpt.config)
     quantized, kept = _split_replacements(quantized, kept, ckpt, source_dir)
-    items = _resolve(quantized, ckpt, adapter)
+    items = resolve_keys(quantized, ckpt, adapter)
     both = sorted(set(items) & set(kept))
     if both:
         raise UserError(f"tensor {both[0]!r} is given both quantized and kept; give it once.")
@@ -161,7 +161,7 @@ def write_checkpoint_files(tmp: Path, ckpt, writer) -> None:
     copy_aux_files(ckpt.directory, tmp)
 
 
-def _check_export_options(layout: str, target: str, int8_activations: str) -> None:
+def check_export_options(layout: str, target: str, int8_activations: str) -> None:
     """Refuse an unknown layout, target or int8_activations, or a layout the target cannot load."""
     if layout not in LAYOUTS:
         raise UserError(f"export layout {layout!r} is not supported; accepted: {', '.join(LAYOUTS)}.")
@@ -264,7 +264,7 @@ def model_dtype(config: dict) -> torch.dtype:
 # Inputs
 
 
-def _resolve(quantized: Mapping, ckpt, adapter) -> dict[str, QuantizedTensor]:
+def resolve_keys(quantized: Mapping, ckpt, adapter) -> dict[str, QuantizedTensor]:
     """Keys → on-disk names; per-expert tuples of fused architectures are stacked per tensor."""
     out: dict[str, QuantizedTensor] = {}
     fused_parts: dict[str, dict[tuple[int, str], QuantizedTensor]] = defaultdict(dict)
@@ -286,7 +286,7 @@ def _resolve(quantized: Mapping, ckpt, adapter) -> dict[str, QuantizedTensor]:
             raise UserError(f"quantized tensor {name!r} is not a tensor of {ckpt.path}.")
         if name in out:
             raise UserError(f"tensor {name!r} is given twice in the quantized mapping.")
-        expected = _linear_shape(adapter, name, ckpt.shape(name))
+        expected = linear_shape(adapter, name, ckpt.shape(name))
         if tuple(q.shape) != expected:
             raise UserError(
                 f"quantized tensor {name!r} has shape {list(q.shape)}, but the checkpoint's weight is "
@@ -300,7 +300,7 @@ def _resolve(quantized: Mapping, ckpt, adapter) -> dict[str, QuantizedTensor]:
     return out
 
 
-def _linear_shape(adapter, name: str, disk_shape) -> tuple:
+def linear_shape(adapter, name: str, disk_shape) -> tuple:
     """[out, in] (or [E, out, in]) shape of an on-disk weight: fused gpt-oss tensors are [E, in, out]."""
     if adapter.fused_experts and len(disk_shape) == 3:
         return (disk_shape[0], disk_shape[2], disk_shape[1])
@@ -308,7 +308,7 @@ def _linear_shape(adapter, name: str, disk_shape) -> tuple:
 
 
 def _from_linear(adapter, name: str, weight: torch.Tensor) -> torch.Tensor:
-    """Inverse of _linear_shape for a dense tensor."""
+    """Inverse of linear_shape for a dense tensor."""
     if adapter.fused_experts and weight.dim() == 3:
         return weight.transpose(1, 2).contiguous()
     return weight
@@ -343,7 +343,7 @@ def _fuse_experts(adapter, name: str, parts: dict, disk_shape) -> QuantizedTenso
             )
         )
     q = formats.stack_experts(per_expert)
-    expected = _linear_shape(adapter, name, disk_shape)
+    expected = linear_shape(adapter, name, disk_shape)
     if tuple(q.shape) != expected:
         raise UserError(f"experts of {name} stack to {list(q.shape)}, expected {list(expected)}.")
     return q

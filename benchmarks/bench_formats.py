@@ -15,6 +15,8 @@ import time
 import torch
 
 from moequant import formats
+from moequant.layouts.awq import pack_awq
+from moequant.layouts.gptq import pack_gptq
 
 DEFAULT_KEYS = [
     "bf16",
@@ -107,9 +109,9 @@ def main():
         print("%-16s %10.2f %10.1f %12.4f" % (key, gb / t, t * 1e3, formats.parse_key(key).bits_per_weight(shape)))
         if key.startswith("int4-g128"):
             q = formats.quantize(w, key)
-            for layout, pack in (("gptq", formats.pack_gptq), ("awq", formats.pack_awq)):
+            for layout, pack in (("gptq", pack_gptq), ("awq", pack_awq)):
                 if layout == "gptq" and not q.spec.symmetric:
-                    pack = lambda q: formats.pack_gptq(q, version=2)  # noqa: E731
+                    pack = lambda q: pack_gptq(q, version=2)  # noqa: E731
                 tp = best_time(lambda: pack(formats.quantize(w, key)), args.repeat, args.device)
                 print("%-16s %10.2f %10.1f %12s" % ("  +" + layout, gb / tp, tp * 1e3, ""))
     if not args.no_mx_rules:

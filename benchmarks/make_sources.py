@@ -35,6 +35,8 @@ from moequant import formats
 from moequant.arch import adapter_for
 from moequant.errors import UserError
 from moequant.io.checkpoint import ShardWriter, atomic_directory
+from moequant.layouts.deepseek_fp8 import pack_deepseek_fp8
+from moequant.layouts.gpt_oss_mxfp4 import pack_gpt_oss_mxfp4
 
 ROOT = Path(__file__).resolve().parent.parent
 DEEPSEEK_V3 = ROOT / "tests" / "data" / "configs" / "deepseek-v3.json"
@@ -223,7 +225,7 @@ def make_deepseek_fp8(
             for name, shape in shapes.items():
                 t = _random(name, shape, g)
                 if name.endswith("_proj.weight") and len(shape) == 2:  # every Linear but the router and the heads
-                    packed = formats.pack_deepseek_fp8(formats.quantize(t, spec, name=name))
+                    packed = pack_deepseek_fp8(formats.quantize(t, spec, name=name))
                     yield name, packed["weight"].cpu()
                     yield name[: -len("weight")] + "weight_scale_inv", packed["weight_scale_inv"].cpu()
                 elif name.endswith("e_score_correction_bias"):
@@ -342,7 +344,7 @@ def make_gpt_oss_mxfp4(directory, overrides: dict | None = None, seed: int = 0, 
                 t = _random(name, shape, g)
                 if role.role == "routed_expert" and role.proj in ("gate_up", "down"):
                     # stored [E, in, out]; MXFP4 groups run along the input axis of the [E, out, in] weight
-                    packed = formats.pack_gpt_oss_mxfp4(formats.quantize(t.transpose(1, 2), spec, name=name))
+                    packed = pack_gpt_oss_mxfp4(formats.quantize(t.transpose(1, 2), spec, name=name))
                     yield f"{name}_blocks", packed["blocks"]
                     yield f"{name}_scales", packed["scales"]
                 else:

@@ -18,9 +18,10 @@ from test_export_models import build_model, quantize_experts, quantize_named
 from moequant import formats
 from moequant.arch import adapter_for
 from moequant.errors import UserError
-from moequant.export.layouts import TRANSFORMERS_GUARD, export_checkpoint, transformers_guard_group
+from moequant.export.layouts import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
 from moequant.io.loader import dequantized_state_dict, load
+from moequant.layouts.compressed_tensors import TRANSFORMERS_GUARD, transformers_guard_group
 
 # every format moequant has, cycled over the experts of one model: a per-expert mix
 ALL_KEYS = [

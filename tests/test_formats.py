@@ -13,6 +13,10 @@ from helpers import make_weight
 
 from moequant import formats
 from moequant.errors import UserError
+from moequant.layouts.awq import pack_awq, unpack_awq
+from moequant.layouts.deepseek_fp8 import pack_deepseek_fp8
+from moequant.layouts.gpt_oss_mxfp4 import pack_gpt_oss_mxfp4, unpack_gpt_oss_mxfp4
+from moequant.layouts.gptq import pack_gptq, unpack_gptq
 
 INT_KEYS = [
     "int8-channel",
@@ -353,7 +357,7 @@ def test_bad_weights_are_user_errors():
     big = formats.quantize(torch.full((8, 32), 1e6), "int4-g32-sym")  # scale 1.3e5: fine in bf16 ...
     assert big.dequantize()[0, 0].item() == pytest.approx(1e6, rel=0.1)
     with pytest.raises(UserError, match="fp16"):  # ... but GPTQ's fp16 scales cannot hold it
-        formats.pack_gptq(big)
+        pack_gptq(big)
     with pytest.raises(UserError, match="nvfp4"):
         formats.quantize(torch.ones(2, 32), "mxfp4", global_scale=1.0)
 
@@ -433,15 +437,15 @@ def _layouts(q):
     spec = q.spec
     out = {"compressed-tensors": formats.pack_compressed_tensors(q)}
     if spec.is_int:
-        out["gptq-v2"] = formats.pack_gptq(q, version=2)
+        out["gptq-v2"] = pack_gptq(q, version=2)
         if spec.symmetric:
-            out["gptq-v1"] = formats.pack_gptq(q, version=1)
+            out["gptq-v1"] = pack_gptq(q, version=1)
         if spec.bits == 4:
-            out["awq"] = formats.pack_awq(q)
+            out["awq"] = pack_awq(q)
     if spec.key == "fp8-block128":
-        out["deepseek"] = formats.pack_deepseek_fp8(q)
+        out["deepseek"] = pack_deepseek_fp8(q)
     if spec.name == "mxfp4":
-        out["gpt-oss"] = formats.pack_gpt_oss_mxfp4(q)
+        out["gpt-oss"] = pack_gpt_oss_mxfp4(q)
     return out
 
 
@@ -465,11 +469,11 @@ def test_every_layout_unpacks_to_the_same_quantized_tensor(key):
         if layout == "compressed-tensors":
             back = formats.unpack_compressed_tensors(tensors, key)
         elif layout.startswith("gptq"):
-            back = formats.unpack_gptq(tensors, key, q.shape, version=int(layout[-1]))
+            back = unpack_gptq(tensors, key, q.shape, version=int(layout[-1]))
         elif layout == "awq":
-            back = formats.unpack_awq(tensors, key, q.shape)
+            back = unpack_awq(tensors, key, q.shape)
         elif layout == "gpt-oss":
-            back = formats.unpack_gpt_oss_mxfp4(tensors["blocks"], tensors["scales"])
+            back = unpack_gpt_oss_mxfp4(tensors["blocks"], tensors["scales"])
         else:
             back = formats.QuantizedTensor(q.spec, q.shape, tensors["weight"], tensors["weight_scale_inv"])
         assert back.shape == q.shape and torch.equal(back.dequantize(), q.dequantize()), layout
@@ -485,16 +489,14 @@ def test_gptq_v1_refuses_a_zero_point_of_zero():
     q = formats.quantize(w, "int4-g32-asym")
     assert (q.zeros == -8).all()
     with pytest.raises(UserError, match="zero point of 0"):
-        formats.pack_gptq(q)
+        pack_gptq(q)
     # v1 can store an unsigned zero point of 16 (written as 15), which readers add back to 16
     q16 = formats.QuantizedTensor(q.spec, q.shape, q.codes, q.scales, torch.full_like(q.zeros, 8))
-    t = formats.pack_gptq(q16)
+    t = pack_gptq(q16)
     assert (formats.unpack_int32(t["qzeros"], 4, 8) == 15).all()
-    back = formats.unpack_gptq(t, q.spec, q.shape)
+    back = unpack_gptq(t, q.spec, q.shape)
     assert (back.zeros == 8).all() and torch.equal(back.dequantize(), q16.dequantize())
-    assert torch.equal(
-        formats.unpack_gptq(formats.pack_gptq(q, version=2), q.spec, q.shape, version=2).dequantize(), q.dequantize()
-    )
+    assert torch.equal(unpack_gptq(pack_gptq(q, version=2), q.spec, q.shape, version=2).dequantize(), q.dequantize())
 
 
 @pytest.mark.parametrize("byte_path", [True, False])

@@ -8,6 +8,7 @@ import torch
 from helpers import make_weight
 
 from moequant import formats
+from moequant.layouts.gptq import pack_gptq
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -35,8 +36,8 @@ def test_cuda_matches_cpu_bit_for_bit(key):
     back = formats.unpack_compressed_tensors(packed_gpu, key)
     assert torch.equal(back.dequantize().cpu(), cpu.dequantize())
     if cpu.spec.is_int:
-        for name, t in formats.pack_gptq(gpu, version=2).items():
-            assert _same(t, formats.pack_gptq(cpu, version=2)[name]), name
+        for name, t in pack_gptq(gpu, version=2).items():
+            assert _same(t, pack_gptq(cpu, version=2)[name]), name
 
 
 @pytest.mark.parametrize("key", ["int4-g128-asym", "fp8-block128", "nvfp4", "mxfp4"])

@@ -22,6 +22,10 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from moequant import formats
 from moequant.formats.elements import decode_e2m1, e8m0_to_float
+from moequant.layouts.awq import pack_awq
+from moequant.layouts.deepseek_fp8 import pack_deepseek_fp8
+from moequant.layouts.gpt_oss_mxfp4 import pack_gpt_oss_mxfp4
+from moequant.layouts.gptq import pack_gptq
 
 KINDS = ["normal", "student_t"]
 
@@ -179,7 +183,7 @@ def test_our_config_args_are_compressed_tensors_presets_and_decode_our_tensors(k
 def test_autoawq_converter_reads_our_awq_gemm_tensors(key):
     w = make_weight((24, 256), "student_t", seed=61)
     q = formats.quantize(w, key)
-    awq = formats.pack_awq(q)
+    awq = pack_awq(q)
     spec = q.spec
     conv = AutoAWQConverter(bits=4, group_size=spec.group_size, zero_point=True)
     ct = conv.process({"m.qweight": awq["qweight"], "m.qzeros": awq["qzeros"], "m.scales": awq["scales"]})
@@ -194,7 +198,7 @@ def test_gptq_bit_streams_are_the_ones_compressed_tensors_reads(key):
     # along the output axis; compressed-tensors' unpacker reads them once the orientation is matched.
     w = make_weight((40, 256), seed=67)
     q = formats.quantize(w, key)
-    gptq = formats.pack_gptq(q, version=2)
+    gptq = pack_gptq(q, version=2)
     state = {
         "weight_packed": gptq["qweight"].T.contiguous(),
         "weight_scale": gptq["scales"].T.contiguous(),
@@ -215,10 +219,10 @@ def test_gptq_v1_zero_points_are_stored_minus_one():
     for key in ("int4-g32-sym", "int3-g64-sym"):
         q = formats.quantize(w, key)
         b = q.spec.bits
-        z = formats.unpack_int32(formats.pack_gptq(q)["qzeros"], b, 16)
+        z = formats.unpack_int32(pack_gptq(q)["qzeros"], b, 16)
         assert (z == 2 ** (b - 1) - 1).all()  # symmetric: 7 (int4) / 3 (int3), the v1 convention
     q = formats.quantize(w, "int4-g32-asym")
-    z = formats.unpack_int32(formats.pack_gptq(q)["qzeros"], 4, 16).T
+    z = formats.unpack_int32(pack_gptq(q)["qzeros"], 4, 16).T
     assert torch.equal(z.to(torch.int16), q.zeros.to(torch.int16) + 8 - 1)
 
 
@@ -229,7 +233,7 @@ def test_gptq_v1_zero_points_are_stored_minus_one():
 def test_transformers_gpt_oss_dequantizer_reads_our_mxfp4(kind):
     w = make_weight((2, 24, 128), kind, seed=73)  # [E, out, in]
     q = formats.quantize(w, "mxfp4")
-    t = formats.pack_gpt_oss_mxfp4(q)
+    t = pack_gpt_oss_mxfp4(q)
     assert t["blocks"].shape == (2, 24, 4, 16) and t["scales"].shape == (2, 24, 4)
     out = convert_moe_packed_tensors(t["blocks"], t["scales"], dtype=torch.float32)
     assert out.shape == (2, 128, 24)  # gpt-oss keeps experts as [E, in, out] in memory
@@ -240,11 +244,11 @@ def test_transformers_gpt_oss_dequantizer_reads_our_mxfp4(kind):
 def test_transformers_fp8_block_dequantizers_read_our_deepseek_layout(kind):
     w = make_weight((2, 300, 200), kind, seed=79)
     q = formats.quantize(w, "fp8-block128")
-    t = formats.pack_deepseek_fp8(q)
+    t = pack_deepseek_fp8(q)
     out = _dequantize_fp8_weight(t["weight"].clone(), t["weight_scale_inv"], [128, 128], torch.float32)
     assert torch.equal(out, q.dequantize())
     even = formats.quantize(w[:, :256, :128], "fp8-block128")  # the loader path needs whole blocks
-    te = formats.pack_deepseek_fp8(even)
+    te = pack_deepseek_fp8(even)
     out = Fp8Dequantize(None)._dequantize_one(te["weight"], te["weight_scale_inv"], output_dtype=torch.float32)
     assert torch.equal(out, even.dequantize())
 

@@ -18,12 +18,17 @@ LAYERS = [
     ("moequant.pipeline",),  # apply, pareto, quantize, precheck
     ("moequant.evaluate", "moequant.report"),
     ("moequant.plan",),  # recipe, rules, budget solver, plan I/O
-    ("moequant.export",),  # one class per layout, GGUF, engine checks
+    ("moequant.export",),  # the export driver (any registered layout), the GGUF file, engine checks
     ("moequant.calib", "moequant.zoo.train"),  # calibration, its statistics and probes
     ("moequant.parallel", "moequant.metrics", "moequant.progress", "moequant.vllm_plugin"),
     ("moequant.io", "moequant.arch", "moequant.algorithms", "moequant.zoo"),
+    ("moequant.layouts",),  # one file per export layout: what it holds, its packer, its config, its reader
     ("moequant.formats",),
-    ("moequant.errors", "moequant.budget"),  # one clear sentence; the run's memory budget
+    (
+        "moequant.errors",
+        "moequant.budget",
+        "moequant.vllm_plugin.names",
+    ),  # one clear sentence; the run's memory budget; the plugin's checkpoint keys (no imports)
 ]
 
 

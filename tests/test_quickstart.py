@@ -281,6 +281,6 @@ def test_the_setup_run_is_kept_and_plain_transformers_refuses_its_checkpoint(qui
     )
     done = subprocess.run([sys.executable, "-c", probe], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
-    from moequant.export.layouts import TRANSFORMERS_REFUSAL
+    from moequant.layouts.compressed_tensors import TRANSFORMERS_REFUSAL
 
     assert TRANSFORMERS_REFUSAL in done.stderr + done.stdout

@@ -11,8 +11,9 @@ import pytest
 import torch
 from test_export_models import quantize_experts
 
-from moequant.export.layouts import TRANSFORMERS_REFUSAL, export_checkpoint
+from moequant.export.layouts import export_checkpoint
 from moequant.io.loader import load
+from moequant.layouts.compressed_tensors import TRANSFORMERS_REFUSAL
 from moequant.zoo import path as zoo_path
 
 TOKENS = torch.randint(1, 1000, (2, 32), generator=torch.Generator().manual_seed(0))

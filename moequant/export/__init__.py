@@ -1,3 +1,3 @@
-"""Writing what engines load: one class per safetensors layout, looked up by name in `layouts.LAYOUTS`
-(compressed-tensors, gptq, awq, deepseek-fp8, gpt-oss-mxfp4, gguf), the GGUF writer (gguf), and the
-checks by the engines themselves (verify_vllm, verify_llamacpp with its llamacpp_worker)."""
+"""Writing what engines load: export_checkpoint and the streamed export write any layout of the registry
+(moequant.layouts, one file per layout), the GGUF file writer (gguf), and the checks by the engines
+themselves (verify_vllm, verify_llamacpp with its llamacpp_worker)."""

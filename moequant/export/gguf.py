@@ -1,56 +1,19 @@
-"""GGUF export for llama.cpp / Ollama / LM Studio: `export: {format: gguf}` -> checkpoint/model.gguf.
+"""GGUF files for llama.cpp / Ollama / LM Studio: `export: {format: gguf}` -> checkpoint/model.gguf.
 
     export_gguf(ckpt, adapter, items, out_dir, float_type="bf16")
 
 `items` maps on-disk tensor names to QuantizedTensors (as `export_checkpoint` resolves them);
-ggml-typed ones (and MXFP4 routed experts) are written as their packed blocks, bf16 ones and
-everything else as `plain_type` says: in `float_type` (bf16 | f16 | f32), but 1-D tensors (norms,
-biases), expert biases and the routers in F32, as llama.cpp's own converter writes them (ggml adds
-expert biases in F32 only), and token_embd / output in the ggml type `types` gives them. The plan's
-byte account asks the same `plain_nbytes` (through the gguf layout), so it counts what this file
-holds (gpt-oss's 2-D expert biases aside: the account counts them in `float_type`).
-
-Everything llama.cpp's graphs need to know about an architecture is in `GRAPHS` (one entry per
-model_type): the llama.cpp architecture, the tensor names (HF regex -> GGUF name, with the
-transform some need), the metadata it reads and what it cannot run. Facts from the llama.cpp that
-llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants):
-
-- routed experts of layer N stacked per projection: `blk.N.ffn_{gate,up,down}_exps.weight`,
-  ggml shape {n_embd, n_ff_exp, n_expert} (down {n_ff_exp, n_embd, n_expert}); one ggml type per
-  tensor, so every expert of a (layer, projection) must share its format;
-- `output.weight` always (a copy of the embeddings when they are tied: the qwen2moe, olmoe and
-  openai-moe loaders require it);
-- mixtral is llama.cpp's `llama` architecture, whose rope rotates interleaved pairs: q/k rows are
-  permuted from the HF (rotate-half) order. deepseek2's rope rotates interleaved pairs too, which is
-  the order DeepSeek's weights already have (rope_interleave); the others are NEOX (rotate-half);
-- qwen3moe always renormalises the top-k weights, olmoe and qwen2moe never: a config saying
-  otherwise is refused; qwen3moe / olmoe q and k norms are `attn_{q,k}_norm` (olmoe's over the whole
-  projection);
-- deepseek2 (DeepSeek-V2 / V3 / Kimi-K2): `leading_dense_block_count` dense layers (`ffn_{gate,up,
-  down}`), MLA with kv_b_proj split per head into `attn_k_b` {qk_nope, kv_lora, n_head} (K part,
-  transposed) and `attn_v_b` {kv_lora, v_head, n_head} (a planned ggml type writes both halves in it:
-  attn_v_b as the planned codes' own rows, attn_k_b requantized along its qk_nope-wide rows from the
-  original weights; `written_shapes` lets the plan check and count them), one KV head, key/value lengths kv_lora+rope /
-  kv_lora and the `_mla` ones nope+rope / v_head, `expert_gating_func` (V3 sigmoid, V2 softmax),
-  `exp_probs_b.bias` = e_score_correction_bias (selection only), `expert_weights_scale` =
-  routed_scaling_factor, `expert_weights_norm`, groups as `expert_group_count` / `_used_count` ranked
-  by the sum of each group's two best scores (V3's rule; V2's group_limited_greedy ranks by the best
-  one: refused), shared experts `ffn_*_shexp` of width n_ff_exp * n_shared;
-- openai-moe (gpt-oss): gate / up de-interleaved into `ffn_{gate,up}_exps` with their biases
-  (`.bias` {n_ff_exp, n_expert}), `post_attention_norm`, `attn_sinks.weight`, router bias
-  `ffn_gate_inp.bias`, sliding window on even layers (llama.cpp's fixed pattern), SwiGLU with
-  alpha 1.702 / limit 7; MXFP4 experts as ggml MXFP4 blocks (e8m0 byte, then element j in the low
-  nibble of byte j and element j+16 in its high nibble).
-
-gpt-oss's experts as the source stores them (MXFP4 `*_blocks` / `*_scales`, nothing replacing them)
-are written as their own codes. The tokenizer (a byte-level BPE with GPT-2's pre-tokenizer, as the
-bundled models have, or Qwen2 / Qwen3's: `tokenizer_pre`) goes in as `tokenizer.ggml.*`: tokens by
-id, merges, token types (added special tokens are control tokens), bos / eos / padding ids and
-add_bos = whether the HF post-processor adds one. Not written yet: DeepSeek-V3's and gpt-oss's own
-pre-tokenizers (refused, one sentence), Kimi-K2 (model_type kimi_k2 has no adapter).
-Anything llama.cpp could not run as planned is a UserError before anything is written. The file
-is written in a temporary sibling directory and renamed; tensors are read and packed layer by
-layer as gguf-py writes them (only the one being written is in memory).
+what llama.cpp's graphs hold, the tensor names and types and the packed blocks are the gguf layout's
+(moequant.layouts.gguf); this module writes the file: the checks llama.cpp needs before any work,
+the metadata, the tokenizer (a byte-level BPE with GPT-2's pre-tokenizer, as the bundled models have,
+or Qwen2 / Qwen3's: `tokenizer_pre`) as `tokenizer.ggml.*`: tokens by id, merges, token types (added
+special tokens are control tokens), bos / eos / padding ids and add_bos = whether the HF
+post-processor adds one, and the tensors in llama.cpp's order. Not written yet: DeepSeek-V3's and
+gpt-oss's own pre-tokenizers (refused, one sentence). Anything llama.cpp could not run as planned is
+a UserError before anything is written. The file is written in a temporary sibling directory and
+renamed; tensors are read and packed layer by layer as gguf-py writes them (only the one being
+written is in memory). Also here: the GGUF byte account (`gguf_bytes`) and llama.cpp's imatrix
+(`write_imatrix`).
 """
 
 from __future__ import annotations
@@ -58,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -66,452 +28,26 @@ import numpy as np
 import torch
 
 from moequant.errors import UserError
-from moequant.formats import check_shape, get_format, quantize_ggml
+from moequant.formats import check_shape, get_format
 from moequant.io.checkpoint import EXPORT_INFO, atomic_directory
-
-GGUF_FILE = "model.gguf"
-FLOAT_TYPES = ("bf16", "f16", "f32")
-RAW_TYPES = {"mxfp4": "MXFP4"}  # non-ggml formats that GGUF stores natively (routed experts), by ggml name
-_ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
-_F32_ROLES = ("router", "shared_expert_gate")  # ffn_gate_inp(_shexp): F32, never quantized
-_TYPED_ROLES = {"embedding": "token_embd.weight", "lm_head": "output.weight"}  # the tensors `types` may set, by role
-_L = r"model\.layers\.(\d+)\."
-
-
-# ---- transforms of one HF tensor into one GGUF tensor (torch in, torch out) -----------------------
-
-
-def _rope_permute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
-    """HF rotate-half row order -> llama.cpp's interleaved pairs, per head (rows of any width)."""
-    r = rows.shape[0]
-    return rows.reshape(n_head, 2, r // n_head // 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
-
-
-def _permute_q(t, c):
-    return _rope_permute(t, int(c["num_attention_heads"]))
-
-
-def _permute_k(t, c):
-    return _rope_permute(t, int(c.get("num_key_value_heads") or c["num_attention_heads"]))
-
-
-ROW_ORDER = (_permute_q, _permute_k)  # transforms that only reorder rows: valid on packed ggml rows too
-
-
-def _kv_b(t, c):
-    """kv_b_proj [n_head * (nope + v), kv_lora] -> [n_head, nope + v, kv_lora]."""
-    return t.reshape(int(c["num_attention_heads"]), int(c["qk_nope_head_dim"]) + int(c["v_head_dim"]), -1)
-
-
-def _k_b(t, c):  # attn_k_b: ggml {nope, kv_lora, n_head} = torch [n_head, kv_lora, nope]
-    return _kv_b(t, c)[:, : int(c["qk_nope_head_dim"])].transpose(1, 2).contiguous()
-
-
-def _v_b(t, c):  # attn_v_b: ggml {kv_lora, v_head, n_head} = torch [n_head, v_head, kv_lora]
-    return _kv_b(t, c)[:, int(c["qk_nope_head_dim"]) :].contiguous()
-
-
-SPLITS = (_k_b, _v_b)  # transforms whose parts GGUF quantizes as tensors of their own (export_gguf's _split)
-
-
-def _even(t, c):  # gpt-oss gate_up bias [E, 2I]: gate = even columns
-    return t[..., 0::2].contiguous()
-
-
-def _odd(t, c):
-    return t[..., 1::2].contiguous()
-
-
-def _flat(t, c):  # qwen2moe's shared-expert gate [1, n_embd] -> llama.cpp's {n_embd}
-    return t.reshape(-1)
-
-
-# ---- the architectures -----------------------------------------------------------------------------
-
-_COMMON = [
-    (r"model\.embed_tokens\.weight", "token_embd.weight"),
-    (r"model\.norm\.weight", "output_norm.weight"),
-    (r"lm_head\.weight", "output.weight"),
-    (_L + r"input_layernorm\.weight", r"blk.\1.attn_norm.weight"),
-    (_L + r"post_attention_layernorm\.weight", r"blk.\1.ffn_norm.weight"),
-    (_L + r"self_attn\.([qkv])_proj\.(weight|bias)", r"blk.\1.attn_\2.\3"),
-    (_L + r"self_attn\.o_proj\.(weight|bias)", r"blk.\1.attn_output.\2"),
-    (_L + r"self_attn\.([qk])_norm\.weight", r"blk.\1.attn_\2_norm.weight"),
-    (_L + r"mlp\.gate\.weight", r"blk.\1.ffn_gate_inp.weight"),
-]
-
-
-def _add_common(w, adapter, c: dict) -> None:
-    """Keys every graph reads; head / expert widths are each graph's own."""
-    w.add_name(str(c.get("_name_or_path") or adapter.model_type))
-    w.add_context_length(int(c.get("max_position_embeddings", 4096)))
-    w.add_embedding_length(adapter.hidden)
-    w.add_block_count(adapter.num_layers)
-    w.add_head_count(int(c["num_attention_heads"]))
-    w.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", 1e-6)))
-    w.add_expert_count(adapter.num_experts)
-    w.add_expert_used_count(adapter.top_k)
-    w.add_vocab_size(int(c["vocab_size"]))
-    rope = _rope(c)
-    w.add_rope_freq_base(float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
-    if rope.get("rope_type") == "yarn":
-        import gguf
-
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(float(rope["factor"]))
-        w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
-        for key, add in (
-            ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
-            ("beta_slow", w.add_rope_scaling_yarn_beta_slow),
-        ):
-            if rope.get(key) is not None:
-                add(float(rope[key]))
-    elif rope.get("rope_type") == "linear":
-        import gguf
-
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(float(rope["factor"]))
-
-
-def _rope(c: dict) -> dict:
-    return c.get("rope_parameters") or c.get("rope_scaling") or {}
-
-
-def _gqa_heads(w, adapter, c: dict) -> None:
-    n_head = int(c["num_attention_heads"])
-    head_dim = int(c.get("head_dim") or adapter.hidden // n_head)
-    w.add_head_count_kv(int(c.get("num_key_value_heads") or n_head))
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-
-
-def _hp_llama(w, adapter, c):
-    _gqa_heads(w, adapter, c)
-    w.add_feed_forward_length(int(c.get("intermediate_size", adapter.expert_intermediate)))
-
-
-def _hp_qwen2moe(w, adapter, c):
-    _hp_llama(w, adapter, c)
-    w.add_expert_feed_forward_length(adapter.expert_intermediate)
-    w.add_expert_shared_feed_forward_length(adapter.shared_intermediate)
-
-
-def _hp_qwen3moe(w, adapter, c):
-    _hp_llama(w, adapter, c)
-    w.add_expert_feed_forward_length(adapter.expert_intermediate)
-
-
-def _hp_deepseek2(w, adapter, c):
-    import gguf
-
-    kv_lora, rope, nope = int(c["kv_lora_rank"]), int(c["qk_rope_head_dim"]), int(c["qk_nope_head_dim"])
-    w.add_head_count_kv(1)  # MLA runs as MQA over the compressed KV
-    w.add_feed_forward_length(int(c.get("intermediate_size", adapter.expert_intermediate)))
-    w.add_leading_dense_block_count(adapter.moe_layers[0] if adapter.moe_layers else adapter.num_layers)
-    w.add_q_lora_rank(int(c.get("q_lora_rank") or 0))
-    w.add_kv_lora_rank(kv_lora)
-    w.add_key_length(kv_lora + rope)
-    w.add_value_length(kv_lora)
-    w.add_key_length_mla(nope + rope)
-    w.add_value_length_mla(int(c["v_head_dim"]))
-    w.add_rope_dimension_count(rope)
-    w.add_expert_feed_forward_length(adapter.expert_intermediate)
-    w.add_expert_shared_count(adapter.num_shared_experts)
-    r = adapter.routing
-    w.add_expert_weights_scale(float(r.scaling))
-    w.add_expert_weights_norm(bool(r.normalize_topk))
-    w.add_expert_gating_func(
-        gguf.ExpertGatingFuncType.SIGMOID if r.scoring == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX
-    )
-    if r.groups > 1 and r.topk_groups < r.groups:  # all groups kept = no group limit (llama.cpp wants used < count)
-        w.add_expert_group_count(r.groups)
-        w.add_expert_group_used_count(r.topk_groups)
-    mscale_all = _rope(c).get("mscale_all_dim")
-    if _rope(c).get("rope_type") == "yarn" and mscale_all:
-        w.add_rope_scaling_yarn_log_mul(0.1 * float(mscale_all))  # llama.cpp divides it by 0.1 again
-
-
-def _hp_openai_moe(w, adapter, c):
-    _gqa_heads(w, adapter, c)
-    w.add_feed_forward_length(adapter.expert_intermediate)
-    w.add_expert_feed_forward_length(adapter.expert_intermediate)
-    w.add_sliding_window(int(c["sliding_window"]))
-
-
-def _no_refusal(adapter, c):
-    return None
-
-
-def _refuse_qwen2moe(adapter, c):
-    if c.get("norm_topk_prob"):
-        return (
-            "llama.cpp's qwen2moe graph does not renormalise the top-k routing weights, but this checkpoint's "
-            "config.json sets norm_topk_prob: true"
-        )
-    return _refuse_dense_layers(adapter, c)
-
-
-def _refuse_dense_layers(adapter, c):
-    if adapter.dense_layers:
-        return (
-            f"llama.cpp's {GRAPHS[adapter.model_type].arch} graph needs every layer to be an MoE layer; this "
-            f"checkpoint has dense layers (mlp_only_layers / decoder_sparse_step)"
-        )
-    return None
-
-
-def _refuse_qwen3moe(adapter, c):
-    if not adapter.routing.normalize_topk:
-        return (
-            "llama.cpp's qwen3moe graph always renormalises the top-k routing weights, but this checkpoint's "
-            "config.json sets norm_topk_prob: false"
-        )
-    return _refuse_dense_layers(adapter, c)
-
-
-def _refuse_olmoe(adapter, c):
-    if adapter.routing.normalize_topk:
-        return (
-            "llama.cpp's olmoe graph does not renormalise the top-k routing weights, but this checkpoint's "
-            "config.json sets norm_topk_prob: true"
-        )
-    if c.get("clip_qkv"):
-        return "llama.cpp's olmoe graph does not clip q / k / v, but this checkpoint's config.json sets clip_qkv"
-    return None
-
-
-def _refuse_deepseek2(adapter, c):
-    moe = adapter.moe_layers
-    if moe != list(range(moe[0] if moe else adapter.num_layers, adapter.num_layers)):
-        return (
-            "llama.cpp's deepseek2 graph has dense layers only before the first MoE layer "
-            "(leading_dense_block_count); this checkpoint's moe_layer_freq interleaves them"
-        )
-    if c.get("rope_interleave") is False:
-        return (
-            "llama.cpp's deepseek2 graph rotates interleaved rope pairs (DeepSeek's own weight order), but this "
-            "checkpoint's config.json sets rope_interleave: false"
-        )
-    r = adapter.routing
-    if adapter.model_type == "deepseek_v2":
-        if r.groups > 1 and r.topk_groups < r.groups:
-            return (
-                "llama.cpp's deepseek2 graph ranks expert groups by the sum of their two best scores (DeepSeek-V3's "
-                "rule), but this DeepSeek-V2 checkpoint routes with group_limited_greedy (the best score)"
-            )
-        if r.normalize_topk:
-            return (
-                "transformers' DeepSeek-V2 does not renormalise the top-k weights, but this checkpoint's "
-                "config.json sets norm_topk_prob: true; the GGUF could not match it"
-            )
-    return None
-
-
-def _refuse_openai_moe(adapter, c):
-    if float(c.get("swiglu_limit", 7.0)) != 7.0 or float(c.get("swiglu_alpha", 1.702)) != 1.702:
-        return "llama.cpp's openai-moe graph fixes SwiGLU's alpha 1.702 and limit 7.0; this config.json differs"
-    types = c.get("layer_types") or []
-    want = ["sliding_attention" if L % 2 == 0 else "full_attention" for L in range(adapter.num_layers)]
-    if types and list(types) != want:
-        return (
-            "llama.cpp's openai-moe graph puts sliding-window attention on even layers and full attention on odd "
-            "ones; this config.json's layer_types differ"
-        )
-    return None
-
-
-@dataclass(frozen=True)
-class Graph:
-    """How one HF architecture is written for one llama.cpp graph."""
-
-    arch: str  # general.architecture
-    names: list  # (HF regex, [(GGUF name template, transform or None)]): the first pattern that matches wins
-    hparams: Callable  # (writer, adapter, config) -> None: the graph's own metadata
-    refuses: Callable = _no_refusal  # (adapter, config) -> why llama.cpp could not run it, or None
-
-
-def _one(pattern, repl, fn=None):
-    return (pattern, [(repl, fn)])
-
-
-GRAPHS: dict[str, Graph] = {
-    "qwen2_moe": Graph(
-        "qwen2moe",
-        [
-            _one(_L + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2_shexp.weight"),
-            _one(_L + r"mlp\.shared_expert_gate\.weight", r"blk.\1.ffn_gate_inp_shexp.weight", _flat),
-            *[_one(p, r) for p, r in _COMMON],
-        ],
-        _hp_qwen2moe,
-        _refuse_qwen2moe,
-    ),
-    "qwen3_moe": Graph("qwen3moe", [_one(p, r) for p, r in _COMMON], _hp_qwen3moe, _refuse_qwen3moe),
-    "olmoe": Graph("olmoe", [_one(p, r) for p, r in _COMMON], _hp_llama, _refuse_olmoe),
-    "mixtral": Graph(
-        "llama",
-        [
-            _one(_L + r"self_attn\.q_proj\.weight", r"blk.\1.attn_q.weight", _permute_q),
-            _one(_L + r"self_attn\.k_proj\.weight", r"blk.\1.attn_k.weight", _permute_k),
-            _one(_L + r"block_sparse_moe\.gate\.weight", r"blk.\1.ffn_gate_inp.weight"),
-            *[_one(p, r) for p, r in _COMMON],
-        ],
-        _hp_llama,
-    ),
-    "gpt_oss": Graph(
-        "gpt-oss",
-        [
-            _one(_L + r"post_attention_layernorm\.weight", r"blk.\1.post_attention_norm.weight"),
-            _one(_L + r"self_attn\.sinks", r"blk.\1.attn_sinks.weight"),
-            _one(_L + r"mlp\.router\.(weight|bias)", r"blk.\1.ffn_gate_inp.\2"),
-            (
-                _L + r"mlp\.experts\.gate_up_proj_bias",
-                [(r"blk.\1.ffn_gate_exps.bias", _even), (r"blk.\1.ffn_up_exps.bias", _odd)],
-            ),
-            _one(_L + r"mlp\.experts\.down_proj_bias", r"blk.\1.ffn_down_exps.bias"),
-            *[_one(p, r) for p, r in _COMMON],
-        ],
-        _hp_openai_moe,
-        _refuse_openai_moe,
-    ),
-}
-_DEEPSEEK2 = Graph(
-    "deepseek2",
-    [
-        _one(_L + r"self_attn\.q_a_proj\.weight", r"blk.\1.attn_q_a.weight"),
-        _one(_L + r"self_attn\.q_b_proj\.weight", r"blk.\1.attn_q_b.weight"),
-        _one(_L + r"self_attn\.(q_a|kv_a)_layernorm\.weight", r"blk.\1.attn_\2_norm.weight"),
-        _one(_L + r"self_attn\.kv_a_proj_with_mqa\.weight", r"blk.\1.attn_kv_a_mqa.weight"),
-        (_L + r"self_attn\.kv_b_proj\.weight", [(r"blk.\1.attn_k_b.weight", _k_b), (r"blk.\1.attn_v_b.weight", _v_b)]),
-        _one(_L + r"mlp\.gate\.e_score_correction_bias", r"blk.\1.exp_probs_b.bias"),
-        _one(_L + r"mlp\.shared_experts\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2_shexp.weight"),
-        _one(_L + r"mlp\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2.weight"),
-        *[_one(p, r) for p, r in _COMMON],
-    ],
-    _hp_deepseek2,
-    _refuse_deepseek2,
+from moequant.layouts.gguf import (
+    ARCHS,
+    FLOAT_TYPES,
+    GGUF_FILE,
+    GRAPHS,
+    SPLITS,
+    add_common_metadata,
+    ggml_type,
+    gguf_targets,
+    packed_blocks,
+    plain_array,
+    plain_type,
+    reordered_rows,
+    reshaped_reason,
+    stores_natively,
+    tied_output,
+    written_shapes,
 )
-GRAPHS["deepseek_v2"] = GRAPHS["deepseek_v3"] = _DEEPSEEK2
-ARCHS = {mt: g.arch for mt, g in GRAPHS.items()}  # model_type -> llama.cpp architecture
-
-
-def gguf_targets(model_type: str, hf_name: str) -> list[tuple[str, Callable | None]]:
-    """The GGUF tensors one on-disk tensor becomes: [(GGUF name, transform or None)] ([] when none)."""
-    for pattern, targets in GRAPHS[model_type].names:
-        m = re.fullmatch(pattern, hf_name)
-        if m:
-            return [(m.expand(repl), fn) for repl, fn in targets]
-    return []
-
-
-def reshaped_reason(model_type: str | None, hf_name: str) -> str | None:
-    """Why GGUF writes this tensor unquantized: llama.cpp's graph wants it transformed in a way that
-    packed ggml rows cannot take and that GGUF export does not requantize; None otherwise (kv_b_proj's
-    halves are quantized as tensors of their own: written_shapes)."""
-    if model_type not in GRAPHS:
-        return None
-    targets = gguf_targets(model_type, hf_name)
-    if all(fn in (None, *ROW_ORDER, *SPLITS) for _, fn in targets):
-        return None
-    return (
-        f"llama.cpp's {GRAPHS[model_type].arch} graph reshapes it into "
-        f"{', '.join(t for t, _ in targets)}, which GGUF export writes unquantized"
-    )
-
-
-def written_shapes(config: dict, hf_name: str, shape) -> list[tuple[str, tuple[int, int]]]:
-    """(GGUF name, [rows, row width]) of each tensor GGUF writes for this one in a ggml type: ggml quantizes
-    along the row, so each width must hold the type's blocks (kv_b_proj: attn_k_b's rows are qk_nope wide,
-    attn_v_b's kv_lora). [] for a tensor GGUF does not write one to one or split."""
-    targets = gguf_targets(config.get("model_type"), hf_name) if config.get("model_type") in GRAPHS else []
-    out = []
-    for name, fn in targets:
-        s = (
-            tuple(shape)
-            if fn in (None, *ROW_ORDER)
-            else tuple(fn(torch.empty(tuple(shape), device="meta"), config).shape)
-        )
-        out.append((name, (math.prod(s[:-1]), s[-1])))
-    return out
-
-
-def gguf_name(model_type: str, hf_name: str) -> str | None:
-    targets = gguf_targets(model_type, hf_name)
-    return targets[0][0] if len(targets) == 1 else None
-
-
-def _ggml_type(spec):
-    import gguf
-
-    return gguf.GGMLQuantizationType[RAW_TYPES.get(spec.name, spec.name.upper())]
-
-
-def stores_natively(spec) -> bool:
-    """Whether GGUF holds this format's codes as they are: ggml block types, MXFP4."""
-    return spec.is_ggml or spec.name in RAW_TYPES
-
-
-def tied_output(names) -> str | None:
-    """The checkpoint tensor written again as output.weight: the embeddings when `names` hold no
-    lm_head.weight (tied; several llama.cpp loaders require output.weight), else None."""
-    return None if "lm_head.weight" in names else "model.embed_tokens.weight"
-
-
-def plain_type(role: str, ndim: int, float_type: str, types) -> str:
-    """How a tensor written unquantized (the plan keeps it, or plans bf16) is stored: f32 | f16 | bf16 or
-    the ggml type `types` ({GGUF name: type}) gives token_embd / output. `role`: the adapter's, lm_head
-    for output.weight (also the tied copy); `ndim` of the tensor as written."""
-    typed = types.get(_TYPED_ROLES.get(role)) if types else None
-    if typed:
-        return typed
-    return "f32" if role in _F32_ROLES or ndim == 1 else float_type
-
-
-def plain_nbytes(role: str, shape, float_type: str, types) -> int:
-    """Bytes of a tensor written unquantized (plain_type), as the file holds them."""
-    key = plain_type(role, len(shape), float_type, types)
-    if key in _ELEMENT_BYTES:
-        return _ELEMENT_BYTES[key] * math.prod(int(s) for s in shape)
-    from moequant.formats import nbytes
-
-    return nbytes(key, shape)
-
-
-def _plain(t: torch.Tensor, key: str, name: str):
-    """(numpy array, raw ggml type or None) of a tensor stored as plain_type `key`."""
-    import gguf
-
-    if key == "f32":
-        return t.to(torch.float32).contiguous().numpy(), None
-    if key == "f16":
-        return t.to(torch.float16).contiguous().numpy(), None
-    if key in FLOAT_TYPES:  # bf16: numpy has no bfloat16, so its raw bytes as ggml's BF16
-        raw = t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint8)  # last axis: 2 bytes each
-        return raw, gguf.GGMLQuantizationType.BF16
-    q = quantize_ggml(t.float(), key, name=name)
-    return q.codes.numpy(), _ggml_type(q.spec)
-
-
-def _mxfp4_blocks(codes: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
-    """e2m1 codes [..., n] and e8m0 scales [..., n/32] -> ggml MXFP4 blocks uint8 [..., n/32 * 17]."""
-    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, 32)
-    packed = c[..., :16] | (c[..., 16:] << 4)
-    blocks = torch.cat([scales.to(torch.uint8).unsqueeze(-1), packed], dim=-1)
-    return blocks.reshape(*codes.shape[:-1], -1).numpy()
-
-
-def _packed(q, rows=slice(None)):
-    """(numpy blocks, raw ggml type) of a QuantizedTensor GGUF stores natively, rows [..., rows, :] only."""
-    if q.spec.is_ggml:
-        return q.codes[..., rows, :].cpu().contiguous().numpy(), _ggml_type(q.spec)
-    return _mxfp4_blocks(q.codes[..., rows, :].cpu(), q.scales[..., rows, :].cpu()), _ggml_type(q.spec)
-
-
-def _rows(q, order: torch.Tensor):
-    """QuantizedTensor q with its rows (output channels) in `order` (packed ggml rows are independent)."""
-    from moequant.formats import QuantizedTensor
-
-    return QuantizedTensor(q.spec, q.shape, q.codes[order], None if q.scales is None else q.scales[order])
 
 
 def check_gguf(ckpt, adapter, items: dict) -> None:
@@ -723,7 +259,7 @@ def _plain_meta(shape, key: str):
     from moequant.formats import nbytes
 
     spec = get_format(key)
-    return (*shape[:-1], nbytes(key, (1, shape[-1]))), np.uint8, _ggml_type(spec)
+    return (*shape[:-1], nbytes(key, (1, shape[-1]))), np.uint8, ggml_type(spec)
 
 
 def export_gguf(
@@ -781,7 +317,7 @@ def export_gguf(
         if q is not None and q.spec.quantized and fn in SPLITS:
             return _split(q, fn, lambda: read(hf_name), out_name)
         if q is not None and q.spec.quantized:  # packed blocks, one-to-one or rows reordered (check_gguf)
-            arr, raw = _packed(q if fn is None else _rows(q, fn(torch.arange(q.shape[0]), c)))
+            arr, raw = packed_blocks(q if fn is None else reordered_rows(q, fn(torch.arange(q.shape[0]), c)))
             return _Lazy(arr.shape, arr.dtype, arr.nbytes, lambda: arr), raw
         source = (lambda: q.codes) if q is not None else (lambda: read(hf_name))
         shape = tuple(ckpt.shape(hf_name)) if q is None else tuple(q.shape)
@@ -793,7 +329,7 @@ def export_gguf(
         def make():
             t = source()
             t = fn(t, c) if fn is not None else t
-            return _plain(t, key, out_name)[0]
+            return plain_array(t, key, out_name)[0]
 
         return _Lazy(np_shape, dtype, np.dtype(dtype).itemsize * math.prod(np_shape), make), raw
 
@@ -806,14 +342,14 @@ def export_gguf(
         if rows.shape[-1] == 1:  # rows of q, reordered: [..., rows, 1] of row indices
             order = rows[..., 0]
             arr = q.codes[order.reshape(-1)].cpu().reshape(*order.shape, q.codes.shape[-1]).contiguous().numpy()
-            return _Lazy(arr.shape, arr.dtype, arr.nbytes, lambda: arr), _ggml_type(q.spec)
+            return _Lazy(arr.shape, arr.dtype, arr.nbytes, lambda: arr), ggml_type(q.spec)
         shape = tuple(fn(torch.empty(tuple(q.shape), device="meta"), c).shape)
         np_shape, dtype, raw = _plain_meta(shape, q.spec.key)
         return _Lazy(
             np_shape,
             dtype,
             np.dtype(dtype).itemsize * math.prod(np_shape),
-            lambda: _plain(fn(original(), c), q.spec.key, out_name)[0],
+            lambda: plain_array(fn(original(), c), q.spec.key, out_name)[0],
         ), raw
 
     class _Source:  # the checkpoint as adapters read it, kept tensors first
@@ -832,7 +368,7 @@ def export_gguf(
         from moequant.io import dequant
 
         dequant.decode(enc, ckpt.read_stored)  # its scales checked and its values finite, or one sentence
-        return dequant._quantized(enc, {role: ckpt.read_stored(n) for role, n in enc.parts.items()})
+        return dequant.quantized_tensor(enc, {role: ckpt.read_stored(n) for role, n in enc.parts.items()})
 
     def experts_for(layer: int, proj: str) -> tuple[_Lazy, object]:
         name = f"blk.{layer}.ffn_{proj}_exps.weight"
@@ -841,7 +377,7 @@ def export_gguf(
             q = items.get(fused) or stored(fused)
             rows = slice(None) if proj == "down" else slice(0 if proj == "gate" else 1, None, 2)
             if q is not None and q.spec.quantized:
-                arr, raw = _packed(q, rows)
+                arr, raw = packed_blocks(q, rows)
                 return _Lazy(arr.shape, arr.dtype, arr.nbytes, lambda: arr), raw
             make_stacked = (
                 (lambda: q.codes[:, rows]) if q is not None else (lambda: adapter.read_experts(_Source(), layer, proj))
@@ -855,8 +391,8 @@ def export_gguf(
                 else:
                     from moequant.formats import stack_experts
 
-                    arr, _ = _packed(stack_experts([items[n] for n in names]))
-                return _Lazy(arr.shape, arr.dtype, arr.nbytes, lambda: arr), _ggml_type(items[names[0]].spec)
+                    arr, _ = packed_blocks(stack_experts([items[n] for n in names]))
+                return _Lazy(arr.shape, arr.dtype, arr.nbytes, lambda: arr), ggml_type(items[names[0]].spec)
             make_stacked = lambda: torch.stack([items[n].codes if n in items else read(n) for n in names])  # noqa: E731
         shape = (adapter.num_experts, *adapter.expert_shape(proj))
         key = plain_type("routed_expert", 3, float_type, types)
@@ -865,13 +401,13 @@ def export_gguf(
             np_shape,
             dtype,
             np.dtype(dtype).itemsize * math.prod(np_shape),
-            lambda: _plain(make_stacked(), key, name)[0],
+            lambda: plain_array(make_stacked(), key, name)[0],
         ), raw
 
     out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:
         writer = gguf.GGUFWriter(str(tmp / GGUF_FILE), graph.arch, split_max_size=max_shard_bytes)
-        _add_common(writer, adapter, c)
+        add_common_metadata(writer, adapter, c)
         graph.hparams(writer, adapter, c)
         writer.add_file_type(_file_type(items, float_type))
         writer.add_quantization_version(2)

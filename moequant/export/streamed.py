@@ -29,10 +29,10 @@ import torch
 
 from moequant.errors import UserError
 from moequant.export.layouts import (
-    _check_export_options,
-    _linear_shape,
-    _resolve,
+    check_export_options,
+    linear_shape,
     make_writer,
+    resolve_keys,
     write_checkpoint_files,
     write_unquantized,
 )
@@ -57,7 +57,7 @@ def planned_items(plan, ckpt, adapter) -> dict[str, QuantizedTensor]:
         if not t.quantized:
             continue
         name = adapter.expert_tensor_name(t.layer, t.expert, t.proj) if t.role == "routed_expert" else t.name
-        out[name] = QuantizedTensor(parse_key(t.format), _linear_shape(adapter, name, ckpt.shape(name)), codes=None)
+        out[name] = QuantizedTensor(parse_key(t.format), linear_shape(adapter, name, ckpt.shape(name)), codes=None)
     return out
 
 
@@ -76,7 +76,7 @@ class StreamedExport:
     def __init__(
         self, ckpt, adapter, plan, work, *, layout: str, target: str, int8_activations="none", max_shard_bytes=2**31
     ):
-        _check_export_options(layout, target, int8_activations)
+        check_export_options(layout, target, int8_activations)
         if ckpt.config_only:
             raise UserError(f"{ckpt.path} has no safetensors weights to export.")
         self.ckpt, self.adapter, self.work = ckpt, adapter, Path(work)
@@ -137,7 +137,7 @@ class StreamedExport:
         full-precision replacements as plain tensors by name). Rank 0 also copies the layer's other tensors
         (the routed experts another rank quantized are that rank's)."""
         replacements = {k: v for k, v in items.items() if isinstance(v, torch.Tensor)}
-        resolved = _resolve(
+        resolved = resolve_keys(
             {k: v for k, v in items.items() if not isinstance(v, torch.Tensor)}, self.ckpt, self.adapter
         )
         plain = {n: q for n, q in resolved.items() if not q.spec.quantized}
@@ -168,7 +168,7 @@ class StreamedExport:
     def finish(self, out_dir, top: dict, ranks: int = 1) -> Path:
         """OUTPUT/checkpoint: the tensors outside the decoder layers (`top`: the pass's quantized ones, e.g.
         lm_head), every layer's shards under their final names, the index, config and tokenizer files."""
-        resolved = _resolve(top, self.ckpt, self.adapter)
+        resolved = resolve_keys(top, self.ckpt, self.adapter)
         out_dir = Path(out_dir)
         with atomic_directory(out_dir) as tmp:
             rest = tmp / ".rest"

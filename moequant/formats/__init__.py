@@ -11,8 +11,9 @@ registering itself: bf16.py, fp8.py, integer.py (int8 / int4 / int3 / int2), mxf
 ggml.py (llama.cpp's block types). Each holds its spec parsing, key, byte cost, scale rule,
 element encoding, compressed-tensors packing and which serving targets load it.
 elements.py: e2m1 / e8m0 / e4m3 encodings; core.py: quantize, dequantize and the GPTQ column
-quantizer (shape-generic, asking the family for the element math); packing.py: bit streams and
-the GPTQ, AWQ, DeepSeek-FP8 and gpt-oss layouts and their readers.
+quantizer (shape-generic, asking the family for the element math); packing.py: bit streams,
+compressed-tensors packing and the byte account's layout metadata (the GPTQ, AWQ, DeepSeek-FP8 and gpt-oss
+layouts pack in their own files, moequant.layouts).
 """
 
 from moequant.formats.core import (  # noqa: F401
@@ -32,19 +33,12 @@ from moequant.formats.packing import (  # noqa: F401
     LAYOUT_METADATA,
     compressed_tensors_format,
     compressed_tensors_weight_args,
-    pack_awq,
     pack_compressed_tensors,
-    pack_deepseek_fp8,
     pack_e2m1,
-    pack_gpt_oss_mxfp4,
-    pack_gptq,
     pack_int32,
     packed_nbytes,
-    unpack_awq,
     unpack_compressed_tensors,
     unpack_e2m1,
-    unpack_gpt_oss_mxfp4,
-    unpack_gptq,
     unpack_int32,
 )
 from moequant.formats.specs import (  # noqa: F401

@@ -1,4 +1,4 @@
-"""On-disk layouts for the exporters, and the matching readers.
+"""Bit streams, element packings and compressed-tensors packing, and the matching unpackers.
 
 Every packer takes a QuantizedTensor ([out, in] or stacked [E, out, in]; stacked tensors keep
 the leading expert axis on every output) and returns a dict of tensors named as the target
@@ -14,14 +14,7 @@ readers in the tests):
   codes per word (10 per word, 2 bits unused, for B = 3; identical for 2 / 4 / 8 bits), so int3
   pack-quantized checkpoints need a reader of the dense layout. compressed-tensors packs along the input axis ([out, ceil(in*B/32)]) and
   packs asymmetric zero points the same way along the *output* axis ([ceil(out*B/32), groups]).
-- GPTQ v1: qweight = the same stream along the input axis, stored transposed [ceil(in*B/32), out];
-  qzeros [groups, ceil(out*B/32)] hold (zero - 1) (the v1 off-by-one that readers add back, so
-  unsigned zero points 1..2^B are storable and 0 is not; symmetric tensors store 2^(B-1) - 1,
-  which vLLM ignores); scales fp16 [groups, out];
-  g_idx int32 [in] (no activation reordering). version=2 (GPTQModel's gptq_v2) stores zero as is.
-- AWQ GEMM (4-bit): qweight [in, out/8] and qzeros [groups, out/8], packing along the output
-  axis, nibble p of each word holding column 8j + (0, 2, 4, 6, 1, 3, 5, 7)[p]; zeros unsigned
-  as is; scales fp16 [groups, out].
+- GPTQ and AWQ: moequant.layouts.gptq / awq (their packers, readers and facts).
 - e2m1 (mxfp4, nvfp4): two codes per byte along the input axis, element 2k in the low nibble,
   2k+1 in the high nibble ([..., out, in/2] uint8), as compressed-tensors and the gpt-oss
   checkpoints (transformers' dequantizer) store them.
@@ -35,13 +28,10 @@ import sys
 
 import torch
 
-from moequant.errors import UserError
 from moequant.formats.core import QuantizedTensor
-from moequant.formats.specs import FormatSpec, get_format
+from moequant.formats.specs import get_format
 
 _BYTE_ALIGNED = sys.byteorder == "little"
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-AWQ_INVERSE = tuple(AWQ_ORDER.index(c) for c in range(8))  # (0, 4, 1, 5, 2, 6, 3, 7)
 
 
 # ---------------------------------------------------------------- bit streams
@@ -179,153 +169,6 @@ def unpack_compressed_tensors(tensors: dict, spec) -> QuantizedTensor:
     """Inverse of pack_compressed_tensors."""
     spec = get_format(spec)
     return spec.family.unpack_ct(tensors, spec)
-
-
-# ---------------------------------------------------------------- GPTQ
-
-
-def _int_spec_for(spec: FormatSpec, layout: str, bits_ok) -> None:
-    if not spec.is_int or spec.bits not in bits_ok:
-        raise UserError(
-            "the %s layout holds %s integer formats, not %s"
-            % (layout, "/".join("int%d" % b for b in bits_ok), spec.key)
-        )
-
-
-def _fp16_scales(q: QuantizedTensor, layout: str) -> torch.Tensor:
-    """GPTQ / AWQ store fp16 scales: convert, refusing any scale that fp16 cannot hold exactly."""
-    s16 = q.scales.to(torch.float16)
-    bad = s16.to(torch.float32) != q.scales.to(torch.float32)
-    if bool(bad.any()):
-        raise UserError(
-            "the %s layout stores fp16 scales, and %d scales of this %s tensor (largest %.4g) are not "
-            "exactly representable in fp16 (normal range 6.1e-05..65504); use compressed-tensors"
-            % (layout, int(bad.sum()), q.spec.key, float(q.scales.float().abs().max()))
-        )
-    return s16.transpose(-2, -1).contiguous()
-
-
-def _group_size(spec: FormatSpec, cols: int) -> int:
-    return cols if spec.granularity == "channel" else spec.group_size
-
-
-def pack_gptq(q: QuantizedTensor, version: int = 1) -> dict:
-    """GPTQ checkpoint tensors: qweight, qzeros, scales, g_idx (see the module docstring)."""
-    spec = q.spec
-    _int_spec_for(spec, "GPTQ", (2, 3, 4, 8))
-    bits, cols = spec.bits, q.shape[-1]
-    u = unsigned(q.codes, bits)
-    qweight = pack_int32(u, bits).transpose(-2, -1).contiguous()  # stream along the input axis
-    if q.zeros is None:
-        zeros = torch.full(q.scales.shape, 1 << (bits - 1), dtype=torch.int16, device=u.device)
-    else:
-        zeros = unsigned(q.zeros, bits).to(torch.int16)
-    if version == 1:
-        if bool((zeros == 0).any()):
-            raise UserError(
-                "GPTQ v1 cannot store a zero point of 0 (it writes zero - 1): %d groups of this "
-                "asymmetric %s tensor have one; use gptq_v2, compressed-tensors or a symmetric format"
-                % (int((zeros == 0).sum()), spec.key)
-            )
-        zeros = zeros - 1
-    elif version != 2:
-        raise ValueError("GPTQ version must be 1 or 2")
-    qzeros = pack_int32(zeros.transpose(-2, -1).contiguous(), bits)  # [..., groups, words over out]
-    g = _group_size(spec, cols)
-    return {
-        "qweight": qweight,
-        "qzeros": qzeros,
-        "scales": _fp16_scales(q, "GPTQ"),
-        "g_idx": torch.arange(cols, dtype=torch.int32, device=u.device) // g,
-    }
-
-
-def unpack_gptq(tensors: dict, spec, shape, version: int = 1) -> QuantizedTensor:
-    """Inverse of pack_gptq for a weight of `shape` ([out, in] or [E, out, in])."""
-    spec = get_format(spec)
-    _int_spec_for(spec, "GPTQ", (2, 3, 4, 8))
-    bits, shape = spec.bits, tuple(shape)
-    rows, cols = shape[-2:]
-    codes = signed(unpack_int32(tensors["qweight"].transpose(-2, -1).contiguous(), bits, cols), bits)
-    scales = tensors["scales"].transpose(-2, -1).contiguous()
-    zeros = None
-    if not spec.symmetric:
-        z = unpack_int32(tensors["qzeros"], bits, rows).to(torch.int16)
-        z = z + 1 if version == 1 else z  # v1 readers add 1 after unpacking: a stored 2^B - 1 means 2^B
-        zeros = signed(z, bits).transpose(-2, -1).contiguous()
-    return QuantizedTensor(spec, shape, codes, scales, zeros)
-
-
-# ---------------------------------------------------------------- AWQ
-
-
-def pack_awq(q: QuantizedTensor) -> dict:
-    """AutoAWQ GEMM tensors: qweight [in, out/8], qzeros [groups, out/8], scales [groups, out]."""
-    spec = q.spec
-    _int_spec_for(spec, "AWQ", (4,))
-    rows = q.shape[-2]
-    if rows % 8:
-        raise UserError("the AWQ layout needs output features divisible by 8, got %d" % rows)
-    order = torch.tensor(AWQ_ORDER, device=q.codes.device)
-
-    def interleave(u_t):  # [..., n, out] -> words [..., n, out/8]
-        v = u_t.unflatten(-1, (rows // 8, 8))[..., order]
-        return pack_int32(v.flatten(-2), 4)
-
-    u = unsigned(q.codes, 4).transpose(-2, -1).contiguous()
-    if q.zeros is None:
-        z = torch.full(q.scales.shape, 8, dtype=torch.uint8, device=u.device)
-    else:
-        z = unsigned(q.zeros, 4)
-    return {
-        "qweight": interleave(u),
-        "qzeros": interleave(z.transpose(-2, -1).contiguous()),
-        "scales": _fp16_scales(q, "AWQ"),
-    }
-
-
-def unpack_awq(tensors: dict, spec, shape) -> QuantizedTensor:
-    """Inverse of pack_awq (a symmetric spec ignores qzeros, which hold 8)."""
-    spec = get_format(spec)
-    _int_spec_for(spec, "AWQ", (4,))
-    shape = tuple(shape)
-    rows = shape[-2]
-    inverse = torch.tensor(AWQ_INVERSE, device=tensors["qweight"].device)
-
-    def deinterleave(words):  # [..., n, out/8] -> [..., n, out]
-        v = unpack_int32(words, 4, rows).unflatten(-1, (rows // 8, 8))[..., inverse]
-        return v.flatten(-2)
-
-    codes = signed(deinterleave(tensors["qweight"]), 4).transpose(-2, -1).contiguous()
-    zeros = None if spec.symmetric else signed(deinterleave(tensors["qzeros"]), 4).transpose(-2, -1).contiguous()
-    return QuantizedTensor(spec, shape, codes, tensors["scales"].transpose(-2, -1).contiguous(), zeros)
-
-
-# ---------------------------------------------------------------- DeepSeek FP8 and gpt-oss MXFP4
-
-
-def pack_deepseek_fp8(q: QuantizedTensor) -> dict:
-    """DeepSeek-V3 layout: weight float8_e4m3fn [out, in], weight_scale_inv fp32 [ceil(out/128), ceil(in/128)]."""
-    if q.spec.key != "fp8-block128":
-        raise UserError("the DeepSeek FP8 layout holds fp8-block128, not %s" % q.spec.key)
-    return {"weight": q.codes, "weight_scale_inv": q.scales}
-
-
-def pack_gpt_oss_mxfp4(q: QuantizedTensor) -> dict:
-    """gpt-oss layout for a [E, out, in] stack: blocks uint8 [E, out, in/32, 16], scales uint8 [E, out, in/32].
-
-    (gpt-oss names them e.g. mlp.experts.gate_up_proj_blocks / _scales; the dequantized
-    parameter is the transpose, [E, in, out].)
-    """
-    if q.spec.name != "mxfp4":
-        raise UserError("the gpt-oss MXFP4 layout holds mxfp4, not %s" % q.spec.key)
-    packed = pack_e2m1(q.codes)
-    return {"blocks": packed.unflatten(-1, (packed.shape[-1] // 16, 16)).contiguous(), "scales": q.scales}
-
-
-def unpack_gpt_oss_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedTensor:
-    codes = unpack_e2m1(blocks.flatten(-2))
-    return QuantizedTensor(get_format("mxfp4"), tuple(codes.shape), codes, scales)
 
 
 # Stored tensors that describe a layout rather than encode weights (a shape, an identity column

@@ -30,7 +30,6 @@ from pathlib import Path
 from moequant import parallel
 from moequant.calib.calibrate import CalibrationSettings, calibrate, load_tokenizer, model_fingerprint
 from moequant.errors import UserError
-from moequant.export.layouts import layout_for
 from moequant.formats import parse_key
 from moequant.io.checkpoint import atomic_write_text, is_disk_full, open_checkpoint
 from moequant.io.fingerprint import (
@@ -40,6 +39,7 @@ from moequant.io.fingerprint import (
     stamp_checkpoint,
 )
 from moequant.io.run_lock import output_lock
+from moequant.layouts import layout_for
 from moequant.pipeline.precheck import check_memory, check_recipe
 from moequant.pipeline.run import Run, hold_lock, open_run
 from moequant.plan.plan_io import plan_to_dict, read_plan, write_plan
@@ -340,7 +340,7 @@ def quantize_and_export(
     t0 = time.perf_counter()
     arguments = export_arguments(run.recipe)
     streamed = None  # GGUF: one file whose header lists every tensor first, written from the work files
-    if arguments["layout"] != "gguf":  # every layer is written as the output's shards as it is quantized
+    if layout_for(arguments["layout"]).container == "safetensors":  # each layer written as shards when quantized
         streamed = StreamedExport(
             run.source,
             run.adapter,
@@ -385,7 +385,7 @@ def evaluate_output(run: Run, timings: dict):
     e = recipe.evaluate
     settings = dict(dataset=e.dataset, samples=e.samples, seq_len=e.seq_len, seed=recipe.seed, progress=run.progress)
     t0 = time.perf_counter()
-    if recipe.export.format == "gguf":  # llama.cpp itself runs the GGUF (moequant.export.verify_llamacpp)
+    if layout_for(recipe.export.format).container == "gguf":  # llama.cpp runs it (moequant.export.verify_llamacpp)
         from moequant.export.gguf import GGUF_FILE
         from moequant.export.verify_llamacpp import evaluate_gguf
 

@@ -33,8 +33,8 @@ def plan_formats(recipe) -> list:
 def check_recipe(recipe, ckpt=None) -> list[str]:
     """Raise UserError for what shapes alone refuse; return the plan's notes (e.g. a candidate not
     offered to some layers because it cannot hold their dimensions, and why)."""
-    from moequant.export.layouts import layout_for, layout_refusal
     from moequant.io.checkpoint import open_checkpoint
+    from moequant.layouts import layout_for, layout_refusal
     from moequant.plan.policy import check_plan
     from moequant.plan.recipe import resolve_format
 

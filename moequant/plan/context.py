@@ -43,13 +43,13 @@ from typing import Iterable
 import numpy as np
 
 from moequant.errors import UserError
-from moequant.export.layouts import layout_for
+from moequant.layouts import layout_for
 from moequant.plan.model import NON_EXPERT_ROLES, PROJECTIONS, TensorInfo, _formats
 from moequant.plan.recipe import Recipe
 
 
 def _layout_for(export_format: str):
-    """The export layout of a recipe's export.format (moequant.export.layouts' registry), which the plan's
+    """The export layout of a recipe's export.format (moequant.layouts. registry), which the plan's
     byte account asks, so the plan's bytes are the bytes the export writes (tests/test_byte_account.py):
     the zero points it stores (`symmetric_zeros`), how it stores the tensors it leaves unquantized
     (`plain_nbytes`: GGUF writes norms, biases and routers F32, the rest in export.gguf_float, token_embd /

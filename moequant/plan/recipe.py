@@ -42,11 +42,12 @@ from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from typing_extensions import Annotated
 
 from moequant.errors import UserError
-from moequant.export.layouts import RECIPE_LAYOUTS
 from moequant.formats import REGISTRY, format_names, get_format, parse_key
+from moequant.layouts import RECIPE_LAYOUTS
 
 FORMAT_NAMES = format_names()  # every registered format (moequant.formats), llama.cpp's block types last
 GGML_TYPES = format_names(ggml=True)
@@ -54,7 +55,7 @@ TARGETS = ("vllm", "sglang", "transformers", "llama.cpp", "vllm-moequant", "vllm
 METHODS = ("budget", "rules", "uniform")
 # imatrix: round-to-nearest with the scale search weighted by the inputs' second moments (ggml types)
 ALGORITHMS = ("rtn", "gptq", "awq", "imatrix")
-EXPORT_FORMATS = tuple(RECIPE_LAYOUTS)  # the export layouts (moequant.export.layouts.LAYOUTS) by their recipe names
+EXPORT_FORMATS = tuple(RECIPE_LAYOUTS)  # the built-in export layouts (moequant.layouts) by their recipe names
 # Names `keep` accepts besides tensor-name patterns (anything containing '*' or '.').
 KEEP_GROUPS = (
     "router",
@@ -146,7 +147,7 @@ class Evaluate(Strict):
 
 
 class Export(Strict):
-    format: Literal[EXPORT_FORMATS] = "compressed-tensors"
+    format: str = "compressed-tensors"  # a registered layout's recipe name, checked when the recipe is read
     # int8 weights export as W8A16 (vLLM GPU Marlin) by default; "dynamic" writes W8A8 with dynamic
     # per-token int8 activations, which vLLM's CPU build needs
     int8_activations: Literal["none", "dynamic"] = "none"
@@ -156,6 +157,16 @@ class Export(Strict):
     # --token-embedding-type / --output-tensor-type; round-to-nearest with our scale search
     gguf_token_embd: Optional[Literal[GGML_TYPES]] = None
     gguf_output: Optional[Literal[GGML_TYPES]] = None
+
+    @field_validator("format", mode="before")
+    @classmethod
+    def _registered_layout(cls, value):
+        """Any layout registered when the recipe is read (moequant.layouts.registry), not only the built-in ones."""
+        if isinstance(value, str) and value in RECIPE_LAYOUTS:
+            return value
+        names = [repr(n) for n in RECIPE_LAYOUTS]
+        expected = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
 
     @property
     def gguf_types(self) -> dict[str, str | None]:

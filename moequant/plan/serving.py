@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from moequant.errors import UserError
-from moequant.export.layouts import sglang_per_layer_block
+from moequant.layouts.compressed_tensors import sglang_per_layer_block
 from moequant.plan.context import PlanContext, predicted_loss
 from moequant.plan.model import PROJECTIONS
 from moequant.plan.options import solve_groups

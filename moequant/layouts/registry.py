@@ -1,0 +1,66 @@
+"""The export layouts by name: each layout file registers its class here, and every caller asks here (the
+export, the planner's byte account, the precheck, the recipe's `export.format`)."""
+
+from __future__ import annotations
+
+from moequant.errors import UserError
+from moequant.layouts.base import Layout
+
+LAYOUTS: dict[str, type[Layout]] = {}
+RECIPE_LAYOUTS: dict[str, type[Layout]] = {}  # by what a recipe's export.format calls them
+
+
+def register(layout: type[Layout]) -> type[Layout]:
+    """Make `layout` known by its name (and its recipe name): export_checkpoint, the plan and the precheck
+    then take it with no other change."""
+    LAYOUTS[layout.name] = layout
+    RECIPE_LAYOUTS[layout.recipe_name or layout.name] = layout
+    return layout
+
+
+def reader_for(quant_method) -> type[Layout] | None:
+    """The layout that reads checkpoints of this quantization_config.quant_method (None: none does)."""
+    return next((layout for layout in LAYOUTS.values() if quant_method in layout.quant_methods), None)
+
+
+def quant_methods() -> list[str]:
+    """Every quantization_config.quant_method a registered layout reads."""
+    return [m for layout in LAYOUTS.values() for m in layout.quant_methods]
+
+
+def layout_for(export_format: str) -> type[Layout]:
+    """The layout a recipe's `export.format` names (a layout's own name is accepted too)."""
+    layout = RECIPE_LAYOUTS.get(export_format) or LAYOUTS.get(export_format)
+    if layout is None:
+        raise UserError(f"export layout {export_format!r} is not supported; accepted: {', '.join(RECIPE_LAYOUTS)}.")
+    return layout
+
+
+def target_refusal(layout: str, target: str) -> str | None:
+    if target == "vllm-moequant" and layout != "compressed-tensors":
+        return (
+            f"target vllm-moequant (moequant's vLLM plugin) reads the compressed-tensors layout, not {layout}; "
+            "set export.format compressed-tensors"
+        )
+    return None
+
+
+def layout_refusal(layout: str, spec, target: str, adapter, routed: bool = True) -> str | None:
+    """Why `layout` cannot write a tensor in `spec` (a routed expert's, or another's) of this model for
+    `target`, decided from the format and the architecture alone, so before any work (None: it can).
+    The same rules as the layouts' own check() on a finished plan."""
+    why = target_refusal(layout, target)
+    if why:
+        return why
+    if layout not in LAYOUTS:
+        return f"export layout {layout!r} is not supported; accepted: {', '.join(LAYOUTS)}"
+    writer = LAYOUTS[layout]
+    why = writer.refuses_model(adapter)
+    if why:
+        return why
+    if not spec.quantized:
+        return None
+    if writer.routed_only and not routed:
+        return f"the {layout} layout quantizes routed experts only, not {spec.key} non-expert tensors"
+    what = writer.refuses(spec, target)
+    return f"the {layout} layout holds {what}, not {spec.key}" if what else None

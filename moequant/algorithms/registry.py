@@ -43,6 +43,8 @@ def _never(spec) -> bool:
 
 @dataclass(frozen=True)
 class Algorithm:
+    """One algorithm: what the pipeline must collect for it, and how it rounds (module docstring)."""
+
     name: str
     quantize: Callable  # (weights, spec, hessian, options, device, label) -> (quantized, report or None)
     # reads each expert's input Hessian (calibration's chosen one: stats.chosen_hessian); without one

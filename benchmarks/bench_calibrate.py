@@ -53,7 +53,7 @@ def child(model: str, out: str, samples: int, seq_len: int, device: str, hessian
 
     import torch
 
-    from moequant.calib.calibrate import CalibrationSettings, calibrate
+    from moequant.calib.calibrate import calibrate, plain_settings
     from moequant.calib.data import Sample
     from moequant.io.checkpoint import open_checkpoint
 
@@ -66,7 +66,7 @@ def child(model: str, out: str, samples: int, seq_len: int, device: str, hessian
         samples_arg = [
             Sample(torch.randint(0, vocab, (seq_len,), generator=g), "synthetic", "bench") for _ in range(samples)
         ]
-    settings = CalibrationSettings(
+    settings = plain_settings(
         samples=samples,
         seq_len=seq_len,
         batch_size=8,

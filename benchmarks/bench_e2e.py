@@ -106,7 +106,7 @@ def child_moequant(tool: str, model: str, out: str, samples: int, seq_len: int, 
     from moequant.pipeline.apply import apply
 
     scratch = {"bytes": 0}
-    real_save, real_text = cal._save_atomic, ck.atomic_write_text
+    real_save, real_text = cal.save_atomic, ck.atomic_write_text
 
     def counting_save(tensors, path, metadata):
         real_save(tensors, path, metadata)
@@ -117,7 +117,7 @@ def child_moequant(tool: str, model: str, out: str, samples: int, seq_len: int, 
         if any(part in ("stats", "work") for part in Path(path).parts):
             scratch["bytes"] += Path(path).stat().st_size
 
-    cal._save_atomic = qz._save_atomic = counting_save
+    cal.save_atomic = qz.save_atomic = counting_save
     ck.atomic_write_text = cal.atomic_write_text = qz.atomic_write_text = counting_text
     recipe, extra = RECIPES[tool]
     overrides = [

@@ -76,9 +76,9 @@ def main(argv=None) -> int:
     from moequant.arch import adapter_for
     from moequant.calib.calibrate import (
         MIN_ROUTED_TOKENS,
-        CalibrationSettings,
         calibrate,
         load_tokenizer,
+        plain_settings,
     )
     from moequant.calib.data import load_samples
     from moequant.calib.stats import chosen_hessian, load_stats
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
         original = {(L, pj): ad.read_experts(ckpt, L, pj).float() for L in ad.moe_layers for pj in ad.projections}
         stats = {}
         for wt in weightings:
-            settings = CalibrationSettings(
+            settings = plain_settings(
                 dataset="builtin:mix",
                 samples=args.samples,
                 seq_len=args.seq_len,

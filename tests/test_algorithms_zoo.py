@@ -41,8 +41,9 @@ import pytest
 import torch
 
 import moequant
+from moequant.algorithms.registry import GptqOptions
 from moequant.arch import adapter_for
-from moequant.calib.calibrate import CalibrationSettings, load_tokenizer
+from moequant.calib.calibrate import load_tokenizer, plain_settings
 from moequant.calib.data import load_samples, load_samples_with_holdout
 from moequant.evaluate import evaluate
 from moequant.export.layouts import export_checkpoint
@@ -72,7 +73,7 @@ def recipe_for(model: str, fmt: str, algorithm: str, *extra):
 
 
 def settings(samples, seq_len, batch_size=8, **gptq):
-    return CalibrationSettings(samples=samples, seq_len=seq_len, batch_size=batch_size, device="cpu", **gptq)
+    return plain_settings(samples=samples, seq_len=seq_len, batch_size=batch_size, device="cpu", **gptq)
 
 
 def reference_model(directory):
@@ -175,7 +176,7 @@ def evidence(tmp_path_factory):
             for algorithm in ALGORITHMS + ((SEARCHED,) if fmt == "int4" else ()):
                 run = root / f"{model.split(':')[1]}-{fmt}-{algorithm}"
                 plan = make_plan(recipe_for(model, fmt, "gptq" if algorithm == SEARCHED else algorithm), ckpt)
-                grid = dict(gptq_grid="searched", gptq_refit=True) if algorithm == SEARCHED else {}
+                grid = dict(gptq=GptqOptions(grid="searched", refit=True)) if algorithm == SEARCHED else {}
                 quantized, report = quantize_model(
                     model, plan, settings(*CALIBRATION, **grid), run / "work", samples=calibration, progress=False
                 )

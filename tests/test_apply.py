@@ -237,7 +237,7 @@ def test_searched_grid_and_refit_reach_the_quantize_pass(model_dir, tmp_path):
 
     from moequant.algorithms.gptq import gptq
     from moequant.algorithms.refit import refit_scales
-    from moequant.calib.calibrate import CalibrationSettings
+    from moequant.calib.calibrate import plain_settings
     from moequant.pipeline.apply import calibration_settings, resolve_recipe
 
     tokens = "calibration.hessian_weighting=tokens"
@@ -251,7 +251,7 @@ def test_searched_grid_and_refit_reach_the_quantize_pass(model_dir, tmp_path):
     default = calibration_settings(resolve_recipe("recipes/selective.yaml", model_dir, tmp_path / "d", []))
     assert (default.hessian_weighting, default.gptq_grid, default.gptq_refit) == ("routing", "searched", True)
     assert settings.fingerprint_fields()["gptq"] == ["searched", True]
-    assert "gptq" not in CalibrationSettings().fingerprint_fields()
+    assert "gptq" not in plain_settings().fingerprint_fields()
     for proj, (w, h) in references.items():
         q, _ = gptq(w, h, "int4-g32-sym", act_order=True, static_groups=True, grid="searched")
         want = refit_scales(q, w, h).dequantize(torch.float32)
@@ -296,11 +296,6 @@ def test_one_apply_reads_each_checkpoint_s_headers_once(model_dir, tmp_path, mon
     source, output = str(Path(model_dir).resolve()), str((out / "checkpoint").resolve())
     assert sorted(map(str, reads)) == sorted([source, output])
     assert opened == {source: 1, output: 1}
-    # the source's and the output's, each built once by its Checkpoint; the plan package and the probe's
-    # algorithm choice still build their own from the source's config (issue #40's plan and algorithm parts)
+    # the source's and the output's, each built once by its Checkpoint, and no stage builds its own
     assert adapters[("checkpoint.py", "adapter")] == 2
-    own = {where for where in adapters if where[0] != "checkpoint.py"}
-    assert own <= {
-        ("memory.py", "memory_account"),
-        ("apply.py", "probe_algorithm"),
-    }
+    assert {where for where in adapters if where[0] != "checkpoint.py"} == set()

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from tiny import TINY_CONFIGS, build_tiny
 
 from moequant.arch import adapter_for
-from moequant.calib.calibrate import CalibrationSettings, calibrate
+from moequant.calib.calibrate import calibrate, plain_settings
 from moequant.calib.data import Sample
 from moequant.calib.stats import load_stats
 from moequant.cli import main
@@ -29,7 +29,7 @@ def make_samples(seed=0):
 def settings(**kw):
     base = dict(samples=N, seq_len=SEQ, batch_size=BS, formats=FORMATS)
     base.update(kw)
-    return CalibrationSettings(**base)
+    return plain_settings(**base)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch
 from tiny import TINY_CONFIGS, build_tiny
 
 from moequant.arch import adapter_for
-from moequant.calib.calibrate import _LayerCollector, collect_moe_stats
+from moequant.calib.calibrate import LayerCollector, collect_moe_stats
 from moequant.io.checkpoint import open_checkpoint
 from moequant.io.layers import LayerRunner
 
@@ -46,7 +46,7 @@ def _collect(directory, layer, implementation, device="cpu", dtype=torch.float32
             hidden = runner.forward(module, L, hidden)
     routed = []
     with runner.materialized(layer) as module:
-        col = _LayerCollector(
+        col = LayerCollector(
             adapter, module.mlp.experts, adapter.num_experts, adapter.top_k, [], True, True, **collector
         )
         hook = adapter.router_module(module.mlp).register_forward_hook(
@@ -172,7 +172,7 @@ def test_quantize_pass_in_expert_chunks_equals_the_whole_layer(tiny_dirs, tmp_pa
     give the same GPTQ codes, report and carried activations as the whole layer at once."""
     from pathlib import Path
 
-    from moequant.calib.calibrate import CalibrationSettings
+    from moequant.calib.calibrate import plain_settings
     from moequant.calib.data import Sample
     from moequant.pipeline import quantize
     from moequant.plan.policy import make_plan
@@ -185,7 +185,7 @@ def test_quantize_pass_in_expert_chunks_equals_the_whole_layer(tiny_dirs, tmp_pa
     )
     plan = make_plan(recipe, open_checkpoint(d), None)
     samples = [Sample(row, "test", "test") for row in _ids()]
-    settings = CalibrationSettings(samples=N, seq_len=SEQ, batch_size=BS)
+    settings = plain_settings(samples=N, seq_len=SEQ, batch_size=BS)
     whole, whole_report = quantize.quantize_model(
         str(d), plan, settings, tmp_path / "whole", samples=samples, progress=False
     )
@@ -214,7 +214,7 @@ def test_round_to_nearest_streamed_a_chunk_of_experts_at_a_time_equals_the_whole
     import dataclasses
     from pathlib import Path
 
-    from moequant.calib.calibrate import CalibrationSettings
+    from moequant.calib.calibrate import plain_settings
     from moequant.calib.data import Sample
     from moequant.pipeline import quantize
     from moequant.plan.policy import make_plan
@@ -233,7 +233,7 @@ def test_round_to_nearest_streamed_a_chunk_of_experts_at_a_time_equals_the_whole
             for t in plan.tensors
         ]
     samples = [Sample(row, "test", "test") for row in _ids()]
-    settings = CalibrationSettings(samples=N, seq_len=SEQ, batch_size=BS)
+    settings = plain_settings(samples=N, seq_len=SEQ, batch_size=BS)
     whole, _ = quantize.quantize_model(str(d), plan, settings, tmp_path / "whole", samples=samples, progress=False)
     calls = []
     real = quantize._rtn_experts_streamed

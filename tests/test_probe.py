@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from tiny import build_tiny
 
 from moequant import formats
-from moequant.calib.calibrate import CalibrationSettings, calibrate
+from moequant.calib.calibrate import calibrate, plain_settings
 from moequant.calib.data import Sample
 from moequant.calib.probe import choose_probe_format, probe_algorithm_for, probe_indices
 from moequant.calib.stats import LayerStats, Stats, load_stats
@@ -32,7 +32,7 @@ def make_samples(seed=0, n=N):
 
 
 def settings(**kw):
-    return CalibrationSettings(
+    return plain_settings(
         **{"samples": N, "seq_len": SEQ, "batch_size": BS, "formats": FORMATS, "probe_samples": N, **kw}
     )
 

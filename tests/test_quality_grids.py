@@ -9,7 +9,7 @@ import torch
 
 from moequant import formats
 from moequant.algorithms import gptq
-from moequant.calib.calibrate import CalibrationSettings, calibrate
+from moequant.calib.calibrate import calibrate, plain_settings
 from moequant.calib.stats import load_stats
 from moequant.errors import UserError
 
@@ -230,13 +230,13 @@ def test_routing_weighted_hessians_match_float64(tmp_path, weighting):
         calibrate(
             str(directory),
             tmp_path / "w",
-            CalibrationSettings(**base, hessian_weighting=weighting),
+            plain_settings(**base, hessian_weighting=weighting),
             samples=samples,
             progress=False,
         )
     )
     plain = load_stats(
-        calibrate(str(directory), tmp_path / "p", CalibrationSettings(**base), samples=samples, progress=False)
+        calibrate(str(directory), tmp_path / "p", plain_settings(**base), samples=samples, progress=False)
     )
     # the reference: the unmodified model, hooked for router weights / indices and the experts' input
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
@@ -286,7 +286,7 @@ def test_routing_weighted_hessians_match_float64(tmp_path, weighting):
         calibrate(
             str(directory),
             tmp_path / "bad",
-            CalibrationSettings(**base, hessian_weighting="affinity"),
+            plain_settings(**base, hessian_weighting="affinity"),
             samples=samples,
             progress=False,
         )

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from tiny import build_tiny
 
 from moequant.arch import adapter_for
-from moequant.calib.calibrate import CalibrationSettings
+from moequant.calib.calibrate import plain_settings
 from moequant.calib.data import Sample
 from moequant.export.layouts import export_checkpoint
 from moequant.export.streamed import StreamedExport
@@ -86,7 +86,7 @@ def test_streamed_export_equals_export_from_work_files(case, device, tmp_path):
         Sample(row, "test", "test")
         for row in torch.randint(0, 96, (N, SEQ), generator=torch.Generator().manual_seed(0))
     ]
-    settings = CalibrationSettings(samples=N, seq_len=SEQ, batch_size=BS, device=device)
+    settings = plain_settings(samples=N, seq_len=SEQ, batch_size=BS, device=device)
     args = {"layout": layout, "target": target, "int8_activations": "none"}
 
     quantized, report = quantize.quantize_model(

@@ -20,6 +20,7 @@ written last, so its presence means the statistics are complete.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -31,86 +32,20 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from moequant.algorithms.registry import algorithm
+from moequant.calib.probe import auto_probe_algorithm, probe_algorithm_for
+from moequant.calib.settings import (  # noqa: F401  (the names library callers import from here)
+    DEFAULT_SENSITIVITY_FORMATS,
+    HESSIAN_WEIGHTINGS,
+    MIN_ROUTED_TOKENS,
+    CalibrationSettings,
+    plain_settings,
+)
 from moequant.calib.stats import chosen_hessian, layer_file
 from moequant.errors import UserError
+from moequant.formats import REGISTRY
 from moequant.io.checkpoint import atomic_write_text, open_checkpoint, save_safetensors
 from moequant.io.layers import LayerRunner, compute_dtype
-
-DEFAULT_SENSITIVITY_FORMATS = ("fp8-channel", "int8-channel", "int4-g128-sym", "mxfp4", "int3-g128-sym", "int2-g64-sym")
-MIN_ROUTED_TOKENS = 64  # below this an expert's own Hessian is too noisy: use the all-experts one
-
-
-@dataclass
-class CalibrationSettings:
-    dataset: str = "builtin:mix"
-    samples: int = 64
-    seq_len: int = 256
-    seed: int = 0
-    batch_size: int = 8
-    all_experts: bool = True
-    hessians: bool = True
-    formats: tuple[str, ...] = DEFAULT_SENSITIVITY_FORMATS
-    min_tokens: int = MIN_ROUTED_TOKENS
-    allow_fewer: bool = False
-    device: str = "cpu"
-    probe_samples: int = (
-        8  # per-layer KL probe on this many samples (probe.py), held out when calibrate loads the data; 0: none
-    )
-    probe_algorithm: str = "rtn"  # how the probe quantizes its layer: rtn | gptq (see probe.py)
-    compute_dtype: str = "auto"  # the layers' forward: auto (bf16 on CUDA, float32 on CPU) | float32 | bfloat16
-    save_hessians: bool = False  # also write the full [E, d, d] Hessians into stats/ (inspection; large)
-    # each routed token's weight in its expert's routed Hessian (HESSIAN_WEIGHTINGS); the library's
-    # defaults here and below are plain GPTQ, the recipe's (plan/recipe.py) are routing / searched / refit
-    hessian_weighting: str = "tokens"
-    # how GPTQ rounds in the probe and the quantize pass (recipe gptq: algorithms.gptq.gptq_pass)
-    gptq_grid: str = "minmax"
-    gptq_refit: bool = False
-    # formats of the per-tensor probe (probe.run_tensor_probe: KL of each non-expert weight alone in
-    # each), measured when a recipe lets the budget choose non-expert formats; (): none
-    tensor_formats: tuple[str, ...] = ()
-    # the KL probe also measures each projection alone (probe.py), for plans that choose a format
-    # per (layer, projection): llama.cpp's
-    probe_projections: bool = False
-
-    def fingerprint_fields(self) -> dict:
-        fields = {
-            k: getattr(self, k)
-            for k in (
-                "dataset",
-                "samples",
-                "seq_len",
-                "seed",
-                "all_experts",
-                "hessians",
-                "formats",
-                "min_tokens",
-                "allow_fewer",
-                "probe_samples",
-                "probe_algorithm",
-                "compute_dtype",
-                "save_hessians",
-            )
-        }
-        # absent at the library defaults (the recipe's defaults before 2026-12-02): statistics made
-        # with them keep their fingerprint, and the recipe's defaults now add these fields
-        if self.hessian_weighting != "tokens":
-            fields["hessian_weighting"] = self.hessian_weighting
-        if (self.gptq_grid, self.gptq_refit) != ("minmax", False):  # likewise
-            fields["gptq"] = [self.gptq_grid, self.gptq_refit]
-        if self.tensor_formats:  # likewise
-            fields["tensor_formats"] = list(self.tensor_formats)
-        if self.probe_projections:  # likewise
-            fields["probe_projections"] = True
-        return fields
-
-
-# How a routed token counts in its expert's Hessian hessian_routed.{group} = sum_t c_t x_t x_t^T / sum_t c_t:
-# "tokens": c = 1 (every routed token alike); "routing": c = r, the token's routing weight for the
-# expert (MoEQuant's affinity-guided GPTQ). The all-tokens Hessians (all-experts coverage) stay
-# unweighted. c = r^2 (the weight of the squared output error, since the expert's output reaches the
-# layer multiplied by r) was measured too and dropped: benchmarks/bench_quality.py, 2026-12-02, it
-# beat "tokens" on two of four runs and lost to "routing" on three.
-HESSIAN_WEIGHTINGS = ("tokens", "routing")
 
 
 def model_fingerprint(checkpoint) -> str:
@@ -126,7 +61,7 @@ def model_fingerprint(checkpoint) -> str:
 
 
 @dataclass
-class _LayerCollector:
+class LayerCollector:
     """Accumulates one MoE layer's statistics from its router and experts hooks.
 
     Everything is computed and accumulated on the device the layer runs on (no host copies
@@ -552,6 +487,7 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
         raise UserError(f"{model} has no weights (config only); calibration needs a full checkpoint.")
     adapter = ckpt.adapter
     adapter.check_shapes(ckpt)
+    settings = dataclasses.replace(settings, probe_algorithm=_probe_algorithm(settings, adapter))
     output = Path(output)
     fingerprint = {"model": model_fingerprint(ckpt), **settings.fingerprint_fields()}
     fingerprint["formats"] = list(fingerprint["formats"])
@@ -593,11 +529,11 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
     own = world.experts(adapter.num_experts) if world is not None else range(adapter.num_experts)
 
     timings = {}
+    # whether the probe's algorithm reads the full Hessians (an algorithm the probe does not run is refused here)
     probe_needs_hessians = (
         settings.probe_samples > 0
         and bool(adapter.moe_layers)
-        and settings.probe_algorithm == "gptq"
-        and settings.hessians
+        and algorithm(probe_algorithm_for(settings.probe_algorithm, settings.hessians)).hessians
     )
     for L in _progress(
         range(start_layer, adapter.num_layers), progress, "calibrating", adapter.num_layers, start_layer
@@ -640,6 +576,18 @@ def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenize
     return output
 
 
+def _probe_algorithm(settings: CalibrationSettings, adapter) -> str:
+    """The algorithm the probe runs: settings.probe_algorithm, where `auto` (a library caller's default) is
+    the probe format's family default algorithm as the probe measures it (apply resolves `auto` with
+    the recipe's `algorithms:` map before calibration)."""
+    if settings.probe_algorithm != "auto":
+        return settings.probe_algorithm
+    if not settings.probe_samples:
+        return "rtn"  # nothing is probed
+    shapes = [tuple(adapter.expert_shape(p)) for p in adapter.projections]
+    return auto_probe_algorithm(settings.formats, shapes, lambda name: REGISTRY[name].default_algorithm(name))
+
+
 def _calibration_samples(ckpt, adapter, settings: CalibrationSettings, tokenizer, samples):
     """(samples, the probe's held-out input ids or None). Drawn from settings.dataset when `samples`
     is None; else the caller's pre-tokenised samples (library use, tests)."""
@@ -673,7 +621,7 @@ def _moe_layer_statistics(
     from moequant import parallel
 
     bs = settings.batch_size
-    col = _LayerCollector(
+    col = LayerCollector(
         adapter,
         module.mlp.experts,
         adapter.num_experts,
@@ -713,8 +661,8 @@ def _write_layer_statistics(
     if save_hessians:
         kept.update(hessians)
     elif hessians and probe_needs_hessians:
-        _save_atomic(hessians, work / f"hessians_{L:03d}.safetensors", {"layer": str(L)})
-    _save_atomic(kept, layer_file(output, L), {"layer": str(L), "tokens": str(tokens)})
+        save_atomic(hessians, work / f"hessians_{L:03d}.safetensors", {"layer": str(L)})
+    save_atomic(kept, layer_file(output, L), {"layer": str(L), "tokens": str(tokens)})
     (work / f"skipped_{L:03d}.json").write_text(json.dumps(skipped))
 
 
@@ -742,8 +690,7 @@ def _run_probes(ckpt, adapter, output: Path, settings: CalibrationSettings, inpu
             algorithm=settings.probe_algorithm,
             hessians=settings.hessians,
             min_tokens=settings.min_tokens,
-            gptq_grid=settings.gptq_grid,
-            gptq_refit=settings.gptq_refit,
+            options=settings.algorithm_options,
             projections=settings.probe_projections,
             progress=progress,
         )
@@ -910,7 +857,7 @@ def load_carried(work: Path, fingerprint, num_batches: int):
 
 def save_carried(work: Path, fingerprint, next_layer: int, hidden: list) -> None:
     """The hidden states feeding `next_layer` (they record their run and layer), then progress.json."""
-    _save_atomic(
+    save_atomic(
         {f"batch_{b}": h for b, h in enumerate(hidden)},
         work / "hidden.safetensors",
         hidden_record(fingerprint, next_layer),
@@ -918,7 +865,7 @@ def save_carried(work: Path, fingerprint, next_layer: int, hidden: list) -> None
     atomic_write_text(work / "progress.json", json.dumps({"fingerprint": fingerprint, "next_layer": next_layer}))
 
 
-def collect_moe_stats(runner, module, layer: int, collector: "_LayerCollector", hidden, before_batch=None):
+def collect_moe_stats(runner, module, layer: int, collector: "LayerCollector", hidden, before_batch=None):
     """Run one MoE layer with the collector hooked to its router and experts; returns the outputs."""
     adapter, mlp = runner.adapter, module.mlp
     hooks = [
@@ -932,7 +879,9 @@ def collect_moe_stats(runner, module, layer: int, collector: "_LayerCollector", 
             h.remove()
 
 
-def _save_atomic(tensors: dict, path: Path, metadata: dict) -> None:
+def save_atomic(tensors: dict, path: Path, metadata: dict) -> None:
+    """`tensors` as one safetensors file, written under a temporary name and renamed: a crash leaves the
+    old file or none."""
     tmp = path.with_name(f".{path.name}.tmp")
     save_safetensors({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
     tmp.replace(path)

@@ -46,8 +46,10 @@ scale is meant for the regime where the budget decisions of every target happen 
 8-bit experts) and where KL and the predicted loss are both second order in the weight error;
 a 2- or 3-bit probe perturbs tiny models so much that the KL leaves that regime.
 
-Algorithm: as the quantize pass will quantize the probe format (recipe `probe_algorithm: auto`:
-GPTQ with the calibration Hessians where the recipe uses GPTQ, else RTN), or forced rtn / gptq.
+Algorithm: the registered algorithm (moequant.algorithms.registry) the quantize pass will give the
+probe format, as that algorithm's `probe` says (recipe `probe_algorithm: auto`: GPTQ with the
+calibration Hessians where the recipe uses GPTQ, else RTN), or forced rtn / gptq; the same entry's
+`quantize` rounds the probed layer and the quantize pass's experts.
 
 Cost and memory: the layers are walked once with the original hidden states, the all-quantized
 stream and two perturbed streams per probed layer, so each layer is materialised once (MoE
@@ -169,13 +171,30 @@ def _kl_sum(head, reference: list[torch.Tensor], probed: list[torch.Tensor]) -> 
     return total
 
 
-def probe_algorithm_for(algorithm: str, hessians: bool = True) -> str:
-    """rtn or gptq; GPTQ needs the calibration Hessians, so it falls back to RTN without them."""
-    if algorithm not in ("rtn", "gptq"):
+def probe_algorithm_for(name: str, hessians: bool = True) -> str:
+    """The registered algorithm the probe runs (one it runs itself, moequant.algorithms.registry); one
+    that reads Hessians falls back to round-to-nearest without them."""
+    from moequant.algorithms.registry import ALGORITHMS, probe_algorithms
+
+    runs = probe_algorithms()
+    if name not in runs:
         from moequant.errors import UserError
 
-        raise UserError(f"probe algorithm {algorithm!r} is not one the probe runs; accepted: rtn, gptq.")
-    return algorithm if hessians else "rtn"
+        raise UserError(f"probe algorithm {name!r} is not one the probe runs; accepted: {', '.join(runs)}.")
+    return "rtn" if ALGORITHMS[name].hessians and not hessians else name
+
+
+def auto_probe_algorithm(format_keys, shapes, algorithm_for) -> str:
+    """`probe_algorithm: auto`: the registered algorithm that quantizes the probe format
+    (`algorithm_for(format name)`: the recipe's choice or the family's default), as the probe measures
+    it (its `probe`: GPTQ runs itself; AWQ and imatrix are measured with RTN)."""
+    from moequant import formats
+    from moequant.algorithms.registry import algorithm
+
+    key = choose_probe_format(format_keys, shapes)
+    if key is None:
+        return "rtn"
+    return algorithm(algorithm_for(formats.parse_key(key).name)).probe
 
 
 def layer_hessians(stats_dir: Path, layer: int, proj: str, num_experts: int, min_tokens: int) -> torch.Tensor:
@@ -200,34 +219,29 @@ def _probed_experts(
     checkpoint,
     layer: int,
     key: str,
-    algorithm: str,
+    name: str,
     stats_dir: Path,
     min_tokens: int,
     dtype,
     device,
-    gptq_grid: str = "minmax",
-    gptq_refit: bool = False,
+    options: dict | None = None,
 ) -> dict[str, torch.Tensor]:
-    """proj -> [E, out, in] dequantized weights of the layer's routed experts in `key`."""
+    """proj -> [E, out, in] dequantized weights of the layer's routed experts in `key`, rounded by the
+    registered algorithm `name` with its `options` ({algorithm name: options}), as the quantize pass."""
     from moequant import formats
+    from moequant.algorithms.registry import algorithm
 
     spec = formats.parse_key(key)
+    algo = algorithm(name)
     out = {}
-    # as the quantize pass: gate and up (one input) share one Hessian and one GPTQ solve
-    shared = algorithm == "gptq" and not spec.is_ggml and {"gate", "up"} <= set(adapter.projections)
+    # as the quantize pass: gate and up (one input) share one Hessian and one solve where the algorithm joins them
+    shared = algo.joins_gate_up(spec) and {"gate", "up"} <= set(adapter.projections)
     jobs = [("gate", "up"), ("down",)] if shared else [(p,) for p in adapter.projections]
     for projs in jobs:
         W = [adapter.read_experts(checkpoint, layer, p).float() for p in projs]
-        if algorithm == "gptq":
-            H = layer_hessians(stats_dir, layer, projs[0], adapter.num_experts, min_tokens)
-        if algorithm == "gptq" and spec.is_ggml:  # GPTQ on the ggml type's grid, as the quantize pass
-            qs = [formats.quantize_ggml(W[0], spec, name=f"layer {layer} {projs[0]} experts", hessian=H)]
-        elif algorithm == "gptq":
-            from moequant.algorithms.gptq import gptq_pass_shared
-
-            qs, _ = gptq_pass_shared(W, H, spec, device=device, grid=gptq_grid, refit=gptq_refit)
-        else:
-            qs = [formats.quantize(W[0], spec, name=f"layer {layer} {projs[0]} experts")]
+        H = layer_hessians(stats_dir, layer, projs[0], adapter.num_experts, min_tokens) if algo.hessians else None
+        label = f"layer {layer} {'/'.join(projs)} experts"
+        qs, _ = algo.quantize(W, spec, H, (options or {}).get(algo.name), device, label)
         for p, q in zip(projs, qs):
             out[p] = q.dequantize(torch.float32).to(dtype)
     return out
@@ -247,13 +261,14 @@ def run_probe(
     algorithm: str = "rtn",
     hessians: bool = True,
     min_tokens: int = 64,
-    gptq_grid: str = "minmax",
-    gptq_refit: bool = False,
+    options: dict | None = None,
     projections: bool = False,
     progress: bool = False,
 ) -> dict:
     """Probe every MoE layer on `input_ids` [n, seq]; needs the layers' statistics files in
-    `stats_dir` (sensitivities, routing counts). `projections`: also each projection alone.
+    `stats_dir` (sensitivities, routing counts). `algorithm`: a registered one the probe runs
+    (`probe_algorithm_for`), with `options` ({algorithm name: options}, the recipe's sections).
+    `projections`: also each projection alone.
     Returns probe.json's dict (not written)."""
     from moequant.io.layers import LayerRunner
 
@@ -277,7 +292,7 @@ def run_probe(
         }
     algorithm = probe_algorithm_for(algorithm, hessians)
     quantized = lambda L: _probed_experts(
-        adapter, checkpoint, L, probe_key, algorithm, stats_dir, min_tokens, runner.dtype, device, gptq_grid, gptq_refit
+        adapter, checkpoint, L, probe_key, algorithm, stats_dir, min_tokens, runner.dtype, device, options
     )
     stream_bytes = tokens * adapter.hidden * torch.finfo(runner.dtype).bits // 8
     split = tuple(adapter.projections) if projections else ()

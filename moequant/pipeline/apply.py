@@ -114,8 +114,7 @@ def calibration_settings(
         compute_dtype=c.compute_dtype,
         tensor_formats=tensor_formats(recipe),
         hessian_weighting=c.hessian_weighting,
-        gptq_grid=recipe.gptq.grid,
-        gptq_refit=recipe.gptq.refit,
+        gptq=recipe.gptq,
         probe_projections=bool(probe_samples) and GRANULARITY[recipe.target] == "layer_proj",
     )
 
@@ -142,20 +141,16 @@ def _routed_params(recipe: Recipe, ckpt=None) -> int:
 
 
 def probe_algorithm(recipe: Recipe, format_keys, ckpt=None) -> str:
-    """The recipe's probe algorithm; `auto` is the algorithm the quantize pass will give the probe's
-    format (gptq where the recipe says gptq, else rtn: the probe runs no AWQ)."""
+    """The recipe's probe algorithm; `auto` is the registered algorithm the quantize pass will give the
+    probe's format, as the probe measures it (gptq where the recipe says gptq, else rtn: the probe runs no AWQ)."""
     chosen = recipe.calibration.probe_algorithm
     if chosen != "auto":
         return chosen
-    from moequant import formats
-    from moequant.arch import adapter_for
-    from moequant.calib.probe import choose_probe_format
+    from moequant.calib.probe import auto_probe_algorithm
 
-    adapter = adapter_for(open_checkpoint(ckpt or recipe.model).config)
-    key = choose_probe_format(format_keys, [tuple(adapter.expert_shape(p)) for p in adapter.projections])
-    if key is None:
-        return "rtn"
-    return "gptq" if recipe.algorithm_for(formats.parse_key(key).name) == "gptq" else "rtn"
+    adapter = open_checkpoint(ckpt or recipe.model).adapter
+    shapes = [tuple(adapter.expert_shape(p)) for p in adapter.projections]
+    return auto_probe_algorithm(format_keys, shapes, recipe.algorithm_for)
 
 
 def resolve_recipe(recipe_path, model=None, output=None, overrides=()) -> Recipe:

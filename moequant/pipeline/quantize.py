@@ -54,14 +54,15 @@ import torch
 from safetensors.torch import load_file
 
 from moequant import formats, parallel
+from moequant.algorithms.registry import algorithm
 from moequant.arch import Adapter
 from moequant.calib.calibrate import (
     CalibrationSettings,
-    _LayerCollector,
-    _save_atomic,
+    LayerCollector,
     collect_moe_stats,
     load_carried,
     load_tokenizer,
+    save_atomic,
     save_carried,
 )
 from moequant.calib.stats import chosen_hessian
@@ -136,7 +137,7 @@ def save_quantized(items: dict, path: Path) -> None:
                 tensors[f"{i}.{part}"] = t
                 entry["parts"].append(part)
         index[str(i)] = entry
-    _save_atomic(tensors, path, {"index": json.dumps(index)})
+    save_atomic(tensors, path, {"index": json.dumps(index)})
 
 
 class StoredQuantizedTensor(formats.QuantizedTensor):
@@ -288,7 +289,7 @@ def _awq_layer(
     down_scales = torch.ones(E, adapter.expert_intermediate)
     by = {}
     for t in plan_rows:
-        if t.algorithm == "awq" and t.quantized:
+        if t.quantized and algorithm(t.algorithm).scales_layer:
             by.setdefault((t.proj, t.format), []).append(t.expert)
 
     # down_proj: per expert, folded into the output rows of the same expert's up_proj
@@ -417,7 +418,7 @@ def _search_shared_scale(
         return res, "each expert's gate/up output error through its Hessian, weighted by its routed tokens"
     specs = [None] * num_experts  # per expert: (gate format, up format) of its AWQ rows
     for t in plan_rows:
-        if t.algorithm == "awq" and t.quantized and t.proj in ("gate", "up"):
+        if t.quantized and t.proj in ("gate", "up") and algorithm(t.algorithm).scales_layer:
             pair = list(specs[t.expert] or (None, None))
             pair[("gate", "up").index(t.proj)] = t.format
             specs[t.expert] = tuple(pair)
@@ -516,13 +517,14 @@ def _quantize_experts(
     weights: dict,
     input_scale: torch.Tensor | None = None,
     first_expert: int = 0,
-    gptq_grid: str = "minmax",
-    gptq_refit: bool = False,
+    options: dict | None = None,
     codes_to=None,
     store=None,
 ):
-    """GPTQ / RTN for one layer's routed experts, batched per (projection, format, algorithm);
-    GPTQ rounds as `gptq_grid` / `gptq_refit` say (the recipe's gptq section, `gptq_pass`).
+    """One layer's routed experts, batched per (projection, format, algorithm), each batch rounded by its
+    registered algorithm (moequant.algorithms.registry) with its `options` ({algorithm name: options},
+    the recipe's sections; GPTQ's: `gptq_pass`); an algorithm that reads Hessians rounds to nearest
+    where there are no statistics.
     `codes_to`: the device the returned codes and scales are moved to (the host: off the GPU per chunk).
     `store(layer, proj, experts, stacked codes)`: where each quantized stack goes instead (the streamed
     export packs and writes it); it returns what the caller must still hold, keyed (layer, expert, proj).
@@ -531,64 +533,53 @@ def _quantize_experts(
     ran); AWQ rows are round-to-nearest of them. `input_scale`: the shared gate/up scale folded
     into the norm, so gate/up's GPTQ Hessians are those of the input divided by it. With
     `first_expert`, `weights` and `collected` hold the experts from there on (one chunk of a layer)."""
-    from moequant.algorithms.gptq import gptq_pass_shared
-
     groups: dict[tuple[str, str, str], list[int]] = {}
     for t in plan_rows:
         if not t.quantized:
             continue
         groups.setdefault((t.proj, t.format, t.algorithm), []).append(t.expert)
-    # gate and up read the same input: where both are GPTQ'd in one format for the same experts,
-    # they share one Hessian, one factorization and one sweep
+    # gate and up read the same input: where both are in one format for the same experts and the
+    # algorithm solves them together (GPTQ), they share one Hessian, one factorization and one sweep
     jobs = []
-    for (proj, key, algo), experts in sorted(groups.items()):
+    for (proj, key, name), experts in sorted(groups.items()):
         shared = (
-            algo == "gptq"
-            and not formats.parse_key(key).is_ggml
+            algorithm(name).joins_gate_up(formats.parse_key(key))
             and proj in ("gate", "up")
-            and sorted(groups.get(("gate", key, algo), [])) == sorted(groups.get(("up", key, algo), [None]))
+            and sorted(groups.get(("gate", key, name), [])) == sorted(groups.get(("up", key, name), [None]))
         )
         if shared and proj == "up":
             continue  # joined to gate's job
         projs = ("gate", "up") if shared else (proj,)
-        jobs.append((projs, key, algo, sorted(experts)))
+        jobs.append((projs, key, name, sorted(experts)))
     quantized, report = {}, {}
     # dequantized in place: each quantized row is read once, before its own dequantized copy lands
     # (saves a float32 copy of the layer's experts on the device)
     dequant = weights
-    for projs, key, algo, experts in jobs:
+    for projs, key, name, experts in jobs:
         idx = torch.tensor(experts) - first_expert  # rows of `weights` / `collected` (a chunk's, from first_expert)
         spec = formats.parse_key(key)
         group = "down" if projs[0] == "down" else "gate_up"
         label = f"layer {layer} {'/'.join(projs)} experts"
-        if algo in ("gptq", "imatrix") and collected is not None:
+        algo, H = algorithm(name), None
+        if algo.hessians and collected is None:
+            algo = algorithm("rtn")  # no statistics to read
+        if algo.hessians:
             own, tokens, H, _, _ = _chosen_statistics(collected, group, idx, adapter.num_experts, min_tokens)
             if input_scale is not None and group == "gate_up":
                 H = H / (input_scale[:, None] * input_scale[None, :])  # Hessian of x / s
-        entries = {p: {"experts": experts, "format": key, "algorithm": algo} for p in projs}
-        if algo == "gptq" and collected is not None and not spec.is_ggml:
-            qs, rep = gptq_pass_shared(
-                [weights[p][idx] for p in projs], H, spec, device=device, grid=gptq_grid, refit=gptq_refit
-            )
+        entries = {p: {"experts": experts, "format": key, "algorithm": algo.name} for p in projs}
+        qs, rep = algo.quantize(
+            [weights[p][idx] for p in projs], spec, H, (options or {}).get(algo.name), device, label
+        )
+        if rep is not None:  # per-expert fallbacks: an expert's too few routed tokens, then the solver's own
             fallbacks = {
                 str(experts[e]): f"all-tokens Hessian: {int(tokens[e])} routed tokens < {min_tokens}"
                 for e in range(len(experts))
                 if not own[e]
             }
-            fallbacks.update({str(experts[e]): why for e, why in rep.fallbacks().items()})
+            fallbacks.update({str(experts[e]): why for e, why in rep["fallbacks"].items()})
             for p in projs:
-                entries[p]["gptq"] = {"fallbacks": fallbacks, "damp": rep.damp}
-        elif algo == "gptq" and collected is not None:  # on the ggml type's grid
-            qs = [formats.quantize_ggml(weights[p][idx], spec, name=label, hessian=H) for p in projs]
-        elif algo == "imatrix" and collected is not None:  # ggml types: scale search weighted by diag(H)
-            imp = torch.diagonal(H, dim1=-2, dim2=-1).float()
-            qs = [formats.quantize_ggml(weights[p][idx], spec, name=label, importance=imp) for p in projs]
-        else:
-            # RTN; for AWQ rows the weights were scaled by _awq_layer (its report is merged by the caller)
-            qs = [formats.quantize(weights[p][idx], spec, name=label) for p in projs]
-            if algo != "awq":
-                for p in projs:
-                    entries[p]["algorithm"] = "rtn"
+                entries[p][algo.name] = {"fallbacks": fallbacks, "damp": rep["damp"]}
         for p, q in zip(projs, qs):
             deq = q.dequantize(torch.float32)
             if not torch.isfinite(deq).all():
@@ -677,7 +668,7 @@ def _statistics_and_quantize_in_chunks(
         chunk = _experts_per_chunk(adapter, dev)
         for lo in range(first, last, chunk):
             hi = min(last, lo + chunk)
-            col = _LayerCollector(
+            col = LayerCollector(
                 adapter,
                 module.mlp.experts,
                 E,
@@ -704,8 +695,7 @@ def _statistics_and_quantize_in_chunks(
                 dev,
                 weights=weights,
                 first_expert=lo,
-                gptq_grid=settings.gptq_grid,
-                gptq_refit=settings.gptq_refit,
+                options=settings.algorithm_options,
                 codes_to="cpu" if on_gpu else None,
                 store=store,
             )
@@ -725,9 +715,10 @@ def _merge_chunk_report(report: dict, chunk: dict) -> None:
             continue
         whole = report[key]
         whole["experts"] = whole["experts"] + entry["experts"]
-        if "gptq" in entry:
-            whole["gptq"]["fallbacks"].update(entry["gptq"]["fallbacks"])
-            whole["gptq"]["damp"] = list(whole["gptq"]["damp"]) + list(entry["gptq"]["damp"])
+        solver = entry["algorithm"]  # its report, when it gives one (_quantize_experts)
+        if solver in entry:
+            whole[solver]["fallbacks"].update(entry[solver]["fallbacks"])
+            whole[solver]["damp"] = list(whole[solver]["damp"]) + list(entry[solver]["damp"])
 
 
 def _quantize_other(ckpt, rows, replaced: dict | None = None) -> tuple[dict, dict]:
@@ -853,7 +844,7 @@ def quantize_model(
             for t in plan.tensors
             if t.role == "routed_expert"
             and t.quantized
-            and t.algorithm in ("gptq", "awq")
+            and algorithm(t.algorithm).carries_stream
             and t.layer in adapter.moe_layers
         }
     )
@@ -968,7 +959,8 @@ def _experts_placement(run: "_Pass", for_awq: bool = False) -> tuple:
 
 
 def _uses_awq(rows) -> bool:
-    return any(t.algorithm == "awq" and t.quantized for t in rows if t.role == "routed_expert")
+    """Whether an algorithm scales the layer's weights before rounding (AWQ) in these rows."""
+    return any(t.quantized and algorithm(t.algorithm).scales_layer for t in rows if t.role == "routed_expert")
 
 
 def _expert_bytes(adapter, experts: int, dtype) -> int:
@@ -1017,7 +1009,7 @@ def _routed_expert_rows(rows) -> list:
 
 def _needs_statistics(expert_rows) -> bool:
     """Whether quantizing these routed experts reads their inputs' statistics (GPTQ, AWQ, imatrix)."""
-    return any(t.algorithm in ("gptq", "awq", "imatrix") and t.quantized for t in expert_rows)
+    return any(t.quantized and algorithm(t.algorithm).statistics for t in expert_rows)
 
 
 def _rtn_streamed(run: "_Pass", expert_rows) -> bool:
@@ -1098,7 +1090,7 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
         expert_rows if run.own is None else [t for t in expert_rows if t.expert in run.own]
     )  # what this rank quantizes
     needs_stats = _needs_statistics(expert_rows)
-    uses_awq = any(t.algorithm == "awq" and t.quantized for t in expert_rows)
+    uses_awq = _uses_awq(expert_rows)
     collected, routed_tokens, routing_before, tokens, weights = None, None, [], {}, None
     streamed = _rtn_streamed(run, expert_rows)
     if expert_rows and (uses_awq or not needs_stats) and not streamed:
@@ -1156,7 +1148,7 @@ def _awq_statistics(runner, adapter, L: int, hidden, weights: dict, hessian_weig
     Returns (statistics on the CPU, routed tokens per expert, routing [per batch], recorded tokens)."""
     routing_before, tokens = [], {}
     with runner.materialized(L, experts=weights) as module:
-        col = _LayerCollector(
+        col = LayerCollector(
             adapter,
             module.mlp.experts,
             adapter.num_experts,
@@ -1218,8 +1210,7 @@ def _quantize_whole_layer_experts(
         weights=weights,
         input_scale=input_scale,
         first_expert=run.own.start if run.own is not None else 0,
-        gptq_grid=run.settings.gptq_grid,
-        gptq_refit=run.settings.gptq_refit,
+        options=run.settings.algorithm_options,
         store=_store(run),
     )
     # experts the folds changed but the plan keeps in full precision: written as folded
@@ -1307,7 +1298,11 @@ def _save_layer(run: _Pass, L: int, quantized: dict, report: dict, routed_tokens
 def _refuse_awq_where_unsupported(plan: Plan, adapter, world) -> None:
     """AWQ runs on routed experts of architectures whose folds are exact, in one process."""
     awq_layers = sorted(
-        {t.layer for t in plan.tensors if t.algorithm == "awq" and t.quantized and t.role == "routed_expert"}
+        {
+            t.layer
+            for t in plan.tensors
+            if t.role == "routed_expert" and t.quantized and algorithm(t.algorithm).scales_layer
+        }
     )
     for L in awq_layers:
         _check_awq_supported(adapter, L)
@@ -1317,7 +1312,11 @@ def _refuse_awq_where_unsupported(plan: Plan, adapter, world) -> None:
             "layer's experts together); run it without torchrun, or use gptq or rtn."
         )
     other_awq = sorted(
-        {t.name for t in plan.tensors if t.algorithm == "awq" and t.quantized and t.role != "routed_expert"}
+        {
+            t.name
+            for t in plan.tensors
+            if t.role != "routed_expert" and t.quantized and algorithm(t.algorithm).scales_layer
+        }
     )
     if other_awq:
         raise UserError(
@@ -1352,7 +1351,7 @@ def _add_awq_report(
     tests and reports: the checkpoint holds the folds themselves)."""
     scales = awq_report.pop("scales", None)
     if scales is not None:
-        _save_atomic(scales, scales_file, {})
+        save_atomic(scales, scales_file, {})
     shared = awq_report.pop("shared_scale", None)
     for k, v in awq_report.items():
         report[k]["awq"] = v

@@ -45,6 +45,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import PydanticCustomError
 from typing_extensions import Annotated
 
+from moequant.algorithms.registry import ALGORITHMS
+from moequant.algorithms.registry import GptqOptions as Gptq
+from moequant.calib.settings import DEFAULT_DATASET, Calibration
 from moequant.errors import UserError
 from moequant.formats import REGISTRY, format_names, get_format, parse_key
 from moequant.layouts import RECIPE_LAYOUTS
@@ -53,8 +56,6 @@ FORMAT_NAMES = format_names()  # every registered format (moequant.formats), lla
 GGML_TYPES = format_names(ggml=True)
 TARGETS = ("vllm", "sglang", "transformers", "llama.cpp", "vllm-moequant", "vllm-cuda")
 METHODS = ("budget", "rules", "uniform")
-# imatrix: round-to-nearest with the scale search weighted by the inputs' second moments (ggml types)
-ALGORITHMS = ("rtn", "gptq", "awq", "imatrix")
 EXPORT_FORMATS = tuple(RECIPE_LAYOUTS)  # the built-in export layouts (moequant.layouts) by their recipe names
 # Names `keep` accepts besides tensor-name patterns (anything containing '*' or '.').
 KEEP_GROUPS = (
@@ -68,7 +69,6 @@ KEEP_GROUPS = (
     "routed_experts",
 )
 DEFAULT_MODEL = "zoo:tiny-qwen2moe"
-DEFAULT_DATASET = "builtin:mix"
 
 
 def is_format_key(entry: str) -> bool:
@@ -87,6 +87,18 @@ def check_format_entry(value: str) -> str:
 
 
 FormatEntry = Annotated[str, AfterValidator(check_format_entry)]
+
+
+def check_algorithm(value: str) -> str:
+    """An algorithm name is one registered when the recipe is validated (moequant.algorithms.registry)."""
+    if value not in ALGORITHMS:
+        names = [repr(n) for n in ALGORITHMS]
+        expected = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+    return value
+
+
+AlgorithmName = Annotated[str, AfterValidator(check_algorithm)]
 
 
 def parse_layer_ranges(text: str | int) -> frozenset[int]:
@@ -108,36 +120,6 @@ def parse_layer_ranges(text: str | int) -> frozenset[int]:
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Calibration(Strict):
-    dataset: str = DEFAULT_DATASET
-    samples: int = Field(128, gt=0)
-    seq_len: int = Field(512, gt=0)
-    all_experts: bool = True
-    # per-layer KL probe (moequant.calib.probe) on this many further samples of the calibration split,
-    # held out from the statistics; 0 turns it off
-    probe_samples: int = Field(8, ge=0)
-    # how the probe quantizes its layer; auto: as the quantize pass will (gptq where the recipe
-    # quantizes the probe format with GPTQ, else rtn)
-    probe_algorithm: Literal["auto", "rtn", "gptq"] = "auto"
-    # the layers' forward: auto = bf16 on CUDA (the checkpoint's dtype), float32 on the CPU
-    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    # each routed token's weight in its expert's Hessian (GPTQ, sensitivity, probe): routing = its
-    # routing weight to that expert (MoEQuant's affinity-guided GPTQ), tokens = 1 (measured:
-    # benchmarks/bench_quality.py, where routing lowers GPTQ's KL on both bundled models)
-    hessian_weighting: Literal["tokens", "routing"] = "routing"
-
-
-class Gptq(Strict):
-    """How GPTQ rounds (the quantize pass and the probe alike, algorithms.gptq.gptq_pass); quality
-    and cost of each choice: benchmarks/bench_quality.py and bench_gptq.py."""
-
-    # minmax: each group's scale from its largest weight; searched: the scale (and zero point) that
-    # minimises the input-weighted error (formats.searched_fit)
-    grid: Literal["minmax", "searched"] = "searched"
-    # re-solve each row's scales by least squares for GPTQ's codes (algorithms/refit.py)
-    refit: bool = True
 
 
 class Evaluate(Strict):
@@ -255,7 +237,7 @@ class Recipe(Strict):
     keep: list[str] = Field(default_factory=lambda: ["router", "shared_expert_gate", "embeddings", "lm_head"])
     non_experts: NonExperts = Field(default_factory=NonExperts)
     experts: Experts = Field(default_factory=lambda: Experts(budget=Budget(bits_per_weight=5.5)))
-    algorithms: dict[str, Literal[ALGORITHMS]] = Field(default_factory=dict)
+    algorithms: dict[str, AlgorithmName] = Field(default_factory=dict)
     gptq: Gptq = Field(default_factory=Gptq)
     formats: dict[str, dict[str, Any]] = Field(default_factory=dict)
     export: Export = Field(default_factory=Export)
@@ -291,6 +273,8 @@ class Recipe(Strict):
         return self
 
     def algorithm_for(self, format_name: str) -> str:
+        """The registered algorithm (moequant.algorithms.registry) that quantizes `format_name`: the
+        recipe's `algorithms:` choice, else the family's default; "none" for an unquantized format."""
         family = REGISTRY[format_name]
         if not family.quantized:
             return "none"

@@ -1,0 +1,136 @@
+"""The quantization algorithms as the pipeline sees them: one small entry per algorithm, by name.
+
+A plan row names its algorithm (the recipe's `algorithms:` map, else the format family's default);
+calibration, the KL probe and the quantize pass look that name up here and ask the entry what it
+needs and how it rounds, so none of them compares algorithm names. The numeric kernels stay in
+their own modules (rtn.py, gptq.py, awq.py, refit*.py); an entry only joins them to the pipeline.
+
+An entry's `quantize(weights, spec, hessian, options, device, label)` rounds a list of [E, out, in]
+float32 stacks that read one input (gate and up, when `joins_gate_up(spec)`; else one stack) and
+returns (a QuantizedTensor per stack, a report or None). With a report ({"fallbacks": {index of the
+expert in the stack: why}, "damp": ...}), the quantize pass records it under the algorithm's name.
+
+A new algorithm is one `register(Algorithm(...))`; a recipe may then name it in `algorithms:`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class GptqOptions(BaseModel):
+    """How GPTQ rounds (the quantize pass and the probe alike, algorithms.gptq.gptq_pass): the recipe's
+    `gptq:` section. Quality and cost of each choice: benchmarks/bench_quality.py and bench_gptq.py."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # minmax: each group's scale from its largest weight; searched: the scale (and zero point) that
+    # minimises the input-weighted error (formats.searched_fit)
+    grid: Literal["minmax", "searched"] = "searched"
+    # re-solve each row's scales by least squares for GPTQ's codes (algorithms/refit.py)
+    refit: bool = True
+
+
+PLAIN_GPTQ = GptqOptions(grid="minmax", refit=False)  # GPTQ as published: the min/max grid, no refit
+
+
+def _never(spec) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One algorithm: what the pipeline must collect for it, and how it rounds (module docstring)."""
+
+    name: str
+    quantize: Callable  # (weights, spec, hessian, options, device, label) -> (quantized, report or None)
+    # reads each expert's input Hessian (calibration's chosen one: stats.chosen_hessian); without one
+    # (no statistics) the quantize pass rounds to nearest instead
+    hessians: bool = False
+    # the quantize pass collects the layer's input statistics for it (a forward of the layer)
+    statistics: bool = False
+    # the quantize pass carries the quantized model's hidden states up to its layers, so its statistics
+    # see the inputs the quantized model gives. imatrix is not counted here, as before the registry:
+    # its statistics come from whatever stream the pass carries at that layer
+    carries_stream: bool = False
+    # scales a whole layer's weights before rounding (AWQ: folded into the norm, the router, the
+    # shared expert and up_proj; pipeline.quantize), on host copies, in one process
+    scales_layer: bool = False
+    # gate and up (one input) share one solve when both are in `spec` for the same experts
+    joins_gate_up: Callable = _never
+    # the algorithm the calibration KL probe measures this one's formats with (the probe runs no AWQ)
+    probe: str = "rtn"
+    options: type[BaseModel] | None = None  # its options: the recipe's section of the algorithm's name
+
+
+ALGORITHMS: dict[str, Algorithm] = {}
+
+
+def register(algorithm: Algorithm) -> Algorithm:
+    ALGORITHMS[algorithm.name] = algorithm
+    return algorithm
+
+
+def algorithm(name: str) -> Algorithm:
+    """The registered algorithm `name` (a plan row's `algorithm`)."""
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(f"'{name}' is not an algorithm; accepted: {', '.join(ALGORITHMS)}") from None
+
+
+def probe_algorithms() -> tuple[str, ...]:
+    """The algorithms the KL probe runs itself (the others it measures with their `probe`)."""
+    return tuple(n for n, a in ALGORITHMS.items() if a.probe == n)
+
+
+# ---------------------------------------------------------------------------------------------- entries
+
+
+def _rtn(weights, spec, hessian, options, device, label):
+    from moequant import formats
+
+    return [formats.quantize(w, spec, name=label) for w in weights], None
+
+
+def _gptq(weights, spec, hessian, options, device, label):
+    from moequant import formats
+
+    if spec.is_ggml:  # on the ggml type's grid, one projection at a time
+        return [formats.quantize_ggml(w, spec, name=label, hessian=hessian) for w in weights], None
+    from moequant.algorithms.gptq import gptq_pass_shared
+
+    options = options or GptqOptions()
+    qs, rep = gptq_pass_shared(weights, hessian, spec, device=device, grid=options.grid, refit=options.refit)
+    return qs, {"fallbacks": rep.fallbacks(), "damp": rep.damp}
+
+
+def _imatrix(weights, spec, hessian, options, device, label):
+    """ggml types: round-to-nearest with the scale search weighted by diag(H)."""
+    import torch
+
+    from moequant import formats
+
+    importance = torch.diagonal(hessian, dim1=-2, dim2=-1).float()
+    return [formats.quantize_ggml(w, spec, name=label, importance=importance) for w in weights], None
+
+
+register(Algorithm("rtn", _rtn))
+register(
+    Algorithm(
+        "gptq",
+        _gptq,
+        hessians=True,
+        statistics=True,
+        carries_stream=True,
+        joins_gate_up=lambda spec: not spec.is_ggml,
+        probe="gptq",
+        options=GptqOptions,
+    )
+)
+# AWQ rounds to nearest once pipeline.quantize has scaled the layer (algorithms/awq.py searches the scales)
+register(Algorithm("awq", _rtn, statistics=True, carries_stream=True, scales_layer=True))
+register(Algorithm("imatrix", _imatrix, hessians=True, statistics=True))

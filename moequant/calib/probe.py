@@ -24,7 +24,7 @@ Per projection (`projections=True`, what a llama.cpp budget asks: it chooses a t
 projection)): also kl_alone of each projection p alone quantized. The sensitivities of gate / up
 are errors of the expert's intermediate activations and down's of the layer's output, so their sum
 weighs the projections in two different spaces; the policy splits the layer's kl between the
-projections in proportion to their one-projection KLs instead (policy._probe_scales). On
+projections in proportion to their one-projection KLs instead (plan.context._probe_scales). On
 tiny-deepseek-v3 at Q4_K_M's bytes the per-layer scale gave every down_proj q3_k and gate / up
 q4_k, where llama.cpp's own mixture gives down the most bits (benchmarks/RESULTS.md, bench_gguf).
 

@@ -346,7 +346,7 @@ class CompressedTensors(Layout):
 
     def _sglang_routed_rule(self) -> None:
         """Routed formats may differ per layer only as INT4 / INT8 weight-only groups of experts named
-        gate/up/down_proj (see moequant.plan.policy's docstring for the SGLang code this comes from)."""
+        gate/up/down_proj (see moequant.plan.serving's docstring for the SGLang code this comes from)."""
         routed = {n: q.spec for n, q in self.items.items() if self.roles[n].role == "routed_expert"}
         keys = {s.key for s in routed.values()}
         if len(keys) <= 1:

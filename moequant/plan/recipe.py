@@ -23,7 +23,7 @@ experts:
     - {share_below: 0.25, format: int4}
     - {layers: "0-3", format: int8}
     - {format: int4}
-  usage_floor: 0.05           # see moequant.plan.policy: usage weight of never-routed experts
+  usage_floor: 0.05           # see moequant.plan.context: usage weight of never-routed experts
 algorithms: {int4: gptq, mxfp4: gptq, int8: rtn, fp8: rtn}
 formats: {int4: {group_size: 128, symmetric: true}, fp8: {block: [128, 128]}}
 export: {format: compressed-tensors}    # | gptq | awq | fp8-block | gpt-oss-mxfp4

@@ -5,7 +5,7 @@
 
 vLLM stacks a layer's experts into one fused-MoE buffer of one scheme. The plugin, registered
 through vLLM's `vllm.general_plugins` entry point (`register` below), adds the quantization
-method `moequant`: a compressed-tensors checkpoint (moequant.export.layouts, target `vllm-moequant`)
+method `moequant`: a compressed-tensors checkpoint (moequant.layouts.compressed_tensors, target `vllm-moequant`)
 whose `quantization_config` also holds `expert_formats`, {MoE layer module: [format key per
 expert]}. Everything but the routed experts loads through vLLM's own compressed-tensors code.
 Per MoE layer the experts are grouped by format; each group's weights are stacked exactly as

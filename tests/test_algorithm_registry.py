@@ -49,6 +49,7 @@ def test_a_registered_algorithm_runs_through_calibrate_probe_and_quantize(model_
     from moequant.calib.calibrate import calibrate
     from moequant.pipeline.apply import calibration_settings, plan_stage, resolve_recipe
     from moequant.pipeline.quantize import quantize_model
+    from moequant.pipeline.run import open_run
 
     calls = []
     monkeypatch.setitem(ALGORITHMS, "negated", Algorithm("negated", _negated_rtn(calls), probe="negated"))
@@ -63,7 +64,9 @@ def test_a_registered_algorithm_runs_through_calibrate_probe_and_quantize(model_
     assert probe["algorithm"] == "negated" and probed
     assert {c["format"] for c in probed} == {layer["format"] for layer in probe["layers"].values()}
 
-    plan, _ = plan_stage(recipe, stats, tmp_path / "plan.json", settings)
+    run = open_run(recipe)
+    run.directory.mkdir(parents=True, exist_ok=True)
+    plan, _ = plan_stage(run, stats, settings)
     int4 = [t for t in plan.tensors if t.role == "routed_expert" and t.quantized and t.format.startswith("int4")]
     assert int4 and all(t.algorithm == "negated" for t in int4)
     calls.clear()

@@ -157,7 +157,7 @@ recipes = st.fixed_dictionaries(
                 },
             )
         ),
-        "algorithms": field(st.dictionaries(format_entries, field(st.sampled_from(ALGORITHMS)), max_size=3)),
+        "algorithms": field(st.dictionaries(format_entries, field(st.sampled_from(tuple(ALGORITHMS))), max_size=3)),
         "formats": field(st.dictionaries(format_entries, field(format_params), max_size=3)),
         "export": field(st.fixed_dictionaries({"format": field(st.sampled_from(EXPORT_FORMATS))})),
         "evaluate": field(st.fixed_dictionaries({}, optional={"samples": field(numbers), "seq_len": field(numbers)})),

@@ -126,21 +126,7 @@ def _non_expert_plans(ctx: PlanContext, recipe: Recipe, tensors: list[TensorInfo
             raise UserError(
                 f"non_experts.format {spec.key} cannot hold tensor {t.name}: {str(error).rstrip('.')}."
             ) from None
-        plans.append(
-            TensorPlan(
-                t.name,
-                t.role,
-                t.layer,
-                t.expert,
-                t.proj,
-                t.shape,
-                spec.key,
-                spec_params(spec),
-                recipe.algorithm_for(spec.name),
-                nbytes,
-                kept=None if spec.quantized else why,
-            )
-        )
+        plans.append(_row(t, spec, recipe, nbytes, kept=None if spec.quantized else why))
     plans += _copied_tensors(ctx, tensors)
     return plans
 
@@ -155,21 +141,8 @@ def _copied_tensors(ctx: PlanContext, tensors: list[TensorInfo]) -> list[TensorP
         if source not in by_name:
             continue  # nothing to copy in this tensor list
         t = dataclasses.replace(by_name[source], name=name, role=role)
-        out.append(
-            TensorPlan(
-                t.name,
-                t.role,
-                t.layer,
-                t.expert,
-                t.proj,
-                t.shape,
-                bf16.key,
-                spec_params(bf16),
-                ctx.recipe.algorithm_for(bf16.name),
-                ctx.nbytes(bf16, t),
-                kept=f"the {ctx.layout.name} export writes {source} again as {name}",
-            )
-        )
+        kept = f"the {ctx.layout.name} export writes {source} again as {name}"
+        out.append(_row(t, bf16, ctx.recipe, ctx.nbytes(bf16, t), kept=kept))
     return out
 
 
@@ -204,21 +177,24 @@ def _routed_plans(
         spec = assignment.get((t.layer, t.expert, t.proj)) or assignment[(t.layer, t.expert)]
         usage = ctx.usage(t.layer)
         loss = ctx.tensor_loss(t, spec.key) if ctx.stats is not None else None
-        plans.append(
-            TensorPlan(
-                t.name,
-                t.role,
-                t.layer,
-                t.expert,
-                t.proj,
-                t.shape,
-                spec.key,
-                spec_params(spec),
-                recipe.algorithm_for(spec.name),
-                ctx.nbytes(spec, t),
-                kept=kept_experts.get((t.layer, t.expert)),
-                usage=None if usage is None else float(usage[t.expert]),
-                predicted_loss=loss,
-            )
-        )
+        kept = kept_experts.get((t.layer, t.expert))
+        usage = None if usage is None else float(usage[t.expert])
+        plans.append(_row(t, spec, recipe, ctx.nbytes(spec, t), kept=kept, usage=usage, predicted_loss=loss))
     return plans
+
+
+def _row(t: TensorInfo, spec, recipe: Recipe, nbytes: int, **extra) -> TensorPlan:
+    """One tensor's plan row: the tensor as the planner sees it, in `spec`, with the recipe's algorithm for it."""
+    return TensorPlan(
+        t.name,
+        t.role,
+        t.layer,
+        t.expert,
+        t.proj,
+        t.shape,
+        spec.key,
+        spec_params(spec),
+        recipe.algorithm_for(spec.name),
+        nbytes,
+        **extra,
+    )

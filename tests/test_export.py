@@ -258,7 +258,7 @@ REFUSALS = [
         lambda L, e, p: ["int4-g128-sym", "int8-channel"][e % 2],
         "one format for all routed experts of an MoE layer",
     ),
-    ("vllm int3", "compressed-tensors", "vllm", lambda L, e, p: "int3-g128-sym", "4- and 8-bit"),
+    ("vllm int3", "compressed-tensors", "vllm", lambda L, e, p: "int3-g128-sym", "only at 4 or 8 bits"),
     ("gptq asym", "gptq", "vllm", lambda L, e, p: "int4-g128-asym", "symmetric int4 / int8"),
     ("awq mxfp4", "awq", "transformers", lambda L, e, p: "mxfp4", "int4 with groups only"),
     ("fp8 int4", "deepseek-fp8", "transformers", lambda L, e, p: "int4-g128-sym", "fp8-block128 only"),

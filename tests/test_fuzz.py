@@ -124,7 +124,7 @@ recipes = st.fixed_dictionaries(
     optional={
         "model": field(st.text(max_size=20)),
         "output": field(st.text(max_size=20)),
-        "target": field(st.sampled_from(TARGETS)),
+        "target": field(st.sampled_from(tuple(TARGETS))),
         "calibration": field(
             st.fixed_dictionaries(
                 {},

@@ -23,6 +23,7 @@ LAYERS = [
     ("moequant.parallel", "moequant.metrics", "moequant.progress", "moequant.vllm_plugin"),
     ("moequant.io", "moequant.arch", "moequant.algorithms", "moequant.zoo"),
     ("moequant.layouts",),  # one file per export layout: what it holds, its packer, its config, its reader
+    ("moequant.targets",),  # one file per serving engine: what it loads and how it refuses
     ("moequant.formats",),
     (
         "moequant.errors",

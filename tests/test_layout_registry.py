@@ -47,7 +47,7 @@ class Int8Rows(Layout):
         return formats.QuantizedTensor(enc.spec, enc.shape, t["codes"], t["row_scale"])
 
     @staticmethod
-    def refuses(spec, target):
+    def refuses(spec):
         return None if spec == formats.get_format("int8") else "int8 per output channel only"
 
     def check(self):

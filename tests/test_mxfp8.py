@@ -11,6 +11,7 @@ import torch
 
 from moequant import formats
 from moequant.errors import UserError
+from moequant.targets import get_target
 
 
 def _weight(shape, seed=0):
@@ -81,8 +82,11 @@ def test_mxfp8_config_is_the_compressed_tensors_preset_and_its_compressor_decode
 
 def test_mxfp8_serving_rules():
     spec = formats.get_format("mxfp8")
-    assert spec.servable_by("vllm", routed=True) and spec.servable_by("transformers", routed=True)
-    assert not spec.servable_by("llama.cpp") and not spec.servable_by("vllm-moequant", routed=True)
+    assert get_target("vllm").refuses(spec, routed=True) is None
+    assert get_target("transformers").refuses(spec, routed=True) is None
+    assert get_target("llama.cpp").refuses(spec, routed=False) and get_target("vllm-moequant").refuses(
+        spec, routed=True
+    )
 
 
 def test_an_mxfp8_export_reads_back_through_compressed_tensors_and_moequant_load(tmp_path):

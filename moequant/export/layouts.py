@@ -54,9 +54,7 @@ from moequant.errors import UserError
 from moequant.formats import QuantizedTensor
 from moequant.io.checkpoint import EXPORT_INFO, ShardWriter, atomic_directory, copy_aux_files, open_checkpoint
 from moequant.layouts import LAYOUTS
-from moequant.layouts.registry import target_refusal
-
-TARGETS = ("vllm", "sglang", "transformers", "llama.cpp", "vllm-moequant", "vllm-cuda")
+from moequant.targets import TARGETS
 
 
 def export_checkpoint(
@@ -156,7 +154,7 @@ def write_checkpoint_files(tmp: Path, ckpt, writer) -> None:
     for fname, content in writer.extra_files().items():
         (tmp / fname).write_text(json.dumps(content, indent=2) + "\n")
     formats_written = {n: q.spec.key for n, q in sorted(writer.items.items())}
-    info = {"layout": writer.name, "target": writer.target, "formats": formats_written}
+    info = {"layout": writer.name, "target": writer.target.name, "formats": formats_written}
     (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
     copy_aux_files(ckpt.directory, tmp)
 
@@ -167,7 +165,7 @@ def check_export_options(layout: str, target: str, int8_activations: str) -> Non
         raise UserError(f"export layout {layout!r} is not supported; accepted: {', '.join(LAYOUTS)}.")
     if target not in TARGETS:
         raise UserError(f"export target {target!r} is not supported; accepted: {', '.join(TARGETS)}.")
-    why = target_refusal(layout, target)
+    why = TARGETS[target].refuses_layout(LAYOUTS[layout])
     if why:
         raise UserError(why + ".")
     if int8_activations not in ("none", "dynamic"):

@@ -9,7 +9,7 @@
 specs.py: FormatSpec, the `Format` family interface and its registry; one file per family,
 registering itself: bf16.py, fp8.py, integer.py (int8 / int4 / int3 / int2), mxfp4.py, nvfp4.py,
 ggml.py (llama.cpp's block types). Each holds its spec parsing, key, byte cost, scale rule,
-element encoding, compressed-tensors packing and which serving targets load it.
+element encoding and compressed-tensors packing (which serving engines load it: moequant.targets).
 elements.py: e2m1 / e8m0 / e4m3 encodings; core.py: quantize, dequantize and the GPTQ column
 quantizer (shape-generic, asking the family for the element math); packing.py: bit streams,
 compressed-tensors packing and the byte account's layout metadata (the GPTQ, AWQ, DeepSeek-FP8 and gpt-oss

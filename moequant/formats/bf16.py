@@ -34,8 +34,5 @@ class Bf16(Format):
         w = tensors["weight"]
         return QuantizedTensor(spec, tuple(w.shape), w.to(torch.bfloat16))
 
-    def refuses(self, spec, target, routed):
-        return None
-
 
 register(Bf16())

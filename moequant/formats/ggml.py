@@ -606,8 +606,5 @@ class GgmlBlocks(Format):
     def dequantize(self, codes: torch.Tensor, spec, shape) -> torch.Tensor:
         return dequantize_tensor(codes.cpu(), spec.name, shape)
 
-    def refuses(self, spec, target, routed):
-        return None if target == "llama.cpp" else f"ggml block types are for target llama.cpp (GGUF), not {target}"
-
 
 register(GgmlBlocks())

@@ -90,8 +90,5 @@ class GgmlIQuants(Format):
         values = gguf.quants.dequantize(codes.cpu().numpy(), _qtype(spec.name))
         return torch.from_numpy(np.asarray(values, dtype=np.float32)).reshape(tuple(shape))
 
-    def refuses(self, spec, target, routed):
-        return None if target == "llama.cpp" else f"ggml block types are for target llama.cpp (GGUF), not {target}"
-
 
 register(GgmlIQuants())

@@ -150,31 +150,6 @@ class Integer(Format):
             zeros = zeros.contiguous()
         return QuantizedTensor(spec, shape, codes, tensors["weight_scale"], zeros)
 
-    def refuses(self, spec, target, routed):
-        if target == "transformers":
-            return None
-        if target == "vllm-moequant" and routed and spec.bits not in (4, 8):
-            return super().refuses(spec, target, routed)
-        if target in ("vllm", "vllm-cuda", "sglang", "vllm-moequant"):
-            engine = "SGLang" if target == "sglang" else "vLLM"
-            if spec.bits not in (4, 8):
-                return f"{engine} loads integer weights only at 4 or 8 bits (WNA16 kernels)"
-            # Zero points, read from vLLM 0.32's source (fused_moe/oracle/int_wna16.py and the experts'
-            # _supports_quant_scheme): its CUDA Marlin and Triton WNA16 MoE kernels take them; its CPU
-            # backend takes symmetric int4 only and zentorch's refuses zero points. moequant checks its
-            # vllm exports on the CPU build (tests/test_vllm.py also proves it refuses these), so the
-            # vllm targets keep symmetric experts; `vllm-cuda` (those GPU kernels) takes asymmetric int4,
-            # unchecked by an engine here. SGLang's compressed-tensors MoE asserts symmetric.
-            if routed and not spec.symmetric and target != "vllm-cuda":
-                if target == "sglang":
-                    return "SGLang's compressed-tensors fused MoE loads only symmetric integer experts"
-                return (
-                    "vLLM 0.32 loads integer experts with zero points only in its CUDA kernels (Marlin, "
-                    "Triton; target vllm-cuda), not in its CPU build, where moequant checks its vllm exports"
-                )
-            return None
-        return super().refuses(spec, target, routed)
-
 
 def int_scale(s32: torch.Tensor, name) -> torch.Tensor:
     """float32 scales -> bf16 (one rounding); overflowing ranges are a user error."""

@@ -32,11 +32,6 @@ class Mxfp4(Format):
     def decode(self, spec, codes, s, z, gs):
         return decode_e2m1(codes) * e8m0_to_float(s)
 
-    def refuses(self, spec, target, routed):
-        if target == "llama.cpp" and routed:
-            return None  # GGUF stores MXFP4 routed experts as ggml's MXFP4 blocks (gpt-oss's own)
-        return super().refuses(spec, target, routed)
-
     def ct_weight_args(self, spec):
         return {
             "num_bits": 4,

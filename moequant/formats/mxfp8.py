@@ -67,10 +67,5 @@ class Mxfp8(Format):
         w = tensors["weight"]
         return QuantizedTensor(spec, tuple(w.shape), w, tensors["weight_scale"])
 
-    def refuses(self, spec, target, routed):
-        if target == "sglang":
-            return "SGLang's loading of MXFP8 compressed-tensors checkpoints is not verified by moequant"
-        return super().refuses(spec, target, routed)
-
 
 register(Mxfp8())

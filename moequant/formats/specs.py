@@ -4,7 +4,7 @@ A format is one frozen `FormatSpec`. Every spec has a canonical `key` ("int4-g12
 "fp8-block128", "mxfp4", ...) that round-trips through `parse_key`, so plans and reports can
 name formats with plain strings. Everything a format does is its family's (`spec.family`): one
 `Format` subclass per file of this package, registered by name; the rest of moequant asks the
-spec (`spec.quantized`, `spec.refuses(target)`, `nbytes(spec, shape)`) instead of comparing names.
+spec (`spec.quantized`, `spec.is_int`, `nbytes(spec, shape)`) instead of comparing names.
 
 Storage (what the packers in `moequant.formats.packing` write, and what `nbytes` counts):
 
@@ -95,14 +95,6 @@ class FormatSpec:
         """Stored bits per weight element, scales and zero points included."""
         return 8.0 * nbytes(self, shape) / math.prod(shape)
 
-    def refuses(self, target: str, routed: bool = False) -> str | None:
-        """Why serving target `target` cannot load this format (None when it can); `routed`:
-        for a routed expert of a fused-MoE layer, whose kernels are narrower than linear ones."""
-        return self.family.refuses(self, target, routed)
-
-    def servable_by(self, target: str, routed: bool = False) -> bool:
-        return self.refuses(target, routed) is None
-
     def __str__(self) -> str:
         return self.key
 
@@ -184,19 +176,6 @@ class Format:
 
     def unpack_ct(self, tensors: dict, spec: FormatSpec):
         raise UserError(f"format {spec.key} has no compressed-tensors scheme.")
-
-    # ---- serving
-    def refuses(self, spec: FormatSpec, target: str, routed: bool) -> str | None:
-        if target == "llama.cpp":
-            return (
-                "llama.cpp (GGUF) stores ggml block types (q8_0, q6_k, q5_k, q4_k, q4_0, ...) or bf16, not " + spec.name
-            )
-        if target == "vllm-moequant" and routed:
-            return (
-                "moequant's vLLM plugin serves routed experts in bf16, per-channel int8 (W8A8) and symmetric "
-                "int4 on vLLM's CPU backend, not %s" % spec.key
-            )
-        return None
 
 
 REGISTRY: dict[str, Format] = {}

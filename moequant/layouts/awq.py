@@ -100,7 +100,7 @@ class Awq(Layout):
     symmetric_zeros = True
 
     @staticmethod
-    def refuses(spec, target):
+    def refuses(spec):
         return None if spec.name == "int4" and spec.granularity == "group" else "int4 with groups only (AutoAWQ GEMM)"
 
     def check(self) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from moequant.errors import UserError
 from moequant.formats import FormatSpec, QuantizedTensor
+from moequant.targets import get_target
 
 # Linear modules a serving engine fuses into one: they must share one scheme.
 FUSED_SIBLINGS = (
@@ -80,8 +81,9 @@ class Layout:
         raise NotImplementedError
 
     @staticmethod
-    def refuses(spec, target: str) -> str | None:
-        """What the layout holds, when it cannot hold `spec` for `target` (None: it can)."""
+    def refuses(spec) -> str | None:
+        """What the layout holds, when it cannot hold `spec` (None: it can). What the serving target loads is
+        the target's to say (moequant.targets)."""
         return None
 
     @staticmethod
@@ -121,7 +123,7 @@ class Layout:
 
     def __init__(self, ckpt, adapter, items, roles, target, int8_activations):
         self.ckpt, self.adapter, self.items, self.roles = ckpt, adapter, items, roles
-        self.target, self.int8_activations = target, int8_activations
+        self.target, self.int8_activations = get_target(target), int8_activations  # the target: moequant.targets
         self.carried: set[str] = set()  # source tensors written in their stored encoding
 
     def check(self) -> None:
@@ -143,9 +145,25 @@ class Layout:
     # shared checks
     def _refuse_formats(self) -> None:
         for name, q in self.items.items():
-            what = self.refuses(q.spec, self.target)
+            what = self.refuses(q.spec)
             if what:
                 raise UserError(f"the {self.name} layout holds {what}; tensor {name} is planned as {q.spec.key}.")
+            why = self.target.refuses(q.spec, routed=self.roles[name].role == "routed_expert")
+            if why:
+                raise UserError(f"target {self.target} cannot serve {q.spec.key}, the format of {name}: {why}.")
+
+    def _serving_checks(self) -> None:
+        """What the serving target asks of the routed experts and fused modules a plan gives formats to."""
+        if self.target.granularity in ("layer", "model"):
+            self._one_format_per_moe_layer()
+        if self.target.fuses_projections:
+            self._one_format_per_fused_group()
+        if self.target.expert_format_map:
+            self._one_format_per_expert()
+        routed = {n: q.spec for n, q in self.items.items() if self.roles[n].role == "routed_expert"}
+        why = self.target.refuses_routed_mix(routed)
+        if why:
+            raise UserError(why + ".")
 
     def _require_unfused(self) -> None:
         why = self.refuses_model(self.adapter)
@@ -199,6 +217,23 @@ class Layout:
                 raise UserError(
                     f"target {self.target} fuses the projections of {parent} into one module, so they need "
                     f"one format; the plan gives {desc}."
+                )
+
+    def _one_format_per_expert(self) -> None:
+        """The target reads one format per expert (moequant's vLLM plugin groups a layer's experts by format):
+        an expert's gate, up and down share one."""
+        per_expert: dict[tuple, dict[str, str]] = defaultdict(dict)
+        for name in self.ckpt.keys():
+            role = self.roles[name]
+            if role.role == "routed_expert" and role.expert is not None and name.endswith(".weight"):
+                q = self.items.get(name)
+                per_expert[(role.layer, role.expert)][role.proj] = q.spec.key if q is not None else "bf16"
+        for (layer, expert), projs in sorted(per_expert.items()):
+            if len(set(projs.values())) > 1:
+                desc = ", ".join(f"{p}={k}" for p, k in sorted(projs.items()))
+                raise UserError(
+                    f"target {self.target} serves each routed expert in one format (it stacks an expert's gate, "
+                    f"up and down together); expert {expert} of layer {layer} has {desc}."
                 )
 
     def _scheme_key(self, q) -> str:

@@ -8,12 +8,10 @@ targets, disjoint), `ignore` for every Linear left in bf16, per-group `format`, 
 `format` = the single group format or `mixed-precision` (SGLang: `pack-quantized` when any
 group is integer), `quantization_status: compressed`. int8 is W8A16 `pack-quantized`, or W8A8
 `int-quantized` with dynamic per-token int8 activations when int8_activations="dynamic".
-target "vllm"/"sglang" needs one format per MoE layer's routed experts, one format per fused
-module group (q/k/v, gate/up) and int formats of 4 or 8 bits; target "transformers" takes any
-per-expert mix (loaded by moequant.load()); target "vllm-moequant" takes a per-expert mix too,
-one format per expert (its gate, up and down), and writes `quant_method: moequant` with
-`expert_formats` = {MoE layer module: [format key per expert]} for moequant's vLLM plugin
-(moequant.vllm_plugin), which serves it; moequant.load reads it as compressed-tensors.
+What the serving target loads is the target's (moequant.targets): one format per MoE layer or per expert,
+one per fused module group, the formats its kernels take. A target that reads a per-expert format map
+(moequant's vLLM plugin) gets `quant_method: moequant` with `expert_formats` = {MoE layer module: [format key
+per expert]}; moequant.load reads it as compressed-tensors.
 """
 
 from __future__ import annotations
@@ -31,14 +29,6 @@ from moequant.formats import QuantizedTensor
 from moequant.layouts.base import Layout, module_name
 from moequant.layouts.reading import FLOAT8, FLOATS, SAFETENSORS_DTYPE, Encoding, dims, need
 from moequant.vllm_plugin.names import EXPERT_FORMATS, QUANT_METHOD
-
-ENGINE_TARGETS = (
-    "vllm",
-    "sglang",
-    "vllm-moequant",
-    "vllm-cuda",
-)  # load through an engine's own kernels: int formats of 4 or 8 bits
-SGLANG_EXPERT_NAMES = {"gate_proj", "up_proj", "down_proj"}  # the names SGLang reads a layer's scheme from
 
 _CT_ACTIVATIONS = {
     "num_bits": 8,
@@ -315,26 +305,13 @@ class CompressedTensors(Layout):
     def _scheme_key(self, q) -> str:
         return json.dumps(_ct_scheme(q.spec, self.int8_activations), sort_keys=True)
 
-    @staticmethod
-    def refuses(spec, target):
-        if target in ENGINE_TARGETS and spec.is_int and spec.bits not in (4, 8):
-            return f"only 4- and 8-bit integer formats for target {target} (its kernels)"
-        return None
-
     def check(self) -> None:
         self._require_unfused()
         for name, q in self.items.items():
             if len(q.shape) != 2 or not name.endswith(".weight"):
                 raise UserError(f"the compressed-tensors layout writes 2-D Linear weights; {name} is not one.")
         self._refuse_formats()
-        if self.target in ("vllm", "vllm-cuda", "sglang"):
-            self._one_format_per_moe_layer()
-        if self.target in ENGINE_TARGETS:
-            self._one_format_per_fused_group()
-        if self.target == "vllm-moequant":
-            self._one_format_per_expert()
-        if self.target == "sglang":
-            self._sglang_routed_rule()
+        self._serving_checks()
 
     def pack(self, name, q):
         module = module_name(name)
@@ -343,24 +320,6 @@ class CompressedTensors(Layout):
             # W8A8 int-quantized stores the int8 codes unpacked, with an fp32 per-channel scale
             tensors = {"weight": q.codes.to(torch.int8), "weight_scale": q.scales.to(torch.float32)}
         return {f"{module}.{k}": v for k, v in tensors.items()}
-
-    def _sglang_routed_rule(self) -> None:
-        """Routed formats may differ per layer only as INT4 / INT8 weight-only groups of experts named
-        gate/up/down_proj (see moequant.plan.serving's docstring for the SGLang code this comes from)."""
-        routed = {n: q.spec for n, q in self.items.items() if self.roles[n].role == "routed_expert"}
-        keys = {s.key for s in routed.values()}
-        if len(keys) <= 1:
-            return
-        odd = sorted(s.key for s in routed.values() if not (s.is_int and s.symmetric and s.bits in (4, 8)))
-        if odd:
-            raise UserError(
-                f"target sglang takes per-layer routed-expert formats only as INT4 / INT8 weight-only groups "
-                f"(top-level format pack-quantized); the plan mixes {', '.join(sorted(keys))}, and {odd[0]} "
-                f"would make the format mixed-precision, which SGLang's WNA16 MoE refuses."
-            )
-        why = sglang_per_layer_block(routed)
-        if why:
-            raise UserError(f"target sglang cannot load per-layer routed-expert formats here: {why}; use one format.")
 
     def groups(self) -> list[tuple[dict, list[str]]]:
         by_scheme: dict[str, list[str]] = defaultdict(list)
@@ -373,7 +332,7 @@ class CompressedTensors(Layout):
         group_formats = set()
         groups = self.groups()
         routed = {module_name(n) for n, q in self.items.items() if self.roles[n].role == "routed_expert"}
-        if self.target != "vllm-moequant" and sum(1 for _, targets in groups if routed.intersection(targets)) > 1:
+        if not self.target.expert_format_map and sum(1 for _, targets in groups if routed.intersection(targets)) > 1:
             config_groups[TRANSFORMERS_GUARD] = transformers_guard_group()  # first: the group transformers takes
         for i, (scheme, targets) in enumerate(groups):
             config_groups[f"group_{i}"] = {"targets": targets, **scheme}
@@ -382,7 +341,7 @@ class CompressedTensors(Layout):
             global_format = group_formats.pop()
         else:
             global_format = "mixed-precision"
-        if self.target == "sglang" and any(
+        if self.target.pack_quantized_top_level and any(
             f in ("pack-quantized", "int-quantized") for f in group_formats | {global_format}
         ):
             global_format = "pack-quantized"
@@ -395,25 +354,9 @@ class CompressedTensors(Layout):
             "kv_cache_scheme": None,
             "global_compression_ratio": None,
         }
-        if self.target == "vllm-moequant":  # served by moequant's vLLM plugin (moequant.vllm_plugin)
+        if self.target.expert_format_map:  # served by moequant's vLLM plugin (moequant.vllm_plugin)
             config.update({"quant_method": QUANT_METHOD, EXPERT_FORMATS: self._expert_formats()})
         return config
-
-    def _one_format_per_expert(self) -> None:
-        """The plugin groups a layer's experts by format: an expert's gate, up and down share one."""
-        per_expert: dict[tuple, dict[str, str]] = defaultdict(dict)
-        for name in self.ckpt.keys():
-            role = self.roles[name]
-            if role.role == "routed_expert" and role.expert is not None and name.endswith(".weight"):
-                q = self.items.get(name)
-                per_expert[(role.layer, role.expert)][role.proj] = q.spec.key if q is not None else "bf16"
-        for (layer, expert), projs in sorted(per_expert.items()):
-            if len(set(projs.values())) > 1:
-                desc = ", ".join(f"{p}={k}" for p, k in sorted(projs.items()))
-                raise UserError(
-                    f"target vllm-moequant serves each routed expert in one format (vLLM stacks an "
-                    f"expert's gate, up and down together); expert {expert} of layer {layer} has {desc}."
-                )
 
     def _expert_formats(self) -> dict[str, list[str]]:
         """{MoE layer module (vLLM's fused experts module): [format key of each expert]}."""
@@ -448,14 +391,3 @@ def transformers_guard_group() -> dict:
     writes for fp8-channel experts); the top-level format ignores this group."""
     target = f"re:^{TRANSFORMERS_REFUSAL} - experts$"  # a valid regex as it reads: '.' matches itself too
     return {"targets": [target], **_ct_scheme(formats.parse_key("fp8-channel"), "none")}
-
-
-def sglang_per_layer_block(names) -> str | None:
-    """Why SGLang cannot resolve routed-expert schemes per layer for these on-disk expert tensor names."""
-    leaves = {n.rsplit(".", 2)[-2] if n.endswith(".weight") else n.rsplit(".", 1)[-1] for n in names}
-    if leaves <= SGLANG_EXPERT_NAMES:
-        return None
-    return (
-        f"SGLang resolves a layer's scheme from its expert 0's gate_proj / up_proj / down_proj, and this "
-        f"model's experts are {', '.join(sorted(leaves - SGLANG_EXPERT_NAMES))}"
-    )

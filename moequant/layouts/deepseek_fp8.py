@@ -58,7 +58,7 @@ class DeepseekFp8(Layout):
     recipe_name = "fp8-block"
 
     @staticmethod
-    def refuses(spec, target):
+    def refuses(spec):
         return None if holds(spec) else "fp8-block128 only (DeepSeek-V3's FP8 layout)"
 
     def check(self) -> None:

@@ -538,7 +538,7 @@ class Gguf(Layout):
         return [("output.weight", "lm_head", source)] if source else []
 
     @staticmethod
-    def refuses(spec, target):
+    def refuses(spec):
         return None if stores_natively(spec) else "ggml block types (q8_0 ... q2_k, iq4_xs ... iq2_xxs), MXFP4 or bf16"
 
     @classmethod

@@ -70,7 +70,7 @@ class GptOssMxfp4(Layout):
     routed_only = True
 
     @staticmethod
-    def refuses(spec, target):
+    def refuses(spec):
         return None if holds(spec) else "mxfp4 only (gpt-oss's own layout)"
 
     @classmethod

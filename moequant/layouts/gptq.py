@@ -141,7 +141,7 @@ class Gptq(Layout):
     symmetric_zeros = True
 
     @staticmethod
-    def refuses(spec, target):
+    def refuses(spec):
         if not (spec.is_int and spec.symmetric and spec.bits in (4, 8)):
             return "symmetric int4 / int8 only (GPTQ v1 as vLLM and GPTQModel read it)"
         return None
@@ -151,9 +151,7 @@ class Gptq(Layout):
         self._refuse_formats()
         if not self.items:
             raise UserError("the gptq layout needs at least one quantized tensor.")
-        if self.target in ("vllm", "vllm-cuda", "sglang"):
-            self._one_format_per_moe_layer()
-            self._one_format_per_fused_group()
+        self._serving_checks()
         counts = Counter((q.spec.bits, _gptq_group(q.spec)) for q in self.items.values())
         self.base_bits, self.base_group = counts.most_common(1)[0][0]
 

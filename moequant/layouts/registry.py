@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from moequant.errors import UserError
 from moequant.layouts.base import Layout
+from moequant.targets import get_target
 
 LAYOUTS: dict[str, type[Layout]] = {}
 RECIPE_LAYOUTS: dict[str, type[Layout]] = {}  # by what a recipe's export.format calls them
@@ -36,25 +37,17 @@ def layout_for(export_format: str) -> type[Layout]:
     return layout
 
 
-def target_refusal(layout: str, target: str) -> str | None:
-    if target == "vllm-moequant" and layout != "compressed-tensors":
-        return (
-            f"target vllm-moequant (moequant's vLLM plugin) reads the compressed-tensors layout, not {layout}; "
-            "set export.format compressed-tensors"
-        )
-    return None
-
-
 def layout_refusal(layout: str, spec, target: str, adapter, routed: bool = True) -> str | None:
     """Why `layout` cannot write a tensor in `spec` (a routed expert's, or another's) of this model for
-    `target`, decided from the format and the architecture alone, so before any work (None: it can).
-    The same rules as the layouts' own check() on a finished plan."""
-    why = target_refusal(layout, target)
-    if why:
-        return why
+    `target`, or `target` cannot read the layout, decided from the format and the architecture alone, so
+    before any work (None: it can). The same rules as the layouts' own check() on a finished plan; which
+    formats the target serves is the plan's check (moequant.plan)."""
     if layout not in LAYOUTS:
         return f"export layout {layout!r} is not supported; accepted: {', '.join(LAYOUTS)}"
     writer = LAYOUTS[layout]
+    why = get_target(target).refuses_layout(writer)
+    if why:
+        return why
     why = writer.refuses_model(adapter)
     if why:
         return why
@@ -62,5 +55,5 @@ def layout_refusal(layout: str, spec, target: str, adapter, routed: bool = True)
         return None
     if writer.routed_only and not routed:
         return f"the {layout} layout quantizes routed experts only, not {spec.key} non-expert tensors"
-    what = writer.refuses(spec, target)
+    what = writer.refuses(spec)
     return f"the {layout} layout holds {what}, not {spec.key}" if what else None

@@ -46,7 +46,7 @@ from moequant.plan.plan_io import plan_to_dict, read_plan, write_plan
 from moequant.plan.policy import make_plan
 from moequant.plan.recipe import Recipe, load_recipe, recipe_to_dict, resolve_format
 from moequant.plan.rules import needs_statistics
-from moequant.plan.serving import GRANULARITY
+from moequant.targets import get_target
 
 
 def run_fingerprint(recipe, ckpt, settings, plan) -> str:
@@ -115,7 +115,7 @@ def calibration_settings(
         tensor_formats=tensor_formats(recipe),
         hessian_weighting=c.hessian_weighting,
         gptq=recipe.gptq,
-        probe_projections=bool(probe_samples) and GRANULARITY[recipe.target] == "layer_proj",
+        probe_projections=bool(probe_samples) and get_target(recipe.target).granularity == "layer_proj",
     )
 
 

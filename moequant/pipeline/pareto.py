@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from moequant.errors import UserError
+from moequant.targets import TARGETS, get_target
 
 SCHEMA = "moequant.pipeline.pareto/1"
 DEFAULT_TARGETS = ("vllm", "transformers")
@@ -83,7 +84,7 @@ def _uniform_recipe(recipe, entry: str):
     from moequant.plan.recipe import resolve_format
 
     spec = resolve_format(recipe, entry)
-    target = "vllm" if spec.refuses("vllm", routed=True) is None else "transformers"
+    target = "vllm" if get_target("vllm").refuses(spec, routed=True) is None else "transformers"
     return _variant(recipe, target=target, method="uniform", format=entry), spec
 
 
@@ -392,8 +393,6 @@ def _pareto(run, budgets, targets, uniform, extra_reports) -> dict:
 
 
 def _check_targets(targets, budgets, uniform) -> None:
-    from moequant.plan.recipe import TARGETS
-
     for target in targets:
         if target not in TARGETS:
             raise UserError(f"target {target!r} is not a target; accepted: {', '.join(TARGETS)}.")

@@ -37,6 +37,7 @@ def check_recipe(recipe, ckpt=None) -> list[str]:
     from moequant.layouts import layout_for, layout_refusal
     from moequant.plan.policy import check_plan
     from moequant.plan.recipe import resolve_format
+    from moequant.targets import get_target
 
     ckpt = ckpt or open_checkpoint(recipe.model)
     adapter = ckpt.adapter
@@ -47,7 +48,7 @@ def check_recipe(recipe, ckpt=None) -> list[str]:
         )
     layout = layout_for(recipe.export.format).name
     for spec in plan_formats(recipe):
-        if recipe.experts.method == "budget" and spec.refuses(recipe.target, routed=True):
+        if recipe.experts.method == "budget" and get_target(recipe.target).refuses(spec, routed=True):
             continue  # the plan drops it for the target and says so
         why = layout_refusal(layout, spec, recipe.target, adapter)
         if why:

@@ -28,16 +28,17 @@ from moequant.plan.context import PlanContext, predicted_loss
 from moequant.plan.model import NON_EXPERT_ROLES, PROJECTIONS, TensorPlan, spec_params
 from moequant.plan.options import dedupe_specs, group_options, layer_text, option_table
 from moequant.plan.recipe import Recipe, resolve_format
-from moequant.plan.serving import routed_groups, solve_for_target, solve_sglang
+from moequant.plan.serving import routed_groups, solve_for_target
+from moequant.targets import get_target
 
 
 def _budget_candidates(recipe: Recipe) -> tuple[list, dict[str, str]]:
     """experts.formats the target can serve, and {format key: why} of those it cannot."""
-    target = recipe.target
+    target = get_target(recipe.target)
     dropped: dict[str, str] = {}
     specs = []
     for spec in dedupe_specs(resolve_format(recipe, f) for f in recipe.experts.formats):
-        why = spec.refuses(target, routed=True)
+        why = target.refuses(spec, routed=True)
         if why:
             dropped[spec.key] = why
         else:
@@ -45,8 +46,7 @@ def _budget_candidates(recipe: Recipe) -> tuple[list, dict[str, str]]:
     if not specs:
         raise UserError(
             f"experts.formats offers no format that target {target} can serve "
-            f"({'; '.join(f'{k}: {v}' for k, v in dropped.items())}); accepted: fp8, int8, "
-            f"symmetric int4, mxfp4, nvfp4, bf16."
+            f"({'; '.join(f'{k}: {v}' for k, v in dropped.items())}); accepted: {target.routed_formats}."
         )
     return specs, dropped
 
@@ -85,15 +85,16 @@ def _non_expert_options(ctx: PlanContext, recipe: Recipe, plans: list, reference
     (non_experts.format) that the budget may move to one of non_experts.formats."""
     if recipe.experts.method != "budget" or not recipe.non_experts.formats or not reference.quantized:
         return {}
-    if recipe.target == "sglang":
+    target = get_target(recipe.target)
+    if not target.non_expert_choice:
         raise UserError(
-            "non_experts.formats (a per-tensor choice) is not offered for target sglang; use non_experts.format."
+            f"non_experts.formats (a per-tensor choice) is not offered for target {target}; use non_experts.format."
         )
     specs = []
     for spec in dedupe_specs(
         resolve_format(recipe, f) for f in [recipe.non_experts.format, *recipe.non_experts.formats]
     ):
-        why = spec.refuses(recipe.target, routed=False)
+        why = target.refuses(spec, routed=False)
         if why and spec.quantized:
             raise UserError(f"non_experts.formats offers {spec.key}, which target {recipe.target} cannot serve: {why}.")
         specs.append(spec)
@@ -123,7 +124,8 @@ def _non_expert_options(ctx: PlanContext, recipe: Recipe, plans: list, reference
 
 
 def _min_bytes(ctx: PlanContext, target: str, free, specs) -> int:
-    return sum(min(o[1] for o in group_options(ctx, g, specs, None)) for g in routed_groups(ctx, target, free))
+    groups = routed_groups(ctx, get_target(target).granularity, free)
+    return sum(min(o[1] for o in group_options(ctx, g, specs, None)) for g in groups)
 
 
 def budget_assignment(
@@ -151,7 +153,8 @@ def budget_assignment(
     flex_bytes = sum(p.bytes for p in plans if p.name in flexible)
     limit += flex_bytes  # the budget counts them at non_experts.format; the solve may move bytes
     if shapes_only:  # feasibility is the smallest option of every group against the limit
-        table = option_table(ctx, routed_groups(ctx, target, free), specs, notes) + list(flexible.values())
+        groups = routed_groups(ctx, get_target(target).granularity, free)
+        table = option_table(ctx, groups, specs, notes) + list(flexible.values())
         minimum = sum(min(o[1] for o in options) for options in table)
         notes.extend(_unfit_notes(ctx))
         if minimum > limit:  # shown per routed weight, the flexible tensors counted at non_experts.format
@@ -159,8 +162,6 @@ def budget_assignment(
         return None
     if not (free or flexible):
         solved = ({}, 0)
-    elif target == "sglang":
-        solved = solve_sglang(ctx, free, specs, limit, notes)
     else:
         solved = solve_for_target(ctx, target, free, specs, limit, notes, extra=flexible)
     notes.extend(_unfit_notes(ctx))
@@ -199,7 +200,7 @@ def alternative_budget_plan(ctx: PlanContext, target: str, free, entries, limit:
     """The budget plan for `target` over `entries` (servable, with sensitivities) within `limit`."""
     specs = []
     for spec in dedupe_specs(resolve_format(ctx.recipe, f) for f in entries):
-        if spec.refuses(target, routed=True):
+        if get_target(target).refuses(spec, routed=True):
             continue
         try:
             for e in free:
@@ -208,8 +209,7 @@ def alternative_budget_plan(ctx: PlanContext, target: str, free, entries, limit:
             continue
         specs.append(spec)
     try:
-        solver = solve_sglang if target == "sglang" else (lambda c, *a: solve_for_target(c, target, *a))
-        solved = solver(ctx, free, specs, limit, None) if specs else None
+        solved = solve_for_target(ctx, target, free, specs, limit, None) if specs else None
     except UserError:
         return None
     if solved is None:

@@ -152,7 +152,7 @@ class PlanFile(_Part):
 
     schema_: Literal[SCHEMA] = Field(alias="schema")
     model: str
-    target: str  # the serving target (plan.recipe.TARGETS)
+    target: str  # the serving target (moequant.targets)
     method: Literal["budget", "rules", "uniform"]
     budget: Optional[BudgetEntry]
     candidates: list[str]  # offered to the routed experts

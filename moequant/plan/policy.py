@@ -20,6 +20,7 @@ from moequant.plan.options import dedupe_specs
 from moequant.plan.recipe import Recipe, recipe_to_dict, resolve_format
 from moequant.plan.rules import check_kept_experts, kept_routed_experts, non_expert_kept_reason, rules_assignment
 from moequant.plan.summary import plan_summary
+from moequant.targets import get_target
 
 
 def make_plan(recipe: Recipe, checkpoint_or_tensors, stats=None) -> Plan:
@@ -105,7 +106,7 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
 
 def _non_expert_plans(ctx: PlanContext, recipe: Recipe, tensors: list[TensorInfo], non_expert_spec) -> list[TensorPlan]:
     """The plans of every tensor but the routed experts: non_experts.format, or bf16 with the reason."""
-    reason = non_expert_spec.refuses(recipe.target, routed=False)
+    reason = get_target(recipe.target).refuses(non_expert_spec, routed=False)
     if reason and non_expert_spec.quantized:
         raise UserError(
             f"non_experts.format {non_expert_spec.key} cannot be served by target {recipe.target}: "

@@ -50,11 +50,11 @@ from moequant.algorithms.registry import GptqOptions as Gptq
 from moequant.calib.settings import DEFAULT_DATASET, Calibration
 from moequant.errors import UserError
 from moequant.formats import REGISTRY, format_names, get_format, parse_key
-from moequant.layouts import RECIPE_LAYOUTS
+from moequant.layouts import RECIPE_LAYOUTS, layout_for
+from moequant.targets import TARGETS, get_target
 
 FORMAT_NAMES = format_names()  # every registered format (moequant.formats), llama.cpp's block types last
 GGML_TYPES = format_names(ggml=True)
-TARGETS = ("vllm", "sglang", "transformers", "llama.cpp", "vllm-moequant", "vllm-cuda")
 METHODS = ("budget", "rules", "uniform")
 EXPORT_FORMATS = tuple(RECIPE_LAYOUTS)  # the built-in export layouts (moequant.layouts) by their recipe names
 # Names `keep` accepts besides tensor-name patterns (anything containing '*' or '.').
@@ -99,6 +99,18 @@ def check_algorithm(value: str) -> str:
 
 
 AlgorithmName = Annotated[str, AfterValidator(check_algorithm)]
+
+
+def check_target(value: str) -> str:
+    """A target is one registered when the recipe is validated (moequant.targets), not only the built-in ones."""
+    if value not in TARGETS:
+        names = [repr(n) for n in TARGETS]
+        expected = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+    return value
+
+
+TargetName = Annotated[str, AfterValidator(check_target)]
 
 
 def parse_layer_ranges(text: str | int) -> frozenset[int]:
@@ -232,7 +244,7 @@ class NonExperts(Strict):
 class Recipe(Strict):
     model: str = DEFAULT_MODEL
     output: str = "runs/out"
-    target: Literal[TARGETS] = "vllm"
+    target: TargetName = "vllm"
     calibration: Calibration = Field(default_factory=Calibration)
     keep: list[str] = Field(default_factory=lambda: ["router", "shared_expert_gate", "embeddings", "lm_head"])
     non_experts: NonExperts = Field(default_factory=NonExperts)
@@ -264,12 +276,10 @@ class Recipe(Strict):
         return value
 
     @model_validator(mode="after")
-    def _gguf_is_llama_cpp(self):
-        if (self.export.format == "gguf") != (self.target == "llama.cpp"):
-            raise ValueError(
-                "export format gguf and target llama.cpp go together (llama.cpp loads GGUF; the other "
-                "targets load safetensors layouts); set both or neither"
-            )
+    def _target_reads_the_layout(self):
+        why = get_target(self.target).refuses_layout(layout_for(self.export.format))
+        if why:
+            raise ValueError(why)
         return self
 
     def algorithm_for(self, format_name: str) -> str:

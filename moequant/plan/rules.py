@@ -15,7 +15,8 @@ from moequant.plan.context import PlanContext, relative_shares
 from moequant.plan.model import NON_EXPERT_ROLES, TensorInfo
 from moequant.plan.options import dedupe_specs
 from moequant.plan.recipe import Recipe, resolve_format
-from moequant.plan.serving import GRANULARITY, check_uniform_groups, servable_routed
+from moequant.plan.serving import check_uniform_groups
+from moequant.targets import get_target
 
 ALWAYS_BF16_ROLES = {
     "router": "the router always stays bf16",
@@ -97,7 +98,7 @@ def rules_assignment(ctx: PlanContext, recipe: Recipe, free, shapes_only: bool) 
     """experts.method uniform / rules: expert -> spec, refused where the target cannot serve it. With
     shapes_only and rules on routing shares (which rule matches needs statistics) the rules' formats
     are checked and the assignment is empty."""
-    target, method = recipe.target, recipe.experts.method
+    target, method = get_target(recipe.target), recipe.experts.method
     if method == "uniform":
         spec = resolve_format(recipe, recipe.experts.format)
         assignment = {e: spec for e in free}
@@ -105,21 +106,21 @@ def rules_assignment(ctx: PlanContext, recipe: Recipe, free, shapes_only: bool) 
         assignment = {}
         for rule in recipe.experts.rules:
             spec = resolve_format(recipe, rule.format)
-            why = spec.refuses(target, routed=True)
+            why = target.refuses(spec, routed=True)
             if why:
                 raise UserError(
                     f"experts.rules gives routed experts {spec.key}, which target {target} cannot "
-                    f"serve: {why}; accepted: {servable_routed(target)}, or target transformers."
+                    f"serve: {why}; accepted: {target.routed_formats}, or target transformers."
                 )
     else:
         assignment = _apply_rules(ctx, recipe, free)
     for spec in dedupe_specs(assignment.values()):
-        why = spec.refuses(target, routed=True)
+        why = target.refuses(spec, routed=True)
         if why:
             key = "experts.format" if method == "uniform" else "experts.rules"
             raise UserError(
                 f"{key} gives routed experts {spec.key}, which target {target} cannot serve: {why}; "
-                f"accepted: {servable_routed(target)}, or target transformers."
+                f"accepted: {target.routed_formats}, or target transformers."
             )
     check_uniform_groups(ctx, target, assignment)
     return assignment
@@ -151,7 +152,7 @@ def kept_routed_experts(recipe: Recipe, tensors: list[TensorInfo]) -> dict[tuple
 def check_kept_experts(ctx: PlanContext, recipe: Recipe, kept_experts: dict, notes: list[str]) -> None:
     """Note keep entries that match only some projections of an expert; refuse kept experts that
     split a group the target serves in one format."""
-    target = recipe.target
+    target = get_target(recipe.target)
     for (layer, expert), why in kept_experts.items():
         projs = {t.proj for t in ctx.experts[(layer, expert)] if _keep_match(recipe, t)}
         if len(projs) < len(ctx.experts[(layer, expert)]):
@@ -159,15 +160,13 @@ def check_kept_experts(ctx: PlanContext, recipe: Recipe, kept_experts: dict, not
                 f"{why} matches only some projections of layer {layer} expert {expert}; the whole expert "
                 f"stays bf16, since one format covers an expert's gate, up and down."
             )
-    unit = GRANULARITY[target]
+    unit = target.granularity
     if unit != "expert" and kept_experts:
-        per_layer = unit in ("layer", "layer_proj") or target == "sglang"  # sglang: kept layers are ignored ones
-        scopes = {L for L, _ in kept_experts} if per_layer else {"all"}
-        for scope in scopes:
+        for scope in {L for L, _ in kept_experts}:  # kept layers are ignored ones, also where the unit is the model
             members = [e for e in ctx.experts if unit == "model" or e[0] == scope]
             partial = [e for e in members if e not in kept_experts]
             if partial:
-                where = f"layer {scope}" if per_layer else "the model"
+                where = f"layer {scope}"
                 raise UserError(
                     f"keep holds only some routed experts of {where} in bf16, which target {target} "
                     f"cannot serve (one format per {unit}); accepted: keep whole layers "

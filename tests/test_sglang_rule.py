@@ -1,4 +1,4 @@
-"""SGLang's per-layer rule (moequant.plan.serving docstring cites the code): INT4 / INT8 weight-only groups
+"""SGLang's per-layer rule (moequant.targets.sglang cites the code): INT4 / INT8 weight-only groups
 may differ per MoE layer under the top-level format pack-quantized; with FP8 / MXFP4 one routed
 format for the whole model; per-layer resolution needs experts named gate/up/down_proj.
 

@@ -96,12 +96,12 @@ def test_the_precheck_refuses_before_any_work(int8_layers):
         "t.yaml",
     )
     with pytest.raises(UserError, match=f"which target int8-layers cannot serve: {REFUSAL}"):
-        check_recipe(recipe)
+        check_recipe(recipe, open_checkpoint(recipe.model))
     ok = recipe_from_dict(
         {"model": "zoo:tiny-qwen2moe", "target": "int8-layers", "experts": {"method": "uniform", "format": "int8"}},
         "t.yaml",
     )
-    check_recipe(ok)  # what it loads passes
+    check_recipe(ok, open_checkpoint(ok.model))  # what it loads passes
 
 
 def test_the_export_honours_the_target(tmp_path, int8_layers):

@@ -30,7 +30,6 @@ from pathlib import Path
 from moequant import parallel
 from moequant.calib.calibrate import CalibrationSettings, calibrate, load_tokenizer, model_fingerprint
 from moequant.errors import UserError
-from moequant.formats import parse_key
 from moequant.io.checkpoint import atomic_write_text, is_disk_full, open_checkpoint
 from moequant.io.fingerprint import (
     KEY,
@@ -40,7 +39,7 @@ from moequant.io.fingerprint import (
 )
 from moequant.io.run_lock import output_lock
 from moequant.layouts import layout_for
-from moequant.pipeline.precheck import check_memory, check_recipe
+from moequant.pipeline.precheck import check_recipe, check_run
 from moequant.pipeline.run import Run, hold_lock, open_run
 from moequant.plan.plan_io import plan_to_dict, read_plan, write_plan
 from moequant.plan.policy import make_plan
@@ -91,6 +90,7 @@ def calibration_settings(
 ) -> CalibrationSettings:
     c = recipe.calibration
     formats = formats or sensitivity_formats(recipe)
+    adapter = open_checkpoint(ckpt or recipe.model).adapter
     # the probe scales a budget's predicted losses; plans without a budget never read it. Its cost
     # grows with layers² (one stream per probed layer), so past PROBE_MAX_EXPERT_PARAMS routed-expert
     # parameters it runs only when the recipe asks for it by name
@@ -98,7 +98,7 @@ def calibration_settings(
     if (
         probe_samples
         and "probe_samples" not in c.model_fields_set
-        and _routed_params(recipe, ckpt) > PROBE_MAX_EXPERT_PARAMS
+        and _routed_params(adapter) > PROBE_MAX_EXPERT_PARAMS
     ):
         probe_samples = 0
     return CalibrationSettings(
@@ -110,7 +110,7 @@ def calibration_settings(
         formats=formats,
         device=device,
         probe_samples=probe_samples,
-        probe_algorithm=probe_algorithm(recipe, formats, ckpt) if probe_samples else "rtn",
+        probe_algorithm=probe_algorithm(recipe, formats, adapter) if probe_samples else "rtn",
         compute_dtype=c.compute_dtype,
         tensor_formats=tensor_formats(recipe),
         hessian_weighting=c.hessian_weighting,
@@ -134,13 +134,12 @@ def tensor_formats(recipe: Recipe) -> tuple[str, ...]:
 PROBE_MAX_EXPERT_PARAMS = 2 * 10**9  # the default probe's limit (routed-expert parameters)
 
 
-def _routed_params(recipe: Recipe, ckpt=None) -> int:
-    adapter = open_checkpoint(ckpt or recipe.model).adapter
+def _routed_params(adapter) -> int:
     shape = [adapter.expert_shape(p) for p in adapter.projections]
     return len(adapter.moe_layers) * adapter.num_experts * sum(o * i for o, i in shape)
 
 
-def probe_algorithm(recipe: Recipe, format_keys, ckpt=None) -> str:
+def probe_algorithm(recipe: Recipe, format_keys, adapter) -> str:
     """The recipe's probe algorithm; `auto` is the registered algorithm the quantize pass will give the
     probe's format, as the probe measures it (gptq where the recipe says gptq, else rtn: the probe runs no AWQ)."""
     chosen = recipe.calibration.probe_algorithm
@@ -148,7 +147,6 @@ def probe_algorithm(recipe: Recipe, format_keys, ckpt=None) -> str:
         return chosen
     from moequant.calib.probe import auto_probe_algorithm
 
-    adapter = open_checkpoint(ckpt or recipe.model).adapter
     shapes = [tuple(adapter.expert_shape(p)) for p in adapter.projections]
     return auto_probe_algorithm(format_keys, shapes, recipe.algorithm_for)
 
@@ -209,17 +207,7 @@ def apply(
     recipe = resolve_recipe(recipe_path, model, output, overrides)
     # a bad or unreadable checkpoint is refused before anything is written, then an unsupported architecture
     run = open_run(recipe, device, progress, log)
-    for note in check_recipe(recipe, run.source):  # what shapes alone refuse, before anything is written
-        log(f"note: {note}")
-    check_memory(recipe, run.adapter, device)  # a layer that cannot fit the GPU budget, before any weight is read
-    load_tokenizer(run.source.directory)  # a checkpoint without tokenizer files, too
-    if parallel.world_size() > 1 and "awq" in {
-        recipe.algorithm_for(parse_key(k).name) for k in sensitivity_formats(recipe)
-    }:
-        raise UserError(
-            "algorithm awq runs in one process only (its shared gate/up scale is searched over all of a "
-            "layer's experts together); run it without torchrun, or use gptq or rtn."
-        )
+    check_run(run)  # what the recipe, the shapes and the machine refuse, before anything is written
     run.device = parallel.start(run.adapter.num_experts, device)  # joins the torchrun job when WORLD_SIZE > 1
     made = not run.directory.exists()
     with hold_lock(run, "apply"):  # the lock before anything is written into the directory

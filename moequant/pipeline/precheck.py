@@ -30,20 +30,41 @@ def plan_formats(recipe) -> list:
     return list(specs.values())
 
 
-def check_recipe(recipe, ckpt=None) -> list[str]:
-    """Raise UserError for what shapes alone refuse; return the plan's notes (e.g. a candidate not
-    offered to some layers because it cannot hold their dimensions, and why)."""
-    from moequant.io.checkpoint import open_checkpoint
+def check_run(run) -> None:
+    """What `apply` refuses before anything is written (a moequant.pipeline.run.Run): the recipe against the
+    model's shapes (check_recipe; its notes are logged), a layer that cannot fit the GPU budget, a checkpoint
+    without tokenizer files, an algorithm that runs in one process only under torchrun."""
+    from moequant import parallel
+    from moequant.algorithms.registry import algorithm
+    from moequant.calib.calibrate import load_tokenizer
+
+    for note in check_recipe(run.recipe, run.source):
+        run.log(f"note: {note}")
+    check_memory(run.recipe, run.adapter, run.device)  # before any weight is read
+    load_tokenizer(run.source.directory)
+    used = {run.recipe.algorithm_for(spec.name) for spec in plan_formats(run.recipe) if spec.quantized}
+    one_process = sorted(a for a in used if algorithm(a).scales_layer)
+    if parallel.world_size() > 1 and one_process:
+        raise UserError(
+            f"algorithm {one_process[0]} runs in one process only (its shared gate/up scale is searched over all "
+            "of a layer's experts together); run it without torchrun, or use gptq or rtn."
+        )
+
+
+def check_recipe(recipe, ckpt) -> list[str]:
+    """Raise UserError for what shapes alone refuse in the open checkpoint `ckpt`; return the plan's notes
+    (e.g. a candidate not offered to some layers because it cannot hold their dimensions, and why)."""
+    from moequant.algorithms.registry import algorithm
     from moequant.layouts import layout_for, layout_refusal
     from moequant.plan.policy import check_plan
     from moequant.plan.recipe import resolve_format
     from moequant.targets import get_target
 
-    ckpt = ckpt or open_checkpoint(recipe.model)
     adapter = ckpt.adapter
-    if adapter.fused_experts and any(a == "awq" for a in recipe.algorithms.values()):
+    scaling = [a for a in recipe.algorithms.values() if algorithm(a).scales_layer]
+    if adapter.fused_experts and scaling:
         raise UserError(
-            f"algorithms: awq is not supported for {adapter.model_type} (fused experts whose activation "
+            f"algorithms: {scaling[0]} is not supported for {adapter.model_type} (fused experts whose activation "
             "clamps up_proj, so the down_proj scale cannot be folded exactly); accepted there: gptq or rtn."
         )
     layout = layout_for(recipe.export.format).name

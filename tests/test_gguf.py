@@ -241,6 +241,44 @@ def test_apply_writes_the_planned_gguf_and_llama_cpp_evaluates_it(llama, tmp_pat
     assert report["memory"]["bytes_quantized"] == sum(int(t.n_bytes) for t in reader.tensors)
 
 
+def test_a_plan_whose_routed_experts_are_all_imatrix_collects_their_statistics(llama, tmp_path):
+    """No routed expert needs GPTQ, every one imatrix: the quantize pass still runs the layers to collect the
+    experts' input statistics (it stopped before the first layer and failed on 2026-12-04), and the
+    importance they give changes the codes against round-to-nearest of the same type."""
+    import json
+
+    from moequant.pipeline.apply import apply
+
+    def run(algorithm):
+        out = tmp_path / algorithm
+        apply(
+            "recipes/gguf.yaml",
+            output=str(out),
+            progress=False,
+            log=lambda *_: None,
+            overrides=[
+                "experts={method: uniform, format: q4_0}",
+                f"algorithms={{q4_0: {algorithm}}}",
+                "non_experts={format: bf16}",
+                "calibration.samples=8",
+                "calibration.seq_len=64",
+                "evaluate.samples=4",
+                "evaluate.seq_len=64",
+            ],
+        )
+        plan = json.loads((out / "plan.json").read_text())
+        routed = [t for t in plan["tensors"] if t["role"] == "routed_expert"]
+        assert {(t["format"], t["algorithm"]) for t in routed} == {("q4_0", algorithm)}
+        report = json.loads((out / "report.json").read_text())
+        assert report["quality"]["engine"] == "llama.cpp" and 0 < report["quality"]["kl_mean"] < 0.1
+        reader = gguf.GGUFReader(out / "checkpoint" / "model.gguf")
+        return {t.name: np.array(t.data) for t in reader.tensors if "_exps" in t.name}
+
+    imatrix, rtn = run("imatrix"), run("rtn")
+    assert imatrix.keys() == rtn.keys() and imatrix
+    assert all(not np.array_equal(imatrix[k], rtn[k]) for k in imatrix)
+
+
 def test_cli_refuses_a_malformed_gguf_request(tmp_path):
     import subprocess
     import sys

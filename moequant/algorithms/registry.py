@@ -52,10 +52,6 @@ class Algorithm:
     hessians: bool = False
     # the quantize pass collects the layer's input statistics for it (a forward of the layer)
     statistics: bool = False
-    # the quantize pass carries the quantized model's hidden states up to its layers, so its statistics
-    # see the inputs the quantized model gives. imatrix is not counted here, as before the registry:
-    # its statistics come from whatever stream the pass carries at that layer
-    carries_stream: bool = False
     # scales a whole layer's weights before rounding (AWQ: folded into the norm, the router, the
     # shared expert and up_proj; pipeline.quantize), on host copies, in one process
     scales_layer: bool = False
@@ -125,12 +121,11 @@ register(
         _gptq,
         hessians=True,
         statistics=True,
-        carries_stream=True,
         joins_gate_up=lambda spec: not spec.is_ggml,
         probe="gptq",
         options=GptqOptions,
     )
 )
 # AWQ rounds to nearest once pipeline.quantize has scaled the layer (algorithms/awq.py searches the scales)
-register(Algorithm("awq", _rtn, statistics=True, carries_stream=True, scales_layer=True))
+register(Algorithm("awq", _rtn, statistics=True, scales_layer=True))
 register(Algorithm("imatrix", _imatrix, hessians=True, statistics=True))

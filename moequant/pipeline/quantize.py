@@ -836,7 +836,7 @@ def quantize_model(
     for t in plan.tensors:
         rows_by_layer.setdefault(t.layer, []).append(t)
 
-    # layers whose quantization reads calibration activations (GPTQ / AWQ experts); after the
+    # layers whose quantization reads calibration activations (GPTQ / AWQ / imatrix experts); after the
     # last of them no forward is needed at all (round-to-nearest reads only the weights)
     data_layers = sorted(
         {
@@ -844,7 +844,7 @@ def quantize_model(
             for t in plan.tensors
             if t.role == "routed_expert"
             and t.quantized
-            and algorithm(t.algorithm).carries_stream
+            and algorithm(t.algorithm).statistics
             and t.layer in adapter.moe_layers
         }
     )

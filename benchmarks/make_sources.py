@@ -37,6 +37,7 @@ from moequant.errors import UserError
 from moequant.io.checkpoint import ShardWriter, atomic_directory
 from moequant.layouts.deepseek_fp8 import pack_deepseek_fp8
 from moequant.layouts.gpt_oss_mxfp4 import pack_gpt_oss_mxfp4
+from moequant.layouts.gpt_oss_mxfp4 import quantization_config as gpt_oss_quantization_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEEPSEEK_V3 = ROOT / "tests" / "data" / "configs" / "deepseek-v3.json"
@@ -328,15 +329,7 @@ def make_gpt_oss_mxfp4(directory, overrides: dict | None = None, seed: int = 0, 
 
     def make(vocab):
         config = _full_config("gpt_oss", _vocab(base, vocab))
-        config["quantization_config"] = {
-            "quant_method": "mxfp4",
-            "modules_to_not_convert": [
-                "model.layers.*.self_attn",
-                "model.layers.*.mlp.router",
-                "model.embed_tokens",
-                "lm_head",
-            ],
-        }
+        config["quantization_config"] = gpt_oss_quantization_config()
         g = torch.Generator().manual_seed(seed)
 
         def tensors():

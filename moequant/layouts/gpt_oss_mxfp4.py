@@ -61,6 +61,20 @@ def unpack_gpt_oss_mxfp4_encoding(enc: Encoding, t: dict) -> QuantizedTensor:
     return unpack_gpt_oss_mxfp4(t["blocks"], t["blocks_scales"])
 
 
+def quantization_config() -> dict:
+    """gpt-oss's own spelling (as OpenAI's checkpoints and transformers write it): everything but the experts
+    stays in bf16."""
+    return {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+
+
 class GptOssMxfp4(Layout):
     name = "gpt-oss-mxfp4"
     quant_methods = ("mxfp4",)  # the quantization_config.quant_method values it reads back
@@ -101,13 +115,4 @@ class GptOssMxfp4(Layout):
         return {f"{name}_blocks": packed["blocks"], f"{name}_scales": packed["scales"]}
 
     def quantization_config(self) -> dict:
-        # gpt-oss's own spelling: everything but the experts stays in bf16
-        return {
-            "quant_method": "mxfp4",
-            "modules_to_not_convert": [
-                "model.layers.*.self_attn",
-                "model.layers.*.mlp.router",
-                "model.embed_tokens",
-                "lm_head",
-            ],
-        }
+        return quantization_config()

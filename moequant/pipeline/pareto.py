@@ -55,10 +55,10 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from moequant.errors import UserError
-from moequant.targets import TARGETS, get_target
+from moequant.targets import ANY_MIX, TARGETS, get_target
 
 SCHEMA = "moequant.pipeline.pareto/1"
-DEFAULT_TARGETS = ("vllm", "transformers")
+DEFAULT_TARGETS = ("vllm", ANY_MIX)
 DEFAULT_UNIFORM = ("int8", "int4", "int3")
 RUN_MARKER = "pareto_run.json"  # in each run directory: what produced its report (for reuse)
 RUNS_DIR = "pareto"  # OUTPUT/pareto/<name>/: one directory per point
@@ -84,7 +84,7 @@ def _uniform_recipe(recipe, entry: str):
     from moequant.plan.recipe import resolve_format
 
     spec = resolve_format(recipe, entry)
-    target = "vllm" if get_target("vllm").refuses(spec, routed=True) is None else "transformers"
+    target = "vllm" if get_target("vllm").refuses(spec, routed=True) is None else ANY_MIX
     return _variant(recipe, target=target, method="uniform", format=entry), spec
 
 

@@ -10,6 +10,7 @@ from moequant.errors import UserError
 from moequant.plan.context import loaded_stats, tensors_from_checkpoint
 from moequant.plan.policy import make_plan
 from moequant.plan.recipe import Recipe, resolve_format
+from moequant.targets import ANY_MIX
 
 
 def budget_frontier(recipe: Recipe, checkpoint_or_tensors, stats, bits_per_weight: Sequence[float]) -> dict:
@@ -54,13 +55,13 @@ def budget_frontier(recipe: Recipe, checkpoint_or_tensors, stats, bits_per_weigh
         "target": recipe.target,
         "budgets": budgets,
         "serving": [point(recipe.target, b) for b in budgets],
-        "per_expert": [point("transformers", b) for b in budgets] if recipe.target != "transformers" else None,
+        "per_expert": [point(ANY_MIX, b) for b in budgets] if recipe.target != ANY_MIX else None,
         "uniform": [],
     }
     for entry in _dedupe_entries(recipe):
         variant = recipe.model_copy(
             update={
-                "target": "transformers",
+                "target": ANY_MIX,
                 "experts": experts.model_copy(update={"method": "uniform", "format": entry}),
             }
         )

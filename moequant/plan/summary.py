@@ -12,6 +12,7 @@ from moequant.plan.budget import alternative_budget_plan
 from moequant.plan.context import PlanContext, predicted_loss
 from moequant.plan.memory import bits_per_weight, format_bytes
 from moequant.plan.model import PROJECTIONS, Plan, _formats
+from moequant.targets import ANY_MIX
 
 
 def plan_summary(plan: Plan, ctx: PlanContext, free, budget_info) -> dict:
@@ -45,8 +46,8 @@ def plan_summary(plan: Plan, ctx: PlanContext, free, budget_info) -> dict:
         fixed_bytes = sum(t.bytes for t in routed if (t.layer, t.expert) not in free_set)
         entries = list(recipe.experts.formats) + list(plan.formats)
         limit = (budget_info["routed_bytes_limit"] if budget_info else routed_bytes) - fixed_bytes
-        if plan.target != "transformers":
-            alternative = alternative_budget_plan(ctx, "transformers", free, entries, limit, fixed_bytes)
+        if plan.target != ANY_MIX:
+            alternative = alternative_budget_plan(ctx, ANY_MIX, free, entries, limit, fixed_bytes)
         if plan.method != "budget":
             budget_alternative = alternative_budget_plan(ctx, plan.target, free, entries, limit, fixed_bytes)
         for key in plan.candidates:

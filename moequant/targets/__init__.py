@@ -14,5 +14,7 @@ from moequant.targets.vllm import Vllm
 from moequant.targets.vllm_cuda import VllmCuda
 from moequant.targets.vllm_moequant import VllmMoequant
 
+ANY_MIX = "transformers"  # the target that loads any per-expert mix (moequant.load): plans compare with it
+
 for _target in (Vllm, Sglang, Transformers, LlamaCpp, VllmMoequant, VllmCuda):  # in the order messages list them
     register(_target())

@@ -52,6 +52,7 @@ from moequant.export.verify_vllm import (
 )
 from moequant.io.checkpoint import open_checkpoint
 from moequant.io.loader import load
+from moequant.targets.vllm_moequant import VllmMoequant
 from moequant.zoo import path as zoo_path
 
 MODELS = {"tiny-qwen2moe": "int4-g64-sym", "tiny-mixtral": "int4-g128-sym"}  # vLLM CPU int4 MoE: g64 / g128
@@ -138,11 +139,24 @@ def served(tmp_path_factory):
         ckpts[f"{model}-split"] = split
     src = zoo_path("tiny-qwen2moe")
     asym = quantize_experts(src, lambda L, e, p: "int4-g64-asym" if e % 2 else "int4-g64-sym")
-    ckpts["unservable"] = export_checkpoint(src, asym, root / "unservable", target="vllm-moequant")
+    ckpts["unservable"] = export_checkpoint(src, asym, root / "unservable", target=UNCHECKED)
     # the unservable checkpoint last: its refusal stops its worker process
     run = [c for name, c in ckpts.items() if not name.endswith("misread")]
     outs = run_vllm(run, prompts(), steps=STEPS, top_k=VOCAB, prompt_logprobs=True, dtype="bfloat16", max_model_len=128)
     return {name: (c, outs.get(str(c.resolve()))) for name, c in ckpts.items()}
+
+
+class Unchecked(VllmMoequant):
+    """The plugin's target without its refusal of zero points, to write the checkpoint the plugin itself must
+    refuse (target vllm-moequant refuses it at export, from the very fact this test shows)."""
+
+    name = "vllm-moequant (zero points unchecked)"
+
+    def refuses(self, spec, routed):
+        return None if spec.is_int and spec.bits == 4 else super().refuses(spec, routed)
+
+
+UNCHECKED = Unchecked()
 
 
 def dense(logprobs: dict) -> torch.Tensor:

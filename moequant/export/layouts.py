@@ -54,7 +54,7 @@ from moequant.errors import UserError
 from moequant.formats import QuantizedTensor
 from moequant.io.checkpoint import EXPORT_INFO, ShardWriter, atomic_directory, copy_aux_files, open_checkpoint
 from moequant.layouts import LAYOUTS
-from moequant.targets import TARGETS
+from moequant.targets import TARGETS, Target, get_target
 
 
 def export_checkpoint(
@@ -64,7 +64,7 @@ def export_checkpoint(
     *,
     kept: Mapping[str, torch.Tensor] | None = None,
     layout: str = "compressed-tensors",
-    target: str = "vllm",
+    target="vllm",  # a registered target's name, or a moequant.targets.Target
     int8_activations: str = "none",
     max_shard_bytes: int = 2 * 1024**3,
     gguf_float: str = "bf16",
@@ -159,13 +159,14 @@ def write_checkpoint_files(tmp: Path, ckpt, writer) -> None:
     copy_aux_files(ckpt.directory, tmp)
 
 
-def check_export_options(layout: str, target: str, int8_activations: str) -> None:
-    """Refuse an unknown layout, target or int8_activations, or a layout the target cannot load."""
+def check_export_options(layout: str, target, int8_activations: str) -> None:
+    """Refuse an unknown layout, target (a registered name, or a Target) or int8_activations, or a layout the
+    target cannot load."""
     if layout not in LAYOUTS:
         raise UserError(f"export layout {layout!r} is not supported; accepted: {', '.join(LAYOUTS)}.")
-    if target not in TARGETS:
+    if not isinstance(target, Target) and target not in TARGETS:
         raise UserError(f"export target {target!r} is not supported; accepted: {', '.join(TARGETS)}.")
-    why = TARGETS[target].refuses_layout(LAYOUTS[layout])
+    why = get_target(target).refuses_layout(LAYOUTS[layout])
     if why:
         raise UserError(why + ".")
     if int8_activations not in ("none", "dynamic"):

@@ -206,6 +206,9 @@ def test_gguf_refusals_write_nothing(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+SMALL_RUN = ["calibration.samples=8", "calibration.seq_len=64", "evaluate.samples=4", "evaluate.seq_len=64"]
+
+
 def test_apply_writes_the_planned_gguf_and_llama_cpp_evaluates_it(llama, tmp_path):
     """`moequant apply --recipe recipes/gguf.yaml`: the solver's per-(layer, projection) types are the
     GGUF's, llama.cpp computes the report's KL, and the byte account is the file's."""
@@ -219,13 +222,7 @@ def test_apply_writes_the_planned_gguf_and_llama_cpp_evaluates_it(llama, tmp_pat
         output=str(out),
         progress=False,
         log=lambda *_: None,
-        overrides=[
-            "calibration.samples=8",
-            "calibration.seq_len=64",
-            "calibration.probe_samples=4",
-            "evaluate.samples=4",
-            "evaluate.seq_len=64",
-        ],
+        overrides=[*SMALL_RUN, "calibration.probe_samples=4"],
     )
     plan = json.loads((out / "plan.json").read_text())
     planned = {}
@@ -260,10 +257,7 @@ def test_a_plan_whose_routed_experts_are_all_imatrix_collects_their_statistics(l
                 "experts={method: uniform, format: q4_0}",
                 f"algorithms={{q4_0: {algorithm}}}",
                 "non_experts={format: bf16}",
-                "calibration.samples=8",
-                "calibration.seq_len=64",
-                "evaluate.samples=4",
-                "evaluate.seq_len=64",
+                *SMALL_RUN,
             ],
         )
         plan = json.loads((out / "plan.json").read_text())

@@ -89,13 +89,19 @@ def check_format_entry(value: str) -> str:
 FormatEntry = Annotated[str, AfterValidator(check_format_entry)]
 
 
+def registered(value, names) -> str:
+    """`value` when it is one of `names` (a registry, read when the recipe is validated, so entries registered
+    after import count too), else the error pydantic gives a Literal."""
+    if isinstance(value, str) and value in names:
+        return value
+    shown = [repr(n) for n in names]
+    expected = shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
+    raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+
+
 def check_algorithm(value: str) -> str:
     """An algorithm name is one registered when the recipe is validated (moequant.algorithms.registry)."""
-    if value not in ALGORITHMS:
-        names = [repr(n) for n in ALGORITHMS]
-        expected = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
-        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
-    return value
+    return registered(value, ALGORITHMS)
 
 
 AlgorithmName = Annotated[str, AfterValidator(check_algorithm)]
@@ -103,11 +109,7 @@ AlgorithmName = Annotated[str, AfterValidator(check_algorithm)]
 
 def check_target(value: str) -> str:
     """A target is one registered when the recipe is validated (moequant.targets), not only the built-in ones."""
-    if value not in TARGETS:
-        names = [repr(n) for n in TARGETS]
-        expected = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
-        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
-    return value
+    return registered(value, TARGETS)
 
 
 TargetName = Annotated[str, AfterValidator(check_target)]
@@ -156,11 +158,7 @@ class Export(Strict):
     @classmethod
     def _registered_layout(cls, value):
         """Any layout registered when the recipe is read (moequant.layouts.registry), not only the built-in ones."""
-        if isinstance(value, str) and value in RECIPE_LAYOUTS:
-            return value
-        names = [repr(n) for n in RECIPE_LAYOUTS]
-        expected = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
-        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+        return registered(value, RECIPE_LAYOUTS)
 
     @property
     def gguf_types(self) -> dict[str, str | None]:

@@ -209,8 +209,8 @@ def calibration_ids(model: str, samples: int, seq_len: int):
     """The calibration tokens moequant's quantize pass draws for these settings (same seed and split)."""
     import torch
 
-    from moequant.calib.calibrate import load_tokenizer
     from moequant.calib.data import load_samples
+    from moequant.io.checkpoint import load_tokenizer
 
     s = load_samples("builtin:mix", load_tokenizer(Path(model)), samples, seq_len, split="calibration", seed=0)
     return torch.stack([x.input_ids for x in s])

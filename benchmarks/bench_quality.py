@@ -74,18 +74,13 @@ def main(argv=None) -> int:
     from moequant.algorithms.gptq import gptq
     from moequant.algorithms.refit import refit_scales
     from moequant.arch import adapter_for
-    from moequant.calib.calibrate import (
-        MIN_ROUTED_TOKENS,
-        calibrate,
-        load_tokenizer,
-        plain_settings,
-    )
+    from moequant.calib.calibrate import MIN_ROUTED_TOKENS, calibrate, plain_settings
     from moequant.calib.data import load_samples
     from moequant.calib.stats import chosen_hessian, load_stats
     from moequant.evaluate import evaluate
     from moequant.export.verify_llamacpp import ggml_quantize
     from moequant.formats.ggml import dequantize_tensor
-    from moequant.io.checkpoint import open_checkpoint
+    from moequant.io.checkpoint import load_tokenizer, open_checkpoint
     from moequant.io.loader import from_pretrained_complete
     from moequant.zoo import path as zoo_path
 
@@ -110,10 +105,16 @@ def main(argv=None) -> int:
         "separated; RECIPE;KEY=VALUE;... adds recipe overrides (as `apply --set`)",
     )
     p.add_argument("--plan-bits", type=float, default=4.5)
+    p.add_argument("--plan-device", default="cpu", help="the device the plans' `moequant apply` runs on")
     p.add_argument(
         "--no-uniform", action="store_true", help="skip moequant's uniform variants (plans and llama.cpp only)"
     )
     p.add_argument("--no-gguf", action="store_true", help="skip moequant's own Q4_K (its GGUF quantizer)")
+    p.add_argument(
+        "--no-llama",
+        action="store_true",
+        help="skip llama.cpp's rows (a machine without llama-cpp-python; no ratios are printed)",
+    )
     p.add_argument(
         "--uniform",
         default=None,
@@ -202,7 +203,7 @@ def main(argv=None) -> int:
                 ("q4_k_m", "imatrix", "llama.cpp Q4_K_M + our imatrix", None),
                 ("q4_k_m", None, "llama.cpp Q4_K_M", None),
             ]
-        for name, im, label, narrow in llama:  # llama.cpp's own quantizer
+        for name, im, label, narrow in () if args.no_llama else llama:  # llama.cpp's own quantizer
             deq, nbytes, used = {}, {}, {}
             for (L, pj), w in original.items():
                 t = types_m[(L, pj)] if name == "q4_k_m" else llama_fallback(name, w.shape[-1], narrow)
@@ -290,6 +291,8 @@ def main(argv=None) -> int:
                 types = "" if used is None else " (%s)" % "/".join(sorted(set().union(*(used[p] for p in scope))))
                 rows[label] = kl_of(deq, label + types, nbytes, scope, bits=plans.get(label))
             for base_label in ("llama.cpp Q4_K", "llama.cpp Q4_K + our imatrix", Q4_K_45):
+                if base_label not in rows:
+                    continue  # --no-llama
                 base = rows[base_label]["kl_mean"]
                 print(
                     f"  KL / {base_label}'s ({rows[base_label]['bits']:.2f} bits), moequant at <= 4.5 bits: "
@@ -376,7 +379,7 @@ def plan_variant(entry: str, index: int, model: str, args, out: Path, ad, origin
         "evaluate.samples=1",
         "evaluate.seq_len=16",
     ]  # the bench evaluates on its own windows
-    apply(recipe_name, overrides=overrides, progress=False, log=lambda *a, **k: None)
+    apply(recipe_name, overrides=overrides, device=args.plan_device, progress=False, log=lambda *a, **k: None)
     plan = read_plan(run / "plan.json")
     q_model = load_quantized(run / "checkpoint", dtype=torch.float32)
     deq = {}

@@ -235,8 +235,9 @@ def calibrate(
 
     from moequant.calib.calibrate import calibrate as run
     from moequant.io.checkpoint import open_checkpoint
-    from moequant.pipeline.apply import calibration_settings, resolve_recipe, sensitivity_formats
+    from moequant.pipeline.apply import calibration_settings, resolve_recipe
     from moequant.pipeline.precheck import check_memory, check_recipe, unfit_notes
+    from moequant.plan.calibration import sensitivity_formats
 
     flags = {
         "calibration.dataset": dataset,

@@ -771,10 +771,8 @@ def evaluate_checkpoints(
     checkpoint; whole models only for lm-eval tasks, or for a checkpoint only transformers reads.
     A quantized reference (an FP8 / INT4 / MXFP4 source) is its dequantized weights. dtype:
     the compute dtype, by default the reference's config dtype (bf16 for most models)."""
-    from moequant.calib.calibrate import load_tokenizer
     from moequant.calib.data import load_samples
-    from moequant.export.layouts import model_dtype
-    from moequant.io.checkpoint import open_checkpoint
+    from moequant.io.checkpoint import model_dtype, open_checkpoint
     from moequant.io.fingerprint import check_checkpoint_in_run
 
     check_checkpoint_in_run(checkpoint)  # OUTPUT/checkpoint swapped in from another run: say so, evaluate nothing
@@ -782,7 +780,7 @@ def evaluate_checkpoints(
         _require_lm_eval()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     ref_ckpt = open_checkpoint(reference)
-    tokenizer = load_tokenizer(ref_ckpt.directory)
+    tokenizer = ref_ckpt.tokenizer
     windows = load_samples(dataset, tokenizer, samples, seq_len, split="evaluation", seed=seed)
     q_ckpt = None if lm_eval_tasks else _readable(checkpoint)
     if q_ckpt is not None:

@@ -23,8 +23,9 @@ from moequant.calib.calibrate import calibrate
 from moequant.errors import UserError
 from moequant.export.layouts import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
-from moequant.pipeline.apply import calibration_settings, export_arguments, resolve_recipe, sensitivity_formats
+from moequant.pipeline.apply import calibration_settings, export_arguments, resolve_recipe
 from moequant.pipeline.quantize import quantize_model
+from moequant.plan.calibration import sensitivity_formats
 from moequant.plan.plan_io import plan_to_dict
 from moequant.plan.policy import make_plan
 from moequant.plan.rules import needs_statistics

@@ -208,8 +208,8 @@ def test_bad_input(tiny_dirs, tmp_path):
 def test_zoo_routing_counts_match_an_independent_hook(tmp_path, zoo_name):
     """Real data through a trained zoo model: exact counts, and experts specialise by domain."""
     from moequant import zoo
-    from moequant.calib.calibrate import load_tokenizer
     from moequant.calib.data import load_samples
+    from moequant.io.checkpoint import load_tokenizer
 
     directory = zoo.path(zoo_name)
     samples = load_samples("builtin:stdlib-code", load_tokenizer(directory), N, 64, seed=3)

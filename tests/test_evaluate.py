@@ -453,11 +453,10 @@ def test_streamed_evaluation_equals_the_whole_model_evaluation(zoo, tmp_path, mo
     from moequant import evaluate as evaluation
     from moequant import formats
     from moequant.arch import adapter_for
-    from moequant.calib.calibrate import load_tokenizer
     from moequant.calib.data import load_samples
     from moequant.evaluate import evaluate_streaming
     from moequant.export.layouts import export_checkpoint
-    from moequant.io.checkpoint import open_checkpoint
+    from moequant.io.checkpoint import load_tokenizer, open_checkpoint
     from moequant.io.layers import LayerRunner
     from moequant.io.loader import load
 

@@ -688,8 +688,8 @@ def test_fused_experts_are_planned_per_expert():
             self.expected = adapter.expected_tensors()
             self.encodings = {}
 
-        def dtype(self, name):
-            return "BF16"
+        def kept_itemsize(self, name):
+            return 2  # bf16
 
         def keys(self):
             return list(self.expected)

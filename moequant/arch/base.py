@@ -151,6 +151,12 @@ class Adapter:
         return (h, i) if proj == "down" else (i, h)
 
     @property
+    def routed_expert_params(self) -> int:
+        """Parameters of all routed experts of all MoE layers."""
+        per_expert = sum(rows * cols for rows, cols in map(self.expert_shape, self.projections))
+        return len(self.moe_layers) * self.num_experts * per_expert
+
+    @property
     def dense_layers(self) -> list[int]:
         moe = set(self.moe_layers)
         return [i for i in range(self.num_layers) if i not in moe]

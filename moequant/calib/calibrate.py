@@ -474,17 +474,17 @@ def calibrate(
             f"hessian_weighting {settings.hessian_weighting!r} is not one of {', '.join(HESSIAN_WEIGHTINGS)}."
         )
 
+    ckpt = open_checkpoint(model)  # a bad checkpoint is refused before the directory is touched
+    if ckpt.config_only:
+        raise UserError(f"{model} has no weights (config only); calibration needs a full checkpoint.")
     with output_lock(output, "calibrate"):  # one writer per directory, before anything is read or written
-        return _calibrate(model, output, settings, overwrite, tokenizer, progress, samples)
+        return _calibrate(ckpt, output, settings, overwrite, tokenizer, progress, samples)
 
 
-def _calibrate(model, output, settings: CalibrationSettings, overwrite, tokenizer, progress, samples) -> Path:
+def _calibrate(ckpt, output, settings: CalibrationSettings, overwrite, tokenizer, progress, samples) -> Path:
     from moequant import parallel
 
     world = parallel.world()  # None: one process; else this rank collects its slice of every layer's experts
-    ckpt = open_checkpoint(model)
-    if ckpt.config_only:
-        raise UserError(f"{model} has no weights (config only); calibration needs a full checkpoint.")
     adapter = ckpt.adapter
     adapter.check_shapes(ckpt)
     settings = dataclasses.replace(settings, probe_algorithm=_probe_algorithm(settings, adapter))
@@ -596,7 +596,7 @@ def _calibration_samples(ckpt, adapter, settings: CalibrationSettings, tokenizer
     probe_ids = None  # the probe's own samples when they are held out from the statistics
     if samples is None:
         if tokenizer is None:
-            tokenizer = load_tokenizer(ckpt.directory)
+            tokenizer = ckpt.tokenizer
         n_probe = settings.probe_samples if adapter.moe_layers else 0
         samples, held_out = load_samples_with_holdout(
             settings.dataset,
@@ -893,17 +893,6 @@ def _progress(iterable, enabled, label, total, start):
     from rich.progress import track
 
     return track(iterable, description=label, total=total - start)
-
-
-def load_tokenizer(directory: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
-    except Exception as e:  # no tokenizer files, or unreadable ones
-        raise UserError(
-            f"cannot load a tokenizer from {directory} ({type(e).__name__}); the checkpoint needs tokenizer files."
-        ) from None
 
 
 # ----------------------------------------------------------------------------- plots

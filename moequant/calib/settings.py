@@ -1,7 +1,7 @@
 """Calibration's settings: the recipe's `calibration:` section (its one definition) and the settings a
 calibration run and the quantize pass read, whose defaults are that section's and the recipe's `gptq:`.
 
-`moequant.pipeline.apply.calibration_settings` builds the settings from a recipe; a library caller that
+`moequant.plan.calibration.calibration_settings` builds the settings from a recipe; a library caller that
 passes no recipe gets the recipe schema's defaults. The fields a recipe does not hold (device, batch
 size, the formats measured, what the probe measures: derived from the recipe by apply) have their own.
 """

@@ -52,7 +52,14 @@ from moequant import formats
 from moequant.arch import adapter_for
 from moequant.errors import UserError
 from moequant.formats import QuantizedTensor
-from moequant.io.checkpoint import EXPORT_INFO, ShardWriter, atomic_directory, copy_aux_files, open_checkpoint
+from moequant.io.checkpoint import (
+    EXPORT_INFO,
+    ShardWriter,
+    atomic_directory,
+    copy_aux_files,
+    model_dtype,
+    open_checkpoint,
+)
 from moequant.layouts import LAYOUTS
 from moequant.targets import TARGETS, Target, get_target
 
@@ -251,12 +258,6 @@ def write_unquantized(shards, ckpt, adapter, writer, name: str, plain: Mapping, 
         if name in ckpt.encodings:  # the source stored it quantized: kept tensors are written dense
             tensor = tensor.to(model_dtype(ckpt.config))
         shards.add(name, tensor)
-
-
-def model_dtype(config: dict) -> torch.dtype:
-    """The model's dense dtype from config.json (`dtype` / `torch_dtype`), bfloat16 when unsaid."""
-    name = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").replace("torch.", "")
-    return {"float16": torch.float16, "float32": torch.float32}.get(name, torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -92,9 +92,8 @@ def evaluate_gguf(
     progress: a bar with the time left over the reference's windows, then a line for llama.cpp's run."""
     import torch
 
-    from moequant.calib.calibrate import load_tokenizer
     from moequant.calib.data import load_samples
-    from moequant.io.checkpoint import open_checkpoint
+    from moequant.io.checkpoint import load_tokenizer, open_checkpoint
     from moequant.io.loader import from_pretrained_complete
     from moequant.progress import StepProgress
 

@@ -204,7 +204,7 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
     """A checkpoint directory, a bare config.json, or `zoo:NAME` → a filesystem path."""
     s = str(spec)
     if s.startswith("zoo:"):
-        from moequant import zoo
+        from moequant.io import zoo
 
         return Path(zoo.path(s[4:]))
     p = Path(s).expanduser()
@@ -322,6 +322,19 @@ class Checkpoint:
         from moequant.arch import adapter_for
 
         return adapter_for(self.config)
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The checkpoint's tokenizer, loaded on first use and kept (calibration, the quantize pass and the
+        evaluation of one run read it here; UserError when the checkpoint has no tokenizer files)."""
+        return load_tokenizer(self.directory)
+
+    def kept_itemsize(self, name: str) -> int:
+        """Bytes per element of a kept (unquantized) copy of `name` as the export writes it: its stored
+        dtype, or the model's dense dtype where the source stores it quantized (layouts._write_shards)."""
+        if name in self.encodings:
+            return model_dtype(self.config).itemsize
+        return DTYPE_SIZES.get(self.dtype(name), 2)
 
     @property
     def directory(self) -> Path:
@@ -701,3 +714,21 @@ def copy_aux_files(source: Path, destination: Path) -> None:
         src = Path(source) / name
         if src.is_file():
             shutil.copyfile(_confined(Path(source), name, "file"), Path(destination) / name)
+
+
+def load_tokenizer(directory: Path):
+    """The tokenizer in `directory` (transformers' AutoTokenizer, no remote code); UserError without one."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
+    except Exception as e:  # no tokenizer files, or unreadable ones
+        raise UserError(
+            f"cannot load a tokenizer from {directory} ({type(e).__name__}); the checkpoint needs tokenizer files."
+        ) from None
+
+
+def model_dtype(config: dict) -> torch.dtype:
+    """The model's dense dtype from config.json (`dtype` / `torch_dtype`), bfloat16 when unsaid."""
+    name = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").replace("torch.", "")
+    return {"float16": torch.float16, "float32": torch.float32}.get(name, torch.bfloat16)

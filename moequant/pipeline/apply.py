@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from moequant import parallel
-from moequant.calib.calibrate import CalibrationSettings, calibrate, load_tokenizer, model_fingerprint
+from moequant.calib.calibrate import CalibrationSettings, calibrate, model_fingerprint
 from moequant.errors import UserError
 from moequant.io.checkpoint import atomic_write_text, is_disk_full, open_checkpoint
 from moequant.io.fingerprint import (
@@ -41,11 +41,11 @@ from moequant.io.run_lock import output_lock
 from moequant.layouts import layout_for
 from moequant.pipeline.precheck import check_recipe, check_run
 from moequant.pipeline.run import Run, hold_lock, open_run
+from moequant.plan.calibration import calibration_settings
 from moequant.plan.plan_io import plan_to_dict, read_plan, write_plan
 from moequant.plan.policy import make_plan
-from moequant.plan.recipe import Recipe, load_recipe, recipe_to_dict, resolve_format
+from moequant.plan.recipe import Recipe, load_recipe, recipe_to_dict
 from moequant.plan.rules import needs_statistics
-from moequant.targets import get_target
 
 
 def run_fingerprint(recipe, ckpt, settings, plan) -> str:
@@ -68,87 +68,6 @@ def export_arguments(recipe: Recipe) -> dict:
         "gguf_float": recipe.export.gguf_float,
         "gguf_types": recipe.export.gguf_types,
     }
-
-
-def sensitivity_formats(recipe: Recipe) -> tuple[str, ...]:
-    """Every format key the plan may give a routed expert, so calibration measures each."""
-    entries = list(recipe.experts.formats)
-    if recipe.experts.format:
-        entries.append(recipe.experts.format)
-    for rule in recipe.experts.rules or []:
-        entries.append(rule.format)
-    keys = []
-    for entry in entries:
-        spec = resolve_format(recipe, entry)
-        if spec.quantized and spec.key not in keys:
-            keys.append(spec.key)
-    return tuple(keys)
-
-
-def calibration_settings(
-    recipe: Recipe, device: str = "cpu", formats: tuple[str, ...] | None = None, ckpt=None
-) -> CalibrationSettings:
-    c = recipe.calibration
-    formats = formats or sensitivity_formats(recipe)
-    adapter = open_checkpoint(ckpt or recipe.model).adapter
-    # the probe scales a budget's predicted losses; plans without a budget never read it. Its cost
-    # grows with layers² (one stream per probed layer), so past PROBE_MAX_EXPERT_PARAMS routed-expert
-    # parameters it runs only when the recipe asks for it by name
-    probe_samples = c.probe_samples if recipe.experts.method == "budget" else 0
-    if (
-        probe_samples
-        and "probe_samples" not in c.model_fields_set
-        and _routed_params(adapter) > PROBE_MAX_EXPERT_PARAMS
-    ):
-        probe_samples = 0
-    return CalibrationSettings(
-        dataset=c.dataset,
-        samples=c.samples,
-        seq_len=c.seq_len,
-        seed=recipe.seed,
-        all_experts=c.all_experts,
-        formats=formats,
-        device=device,
-        probe_samples=probe_samples,
-        probe_algorithm=probe_algorithm(recipe, formats, adapter) if probe_samples else "rtn",
-        compute_dtype=c.compute_dtype,
-        tensor_formats=tensor_formats(recipe),
-        hessian_weighting=c.hessian_weighting,
-        gptq=recipe.gptq,
-        probe_projections=bool(probe_samples) and get_target(recipe.target).granularity == "layer_proj",
-    )
-
-
-def tensor_formats(recipe: Recipe) -> tuple[str, ...]:
-    """The format keys the budget may give non-expert tensors (calibration's per-tensor probe measures each)."""
-    if recipe.experts.method != "budget":
-        return ()
-    keys = []
-    for entry in recipe.non_experts.formats:
-        spec = resolve_format(recipe, entry)
-        if spec.quantized and spec.key not in keys:
-            keys.append(spec.key)
-    return tuple(keys)
-
-
-PROBE_MAX_EXPERT_PARAMS = 2 * 10**9  # the default probe's limit (routed-expert parameters)
-
-
-def _routed_params(adapter) -> int:
-    shape = [adapter.expert_shape(p) for p in adapter.projections]
-    return len(adapter.moe_layers) * adapter.num_experts * sum(o * i for o, i in shape)
-
-
-def probe_algorithm(recipe: Recipe, format_keys, adapter) -> str:
-    """The recipe's probe algorithm; `auto` is the registered algorithm the quantize pass will give the
-    probe's format, as the probe measures it (gptq where the recipe says gptq, else rtn: the probe runs no AWQ)."""
-    chosen = recipe.calibration.probe_algorithm
-    if chosen != "auto":
-        return chosen
-    from moequant.calib.probe import auto_probe_algorithm
-
-    shapes = [tuple(adapter.expert_shape(p)) for p in adapter.projections]
-    return auto_probe_algorithm(format_keys, shapes, recipe.algorithm_for)
 
 
 def resolve_recipe(recipe_path, model=None, output=None, overrides=()) -> Recipe:
@@ -231,11 +150,11 @@ def _apply(run: Run) -> Path:
     world = parallel.world()
     ranks = world.size if world is not None else 1
     timings: dict[str, float] = {}
-    tokenizer = load_tokenizer(run.source.directory)
+    reads_statistics = needs_statistics(run.recipe)
     settings = calibration_settings(run.recipe, run.device, ckpt=run.source)
 
     t0 = time.perf_counter()
-    stats_dir = _calibration_stage(run, settings, tokenizer)
+    stats_dir = calibrate_stage(run, settings) if reads_statistics else _no_calibration(run)
     timings["calibrate"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -257,11 +176,9 @@ def _apply(run: Run) -> Path:
     return out / "report.html"
 
 
-def _calibration_stage(run: Run, settings: CalibrationSettings, tokenizer) -> Path | None:
-    """OUTPUT/stats (calibrate_stage), or None when the plan reads no statistics."""
-    if needs_statistics(run.recipe):
-        return calibrate_stage(run, settings, tokenizer)
-    # the plan reads no statistics; GPTQ / AWQ collect their inputs in the quantize pass and the
+def _no_calibration(run: Run) -> None:
+    """The calibration stage of a plan that reads no statistics: none (OUTPUT/stats of an earlier run removed)."""
+    # GPTQ / AWQ collect their inputs in the quantize pass and the
     # report's routing shares come from the evaluation tokens
     if not parallel.is_helper_rank():
         shutil.rmtree(run.directory / "stats", ignore_errors=True)  # never report another run's statistics
@@ -269,13 +186,13 @@ def _calibration_stage(run: Run, settings: CalibrationSettings, tokenizer) -> Pa
     return None
 
 
-def calibrate_stage(run: Run, settings: CalibrationSettings, tokenizer) -> Path:
+def calibrate_stage(run: Run, settings: CalibrationSettings) -> Path:
     """The calibration statistics of `settings` in OUTPUT/stats, reused when a run of the same model, data and
     settings left them (`apply`'s stage, and `pareto`'s one calibration). Returns the directory."""
     stats_dir = run.directory / "stats"
     summary = stats_dir / "summary.json"
     before = summary.stat().st_mtime_ns if summary.exists() else None
-    calibrate(run.source, stats_dir, settings, overwrite=True, tokenizer=tokenizer, progress=run.progress)
+    calibrate(run.source, stats_dir, settings, overwrite=True, progress=run.progress)
     reused = before is not None and summary.stat().st_mtime_ns == before  # calibrate leaves equal statistics alone
     run.log(f"calibration statistics: {stats_dir}" + (" (reused)" if reused else ""))
     return stats_dir

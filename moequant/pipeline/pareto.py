@@ -428,7 +428,6 @@ def _calibrate_once(run, uniform):
     """The statistics every run reads, in OUTPUT/stats (apply's calibrate_stage): every format any run
     may give a routed expert has its sensitivity measured. Returns (calibration settings, the statistics
     directory)."""
-    from moequant.calib.calibrate import load_tokenizer
     from moequant.pipeline.apply import calibrate_stage, calibration_settings
     from moequant.plan.recipe import resolve_format
 
@@ -439,7 +438,7 @@ def _calibrate_once(run, uniform):
         if spec.quantized and spec.key not in keys:
             keys.append(spec.key)
     settings = calibration_settings(recipe, run.device, formats=tuple(keys), ckpt=run.source)
-    return settings, calibrate_stage(run, settings, load_tokenizer(run.source.directory))
+    return settings, calibrate_stage(run, settings)
 
 
 def _plan_runs(recipe, ckpt, stats_dir: Path, uniform_variants, resolved, targets, log):

@@ -33,27 +33,18 @@ def plan_formats(recipe) -> list:
 def check_run(run) -> None:
     """What `apply` refuses before anything is written (a moequant.pipeline.run.Run): the recipe against the
     model's shapes (check_recipe; its notes are logged), a layer that cannot fit the GPU budget, a checkpoint
-    without tokenizer files, an algorithm that runs in one process only under torchrun."""
-    from moequant import parallel
-    from moequant.algorithms.registry import algorithm
-    from moequant.calib.calibrate import load_tokenizer
-
+    without tokenizer files."""
     for note in check_recipe(run.recipe, run.source):
         run.log(f"note: {note}")
     check_memory(run.recipe, run.adapter, run.device)  # before any weight is read
-    load_tokenizer(run.source.directory)
-    used = {run.recipe.algorithm_for(spec.name) for spec in plan_formats(run.recipe) if spec.quantized}
-    one_process = sorted(a for a in used if algorithm(a).scales_layer)
-    if parallel.world_size() > 1 and one_process:
-        raise UserError(
-            f"algorithm {one_process[0]} runs in one process only (its shared gate/up scale is searched over all "
-            "of a layer's experts together); run it without torchrun, or use gptq or rtn."
-        )
+    run.source.tokenizer  # noqa: B018  (loaded now and kept: a checkpoint without tokenizer files is refused here)
 
 
 def check_recipe(recipe, ckpt) -> list[str]:
-    """Raise UserError for what shapes alone refuse in the open checkpoint `ckpt`; return the plan's notes
-    (e.g. a candidate not offered to some layers because it cannot hold their dimensions, and why)."""
+    """Raise UserError for what shapes alone refuse in the open checkpoint `ckpt`, and for an algorithm that
+    runs in one process only under torchrun; return the plan's notes (e.g. a candidate not offered to some
+    layers because it cannot hold their dimensions, and why)."""
+    from moequant import parallel
     from moequant.algorithms.registry import algorithm
     from moequant.layouts import layout_for, layout_refusal
     from moequant.plan.policy import check_plan
@@ -61,14 +52,9 @@ def check_recipe(recipe, ckpt) -> list[str]:
     from moequant.targets import get_target
 
     adapter = ckpt.adapter
-    scaling = [a for a in recipe.algorithms.values() if algorithm(a).scales_layer]
-    if adapter.fused_experts and scaling:
-        raise UserError(
-            f"algorithms: {scaling[0]} is not supported for {adapter.model_type} (fused experts whose activation "
-            "clamps up_proj, so the down_proj scale cannot be folded exactly); accepted there: gptq or rtn."
-        )
     layout = layout_for(recipe.export.format).name
-    for spec in plan_formats(recipe):
+    specs = plan_formats(recipe)
+    for spec in specs:
         if recipe.experts.method == "budget" and get_target(recipe.target).refuses(spec, routed=True):
             continue  # the plan drops it for the target and says so
         why = layout_refusal(layout, spec, recipe.target, adapter)
@@ -84,7 +70,22 @@ def check_recipe(recipe, ckpt) -> list[str]:
             f"export.format {recipe.export.format}: {why}; set non_experts.format to one it holds "
             f"(bf16 always works) or choose another export.format."
         )
-    return check_plan(recipe, ckpt)
+    notes = check_plan(recipe, ckpt)
+    # what the algorithms refuse, for this model and under torchrun (last: the plan's checks say more)
+    used = {recipe.algorithm_for(spec.name) for spec in specs if spec.quantized}
+    scaling = [a for a in recipe.algorithms.values() if algorithm(a).scales_layer]
+    if adapter.fused_experts and scaling:
+        raise UserError(
+            f"algorithms: {scaling[0]} is not supported for {adapter.model_type} (fused experts whose activation "
+            "clamps up_proj, so the down_proj scale cannot be folded exactly); accepted there: gptq or rtn."
+        )
+    one_process = sorted(a for a in used if algorithm(a).scales_layer)
+    if parallel.world_size() > 1 and one_process:
+        raise UserError(
+            f"algorithm {one_process[0]} runs in one process only (its shared gate/up scale is searched over all "
+            "of a layer's experts together); run it without torchrun, or use gptq or rtn."
+        )
+    return notes
 
 
 def unfit_notes(model, format_keys) -> list[str]:

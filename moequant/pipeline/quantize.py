@@ -61,7 +61,6 @@ from moequant.calib.calibrate import (
     LayerCollector,
     collect_moe_stats,
     load_carried,
-    load_tokenizer,
     save_atomic,
     save_carried,
 )
@@ -899,7 +898,7 @@ def _calibration_input_ids(ckpt, settings: CalibrationSettings, samples) -> torc
     from moequant.calib.data import load_samples
 
     if samples is None:
-        tokenizer = load_tokenizer(ckpt.directory)
+        tokenizer = ckpt.tokenizer
         samples = load_samples(
             settings.dataset,
             tokenizer,

@@ -1,7 +1,8 @@
 """One run of the pipeline, opened once and handed through the stages.
 
 `apply` opens a Run: the recipe's source checkpoint (config.json and every safetensors header read once;
-its architecture adapter built once and kept on the Checkpoint), the device and the output directory.
+its architecture adapter and its tokenizer built once and kept on the Checkpoint), the device and the
+output directory.
 It checks the recipe against it, takes the directory's lock (`hold_lock`) and hands the Run to
 calibration, the plan, the quantize pass and export, the evaluation and the report; the exported
 checkpoint is opened once, after the export, as `Run.output` for the evaluation and the report.

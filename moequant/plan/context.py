@@ -85,22 +85,8 @@ def tensors_from_checkpoint(ckpt, adapter=None) -> list[TensorInfo]:
                         TensorInfo(name, "routed_expert", role.layer, expert, proj, tuple(adapter.expert_shape(proj)))
                     )
         else:
-            out.append(
-                TensorInfo(name, role.role, role.layer, role.expert, role.proj, shape, _kept_element_size(ckpt, name))
-            )
+            out.append(TensorInfo(name, role.role, role.layer, role.expert, role.proj, shape, ckpt.kept_itemsize(name)))
     return out
-
-
-def _kept_element_size(ckpt, name: str) -> int:
-    """Bytes per element the export writes a kept copy of `name` in: its stored dtype, or the model's
-    dense dtype where the source stores it quantized (layouts._write_shards)."""
-    if name in ckpt.encodings:
-        from moequant.export.layouts import model_dtype
-
-        return model_dtype(ckpt.config).itemsize
-    from moequant.io.checkpoint import DTYPE_SIZES
-
-    return DTYPE_SIZES.get(ckpt.dtype(name), 2)
 
 
 def loaded_stats(stats):
@@ -163,6 +149,11 @@ class PlanContext:
         self.model_type = self.config.get("model_type")
         self.formats = _formats()
         self.layout = _layout_for(recipe.export.format)
+        # what the export layout does to this model's tensors whatever the recipe says, asked once: the
+        # non-expert tensors it writes unquantized (name -> why) and the tensors it adds (name, role, source)
+        names = {t.name for t in tensors}
+        self.layout_kept = {n: why for n in names if (why := self.layout.kept_reason(self.model_type, n))}
+        self.layout_copies = [c for c in self.layout.copied_tensors(names) if c[2] in names]
         self.experts: dict[tuple[int, int], list[TensorInfo]] = defaultdict(list)
         for t in tensors:
             if t.is_routed_weight:

@@ -117,7 +117,7 @@ def _non_expert_plans(ctx: PlanContext, recipe: Recipe, tensors: list[TensorInfo
     for t in tensors:
         if t.is_routed_weight:
             continue
-        why = non_expert_kept_reason(recipe, t) or ctx.layout.kept_reason(ctx.model_type, t.name)
+        why = non_expert_kept_reason(recipe, t) or ctx.layout_kept.get(t.name)
         spec = bf16 if why else non_expert_spec
         if not spec.quantized and not why:
             why = "non_experts.format is bf16"
@@ -138,9 +138,7 @@ def _copied_tensors(ctx: PlanContext, tensors: list[TensorInfo]) -> list[TensorP
     by_name = {t.name: t for t in tensors}
     bf16 = _formats().get_format("bf16")
     out = []
-    for name, role, source in ctx.layout.copied_tensors(by_name):
-        if source not in by_name:
-            continue  # nothing to copy in this tensor list
+    for name, role, source in ctx.layout_copies:
         t = dataclasses.replace(by_name[source], name=name, role=role)
         kept = f"the {ctx.layout.name} export writes {source} again as {name}"
         out.append(_row(t, bf16, ctx.recipe, ctx.nbytes(bf16, t), kept=kept))

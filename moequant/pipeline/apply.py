@@ -177,9 +177,8 @@ def _apply(run: Run) -> Path:
 
 
 def _no_calibration(run: Run) -> None:
-    """The calibration stage of a plan that reads no statistics: none (OUTPUT/stats of an earlier run removed)."""
-    # GPTQ / AWQ collect their inputs in the quantize pass and the
-    # report's routing shares come from the evaluation tokens
+    """The calibration stage of a plan that reads no statistics: none, and OUTPUT/stats of an earlier run removed
+    (GPTQ / AWQ collect their inputs in the quantize pass; the report's routing shares come from the evaluation)."""
     if not parallel.is_helper_rank():
         shutil.rmtree(run.directory / "stats", ignore_errors=True)  # never report another run's statistics
     run.log("calibration: not needed by this recipe (its plan reads no statistics)")

@@ -12,29 +12,19 @@ from moequant.targets import get_target
 
 def sensitivity_formats(recipe: Recipe) -> tuple[str, ...]:
     """Every format key the plan may give a routed expert, so calibration measures each."""
-    entries = list(recipe.experts.formats)
-    if recipe.experts.format:
-        entries.append(recipe.experts.format)
-    for rule in recipe.experts.rules or []:
-        entries.append(rule.format)
-    keys = []
-    for entry in entries:
-        spec = resolve_format(recipe, entry)
-        if spec.quantized and spec.key not in keys:
-            keys.append(spec.key)
-    return tuple(keys)
+    entries = [*recipe.experts.formats, *([recipe.experts.format] if recipe.experts.format else [])]
+    return _quantized_keys(recipe, entries + [rule.format for rule in recipe.experts.rules or []])
 
 
 def tensor_formats(recipe: Recipe) -> tuple[str, ...]:
     """The format keys the budget may give non-expert tensors (calibration's per-tensor probe measures each)."""
-    if recipe.experts.method != "budget":
-        return ()
-    keys = []
-    for entry in recipe.non_experts.formats:
-        spec = resolve_format(recipe, entry)
-        if spec.quantized and spec.key not in keys:
-            keys.append(spec.key)
-    return tuple(keys)
+    return _quantized_keys(recipe, recipe.non_experts.formats) if recipe.experts.method == "budget" else ()
+
+
+def _quantized_keys(recipe: Recipe, entries) -> tuple[str, ...]:
+    """The keys of the quantized formats among a recipe's format entries, each once, in order."""
+    keys = [spec.key for spec in (resolve_format(recipe, entry) for entry in entries) if spec.quantized]
+    return tuple(dict.fromkeys(keys))
 
 
 def calibration_settings(

@@ -152,7 +152,11 @@ class PlanContext:
         # what the export layout does to this model's tensors whatever the recipe says, asked once: the
         # non-expert tensors it writes unquantized (name -> why) and the tensors it adds (name, role, source)
         names = {t.name for t in tensors}
-        self.layout_kept = {n: why for n in names if (why := self.layout.kept_reason(self.model_type, n))}
+        self.layout_kept = {
+            t.name: why
+            for t in tensors
+            if not t.is_routed_weight and (why := self.layout.kept_reason(self.model_type, t.name))
+        }
         self.layout_copies = [c for c in self.layout.copied_tensors(names) if c[2] in names]
         self.experts: dict[tuple[int, int], list[TensorInfo]] = defaultdict(list)
         for t in tensors:

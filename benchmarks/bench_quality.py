@@ -22,7 +22,10 @@ experts are written into a copy of the float32 model:
   GGUF of the model (read back from its output).
 
 bits = stored bits per routed-expert weight (codes, scales, zero points / block bytes). Prints a
-table and writes runs/bench_quality/results.json. Prints numbers; asserts nothing.
+table and writes runs/bench_quality/results.json (with every variant's mean KL per evaluation
+window). The ratios to llama.cpp's rows come with a 95% range: the evaluation windows resampled with
+replacement, the same windows for both variants (paired bootstrap), i.e. how far the ratio moves with
+the evaluation text at this many windows. Prints numbers; asserts nothing.
 
 Dated results, each with its command: benchmarks/RESULTS.md, section bench_quality.py.
 """
@@ -35,6 +38,8 @@ import json
 import os
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 # (format, algorithm, grid, Hessian weighting): the grids alone (RTN), GPTQ on each grid, the
@@ -82,6 +87,7 @@ def main(argv=None) -> int:
     from moequant.formats.ggml import dequantize_tensor
     from moequant.io.checkpoint import load_tokenizer, open_checkpoint
     from moequant.io.loader import from_pretrained_complete
+    from moequant.metrics import token_statistics
     from moequant.zoo import path as zoo_path
 
     p = argparse.ArgumentParser()
@@ -161,6 +167,19 @@ def main(argv=None) -> int:
             )
             stats[wt] = load_stats(calibrate(str(src), out / f"stats-{wt}", settings, overwrite=True, progress=False))
 
+        with torch.no_grad():  # the float model's logits per window, for each variant's per-window KL
+            ref_logits = [ref(input_ids=w.input_ids[None]).logits[0] for w in windows]
+        window_kl = {}  # label -> mean KL of every window (the paired bootstrap of the ratios)
+
+        def window_kls(q_model) -> np.ndarray:
+            with torch.no_grad():
+                return np.array(
+                    [
+                        float(token_statistics(r, q_model(input_ids=w.input_ids[None]).logits[0])[0].mean())
+                        for r, w in zip(ref_logits, windows)
+                    ]
+                )
+
         def kl_of(deq: dict, label: str, nbytes: dict, scope, bits=None) -> dict:
             """KL of the model whose `scope` projections are `deq`'s (the others original)."""
             deq = {k: (v if k[1] in scope else original[k]) for k, v in deq.items()}
@@ -171,6 +190,7 @@ def main(argv=None) -> int:
                     ex.gate_up_proj.copy_(torch.cat([deq[(L, "gate")], deq[(L, "up")]], dim=1))
                     ex.down_proj.copy_(deq[(L, "down")])
             q = evaluate(ref, q_model, windows, per_expert=False)
+            window_kl[label] = window_kls(q_model)
             if bits is None:
                 stored = sum(b for k, b in nbytes.items() if k[1] in scope)
                 bits = 8 * stored / sum(w.numel() for k, w in original.items() if k[1] in scope)
@@ -290,14 +310,17 @@ def main(argv=None) -> int:
                     continue  # a plan's budget covers every routed projection
                 types = "" if used is None else " (%s)" % "/".join(sorted(set().union(*(used[p] for p in scope))))
                 rows[label] = kl_of(deq, label + types, nbytes, scope, bits=plans.get(label))
+                rows[label]["window_kl"] = window_kl.pop(label + types).tolist()
             for base_label in ("llama.cpp Q4_K", "llama.cpp Q4_K + our imatrix", Q4_K_45):
                 if base_label not in rows:
                     continue  # --no-llama
                 base = rows[base_label]["kl_mean"]
                 print(
-                    f"  KL / {base_label}'s ({rows[base_label]['bits']:.2f} bits), moequant at <= 4.5 bits: "
+                    f"  KL / {base_label}'s ({rows[base_label]['bits']:.2f} bits), moequant at <= 4.5 bits "
+                    "[95% range over the evaluation windows, paired bootstrap]: "
                     + ", ".join(
-                        f"{k}: {v['kl_mean'] / base:.3f}"
+                        f"{k}: {v['kl_mean'] / base:.3f} [%.3f, %.3f]"
+                        % ratio_range(v["window_kl"], rows[base_label]["window_kl"])
                         for k, v in rows.items()
                         if v["bits"] <= 4.5 + 1e-9 and not k.startswith("llama")
                     )
@@ -307,6 +330,16 @@ def main(argv=None) -> int:
             Path(args.output).mkdir(parents=True, exist_ok=True)
             (Path(args.output) / "results.json").write_text(json.dumps(results, indent=2))
     return 0
+
+
+def ratio_range(a, b, draws: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """2.5 and 97.5 percentiles of sum(a) / sum(b) over the evaluation windows resampled with
+    replacement, the same windows for both (paired): how far the ratio of two variants' mean KLs moves
+    with the evaluation text, at this many windows."""
+    a, b = np.asarray(a), np.asarray(b)
+    idx = np.random.default_rng(seed).integers(0, len(a), (draws, len(a)))
+    r = a[idx].sum(1) / b[idx].sum(1)
+    return float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))
 
 
 # GPTQ levers of a uniform variant, ALGORITHM:KEY=VALUE:... (e.g. gptq+refit:damp=0.001:order=off):

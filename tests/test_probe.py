@@ -359,3 +359,102 @@ def test_tensor_probe_shows_a_bar_with_the_time_left(tiny_dirs, tmp_path, capsys
     shown = capsys.readouterr().out
     steps = 2 * adapter.num_layers  # one walk for the decoder layers' tensors, one for lm_head
     assert re.search(rf"probing \d+ tensor formats .* {steps}/{steps} .*0:00:00", shown), shown
+
+
+def test_probe_every_format_measures_each_format_as_the_whole_model(tiny_dirs, tmp_path):
+    """`probe_every_format`: each quantized format of the menu that holds the experts gets the probe's
+    shares too, each equal to transformers' whole model with the routed experts round-to-nearest in
+    that format (one layer, every layer, every layer but one), KL in float64; the probe format's own
+    entry is the layer's main entry."""
+    d = tiny_dirs["qwen2_moe"]
+    samples = make_samples()
+    out = calibrate(str(d), tmp_path / "stats", settings(probe_every_format=True), samples=samples, progress=False)
+    probe = json.loads((out / "probe.json").read_text())
+    plain = calibrate(str(d), tmp_path / "plain", settings(), samples=samples, progress=False)
+    assert load_stats(plain).summary["fingerprint"] != load_stats(out).summary["fingerprint"]
+    one = json.loads((plain / "probe.json").read_text())
+    assert "kl_all_formats" not in one and all("formats" not in e for e in one["layers"].values())
+    ids = torch.stack([s.input_ids for s in samples])
+    ref = logits_of(d, ids)
+    original = load_file(str(d / "model.safetensors"))
+    layers = sorted(map(int, probe["layers"]))
+    assert set(probe["kl_all_formats"]) == set(FORMATS)  # every menu format holds these experts
+    stats = load_stats(out)
+
+    def kl_with(key, quantized_layers) -> float:
+        spec = formats.parse_key(key)
+        copy = tmp_path / (key + "_" + "_".join(map(str, quantized_layers)))
+        shutil.copytree(d, copy)
+        tensors = dict(original)
+        for name, w in original.items():
+            m = re.match(r"model\.layers\.(\d+)\.\w+\.experts\.\d+\.\w+\.weight$", name)
+            if m and int(m.group(1)) in quantized_layers:
+                tensors[name] = formats.quantize(w.float(), spec).dequantize(torch.float32)
+        save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+        return kl_mean(ref, logits_of(copy, ids))
+
+    close = lambda x: pytest.approx(x, rel=1e-4, abs=0)
+    for key in FORMATS:
+        kl_all = kl_with(key, layers)
+        assert probe["kl_all_formats"][key] == close(kl_all)
+        for L in layers:
+            entry = probe["layers"][str(L)]
+            measured = entry["formats"][key]
+            alone, all_but = kl_with(key, [L]), kl_with(key, [M for M in layers if M != L])
+            assert measured["kl_alone"] == close(alone)
+            assert measured["kl_all_but_this"] == close(all_but)
+            assert measured["kl"] == pytest.approx((alone + max(kl_all - all_but, 0.0)) / 2, rel=1e-3)
+            ls = stats.layers[L]
+            counts = ls.routed_count.double().numpy()
+            usage = np.maximum(counts / ls.tokens, 0.05 * ls.top_k / counts.size)
+            sens = sum(ls.sensitivity[p][key].double().numpy() for p in ("gate", "up", "down"))
+            assert measured["predicted_loss"] == pytest.approx(float(usage @ sens), rel=1e-12)
+            if key == entry["format"]:
+                assert {k: entry[k] for k in measured} == measured
+    # the formats' KLs are ordered by their bits: the measurement is per format, not one format copied
+    kls = probe["kl_all_formats"]
+    assert kls["int8-channel"] < kls["int4-g32-sym"] < kls["int2-g32-asym"]
+
+
+def test_per_format_probe_shares_replace_the_probe_formats_scale():
+    """Where the probe measured every format, a layer's loss in a format is its measured share in
+    that format: here int8 barely helps layer 0 (0.02 -> 0.019) and nearly removes layer 1's KL
+    (0.005 -> 0.0001), so the one int8 layer the budget allows goes to layer 1; with the int4
+    probe's scale carried to int8 by the sensitivities' ratio (1/50) it went to layer 0."""
+    stats = hand_stats({0: 0.02, 1: 0.005})
+    assert layer_formats(make_plan(half_way(), tensors(), stats)) == {0: "int8-channel", 1: "int4-g32-sym"}
+    measured = {0: {"int4-g32-sym": 0.02, "int8-channel": 0.019}, 1: {"int4-g32-sym": 0.005, "int8-channel": 0.0001}}
+    for L, kls in measured.items():
+        stats.probe["layers"][str(L)]["formats"] = {k: {"kl": kl} for k, kl in kls.items()}
+    plan = make_plan(half_way(), tensors(), stats)
+    assert layer_formats(plan) == {0: "int4-g32-sym", 1: "int8-channel"}
+    assert plan.summary["probe"]["layers"]["1"]["formats"] == measured[1]
+    # a one-layer plan in a measured format predicts exactly that measurement
+    for L in (0, 1):
+        for key, fmt in (("int4-g32-sym", "int4"), ("int8-channel", "int8")):
+            rules = recipe(
+                {"method": "rules", "rules": [{"layers": L, "format": fmt}, {"format": "bf16"}]}, target="transformers"
+            )
+            assert make_plan(rules, tensors(), stats).summary["predicted_loss"] == pytest.approx(
+                measured[L][key], rel=1e-12
+            )
+
+
+def test_recipe_key_probe_every_format_reaches_calibration_only_with_a_probe():
+    from moequant.plan.calibration import calibration_settings
+
+    def settings_for(method="budget", **calibration):
+        experts = {"method": "budget", "formats": ["int8", "int4"], "budget": {"bits_per_weight": 5.0}}
+        if method != "budget":
+            experts = {"method": "uniform", "format": "int4"}
+        r = recipe_from_dict({"calibration": {"probe_samples": 4, **calibration}, "experts": experts}, "t.yaml")
+        return calibration_settings(r)
+
+    every = settings_for(probe_every_format=True)
+    assert every.probe_every_format and every.fingerprint_fields()["probe_every_format"] is True
+    default = settings_for()
+    assert not default.probe_every_format and "probe_every_format" not in default.fingerprint_fields()
+    # without a budget there is no probe, so nothing to measure per format
+    assert not settings_for("uniform", probe_every_format=True).probe_every_format
+    with pytest.raises(Exception, match="probe_every_format"):
+        settings_for(probe_every_format="sometimes")

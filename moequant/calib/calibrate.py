@@ -692,7 +692,6 @@ def _run_probes(ckpt, adapter, output: Path, settings: CalibrationSettings, inpu
             min_tokens=settings.min_tokens,
             options=settings.algorithm_options,
             projections=settings.probe_projections,
-            every_format=settings.probe_every_format,
             progress=progress,
         )
         write_probe(output, {**probe, "held_out": held_out})

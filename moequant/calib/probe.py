@@ -46,14 +46,6 @@ scale is meant for the regime where the budget decisions of every target happen 
 8-bit experts) and where KL and the predicted loss are both second order in the weight error;
 a 2- or 3-bit probe perturbs tiny models so much that the KL leaves that regime.
 
-Every format (`every_format=True`, recipe `calibration.probe_every_format`): the same shares measured
-with the layer in each quantized format of the menu, so a plan's loss of layer L in format f is its
-measured share in f (plan.context._probe_scales), not the probe format's share carried to f by the
-ratio of calibration's round-to-nearest errors. That ratio is not GPTQ's: on tiny-deepseek-v3 (256 x 256
-calibration, GPTQ, 32 held-out probe samples) layer 3 in int4-g64-sym predicts 4% more loss than in
-int4-g128-asym, the probe measures 2% less (0.00399 vs 0.00409), and the plan with int4-g64-sym there
-has 2% less KL on the evaluation tokens (bench_quality 2026-12-05). It costs one more walk per format.
-
 Algorithm: the registered algorithm (moequant.algorithms.registry) the quantize pass will give the
 probe format, as that algorithm's `probe` says (recipe `probe_algorithm: auto`: GPTQ with the
 calibration Hessians where the recipe uses GPTQ, else RTN), or forced rtn / gptq; the same entry's
@@ -70,11 +62,8 @@ probe.json (schema "moequant.calib.probe/1"), in the statistics directory:
  "held_out": bool, "kl_all": float,
  "layers": {"L": {"format": key, "kl": float, "kl_alone": float, "kl_all_but_this": float,
                   "restore_gain": float, "predicted_loss": float, "scale": float | null,
-                  "projections": {proj: {"kl_alone": float, "predicted_loss": float}},  (projections=True)
-                  "formats": {key: {"kl", "kl_alone", "kl_all_but_this", "restore_gain",
-                                    "predicted_loss", "scale"}}  (every_format=True)
-                  }},
- "kl_all_formats": {key: float}  (every_format=True)}
+                  "projections": {proj: {"kl_alone": float, "predicted_loss": float}}  (projections=True)
+                  }}}
 scale is null when the predicted loss is 0 (nothing to scale).
 """
 
@@ -105,15 +94,6 @@ def probe_indices(num_samples: int, probe_samples: int) -> list[int]:
 
 def choose_probe_format(format_keys, shapes) -> str | None:
     """The cheapest format with >= 4 bits per weight that holds every shape (else the cheapest)."""
-    fits = _fitting_formats(format_keys, shapes)
-    if not fits:
-        return None
-    at_least_4 = [f for f in fits if f[0] >= 4.0]
-    return min(at_least_4 or fits)[1]
-
-
-def _fitting_formats(format_keys, shapes) -> list[tuple[float, str]]:
-    """(bits per weight, key) of every quantized format that holds every shape."""
     from moequant import formats
     from moequant.errors import UserError
 
@@ -127,7 +107,10 @@ def _fitting_formats(format_keys, shapes) -> list[tuple[float, str]]:
         except UserError:
             continue
         fits.append((bits, key))
-    return fits
+    if not fits:
+        return None
+    at_least_4 = [f for f in fits if f[0] >= 4.0]
+    return min(at_least_4 or fits)[1]
 
 
 def predicted_layer_loss(
@@ -280,14 +263,12 @@ def run_probe(
     min_tokens: int = 64,
     options: dict | None = None,
     projections: bool = False,
-    every_format: bool = False,
     progress: bool = False,
 ) -> dict:
     """Probe every MoE layer on `input_ids` [n, seq]; needs the layers' statistics files in
     `stats_dir` (sensitivities, routing counts). `algorithm`: a registered one the probe runs
     (`probe_algorithm_for`), with `options` ({algorithm name: options}, the recipe's sections).
-    `projections`: also each projection alone. `every_format`: also every other quantized format of
-    `format_keys` that holds the experts (each layer's share per format).
+    `projections`: also each projection alone.
     Returns probe.json's dict (not written)."""
     from moequant.io.layers import LayerRunner
 
@@ -310,39 +291,31 @@ def run_probe(
             "layers": {},
         }
     algorithm = probe_algorithm_for(algorithm, hessians)
+    quantized = lambda L: _probed_experts(
+        adapter, checkpoint, L, probe_key, algorithm, stats_dir, min_tokens, runner.dtype, device, options
+    )
     stream_bytes = tokens * adapter.hidden * torch.finfo(runner.dtype).bits // 8
     split = tuple(adapter.projections) if projections else ()
     # live streams: original, everything quantized, two (and one per split projection) of every
     # probed layer, two layer inputs
     per_walk = max(1, (int(max_stream_bytes // max(stream_bytes, 1)) - 4) // (2 + len(split)))
     chunks = [moe[i : i + per_walk] for i in range(0, len(moe), per_walk)]
-
-    def measure(key: str, split: tuple) -> tuple[dict, dict, float]:
-        """(summed KL of each probed layer / (layer, projection) alone, of every layer but each, of all)
-        with the routed experts in `key`."""
-        quantized = lambda L: _probed_experts(
-            adapter, checkpoint, L, key, algorithm, stats_dir, min_tokens, runner.dtype, device, options
-        )
-        kl_alone: dict = {}  # probed layer, or (layer, projection) -> summed KL
-        kl_restored: dict[int, float] = {}
-        for chunk in chunks:
-            alone, restored, kl_everything = _walk(runner, adapter, head, chunk, set(moe), quantized, split, progress)
-            kl_alone.update(alone)
-            kl_restored.update(restored)
-        return kl_alone, kl_restored, kl_everything
-
-    others = [k for _, k in sorted(_fitting_formats(format_keys, shapes)) if k != probe_key] if every_format else []
-    measured = {key: measure(key, split if key == probe_key else ()) for key in [probe_key, *others]}
-    kl_all = {key: m[2] / tokens for key, m in measured.items()}
-
-    def share(L: int, key: str, sens, count, layer_tokens) -> dict:
-        """Layer L's measured share of the KL with its routed experts in `key`, and the prediction it scales."""
-        alone, restored, _ = measured[key]
-        predicted = predicted_layer_loss(sens, count, layer_tokens, top_k, key, usage_floor)
-        alone_kl, restored_kl = alone[L] / tokens, restored[L] / tokens
-        gain = kl_all[key] - restored_kl
+    kl_alone: dict = {}  # probed layer, or (layer, projection) -> summed KL
+    kl_restored: dict[int, float] = {}
+    for chunk in chunks:
+        alone, restored, kl_everything = _walk(runner, adapter, head, chunk, set(moe), quantized, split, progress)
+        kl_alone.update(alone)
+        kl_restored.update(restored)
+    kl_all = kl_everything / tokens
+    for L in moe:
+        sens, count = _layer_sensitivity(stats_dir, L)
+        layer_tokens = int(count.sum()) // top_k
+        predicted = predicted_layer_loss(sens, count, layer_tokens, top_k, probe_key, usage_floor)
+        alone_kl, restored_kl = kl_alone[L] / tokens, kl_restored[L] / tokens
+        gain = kl_all - restored_kl
         kl = (alone_kl + max(gain, 0.0)) / 2
-        return {
+        layers_out[str(L)] = {
+            "format": probe_key,
             "kl": kl,
             "kl_alone": alone_kl,
             "kl_all_but_this": restored_kl,
@@ -350,13 +323,7 @@ def run_probe(
             "predicted_loss": predicted,
             "scale": kl / predicted if predicted > 0 else None,
         }
-
-    for L in moe:
-        sens, count = _layer_sensitivity(stats_dir, L)
-        layer_tokens = int(count.sum()) // top_k
-        layers_out[str(L)] = {"format": probe_key, **share(L, probe_key, sens, count, layer_tokens)}
         if split:
-            kl_alone = measured[probe_key][0]
             layers_out[str(L)]["projections"] = {
                 p: {
                     "kl_alone": kl_alone[(L, p)] / tokens,
@@ -366,16 +333,13 @@ def run_probe(
                 }
                 for p in split
             }
-        if every_format:
-            layers_out[str(L)]["formats"] = {key: share(L, key, sens, count, layer_tokens) for key in measured}
     return {
         "schema": PROBE_SCHEMA,
         "samples": int(input_ids.shape[0]),
         "tokens": tokens,
         "usage_floor": usage_floor,
         "algorithm": algorithm,
-        "kl_all": kl_all[probe_key],
-        **({"kl_all_formats": kl_all} if every_format else {}),
+        "kl_all": kl_all,
         "layers": layers_out,
     }
 

@@ -44,9 +44,6 @@ class Calibration(BaseModel):
     # probe format, measured as that algorithm's `probe` says: gptq where the recipe quantizes the probe
     # format with GPTQ, else rtn)
     probe_algorithm: Literal["auto", "rtn", "gptq"] = "auto"
-    # the probe measures every quantized format of the menu, not only its probe format: a budget's loss
-    # of a layer in a format is then that format's measured KL share (one more probe walk per format)
-    probe_every_format: bool = False
     # the layers' forward: auto = bf16 on CUDA (the checkpoint's dtype), float32 on the CPU
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # each routed token's weight in its expert's Hessian (GPTQ, sensitivity, probe): routing = its
@@ -88,8 +85,6 @@ class CalibrationSettings:
     # the KL probe also measures each projection alone (probe.py), for plans that choose a format
     # per (layer, projection): llama.cpp's
     probe_projections: bool = False
-    # the KL probe also measures every other quantized format of `formats` (probe.py, `every_format`)
-    probe_every_format: bool = False
 
     @property
     def gptq_grid(self) -> str:
@@ -133,8 +128,6 @@ class CalibrationSettings:
             fields["tensor_formats"] = list(self.tensor_formats)
         if self.probe_projections:  # likewise
             fields["probe_projections"] = True
-        if self.probe_every_format:  # likewise
-            fields["probe_every_format"] = True
         return fields
 
 

@@ -67,7 +67,6 @@ def calibration_settings(
         hessian_weighting=c.hessian_weighting,
         gptq=recipe.gptq,
         probe_projections=bool(probe_samples) and get_target(recipe.target).granularity == "layer_proj",
-        probe_every_format=bool(probe_samples) and c.probe_every_format,
     )
 
 

@@ -30,8 +30,7 @@ every loss of layer L (all its experts and formats) is multiplied by
     scale_L = probe KL_L / sum_e usage(L, e) * sum_p sensitivity_L[p][probe format][e]
 
 so layer L in the probe format predicts exactly its measured share, and the solver's objective
-approximates the end-to-end KL. When the probe measured every format of the menu
-(`calibration.probe_every_format`), each (layer, format) takes its own scale the same way. Without a complete probe the losses stay unscaled;
+approximates the end-to-end KL. Without a complete probe the losses stay unscaled;
 `summary.probe` says which happened and why.
 """
 
@@ -171,9 +170,8 @@ class PlanContext:
         self._sensitivity: dict[tuple, np.ndarray] = {}
         # format key -> (layers it cannot hold, the projections there when groups are per projection, why)
         self.unfit: dict[str, tuple[set[int], set[str], str]] = {}
-        # (layer, proj) and, where the probe measured every format, (layer, proj, key) -> loss scale,
-        # from the per-layer KL probe, when usable
-        self.layer_scale: dict[tuple, float] | None = None
+        # (layer, proj) -> loss scale, from the per-layer KL probe, when usable
+        self.layer_scale: dict[tuple[int, str], float] | None = None
         self.probe_info: dict | None = None
         if stats is not None:
             self.layer_scale, self.probe_info = _probe_scales(self)
@@ -224,9 +222,7 @@ class PlanContext:
                 )
             table = self.stats.layers[t.layer].sensitivity
             self._sensitivity[(t.layer, t.proj, key)] = sensitivity(table, t.layer, t.proj, key)
-        scale = 1.0
-        if self.layer_scale:  # the probe's share of this format where it measured it, else the probe format's
-            scale = self.layer_scale.get((t.layer, t.proj, key), self.layer_scale[(t.layer, t.proj)])
+        scale = self.layer_scale[(t.layer, t.proj)] if self.layer_scale else 1.0
         return float(scale * self.usage(t.layer)[t.expert] * self._sensitivity[(t.layer, t.proj, key)][t.expert])
 
     def members(self, expert: tuple) -> list[TensorInfo]:
@@ -245,7 +241,7 @@ class PlanContext:
         return sum(self.nbytes(spec, t) for t in self.members(expert))
 
 
-def _probe_scales(ctx: PlanContext) -> tuple[dict[tuple, float] | None, dict]:
+def _probe_scales(ctx: PlanContext) -> tuple[dict[tuple[int, str], float] | None, dict]:
     """Loss scales per (layer, projection) from the statistics' KL probe: (scales or None, what the
     summary says).
 
@@ -255,10 +251,8 @@ def _probe_scales(ctx: PlanContext) -> tuple[dict[tuple, float] | None, dict]:
     projection alone (probe.py, `projections`), the share is split between the projections in
     proportion to their one-projection KLs: scale_L,p = kl_L * kl_alone_p / sum_q kl_alone_q /
     predicted_L,p (the projections' sensitivities are errors in two different spaces, see probe.py);
-    else every projection takes scale_L. Where the probe measured every format (probe.py, `every_format`),
-    each format f it measured has its own scale_L,f = kl_L,f / predicted_L,f (split alike), so layer L in f
-    predicts its measured share in f; other formats take scale_L. Used only when every MoE layer of the
-    plan has a positive, finite scale; otherwise the losses stay unscaled and `why` says so.
+    else every projection takes scale_L. Used only when every MoE layer of the plan has a positive,
+    finite scale; otherwise the losses stay unscaled and `why` says so.
     """
     probe = getattr(ctx.stats, "probe", None)
     if not probe or not probe.get("layers"):
@@ -290,26 +284,13 @@ def _probe_scales(ctx: PlanContext) -> tuple[dict[tuple, float] | None, dict]:
         split = set(alone) == set(PROJECTIONS) and all(
             alone[p] > 0 and math.isfinite(alone[p]) and predicted[p] > 0 for p in PROJECTIONS
         )
-        share = {p: alone[p] / sum(alone.values()) for p in PROJECTIONS} if split else None
-        scales.update(_scaled(layer, None, kl, predicted, share))
-        summary[str(layer)] = {
-            "kl": kl,
-            "scale": {p: scales[(layer, p)] for p in PROJECTIONS} if split else scales[(layer, PROJECTIONS[0])],
-        }
-        measured = {}  # the probe's KL share of this layer in each other format it measured
-        for other, m in (entry.get("formats") or {}).items():
-            try:
-                predicted = {
-                    p: float(np.dot(ctx.usage(layer), sensitivity(table, layer, p, other))) for p in PROJECTIONS
-                }
-            except UserError:
-                continue  # a format the statistics have no sensitivity for: the plan cannot give it anyway
-            positive = all(v > 0 for v in predicted.values()) if share else sum(predicted.values()) > 0
-            if positive and math.isfinite(float(m["kl"])) and float(m["kl"]) >= 0:
-                scales.update(_scaled(layer, other, float(m["kl"]), predicted, share))
-                measured[other] = float(m["kl"])
-        if measured:
-            summary[str(layer)]["formats"] = measured
+        if split:
+            share = {p: alone[p] / sum(alone.values()) for p in PROJECTIONS}
+            scales.update({(layer, p): kl * share[p] / predicted[p] for p in PROJECTIONS})
+            summary[str(layer)] = {"kl": kl, "scale": {p: scales[(layer, p)] for p in PROJECTIONS}}
+        else:
+            scales.update({(layer, p): kl / total for p in PROJECTIONS})
+            summary[str(layer)] = {"kl": kl, "scale": kl / total}
     formats_used = sorted({probe["layers"][str(L)]["format"] for L in ctx.layers})
     return scales, {
         "used": True,
@@ -320,17 +301,6 @@ def _probe_scales(ctx: PlanContext) -> tuple[dict[tuple, float] | None, dict]:
         "held_out": probe.get("held_out", False),
         "layers": summary,
     }
-
-
-def _scaled(layer: int, key: str | None, kl: float, predicted: dict, share: dict | None) -> dict:
-    """{(layer, proj[, key]): scale} so that the layer's predicted loss (per projection: `predicted`) is
-    its measured KL share `kl`, split between the projections by `share` when the probe measured them
-    alone, else in proportion to the prediction."""
-    total = sum(predicted.values())
-    tail = (key,) if key else ()
-    if share:
-        return {(layer, p, *tail): kl * share[p] / predicted[p] for p in PROJECTIONS}
-    return {(layer, p, *tail): kl / total for p in PROJECTIONS}
 
 
 def predicted_loss(ctx: PlanContext, assignment: dict) -> float | None:

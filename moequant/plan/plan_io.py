@@ -97,10 +97,9 @@ class UniformAlternative(_KeysAsGiven):
     routed_bits_per_weight: Optional[float] = None
 
 
-class ProbeLayer(_KeysAsGiven):
+class ProbeLayer(_Part):
     kl: float
     scale: Union[float, dict[str, float]]  # one per projection where the probe measured them alone
-    formats: Optional[dict[str, float]] = None  # the layer's KL share per format, where the probe measured each
 
 
 class Probe(_KeysAsGiven):

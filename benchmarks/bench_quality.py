@@ -5,7 +5,7 @@ llama.cpp's own Q4_0 / Q4_K / Q4_K + imatrix / Q4_K_M, on the same held-out wind
         [--eval-samples 256] [--q4-k-m]
 
 Only the routed experts are quantized; everything else keeps the original float32 weights, so the
-KL (original || quantized, evaluate.evaluate on the evaluation split, 256 x 256 tokens by default: every
+KL (original || quantized, per token as evaluate.evaluate computes it, on the evaluation split, 256 x 256 tokens by default: every
 window the split has at that length; with 32 windows, the default until 2026-12-05, the ratios' 95% range
 was +-5-8% and their values 3-7% lower on tiny-deepseek-v3 than over all 256)
 measures the experts alone. Per model: one calibration per Hessian weighting (tokens / routing /
@@ -84,7 +84,6 @@ def main(argv=None) -> int:
     from moequant.calib.calibrate import MIN_ROUTED_TOKENS, calibrate, plain_settings
     from moequant.calib.data import load_samples
     from moequant.calib.stats import chosen_hessian, load_stats
-    from moequant.evaluate import evaluate
     from moequant.export.verify_llamacpp import ggml_quantize
     from moequant.formats.ggml import dequantize_tensor
     from moequant.io.checkpoint import load_tokenizer, open_checkpoint
@@ -169,18 +168,19 @@ def main(argv=None) -> int:
             )
             stats[wt] = load_stats(calibrate(str(src), out / f"stats-{wt}", settings, overwrite=True, progress=False))
 
-        with torch.no_grad():  # the float model's logits per window, for each variant's per-window KL
+        with torch.no_grad():  # the float model's logits per window, computed once for every variant
             ref_logits = [ref(input_ids=w.input_ids[None]).logits[0] for w in windows]
-        window_kl = {}  # label -> mean KL of every window (the paired bootstrap of the ratios)
 
-        def window_kls(q_model) -> np.ndarray:
+        def token_kls(q_model) -> tuple[list, torch.Tensor]:
+            """Per window: the KL of every token (metrics.token_statistics, float64, as evaluate.evaluate
+            computes it), and whether each token's top-1 agrees."""
+            kls, same = [], []
             with torch.no_grad():
-                return np.array(
-                    [
-                        float(token_statistics(r, q_model(input_ids=w.input_ids[None]).logits[0])[0].mean())
-                        for r, w in zip(ref_logits, windows)
-                    ]
-                )
+                for r, w in zip(ref_logits, windows):
+                    kl, agree, *_ = token_statistics(r, q_model(input_ids=w.input_ids[None]).logits[0])
+                    kls.append(kl)
+                    same.append(agree)
+            return kls, torch.cat(same)
 
         def kl_of(deq: dict, label: str, nbytes: dict, scope, bits=None) -> dict:
             """KL of the model whose `scope` projections are `deq`'s (the others original)."""
@@ -191,12 +191,18 @@ def main(argv=None) -> int:
                     ex = ad.experts_module(q_model, L)
                     ex.gate_up_proj.copy_(torch.cat([deq[(L, "gate")], deq[(L, "up")]], dim=1))
                     ex.down_proj.copy_(deq[(L, "down")])
-            q = evaluate(ref, q_model, windows, per_expert=False)
-            window_kl[label] = window_kls(q_model)
+            kls, same = token_kls(q_model)
+            every = torch.cat(kls).numpy()
             if bits is None:
                 stored = sum(b for k, b in nbytes.items() if k[1] in scope)
                 bits = 8 * stored / sum(w.numel() for k, w in original.items() if k[1] in scope)
-            row = {"kl_mean": q["kl_mean"], "kl_p99": q["kl_p99"], "top1": q["top1_agreement"], "bits": bits}
+            row = {
+                "kl_mean": float(every.mean()),
+                "kl_p99": float(np.quantile(every, 0.99)),
+                "top1": float(same.float().mean()),
+                "bits": bits,
+                "window_kl": [float(k.mean()) for k in kls],  # for the paired bootstrap of the ratios
+            }
             print(
                 f"  {label:<48}{row['bits']:>6.3f}{row['kl_mean']:>10.5f}{row['kl_p99']:>9.4f}{row['top1']:>8.4f}",
                 flush=True,
@@ -313,7 +319,6 @@ def main(argv=None) -> int:
                     continue  # a plan's budget covers every routed projection
                 types = "" if used is None else " (%s)" % "/".join(sorted(set().union(*(used[p] for p in scope))))
                 rows[label] = kl_of(deq, label + types, nbytes, scope, bits=plans.get(label))
-                rows[label]["window_kl"] = window_kl.pop(label + types).tolist()
             for base_label in ("llama.cpp Q4_K", "llama.cpp Q4_K + our imatrix", Q4_K_45):
                 if base_label not in rows:
                     continue  # --no-llama

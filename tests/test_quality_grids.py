@@ -24,7 +24,7 @@ def bf16(a: np.ndarray) -> np.ndarray:
 def dequant(x, s, z, bits):
     """Round-half-even codes on the stored scale, the format's rule, in float64: w = (q - z) * s."""
     qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
-    safe = np.where(s > 0, s, np.inf)
+    safe = np.where(s != 0, s, np.inf)  # s < 0: a symmetric group's mirrored grid
     q = np.clip(np.round(x / safe[..., None]) + z[..., None], qmin, qmax)
     return (q - z[..., None]) * s[..., None]
 
@@ -33,8 +33,21 @@ def werr(x, w, s, z, bits):
     return (w * (x - dequant(x, s, z, bits)) ** 2).sum(-1)
 
 
-def reference_search(x, w, bits, symmetric, steps=21):
-    """Best weighted error per group over the documented candidates (float64 except the bf16 scale)."""
+def reference_search(x, w, bits, symmetric, steps=21, signed=None):
+    """Best weighted error per group over the documented candidates (float64 except the bf16 scale);
+    for symmetric group formats (signed) also over the mirrored candidates: those of -x, negated."""
+    if signed is None:
+        signed = symmetric
+    if signed:
+        mirrored = reference_candidates(-x, w, bits, symmetric, steps)
+        cands = reference_candidates(x, w, bits, symmetric, steps) + [(-s, z) for s, z in mirrored]
+    else:
+        cands = reference_candidates(x, w, bits, symmetric, steps)
+    return np.min([werr(x, w, s, z, bits) for s, z in cands], axis=0)
+
+
+def reference_candidates(x, w, bits, symmetric, steps):
+    """The documented candidates (scale, zero point) of one sign, each stored in bf16."""
     qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     x = x.astype(np.float64)
     zero = np.zeros(x.shape[:-1])
@@ -71,7 +84,7 @@ def reference_search(x, w, bits, symmetric, steps=21):
                     z = np.nan_to_num(qmin + np.round(-low / s), nan=0, posinf=qmax, neginf=qmin)
                 z = np.where(s > 0, np.clip(z, qmin, qmax), 0)
                 cands.append((s, z))
-    return np.min([werr(x, w, s, z, bits) for s, z in cands], axis=0)
+    return cands
 
 
 def minmax_error(x, w, spec):
@@ -119,7 +132,7 @@ def test_searched_grid_is_the_best_candidate_and_beats_minmax(key, weighted):
     # the stored codes are the format's rounding on the stored scale / zero point, and dequantize to it
     assert np.array_equal(
         q.codes.double().numpy().reshape(x.shape) - z[..., None],
-        np.round(dequant(x, s, z, spec.bits) / np.where(s > 0, s, 1)[..., None]),
+        np.round(dequant(x, s, z, spec.bits) / np.where(s != 0, s, 1)[..., None]),
     )
     assert np.allclose(
         q.dequantize(torch.float64).numpy().reshape(x.shape), dequant(x, s, z, spec.bits), rtol=0, atol=0
@@ -138,7 +151,7 @@ def test_searched_grid_int8_channel_and_chunked_stacks(monkeypatch):
     q = formats.quantize(w, "int8-channel", grid="searched", importance=imp)
     x, wt = w.double().numpy(), imp[:, None, :].expand_as(w).double().numpy()
     ours = werr(x, wt, q.scales.double().numpy()[..., 0], np.zeros(x.shape[:-1]), 8)
-    np.testing.assert_allclose(ours, reference_search(x, wt, 8, True), rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(ours, reference_search(x, wt, 8, True, signed=False), rtol=1e-5, atol=1e-12)
     # stacks quantized a few experts at a time give the same result
     spec = formats.parse_key("int4-g32-asym")
     whole = formats.quantize(w, spec, grid="searched", importance=imp)
@@ -178,7 +191,7 @@ def reference_gptq_fixed(w, h, s, z, group, damp=0.01):
     codes = np.zeros_like(w)
     for j in range(n):
         sj, zj = s[:, j // group], z[:, j // group]
-        q = np.clip(np.round(w[:, j] / np.where(sj > 0, sj, np.inf)) + zj, -8, 7)
+        q = np.clip(np.round(w[:, j] / np.where(sj != 0, sj, np.inf)) + zj, -8, 7)  # sj < 0: mirrored grid
         codes[:, j] = q
         err = (w[:, j] - (q - zj) * sj) / u[j, j]
         w[:, j + 1 :] -= np.outer(err, u[j, j + 1 :])
@@ -198,6 +211,7 @@ def test_gptq_on_the_searched_grid_equals_float64_gptq_and_beats_minmax(key):
     want = formats.quantize(w, spec, grid="searched", importance=diag)
     assert torch.equal(q.scales, want.scales)
     assert (q.zeros is None) == spec.symmetric and (q.zeros is None or torch.equal(q.zeros, want.zeros))
+    assert bool((q.scales < 0).any()) == spec.symmetric  # symmetric groups' mirrored grids reach GPTQ
     for e in range(3):
         s = q.scales[e].double().numpy()
         z = np.zeros_like(s) if q.zeros is None else q.zeros[e].double().numpy()
@@ -373,7 +387,7 @@ def test_search_by_reciprocal_matches_the_division_search_up_to_ties(key, monkey
         # the grid alone, float64 error where the two searches pick different scales
         imp = h.diagonal(dim1=-2, dim2=-1)[:, None, :].unflatten(-1, (-1, spec.group_size))
         xg = w.unflatten(-1, (-1, spec.group_size))
-        new = core.searched_fit(spec, xg, imp)
+        new = core._searched_fit_positive(spec, xg, imp)  # one sign: the scale sign's choice is shared
         old = _searched_fit_by_division(spec, xg, imp)
         differ = new[0] != old[0] if spec.symmetric else (new[0] != old[0]) | (new[1] != old[1])
 
@@ -392,8 +406,9 @@ def test_search_by_reciprocal_matches_the_division_search_up_to_ties(key, monkey
 
         # the whole recipe GPTQ: codes and held-out error
         results = []
-        for fit in (core.searched_fit, lambda spec, xg, imp=None, name=None: _searched_fit_by_division(spec, xg, imp)):
-            monkeypatch.setattr(core, "searched_fit", fit)
+        positive = core._searched_fit_positive
+        for fit in (positive, lambda spec, xg, imp=None, name=None: _searched_fit_by_division(spec, xg, imp)):
+            monkeypatch.setattr(core, "_searched_fit_positive", fit)
             (q,), _ = gptq.gptq_pass_shared([w], h, spec, grid="searched", refit=True)
             back = q.dequantize(torch.float64)
             ref = x_held.double() @ w.double().transpose(1, 2)
@@ -405,3 +420,30 @@ def test_search_by_reciprocal_matches_the_division_search_up_to_ties(key, monkey
         print(f"{key} {proj}: codes differ {frac:.2e}; held-out error {err_new:.6g} vs {err_old:.6g}")
         assert frac < 2e-2  # a flipped scale moves GPTQ's later columns (its recursion spreads any change)
         assert abs(err_new / err_old - 1) < 1e-3
+
+
+@pytest.mark.parametrize("key", ["int4-g32-sym", "int4-g128-sym", "int3-g64-sym", "int2-g32-sym"])
+def test_searched_grid_chooses_the_scale_sign_of_symmetric_groups(key):
+    """A negative scale mirrors the grid -2^(B-1)..2^(B-1)-1: the searched grid of a symmetric group format
+    takes it where its error is smaller, which is a real gain over positive scales alone (float64), and
+    every reader's w = q * s gives the dequantized values; int8 per channel keeps positive scales."""
+    spec = formats.parse_key(key)
+    w, imp = weights(3)
+    q = formats.quantize(w, spec, grid="searched", importance=imp)
+    x = groups_of(w, spec.group_size)
+    wt = groups_of(imp[:, None, :].expand_as(w), spec.group_size)
+    s = q.scales.double().numpy()
+    ours = werr(x, wt, s, np.zeros_like(s), spec.bits)
+    positive = reference_search(x, wt, spec.bits, True, signed=False)
+    assert 0.15 < (s < 0).mean() < 0.85, (s < 0).mean()
+    assert ours.sum() < 0.97 * positive.sum(), ours.sum() / positive.sum()
+    assert np.all(ours <= positive * (1 + 1e-6) + 1e-12)
+    # the all-positive group's extreme is positive: its best grid is the mirrored one
+    group = 32 // spec.group_size if spec.group_size <= 32 else 0
+    if spec.group_size == 32:
+        assert s[1, 2, group] < 0
+    # codes and scales as stored give the dequantized weight (w = q * s, float64)
+    codes = q.codes.double().numpy().reshape(x.shape)
+    assert np.array_equal(q.dequantize(torch.float64).numpy().reshape(x.shape), codes * s[..., None])
+    q8 = formats.quantize(w, "int8-channel", grid="searched", importance=imp)
+    assert (q8.scales > 0).all()

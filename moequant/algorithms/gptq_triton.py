@@ -79,7 +79,7 @@ def sweep_block_reference(x, w0d, vn, vd, scales, zeros, group_idx, codes, loss,
         g = group_idx[:, k].long()[:, None, None].expand(-1, x.shape[1], 1)
         s = torch.gather(scales, 2, g)  # [c, rows, 1]
         xk = x[..., k : k + 1].to(torch.float32)
-        y = torch.where(s > 0, xk / torch.where(s > 0, s, 1.0), 0.0).round()
+        y = torch.where(s != 0, xk / torch.where(s != 0, s, 1.0), 0.0).round()  # s < 0: signed scales
         if zeros is not None:
             z = torch.gather(zeros, 2, g)
             code = (y + z).clamp(qmin, qmax)
@@ -222,7 +222,7 @@ if triton is not None:
             xk = tl.sum(tl.where(sel, tile, 0.0), axis=1)  # column k of the tile (exact: one term)
             g = tl.load(GI + e * sg_e + i1 + k)
             s = tl.load(s_row + g, mask=rmask, other=1.0)
-            y = tl.where(s > 0, tl.div_rn(xk, tl.where(s > 0, s, 1.0)), 0.0)
+            y = tl.where(s != 0, tl.div_rn(xk, tl.where(s != 0, s, 1.0)), 0.0)
             y = tl.minimum(tl.maximum(y, -4194304.0), 4194304.0)
             y = (y + 12582912.0) - 12582912.0  # round half to even (|y| <= 2^22)
             if HAS_ZEROS:

@@ -9,7 +9,8 @@ a quadratic in the G scales: the minimum solves A s = b with A_gh = c_g^T H c_h 
 
 The refit solves that system per row, stores the scales in bf16 and keeps, per row, whichever of
 the old and new scales gives the smaller error with the stored values (so it never makes the
-calibration objective worse). Rows whose solution is not positive and finite keep their scales.
+calibration objective worse). Rows whose solution is not finite or changes a scale's sign (the searched
+grid's choice, formats.core.signed_scales) keep their scales.
 Codes and zero points are unchanged, so the format and its bytes are too.
 """
 
@@ -146,7 +147,7 @@ def _solve(a, b, old):
         del damped
     old_w = old.to(s.dtype)
     s = torch.where(live, s, old_w)
-    ok = (info == 0) & torch.isfinite(s).all(-1) & ((s > 0) | ~live).all(-1)
+    ok = (info == 0) & torch.isfinite(s).all(-1) & ((s * old_w > 0) | ~live).all(-1)  # each keeps its sign
     s_new = torch.where(ok[..., None], s, old_w).to(old.dtype)
 
     # The output error of scales s is w^T H w - 2 s^T b + s^T A s: compare the last two terms.

@@ -507,6 +507,40 @@ SEARCH_STEPS = 21
 
 
 def searched_fit(spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name: str | None = None):
+    """`_searched_fit_positive`'s scales (and zero points), and for symmetric group formats the sign of
+    each group's scale too: the two's complement grid -2^(B-1)..2^(B-1)-1 has one more level below
+    zero than above, and a negative scale puts that level on the positive side, so a group whose
+    extreme element is positive (or whose error is smaller mirrored) takes -s with the codes of -x.
+    Both signs are searched (the second on -x, the same candidates mirrored) and each group keeps the
+    one with the smaller error, its codes as `_encode` gives them, ties positive. No byte more: the
+    scale is a bf16 number either way, and every dequantizer multiplies by it (w = q * s); on
+    tiny-deepseek-v3 it cuts the importance-weighted round-to-nearest error of int4-g32-sym by 12%
+    (benchmarks/RESULTS.md, bench_quality 2026-12-05 session 21)."""
+    s, z = _searched_fit_positive(spec, xg, importance, name)
+    spec = get_format(spec)
+    if not signed_scales(spec):
+        return s, z
+    s_neg = -_searched_fit_positive(spec, -xg, importance, name)[0]
+    x = xg.to(torch.float32)
+    w = None if importance is None else importance.to(torch.float32)
+    better = _symmetric_error(spec, x, w, s_neg) < _symmetric_error(spec, x, w, s)
+    return torch.where(better, s_neg, s), None
+
+
+def signed_scales(spec) -> bool:
+    """Whether the searched grid chooses each group's scale sign: symmetric integer group formats."""
+    return spec.is_int and spec.symmetric and spec.granularity == "group"
+
+
+def _symmetric_error(spec, x: torch.Tensor, w: torch.Tensor | None, s: torch.Tensor) -> torch.Tensor:
+    """sum w (x - dequantized)^2 per group of a symmetric format, codes as `_encode` gives them."""
+    sc = s.to(torch.float32).unsqueeze(-1)
+    d = x - _encode(spec, x, sc, None, None).to(torch.float32) * sc
+    d = d.square_()
+    return (d if w is None else w * d).sum(-1)
+
+
+def _searched_fit_positive(spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name: str | None = None):
     """Scales (and zero points) over the last axis of xg ([..., k] elements per group) that minimise
     sum_i importance_i * (x_i - dequantized_i)^2 over a candidate set that contains the format's
     own min/max rule (so the result is never worse than `_fit`'s on that objective).

@@ -10,6 +10,8 @@ on disk (moequant.formats.packing).
 - asymmetric: the range [min(w, 0), max(w, 0)] is spread over 2^B - 1 steps,
   s = bf16((max - min) / (2^B - 1)), z = clamp(-2^(B-1) + round(-min / s)), q = clamp(round(w / s) + z)
   in signed codes -2^(B-1)..2^(B-1)-1, w = (q - z) * s (zero is exactly representable).
+- the searched grid (core.searched_fit) of a symmetric group format also chooses each scale's sign:
+  a negative scale mirrors the grid, so its extra level -2^(B-1) serves the group's positive side.
 
 Scales are computed in float32 and rounded once to bfloat16, and codes are computed with that
 stored scale. A bf16 scale is exactly representable in fp16 (within fp16's normal range, which
@@ -106,7 +108,7 @@ class Integer(Format):
 
     def encode(self, spec, x, s, z, gs):
         s = s.to(torch.float32)
-        y = (x / torch.where(s > 0, s, torch.inf)).round_()
+        y = (x / torch.where(s != 0, s, torch.inf)).round_()  # s < 0: core.signed_scales
         if z is not None:
             y += z.to(torch.float32)
         return y.clamp_(-(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1).to(torch.int8)

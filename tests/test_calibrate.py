@@ -235,3 +235,51 @@ def test_caller_given_samples_are_reused_when_identical_and_refused_when_not(tin
     calibrate(d, out, settings(), samples=make_samples(seed=1), overwrite=True, progress=False)
     assert json.loads((out / "summary.json").read_text())["fingerprint"]["dataset"] != "builtin:mix"
     assert {p: p.stat().st_mtime_ns for p in out.glob("*") if p.is_file()} != files
+
+
+def test_sensitivity_is_on_the_grid_the_quantize_pass_rounds_onto(tiny_dirs, tmp_path):
+    """sensitivity.<proj>.<format> = tr(ΔW H ΔWᵀ) per expert in float64, ΔW on the recipe's GPTQ grid for integer
+    group formats (searched: weighted by diag(H), symmetric scale signs chosen) and on the min/max rule for int8
+    per channel; as published (min/max grid) every format is on its min/max rule."""
+    from moequant import formats
+    from moequant.algorithms.registry import GptqOptions
+    from moequant.calib.stats import chosen_hessian
+
+    src = str(tiny_dirs["qwen2_moe"])
+    keys = ("int4-g32-sym", "int8-channel")
+    runs = {
+        grid: load_stats(
+            calibrate(
+                src,
+                tmp_path / grid,
+                settings(save_hessians=True, formats=keys, gptq=GptqOptions(grid=grid)),
+                samples=make_samples(),
+                progress=False,
+            )
+        )
+        for grid in ("searched", "minmax")
+    }
+    ckpt = open_checkpoint(src)
+    adapter = adapter_for(ckpt.config)
+    for grid, stats in runs.items():
+        for L in adapter.moe_layers:
+            for proj in adapter.projections:
+                w = adapter.read_experts(ckpt, L, proj).double()
+                group = "down" if proj == "down" else "gate_up"
+                _, h = chosen_hessian(stats.layers[L].tensors, group, torch.arange(w.shape[0]), 64)
+                h = h.double()
+                for key in keys:
+                    if key == "int4-g32-sym" and grid == "searched":
+                        imp = torch.diagonal(h, dim1=-2, dim2=-1).float()
+                        q = formats.quantize(w.float(), key, grid="searched", importance=imp)
+                        assert bool((q.scales < 0).any())
+                    else:
+                        q = formats.quantize(w.float(), key)
+                    dw = w - q.dequantize(torch.float64)
+                    want = torch.einsum("eoi,eij,eoj->e", dw, h, dw)
+                    got = stats.layers[L].sensitivity[proj][key]
+                    torch.testing.assert_close(got.double(), want, rtol=1e-9, atol=0)
+    for L in adapter.moe_layers:  # the searched grid's predicted error is the smaller
+        s, m = runs["searched"].layers[L].sensitivity, runs["minmax"].layers[L].sensitivity
+        assert all(float(s[p]["int4-g32-sym"].sum()) < 0.9 * float(m[p]["int4-g32-sym"].sum()) for p in s)
+        assert all(torch.equal(s[p]["int8-channel"], m[p]["int8-channel"]) for p in s)

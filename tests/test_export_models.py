@@ -103,8 +103,9 @@ def save_word_tokenizer(directory: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1").save_pretrained(directory)
 
 
-def quantize_experts(source, format_of) -> dict:
-    """{(layer, expert, proj): QuantizedTensor} with format_of(layer, expert, proj) -> key (None: keep)."""
+def quantize_experts(source, format_of, grid: str = "minmax") -> dict:
+    """{(layer, expert, proj): QuantizedTensor} with format_of(layer, expert, proj) -> key (None: keep), round to
+    nearest on `grid` (searched: symmetric group formats choose their scales' signs, formats.core.signed_scales)."""
     ckpt = open_checkpoint(source)
     adapter = adapter_for(ckpt.config)
     out = {}
@@ -113,7 +114,8 @@ def quantize_experts(source, format_of) -> dict:
             for proj in adapter.projections:
                 key = format_of(layer, expert, proj)
                 if key is not None:
-                    out[(layer, expert, proj)] = formats.quantize(adapter.read_expert(ckpt, layer, expert, proj), key)
+                    w = adapter.read_expert(ckpt, layer, expert, proj)
+                    out[(layer, expert, proj)] = formats.quantize(w, key, grid=grid)
     return out
 
 

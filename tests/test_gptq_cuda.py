@@ -27,6 +27,8 @@ def _block_inputs(c, rows, n, groups, asym, seed):
     vd = v.diagonal(dim1=-2, dim2=-1).clone()
     vn = (v / vd[:, None, :]).contiguous()
     scales = (torch.rand(c, rows, groups, generator=g) * 0.4 + 0.05).to(torch.bfloat16).float()
+    if not asym:  # symmetric groups' mirrored grids (formats.core.signed_scales): negative scales too
+        scales *= torch.where(torch.rand(c, rows, groups, generator=g) < 0.5, -1.0, 1.0)
     scales[0, 0, 0] = 0.0  # an all-zero group: codes are the zero point
     zeros = torch.randint(-3, 3, (c, rows, groups), generator=g).float() if asym else None
     group_idx = torch.randint(0, groups, (c, n), generator=g, dtype=torch.int32)  # act-order-like scatter
@@ -62,16 +64,19 @@ def _solve(monkeypatch, fused, *args, matmul="fp32", **kwargs):
     return q, report
 
 
+@pytest.mark.parametrize("grid", ["minmax", "searched"])
 @pytest.mark.parametrize("key,act_order", [("int4-g128-sym", True), ("int4-g64-asym", False), ("int8-channel", True)])
-def test_fused_matches_torch_sweep_on_cuda(monkeypatch, key, act_order):
+def test_fused_matches_torch_sweep_on_cuda(monkeypatch, key, act_order, grid):
     """Same algorithm, different float32 rounding order (V instead of U = V^-1): a few codes may
     flip; held-out error must be as good, and both must be close to a float64 CPU solve.
     (The fused sweep in float32 throughout, MOEQUANT_GPTQ_MATMUL=fp32; TF32 is tested below.)"""
     w, h, held_out = make_layer(experts=6, out=96, n_in=1024, tokens=3000, seed=11)
     wc, hc = w.cuda(), h.cuda()
-    fused, rep_f = _solve(monkeypatch, True, wc, hc, key, act_order=act_order)
-    torch_sweep, rep_t = _solve(monkeypatch, False, wc, hc, key, act_order=act_order)
-    exact, _ = gptq.gptq(w.double(), h.double(), key, act_order=act_order)
+    fused, rep_f = _solve(monkeypatch, True, wc, hc, key, act_order=act_order, grid=grid)
+    torch_sweep, rep_t = _solve(monkeypatch, False, wc, hc, key, act_order=act_order, grid=grid)
+    exact, _ = gptq.gptq(w.double(), h.double(), key, act_order=act_order, grid=grid)
+    if grid == "searched" and key.endswith("-sym"):  # mirrored grids in the fused sweep
+        assert bool((fused.scales < 0).any())
     differ_torch = (fused.codes != torch_sweep.codes).float().mean().item()
     differ_exact = (fused.codes.cpu() != exact.codes).float().mean().item()
     differ_torch_exact = (torch_sweep.codes.cpu() != exact.codes).float().mean().item()

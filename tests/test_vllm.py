@@ -59,8 +59,12 @@ def gptq_experts(source, key: str, seed: int = 0) -> dict:
             x = torch.randn(w.shape[0], 512, w.shape[-1], generator=gen) @ (
                 torch.eye(w.shape[-1]) + 0.3 * torch.randn(w.shape[-1], w.shape[-1], generator=gen) / w.shape[-1] ** 0.5
             )
-            q, report = gptq(w, x.transpose(1, 2) @ x / x.shape[1], key)
+            # the searched grid, as the recipes run GPTQ: symmetric groups with mirrored grids (negative
+            # scales) reach every engine that reads these exports
+            q, report = gptq(w, x.transpose(1, 2) @ x / x.shape[1], key, grid="searched")
             assert set(report.method) == {"gptq"}
+            if q.spec.symmetric and q.spec.granularity == "group":
+                assert 0.1 < float((q.scales < 0).float().mean()) < 0.9
             for e in range(w.shape[0]):
                 out[(layer, e, proj)] = q.expert(e)
     return out

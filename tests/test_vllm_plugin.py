@@ -112,7 +112,8 @@ def served(tmp_path_factory):
     for model, int4 in MODELS.items():
         src = zoo_path(model)
         n = adapter_for(open_checkpoint(src).config).num_experts
-        q4 = quantize_experts(src, lambda L, e, p, key=int4: key)
+        q4 = quantize_experts(src, lambda L, e, p, key=int4: key, grid="searched")  # negative scales too
+        assert any(bool((q.scales < 0).any()) for q in q4.values())
         q8 = quantize_experts(src, lambda L, e, p: "int8-channel")
         mix = {k: (q4 if (k[0] + k[1]) % 2 == 0 else q8)[k] for k in q4}  # int4 and int8 inside every layer
         layer = {k: (q4 if k[0] % 2 == 0 else q8)[k] for k in q4}  # one format per layer

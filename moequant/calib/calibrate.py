@@ -378,8 +378,17 @@ def module_hidden(args, kwargs) -> int:
     return x.shape[-1]
 
 
-def sensitivity(weights: dict[str, torch.Tensor], stats: dict[str, torch.Tensor], format_keys, min_tokens: int):
-    """Predicted per-token squared output error of RTN per (proj, format): tr(ΔW H ΔWᵀ) per expert.
+def sensitivity(
+    weights: dict[str, torch.Tensor],
+    stats: dict[str, torch.Tensor],
+    format_keys,
+    min_tokens: int,
+    grid: str = "minmax",
+):
+    """Predicted per-token squared output error of round-to-nearest per (proj, format): tr(ΔW H ΔWᵀ)
+    per expert, on the grid the quantize pass rounds onto: integer group formats (GPTQ's) on `grid`
+    (the recipe's `gptq.grid`; searched: weighted by diag(H), with symmetric groups' scale signs),
+    ggml types on their scale search weighted by diag(H), the others on their min/max rule.
 
     H is `chosen_hessian`'s. Computed where the statistics are (the layer's device), in chunks of
     experts, float64 on the CPU and float32 on accelerators (a ranking signal: 1e-6 relative is
@@ -412,6 +421,9 @@ def sensitivity(weights: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]
             for key, spec in specs:
                 if spec.is_ggml:  # as the quantize pass will: the scale search weighted by diag(H)
                     q = formats.quantize_ggml(w, spec, importance=torch.diagonal(H, dim1=-2, dim2=-1).float())
+                elif grid == "searched" and spec.is_int and spec.granularity == "group":
+                    imp = torch.diagonal(H, dim1=-2, dim2=-1).float()
+                    q = formats.quantize(w, spec, grid="searched", importance=imp)
                 else:
                     q = formats.quantize(w, spec)
                 dW = w.to(dtype) - q.dequantize(dtype=dtype)
@@ -640,7 +652,7 @@ def _moe_layer_statistics(
     hidden = collect_moe_stats(runner, module, L, col, hidden, before_batch=set_domains)
     tensors = col.finish()
     weights = {p: parallel.read_experts(adapter, ckpt, L, p, own) for p in adapter.projections}
-    sens, skipped = sensitivity(weights, tensors, settings.formats, settings.min_tokens)
+    sens, skipped = sensitivity(weights, tensors, settings.formats, settings.min_tokens, settings.gptq_grid)
     tensors.update(sens)
     _check_finite(tensors, L)
     if world is not None:

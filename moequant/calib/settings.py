@@ -124,6 +124,8 @@ class CalibrationSettings:
             fields["hessian_weighting"] = self.hessian_weighting
         if self.gptq != PLAIN_GPTQ:  # likewise
             fields["gptq"] = [self.gptq.grid, self.gptq.refit]
+        if self.gptq.grid == "searched":  # statistics made before 2026-12-05 hold min/max sensitivities
+            fields["sensitivity_grid"] = "searched"
         if self.tensor_formats:  # likewise
             fields["tensor_formats"] = list(self.tensor_formats)
         if self.probe_projections:  # likewise

@@ -418,11 +418,11 @@ def sensitivity(
             _, H = chosen_hessian(stats, group, idx, min_tokens)
             H = H.to(dtype)
             w = W[lo : lo + chunk].to(dev, torch.float32)
+            imp = torch.diagonal(H, dim1=-2, dim2=-1).float()  # the scale searches' column weights
             for key, spec in specs:
                 if spec.is_ggml:  # as the quantize pass will: the scale search weighted by diag(H)
-                    q = formats.quantize_ggml(w, spec, importance=torch.diagonal(H, dim1=-2, dim2=-1).float())
+                    q = formats.quantize_ggml(w, spec, importance=imp)
                 elif grid == "searched" and spec.is_int and spec.granularity == "group":
-                    imp = torch.diagonal(H, dim1=-2, dim2=-1).float()
                     q = formats.quantize(w, spec, grid="searched", importance=imp)
                 else:
                     q = formats.quantize(w, spec)

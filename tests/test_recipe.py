@@ -50,7 +50,7 @@ def test_defaults_without_a_file():
     assert recipe.target == "vllm"
     assert recipe.experts.method == "budget" and recipe.experts.budget.bits_per_weight == 5.5
     assert recipe.algorithm_for("int4") == "gptq" and recipe.algorithm_for("bf16") == "none"
-    assert recipe.calibration.probe_samples == 8  # the per-layer KL probe is on by default
+    assert recipe.calibration.probe_samples == 32  # the per-layer KL probe is on by default
     assert load_recipe(None, ["calibration.probe_samples=0"]).calibration.probe_samples == 0
 
 

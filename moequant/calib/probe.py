@@ -31,9 +31,17 @@ q4_k, where llama.cpp's own mixture gives down the most bits (benchmarks/RESULTS
 Why both ends: the layers' KLs do not add up. On tiny-mixtral (4 layers, int4-g128 GPTQ vs int8;
 16 x 128 calibration, 32 x 128 evaluation tokens) the four one-layer int4 KLs sum to 1.2x the
 all-layers int4 KL, and the six plans with two int8 layers average 6% above the straight line
-between the uniform points. With the default 8 probe samples at 64 x 256 calibration, the
+between the uniform points. With 8 probe samples (the default then) at 64 x 256 calibration, the
 one-layer KLs alone would keep layers 1, 2 at int8 (KL 0.01777, third of the six plans); the
 two-sided shares keep layers 0, 1 (0.01734, the best of the six).
+
+Why 32 samples: tiny-mixtral's layer shares differ by less than the noise of 8 x 256 probe
+tokens (layer 0's kl: 0.0054 / 0.0061 / 0.0066 on 8 / 16 / 32 samples, the others 0.0055-0.0069).
+With int4 symmetric scale signs chosen (2026-12-05; 64 x 256 calibration, 128 x 256 evaluation
+tokens), 8 samples ranked the layers 1 > 2 > 3 > 0 and kept layers 1, 2 at int8 (KL 0.01573, 4th
+of the six plans, whose mean is 0.01559); 16 and 32 samples rank layer 0 first and keep layers 0, 1
+(0.01494, the best). The probe runs by default only below 2e9 routed-expert parameters
+(plan.calibration.PROBE_MAX_EXPERT_PARAMS).
 
 Why held out: GPTQ fits its Hessians' tokens. On tiny-mixtral (16 x 128 calibration tokens) GPTQ
 int4 of layers 2 / 3 gave KL 0.0049 / 0.0040 on calibration tokens and 0.0119 / 0.0103 on

@@ -10,7 +10,7 @@ and what is accepted.
 model: zoo:tiny-qwen2moe      # zoo:NAME, an HF id, or a local directory
 output: runs/NAME
 target: vllm                  # a registered target (moequant.targets): vllm | vllm-cuda | sglang | transformers | vllm-moequant | llama.cpp
-calibration: {dataset: builtin:mix, samples: 128, seq_len: 512, all_experts: true, probe_samples: 8}
+calibration: {dataset: builtin:mix, samples: 128, seq_len: 512, all_experts: true, probe_samples: 32}
 keep: [router, shared_experts, attention, embeddings, lm_head]   # stay bf16
 non_experts: {format: bf16}   # format for attention / shared experts / dense MLPs not kept
 experts:

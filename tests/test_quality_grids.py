@@ -387,7 +387,7 @@ def test_search_by_reciprocal_matches_the_division_search_up_to_ties(key, monkey
         # the grid alone, float64 error where the two searches pick different scales
         imp = h.diagonal(dim1=-2, dim2=-1)[:, None, :].unflatten(-1, (-1, spec.group_size))
         xg = w.unflatten(-1, (-1, spec.group_size))
-        new = core._searched_fit_positive(spec, xg, imp)  # one sign: the scale sign's choice is shared
+        new = core._search(spec, xg, imp)[:2]  # one sign: the scale sign's choice is shared
         old = _searched_fit_by_division(spec, xg, imp)
         differ = new[0] != old[0] if spec.symmetric else (new[0] != old[0]) | (new[1] != old[1])
 
@@ -406,9 +406,13 @@ def test_search_by_reciprocal_matches_the_division_search_up_to_ties(key, monkey
 
         # the whole recipe GPTQ: codes and held-out error
         results = []
-        positive = core._searched_fit_positive
-        for fit in (positive, lambda spec, xg, imp=None, name=None: _searched_fit_by_division(spec, xg, imp)):
-            monkeypatch.setattr(core, "_searched_fit_positive", fit)
+
+        def by_division(spec, xg, imp=None, name=None, mirrored=False):
+            mirror = _searched_fit_by_division(spec, -xg, imp)[0] if mirrored else None
+            return (*_searched_fit_by_division(spec, xg, imp), mirror)
+
+        for fit in (core._search, by_division):
+            monkeypatch.setattr(core, "_search", fit)
             (q,), _ = gptq.gptq_pass_shared([w], h, spec, grid="searched", refit=True)
             back = q.dequantize(torch.float64)
             ref = x_held.double() @ w.double().transpose(1, 2)
@@ -420,6 +424,26 @@ def test_search_by_reciprocal_matches_the_division_search_up_to_ties(key, monkey
         print(f"{key} {proj}: codes differ {frac:.2e}; held-out error {err_new:.6g} vs {err_old:.6g}")
         assert frac < 2e-2  # a flipped scale moves GPTQ's later columns (its recursion spreads any change)
         assert abs(err_new / err_old - 1) < 1e-3
+
+
+@pytest.mark.parametrize("key", ["int4-g32-sym", "int3-g64-sym", "int2-g32-sym", "int8-channel"])
+def test_one_pass_over_both_signs_is_the_search_on_minus_x(key):
+    """The searched grid searches -x (the mirrored grid of a negative scale) in the same pass as x, on the
+    mirrored code range: its scales are those of a separate search on -x bit for bit, and the search on x
+    is unchanged by it (CPU torch loop; the Triton kernel searches -x in a second launch)."""
+    from moequant.formats import core
+
+    spec = formats.parse_key(key)
+    w, imp = weights(5)
+    k = spec.group_size if spec.granularity == "group" else w.shape[-1]
+    xg = w.unflatten(-1, (-1, k))
+    impv = imp[:, None, :].unflatten(-1, (-1, k))
+    s, z, s_mirrored = core._search(spec, xg, impv, mirrored=True)
+    alone, z_alone, none = core._search(spec, xg, impv)
+    assert z is None and z_alone is None and none is None
+    assert torch.equal(s, alone)
+    assert torch.equal(s_mirrored, core._search(spec, -xg, impv)[0])
+    assert (s_mirrored != s).float().mean() > 0.1  # the two searches differ: the test can tell them apart
 
 
 @pytest.mark.parametrize("key", ["int4-g32-sym", "int4-g128-sym", "int3-g64-sym", "int2-g32-sym"])

@@ -507,20 +507,21 @@ SEARCH_STEPS = 21
 
 
 def searched_fit(spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name: str | None = None):
-    """`_searched_fit_positive`'s scales (and zero points), and for symmetric group formats the sign of
-    each group's scale too: the two's complement grid -2^(B-1)..2^(B-1)-1 has one more level below
-    zero than above, and a negative scale puts that level on the positive side, so a group whose
-    extreme element is positive (or whose error is smaller mirrored) takes -s with the codes of -x.
-    Both signs are searched (the second on -x, the same candidates mirrored) and each group keeps the
-    one with the smaller error, its codes as `_encode` gives them, ties positive. No byte more: the
-    scale is a bf16 number either way, and every dequantizer multiplies by it (w = q * s); on
-    tiny-deepseek-v3 it cuts the importance-weighted round-to-nearest error of int4-g32-sym by 12%
-    (benchmarks/RESULTS.md, bench_quality 2026-12-05 session 21)."""
-    s, z = _searched_fit_positive(spec, xg, importance, name)
+    """`_search`'s scales (and zero points), and for symmetric group formats the sign of each
+    group's scale too: the two's complement grid -2^(B-1)..2^(B-1)-1 has one more level below zero
+    than above, and a negative scale puts that level on the positive side, so a group whose extreme
+    element is positive (or whose error is smaller mirrored) takes -s with the codes of -x. Both
+    signs are searched together (the mirrored search is the search on -x, see `_search`) and each
+    group keeps the one with the smaller error, its codes as `_encode` gives them, ties positive. No
+    byte more: the scale is a bf16 number either way, and every dequantizer multiplies by it
+    (w = q * s); on tiny-deepseek-v3 it cuts the importance-weighted round-to-nearest error of
+    int4-g32-sym by 12% (benchmarks/RESULTS.md, bench_quality 2026-12-05 session 21)."""
     spec = get_format(spec)
-    if not signed_scales(spec):
+    signed = signed_scales(spec)
+    s, z, s_mirrored = _search(spec, xg, importance, name, mirrored=signed)
+    if not signed:
         return s, z
-    s_neg = -_searched_fit_positive(spec, -xg, importance, name)[0]
+    s_neg = -s_mirrored
     x = xg.to(torch.float32)
     w = None if importance is None else importance.to(torch.float32)
     better = _symmetric_error(spec, x, w, s_neg) < _symmetric_error(spec, x, w, s)
@@ -540,7 +541,7 @@ def _symmetric_error(spec, x: torch.Tensor, w: torch.Tensor | None, s: torch.Ten
     return (d if w is None else w * d).sum(-1)
 
 
-def _searched_fit_positive(spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name: str | None = None):
+def _search(spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name: str | None = None, mirrored=False):
     """Scales (and zero points) over the last axis of xg ([..., k] elements per group) that minimise
     sum_i importance_i * (x_i - dequantized_i)^2 over a candidate set that contains the format's
     own min/max rule (so the result is never worse than `_fit`'s on that objective).
@@ -556,7 +557,13 @@ def _searched_fit_positive(spec, xg: torch.Tensor, importance: torch.Tensor | No
     of a half-integer, where either code has the same error to that rounding, so the chosen scale
     is the same up to ties (tests/test_quality_grids.py measures it against the division). The
     codes a least-squares candidate is fitted on stay divisions: they define the candidate.
-    The codes of the chosen scale are always `_encode`'s."""
+    The codes of the chosen scale are always `_encode`'s.
+
+    mirrored (symmetric formats): also the search on -x, as a third value (its positive scales;
+    else None). Rounding half to even is odd, so on -x every candidate's codes are the negated codes
+    of x clamped to the mirrored range -(2^(B-1)-1)..2^(B-1), and its error and least-squares refit
+    are those of x on that range, bit for bit: in torch one rounding per candidate serves both signs
+    (the Triton kernel launches again on -x)."""
     spec = get_format(spec)
     if not spec.is_int:
         raise UserError("the searched grid applies to integer formats (int8, int4, int3, int2), not %s" % spec.key)
@@ -572,54 +579,62 @@ def _searched_fit_positive(spec, xg: torch.Tensor, importance: torch.Tensor | No
     # candidate = spread * (1 / divisor), 1 / divisor in float32: what torch computes on CUDA for a
     # tensor divided by a Python number, here on every device alike
     factors = 1.0 / torch.tensor(divisors, dtype=torch.float32)
+    mirrored = mirrored and spec.symmetric
     if search_triton.usable(spec, x):  # every candidate of every group in one kernel (same arithmetic)
-        return search_triton.searched_fit_triton(spec, x, importance, best_s, best_z, factors)
+        s, z = search_triton.searched_fit_triton(spec, x, importance, best_s, best_z, factors)
+        # the kernel searches one range: -x for the mirrored one (a second launch)
+        mirror = search_triton.searched_fit_triton(spec, -x, importance, best_s, best_z, factors) if mirrored else None
+        return s, z, None if mirror is None else mirror[0]
     factors = factors.tolist()
+    # the code ranges searched: the format's own, and the mirrored one for the search on -x
+    ranges = [(qmin, qmax), (-qmax, -qmin)] if mirrored else [(qmin, qmax)]
 
-    def error(s, z):
+    def errors(s, z, which):
+        """{range index: the candidate's error on that range} for the ranges in `which`."""
         sc = s.to(torch.float32)
         y = (x * torch.where(sc > 0, 1.0 / torch.where(sc > 0, sc, 1.0), 0.0).unsqueeze(-1)).round_()
         if z is None:
-            back = y.clamp_(qmin, qmax).mul_(sc.unsqueeze(-1))
-        else:
-            zc = z.to(torch.float32).unsqueeze(-1)
-            back = y.add_(zc).clamp_(qmin, qmax).sub_(zc).mul_(sc.unsqueeze(-1))
-        return (w * (x - back).square()).sum(-1)
+            return {i: (w * (x - y.clamp(*ranges[i]).mul_(sc.unsqueeze(-1))).square()).sum(-1) for i in which}
+        zc = z.to(torch.float32).unsqueeze(-1)
+        back = y.add_(zc).clamp_(qmin, qmax).sub_(zc).mul_(sc.unsqueeze(-1))
+        return {0: (w * (x - back).square()).sum(-1)}
 
-    best = error(best_s, best_z)
+    every = range(len(ranges))
+    best = errors(best_s, best_z, every)
+    best_s = {i: best_s for i in every}
+    best_z = {0: best_z}
 
-    def consider(s32, z):
-        nonlocal best, best_s, best_z
+    def consider(s32, z, which):
         s32 = torch.where(torch.isfinite(s32) & (s32 > 0), s32, torch.zeros_like(s32))
         s = s32.to(torch.bfloat16)
         if z is not None:  # zero point on the stored scale: w = (q - z) * s
             z = torch.nan_to_num(z(s.to(torch.float32)), nan=0.0, posinf=qmax, neginf=qmin).clamp(qmin, qmax)
             z = torch.where(s > 0, z, torch.zeros_like(z)).to(torch.int8)
-        err = error(s, z)
-        better = err < best
-        best = torch.where(better, err, best)
-        best_s = torch.where(better, s, best_s)
-        if z is not None:
-            best_z = torch.where(better, z, best_z)
-
-    def refit_sym(s32):
-        codes = torch.clamp(torch.round(x / torch.where(s32 > 0, s32, 1.0).unsqueeze(-1)), qmin, qmax)
-        return (w * x * codes).sum(-1) / (w * codes.square()).sum(-1)
+        for i, err in errors(s, z, which).items():
+            better = err < best[i]
+            best[i] = torch.where(better, err, best[i])
+            best_s[i] = torch.where(better, s, best_s[i])
+            if z is not None:
+                best_z[i] = torch.where(better, z, best_z[i])
 
     if spec.symmetric:
         amax = _absmax(x, -1)
         for f in factors:
             s32 = amax * f
-            consider(s32, None)
-            consider(refit_sym(s32), None)
-        return best_s, None
+            consider(s32, None, every)
+            # each range's weighted least-squares refit on its codes of the unrounded candidate
+            quotient = torch.round(x / torch.where(s32 > 0, s32, 1.0).unsqueeze(-1))
+            for i in every:
+                codes = torch.clamp(quotient, *ranges[i])
+                consider((w * x * codes).sum(-1) / (w * codes.square()).sum(-1), None, [i])
+        return best_s[0], None, best_s[1] if mirrored else None
 
     lo, hi = x.amin(-1), x.amax(-1)
     steps = 2**spec.bits - 1
     sw, sx = w.sum(-1), (w * x).sum(-1)
     for f in factors:
         s0 = (hi - lo) * f
-        consider(s0, lambda s, lo=lo: qmin + torch.round(-lo / s))
+        consider(s0, lambda s, lo=lo: qmin + torch.round(-lo / s), [0])
         # weighted least squares x ~ s * l + m on the candidate's codes l in 0..2^B-1
         l = torch.clamp(torch.round((x - lo.unsqueeze(-1)) / torch.where(s0 > 0, s0, 1.0).unsqueeze(-1)), 0, steps)
         sl, sll, slx = (w * l).sum(-1), (w * l * l).sum(-1), (w * l * x).sum(-1)
@@ -627,5 +642,5 @@ def _searched_fit_positive(spec, xg: torch.Tensor, importance: torch.Tensor | No
         s_ls = (sw * slx - sl * sx) / det
         m_ls = (sll * sx - sl * slx) / det
         # x ~ s * (q - qmin) + m = s * (q - z) with z = qmin - m / s
-        consider(s_ls, lambda s, m=m_ls: qmin + torch.round(-m / s))
-    return best_s, best_z
+        consider(s_ls, lambda s, m=m_ls: qmin + torch.round(-m / s), [0])
+    return best_s[0], best_z[0], None

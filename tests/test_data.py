@@ -144,6 +144,9 @@ def test_too_small_source_is_a_clear_error_unless_allow_fewer(tokenizer, tmp_pat
     some = data.load_samples(str(file), tokenizer, n_samples=500, seq_len=64, allow_fewer=True)
     assert 0 < len(some) < 500 and all(s.input_ids.shape == (64,) for s in some)
     assert {s.domain for s in some} == {"tiny"}
+    # with the probe's held-out samples, the sentence says what the count is made of
+    with pytest.raises(UserError, match=r"fewer than the 532 asked for \(its share of 500 samples and 32 held out "):
+        data.load_samples_with_holdout(str(file), tokenizer, 500, 32, 64)
 
 
 def test_local_files_of_every_kind_give_the_same_rows(tokenizer, tmp_path):

@@ -615,8 +615,10 @@ def load_samples(
     split: str = "calibration",
     seed: int = 0,
     allow_fewer: bool = False,
+    held_out: int = 0,
 ) -> list[Sample]:
     """`n_samples` token windows of exactly `seq_len` tokens, each with its domain label.
+    held_out: how many of them `load_samples_with_holdout` holds out for the KL probe (its error says so).
 
     Samples are spread evenly over the source's domains (earlier domains, alphabetically, get the
     remainder). The same arguments give the same samples. A source too small for the request is
@@ -641,9 +643,15 @@ def load_samples(
             continue
         got = _domain_samples(by_domain[domain], encode, eos, want, seq_len, seed)
         if len(got) < want and not allow_fewer:
+            share = (
+                f" (its share of {n_samples - held_out} samples and {held_out} held out for the per-layer KL probe)"
+                if held_out
+                else ""
+            )
             raise UserError(
                 f"data source {source!r} ({split} split, domain {domain!r}) yields only {len(got)} samples of "
-                f"{seq_len} tokens, fewer than the {want} asked for; ask for fewer or shorter samples, or pass allow_fewer."
+                f"{seq_len} tokens, fewer than the {want} asked for{share}; ask for fewer or shorter samples"
+                f"{' or fewer probe samples' if held_out else ''}, or pass allow_fewer."
             )
         source_name = ",".join(sorted({c.source for c in by_domain[domain]}))
         samples.extend(Sample(ids, domain, source_name) for ids in got)
@@ -668,7 +676,14 @@ def load_samples_with_holdout(
     the windows of the n-sample request followed by new ones: those new ones are the held-out part.
     """
     both = load_samples(
-        source, tokenizer, n_samples + n_holdout, seq_len, split=split, seed=seed, allow_fewer=allow_fewer
+        source,
+        tokenizer,
+        n_samples + n_holdout,
+        seq_len,
+        split=split,
+        seed=seed,
+        allow_fewer=allow_fewer,
+        held_out=n_holdout,
     )
     domains = sorted({c.domain for c in load_documents(source, split)})  # as load_samples counts them
     by_domain = {d: [s for s in both if s.domain == d] for d in domains}

@@ -590,19 +590,24 @@ def _search(spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name
     ranges = [(qmin, qmax), (-qmax, -qmin)] if mirrored else [(qmin, qmax)]
 
     def errors(s, z, which):
-        """{range index: the candidate's error on that range} for the ranges in `which`."""
+        """{range index: the candidate's error on that range} for the ranges in `which`: one rounding."""
         sc = s.to(torch.float32)
         y = (x * torch.where(sc > 0, 1.0 / torch.where(sc > 0, sc, 1.0), 0.0).unsqueeze(-1)).round_()
-        if z is None:
-            return {i: (w * (x - y.clamp(*ranges[i]).mul_(sc.unsqueeze(-1))).square()).sum(-1) for i in which}
-        zc = z.to(torch.float32).unsqueeze(-1)
-        back = y.add_(zc).clamp_(qmin, qmax).sub_(zc).mul_(sc.unsqueeze(-1))
-        return {0: (w * (x - back).square()).sum(-1)}
+        zc = None if z is None else z.to(torch.float32).unsqueeze(-1)
+        if zc is not None:
+            y.add_(zc)
+        out = {}
+        for i in which:
+            back = y.clamp(*ranges[i])
+            if zc is not None:
+                back.sub_(zc)
+            out[i] = (w * (x - back.mul_(sc.unsqueeze(-1))).square()).sum(-1)
+        return out
 
     every = range(len(ranges))
     best = errors(best_s, best_z, every)
     best_s = {i: best_s for i in every}
-    best_z = {0: best_z}
+    best_z = {i: best_z for i in every}
 
     def consider(s32, z, which):
         s32 = torch.where(torch.isfinite(s32) & (s32 > 0), s32, torch.zeros_like(s32))

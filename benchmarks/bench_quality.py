@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import time
@@ -263,13 +264,34 @@ def main(argv=None) -> int:
                     if opts["blend"]:  # + blend x the all-tokens Hessian, both at unit mean diagonal
                         h_all = tensors[f"hessian.{group}"].float().expand_as(H)
                         H = unit_diag(H) + opts["blend"] * unit_diag(h_all)
+                    s = None
+                    if opts["awq"]:  # AWQ's input-channel scale before GPTQ: quantize W s under H / (s s^T)
+                        # gate / up: one scale per layer (folded into the norm, router and shared experts),
+                        # from the experts' mean input RMS; down: per expert (folded into up's rows), from diag(H)
+                        imp_l = importance[(L, pj)].reshape(-1, w.shape[-1])
+                        m = imp_l.mean(0, keepdim=True) if group == "gate_up" else H.diagonal(dim1=-2, dim2=-1)
+                        s = m.clamp_min(1e-12).sqrt() ** opts["awq"]
+                        s = s / (s.amax(-1, keepdim=True) * s.amin(-1, keepdim=True)).sqrt()
+                        w, H = w * s[:, None, :], H / (s[:, :, None] * s[:, None, :])
                     with importance_transform(opts["imp"]):
                         q, _ = gptq(
                             w, H, spec, act_order=opts["order"], static_groups=True, grid=grid, damp=opts["damp"]
                         )
                     if algo == "gptq+refit":
                         q = refit_scales(q, w, H)
-                    deq[(L, pj)] = q.dequantize()
+                        for _ in range(int(opts["iters"]) - 1):  # GPTQ again on the refitted scales, refit again
+                            with importance_transform(opts["imp"]), given_scales(q.scales):
+                                q, _ = gptq(
+                                    w,
+                                    H,
+                                    spec,
+                                    act_order=opts["order"],
+                                    static_groups=True,
+                                    grid=grid,
+                                    damp=opts["damp"],
+                                )
+                            q = refit_scales(q, w, H)
+                    deq[(L, pj)] = q.dequantize() if s is None else q.dequantize() / s[:, None, :]
             label = f"{key} {algo_opts} {grid}" + (f" H:{wt}" if algo != "rtn" else "")
             variants[label] = (deq, nbytes, None)
 
@@ -353,8 +375,40 @@ def ratio_range(a, b, draws: int = 4000, seed: int = 0) -> tuple[float, float]:
 # GPTQ levers of a uniform variant, ALGORITHM:KEY=VALUE:... (e.g. gptq+refit:damp=0.001:order=off):
 # damp (relative damping, 0.01), order (act order on / off), blend (the all-tokens Hessian added at this
 # weight, both at unit mean diagonal, 0 = off), imp (the searched grid's per-column weights: h = diag(H),
-# the pass's; none = unweighted; sqrt = diag(H) ** 0.5)
-LEVERS = {"damp": 0.01, "order": True, "blend": 0.0, "imp": "h"}
+# the pass's; none = unweighted; sqrt = diag(H) ** 0.5), awq (AWQ's exponent alpha of the input-channel
+# scale s = rms^alpha applied before GPTQ, 0 = off), iters (GPTQ + refit rounds: each further round runs
+# GPTQ on the previous round's refitted scales, then refits)
+LEVERS = {"damp": 0.01, "order": True, "blend": 0.0, "imp": "h", "awq": 0.0, "iters": 1}
+
+
+class given_scales:
+    """Within the block, GPTQ's static group scales are `scales` ([E, out, G]) instead of the grid's."""
+
+    def __init__(self, scales):
+        self.scales = scales
+
+    def __enter__(self):
+        from moequant.algorithms import gptq as g
+
+        self.saved = g._fixed_params
+        scales = self.scales
+
+        def wrapped(cqs, ws, spec, per_row, static_groups, importance, squeeze):
+            params = self.saved(cqs, ws, spec, per_row, static_groups, importance, squeeze)
+            for per_group in params:
+                for i, p in enumerate(per_group):
+                    per_group[i] = dataclasses.replace(
+                        p, scales=scales[..., i : i + 1].to(p.scales.dtype).reshape(p.scales.shape)
+                    )
+            return params
+
+        g._fixed_params = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        from moequant.algorithms import gptq as g
+
+        g._fixed_params = self.saved
 
 
 def lever_options(text: str) -> tuple[str, dict]:

@@ -56,6 +56,24 @@ def test_cuda_column_quantizer_matches_cpu(key):
     assert torch.equal(out[0], out[1])
 
 
+@pytest.mark.parametrize("key", ["int4-g32-sym", "int4-g128-sym", "int3-g64-sym", "int2-g32-sym"])
+def test_searched_grid_kernel_searches_minus_x_in_the_same_pass(key):
+    """The kernel searches a symmetric group on both code ranges in one pass: its mirrored scales are
+    its own search of -x, bit for bit (and the other way round), as core._search's torch loop."""
+    from moequant.formats import core, search_triton
+
+    spec = formats.parse_key(key)
+    w = make_weight((16, 256, 1024), "student_t", seed=3).cuda()
+    imp = torch.rand(16, 1024, device="cuda") ** 2
+    xg = w.unflatten(-1, (1024 // spec.group_size, spec.group_size))
+    impv = imp[:, None, :].unflatten(-1, (1024 // spec.group_size, spec.group_size))
+    assert search_triton.usable(spec, xg)
+    s, _, s_mirrored = core._search(spec, xg, impv, mirrored=True)
+    s_minus, _, s_minus_mirrored = core._search(spec, -xg, impv, mirrored=True)
+    assert torch.equal(s_mirrored, s_minus) and torch.equal(s, s_minus_mirrored)
+    assert (s_mirrored != s).float().mean() > 0.1
+
+
 @pytest.mark.parametrize("key", ["int4-g32-sym", "int4-g128-sym", "int3-g64-sym", "int4-g32-asym", "int2-g128-asym"])
 def test_searched_grid_kernel_picks_the_torch_loops_scales(key, monkeypatch):
     """The searched grid's Triton kernel (formats.search_triton) against searched_fit's torch loop on the

@@ -430,7 +430,7 @@ def test_search_by_reciprocal_matches_the_division_search_up_to_ties(key, monkey
 def test_one_pass_over_both_signs_is_the_search_on_minus_x(key):
     """The searched grid searches -x (the mirrored grid of a negative scale) in the same pass as x, on the
     mirrored code range: its scales are those of a separate search on -x bit for bit, and the search on x
-    is unchanged by it (CPU torch loop; the Triton kernel searches -x in a second launch)."""
+    is unchanged by it (CPU torch loop; the Triton kernel's own test is in tests/test_formats_cuda.py)."""
     from moequant.formats import core
 
     spec = formats.parse_key(key)

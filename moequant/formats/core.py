@@ -563,7 +563,7 @@ def _search(spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name
     else None). Rounding half to even is odd, so on -x every candidate's codes are the negated codes
     of x clamped to the mirrored range -(2^(B-1)-1)..2^(B-1), and its error and least-squares refit
     are those of x on that range, bit for bit: in torch one rounding per candidate serves both signs
-    (the Triton kernel launches again on -x)."""
+    (the Triton kernel likewise, in the same pass)."""
     spec = get_format(spec)
     if not spec.is_int:
         raise UserError("the searched grid applies to integer formats (int8, int4, int3, int2), not %s" % spec.key)
@@ -581,10 +581,8 @@ def _search(spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name
     factors = 1.0 / torch.tensor(divisors, dtype=torch.float32)
     mirrored = mirrored and spec.symmetric
     if search_triton.usable(spec, x):  # every candidate of every group in one kernel (same arithmetic)
-        s, z = search_triton.searched_fit_triton(spec, x, importance, best_s, best_z, factors)
-        # the kernel searches one range: -x for the mirrored one (a second launch)
-        mirror = search_triton.searched_fit_triton(spec, -x, importance, best_s, best_z, factors) if mirrored else None
-        return s, z, None if mirror is None else mirror[0]
+        s, z, s_mirrored = search_triton.searched_fit_triton(spec, x, importance, best_s, best_z, factors)
+        return s, z, s_mirrored if mirrored else None
     factors = factors.tolist()
     # the code ranges searched: the format's own, and the mirrored one for the search on -x
     ranges = [(qmin, qmax), (-qmax, -qmin)] if mirrored else [(qmin, qmax)]

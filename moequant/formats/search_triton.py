@@ -5,7 +5,11 @@ also refitted by weighted least squares; asymmetric: 21 range divisors on the gr
 each with its least-squares (scale, offset) refit). In torch every candidate is a handful of
 full passes over the weights, ~1,400 passes per projection. Here one program loads a tile of
 groups once and evaluates every candidate in registers: one read of the weights and the
-importance, one write of the chosen scales (and zero points).
+importance, one write of the chosen scales (and zero points). A symmetric group is searched on both
+code ranges in that pass, its own and the mirrored one of a negative scale (core.searched_fit's sign
+choice; core._search says why that is the search on -x): the candidates' codes are rounded once and
+clamped twice: on an H100, 718 ms per 256 DeepSeek-V3 gate experts at int4-g32 against 852 ms as
+a second launch on -x (benchmarks/RESULTS.md, bench_gptq 2026-12-06).
 
 Arithmetic is searched_fit's torch loop, operation for operation: candidate scales are
 spread * (1 / d) with 1 / d in float32 (`factors`); in a candidate's error an element's code is
@@ -59,13 +63,19 @@ def _lead3(t: torch.Tensor, shape) -> tuple[torch.Tensor, tuple[int, ...]]:
 
 
 def searched_fit_triton(
-    spec, x: torch.Tensor, importance, start_scales: torch.Tensor, start_zeros, factors: torch.Tensor
+    spec,
+    x: torch.Tensor,
+    importance,
+    start_scales: torch.Tensor,
+    start_zeros,
+    factors: torch.Tensor,
 ):
-    """searched_fit's search on CUDA. x: float32 [..., k] groups; importance broadcasting against x
-    (or None); start_scales / start_zeros: the min/max rule's bf16 scales / int8 zero points
-    [...] (the first candidate); factors: float32 [candidates], 1 / the symmetric divisors or
-    1 / the asymmetric level counts, in searched_fit's order. Returns (scales bf16, zeros int8
-    or None) shaped x.shape[:-1]."""
+    """core._search on CUDA. x: float32 [..., k] groups; importance broadcasting against x (or None);
+    start_scales / start_zeros: the min/max rule's bf16 scales / int8 zero points [...] (the first
+    candidate); factors: float32 [candidates], 1 / the symmetric divisors or 1 / the asymmetric
+    level counts, in searched_fit's order. A symmetric search is also the search on -x (the mirrored
+    code range, core._search), in the same pass. Returns (scales bf16, zeros int8 or None, the
+    mirrored search's scales bf16 or None) shaped x.shape[:-1]."""
     k = x.shape[-1]
     shape = tuple(x.shape)
     xv, xs = _lead3(x, shape)
@@ -82,6 +92,7 @@ def searched_fit_triton(
     symmetric = start_zeros is None
     z_in = s_in if symmetric else start_zeros.reshape(-1).contiguous()
     out_z = out_s if symmetric else torch.empty(m, dtype=torch.int8, device=x.device)
+    out_m = torch.empty(m, dtype=torch.bfloat16, device=x.device) if symmetric else out_s
     factors = factors.to(device=x.device, dtype=torch.float32)
     block_m, warps = LAUNCH.get(k, (max(1, 2048 // k), 4))
     grid = (triton.cdiv(m, block_m),)
@@ -92,6 +103,7 @@ def searched_fit_triton(
         z_in,
         out_s,
         out_z,
+        out_m,
         factors,
         m,
         n1,
@@ -115,7 +127,9 @@ def searched_fit_triton(
         **({} if INTERPRETED else {"enable_fp_fusion": False}),
     )
     lead = shape[:-1]
-    return out_s.reshape(lead), None if symmetric else out_z.reshape(lead)
+    if symmetric:
+        return out_s.reshape(lead), None, out_m.reshape(lead)
+    return out_s.reshape(lead), out_z.reshape(lead), None
 
 
 # groups per program and warps, by group width (default: 2048 elements per program, 4 warps);
@@ -168,6 +182,17 @@ if triton is not None:
         return tl.sum(w * (d * d), axis=1)
 
     @triton.jit
+    def _error_pair(x, w, s, qmin, qmax):
+        """_error of a symmetric candidate on the code range qmin..qmax and on the mirrored one
+        -qmax..-qmin (the search on -x), from one rounding: rounded on qmin..-qmin, then each range's
+        end level cut (clamping and rounding commute on integer bounds)."""
+        sc = s[:, None]
+        k = _round(tl.minimum(tl.maximum(x * _reciprocal(s, 0.0)[:, None], qmin), -qmin))
+        d = x - tl.minimum(k, qmax) * sc
+        d_m = x - tl.maximum(k, -qmax) * sc
+        return tl.sum(w * (d * d), axis=1), tl.sum(w * (d_m * d_m), axis=1)
+
+    @triton.jit
     def _consider(x, w, s, z, best, best_s, best_z, qmin, qmax, SYMMETRIC: tl.constexpr):
         """The candidate (s, z) replaces the best so far in the groups where its error is strictly smaller."""
         err = _error(x, w, s, z, qmin, qmax, SYMMETRIC)
@@ -199,6 +224,7 @@ if triton is not None:
         Z0,
         OUT_S,
         OUT_Z,
+        OUT_M,
         F,
         m,
         n1,
@@ -234,17 +260,27 @@ if triton is not None:
         else:
             best_z = tl.load(Z0 + r).to(tl.float32)
         best = _error(x, w, best_s, best_z, qmin, qmax, SYMMETRIC)
-        if SYMMETRIC:
+        if SYMMETRIC:  # both code ranges (the search on x and on -x), one rounding per candidate
+            best_m = _error(x, w, best_s, best_z, -qmax, -qmin, SYMMETRIC)
+            best_sm = best_s
             amax = tl.max(tl.abs(x), axis=1)
             for i in range(0, N_CAND):
                 s32 = amax * tl.load(F + i)
-                best, best_s, best_z = _consider(
-                    x, w, _store_scale(s32), best_z, best, best_s, best_z, qmin, qmax, SYMMETRIC
-                )
-                # its weighted least-squares refit on the codes of the unrounded candidate
-                codes = _codes_of_quotient(x, tl.where(s32 > 0, s32, 1.0), qmin, qmax)
+                s = _store_scale(s32)
+                err, err_m = _error_pair(x, w, s, qmin, qmax)
+                best_s = tl.where(err < best, s, best_s)
+                best = tl.where(err < best, err, best)
+                best_sm = tl.where(err_m < best_m, s, best_sm)
+                best_m = tl.where(err_m < best_m, err_m, best_m)
+                # each range's weighted least-squares refit on its codes of the unrounded candidate
+                both = _codes_of_quotient(x, tl.where(s32 > 0, s32, 1.0), qmin, -qmin)
+                codes = tl.minimum(both, qmax)
                 s = _store_scale(tl.div_rn(tl.sum(w * x * codes, axis=1), tl.sum(w * (codes * codes), axis=1)))
                 best, best_s, best_z = _consider(x, w, s, best_z, best, best_s, best_z, qmin, qmax, SYMMETRIC)
+                codes = tl.maximum(both, -qmax)
+                s = _store_scale(tl.div_rn(tl.sum(w * x * codes, axis=1), tl.sum(w * (codes * codes), axis=1)))
+                best_m, best_sm, best_z = _consider(x, w, s, best_z, best_m, best_sm, best_z, -qmax, -qmin, SYMMETRIC)
+            tl.store(OUT_M + r, best_sm.to(tl.bfloat16), mask=live)
         else:
             lo = tl.min(x, axis=1)
             hi = tl.max(x, axis=1)

@@ -56,6 +56,14 @@ def test_cuda_column_quantizer_matches_cpu(key):
     assert torch.equal(out[0], out[1])
 
 
+def _searched_grid_inputs(spec, seed, device="cuda"):
+    """16 experts of 256 x 1024 heavy-tailed weights in the format's groups, and random importance per column."""
+    w = make_weight((16, 256, 1024), "student_t", seed=seed).to(device)
+    imp = torch.rand(16, 1024, device=device) ** 2
+    groups = (1024 // spec.group_size, spec.group_size)
+    return w.unflatten(-1, groups), imp[:, None, :].unflatten(-1, groups)
+
+
 @pytest.mark.parametrize("key", ["int4-g32-sym", "int4-g128-sym", "int3-g64-sym", "int2-g32-sym"])
 def test_searched_grid_kernel_searches_minus_x_in_the_same_pass(key):
     """The kernel searches a symmetric group on both code ranges in one pass: its mirrored scales are
@@ -63,10 +71,7 @@ def test_searched_grid_kernel_searches_minus_x_in_the_same_pass(key):
     from moequant.formats import core, search_triton
 
     spec = formats.parse_key(key)
-    w = make_weight((16, 256, 1024), "student_t", seed=3).cuda()
-    imp = torch.rand(16, 1024, device="cuda") ** 2
-    xg = w.unflatten(-1, (1024 // spec.group_size, spec.group_size))
-    impv = imp[:, None, :].unflatten(-1, (1024 // spec.group_size, spec.group_size))
+    xg, impv = _searched_grid_inputs(spec, seed=3)
     assert search_triton.usable(spec, xg)
     s, _, s_mirrored = core._search(spec, xg, impv, mirrored=True)
     s_minus, _, s_minus_mirrored = core._search(spec, -xg, impv, mirrored=True)
@@ -82,10 +87,7 @@ def test_searched_grid_kernel_picks_the_torch_loops_scales(key, monkeypatch):
     from moequant.formats import core, search_triton
 
     spec = formats.parse_key(key)
-    w = make_weight((16, 256, 1024), "student_t", seed=7).cuda()
-    imp = torch.rand(16, 1024, device="cuda") ** 2
-    xg = w.unflatten(-1, (1024 // spec.group_size, spec.group_size))
-    impv = imp[:, None, :].unflatten(-1, (1024 // spec.group_size, spec.group_size))
+    xg, impv = _searched_grid_inputs(spec, seed=7)
     assert search_triton.usable(spec, xg)
     s_k, z_k = core.searched_fit(spec, xg, impv)
     monkeypatch.setattr(search_triton, "usable", lambda spec, x: False)

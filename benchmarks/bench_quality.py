@@ -35,8 +35,10 @@ Dated results, each with its command: benchmarks/RESULTS.md, section bench_quali
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -381,34 +383,33 @@ def ratio_range(a, b, draws: int = 4000, seed: int = 0) -> tuple[float, float]:
 LEVERS = {"damp": 0.01, "order": True, "blend": 0.0, "imp": "h", "awq": 0.0, "iters": 1}
 
 
-class given_scales:
+@contextlib.contextmanager
+def gptq_fixed_params(wrap):
+    """Within the block, algorithms.gptq's `_fixed_params` (GPTQ's static group scales) is
+    `wrap(original, *its arguments)` (the benchmark-only levers below)."""
+    from moequant.algorithms import gptq as g
+
+    original = g._fixed_params
+    g._fixed_params = functools.partial(wrap, original)
+    try:
+        yield
+    finally:
+        g._fixed_params = original
+
+
+def given_scales(scales):
     """Within the block, GPTQ's static group scales are `scales` ([E, out, G]) instead of the grid's."""
 
-    def __init__(self, scales):
-        self.scales = scales
+    def wrap(original, *args):
+        params = original(*args)
+        for per_group in params:
+            for i, p in enumerate(per_group):
+                per_group[i] = dataclasses.replace(
+                    p, scales=scales[..., i : i + 1].to(p.scales.dtype).reshape(p.scales.shape)
+                )
+        return params
 
-    def __enter__(self):
-        from moequant.algorithms import gptq as g
-
-        self.saved = g._fixed_params
-        scales = self.scales
-
-        def wrapped(cqs, ws, spec, per_row, static_groups, importance, squeeze):
-            params = self.saved(cqs, ws, spec, per_row, static_groups, importance, squeeze)
-            for per_group in params:
-                for i, p in enumerate(per_group):
-                    per_group[i] = dataclasses.replace(
-                        p, scales=scales[..., i : i + 1].to(p.scales.dtype).reshape(p.scales.shape)
-                    )
-            return params
-
-        g._fixed_params = wrapped
-        return self
-
-    def __exit__(self, *exc):
-        from moequant.algorithms import gptq as g
-
-        g._fixed_params = self.saved
+    return gptq_fixed_params(wrap)
 
 
 def lever_options(text: str) -> tuple[str, dict]:
@@ -426,31 +427,16 @@ def unit_diag(h):
     return h / h.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)[..., None, None]
 
 
-class importance_transform:
-    """Within the block, the searched grid's column weights diag(H) become `imp`'s (algorithms.gptq's
-    _fixed_params is wrapped; a benchmark-only lever)."""
+def importance_transform(imp: str):
+    """Within the block, the searched grid's column weights diag(H) become `imp`'s."""
+    if imp == "h":
+        return contextlib.nullcontext()
+    fn = {"none": lambda t: None, "sqrt": lambda t: None if t is None else t.clamp_min(0).sqrt()}[imp]
 
-    def __init__(self, imp: str):
-        self.imp = imp
+    def wrap(original, cqs, ws, spec, per_row, static_groups, importance, squeeze):
+        return original(cqs, ws, spec, per_row, static_groups, fn(importance), squeeze)
 
-    def __enter__(self):
-        from moequant.algorithms import gptq as g
-
-        self.saved = g._fixed_params
-        if self.imp == "h":
-            return self
-        fn = {"none": lambda t: None, "sqrt": lambda t: None if t is None else t.clamp_min(0).sqrt()}[self.imp]
-
-        def wrapped(cqs, ws, spec, per_row, static_groups, importance, squeeze):
-            return self.saved(cqs, ws, spec, per_row, static_groups, fn(importance), squeeze)
-
-        g._fixed_params = wrapped
-        return self
-
-    def __exit__(self, *exc):
-        from moequant.algorithms import gptq as g
-
-        g._fixed_params = self.saved
+    return gptq_fixed_params(wrap)
 
 
 def plan_variant(entry: str, index: int, model: str, args, out: Path, ad, original: dict):

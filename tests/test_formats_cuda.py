@@ -66,17 +66,24 @@ def _searched_grid_inputs(spec, seed, device="cuda"):
 
 @pytest.mark.parametrize("key", ["int4-g32-sym", "int4-g128-sym", "int3-g64-sym", "int2-g32-sym"])
 def test_searched_grid_kernel_searches_minus_x_in_the_same_pass(key):
-    """The kernel searches a symmetric group on both code ranges in one pass: its mirrored scales are
-    its own search of -x, bit for bit (and the other way round), as core._search's torch loop."""
+    """The kernel searches a symmetric group on both code ranges in one pass and chooses the sign itself:
+    its scales are the choice (by torch's error on `_encode`'s codes) between its own search on x and
+    its own search on -x, negated, except where the two errors tie within float32 sums in another
+    order (a near tie may then go either way)."""
     from moequant.formats import core, search_triton
 
     spec = formats.parse_key(key)
     xg, impv = _searched_grid_inputs(spec, seed=3)
     assert search_triton.usable(spec, xg)
-    s, _, s_mirrored = core._search(spec, xg, impv, mirrored=True)
-    s_minus, _, s_minus_mirrored = core._search(spec, -xg, impv, mirrored=True)
-    assert torch.equal(s_mirrored, s_minus) and torch.equal(s, s_minus_mirrored)
-    assert (s_mirrored != s).float().mean() > 0.1
+    s, _ = core._search(spec, xg, impv, signed=True)
+    plus, minus = core._search(spec, xg, impv)[0], core._search(spec, -xg, impv)[0]
+    e_plus, e_minus = core._symmetric_error(spec, xg, impv, plus), core._symmetric_error(spec, xg, impv, -minus)
+    expected = torch.where(e_minus < e_plus, -minus, plus)
+    differ = s != expected
+    print(f"{key}: {differ.float().mean().item():.2e} of the groups differ")
+    assert 0.1 < (e_minus < e_plus).float().mean() < 0.9  # each sign wins somewhere
+    assert differ.float().mean() < 1e-4
+    assert torch.allclose(e_plus[differ], e_minus[differ], rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("key", ["int4-g32-sym", "int4-g128-sym", "int3-g64-sym", "int4-g32-asym", "int2-g128-asym"])

@@ -387,7 +387,7 @@ def test_search_by_reciprocal_matches_the_division_search_up_to_ties(key, monkey
         # the grid alone, float64 error where the two searches pick different scales
         imp = h.diagonal(dim1=-2, dim2=-1)[:, None, :].unflatten(-1, (-1, spec.group_size))
         xg = w.unflatten(-1, (-1, spec.group_size))
-        new = core._search(spec, xg, imp)[:2]  # one sign: the scale sign's choice is shared
+        new = core._search(spec, xg, imp)  # one sign: the scale sign's choice is shared
         old = _searched_fit_by_division(spec, xg, imp)
         differ = new[0] != old[0] if spec.symmetric else (new[0] != old[0]) | (new[1] != old[1])
 
@@ -407,9 +407,12 @@ def test_search_by_reciprocal_matches_the_division_search_up_to_ties(key, monkey
         # the whole recipe GPTQ: codes and held-out error
         results = []
 
-        def by_division(spec, xg, imp=None, name=None, mirrored=False):
-            mirror = _searched_fit_by_division(spec, -xg, imp)[0] if mirrored else None
-            return (*_searched_fit_by_division(spec, xg, imp), mirror)
+        def by_division(spec, xg, imp=None, name=None, signed=False):
+            s, z = _searched_fit_by_division(spec, xg, imp)
+            if not (signed and spec.symmetric):
+                return s, z
+            x, w = xg.float(), torch.ones_like(xg) if imp is None else imp.float()
+            return core._choose_sign(spec, x, w, s, _searched_fit_by_division(spec, -xg, imp)[0]), None
 
         for fit in (core._search, by_division):
             monkeypatch.setattr(core, "_search", fit)
@@ -428,9 +431,10 @@ def test_search_by_reciprocal_matches_the_division_search_up_to_ties(key, monkey
 
 @pytest.mark.parametrize("key", ["int4-g32-sym", "int3-g64-sym", "int2-g32-sym", "int8-channel"])
 def test_one_pass_over_both_signs_is_the_search_on_minus_x(key):
-    """The searched grid searches -x (the mirrored grid of a negative scale) in the same pass as x, on the
-    mirrored code range: its scales are those of a separate search on -x bit for bit, and the search on x
-    is unchanged by it (CPU torch loop; the Triton kernel's own test is in tests/test_formats_cuda.py)."""
+    """The signed search searches -x (the mirrored grid of a negative scale) in the same pass as x, on the
+    mirrored code range, and keeps per group the better of the two on `_encode`'s codes: bit for bit the
+    choice between a search on x and a separate search on -x, negated (CPU torch loop; the Triton
+    kernel's own test is in tests/test_formats_cuda.py)."""
     from moequant.formats import core
 
     spec = formats.parse_key(key)
@@ -438,12 +442,13 @@ def test_one_pass_over_both_signs_is_the_search_on_minus_x(key):
     k = spec.group_size if spec.granularity == "group" else w.shape[-1]
     xg = w.unflatten(-1, (-1, k))
     impv = imp[:, None, :].unflatten(-1, (-1, k))
-    s, z, s_mirrored = core._search(spec, xg, impv, mirrored=True)
-    alone, z_alone, none = core._search(spec, xg, impv)
-    assert z is None and z_alone is None and none is None
-    assert torch.equal(s, alone)
-    assert torch.equal(s_mirrored, core._search(spec, -xg, impv)[0])
-    assert (s_mirrored != s).float().mean() > 0.1  # the two searches differ: the test can tell them apart
+    s, z = core._search(spec, xg, impv, signed=True)
+    plus, z_plus = core._search(spec, xg, impv)
+    minus, _ = core._search(spec, -xg, impv)
+    assert z is None and z_plus is None
+    better = core._symmetric_error(spec, xg, impv, -minus) < core._symmetric_error(spec, xg, impv, plus)
+    assert torch.equal(s, torch.where(better, -minus, plus))
+    assert 0.1 < better.float().mean() < 0.9  # each sign wins somewhere: the test can tell them apart
 
 
 @pytest.mark.parametrize("key", ["int4-g32-sym", "int4-g128-sym", "int3-g64-sym", "int2-g32-sym"])

@@ -517,15 +517,7 @@ def searched_fit(spec, xg: torch.Tensor, importance: torch.Tensor | None = None,
     (w = q * s); on tiny-deepseek-v3 it cuts the importance-weighted round-to-nearest error of
     int4-g32-sym by 12% (benchmarks/RESULTS.md, bench_quality 2026-12-05 session 21)."""
     spec = get_format(spec)
-    signed = signed_scales(spec)
-    s, z, s_mirrored = _search(spec, xg, importance, name, mirrored=signed)
-    if not signed:
-        return s, z
-    s_neg = -s_mirrored
-    x = xg.to(torch.float32)
-    w = None if importance is None else importance.to(torch.float32)
-    better = _symmetric_error(spec, x, w, s_neg) < _symmetric_error(spec, x, w, s)
-    return torch.where(better, s_neg, s), None
+    return _search(spec, xg, importance, name, signed=signed_scales(spec))
 
 
 def signed_scales(spec) -> bool:
@@ -541,7 +533,14 @@ def _symmetric_error(spec, x: torch.Tensor, w: torch.Tensor | None, s: torch.Ten
     return (d if w is None else w * d).sum(-1)
 
 
-def _search(spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name: str | None = None, mirrored=False):
+def _choose_sign(spec, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, s_mirrored: torch.Tensor) -> torch.Tensor:
+    """Per group s, or -s_mirrored (the search on -x) where its error is strictly smaller, the errors
+    on the codes `_encode` stores."""
+    better = _symmetric_error(spec, x, w, -s_mirrored) < _symmetric_error(spec, x, w, s)
+    return torch.where(better, -s_mirrored, s)
+
+
+def _search(spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name: str | None = None, signed=False):
     """Scales (and zero points) over the last axis of xg ([..., k] elements per group) that minimise
     sum_i importance_i * (x_i - dequantized_i)^2 over a candidate set that contains the format's
     own min/max rule (so the result is never worse than `_fit`'s on that objective).
@@ -559,11 +558,11 @@ def _search(spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name
     codes a least-squares candidate is fitted on stay divisions: they define the candidate.
     The codes of the chosen scale are always `_encode`'s.
 
-    mirrored (symmetric formats): also the search on -x, as a third value (its positive scales;
-    else None). Rounding half to even is odd, so on -x every candidate's codes are the negated codes
-    of x clamped to the mirrored range -(2^(B-1)-1)..2^(B-1), and its error and least-squares refit
-    are those of x on that range, bit for bit: in torch one rounding per candidate serves both signs
-    (the Triton kernel likewise, in the same pass)."""
+    signed (symmetric formats): each group's scale sign too, `_choose_sign` between this search and
+    the search on -x. Rounding half to even is odd, so on -x every candidate's codes are the negated
+    codes of x clamped to the mirrored range -(2^(B-1)-1)..2^(B-1), and its error and least-squares
+    refit are those of x on that range, bit for bit: one rounding per candidate serves both signs,
+    in the torch loop and in the Triton kernel (which makes the choice too)."""
     spec = get_format(spec)
     if not spec.is_int:
         raise UserError("the searched grid applies to integer formats (int8, int4, int3, int2), not %s" % spec.key)
@@ -579,10 +578,9 @@ def _search(spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name
     # candidate = spread * (1 / divisor), 1 / divisor in float32: what torch computes on CUDA for a
     # tensor divided by a Python number, here on every device alike
     factors = 1.0 / torch.tensor(divisors, dtype=torch.float32)
-    mirrored = mirrored and spec.symmetric
+    mirrored = signed and spec.symmetric
     if search_triton.usable(spec, x):  # every candidate of every group in one kernel (same arithmetic)
-        s, z, s_mirrored = search_triton.searched_fit_triton(spec, x, importance, best_s, best_z, factors)
-        return s, z, s_mirrored if mirrored else None
+        return search_triton.searched_fit_triton(spec, x, importance, best_s, best_z, factors, mirrored)
     factors = factors.tolist()
     # the code ranges searched: the format's own, and the mirrored one for the search on -x
     ranges = [(qmin, qmax), (-qmax, -qmin)] if mirrored else [(qmin, qmax)]
@@ -630,7 +628,7 @@ def _search(spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name
             for i in every:
                 codes = torch.clamp(quotient, *ranges[i])
                 consider((w * x * codes).sum(-1) / (w * codes.square()).sum(-1), None, [i])
-        return best_s[0], None, best_s[1] if mirrored else None
+        return (_choose_sign(spec, x, w, best_s[0], best_s[1]) if mirrored else best_s[0]), None
 
     lo, hi = x.amin(-1), x.amax(-1)
     steps = 2**spec.bits - 1
@@ -646,4 +644,4 @@ def _search(spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name
         m_ls = (sll * sx - sl * slx) / det
         # x ~ s * (q - qmin) + m = s * (q - z) with z = qmin - m / s
         consider(s_ls, lambda s, m=m_ls: qmin + torch.round(-m / s), [0])
-    return best_s[0], best_z[0], None
+    return best_s[0], best_z[0]

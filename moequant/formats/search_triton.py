@@ -6,10 +6,11 @@ each with its least-squares (scale, offset) refit). In torch every candidate is 
 full passes over the weights, ~1,400 passes per projection. Here one program loads a tile of
 groups once and evaluates every candidate in registers: one read of the weights and the
 importance, one write of the chosen scales (and zero points). A symmetric group is searched on both
-code ranges in that pass, its own and the mirrored one of a negative scale (core.searched_fit's sign
-choice; core._search says why that is the search on -x): the candidates' codes are rounded once and
-clamped twice: on an H100, 718 ms per 256 DeepSeek-V3 gate experts at int4-g32 against 852 ms as
-a second launch on -x (benchmarks/RESULTS.md, bench_gptq 2026-12-06).
+code ranges in that pass, its own and the mirrored one of a negative scale (core._search says why
+that is the search on -x): the candidates' codes are rounded once and clamped twice. With `signed`
+the kernel also makes core._choose_sign's choice between the two, on the codes `_encode` stores:
+in torch that choice is a dozen more passes over the weights (on an H100, 731 -> 465 ms per 256
+DeepSeek-V3 gate experts at int4-g32; benchmarks/RESULTS.md, bench_gptq 2026-12-06 session 24).
 
 Arithmetic is searched_fit's torch loop, operation for operation: candidate scales are
 spread * (1 / d) with 1 / d in float32 (`factors`); in a candidate's error an element's code is
@@ -69,13 +70,13 @@ def searched_fit_triton(
     start_scales: torch.Tensor,
     start_zeros,
     factors: torch.Tensor,
+    signed: bool = False,
 ):
     """core._search on CUDA. x: float32 [..., k] groups; importance broadcasting against x (or None);
     start_scales / start_zeros: the min/max rule's bf16 scales / int8 zero points [...] (the first
     candidate); factors: float32 [candidates], 1 / the symmetric divisors or 1 / the asymmetric
-    level counts, in searched_fit's order. A symmetric search is also the search on -x (the mirrored
-    code range, core._search), in the same pass. Returns (scales bf16, zeros int8 or None, the
-    mirrored search's scales bf16 or None) shaped x.shape[:-1]."""
+    level counts, in searched_fit's order; signed (symmetric only): each group's scale sign chosen
+    as core._choose_sign does. Returns (scales bf16, zeros int8 or None) shaped x.shape[:-1]."""
     k = x.shape[-1]
     shape = tuple(x.shape)
     xv, xs = _lead3(x, shape)
@@ -92,7 +93,6 @@ def searched_fit_triton(
     symmetric = start_zeros is None
     z_in = s_in if symmetric else start_zeros.reshape(-1).contiguous()
     out_z = out_s if symmetric else torch.empty(m, dtype=torch.int8, device=x.device)
-    out_m = torch.empty(m, dtype=torch.bfloat16, device=x.device) if symmetric else out_s
     factors = factors.to(device=x.device, dtype=torch.float32)
     block_m, warps = LAUNCH.get(k, (max(1, 2048 // k), 4))
     grid = (triton.cdiv(m, block_m),)
@@ -103,7 +103,6 @@ def searched_fit_triton(
         z_in,
         out_s,
         out_z,
-        out_m,
         factors,
         m,
         n1,
@@ -120,6 +119,7 @@ def searched_fit_triton(
         float(2 ** (spec.bits - 1) - 1),
         float(2**spec.bits - 1),
         SYMMETRIC=symmetric,
+        SIGNED=symmetric and signed,
         K=k,
         BLOCK_M=block_m,
         N_CAND=len(factors),
@@ -127,9 +127,7 @@ def searched_fit_triton(
         **({} if INTERPRETED else {"enable_fp_fusion": False}),
     )
     lead = shape[:-1]
-    if symmetric:
-        return out_s.reshape(lead), None, out_m.reshape(lead)
-    return out_s.reshape(lead), out_z.reshape(lead), None
+    return out_s.reshape(lead), None if symmetric else out_z.reshape(lead)
 
 
 # groups per program and warps, by group width (default: 2048 elements per program, 4 warps);
@@ -193,6 +191,13 @@ if triton is not None:
         return tl.sum(w * (d * d), axis=1), tl.sum(w * (d_m * d_m), axis=1)
 
     @triton.jit
+    def _stored_error(x, w, s, qmin, qmax):
+        """sum w (x - dequantized)^2 per group with the codes `_encode` stores, round(x / s) (IEEE
+        divisions) on qmin..qmax; a zero scale dequantizes to 0 whatever the codes."""
+        d = x - _codes_of_quotient(x, tl.where(s > 0, s, 1.0), qmin, qmax) * s[:, None]
+        return tl.sum(w * (d * d), axis=1)
+
+    @triton.jit
     def _consider(x, w, s, z, best, best_s, best_z, qmin, qmax, SYMMETRIC: tl.constexpr):
         """The candidate (s, z) replaces the best so far in the groups where its error is strictly smaller."""
         err = _error(x, w, s, z, qmin, qmax, SYMMETRIC)
@@ -224,7 +229,6 @@ if triton is not None:
         Z0,
         OUT_S,
         OUT_Z,
-        OUT_M,
         F,
         m,
         n1,
@@ -241,6 +245,7 @@ if triton is not None:
         qmax,
         steps,
         SYMMETRIC: tl.constexpr,
+        SIGNED: tl.constexpr,
         K: tl.constexpr,
         BLOCK_M: tl.constexpr,
         N_CAND: tl.constexpr,
@@ -280,7 +285,10 @@ if triton is not None:
                 codes = tl.maximum(both, -qmax)
                 s = _store_scale(tl.div_rn(tl.sum(w * x * codes, axis=1), tl.sum(w * (codes * codes), axis=1)))
                 best_m, best_sm, best_z = _consider(x, w, s, best_z, best_m, best_sm, best_z, -qmax, -qmin, SYMMETRIC)
-            tl.store(OUT_M + r, best_sm.to(tl.bfloat16), mask=live)
+            if SIGNED:  # core._choose_sign: -s of the mirrored search where its error is strictly smaller
+                e = _stored_error(x, w, best_s, qmin, qmax)
+                e_m = _stored_error(x, w, best_sm, -qmax, -qmin)
+                best_s = tl.where(e_m < e, -best_sm, best_s)
         else:
             lo = tl.min(x, axis=1)
             hi = tl.max(x, axis=1)

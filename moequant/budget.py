@@ -65,6 +65,28 @@ def host_available_bytes() -> int:
     return 8 * 2**30
 
 
+def check_device(device) -> str:
+    """`device` as given, once this machine has it: cpu, cuda or cuda:N with that GPU present. Anything else
+    is one sentence (the CLI's exit code 2), before a run writes anything."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise UserError(f"--device {device!r} is not a device moequant runs on; accepted: cpu, cuda or cuda:N.")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this PyTorch is a CPU-only build" if torch.version.cuda is None else "PyTorch finds no CUDA GPU here"
+            raise UserError(f"--device {device} asks for a GPU, but {why}; run with --device cpu.")
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            raise UserError(
+                f"--device {device} names GPU {parsed.index}, but this machine has {count} "
+                f"(cuda:0 .. cuda:{count - 1}); name one of those."
+            )
+    return device
+
+
 def device_free_bytes(device) -> int:
     """What this process may still allocate on `device`: free memory, within the cap, less the margin."""
     device = torch.device(device)

@@ -233,12 +233,16 @@ def calibrate(
     import dataclasses
     from pathlib import Path
 
+    from moequant.budget import check_device
     from moequant.calib.calibrate import calibrate as run
     from moequant.io.checkpoint import open_checkpoint
     from moequant.pipeline.apply import calibration_settings, resolve_recipe
     from moequant.pipeline.precheck import check_memory, check_recipe, unfit_notes
     from moequant.plan.calibration import sensitivity_formats
 
+    check_device(device)  # before anything is read or written
+    if batch_size < 1:
+        raise UserError(f"--batch-size {batch_size} is not a number of samples; accepted: 1 or more.")
     flags = {
         "calibration.dataset": dataset,
         "calibration.samples": samples,

@@ -50,8 +50,10 @@ def test_the_host_cap_bounds_what_a_chunk_may_take():
         budget.configure()
 
 
-def test_a_deepseek_v3_layer_under_a_small_gpu_budget_is_refused_before_reading_weights(tmp_path):
+def test_a_deepseek_v3_layer_under_a_small_gpu_budget_is_refused_before_reading_weights(tmp_path, monkeypatch):
     from transformers import DeepseekV3Config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the budget is checked, not the GPU's presence
 
     model = tmp_path / "deepseek-v3-shape"
     header_only_checkpoint(model, DeepseekV3Config(num_hidden_layers=4, first_k_dense_replace=3))

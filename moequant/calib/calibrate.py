@@ -485,6 +485,8 @@ def calibrate(
         raise UserError(
             f"hessian_weighting {settings.hessian_weighting!r} is not one of {', '.join(HESSIAN_WEIGHTINGS)}."
         )
+    if settings.batch_size < 1:
+        raise UserError(f"batch_size {settings.batch_size} is not a number of samples; accepted: 1 or more.")
 
     ckpt = open_checkpoint(model)  # a bad checkpoint is refused before the directory is touched
     if ckpt.config_only:

@@ -27,7 +27,7 @@ import shutil
 import time
 from pathlib import Path
 
-from moequant import parallel
+from moequant import budget, parallel
 from moequant.calib.calibrate import CalibrationSettings, calibrate, model_fingerprint
 from moequant.errors import UserError
 from moequant.io.checkpoint import atomic_write_text, is_disk_full, open_checkpoint
@@ -124,6 +124,7 @@ def apply(
     if parallel.is_helper_rank():
         progress, log = False, _silent
     recipe = resolve_recipe(recipe_path, model, output, overrides)
+    budget.check_device(device)  # a device this machine lacks, before anything is read or written
     # a bad or unreadable checkpoint is refused before anything is written, then an unsupported architecture
     run = open_run(recipe, device, progress, log)
     check_run(run)  # what the recipe, the shapes and the machine refuse, before anything is written

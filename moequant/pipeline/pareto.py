@@ -351,11 +351,13 @@ def pareto(
 ) -> dict:
     """Run the budget plans (each budget x each target) and the uniform baselines against one set
     of statistics; write OUTPUT/pareto.json and OUTPUT/pareto.png. Returns pareto.json's dict."""
+    from moequant.budget import check_device
     from moequant.io.run_lock import output_lock
     from moequant.pipeline.apply import resolve_recipe
     from moequant.pipeline.run import open_run
 
     recipe = resolve_recipe(recipe_path, model, output, overrides)
+    check_device(device)  # a device this machine lacks, before the directory is touched
     with output_lock(recipe.output, "pareto"):  # before anything is written into the directory
         _check_targets(targets, budgets, uniform)
         return _pareto(open_run(recipe, device, progress, log), budgets, targets, uniform, extra_reports)

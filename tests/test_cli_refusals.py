@@ -1,0 +1,53 @@
+"""Bad command-line input is one sentence on stderr, exit code 2, before anything is written (issue 57):
+a device this machine does not have, a device moequant does not run on, a batch size below one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from moequant.cli import main
+
+
+def refused(result) -> str:
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["apply", "calibrate", "pareto"])
+def test_a_gpu_this_machine_lacks_is_refused_before_anything_is_written(command, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "run"
+    line = refused(CliRunner().invoke(main, [command, "--output", str(out), "--device", "cuda"]))
+    assert "--device cuda asks for a GPU" in line and "--device cpu" in line
+    assert not out.exists()
+
+
+def test_a_gpu_index_past_the_last_gpu_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    out = tmp_path / "run"
+    line = refused(CliRunner().invoke(main, ["apply", "--output", str(out), "--device", "cuda:2"]))
+    assert "names GPU 2, but this machine has 2 (cuda:0 .. cuda:1)" in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("device", ["tpu", "mps", "cuda:x", ""])
+@pytest.mark.parametrize("command", ["apply", "calibrate"])
+def test_a_device_moequant_does_not_run_on_is_refused(command, device, tmp_path):
+    out = tmp_path / "run"
+    line = refused(CliRunner().invoke(main, [command, "--output", str(out), "--device", device]))
+    assert f"--device {device!r} is not a device moequant runs on; accepted: cpu, cuda or cuda:N." in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("size", ["0", "-4"])
+def test_calibrate_batch_size_below_one_is_refused(size, tmp_path):
+    out = tmp_path / "run"
+    line = refused(CliRunner().invoke(main, ["calibrate", "--output", str(out), "--batch-size", size]))
+    assert line == f"error: --batch-size {size} is not a number of samples; accepted: 1 or more."
+    assert not out.exists()

@@ -311,19 +311,23 @@ def plan(recipe_path, model, output, overrides, stats):
     click.echo(f"plan written to {path}")
 
 
+OVERWRITE_HELP = "Replace calibration statistics of another model or other settings in OUTPUT/stats."
+
+
 @main.command()
 @recipe_options
 @click.option("--device", default="cpu", show_default=True, help=DEVICE_HELP)
 @memory_options
+@click.option("--overwrite", is_flag=True, help=OVERWRITE_HELP)
 @user_errors
-def apply(recipe_path, model, output, overrides, device):
+def apply(recipe_path, model, output, overrides, device, overwrite):
     """Calibrate, plan, quantize, export, evaluate and report — the whole job."""
     import time
 
     from moequant.pipeline.apply import apply as run
 
     t0 = time.perf_counter()
-    report = run(recipe_path, model, output, overrides, device=device, log=click.echo)
+    report = run(recipe_path, model, output, overrides, device=device, log=click.echo, overwrite=overwrite)
     if report is not None:  # None: a rank other than 0 of an expert-parallel run
         click.echo(f"done in {time.perf_counter() - t0:.0f} s; report: {report}")
 
@@ -359,8 +363,9 @@ def apply(recipe_path, model, output, overrides, device):
 )
 @click.option("--device", default="cpu", show_default=True, help=DEVICE_HELP)
 @memory_options
+@click.option("--overwrite", is_flag=True, help=OVERWRITE_HELP)
 @user_errors
-def pareto(recipe_path, model, output, overrides, budgets, targets, uniform, extra, device):
+def pareto(recipe_path, model, output, overrides, budgets, targets, uniform, extra, device, overwrite):
     """KL vs bytes for several budgets and targets against one calibration: OUTPUT/pareto.json + .png."""
     from moequant.pipeline.pareto import pareto as run
 
@@ -376,6 +381,7 @@ def pareto(recipe_path, model, output, overrides, budgets, targets, uniform, ext
         extra_reports=list(extra),
         device=device,
         log=click.echo,
+        overwrite=overwrite,
     )
     on = result["frontier"]
     click.echo(

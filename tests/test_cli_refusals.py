@@ -51,3 +51,48 @@ def test_calibrate_batch_size_below_one_is_refused(size, tmp_path):
     line = refused(CliRunner().invoke(main, ["calibrate", "--output", str(out), "--batch-size", size]))
     assert line == f"error: --batch-size {size} is not a number of samples; accepted: 1 or more."
     assert not out.exists()
+
+
+TINY = [
+    "calibration.samples=2",
+    "calibration.seq_len=32",
+    "calibration.probe_samples=2",
+    "calibration.dataset=builtin:stdlib-prose",
+    "evaluate.samples=2",
+    "evaluate.seq_len=32",
+    "evaluate.dataset=builtin:stdlib-prose",
+]
+
+
+def _invoke(*args, settings=TINY):
+    return CliRunner().invoke(main, [*args, *(a for s in settings for a in ("--set", s))])
+
+
+def _digest(directory) -> dict:
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def test_apply_keeps_statistics_of_other_settings_unless_told_to_overwrite(tmp_path):
+    """`apply` into a directory whose stats/ another calibration made (other samples, or a recipe that reads
+    none) refuses as `calibrate` does, leaving them byte for byte; with --overwrite it replaces them."""
+    from tiny import build_tiny_with_tokenizer
+
+    model = build_tiny_with_tokenizer("qwen2_moe", tmp_path / "model")
+    out = tmp_path / "run"
+    made = _invoke("calibrate", "--recipe", "selective", "--model", str(model), "--output", str(out))
+    assert made.exit_code == 0, made.output
+    before = _digest(out / "stats")
+    other = [*TINY, "calibration.samples=3"]
+    line = refused(
+        _invoke("apply", "--recipe", "selective", "--model", str(model), "--output", str(out), settings=other)
+    )
+    assert f"{out / 'stats'} already holds calibration statistics of other settings; pass --overwrite" in line
+    line = refused(_invoke("apply", "--recipe", "uniform-int8", "--model", str(model), "--output", str(out)))
+    assert "which this recipe does not read" in line and "--overwrite" in line
+    assert _digest(out / "stats") == before
+    assert [p.name for p in out.iterdir() if not p.name.startswith(".")] == ["stats"]  # nothing else written
+    done = _invoke("apply", "--recipe", "uniform-int8", "--model", str(model), "--output", str(out), "--overwrite")
+    assert done.exit_code == 0, done.output
+    assert not (out / "stats").exists() and (out / "checkpoint").is_dir()

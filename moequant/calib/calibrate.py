@@ -742,7 +742,8 @@ def _reusable_or_cleared(output: Path, fingerprint: dict, overwrite: bool) -> bo
                 "another model" if old.get("fingerprint", {}).get("model") != fingerprint["model"] else "other settings"
             )
             raise UserError(
-                f"{output} already holds calibration statistics of {what}; pass --overwrite to replace them."
+                f"{output} already holds calibration statistics of {what}; pass --overwrite to replace them, "
+                "or choose another --output."
             )
         clear_directory(output)  # not rmtree: the held lock file stays
     elif output.exists() and any(not is_lock_file(p) for p in output.iterdir()) and not (output / ".work").exists():

@@ -117,16 +117,26 @@ def _disk_full_is_a_user_error(fn):
 
 @_disk_full_is_a_user_error
 def apply(
-    recipe_path=None, model=None, output=None, overrides=(), device: str = "cpu", progress=True, log=print
+    recipe_path=None,
+    model=None,
+    output=None,
+    overrides=(),
+    device: str = "cpu",
+    progress=True,
+    log=print,
+    overwrite: bool = False,
 ) -> Path:
     """Run the whole chain; returns the path of report.html (None on the other ranks of an expert-parallel run:
-    under torchrun, moequant.parallel, rank 0 prints, writes and reports)."""
+    under torchrun, moequant.parallel, rank 0 prints, writes and reports). Calibration statistics of other
+    settings (or that the recipe does not read) in OUTPUT/stats are refused, as `calibrate` refuses them,
+    unless `overwrite`."""
     if parallel.is_helper_rank():
         progress, log = False, _silent
     recipe = resolve_recipe(recipe_path, model, output, overrides)
     budget.check_device(device)  # a device this machine lacks, before anything is read or written
     # a bad or unreadable checkpoint is refused before anything is written, then an unsupported architecture
     run = open_run(recipe, device, progress, log)
+    run.overwrite = overwrite
     check_run(run)  # what the recipe, the shapes and the machine refuse, before anything is written
     run.device = parallel.start(run.adapter.num_experts, device)  # joins the torchrun job when WORLD_SIZE > 1
     made = not run.directory.exists()
@@ -179,20 +189,28 @@ def _apply(run: Run) -> Path:
 
 def _no_calibration(run: Run) -> None:
     """The calibration stage of a plan that reads no statistics: none, and OUTPUT/stats of an earlier run removed
-    (GPTQ / AWQ collect their inputs in the quantize pass; the report's routing shares come from the evaluation)."""
+    when `run.overwrite` (else refused, as `calibrate` refuses statistics of other settings; GPTQ / AWQ collect
+    their inputs in the quantize pass; the report's routing shares come from the evaluation)."""
+    stats = run.directory / "stats"
+    if (stats / "summary.json").exists() and not run.overwrite:
+        raise UserError(
+            f"{stats} holds calibration statistics of an earlier run, which this recipe does not read (its plan "
+            "needs none); pass --overwrite to remove them, or choose another --output."
+        )
     if not parallel.is_helper_rank():
-        shutil.rmtree(run.directory / "stats", ignore_errors=True)  # never report another run's statistics
+        shutil.rmtree(stats, ignore_errors=True)  # never report another run's statistics
     run.log("calibration: not needed by this recipe (its plan reads no statistics)")
     return None
 
 
 def calibrate_stage(run: Run, settings: CalibrationSettings) -> Path:
     """The calibration statistics of `settings` in OUTPUT/stats, reused when a run of the same model, data and
-    settings left them (`apply`'s stage, and `pareto`'s one calibration). Returns the directory."""
+    settings left them (`apply`'s stage, and `pareto`'s one calibration); statistics of other settings are
+    replaced only when `run.overwrite`, else refused in one sentence. Returns the directory."""
     stats_dir = run.directory / "stats"
     summary = stats_dir / "summary.json"
     before = summary.stat().st_mtime_ns if summary.exists() else None
-    calibrate(run.source, stats_dir, settings, overwrite=True, progress=run.progress)
+    calibrate(run.source, stats_dir, settings, overwrite=run.overwrite, progress=run.progress)
     reused = before is not None and summary.stat().st_mtime_ns == before  # calibrate leaves equal statistics alone
     run.log(f"calibration statistics: {stats_dir}" + (" (reused)" if reused else ""))
     return stats_dir

@@ -348,6 +348,7 @@ def pareto(
     device: str = "cpu",
     progress: bool = True,
     log=print,
+    overwrite: bool = False,
 ) -> dict:
     """Run the budget plans (each budget x each target) and the uniform baselines against one set
     of statistics; write OUTPUT/pareto.json and OUTPUT/pareto.png. Returns pareto.json's dict."""
@@ -360,7 +361,9 @@ def pareto(
     check_device(device)  # a device this machine lacks, before the directory is touched
     with output_lock(recipe.output, "pareto"):  # before anything is written into the directory
         _check_targets(targets, budgets, uniform)
-        return _pareto(open_run(recipe, device, progress, log), budgets, targets, uniform, extra_reports)
+        run = open_run(recipe, device, progress, log)
+        run.overwrite = overwrite  # statistics of other settings in OUTPUT/stats: replaced, else refused
+        return _pareto(run, budgets, targets, uniform, extra_reports)
 
 
 def _pareto(run, budgets, targets, uniform, extra_reports) -> dict:

@@ -43,6 +43,7 @@ class Run:
     progress: bool = True
     log: Callable[..., None] = print
     output: Checkpoint | Path | None = None  # OUTPUT/checkpoint once exported, opened once (GGUF: its directory)
+    overwrite: bool = False  # statistics of other settings in OUTPUT/stats may be replaced (--overwrite)
 
     @property
     def adapter(self) -> Adapter:

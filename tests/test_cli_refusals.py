@@ -96,3 +96,22 @@ def test_apply_keeps_statistics_of_other_settings_unless_told_to_overwrite(tmp_p
     done = _invoke("apply", "--recipe", "uniform-int8", "--model", str(model), "--output", str(out), "--overwrite")
     assert done.exit_code == 0, done.output
     assert not (out / "stats").exists() and (out / "checkpoint").is_dir()
+
+
+def test_gguf_lowbit_on_tiny_qwen2moe_is_one_note_and_needs_its_attention_s_bytes():
+    """The README's account of gguf-lowbit on tiny-qwen2moe: the five K types its 64-wide down projections cannot
+    hold are one note; the routed experts' smallest plan is 3.25 bits (q2_k gate / up, q4_0 down), so 3 bits are met
+    only with attention moving below q4_0, and without non_experts.formats the budget is refused in one sentence."""
+    from moequant.errors import UserError
+    from moequant.io.checkpoint import open_checkpoint
+    from moequant.pipeline.apply import resolve_recipe
+    from moequant.plan.policy import check_plan
+
+    recipe = resolve_recipe("gguf-lowbit", "zoo:tiny-qwen2moe")
+    ckpt = open_checkpoint(recipe.model)
+    (note,) = check_plan(recipe, ckpt)
+    assert note.startswith("q6_k, q5_k, q4_k, q3_k and q2_k are not offered to down_proj of layer(s) 0-3: "), note
+    assert "64 input columns" in note
+    with pytest.raises(UserError) as info:
+        check_plan(resolve_recipe("gguf-lowbit", "zoo:tiny-qwen2moe", None, ["non_experts.formats=[]"]), ckpt)
+    assert str(info.value).endswith("accepted: bits_per_weight >= 3.2500.") and "\n" not in str(info.value)

@@ -178,10 +178,17 @@ def budget_assignment(
 
 
 def _unfit_notes(ctx: PlanContext) -> list[str]:
-    notes = []
+    """One note per set of layers and projections that some candidates cannot hold: the candidates, where, and
+    the first one's reason (five K types refused by one narrow down_proj are one note, not five)."""
+    where: dict[tuple, list[tuple[str, str]]] = {}
     for key, (layers, projs, why) in ctx.unfit.items():
-        which = f"{', '.join(f'{p}_proj' for p in PROJECTIONS if p in projs)} of " if projs else ""
-        notes.append(f"{key} is not offered to {which}layer(s) {layer_text([(L, 0) for L in layers])}: {why}.")
+        where.setdefault((tuple(sorted(layers)), tuple(p for p in PROJECTIONS if p in projs)), []).append((key, why))
+    notes = []
+    for (layers, projs), refused in where.items():
+        which = f"{', '.join(f'{p}_proj' for p in projs)} of " if projs else ""
+        keys = [key for key, _ in refused]
+        named = keys[0] + " is" if len(keys) == 1 else f"{', '.join(keys[:-1])} and {keys[-1]} are"
+        notes.append(f"{named} not offered to {which}layer(s) {layer_text([(L, 0) for L in layers])}: {refused[0][1]}.")
     return notes
 
 

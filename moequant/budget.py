@@ -53,6 +53,11 @@ def gpu_limit_bytes() -> int | None:
     return _limit("gpu")
 
 
+def host_limit_bytes() -> int | None:
+    """The host cap (--max-host-memory / MOEQUANT_MAX_HOST_MEMORY), or None when the cap is what is free."""
+    return _limit("host")
+
+
 def host_available_bytes() -> int:
     """MemAvailable (Linux), else a conservative 8 GiB."""
     try:
@@ -94,7 +99,7 @@ def device_free_bytes(device) -> int:
         free = host_available_bytes()
         cap = _limit("host")
         if cap is not None:
-            free = min(free, cap - _rss_bytes())
+            free = min(free, cap - rss_bytes())
         return max(0, free - MARGIN_BYTES)
     free, _ = torch.cuda.mem_get_info(device)
     # memory the caching allocator holds but does not use is free for us too
@@ -130,7 +135,8 @@ def temporary_bytes(device) -> int:
     return max(2**26, int(0.85 * device_free_bytes(device)))
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux; 0 elsewhere)."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -76,6 +76,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from moequant import timing
 from moequant.algorithms import gptq_triton
 from moequant.algorithms.tf32 import tf32_products as _tf32_products
 from moequant.errors import UserError
@@ -200,7 +201,8 @@ def gptq_pass_shared(
         grid=grid if spec.is_int else "minmax",
     )
     if refit and spec.is_int and spec.granularity == "group":  # one Hessian preparation for all weights
-        qs = refit_scales_shared(qs, weights, hessian)
+        with timing.stage("gptq_refit"):
+            qs = refit_scales_shared(qs, weights, hessian)
     return qs, report
 
 
@@ -375,7 +377,8 @@ def _gptq_chunk(
         h = torch.gather(h, 1, perm[:, :, None].expand(-1, -1, num_in))
         h = torch.gather(h, 2, perm[:, None, :].expand(-1, num_in, -1))
 
-    fixed_params = _fixed_params(cqs, ws, spec, per_row, static_groups, importance, squeeze)
+    with timing.stage("gptq_grid"):  # the scales GPTQ rounds onto (the searched grid's search)
+        fixed_params = _fixed_params(cqs, ws, spec, per_row, static_groups, importance, squeeze)
 
     if perm is not None:
         ws = [torch.gather(w, 2, perm[:, None, :].expand(-1, w.shape[1], -1)) for w in ws]

@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from moequant import timing
 from moequant.errors import UserError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -281,6 +282,10 @@ class Checkpoint:
         """One stored tensor as the file holds it, with a plain positioned read (not mmap), so
         memory holds only what was asked for: reading every layer of a 600 GB checkpoint in turn
         never maps it all."""
+        with timing.stage("read", sync=False):  # disk -> host (moequant.timing)
+            return self._read_stored(name)
+
+    def _read_stored(self, name: str) -> torch.Tensor:
         entry = self.stored[name]
         dtype = TORCH_DTYPES.get(entry.dtype)
         if dtype is None:  # exotic dtypes (F4 …): let the safetensors library decode them

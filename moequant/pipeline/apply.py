@@ -27,7 +27,7 @@ import shutil
 import time
 from pathlib import Path
 
-from moequant import budget, parallel
+from moequant import budget, parallel, timing
 from moequant.calib.calibrate import CalibrationSettings, calibrate, model_fingerprint
 from moequant.errors import UserError
 from moequant.io.checkpoint import atomic_write_text, is_disk_full, open_checkpoint
@@ -130,6 +130,7 @@ def apply(
     under torchrun, moequant.parallel, rank 0 prints, writes and reports). Calibration statistics of other
     settings (or that the recipe does not read) in OUTPUT/stats are refused, as `calibrate` refuses them,
     unless `overwrite`."""
+    timing.start()  # report.json's timings: where every second of the run went (moequant.timing)
     if parallel.is_helper_rank():
         progress, log = False, _silent
     recipe = resolve_recipe(recipe_path, model, output, overrides)
@@ -156,6 +157,7 @@ def _silent(*_args, **_kwargs) -> None:
 
 
 def _apply(run: Run) -> Path:
+    timing.claim("setup")  # every second so far: opening the model, the prechecks, the lock
     out, log = run.directory, run.log
     out.mkdir(parents=True, exist_ok=True)  # the lock made it; not on ranks other than 0
     world = parallel.world()
@@ -164,13 +166,10 @@ def _apply(run: Run) -> Path:
     reads_statistics = needs_statistics(run.recipe)
     settings = calibration_settings(run.recipe, run.device, ckpt=run.source)
 
-    t0 = time.perf_counter()
-    stats_dir = calibrate_stage(run, settings) if reads_statistics else _no_calibration(run)
-    timings["calibrate"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    plan, reused_plan = parallel.shared(lambda: plan_stage(run, stats_dir, settings), "the plan")
-    timings["plan"] = time.perf_counter() - t0
+    with timing.stage("calibrate", whole=True):
+        stats_dir = calibrate_stage(run, settings) if reads_statistics else _no_calibration(run)
+    with timing.stage("plan"):
+        plan, reused_plan = parallel.shared(lambda: plan_stage(run, stats_dir, settings), "the plan")
     log(f"plan: {out / 'plan.json'}" + (" (unchanged, reused)" if reused_plan else ""))
 
     _checkpoint_stage(run, plan, settings, world, timings)
@@ -178,7 +177,8 @@ def _apply(run: Run) -> Path:
         return None  # rank 0 alone exports, evaluates and reports
 
     run.output, quality = evaluate_output(run, timings)
-    report = report_stage(run, plan_to_dict(plan), quality, stats_dir, timings, ranks)
+    with timing.stage("report"):  # report.json's timings: every second until the report, "other" included
+        report = report_stage(run, plan_to_dict(plan), quality, stats_dir, timing.account(), ranks)
     q = report.get("quality") or {}
     log(
         f"KL {q.get('kl_mean', float('nan')):.4g}, top-1 agreement {q.get('top1_agreement', float('nan')):.3f}, "
@@ -277,11 +277,12 @@ def quantize_and_export(
         return None
     timings["quantize"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    if streamed is not None:
-        streamed.finish(checkpoint_dir, quantized, ranks=world.size if world is not None else 1)
-    else:
-        export_checkpoint(run.source, quantized, checkpoint_dir, **arguments)
-    del quantized
+    with timing.stage("export"):  # streamed: the layers' shards linked into place, the rest written
+        if streamed is not None:
+            streamed.finish(checkpoint_dir, quantized, ranks=world.size if world is not None else 1)
+        else:
+            export_checkpoint(run.source, quantized, checkpoint_dir, **arguments)
+        del quantized
     timings["export"] = time.perf_counter() - t0
     stamp_checkpoint(checkpoint_dir, plan.run_fingerprint)
     quant_report = {str(k): v for k, v in quant_report.items()}
@@ -303,15 +304,16 @@ def evaluate_output(run: Run, timings: dict):
     e = recipe.evaluate
     settings = dict(dataset=e.dataset, samples=e.samples, seq_len=e.seq_len, seed=recipe.seed, progress=run.progress)
     t0 = time.perf_counter()
-    if layout_for(recipe.export.format).container == "gguf":  # llama.cpp runs it (moequant.export.verify_llamacpp)
-        from moequant.export.gguf import GGUF_FILE
-        from moequant.export.verify_llamacpp import evaluate_gguf
+    with timing.stage("evaluate", whole=True):  # its reads and forwards inside
+        if layout_for(recipe.export.format).container == "gguf":  # llama.cpp runs it (moequant.export.verify_llamacpp)
+            from moequant.export.gguf import GGUF_FILE
+            from moequant.export.verify_llamacpp import evaluate_gguf
 
-        output = checkpoint_dir
-        quality = evaluate_gguf(Path(checkpoint_dir) / GGUF_FILE, run.source.directory, **settings)
-    else:
-        output = open_checkpoint(checkpoint_dir)
-        quality = evaluate_checkpoints(output, run.source, **settings)
+            output = checkpoint_dir
+            quality = evaluate_gguf(Path(checkpoint_dir) / GGUF_FILE, run.source.directory, **settings)
+        else:
+            output = open_checkpoint(checkpoint_dir)
+            quality = evaluate_checkpoints(output, run.source, **settings)
     timings["evaluate"] = time.perf_counter() - t0
     return output, quality
 

@@ -32,11 +32,12 @@ def plan_formats(recipe) -> list:
 
 def check_run(run) -> None:
     """What `apply` refuses before anything is written (a moequant.pipeline.run.Run): the recipe against the
-    model's shapes (check_recipe; its notes are logged), a layer that cannot fit the GPU budget, a checkpoint
-    without tokenizer files."""
+    model's shapes (check_recipe; its notes are logged), a layer that cannot fit the GPU budget or whose read
+    cannot fit the host budget, a checkpoint without tokenizer files."""
     for note in check_recipe(run.recipe, run.source):
         run.log(f"note: {note}")
     check_memory(run.recipe, run.adapter, run.device)  # before any weight is read
+    check_host_memory(run.source, run.device)
     run.source.tokenizer  # noqa: B018  (loaded now and kept: a checkpoint without tokenizer files is refused here)
 
 
@@ -154,3 +155,48 @@ def check_memory(recipe, adapter, device: str) -> None:
             f"memory ({parts}), more than {what}; raise --max-gpu-memory, use a larger GPU, or split the "
             f"experts over GPUs with torchrun (expert parallel)."
         )
+
+
+def layer_host_bytes(ckpt, device: str) -> tuple[int, int]:
+    """(decoder layer, bytes) of the layer whose read holds the most host memory at once: on the CPU every
+    tensor of the layer as read (a quantized source's weights decoded to float32); on a GPU, where routed
+    experts go to the device one stored tensor at a time, the layer's other tensors plus its largest routed
+    expert tensor."""
+    adapter = ckpt.adapter
+    on_gpu = str(device).startswith("cuda")
+    best = (0, 0)
+    for layer in range(adapter.num_layers):
+        rest, expert = 0, 0
+        for name in adapter.layer_tensor_names(layer):
+            if name not in ckpt.entries:
+                continue
+            nbytes = ckpt.entries[name].nbytes
+            if on_gpu and adapter.classify(name).role == "routed_expert":
+                expert = max(expert, nbytes)
+            else:
+                rest += nbytes
+        if rest + expert > best[1]:
+            best = (layer, rest + expert)
+    return best
+
+
+def check_host_memory(ckpt, device: str) -> None:
+    """Refuse, before any weight is read, a --max-host-memory (or MOEQUANT_MAX_HOST_MEMORY) that cannot hold
+    what this process already holds plus one decoder layer's read (`layer_host_bytes`)."""
+    from moequant import budget
+
+    cap = budget.host_limit_bytes()
+    if cap is None:
+        return
+    layer, read = layer_host_bytes(ckpt, device)
+    held = budget.rss_bytes()
+    if held + read > cap:
+        raise UserError(
+            f"--max-host-memory {_gib(cap)} cannot hold one layer's read: this process already holds {_gib(held)} "
+            f"and layer {layer} of {ckpt.path} takes {_gib(read)} as read ({_gib(held + read)} in all); raise "
+            f"--max-host-memory to at least {_gib(held + read)}, or leave it out (what is free)."
+        )
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"

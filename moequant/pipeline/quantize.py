@@ -40,6 +40,7 @@ the GPU); the library call and GGUF keep a work file of codes per layer (save_qu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -53,7 +54,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from moequant import formats, parallel
+from moequant import formats, parallel, timing
 from moequant.algorithms.registry import algorithm
 from moequant.arch import Adapter
 from moequant.calib.calibrate import (
@@ -563,13 +564,15 @@ def _quantize_experts(
         if algo.hessians and collected is None:
             algo = algorithm("rtn")  # no statistics to read
         if algo.hessians:
-            own, tokens, H, _, _ = _chosen_statistics(collected, group, idx, adapter.num_experts, min_tokens)
-            if input_scale is not None and group == "gate_up":
-                H = H / (input_scale[:, None] * input_scale[None, :])  # Hessian of x / s
+            with timing.stage("statistics"):
+                own, tokens, H, _, _ = _chosen_statistics(collected, group, idx, adapter.num_experts, min_tokens)
+                if input_scale is not None and group == "gate_up":
+                    H = H / (input_scale[:, None] * input_scale[None, :])  # Hessian of x / s
         entries = {p: {"experts": experts, "format": key, "algorithm": algo.name} for p in projs}
-        qs, rep = algo.quantize(
-            [weights[p][idx] for p in projs], spec, H, (options or {}).get(algo.name), device, label
-        )
+        with timing.stage(algo.name):  # gptq: its grid and refit are stages of their own (gptq_grid, gptq_refit)
+            qs, rep = algo.quantize(
+                [weights[p][idx] for p in projs], spec, H, (options or {}).get(algo.name), device, label
+            )
         if rep is not None:  # per-expert fallbacks: an expert's too few routed tokens, then the solver's own
             fallbacks = {
                 str(experts[e]): f"all-tokens Hessian: {int(tokens[e])} routed tokens < {min_tokens}"
@@ -580,16 +583,18 @@ def _quantize_experts(
             for p in projs:
                 entries[p][algo.name] = {"fallbacks": fallbacks, "damp": rep["damp"]}
         for p, q in zip(projs, qs):
-            deq = q.dequantize(torch.float32)
-            if not torch.isfinite(deq).all():
-                raise RuntimeError(f"quantizing layer {layer} {p} in {key} produced non-finite weights")
-            dequant[p][idx] = deq
-            if store is not None:
-                quantized.update(store(layer, p, experts, q))
-            else:
-                q = q.to(codes_to) if codes_to is not None else q  # one copy per stack, not one per expert
-                for i, e in enumerate(experts):
-                    quantized[(layer, e, p)] = q.expert(i)
+            with timing.stage("dequantize"):
+                deq = q.dequantize(torch.float32)
+                if not torch.isfinite(deq).all():
+                    raise RuntimeError(f"quantizing layer {layer} {p} in {key} produced non-finite weights")
+                dequant[p][idx] = deq
+            with timing.stage("pack_write"):  # packed and queued for the writer thread, or codes to the host
+                if store is not None:
+                    quantized.update(store(layer, p, experts, q))
+                else:
+                    q = q.to(codes_to) if codes_to is not None else q  # one copy per stack, not one per expert
+                    for i, e in enumerate(experts):
+                        quantized[(layer, e, p)] = q.expert(i)
             report[f"{p}:{key}"] = entries[p]
     return quantized, report, dequant
 
@@ -646,13 +651,14 @@ def _statistics_and_quantize_in_chunks(
         record["x"].append(x.reshape(-1, x.shape[-1]))
 
     quantized, report = {}, {}
-    with runner.materialized(layer, experts=host) as module:
+    with _materialized(runner, layer, experts=host) as module:
         hooks = [
             adapter.router_module(module.mlp).register_forward_hook(on_router),
             module.mlp.experts.register_forward_pre_hook(on_experts, with_kwargs=True),
         ]
         try:
-            runner.forward(module, layer, hidden)  # only the record is used: the next layer reads the quantized output
+            with timing.stage("forward"):  # only the record is used: the next layer reads the quantized output
+                runner.forward(module, layer, hidden)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -667,23 +673,25 @@ def _statistics_and_quantize_in_chunks(
         chunk = _experts_per_chunk(adapter, dev)
         for lo in range(first, last, chunk):
             hi = min(last, lo + chunk)
-            col = LayerCollector(
-                adapter,
-                module.mlp.experts,
-                E,
-                adapter.top_k,
-                [],
-                True,
-                True,
-                first_expert=lo,
-                chunk_experts=hi - lo,
-                hessian_weighting=settings.hessian_weighting,
-            )
-            for x, indices, weights in zip(record["x"], record["indices"], record["weights"]):
-                col.add_batch(x, indices, weights)
-            collected = col.finish()
-            col.t.clear()
-            weights = {p: host[p][lo:hi].to(dev, torch.float32) for p in adapter.projections}
+            with timing.stage("statistics"):  # the chunk's input statistics and Hessians
+                col = LayerCollector(
+                    adapter,
+                    module.mlp.experts,
+                    E,
+                    adapter.top_k,
+                    [],
+                    True,
+                    True,
+                    first_expert=lo,
+                    chunk_experts=hi - lo,
+                    hessian_weighting=settings.hessian_weighting,
+                )
+                for x, indices, weights in zip(record["x"], record["indices"], record["weights"]):
+                    col.add_batch(x, indices, weights)
+                collected = col.finish()
+                col.t.clear()
+            with timing.stage("solve_copy"):  # the chunk's float32 working copy
+                weights = {p: host[p][lo:hi].to(dev, torch.float32) for p in adapter.projections}
             rows = [t for t in expert_rows if lo <= t.expert < hi]
             q, rep, dq = _quantize_experts(
                 adapter,
@@ -698,8 +706,9 @@ def _statistics_and_quantize_in_chunks(
                 codes_to="cpu" if on_gpu else None,
                 store=store,
             )
-            for p in adapter.projections:
-                dequant[p][lo - first : hi - first] = dq[p].to(dtype)
+            with timing.stage("solve_copy"):  # the dequantized chunk back into the resident copy
+                for p in adapter.projections:
+                    dequant[p][lo - first : hi - first] = dq[p].to(dtype)
             quantized.update(q)
             _merge_chunk_report(report, rep)
             del collected, weights, dq
@@ -805,6 +814,21 @@ def quantize_model(
     lazy: bool = False,
     export=None,
 ) -> tuple[dict, dict]:
+    """`_quantize_model`, its seconds outside the stages it times (moequant.timing) as "quantize"."""
+    with timing.stage("quantize"):
+        return _quantize_model(model, plan, settings, work_dir, samples, progress, lazy, export)
+
+
+def _quantize_model(
+    model: str,
+    plan: Plan,
+    settings: CalibrationSettings,
+    work_dir: str | Path,
+    samples=None,
+    progress: bool = True,
+    lazy: bool = False,
+    export=None,
+) -> tuple[dict, dict]:
     """Run the sequential pass. Returns (quantized tensors keyed as `export_checkpoint` takes them,
     a per-layer report of algorithms and fallbacks). `lazy`: their codes stay in the work directory's
     layer files until the export reads them (which must happen before `work_dir` is removed).
@@ -820,7 +844,8 @@ def quantize_model(
     adapter = ckpt.adapter
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    input_ids = _calibration_input_ids(ckpt, settings, samples)
+    with timing.stage("data"):  # the calibration samples' tokens
+        input_ids = _calibration_input_ids(ckpt, settings, samples)
     fingerprint = _plan_fingerprint(
         plan,
         settings,
@@ -850,15 +875,17 @@ def quantize_model(
     last_data_layer = data_layers[-1] if data_layers else -1
     runner = None
     if data_layers:
-        runner = LayerRunner(
-            ckpt,
-            adapter,
-            input_ids,
-            batch_size=settings.batch_size,
-            device=settings.device,
-            dtype=compute_dtype(settings.compute_dtype, settings.device),
-        )
-    start, hidden = _resume_point(work, fingerprint, runner, last_data_layer, world)
+        with timing.stage("skeleton"):  # the model's skeleton, the embedded calibration tokens
+            runner = LayerRunner(
+                ckpt,
+                adapter,
+                input_ids,
+                batch_size=settings.batch_size,
+                device=settings.device,
+                dtype=compute_dtype(settings.compute_dtype, settings.device),
+            )
+    with timing.stage("resume"):
+        start, hidden = _resume_point(work, fingerprint, runner, last_data_layer, world)
     bar = LayerProgress("quantizing", adapter.num_layers - start, int(input_ids.numel()), progress)
     run = _Pass(ckpt, adapter, settings, world, own, runner, work, fingerprint, last_data_layer, bar, export)
     # the next layer's experts are read from disk (into host memory) while this one computes
@@ -879,10 +906,12 @@ def quantize_model(
             ):
                 read_ahead[L + 1] = _submit_read_ahead(reader, run, L + 1, next_rows)
             # `hidden` is held only here and in the call: each layer's input is freed once it returns its output
-            hidden = _quantize_layer(
-                run, L, rows_by_layer.get(L, []), hidden, pending.result() if pending is not None else None
-            )
-            release_freed_memory()
+            with timing.stage("read_wait"):  # what the read-ahead did not hide behind the last layer's work
+                host_experts = pending.result() if pending is not None else None
+            hidden = _quantize_layer(run, L, rows_by_layer.get(L, []), hidden, host_experts)
+            del host_experts
+            with timing.stage("release"):
+                release_freed_memory()
             bar.done(L)
     finally:
         reader.shutdown(wait=True, cancel_futures=True)
@@ -890,7 +919,8 @@ def quantize_model(
 
     if world is not None and world.rank != 0:  # rank 0 exports: it reads every rank's work/ files
         return {}, {}
-    return _collect_layer_files(ckpt, adapter, work, rows_by_layer.get(None, []), world, lazy, export is None)
+    with timing.stage("collect"):
+        return _collect_layer_files(ckpt, adapter, work, rows_by_layer.get(None, []), world, lazy, export is None)
 
 
 def _calibration_input_ids(ckpt, settings: CalibrationSettings, samples) -> torch.Tensor:
@@ -932,6 +962,18 @@ class _Pass:
         return self.world.rank if self.world is not None else 0
 
 
+@contextlib.contextmanager
+def _materialized(runner, layer: int, **weights):
+    """`runner.materialized`, its set-up (the layer's module built, its non-expert tensors read) and its
+    teardown timed as "materialize"."""
+    with contextlib.ExitStack() as stack:
+        with timing.stage("materialize"):
+            module = stack.enter_context(runner.materialized(layer, **weights))
+        yield module
+        with timing.stage("materialize"):  # the module back on the meta device, its memory returned
+            stack.close()
+
+
 def _store(run: _Pass):
     """Where quantized stacks of experts go: the streamed export's packer, or (None) the returned mapping."""
     return run.export.store if run.export is not None else None
@@ -940,10 +982,13 @@ def _store(run: _Pass):
 def _read_layer_experts(adapter, ckpt, layer: int, own: range | None, device=None, dtype=None) -> dict:
     """A layer's routed-expert weights {proj: [E, out, in]} from disk; this rank's experts only. With a GPU
     `device` their stored bytes go there and are decoded there, into `dtype`; without, on the host as read
-    (float32 for quantized sources: the CPU's exact path)."""
-    return {
-        p: parallel.read_experts(adapter, ckpt, layer, p, own, device=device, dtype=dtype) for p in adapter.projections
-    }
+    (float32 for quantized sources: the CPU's exact path). Its seconds less the disk reads' are "decode"
+    (transfer, decode and stacking; moequant.timing)."""
+    with timing.stage("decode"):
+        return {
+            p: parallel.read_experts(adapter, ckpt, layer, p, own, device=device, dtype=dtype)
+            for p in adapter.projections
+        }
 
 
 def _experts_placement(run: "_Pass", for_awq: bool = False) -> tuple:
@@ -1050,10 +1095,12 @@ def _rtn_experts_streamed(run: "_Pass", L: int, mine: list):
         pending = read(starts[0])
         for i, lo in enumerate(starts):
             hi = min(last, lo + chunk)
-            weights = pending.result()
+            with timing.stage("read_wait"):
+                weights = pending.result()
             if i + 1 < len(starts):
                 pending = read(starts[i + 1])
-            weights = {p: w.to(device, torch.float32) for p, w in weights.items()}
+            with timing.stage("decode"):
+                weights = {p: w.to(device, torch.float32) for p, w in weights.items()}
             rows = [t for t in mine if lo <= t.expert < hi]
             q, rep, dq = _quantize_experts(
                 adapter,
@@ -1070,8 +1117,9 @@ def _rtn_experts_streamed(run: "_Pass", L: int, mine: list):
             quantized.update(q)
             _merge_chunk_report(report, rep)
             if forward:
-                for p in adapter.projections:
-                    dequant[p][lo - first : hi - first] = dq[p].to(run.runner.dtype)
+                with timing.stage("solve_copy"):
+                    for p in adapter.projections:
+                        dequant[p][lo - first : hi - first] = dq[p].to(run.runner.dtype)
             del weights, q, dq
     return quantized, report, dequant
 
@@ -1082,7 +1130,8 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
     t0 = time.perf_counter()
     adapter = run.adapter
     if run.export is not None:
-        run.export.begin_layer(L, run.rank)
+        with timing.stage("pack_write"):
+            run.export.begin_layer(L, run.rank)
     expert_rows = _routed_expert_rows(rows)
     other_rows = [t for t in rows if t not in expert_rows]
     mine = (
@@ -1095,7 +1144,8 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
     if expert_rows and (uses_awq or not needs_stats) and not streamed:
         dev = "cpu" if uses_awq else run.settings.device  # AWQ's search runs on host copies
         host = host_experts or _read_layer_experts(adapter, run.ckpt, L, run.own, *_experts_placement(run, uses_awq))
-        weights = {p: host[p].to(dev, torch.float32) for p in adapter.projections}
+        with timing.stage("decode"):
+            weights = {p: host[p].to(dev, torch.float32) for p in adapter.projections}
         del host
     chunked = None
     if L in adapter.moe_layers and needs_stats and not uses_awq:
@@ -1121,7 +1171,8 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
         quantized, report, experts_dq, replaced, awq_report = _quantize_whole_layer_experts(
             run, L, expert_rows, mine, weights, collected, tokens, uses_awq
         )
-    q_other, kept, forward_tensors = _quantize_layer_other(run, L, other_rows, replaced, experts_dq)
+    with timing.stage("non_experts"):  # attention, shared experts, router: round-to-nearest or kept
+        q_other, kept, forward_tensors = _quantize_layer_other(run, L, other_rows, replaced, experts_dq)
     if run.world is None or run.world.rank == 0:  # rank 0's work/ file holds the layer's non-expert tensors
         quantized.update(q_other)
     # a later layer's GPTQ / AWQ reads this layer's quantized output; an AWQ layer's report also
@@ -1255,10 +1306,11 @@ def _quantized_forward(
             p: world.all_gather_experts(t, run.adapter.num_experts, f"layer {L}'s quantized {p} experts")
             for p, t in experts_dq.items()
         }
-    with run.runner.materialized(L, experts=experts_dq, tensors=forward_tensors) as module:
+    with _materialized(run.runner, L, experts=experts_dq, tensors=forward_tensors) as module:
         hook = _routing_recorder(run.adapter, module, routing_after) if record_routing else None
         try:
-            hidden = run.runner.forward(module, L, hidden)
+            with timing.stage("forward"):
+                hidden = run.runner.forward(module, L, hidden)
         finally:
             if hook is not None:
                 hook.remove()
@@ -1270,13 +1322,14 @@ def _save_layer(run: _Pass, L: int, quantized: dict, report: dict, routed_tokens
     merged) and the pass's progress: the hidden states the next layer reads, or past the last layer
     that reads activations, just the next layer's number. `t0`: when the layer started (its report's seconds)."""
     world = run.world
-    if run.export is None:
-        save_quantized(quantized, _layer_file(run.work, L, run.rank))
-    else:
-        if world is not None and run.adapter.fused_experts:  # one tensor holds every rank's experts: rank 0's
-            parts = world.gather_objects(quantized, f"layer {L}'s quantized experts")
-            quantized = {k: v for part in parts for k, v in part.items()} if world.rank == 0 else {}
-        run.export.end_layer(L, quantized, run.rank)
+    with timing.stage("pack_write"):
+        if run.export is None:
+            save_quantized(quantized, _layer_file(run.work, L, run.rank))
+        else:
+            if world is not None and run.adapter.fused_experts:  # one tensor holds every rank's experts: rank 0's
+                parts = world.gather_objects(quantized, f"layer {L}'s quantized experts")
+                quantized = {k: v for part in parts for k, v in part.items()} if world.rank == 0 else {}
+            run.export.end_layer(L, quantized, run.rank)
     if world is not None:  # written by every rank before rank 0 records the layer as finished
         parts = world.gather_objects(report, f"layer {L}'s quantize report")
         if world.rank != 0:
@@ -1287,11 +1340,12 @@ def _save_layer(run: _Pass, L: int, quantized: dict, report: dict, routed_tokens
     if routed_tokens is not None:
         report["routed_tokens"] = routed_tokens
     report["seconds"] = time.perf_counter() - t0
-    atomic_write_text(run.work / f"layer_{L:03d}.json", json.dumps(report, indent=2))
-    if L < run.last_data_layer:
-        save_carried(run.work, run.fingerprint, L + 1, hidden)
-    else:
-        _mark_finished(run.work, run.fingerprint, L + 1)
+    with timing.stage("carry_write"):  # the resume record: the layer's report and the hidden states it hands on
+        atomic_write_text(run.work / f"layer_{L:03d}.json", json.dumps(report, indent=2))
+        if L < run.last_data_layer:
+            save_carried(run.work, run.fingerprint, L + 1, hidden)
+        else:
+            _mark_finished(run.work, run.fingerprint, L + 1)
 
 
 def _refuse_awq_where_unsupported(plan: Plan, adapter, world) -> None:

@@ -383,10 +383,13 @@ def pareto(recipe_path, model, output, overrides, budgets, targets, uniform, ext
         log=click.echo,
         overwrite=overwrite,
     )
+    from moequant.pipeline.pareto import same_as_frontier
+
     on = result["frontier"]
+    twins = "".join(f"; {a} has the bits and KL of {b}" for a, b in same_as_frontier(result["points"]).items())
     click.echo(
         f"{len(result['points'])} points, {len(on)} on the frontier (no other point has fewer bits and "
-        f"less KL): {', '.join(on)}"
+        f"less KL): {', '.join(on)}{twins}"
     )
 
 

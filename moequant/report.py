@@ -362,7 +362,7 @@ def write_report(report: dict, output_dir) -> dict[str, Path]:
     paths = {"json": out / "report.json", "md": out / "report.md", "html": out / "report.html"}
     data = ReportFile.model_validate(report).model_dump(by_alias=True)  # a report it refuses is a bug
     atomic_write_text(paths["json"], json.dumps(data, indent=2) + "\n")
-    runs = sibling_runs(out)
+    runs = sibling_runs(out, report["model"])
     atomic_write_text(paths["md"], render_markdown(report))
     atomic_write_text(paths["html"], render_html(report, runs))
     return paths
@@ -390,12 +390,15 @@ def read_report(path) -> dict:
     return data
 
 
-def sibling_runs(output_dir) -> list[dict]:
-    """{name, bytes, kl_mean, top1} of every run under output_dir's parent that has a report.json."""
+def sibling_runs(output_dir, model: str | None = None) -> list[dict]:
+    """{name, bytes, kl_mean, top1} of every run under output_dir's parent that has a report.json (of `model`,
+    report.json's `model`, when given: runs of other models share no frontier)."""
     runs = []
     for p in sorted(Path(output_dir).resolve().parent.glob("*/report.json")):
         try:
             r = json.loads(p.read_text())
+            if model is not None and r["model"] != model:
+                continue
             runs.append(
                 {
                     "name": p.parent.name,
@@ -888,7 +891,7 @@ def plot_pareto(runs: list[dict]) -> str | None:
     ax.set_ylabel("KL(original ‖ quantized), mean per token")
     if all(r["kl_mean"] > 0 for r in runs):
         ax.set_yscale("log")
-    ax.set_title("runs in this directory: quality vs size")
+    ax.set_title("runs of this model in this directory: quality vs size")
     ax.legend(fontsize=8)
     fig.tight_layout()
     return _png(fig)
@@ -902,7 +905,7 @@ def report_plots(report: dict, runs: list[dict] | None = None) -> dict[str, tupl
         ("format-map", "Format map", lambda: plot_format_map(rows)),
         ("error-vs-share", "Measured error vs routing share", lambda: plot_error_vs_share(rows)),
         ("memory-by-role", "Memory by role", lambda: plot_memory_by_role(report["memory"])),
-        ("pareto", "KL vs bytes of the runs next to this one", lambda: plot_pareto(runs or [])),
+        ("pareto", "KL vs bytes of this model's runs next to this one", lambda: plot_pareto(runs or [])),
     ]
     out = {}
     for pid, title, make in candidates:

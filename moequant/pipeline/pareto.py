@@ -10,7 +10,8 @@ report.html), and the same for each uniform format. Every run is evaluated on th
 evaluation-split tokens (disjoint from calibration, see data.py). Writes `OUTPUT/pareto.json` and
 `OUTPUT/pareto.png` (KL vs bytes); each run's report.html shows the frontier of its sibling runs.
 The frontier (pareto.json's `frontier`) is the points no other point beats: none has at most their
-bits per routed-expert weight and at most their KL, one of the two lower.
+bits per routed-expert weight and at most their KL, one of the two lower; points of equal bits and KL
+(two budgets that led to one plan) are one frontier point, the first.
 
 A budget is bits per routed-expert weight (scales included), given as
 - a number, e.g. 4.5;
@@ -527,15 +528,28 @@ def _write_frontier(recipe, out: Path, runs, points, skipped, evaluate_settings:
 
 def frontier(points: list[dict]) -> list[str]:
     """Names of the non-dominated points, by bits: no other point has at most their bits per routed-expert
-    weight and at most their KL with one of the two strictly lower (points without a KL are left out)."""
+    weight and at most their KL with one of the two strictly lower (points without a KL are left out). Points
+    with the same bits and KL (e.g. two budgets that led to one plan) are one point of the frontier: the first."""
     measured = [p for p in points if p.get("kl_mean") is not None]
     at = lambda p: (p["bits_per_weight_experts"], p["kl_mean"])  # noqa: E731
-    kept = [
-        p
-        for p in measured
-        if not any(at(q) != at(p) and at(q)[0] <= at(p)[0] and at(q)[1] <= at(p)[1] for q in measured)
-    ]
-    return [p["name"] for p in sorted(kept, key=at)]
+    kept: dict[tuple, dict] = {}
+    for p in measured:
+        if not any(at(q) != at(p) and at(q)[0] <= at(p)[0] and at(q)[1] <= at(p)[1] for q in measured):
+            kept.setdefault(at(p), p)
+    return [p["name"] for p in sorted(kept.values(), key=at)]
+
+
+def same_as_frontier(points: list[dict]) -> dict[str, str]:
+    """{name: the frontier point's name} of the points left off the frontier only because a frontier point
+    has the same bits and KL."""
+    on = {(p["bits_per_weight_experts"], p["kl_mean"]): p["name"] for p in points if p["name"] in frontier(points)}
+    return {
+        p["name"]: on[(p["bits_per_weight_experts"], p["kl_mean"])]
+        for p in points
+        if p.get("kl_mean") is not None
+        and (p["bits_per_weight_experts"], p["kl_mean"]) in on
+        and p["name"] != on[(p["bits_per_weight_experts"], p["kl_mean"])]
+    }
 
 
 def find(points: list[dict], name: str) -> dict:

@@ -15,7 +15,13 @@ from moequant.errors import RankLost, UserError
 from moequant.pipeline.pareto import DEFAULT_UNIFORM  # light: its heavy imports are inside its functions
 
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped with Ctrl-C
-WRITERS = ("calibrate", "plan", "apply", "pareto")  # commands that write an output directory (eval: with --output)
+WRITERS = (
+    "calibrate",
+    "plan",
+    "apply",
+    "pareto",
+    "report",
+)  # commands that write an output directory (eval: with --output)
 DEVICE_HELP = "Where the model runs: cpu, cuda or cuda:N."
 
 
@@ -157,20 +163,42 @@ def recipe_options(fn):
         "recipe_path",
         default=None,
         metavar="NAME|PATH",
-        help="Recipe YAML, or a bundled recipe by name (selective, uniform-int4, ...; default: built-in defaults).",
+        help="Recipe YAML, or a bundled recipe by name (selective, uniform-int4, ...) [default: selective].",
     )(fn)
     return fn
+
+
+def calibration_options(fn):
+    """--dataset / --samples / --seq-len / --seed: the recipe's calibration keys (and seed), for calibrate and apply."""
+    fn = click.option("--seed", default=None, type=int, help="Recipe key seed.")(fn)
+    fn = click.option("--seq-len", default=None, type=int, help="Tokens per sample (recipe key calibration.seq_len).")(
+        fn
+    )
+    fn = click.option(
+        "--samples", default=None, type=int, help="Calibration samples (recipe key calibration.samples)."
+    )(fn)
+    fn = click.option(
+        "--dataset", default=None, help="builtin:NAME, a local file, or a hub dataset (recipe key calibration.dataset)."
+    )(fn)
+    return fn
+
+
+def with_calibration_flags(overrides, dataset=None, samples=None, seq_len=None, seed=None, all_experts=None) -> list:
+    """The --set overrides, then the calibration options given, as the recipe keys they stand for."""
+    flags = {
+        "calibration.dataset": dataset,
+        "calibration.samples": samples,
+        "calibration.seq_len": seq_len,
+        "seed": seed,
+        "calibration.all_experts": all_experts,
+    }
+    return [*overrides, *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)]
 
 
 @main.command()
 @recipe_options
 @click.option("--stats", default=None, type=click.Path(), help="Statistics directory [default: OUTPUT/stats].")
-@click.option(
-    "--dataset", default=None, help="builtin:NAME, a local file, or a hub dataset (recipe key calibration.dataset)."
-)
-@click.option("--samples", default=None, type=int, help="Calibration samples (recipe key calibration.samples).")
-@click.option("--seq-len", default=None, type=int, help="Tokens per sample (recipe key calibration.seq_len).")
-@click.option("--seed", default=None, type=int, help="Recipe key seed.")
+@calibration_options
 @click.option(
     "--batch-size",
     default=8,
@@ -243,14 +271,7 @@ def calibrate(
     check_device(device)  # before anything is read or written
     if batch_size < 1:
         raise UserError(f"--batch-size {batch_size} is not a number of samples; accepted: 1 or more.")
-    flags = {
-        "calibration.dataset": dataset,
-        "calibration.samples": samples,
-        "calibration.seq_len": seq_len,
-        "seed": seed,
-        "calibration.all_experts": all_experts,
-    }
-    overrides = [*overrides, *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)]
+    overrides = with_calibration_flags(overrides, dataset, samples, seq_len, seed, all_experts)
     recipe = resolve_recipe(recipe_path, model, output, overrides)
     source = open_checkpoint(recipe.model)  # once: every check below and the calibration read this one
     if recipe_path:  # a recipe whose plan shapes alone refuse is refused before the calibration it would waste
@@ -316,17 +337,22 @@ OVERWRITE_HELP = "Replace calibration statistics of another model or other setti
 
 @main.command()
 @recipe_options
+@calibration_options
 @click.option("--device", default="cpu", show_default=True, help=DEVICE_HELP)
 @memory_options
 @click.option("--overwrite", is_flag=True, help=OVERWRITE_HELP)
 @user_errors
-def apply(recipe_path, model, output, overrides, device, overwrite):
-    """Calibrate, plan, quantize, export, evaluate and report — the whole job."""
+def apply(recipe_path, model, output, overrides, dataset, samples, seq_len, seed, device, overwrite):
+    """Calibrate, plan, quantize, export, evaluate and report — the whole job.
+
+    --dataset / --samples / --seq-len / --seed set the recipe's calibration keys as `calibrate`'s do, so both
+    commands given the same options share OUTPUT/stats."""
     import time
 
     from moequant.pipeline.apply import apply as run
 
     t0 = time.perf_counter()
+    overrides = with_calibration_flags(overrides, dataset, samples, seq_len, seed)
     report = run(recipe_path, model, output, overrides, device=device, log=click.echo, overwrite=overwrite)
     if report is not None:  # None: a rank other than 0 of an expert-parallel run
         click.echo(f"done in {time.perf_counter() - t0:.0f} s; report: {report}")
@@ -436,18 +462,24 @@ def eval_command(checkpoint, reference, dataset, samples, seq_len, seed, as_json
 @click.argument("output", type=click.Path())
 @user_errors
 def report(output):
-    """Print the report of an output directory (report.md), once its plan, checkpoint and report
-    are checked to come from one run."""
+    """Write report.md and report.html of an output directory again from its report.json (the HTML's plot of
+    this model's runs next to it as they are now), once its plan, checkpoint and report are checked to come
+    from one run; print the report's summary line and the files."""
     from pathlib import Path
 
     from moequant.io.fingerprint import check_report_directory
-    from moequant.report import read_report, render_markdown
+    from moequant.io.run_lock import output_lock
+    from moequant.report import headline, read_report, write_views
 
     path = Path(output) / "report.json"
     if not path.is_file():
         raise UserError(f"{output} has no report.json; write it with `moequant apply`.")
     check_report_directory(output)
-    click.echo(render_markdown(read_report(path)))
+    data = read_report(path)
+    with output_lock(output, "report"):
+        written = write_views(data, output)
+    click.echo(headline(data))
+    click.echo(f"report written: {written['md']}, {written['html']} (from {path})")
 
 
 if __name__ == "__main__":

@@ -362,10 +362,24 @@ def write_report(report: dict, output_dir) -> dict[str, Path]:
     paths = {"json": out / "report.json", "md": out / "report.md", "html": out / "report.html"}
     data = ReportFile.model_validate(report).model_dump(by_alias=True)  # a report it refuses is a bug
     atomic_write_text(paths["json"], json.dumps(data, indent=2) + "\n")
-    runs = sibling_runs(out, report["model"])
+    return {"json": paths["json"], **write_views(report, out)}
+
+
+def write_views(report: dict, output_dir) -> dict[str, Path]:
+    """report.md and report.html of report.json's dict in output_dir (each atomically; the HTML's runs plot from
+    the runs of the same model next to it as they are now). Returns {"md": path, "html": path}."""
+    from moequant.io.checkpoint import atomic_write_text
+
+    out = Path(output_dir)
+    paths = {"md": out / "report.md", "html": out / "report.html"}
     atomic_write_text(paths["md"], render_markdown(report))
-    atomic_write_text(paths["html"], render_html(report, runs))
+    atomic_write_text(paths["html"], render_html(report, sibling_runs(out, report["model"])))
     return paths
+
+
+def headline(report: dict) -> str:
+    """The report's one-line summary: sizes, bits per weight and, when evaluated, perplexity, KL and top-1."""
+    return _headline(report)
 
 
 def read_report(path) -> dict:

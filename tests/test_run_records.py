@@ -84,9 +84,17 @@ def other_run(path: Path) -> None:
 
 
 def test_an_intact_run_is_reported_and_evaluated(run, tmp_path):
-    model, _ = run
-    copy = damaged(run, tmp_path, lambda d: None)
-    assert report(copy).exit_code == 0 and "bits per weight, routed experts" in report(copy).stdout
+    """`moequant report` writes report.md and report.html again (here after they were deleted: the same markdown
+    apply wrote) and says so in two lines: the report's summary and the files, not the markdown itself."""
+    model, out = run
+    copy = damaged(run, tmp_path, lambda d: [(d / name).unlink() for name in ("report.md", "report.html")])
+    result = report(copy)
+    assert result.exit_code == 0, result.output
+    summary, written = result.stdout.strip().splitlines()
+    assert "bits/weight overall" in summary and "KL mean" in summary
+    assert written == f"report written: {copy / 'report.md'}, {copy / 'report.html'} (from {copy / 'report.json'})"
+    assert (copy / "report.md").read_text() == (out / "report.md").read_text()
+    assert 'id="plot-memory-by-role"' in (copy / "report.html").read_text()
     result = evaluate(model, copy)
     assert result.exit_code == 0 and "KL per token" in result.stdout, result.output
 

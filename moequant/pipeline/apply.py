@@ -70,13 +70,17 @@ def export_arguments(recipe: Recipe) -> dict:
     }
 
 
+DEFAULT_RECIPE = "selective"  # what a command without --recipe runs: the bundled default (README's set-up line)
+
+
 def resolve_recipe(recipe_path, model=None, output=None, overrides=()) -> Recipe:
+    """The recipe at `recipe_path` (None: the bundled DEFAULT_RECIPE) with --model / --output / --set applied."""
     overrides = list(overrides)
     if model:
         overrides.append(f"model={model}")
     if output:
         overrides.append(f"output={output}")
-    return load_recipe(recipe_path, overrides)
+    return load_recipe(DEFAULT_RECIPE if recipe_path is None else recipe_path, overrides)
 
 
 def plan_stage(run: Run, stats_dir: Path | None, settings: CalibrationSettings):

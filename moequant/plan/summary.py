@@ -101,6 +101,9 @@ def _bits(alt: dict) -> str:
     return f" ({alt['routed_bits_per_weight']:.3f} bits per weight)" if "routed_bits_per_weight" in alt else ""
 
 
+MAP_WIDTH = 128  # a layer's map is cut after this many experts (the counts cover them all)
+
+
 def format_summary(plan: Plan) -> str:
     s = plan.summary
     lines = [f"plan for {plan.model}: target {plan.target}, method {plan.method}"]
@@ -116,13 +119,12 @@ def format_summary(plan: Plan) -> str:
         lines.append("candidates: " + ", ".join(plan.candidates))
     for key, why in plan.dropped_candidates.items():
         lines.append(f"dropped for target {plan.target}: {key} ({why})")
-    lines.append("routed experts per layer (" + ", ".join(f"{c}={k}" for c, k in s["legend"].items()) + "):")
+    legend = ", ".join(f"{c}={k}" for c, k in s["legend"].items())
+    lines.append(f"routed experts per layer, one character per expert ({legend}), and their counts:")
     for layer, info in s["layers"].items():
         counts = ", ".join(f"{k} x{n}" for k, n in info["counts"].items())
-        row = f"  L{int(layer):>3}  {counts}"
-        if len(info["counts"]) > 1 and len(info["map"]) <= 128:
-            row += f"  [{info['map']}]"
-        lines.append(row)
+        shown = info["map"] if len(info["map"]) <= MAP_WIDTH else f"{info['map'][:MAP_WIDTH]}... ({len(info['map'])})"
+        lines.append(f"  L{int(layer):>3}  {shown}  {counts}")
     bpw = s["bits_per_weight"]
     lines.append(f"bits per weight: {bpw['routed_experts']:.3f} routed experts, {bpw['overall']:.3f} overall")
     lines.append(

@@ -13,12 +13,15 @@ the *marginal* seconds per decoder layer come out without start-up costs:
   llmc-gptq            llm-compressor 0.14 oneshot + GPTQModifier W4A16 int4-g128 on the routed experts
                        (the same tensors), saved compressed
 
-Printed per tool and layer count: wall seconds of the whole run, moequant's stage seconds (from
-report.json's timings), peak GPU memory (torch.cuda.max_memory_allocated), peak host RSS, bytes
+Printed per tool and layer count: wall seconds of the whole run, moequant's stage seconds (moequant.timing's
+account of the apply call: report.json's timings plus the report's own seconds, "other" = the run's seconds
+that no stage holds), peak GPU memory (torch.cuda.max_memory_allocated), peak host RSS, bytes
 moequant wrote to scratch (stats/ and work/, counted at every write), and the held-out quality:
 KL / top-1 of each checkpoint against the original on the same evaluation windows (moequant's
 evaluation, run on every checkpoint alike). Then seconds per layer: the least-squares slope of t over the
-layer counts, with its RMS residual (`fit_per_layer`).
+layer counts, with its RMS residual (`fit_per_layer`), and the same slope per stage: where each added
+layer's seconds go (read = disk to host not hidden by the read-ahead, decode = transfer + decode, forward,
+statistics, gptq_grid / gptq_refit / gptq = GPTQ's grid search, scale refit and solve, pack_write, ...).
 
     python benchmarks/bench_e2e.py [--config qwen3-30b-a3b] [--layers 2 3] [--samples 128] [--seq-len 512]
         [--tools moequant-gptq,moequant-selective,moequant-fp8,llmc-gptq] [--json out.json]
@@ -103,6 +106,7 @@ def child_moequant(tool: str, model: str, out: str, samples: int, seq_len: int, 
     import moequant.calib.calibrate as cal
     import moequant.io.checkpoint as ck
     import moequant.pipeline.quantize as qz
+    from moequant import timing
     from moequant.pipeline.apply import apply
 
     scratch = {"bytes": 0}
@@ -137,6 +141,7 @@ def child_moequant(tool: str, model: str, out: str, samples: int, seq_len: int, 
         progress=False,
         log=lambda *_: None,
     )
+    stages = timing.account()  # report.json's timings, then the report's own seconds and the rest
     seconds = time.perf_counter() - t0
     report = json.loads((Path(out) / "report.json").read_text())
     q = report.get("quality") or {}
@@ -148,8 +153,9 @@ def child_moequant(tool: str, model: str, out: str, samples: int, seq_len: int, 
     )
     return {
         "seconds": seconds,
-        "timings": report.get("timings", {}),
+        "timings": stages,
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
+        "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else 0.0,
         "peak_rss_gib": peak_rss_bytes() / 2**30,
         "scratch_bytes": scratch["bytes"],
         "stats_bytes": _dir_bytes(Path(out) / "stats"),
@@ -349,7 +355,7 @@ def print_table(results: dict, tools, layer_counts) -> None:
         + f" GB at {' / '.join(map(str, counts))} layers"
     )
     print(
-        f"{'tool':20s} {'s/layer':>8s} {'+-rms':>6s} {'w/o eval':>8s} {'run s':>20s} {'peak GPU GiB':>13s} {'RSS GiB':>8s} "
+        f"{'tool':20s} {'s/layer':>8s} {'+-rms':>6s} {'w/o eval':>8s} {'run s':>20s} {'GPU GiB al/res':>13s} {'RSS GiB':>8s} "
         f"{'scratch MB':>11s} {'stats MB':>9s} {'KL':>9s} {'top-1':>6s}  stages (s, {hi} layers)"
     )
     slopes = {}
@@ -371,8 +377,9 @@ def print_table(results: dict, tools, layer_counts) -> None:
         kl = f"{b['kl']:.5f}" if b.get("kl") is not None else "-"
         top1 = f"{b['top1']:.3f}" if b.get("top1") is not None else "-"
         run_s = "/".join(f"{r['seconds']:.1f}" for _, r in done)
+        gpu = f"{b['peak_gpu_gib']:.1f}/{b.get('peak_gpu_reserved_gib', 0.0):.1f}"  # allocated / reserved
         print(
-            f"{tool:20s} {per_layer:8.2f} {rms:6.2f} {no_eval:8.2f} {run_s:>20s} {b['peak_gpu_gib']:13.1f} "
+            f"{tool:20s} {per_layer:8.2f} {rms:6.2f} {no_eval:8.2f} {run_s:>20s} {gpu:>13s} "
             f"{b['peak_rss_gib']:8.1f} {b['scratch_bytes'] / 1e6:11.1f} {b['stats_bytes'] / 1e6:9.2f} {kl:>9s} "
             f"{top1:>6s}  {stages}"
         )
@@ -390,15 +397,50 @@ def print_table(results: dict, tools, layer_counts) -> None:
                 f"  {key}: seconds per decoder layer in the quantize pass "
                 + ", ".join(f"L{L}={v:.1f}" for L, v in sorted(r["layer_seconds"].items(), key=lambda kv: int(kv[0])))
             )
+    print_stages(results, tools, counts)
     fp8 = [(n, runs[f"moequant-fp8@{n}"]) for n in counts if "timings" in runs.get(f"moequant-fp8@{n}", {})]
     if len(fp8) > 1:
-        work = [(mb[n] / 1e9, r["timings"].get("quantize", 0) + r["timings"].get("export", 0)) for n, r in fp8]
+        work = [(mb[n] / 1e9, pass_seconds(r["timings"])) for n, r in fp8]
         seconds_per_gb, _, rms = fit_per_layer(work)
         print(
-            "  moequant-fp8: quantize + export " + " / ".join(f"{t:.1f}" for _, t in work) + " s: "
+            "  moequant-fp8: quantize pass + export " + " / ".join(f"{t:.1f}" for _, t in work) + " s: "
             f"{1 / max(seconds_per_gb, 1e-9):.2f} GB/s of source checkpoint per added layer (least squares, "
             f"rms {rms:.2f} s; no forward)"
         )
+
+
+OUTSIDE_PASS = ("setup", "calibrate", "plan", "evaluate", "report", "other")  # every other stage is the pass's
+
+
+def pass_seconds(timings: dict) -> float:
+    """Seconds of the quantize pass and the export (every stage but set-up, calibration, plan, evaluation,
+    report and the rest)."""
+    return sum(v for k, v in timings.items() if k not in OUTSIDE_PASS)
+
+
+def print_stages(results: dict, tools, counts) -> None:
+    """Per moequant tool: each stage's seconds at every layer count and its least-squares slope per layer
+    (two or more counts; three for a per-layer figure), the stages' sum against the run's seconds, and
+    "other"'s share of the run."""
+    runs = results["runs"]
+    for tool in tools:
+        done = [(n, runs[f"{tool}@{n}"]) for n in counts if runs.get(f"{tool}@{n}", {}).get("timings")]
+        if not done:
+            continue
+        names = list(dict.fromkeys(k for _, r in done for k in r["timings"]))
+        head = " / ".join(f"{n}L" for n, _ in done)
+        print(f"\n{tool}: stage seconds at {head}, and per added layer (least squares)")
+        for name in names + ["(sum of stages)", "(run seconds)"]:
+            if name == "(sum of stages)":
+                values = [sum(r["timings"].values()) for _, r in done]
+            elif name == "(run seconds)":
+                values = [r["seconds"] for _, r in done]
+            else:
+                values = [r["timings"].get(name, 0.0) for _, r in done]
+            slope = fit_per_layer(list(zip([n for n, _ in done], values)))[0] if len(done) > 1 else float("nan")
+            print(f"  {name:18s} {' / '.join(f'{v:7.2f}' for v in values)}   {slope:7.2f} s/layer")
+        other = [r["timings"].get("other", 0.0) / max(r["seconds"], 1e-9) for _, r in done]
+        print("  other's share of the run: " + " / ".join(f"{x:.1%}" for x in other))
 
 
 if __name__ == "__main__":

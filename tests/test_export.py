@@ -167,9 +167,25 @@ def test_config_for_vllm_and_sglang(qwen2, tmp_path):
         guard = qc["config_groups"].pop(TRANSFORMERS_GUARD)  # two routed-expert formats: plain transformers refuses
         assert list(qc["config_groups"]) == [f"group_{i}" for i in range(len(qc["config_groups"]))]
         assert guard == transformers_guard_group()
-        targets = [t for g in qc["config_groups"].values() for t in g["targets"]]
-        assert len(targets) == len(set(targets)) == len(experts) + len(shared)  # disjoint, exact
-        assert all(not t.startswith("re:") for t in targets)
+        # disjoint: every quantized module of the checkpoint is targeted by exactly one group, every other by
+        # none; each layer's routed experts by one `re:` target (transformers 5 matches it to its fused experts
+        # module, so compressed-tensors warns for no expert), the shared experts by their names
+        from compressed_tensors.utils.match import match_name  # compressed-tensors' own reading of a target
+
+        modules = {n.rsplit(".", 1)[0] for n in _all_tensors(out)}
+        ad = adapter_for(open_checkpoint(qwen2).config)
+        quantized = {ad.expert_tensor_name(*k).rsplit(".", 1)[0] for k in experts} | {
+            n.rsplit(".", 1)[0] for n in shared
+        }
+        for module in modules:
+            hits = [t for g in qc["config_groups"].values() for t in g["targets"] if match_name(module, t)]
+            assert len(hits) == (module in quantized), (module, hits)
+        for L in (0, 1):
+            fused = f"model.layers.{L}.mlp.experts"  # transformers 5's one module for a layer's experts
+            (hit,) = [t for g in qc["config_groups"].values() for t in g["targets"] if match_name(fused, t)]
+            assert hit.startswith("re:")
+        names = [t for g in qc["config_groups"].values() for t in g["targets"] if not t.startswith("re:")]
+        assert sorted(names) == sorted(n.rsplit(".", 1)[0] for n in shared)
         group_formats = {g["format"] for g in qc["config_groups"].values()}
         assert group_formats == ({"pack-quantized"} if int8 == "none" else {"pack-quantized", "int-quantized"})
         for L in (0, 1):

@@ -63,10 +63,16 @@ def test_export_writes_what_sglang_loads_and_refuses_the_rest(tmp_path):
     out = export_checkpoint(qwen2, ok, tmp_path / "ok", target="sglang")
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["format"] == "pack-quantized"
-    # SGLang's resolution: each layer's expert 0 gate/up/down_proj match one group, the layer's format
-    group_of = {t: g for g in qc["config_groups"].values() for t in g["targets"]}
+    # SGLang's resolution: each layer's expert 0 gate/up/down_proj match one group (names or `re:` targets, as
+    # compressed-tensors matches them), the layer's format
+    from compressed_tensors.utils.match import match_name
+
+    def group_of(module):
+        (group,) = [g for g in qc["config_groups"].values() if any(match_name(module, t) for t in g["targets"])]
+        return group
+
     for L in range(4):
-        groups = [group_of[f"model.layers.{L}.mlp.experts.0.{p}_proj"] for p in ("gate", "up", "down")]
+        groups = [group_of(f"model.layers.{L}.mlp.experts.0.{p}_proj") for p in ("gate", "up", "down")]
         assert all(g == groups[0] for g in groups) and groups[0]["weights"]["num_bits"] == (4 if L % 2 == 0 else 8)
         assert groups[0]["weights"]["symmetric"] and groups[0]["input_activations"] is None
     bad = quantize_experts(qwen2, lambda L, e, p: ["int4-g32-sym", "fp8-channel"][L % 2])

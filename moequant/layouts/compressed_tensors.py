@@ -3,8 +3,9 @@ per-expert map of target vllm-moequant and the guard that stops plain transforme
 reads compressed-tensors checkpoints of other tools too (llm-compressor, Kimi-K2-Thinking).
 
 What it writes: one 2-D tensor set per module under the checkpoint's own names,
-`quantization_config` with one config group per distinct scheme (exact module names as
-targets, disjoint), `ignore` for every Linear left in bf16, per-group `format`, global
+`quantization_config` with one config group per distinct scheme (targets disjoint: exact module names,
+and one `re:` target per group for the MoE layers whose routed experts all share that group's scheme, see
+`experts_target`), `ignore` for every Linear left in bf16, per-group `format`, global
 `format` = the single group format or `mixed-precision` (SGLang: `pack-quantized` when any
 group is integer), `quantization_status: compressed`. int8 is W8A16 `pack-quantized`, or W8A8
 `int-quantized` with dynamic per-token int8 activations when int8_activations="dynamic".
@@ -335,6 +336,8 @@ class CompressedTensors(Layout):
         if not self.target.expert_format_map and sum(1 for _, targets in groups if routed.intersection(targets)) > 1:
             config_groups[TRANSFORMERS_GUARD] = transformers_guard_group()  # first: the group transformers takes
         for i, (scheme, targets) in enumerate(groups):
+            if not self.target.expert_format_map:  # the plugin's per-expert map names every expert itself
+                targets = self._whole_layers_as_regex(targets)
             config_groups[f"group_{i}"] = {"targets": targets, **scheme}
             group_formats.add(scheme["format"])
         if len(group_formats) == 1:
@@ -358,6 +361,31 @@ class CompressedTensors(Layout):
             config.update({"quant_method": QUANT_METHOD, EXPERT_FORMATS: self._expert_formats()})
         return config
 
+    def _whole_layers_as_regex(self, targets: list[str]) -> list[str]:
+        """A group's targets with the routed experts of every MoE layer that lies wholly in the group replaced by
+        one `experts_target` (the group's other modules keep their names)."""
+        chosen = set(targets)
+        whole: dict[tuple[str, tuple[str, ...]], list[int]] = defaultdict(list)
+        taken: set[str] = set()
+        for layer in self.adapter.moe_layers:
+            modules = {
+                module_name(self.adapter.expert_tensor_name(layer, e, p))
+                for e in range(self.adapter.num_experts)
+                for p in self.adapter.projections
+            }
+            experts = {m.rsplit(".", 2)[0] for m in modules}  # model.layers.L.mlp.experts
+            marker = f".{layer}."
+            if not modules <= chosen or len(experts) != 1 or marker not in next(iter(experts)):
+                continue
+            (prefix,) = experts
+            head, tail = prefix.split(marker, 1)
+            if tail.rsplit(".", 1)[-1] != "experts":
+                continue
+            whole[(head + ".", tuple(sorted({m.rsplit(".", 1)[1] for m in modules})))].append(layer)
+            taken |= modules
+        regexes = [experts_target(head, layers, leaves) for (head, leaves), layers in whole.items()]
+        return regexes + [t for t in targets if t not in taken]
+
     def _expert_formats(self) -> dict[str, list[str]]:
         """{MoE layer module (vLLM's fused experts module): [format key of each expert]}."""
         out = {}
@@ -370,6 +398,19 @@ class CompressedTensors(Layout):
             module = self.adapter.expert_tensor_name(layer, 0, "gate").rsplit(".", 3)[0]  # ....experts
             out[module] = keys
         return out
+
+
+def experts_target(head: str, layers: list[int], leaves) -> str:
+    """One compressed-tensors target for the routed experts of `layers` (module names `{head}{L}.….experts.{E}.{leaf}`):
+    it matches each expert's projections as vLLM, SGLang, compressed-tensors and moequant name them, and the fused
+    `….experts` module of those layers in a transformers 5 model, whose experts are one module, not one Linear
+    per expert. A list of every expert's name matched nothing there, and compressed-tensors' loader warned
+    "Could not match" once per expert projection (192 lines for tiny-qwen2moe); transformers picks its experts'
+    scheme from the first group whose `re:` targets name `experts` (integrations/compressed_tensors.py,
+    get_experts_scheme), which this target is."""
+    alternatives = "|".join(str(layer) for layer in layers)
+    names = "|".join(re.escape(leaf) for leaf in leaves)
+    return f"re:^{re.escape(head)}(?:{alternatives})\\.(?:[^.]+\\.)*experts(?:\\.\\d+\\.(?:{names}))?$"
 
 
 TRANSFORMERS_GUARD = "moequant_transformers_guard"

@@ -818,7 +818,10 @@ def _readable(checkpoint):
     """The checkpoint opened through moequant's reader, or None when only transformers might read it
     (a format moequant does not read, in a checkpoint moequant did not write)."""
     from moequant.io.checkpoint import open_checkpoint, resolve_model_path
+    from moequant.io.loader import gguf_export_file
 
+    if gguf_export_file(checkpoint) is not None:  # a GGUF export: moequant.load reads it whole (gguf-py)
+        return None
     try:
         return open_checkpoint(checkpoint)
     except UserError:

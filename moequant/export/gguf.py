@@ -426,7 +426,11 @@ def export_gguf(
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        (tmp / EXPORT_INFO).write_text(json.dumps(info or {"layout": "gguf"}, indent=2) + "\n")
+        # the model's config.json (its source quantization left out: the file says how it is stored), which
+        # moequant.load builds the transformers model from when it reads this file back (io/loader.py)
+        config = {k: v for k, v in c.items() if k not in ("quantization_config", "moequant")}
+        info = {**(info or {"layout": "gguf"}), "config": config}
+        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
     return out_dir
 
 

@@ -14,6 +14,7 @@ picks one experts scheme for the whole model and decodes per-layer mixes wrongly
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -33,6 +34,9 @@ def load(path, dtype: torch.dtype | None = None, device: str = "cpu"):
     calibration runs layer by layer), each quantized weight decoded as it is read."""
     from moequant.io.layers import build_skeleton
 
+    gguf_file = gguf_export_file(path)
+    if gguf_file is not None:  # a GGUF export: one file in llama.cpp's names, read back through gguf-py
+        return _load_gguf(gguf_file, dtype, device)
     ckpt = open_checkpoint(path)
     adapter = adapter_for(
         ckpt.config
@@ -57,6 +61,66 @@ def load(path, dtype: torch.dtype | None = None, device: str = "cpu"):
 
         model.generation_config = GenerationConfig.from_pretrained(str(ckpt.directory))
     ckpt.close()
+    return model.to(device).eval()
+
+
+def gguf_export_file(path) -> Path | None:
+    """The model.gguf of a GGUF export directory (or that file given itself), else None (also for an open
+    Checkpoint)."""
+    from moequant.layouts.gguf import GGUF_FILE
+
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    path = Path(path)
+    if path.is_file() and path.name == GGUF_FILE:
+        return path
+    return path / GGUF_FILE if (path / GGUF_FILE).is_file() and not (path / "config.json").exists() else None
+
+
+def _load_gguf(file: Path, dtype: torch.dtype | None, device: str):
+    """`load` of a GGUF export: the transformers model built from the config.json the export recorded in
+    moequant_export.json, every weight gguf-py's dequantization of the file (moequant.layouts.gguf
+    read_gguf_weights) put through the adapter's in-memory layout as `load` does for safetensors."""
+    import json
+    import tempfile
+    import types
+
+    from moequant.io.checkpoint import EXPORT_INFO
+    from moequant.io.layers import build_skeleton
+    from moequant.layouts.gguf import read_gguf_weights
+
+    info_path = file.parent / EXPORT_INFO
+    try:
+        config = json.loads(info_path.read_text()).get("config")
+    except (OSError, ValueError, AttributeError):
+        config = None
+    if not isinstance(config, dict):
+        raise UserError(
+            f"{file} has no model config next to it ({info_path} holds none: a GGUF export made before moequant "
+            "recorded it); export it again with `moequant apply`, or run the file in llama.cpp."
+        )
+    adapter = adapter_for(config)
+    tensors, experts = read_gguf_weights(file, adapter, config)
+    dtype = dtype or _config_dtype(config)
+    with tempfile.TemporaryDirectory() as tmp:  # build_skeleton reads a config.json and the embeddings
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        source = types.SimpleNamespace(directory=Path(tmp), get=lambda name, device=None: tensors[name])
+        model = build_skeleton(source, dtype)
+    for i, layer in enumerate(model.model.layers):
+        layer.to_empty(device="cpu")
+        mine = {p: experts.pop((i, p)) for p in adapter.projections if (i, p) in experts}
+        state = adapter.layer_state_dict(source, i, list(layer.state_dict()), dtype, experts=mine, tensors=tensors)
+        layer.load_state_dict(state, strict=True)
+        del mine, state
+    head = model.get_output_embeddings()
+    if adapter.tie_embeddings:
+        head.weight = model.get_input_embeddings().weight
+    else:
+        head.to_empty(device="cpu")
+        head.load_state_dict({"weight": tensors["lm_head.weight"].to(dtype)})
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"moequant.load left {left[0]} unfilled")  # a module the adapter does not know
     return model.to(device).eval()
 
 

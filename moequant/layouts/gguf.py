@@ -546,3 +546,71 @@ class Gguf(Layout):
         if adapter.model_type not in ARCHS:
             return f"the gguf layout writes {', '.join(ARCHS)}, not {adapter.model_type}"
         return None
+
+
+# ---- reading a GGUF file back (moequant.load of a GGUF export) -------------------------------------
+
+
+def _inverse(fn, gguf_tensor: torch.Tensor, shape, config) -> torch.Tensor | None:
+    """The HF tensor of shape `shape` that `fn` (one of the transforms above, or None) wrote as `gguf_tensor`;
+    None for a transform that does not only reshape or reorder rows (kv_b_proj's split halves, gpt-oss's
+    de-interleaved gate / up)."""
+    if fn is None or fn is _flat:
+        return gguf_tensor.reshape(shape)
+    if fn in ROW_ORDER:  # where each original row went: the transform of the row indices
+        rows = torch.arange(shape[0], dtype=torch.float64).reshape(shape[0], 1)
+        moved = fn(rows, config).reshape(-1).long()
+        out = torch.empty(shape, dtype=gguf_tensor.dtype)
+        out[moved] = gguf_tensor.reshape(shape)
+        return out
+    return None
+
+
+def read_gguf_weights(
+    path, adapter, config: dict
+) -> tuple[dict[str, torch.Tensor], dict[tuple[int, str], torch.Tensor]]:
+    """Every weight of the GGUF file `path` (as moequant.export.gguf writes it for `adapter`'s model) dequantized by
+    gguf-py (float32), under the HF checkpoint's names: ({HF name: tensor} of everything but the routed experts,
+    {(layer, projection): [E, out, in]} of the routed experts, each GGUF stack as it is). A tensor llama.cpp's
+    graph holds transformed in a way that is not a reshape or a row order, or one the file lacks, is refused."""
+    import gguf
+
+    from moequant.errors import UserError
+
+    reader = gguf.GGUFReader(str(path))
+    stored = {t.name: t for t in reader.tensors}
+
+    def dequantized(name: str) -> torch.Tensor:
+        t = stored.get(name)
+        if t is None:
+            raise UserError(f"{path} lacks tensor {name}, which the {adapter.model_type} model needs.")
+        return torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+
+    if adapter.fused_experts:
+        raise UserError(
+            f"{path}: reading a GGUF file of {adapter.model_type} (fused experts, de-interleaved on export) back is "
+            "not supported; load the safetensors export of the same plan, or run the file in llama.cpp."
+        )
+    tensors, experts = {}, {}
+    for name, (shape, role) in adapter.expected_tensors().items():
+        if role.role == "routed_expert":
+            continue
+        targets = gguf_targets(adapter.model_type, name)
+        if len(targets) != 1:
+            raise UserError(
+                f"{path}: {name} is written as {len(targets)} GGUF tensors, which reading back does not support; "
+                "load the safetensors export of the same plan, or run the file in llama.cpp."
+            )
+        ((target, fn),) = targets
+        hf = _inverse(fn, dequantized(target), tuple(shape), config)
+        if hf is None:
+            raise UserError(
+                f"{path}: {name} is written transformed as {target}, which reading back does not support; "
+                "load the safetensors export of the same plan, or run the file in llama.cpp."
+            )
+        tensors[name] = hf
+    for layer in adapter.moe_layers:
+        for proj in adapter.projections:
+            stack = dequantized(f"blk.{layer}.ffn_{proj}_exps.weight")  # ggml {in, out, E} = torch [E, out, in]
+            experts[(layer, proj)] = stack.reshape(adapter.num_experts, *adapter.expert_shape(proj))
+    return tensors, experts

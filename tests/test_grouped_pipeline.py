@@ -202,6 +202,55 @@ def test_quantize_pass_in_expert_chunks_equals_the_whole_layer(tiny_dirs, tmp_pa
         assert rep == other, L
 
 
+def test_all_tokens_statistics_only_for_experts_that_fall_back_give_the_same_pass(tiny_dirs, tmp_path, monkeypatch):
+    """The pass pushes every token through an expert only where it has fewer than min_tokens routed tokens (the
+    others never read their all-tokens Hessian): codes, scales and report equal those of every expert's
+    all-tokens statistics, on a threshold that sends some experts to their own Hessian and some to the fallback."""
+    import dataclasses
+    from pathlib import Path
+
+    from moequant.calib.calibrate import plain_settings
+    from moequant.calib.data import Sample
+    from moequant.pipeline import quantize
+    from moequant.plan.policy import make_plan
+    from moequant.plan.recipe import load_recipe
+
+    d = tiny_dirs["qwen3_moe"]
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "uniform-int4.yaml", [f"model={d}"])
+    plan = make_plan(recipe, open_checkpoint(d), None)
+    samples = [Sample(row, "test", "test") for row in _ids()]
+    settings = plain_settings(samples=N, seq_len=SEQ, batch_size=BS)
+    _, first = quantize.quantize_model(str(d), plan, settings, tmp_path / "counts", samples=samples, progress=False)
+    counts = sorted(n for rep in first.values() for n in rep.get("routed_tokens", []))
+    settings = dataclasses.replace(settings, min_tokens=counts[len(counts) // 2])  # the median: both kinds
+    asked = []
+    real = quantize.LayerCollector
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("all_tokens_experts"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quantize, "LayerCollector", spy)
+    some, some_report = quantize.quantize_model(
+        str(d), plan, settings, tmp_path / "some", samples=samples, progress=False
+    )
+    assert any(m is not None and any(m) and not all(m) for m in asked), asked
+    monkeypatch.setattr(quantize, "LayerCollector", lambda *a, **k: real(*a, **{**k, "all_tokens_experts": None}))
+    every, every_report = quantize.quantize_model(
+        str(d), plan, settings, tmp_path / "every", samples=samples, progress=False
+    )
+    assert some.keys() == every.keys()
+    for key, q in every.items():
+        assert torch.equal(q.codes, some[key].codes) and torch.equal(q.scales, some[key].scales), key
+    fell_back = 0
+    for L, rep in every_report.items():
+        rep, other = dict(rep), dict(some_report[L])
+        rep.pop("seconds"), other.pop("seconds")
+        assert rep == other, L
+        fell_back += sum(len(e.get("gptq", {}).get("fallbacks", {})) for e in rep.values() if isinstance(e, dict))
+    assert fell_back > 0
+
+
 @pytest.mark.parametrize("later_gptq", [False, True], ids=["model-free", "before-a-gptq-layer"])
 def test_round_to_nearest_streamed_a_chunk_of_experts_at_a_time_equals_the_whole_layer(
     tiny_dirs, tmp_path, monkeypatch, later_gptq

@@ -94,6 +94,11 @@ class LayerCollector:
     # experts x ~25 launches per batch), several experts at once by batched matmuls over their tokens
     # padded to the group's largest count (padding rows are zero and masked, adding nothing). None: by device
     grouped: bool | None = None
+    # the experts (bool per local expert) whose all-tokens down statistics are computed when `all_experts`; None:
+    # every expert. The quantize pass reads an expert's all-tokens Hessian only when it has fewer than
+    # min_tokens routed tokens (stats.chosen_hessian), and pushing every token through every expert is most
+    # of a layer's statistics: it asks for those experts alone. The others' all-tokens down rows stay zero.
+    all_tokens_experts: list[bool] | None = None
 
     @property
     def local_experts(self) -> int:
@@ -246,24 +251,29 @@ class LayerCollector:
         with torch.no_grad():
             for lo in range(0, E, chunk):
                 ids = list(range(lo, min(E, lo + chunk)))
-                if self.all_experts:
+                full = ids if self.all_tokens_experts is None else [e for e in ids if self.all_tokens_experts[e]]
+                if self.all_experts and full:
+                    # rows of this chunk's experts: a slice when all of them (every expert: as always), else a list
+                    at = slice(lo, lo + len(ids)) if len(full) == len(ids) else full
                     h_all = self.adapter.experts_hidden(
-                        self.experts_module, x, [first + e for e in ids]
+                        self.experts_module, x, [first + e for e in full]
                     ).float()  # [c, n, I]
                     hd = h_all.to(acc)
-                    self._zeros("input.down.sqsum", (E, inter), torch.float64, dev)[lo : lo + len(ids)] += (
-                        (hd**2).sum(1).double()
-                    )
-                    self._zeros("input.down.abssum", (E, inter), torch.float64, dev)[lo : lo + len(ids)] += (
-                        hd.abs().sum(1).double()
-                    )
+                    self._zeros("input.down.sqsum", (E, inter), torch.float64, dev)[at] += (hd**2).sum(1).double()
+                    self._zeros("input.down.abssum", (E, inter), torch.float64, dev)[at] += hd.abs().sum(1).double()
                     del hd
                     mx = self._zeros("input.down.absmax", (E, inter), torch.float32, dev)
-                    mx[lo : lo + len(ids)] = torch.maximum(mx[lo : lo + len(ids)], h_all.abs().amax(1))
+                    mx[at] = torch.maximum(mx[at], h_all.abs().amax(1))
                     if self.hessians:
-                        self._zeros("hessian_sum.down", (E, inter, inter), torch.float32, dev)[lo : lo + len(ids)] += (
+                        self._zeros("hessian_sum.down", (E, inter, inter), torch.float32, dev)[at] += (
                             h_all.transpose(1, 2) @ h_all
                         )
+                elif self.all_experts:  # no expert of the chunk reads them: their rows exist, as zeros
+                    self._zeros("input.down.sqsum", (E, inter), torch.float64, dev)
+                    self._zeros("input.down.abssum", (E, inter), torch.float64, dev)
+                    self._zeros("input.down.absmax", (E, inter), torch.float32, dev)
+                    if self.hessians:
+                        self._zeros("hessian_sum.down", (E, inter, inter), torch.float32, dev)
                 if self._grouped(dev):
                     self._down_routed_grouped(x, token_of_pair, expert_of_pair, offsets, acc, coef, ids)
                     continue

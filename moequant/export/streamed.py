@@ -23,7 +23,9 @@ import re
 import shutil
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -70,6 +72,36 @@ def _link(source: Path, destination: Path) -> None:
         shutil.copyfile(source, destination)
 
 
+@dataclass
+class _OpenLayer:
+    """One layer's shards being written: its temporary directory, shard writer, writer thread and queue."""
+
+    tmp: Path
+    final: Path
+    shards: ShardWriter
+    pool: ThreadPoolExecutor
+    pending: deque = field(default_factory=deque)
+    sources: list = field(default_factory=list)
+
+    def submit(self, fn, *args) -> None:
+        while len(self.pending) >= WRITE_AHEAD:
+            self.pending.popleft().result()
+        self.pending.append(self.pool.submit(fn, *args))
+
+    def close(self) -> None:
+        """Wait for the layer's writes, close its shards and rename them into place (the layer's resume record).
+        Runs on any thread: the next layer may have begun meanwhile."""
+        try:
+            while self.pending:
+                self.pending.popleft().result()
+        finally:
+            self.pool.shutdown(wait=True)
+        files = self.shards.close()
+        record = {"files": files, "sources": self.sources, "bytes": self.shards.total_bytes}
+        (self.tmp / "shards.json").write_text(json.dumps(record))
+        os.rename(self.tmp, self.final)
+
+
 class StreamedExport:
     """One pass's export: `begin_layer`, `store` per quantized stack of experts, `end_layer`, then `finish`."""
 
@@ -87,7 +119,7 @@ class StreamedExport:
         self.layer_names: dict[int | None, list[str]] = {}
         for name in ckpt.keys():
             self.layer_names.setdefault(layer_of(name, adapter.num_layers), []).append(name)
-        self._shards = self._pool = None
+        self._open: _OpenLayer | None = None
 
     def layer_dir(self, layer: int, rank: int = 0) -> Path:
         return self.work / (f"layer_{layer:03d}.shards" if rank == 0 else f"layer_{layer:03d}.rank{rank}.shards")
@@ -102,13 +134,13 @@ class StreamedExport:
 
     def begin_layer(self, layer: int, rank: int = 0) -> None:
         final = self.layer_dir(layer, rank)
-        self._tmp = final.with_name(final.name + ".tmp")
-        for leftover in (final, self._tmp):  # a run stopped in this layer, or one that will redo it
+        tmp = final.with_name(final.name + ".tmp")
+        for leftover in (final, tmp):  # a run stopped in this layer, or one that will redo it
             shutil.rmtree(leftover, ignore_errors=True)
-        self._tmp.mkdir(parents=True)
-        self._shards = self._writer(self._tmp, self.layer_names.get(layer, []))
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moequant-write")
-        self._pending, self._sources = deque(), []
+        tmp.mkdir(parents=True)
+        shards = self._writer(tmp, self.layer_names.get(layer, []))
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moequant-write")
+        self._open = _OpenLayer(tmp, final, shards, pool)
 
     def store(self, layer: int, proj: str, experts: list[int], q: QuantizedTensor) -> dict:
         """A quantized stack of experts ([len(experts), out, in], on the device it was quantized on): packed and
@@ -123,19 +155,20 @@ class StreamedExport:
 
     def _pack(self, name: str, q: QuantizedTensor) -> None:
         host = {k: v.to("cpu") for k, v in self.writer.pack(name, q).items()}  # packed where the codes are
-        self._sources.append(name)
-        self._submit(_add_all, self._shards, host)
-
-    def _submit(self, fn, *args) -> None:
-        while len(self._pending) >= WRITE_AHEAD:
-            self._pending.popleft().result()
-        self._pending.append(self._pool.submit(fn, *args))
+        self._open.sources.append(name)
+        self._open.submit(_add_all, self._open.shards, host)
 
     def end_layer(self, layer: int, items: dict, rank: int = 0) -> None:
-        """The layer's remaining tensors, then its shards closed and renamed into place. `items`: the pass's
-        tensors not yet stored (non-expert QuantizedTensors by name, fused experts by (layer, expert, proj),
-        full-precision replacements as plain tensors by name). Rank 0 also copies the layer's other tensors
-        (the routed experts another rank quantized are that rank's)."""
+        """The layer's remaining tensors, then its shards closed and renamed into place (`queue_layer_end`, then
+        its closing function at once)."""
+        self.queue_layer_end(layer, items, rank)()
+
+    def queue_layer_end(self, layer: int, items: dict, rank: int = 0) -> Callable[[], None]:
+        """The layer's remaining tensors queued for its writer; returns the function that waits for its writes
+        and renames its shards into place, which may run on another thread while the next layer begins.
+        `items`: the pass's tensors not yet stored (non-expert QuantizedTensors by name, fused experts by
+        (layer, expert, proj), full-precision replacements as plain tensors by name). Rank 0 also copies the
+        layer's other tensors (the routed experts another rank quantized are that rank's)."""
         replacements = {k: v for k, v in items.items() if isinstance(v, torch.Tensor)}
         resolved = resolve_keys(
             {k: v for k, v in items.items() if not isinstance(v, torch.Tensor)}, self.ckpt, self.adapter
@@ -144,24 +177,24 @@ class StreamedExport:
         for name, q in resolved.items():
             if q.spec.quantized:
                 self._pack(name, q)
+        open_layer = self._open
         if rank == 0:
-            packed = set(self._sources)
+            packed = set(open_layer.sources)
             for name in self.layer_names.get(layer, []):
                 if name not in packed and name not in self.items:
-                    self._sources.append(name)
-                    self._submit(
-                        write_unquantized, self._shards, self.ckpt, self.adapter, self.writer, name, plain, replacements
+                    open_layer.sources.append(name)
+                    open_layer.submit(
+                        write_unquantized,
+                        open_layer.shards,
+                        self.ckpt,
+                        self.adapter,
+                        self.writer,
+                        name,
+                        plain,
+                        replacements,
                     )
-        try:
-            while self._pending:
-                self._pending.popleft().result()
-        finally:
-            self._pool.shutdown(wait=True)
-        files = self._shards.close()
-        record = {"files": files, "sources": self._sources, "bytes": self._shards.total_bytes}
-        (self._tmp / "shards.json").write_text(json.dumps(record))
-        os.rename(self._tmp, self.layer_dir(layer, rank))
-        self._shards = self._pool = None
+        self._open = None
+        return open_layer.close
 
     # ------------------------------------------------------------------------------ the checkpoint
 

@@ -685,6 +685,8 @@ def _statistics_and_quantize_in_chunks(
                     first_expert=lo,
                     chunk_experts=hi - lo,
                     hessian_weighting=settings.hessian_weighting,
+                    # all tokens through an expert only where its routed tokens are too few for its own Hessian
+                    all_tokens_experts=[n < settings.min_tokens for n in routed_tokens[lo:hi]],
                 )
                 for x, indices, weights in zip(record["x"], record["indices"], record["weights"]):
                     col.add_batch(x, indices, weights)
@@ -892,6 +894,8 @@ def _quantize_model(
     from concurrent.futures import ThreadPoolExecutor
 
     reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moequant-read")
+    if world is None:  # each layer's writes and resume record finish while the next layer computes
+        run.saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moequant-save")
     read_ahead = {}
     try:
         for L in range(start, adapter.num_layers):
@@ -913,8 +917,11 @@ def _quantize_model(
             with timing.stage("release"):
                 release_freed_memory()
             bar.done(L)
+        run.wait_saved()
     finally:
         reader.shutdown(wait=True, cancel_futures=True)
+        if run.saver is not None:  # a stopped run still finishes the layer it was saving: its record stays whole
+            run.saver.shutdown(wait=True)
         bar.close()
 
     if world is not None and world.rank != 0:  # rank 0 exports: it reads every rank's work/ files
@@ -956,6 +963,15 @@ class _Pass:
     last_data_layer: int  # the last layer whose quantization reads activations (-1: none)
     bar: LayerProgress
     export: object = None  # StreamedExport: layers written as the output's shards (else work files)
+    saver: object = None  # one process: the thread that finishes each layer's writes (`_save_layer`)
+    saving: object = None  # the future of the layer being saved there, if any
+
+    def wait_saved(self) -> None:
+        """Wait for the last layer's save (its exception, if any, raised here)."""
+        if self.saving is not None:
+            saving, self.saving = self.saving, None
+            with timing.stage("save_wait"):
+                saving.result()
 
     @property
     def rank(self) -> int:
@@ -1322,6 +1338,19 @@ def _save_layer(run: _Pass, L: int, quantized: dict, report: dict, routed_tokens
     merged) and the pass's progress: the hidden states the next layer reads, or past the last layer
     that reads activations, just the next layer's number. `t0`: when the layer started (its report's seconds)."""
     world = run.world
+    if world is None and run.saver is not None:  # one process: the layer's writes finish beside the next layer
+        with timing.stage("pack_write"):
+            close = (
+                run.export.queue_layer_end(L, quantized, run.rank)
+                if run.export is not None
+                else functools.partial(save_quantized, quantized, _layer_file(run.work, L, run.rank))
+            )
+        if routed_tokens is not None:
+            report["routed_tokens"] = routed_tokens
+        report["seconds"] = time.perf_counter() - t0
+        run.wait_saved()  # at most one layer's writes in flight; in order, so the resume record stays one
+        run.saving = run.saver.submit(_finish_layer_save, run, L, close, report, hidden)
+        return
     with timing.stage("pack_write"):
         if run.export is None:
             save_quantized(quantized, _layer_file(run.work, L, run.rank))
@@ -1341,11 +1370,24 @@ def _save_layer(run: _Pass, L: int, quantized: dict, report: dict, routed_tokens
         report["routed_tokens"] = routed_tokens
     report["seconds"] = time.perf_counter() - t0
     with timing.stage("carry_write"):  # the resume record: the layer's report and the hidden states it hands on
-        atomic_write_text(run.work / f"layer_{L:03d}.json", json.dumps(report, indent=2))
-        if L < run.last_data_layer:
-            save_carried(run.work, run.fingerprint, L + 1, hidden)
-        else:
-            _mark_finished(run.work, run.fingerprint, L + 1)
+        _write_progress(run, L, report, hidden)
+
+
+def _write_progress(run: _Pass, L: int, report: dict, hidden) -> None:
+    """The layer's report, then the pass's progress: the hidden states entering layer L + 1 (or past the last
+    layer that reads activations, just its number). Written after the layer's tensors are in place."""
+    atomic_write_text(run.work / f"layer_{L:03d}.json", json.dumps(report, indent=2))
+    if L < run.last_data_layer:
+        save_carried(run.work, run.fingerprint, L + 1, hidden)
+    else:
+        _mark_finished(run.work, run.fingerprint, L + 1)
+
+
+def _finish_layer_save(run: _Pass, L: int, close, report: dict, hidden) -> None:
+    """On the saver thread: the layer's shards (or work file) closed and in place, then its progress, in that
+    order (a run stopped meanwhile resumes at a layer whose tensors are all written)."""
+    close()
+    _write_progress(run, L, report, hidden)
 
 
 def _refuse_awq_where_unsupported(plan: Plan, adapter, world) -> None:

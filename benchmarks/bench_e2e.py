@@ -310,6 +310,11 @@ def main() -> None:
                 print(f"{tool:20s} warm-up on {layers}L: {r.get('seconds', 'FAILED')} s (not counted)", flush=True)
                 shutil.rmtree(work / f"warmup-{tool}", ignore_errors=True)
         for tool in tools:
+            why = disk_shortfall(tool, a.source, model, work)
+            if why:  # one sentence instead of a run that fills the disk minutes in
+                results["runs"][f"{tool}@{layers}"] = {"error": why}
+                print(f"{tool:20s} {layers}L skipped: {why}", flush=True)
+                continue
             r = run_child(tool, model, work / f"{tool}-{layers}L", a.samples, a.seq_len, a.eval_samples, a.device)
             results["runs"][f"{tool}@{layers}"] = r
             print(
@@ -323,6 +328,25 @@ def main() -> None:
     print_table(results, tools, a.layers)
     if a.json:
         _write_json(Path(a.json), results)
+
+
+OUTPUT_BITS = {"moequant-gptq": 4.25, "moequant-selective": 5.5, "moequant-fp8": 8.1, "llmc-gptq": 4.25}
+SOURCE_BITS = {"bf16": 16.0, "fp8-block": 8.1}
+
+
+def disk_shortfall(tool: str, source: str, model: Path, work: Path) -> str | None:
+    """Why `tool`'s run on `model` cannot fit the disk beside it (its output is about the source's bytes times
+    output bits over source bits, plus 10 %), or None. Every earlier layer count's model and output are
+    removed by then (unless --keep-models), so the source and this one output are what the disk must hold."""
+    source_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    need = 1.1 * source_bytes * OUTPUT_BITS.get(tool, 16.0) / SOURCE_BITS[source]
+    free = shutil.disk_usage(work).free
+    if need <= free:
+        return None
+    return (
+        f"its output needs about {need / 1e9:.1f} GB beside the {source_bytes / 1e9:.1f} GB source and the disk "
+        f"has {free / 1e9:.1f} GB free; run fewer layers or use a larger disk"
+    )
 
 
 def _write_json(path: Path, results: dict) -> None:

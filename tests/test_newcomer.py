@@ -58,3 +58,18 @@ def test_a_bare_command_runs_the_bundled_default_recipe_which_is_feasible_on_the
     check_recipe(bare, open_checkpoint(bare.model))  # refused before as "5.5 below smallest feasible 8.125"
     result = CliRunner().invoke(main, ["plan", "--output", str(tmp_path / "run")])  # gets as far as the statistics
     assert result.exit_code == 2 and "no calibration statistics in " in result.output, result.output
+
+
+def test_calibrate_says_once_which_formats_a_projection_cannot_hold():
+    """gguf.yaml's menu on tiny-qwen2moe: four K types cannot hold the 64-wide down projection, one note (was
+    four); a format of another group size is its own note; formats that fit get none."""
+    from moequant.pipeline.precheck import unfit_notes
+
+    notes = unfit_notes("zoo:tiny-qwen2moe", ["q8_0", "q6_k", "q5_k", "q5_0", "q4_k", "q3_k", "int4-g128-sym"])
+    assert notes == [
+        "q6_k, q5_k, q4_k and q3_k cannot hold the routed experts' down projection ([256, 64]: 64 input columns are "
+        "not a multiple of their group size 256); no sensitivity is measured for them there and no plan offers them "
+        "there.",
+        "int4-g128-sym cannot hold the routed experts' down projection ([256, 64]: 64 input columns are not a "
+        "multiple of its group size 128); no sensitivity is measured for it there and no plan offers it there.",
+    ]

@@ -97,19 +97,23 @@ def unfit_notes(model, format_keys) -> list[str]:
     from moequant.io.checkpoint import open_checkpoint
 
     adapter = open_checkpoint(model).adapter
-    notes = []
+    refused: dict[tuple, list[str]] = {}  # (projection, group size) -> the formats: one note each, not per format
     for key in format_keys:
         spec = formats.parse_key(key)
         for proj in adapter.projections:
-            rows, cols = adapter.expert_shape(proj)
             try:
-                formats.check_shape(spec, (rows, cols))
+                formats.check_shape(spec, adapter.expert_shape(proj))
             except UserError:
-                notes.append(
-                    f"{key} cannot hold the routed experts' {proj} projection ([{rows}, {cols}]: {cols} input "
-                    f"columns are not a multiple of its group size {spec.group_size}); no sensitivity is "
-                    f"measured for it there and no plan offers it there."
-                )
+                refused.setdefault((proj, spec.group_size), []).append(key)
+    notes = []
+    for (proj, size), keys in refused.items():
+        rows, cols = adapter.expert_shape(proj)
+        named = f"{keys[0]} cannot" if len(keys) == 1 else f"{', '.join(keys[:-1])} and {keys[-1]} cannot"
+        notes.append(
+            f"{named} hold the routed experts' {proj} projection ([{rows}, {cols}]: {cols} input columns are not "
+            f"a multiple of {'its' if len(keys) == 1 else 'their'} group size {size}); no sensitivity is measured "
+            f"for {'it' if len(keys) == 1 else 'them'} there and no plan offers {'it' if len(keys) == 1 else 'them'} there."
+        )
     return notes
 
 

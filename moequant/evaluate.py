@@ -100,11 +100,11 @@ def _adapter(model):
 
 
 def _moe_block(model, layer: int):
-    return model.model.layers[layer].mlp
+    return _adapter(model).moe_block(model, layer)
 
 
 def _pre_moe_norm(model, layer: int):
-    return getattr(model.model.layers[layer], "post_attention_layernorm", None)
+    return getattr(_adapter(model).decoder(model)[1][layer], "post_attention_layernorm", None)
 
 
 def _block_input_for(model, layer: int, pre_norm, x_ref):
@@ -552,7 +552,7 @@ def evaluate(
 def _logits(runner, hidden: torch.Tensor) -> torch.Tensor:
     """The causal LM's head on the last decoder layer's output (final norm, then lm_head)."""
     model = runner.model
-    norm, head = model.model.norm, model.get_output_embeddings()
+    norm, head = runner.adapter.final_norm(model), model.get_output_embeddings()
     # the skeleton keeps its final norm (and a tied head) on the host, an untied head on the device
     h = norm(hidden.to(norm.weight.device))
     return head(h.to(head.weight.device))
@@ -560,13 +560,9 @@ def _logits(runner, hidden: torch.Tensor) -> torch.Tensor:
 
 def _real_head(runner, adapter) -> None:
     """Make the skeleton's lm_head real (build_skeleton leaves it on the meta device)."""
-    model = runner.model
-    head = model.get_output_embeddings()
-    if adapter.tie_embeddings:
-        head.weight = model.get_input_embeddings().weight
-    else:
-        head.to_empty(device=runner.device)
-        head.load_state_dict({"weight": runner.checkpoint.get("lm_head.weight").to(runner.dtype)})
+    from moequant.io.layers import make_head_real
+
+    make_head_real(runner.model, runner.checkpoint, adapter, runner.device, runner.dtype)
 
 
 def evaluate_streaming(

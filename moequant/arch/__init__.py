@@ -1,46 +1,48 @@
-"""Architecture adapters: one small file per MoE family, looked up by `model_type`.
-
-Adding an architecture: subclass `Adapter` in a new file, list it in `ADAPTERS`.
+"""Architecture adapters. Every MoE family whose experts use transformers' standard experts interface goes
+through `GenericAdapter`, which derives structure and on-disk names from transformers itself; a family file
+exists only for what that rule cannot express (gpt-oss), listed in `ADAPTERS`.
 """
 
 from __future__ import annotations
 
 from moequant.arch.base import PROJECTIONS, ROLES, Adapter, Routing, TensorRole  # noqa: F401
-from moequant.arch.deepseek import DeepseekV2Adapter, DeepseekV3Adapter
+from moequant.arch.generic import GenericAdapter, decode_special_floats, standard_experts_families
 from moequant.arch.gpt_oss import GptOssAdapter
-from moequant.arch.mixtral import MixtralAdapter
-from moequant.arch.olmoe import OlmoeAdapter
-from moequant.arch.qwen_moe import Qwen2MoeAdapter, Qwen3MoeAdapter
 from moequant.errors import UserError
 
-ADAPTERS: dict[str, type[Adapter]] = {
-    t: cls
-    for cls in (
-        MixtralAdapter,
-        Qwen2MoeAdapter,
-        Qwen3MoeAdapter,
-        DeepseekV2Adapter,
-        DeepseekV3Adapter,
-        OlmoeAdapter,
-        GptOssAdapter,
-    )
-    for t in cls.model_types
-}
+ADAPTERS: dict[str, type[Adapter]] = {t: cls for cls in (GptOssAdapter,) for t in cls.model_types}
 
 
 def supported_model_types() -> list[str]:
-    return sorted(ADAPTERS)
+    """Every model type of the installed transformers whose experts use its standard interface."""
+    return sorted(set(ADAPTERS) | set(standard_experts_families()))
 
 
 def adapter_for(config: dict) -> Adapter:
-    """The adapter for a config dict (from config.json); UserError for unknown model types."""
+    """The adapter for a config dict (from config.json); UserError for unknown model types. The same config
+    gives the same adapter object (deriving one walks transformers' model, so it is done once)."""
+    import json
+
+    try:
+        key = json.dumps(config, sort_keys=True, default=str)
+    except (TypeError, ValueError):
+        return _adapter_for(config)
+    if key not in _ADAPTERS_MADE:
+        if len(_ADAPTERS_MADE) >= 16:
+            _ADAPTERS_MADE.pop(next(iter(_ADAPTERS_MADE)))
+        _ADAPTERS_MADE[key] = _adapter_for(config)
+    return _ADAPTERS_MADE[key]
+
+
+_ADAPTERS_MADE: dict[str, Adapter] = {}
+
+
+def _adapter_for(config: dict) -> Adapter:
     model_type = config.get("model_type")
     if model_type not in ADAPTERS:
-        raise UserError(
-            f"model_type {model_type!r} is not supported; moequant supports: {', '.join(supported_model_types())}."
-        )
+        refuse_unknown(model_type)
     try:
-        adapter = ADAPTERS[model_type](with_defaults(config))
+        adapter = ADAPTERS.get(model_type, GenericAdapter)(with_defaults(config))
         _check_sizes(adapter)
         adapter.expected_tensors()
         adapter.routing  # noqa: B018  (reads the routing fields: bad values fail here, as one sentence)
@@ -75,6 +77,23 @@ def _check_sizes(adapter: Adapter) -> None:
         raise ValueError(f"{adapter.num_layers} layers × {adapter.num_experts} experts is beyond any real model")
 
 
+def refuse_unknown(model_type) -> None:
+    """One sentence for a model type transformers does not know, or knows without MoE experts."""
+    from transformers import CONFIG_MAPPING, __version__
+
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise UserError(
+            f"model_type {model_type!r} is not known to the installed transformers {__version__}; "
+            "a newer transformers may have it (pip install -U transformers)."
+        )
+    if model_type not in standard_experts_families():
+        raise UserError(
+            f"model_type {model_type!r} has no experts module with transformers' standard experts interface "
+            f"(transformers {__version__}): it is not an MoE moequant can quantize; supported: "
+            f"{', '.join(supported_model_types())}."
+        )
+
+
 def with_defaults(config: dict) -> dict:
     """The config as written, completed with transformers' defaults for keys it leaves out.
 
@@ -85,7 +104,7 @@ def with_defaults(config: dict) -> dict:
 
     from transformers import AutoConfig
 
-    raw = {k: v for k, v in config.items() if k != "model_type"}
+    raw = {k: v for k, v in decode_special_floats(config).items() if k != "model_type"}
     logger = logging.getLogger("transformers")
     level = logger.level
     logger.setLevel(logging.ERROR)

@@ -260,9 +260,29 @@ class Adapter:
         if proj not in PROJECTIONS:
             raise UserError(f"projection {proj!r} is not one of {', '.join(PROJECTIONS)}.")
 
+    def stored_itemsizes(self) -> dict[str, int]:
+        """Bytes per element of the tensors a checkpoint does not store as 2-byte floats (integer tables)."""
+        return {}
+
+    # ---- the same model as transformers builds it ----------------------------------------------
+    def disk_name(self, memory_key: str) -> str:
+        """On-disk name of an in-memory parameter outside the decoder layers (embedding, final norm, head)."""
+        return memory_key
+
+    def decoder(self, model):
+        """(the decoder module, its list of decoder layers) of a transformers causal LM of this family."""
+        return model.model, model.model.layers
+
+    def moe_block(self, model, layer: int):
+        """The MoE block of decoder layer `layer` (router, experts, shared experts)."""
+        return self.decoder(model)[1][layer].mlp
+
+    def final_norm(self, model):
+        return self.decoder(model)[0].norm
+
     # ---- the same experts in a loaded transformers model (fused 3-D parameters) --------------
     def experts_module(self, model, layer: int):
-        return model.model.layers[layer].mlp.experts
+        return self.moe_block(model, layer).experts
 
     def expert_from_module(self, experts, expert: int, proj: str) -> torch.Tensor:
         """Slice one expert's `[out, in]` weight out of transformers' fused parameters."""
@@ -316,6 +336,8 @@ class Adapter:
                     fused[:, half * part.shape[1] : (half + 1) * part.shape[1]] = part
                     del part
                 out[key] = fused
+            elif key.endswith("experts.up_proj") and not self.fused_experts:  # experts without a gate
+                out[key] = self.read_experts(checkpoint, layer, "up", device=device, dtype=dtype)
             elif key.endswith("experts.down_proj") and not self.fused_experts:
                 d = experts.get("down", None)
                 out[key] = (

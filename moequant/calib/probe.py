@@ -83,7 +83,7 @@ from pathlib import Path
 import torch
 
 from moequant.calib.stats import PROBE_SCHEMA, TENSOR_PROBE_SCHEMA, chosen_hessian, layer_file
-from moequant.metrics import token_statistics
+from moequant.metrics import LOGIT_CHUNK_ELEMENTS, token_statistics
 
 DEFAULT_USAGE_FLOOR = 0.05  # the recipe's default experts.usage_floor
 PROJECTIONS = ("gate", "up", "down")
@@ -153,30 +153,47 @@ def _layer_sensitivity(stats_dir: Path, layer: int) -> tuple[dict, torch.Tensor]
 
 def _head(runner, checkpoint):
     """hidden -> logits through the model's own final norm and lm_head (tied: the embedding)."""
+    from moequant.io.layers import make_head_real
+
     model = runner.model
-    name = "lm_head.weight" if "lm_head.weight" in checkpoint else "model.embed_tokens.weight"
-    model.lm_head.to_empty(device=runner.device)
-    state = {"weight": checkpoint.get(name).to(runner.dtype)}
-    if getattr(model.lm_head, "bias", None) is not None:
-        state["bias"] = checkpoint.get("lm_head.bias").to(runner.dtype)
-    model.lm_head.load_state_dict(state)
-    norm = model.model.norm.to(runner.device)
+    head = make_head_real(model, checkpoint, runner.adapter, runner.device, runner.dtype, copy_tied=True)
+    norm = runner.adapter.final_norm(model).to(runner.device)
 
     def logits(h: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return model.lm_head(norm(h.to(runner.device)))
+            return head(norm(h.to(runner.device)))
 
     return logits
 
 
 def _kl_sum(head, reference: list[torch.Tensor], probed: list[torch.Tensor]) -> float:
-    total = 0.0
-    for h_ref, h_q in zip(reference, probed):
-        ref = head(h_ref)
-        q = head(h_q)
-        kl, *_ = token_statistics(ref.reshape(-1, ref.shape[-1]), q.reshape(-1, q.shape[-1]))
-        total += float(kl.sum())
-    return total
+    return _kl_sums(head, reference, {0: probed})[0]
+
+
+def _kl_sums(head, reference: list[torch.Tensor], streams: dict, advance=None) -> dict:
+    """{key: summed KL(reference || stream)} over every token of each stream (per-batch hidden states, as the
+    reference), token_statistics' float64 KL. The reference's log-probabilities are computed once per block of
+    positions for all streams, and each stream's logits once (per block): the per-tensor probe compares
+    hundreds of streams with one reference, and recomputing the reference (and the top-1 agreement
+    token_statistics also returns) for each took 96% of its time on a CPU (py-spy, gguf.yaml on tiny-qwen2moe).
+    `advance`: called once per stream and batch (a progress bar's step)."""
+    totals = dict.fromkeys(streams, 0.0)
+    for b, h_ref in enumerate(reference):
+        rows = h_ref.reshape(-1, h_ref.shape[-1])
+        vocab = head(rows[:1]).shape[-1]
+        step = max(1, LOGIT_CHUNK_ELEMENTS // vocab)  # float64 temporaries of token_statistics' size
+        for s in range(0, rows.shape[0], step):
+            lp = torch.log_softmax(head(rows[s : s + step]).double(), dim=-1)
+            p = lp.exp()
+            for key, stream in streams.items():
+                h = stream[b].reshape(-1, stream[b].shape[-1])[s : s + step]
+                lq = torch.log_softmax(head(h).to(lp.device).double(), dim=-1)
+                # tokens the original gives probability 0 (masked logits, -inf) add nothing, not NaN
+                kl = torch.where(p > 0, p * (lp - lq), 0.0).sum(-1).clamp_min(0)
+                totals[key] += float(kl.sum())
+                if advance is not None and s + step >= rows.shape[0]:  # this stream's batch is done
+                    advance()
+    return totals
 
 
 def probe_algorithm_for(name: str, hessians: bool = True) -> str:
@@ -397,10 +414,19 @@ def _walk(
                 with runner.materialized(L, experts={p: experts[p]}) as module:
                     alone[(L, p)] = run(module, before)
             del experts
+    kl = _kl_sums(
+        head,
+        original,
+        {
+            **{("alone", P): h for P, h in alone.items()},
+            **{("restored", P): h for P, h in restored.items()},
+            "everything": everything,
+        },
+    )
     return (
-        {P: _kl_sum(head, original, h) for P, h in alone.items()},
-        {P: _kl_sum(head, original, h) for P, h in restored.items()},
-        _kl_sum(head, original, everything),
+        {P: kl[("alone", P)] for P in alone},
+        {P: kl[("restored", P)] for P in restored},
+        kl["everything"],
     )
 
 
@@ -484,27 +510,30 @@ def run_tensor_probe(
     result: dict[str, dict[str, float]] = {}
     heads = [u for u in units if u[2] is None]
     walks = range(0, len(layered), per_walk)
-    bar = StepProgress(
-        f"probing {len(units)} tensor formats", (len(walks) + bool(heads)) * adapter.num_layers, progress
-    )
+    n, batches = adapter.num_layers, len(runner.embedded)
+    # steps: every stream's forward through a layer, every stream's KL per batch, every lm_head format
+    steps = len(walks) * n + sum(n - u[2] + batches for u in layered) + (n + len(heads) if heads else 0)
+    bar = StepProgress(f"probing {len(units)} tensor formats", steps, progress)
     for start in walks:  # one walk per chunk of streams
         chunk = layered[start : start + per_walk]
         original, streams = runner.embedded, {}
-        for L in range(adapter.num_layers):
+        for L in range(n):
             before = original
             with runner.materialized(L) as module:
                 original = _forward(runner, module, L, original)
+                bar.advance()
                 for u in streams:
                     streams[u] = _forward(runner, module, L, streams[u])
+                    bar.advance()
             for u in (u for u in chunk if u[2] == L):
                 with runner.materialized(L, tensors={u[0]: dequantized(u[0], u[1])}) as module:
                     streams[u] = _forward(runner, module, L, before)
-            bar.advance()
-        for (name, key, _), h in streams.items():
-            result.setdefault(name, {})[key] = _kl_sum(head, original, h) / tokens
+                bar.advance()
+        for (name, key, _), kl in _kl_sums(head, original, streams, bar.advance).items():
+            result.setdefault(name, {})[key] = kl / tokens
     if heads:  # lm_head: the final hidden states, logits through the quantized copy
         final = runner.embedded
-        for L in range(adapter.num_layers):
+        for L in range(n):
             with runner.materialized(L) as module:
                 final = _forward(runner, module, L, final)
             bar.advance()
@@ -521,6 +550,7 @@ def run_tensor_probe(
                 kl, *_ = token_statistics(ref.reshape(-1, ref.shape[-1]), q.reshape(-1, q.shape[-1]))
                 total += float(kl.sum())
             result.setdefault(name, {})[key] = total / tokens
+            bar.advance()
     bar.close()
     return {
         "schema": TENSOR_PROBE_SCHEMA,

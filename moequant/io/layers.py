@@ -57,9 +57,14 @@ def compute_dtype(name: str, device, checkpoint=None) -> torch.dtype:
 
 
 def build_skeleton(checkpoint, dtype=torch.float32, experts_implementation: str | None = None):
-    """The model on the meta device with embedding, final norm and rotary embedding made real."""
+    """The model on the meta device with everything outside its decoder layers and its head made real
+    (embedding, final norm, rotary embedding, and whatever else the family keeps there), each tensor read
+    under its on-disk name."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from moequant.arch import adapter_for
+
+    adapter = adapter_for(checkpoint.config)
     quiet = logging.getLogger("transformers")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
@@ -70,15 +75,51 @@ def build_skeleton(checkpoint, dtype=torch.float32, experts_implementation: str 
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
     finally:
         quiet.setLevel(level)
-    base = model.model
-    for name in ("embed_tokens", "norm"):
-        module = getattr(base, name)
-        module.to_empty(device="cpu")
-        module.load_state_dict({"weight": checkpoint.get(f"model.{name}.weight").to(dtype)})
-    if hasattr(base, "rotary_emb"):
-        base.rotary_emb = type(base.rotary_emb)(config=model.config)
+    base, layers = adapter.decoder(model)
+    skip = {id(m) for m in layers.modules()} | {id(m) for m in model.get_output_embeddings().modules()}
+    for name, module in model.named_modules():
+        if id(module) in skip:
+            continue
+        fill_computed_buffers(model, module, "cpu", recurse=False)
+        for key, p in list(module.named_parameters(recurse=False)):
+            t = checkpoint.get(adapter.disk_name(f"{name}.{key}" if name else key))
+            module._parameters[key] = nn.Parameter(t.to(dtype) if t.is_floating_point() else t, requires_grad=False)
+        for key in [k for k in module._buffers if k not in module._non_persistent_buffers_set]:
+            if module._buffers[key] is not None:
+                t = checkpoint.get(adapter.disk_name(f"{name}.{key}" if name else key))
+                module._buffers[key] = t.to(dtype) if t.is_floating_point() else t
     model.eval()
     return model
+
+
+def fill_computed_buffers(model, root, device, recurse: bool = True) -> None:
+    """Make real the buffers a checkpoint does not hold (rotary frequencies, embedding scales: non-persistent)
+    under `root`, computed by transformers' own initialisation of the module, as from_pretrained does. Call it
+    before the module's weights are loaded: the initialisation may also touch them."""
+    for module in root.modules() if recurse else (root,):
+        keys = [k for k in module._non_persistent_buffers_set if module._buffers.get(k) is not None]
+        if not keys:
+            continue
+        for k in keys:
+            module._buffers[k] = torch.empty_like(module._buffers[k], device=device)
+        with torch.no_grad():
+            model._init_weights(module)
+
+
+def make_head_real(model, checkpoint, adapter, device, dtype, copy_tied: bool = False):
+    """The model's lm_head with its weights from disk (build_skeleton leaves it on the meta device); a tied head
+    shares the embedding, or holds a copy of it on `device` with `copy_tied`."""
+    head = model.get_output_embeddings()
+    embedding = model.get_input_embeddings()
+    if adapter.tie_embeddings and not copy_tied:
+        head.weight = embedding.weight
+        return head
+    names = {id(m): n for n, m in model.named_modules()}
+    source = names[id(embedding if adapter.tie_embeddings else head)]
+    keys = [k for k, _ in head.named_parameters()]
+    head.to_empty(device=device)
+    head.load_state_dict({k: checkpoint.get(adapter.disk_name(f"{source}.{k}")).to(dtype) for k in keys})
+    return head
 
 
 class LayerRunner:
@@ -101,25 +142,25 @@ class LayerRunner:
         self.model = build_skeleton(
             checkpoint, dtype, experts_implementation or experts_implementation_for(self.device, dtype)
         )
-        self.layers = list(self.model.model.layers)
+        self.layers = list(adapter.decoder(self.model)[1])
         self.batches = list(torch.split(input_ids, batch_size))
         self.layer_kwargs: list[dict] = []  # per batch: layer index → (args, kwargs)
         self.embedded: list[torch.Tensor] = []
         self._capture()
 
     def _capture(self) -> None:
-        base = self.model.model
-        originals = list(base.layers)
+        base, layers = self.adapter.decoder(self.model)
+        originals = list(layers)
         for batch in self.batches:
             record: dict = {}
             for i, layer in enumerate(originals):
-                base.layers[i] = _PassThrough(i, record, layer)
+                layers[i] = _PassThrough(i, record, layer)
             try:
                 with torch.no_grad():
                     base(input_ids=batch, use_cache=False)
             finally:
                 for i, layer in enumerate(originals):
-                    base.layers[i] = layer
+                    layers[i] = layer
             self.embedded.append(record.pop("hidden").detach())
             self.layer_kwargs.append({i: _to_device(v, self.device) for i, v in record.items()})
 
@@ -144,7 +185,9 @@ class LayerRunner:
         by `read_layer`), on the device."""
         module = self.layers[layer]
         state = self.read_layer(layer, experts, tensors) if state is None else state
-        missing = set(dict(module.named_buffers())) - set(state)
+        fill_computed_buffers(self.model, module, self.device)
+        computed = {f"{n}.{k}" if n else k for n, m in module.named_modules() for k in m._non_persistent_buffers_set}
+        missing = set(dict(module.named_buffers())) - set(state) - computed
         if missing:
             raise RuntimeError(f"layer {layer} has buffers that are not in its state dict: {sorted(missing)}")
         # assign: the module takes the read tensors themselves (no second, empty copy of the layer to fill)

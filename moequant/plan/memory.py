@@ -100,6 +100,8 @@ def account(adapter: Adapter) -> dict:
     # a tied embedding is also the output projection, read whole for every token
     embedding = 0 if adapter.tie_embeddings else by_role["embedding"]
     non_routed_bf16 = formats.nbytes("bf16", (total - routed,))
+    for name, itemsize in adapter.stored_itemsizes().items():  # integer tables are not 2-byte floats
+        non_routed_bf16 += (itemsize - 2) * math.prod(adapter.expected_tensors()[name][0])
     variants = {}
     for label, key in EXPERT_VARIANTS.items():
         key, experts = _fitting_variant(adapter, key)

@@ -1,0 +1,440 @@
+"""Any MoE that transformers ships with its standard experts interface, derived from transformers itself.
+
+transformers knows each family's module structure (its model class, instantiated here on the meta
+device from the config) and the on-disk name of every tensor (its weight conversion mapping, which
+`save_pretrained` reverses to write a checkpoint). This adapter asks both instead of hand-writing a
+name table:
+
+- structure: a decoder layer is an MoE layer when it holds a module decorated with transformers'
+  `use_experts_implementation` (fused `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`); the
+  module around it is the MoE block, whose other parameters are the router (and the shared experts
+  where a child's name says `shared`);
+- on-disk names: every in-memory parameter goes through transformers' reverse conversion on its own.
+  For the experts, the reversed tensor is a small *tag* tensor whose values are row numbers, so the
+  values that land in each on-disk tensor say which expert and which projection it holds and whether
+  it is stored transposed, whatever chain of operations the family's mapping uses.
+
+Only what this rule cannot express keeps a family file (gpt-oss's interleaved, transposed experts with
+biases).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import re
+
+import torch
+
+from moequant.arch.base import PROJECTIONS, Adapter, Routing, TensorRole, cfg_get
+from moequant.errors import UserError
+
+_SHARED = re.compile(r"shared")
+
+
+def _quiet():
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    return logger, level
+
+
+def decode_special_floats(config: dict) -> dict:
+    """config.json as transformers reads it: its `{"__float__": "Infinity"}` tags back to floats."""
+    from transformers import PretrainedConfig
+
+    decode = getattr(PretrainedConfig, "_decode_special_floats", None)
+    return decode(config) if decode else config
+
+
+@functools.lru_cache(maxsize=8)
+def meta_model(config_json: str):
+    """transformers' causal-LM model for a config.json, on the meta device (no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = decode_special_floats(json.loads(config_json))
+    raw = {k: v for k, v in config.items() if k != "model_type"}
+    logger, level = _quiet()
+    try:
+        hf = AutoConfig.for_model(config["model_type"], **raw)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(hf)
+    finally:
+        logger.setLevel(level)
+
+
+@functools.lru_cache(maxsize=1)
+def standard_experts_families() -> tuple[str, ...]:
+    """model_types of the installed transformers whose modeling code uses `use_experts_implementation`."""
+    import pathlib
+
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    root = pathlib.Path(transformers.__file__).parent / "models"
+    out = set()
+    for path in root.glob("*/modeling_*.py"):
+        if "use_experts_implementation" not in path.read_text(errors="replace"):
+            continue
+        out |= {
+            t
+            for t, cls in CONFIG_MAPPING.items()
+            if cls.__module__.split(".")[-2] == path.parent.name and t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        }
+    return tuple(sorted(out))
+
+
+def is_experts_module(module) -> bool:
+    """A module decorated with transformers' `use_experts_implementation` (it sets these attributes)."""
+    return hasattr(module, "is_concatenated") and hasattr(module, "has_gate") and hasattr(module, "down_proj")
+
+
+def decoder_layers(model):
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise UserError(f"{type(model).__name__} has no list of decoder layers moequant can walk.")
+    return base, layers
+
+
+class _Reverter:
+    """transformers' reverse weight conversion, one in-memory tensor at a time."""
+
+    def __init__(self, model):
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange
+
+        self.model = model
+        convs = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+        model._weight_conversions = convs or None
+
+    def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return revert_weight_conversion(self.model, {key: tensor})
+
+
+def _tag(shape: tuple[int, ...], axis: int) -> torch.Tensor:
+    """[E, ...] with 1 everywhere but the expert axis and `axis`: value = expert * n + index along `axis`."""
+    E, n = shape[0], shape[axis]
+    small = [1] * len(shape)
+    small[0], small[axis] = E, n
+    return torch.arange(E * n, dtype=torch.float64).reshape(small)
+
+
+class GenericAdapter(Adapter):
+    """Every family whose experts follow transformers' standard experts interface."""
+
+    model_types = ()
+
+    def __post_init__(self):
+        """Sizes from transformers' own (text) config of the model: its names and defaults, not ours."""
+        model = meta_model(json.dumps(self.config, sort_keys=True, default=str))
+        text = model.config.get_text_config()
+        self.hidden, self.vocab = int(text.hidden_size), int(text.vocab_size)
+        self.tie_embeddings = model.get_output_embeddings() is None or (
+            model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        )
+        self._expected = None
+        self.setup(model)
+
+    def setup(self, model):
+        self.model_class = type(model).__name__
+        self._revert = _Reverter(model)
+        base, layers = decoder_layers(model)
+        base_prefix = _prefix_of(model, base)
+        self._layers_prefix = base_prefix + "layers."
+        self._memory_to_disk: dict[str, str] = {}
+        self._itemsizes: dict[str, int] = {}
+        self._joined: dict[str, tuple[int, list[str]]] = {}  # memory key -> (axis, on-disk parts in order)
+        self._entries: dict[str, tuple[tuple[int, ...], TensorRole]] = {}
+        self._expert_names: dict[tuple[int, int, str], tuple[str, bool]] = {}  # (L, e, proj) -> (disk name, transposed)
+        self.moe_layers, self.block_path, self.experts_path = [], {}, {}
+        shapes = set()
+        for L, layer in enumerate(layers):
+            found = [(n, m) for n, m in layer.named_modules() if is_experts_module(m)]
+            if len(found) > 1:
+                raise UserError(
+                    f"layer {L} of this {self.model_type} model holds {len(found)} experts modules; moequant reads one per layer."
+                )
+            if found:
+                name, experts = found[0]
+                self._check_standard(experts)
+                self.moe_layers.append(L)
+                self.experts_path[L] = name
+                self.block_path[L] = name.rsplit(".", 1)[0] if "." in name else ""
+                self.has_gate = experts.has_gate
+                shapes.add(self._expert_sizes(experts))
+        if not self.moe_layers:
+            raise UserError(
+                f"this {self.model_type} model has no MoE layers (no experts module in transformers' {self.model_class}); "
+                "moequant quantizes Mixture-of-Experts models."
+            )
+        if len(shapes) > 1:
+            raise UserError(
+                f"this {self.model_type} model's MoE layers differ in expert count or width ({sorted(shapes)})."
+            )
+        self.num_experts, self.expert_intermediate = shapes.pop()
+        hf_text = model.config.get_text_config()
+        text = hf_text.to_dict()
+        top_k = [
+            getattr(hf_text, k, None) for k in ("num_experts_per_tok", "moe_topk", "moe_k", "top_k_experts", "top_k")
+        ]
+        self.top_k = int(next((k for k in top_k if isinstance(k, int) and not isinstance(k, bool)), 1))
+        self.text_config = {**text, **{k: v for k, v in self.config.items() if k in text}}
+        self.num_layers = len(layers)
+        self._walk(model, layers)
+
+    # ---- structure ---------------------------------------------------------------------------
+    def _check_standard(self, experts) -> None:
+        if experts.is_transposed or not experts.is_concatenated or experts.has_bias:
+            raise UserError(
+                f"this {self.model_type} model's experts are stored "
+                f"{'transposed' if experts.is_transposed else 'interleaved' if not experts.is_concatenated else 'with biases'}; "
+                "moequant's generic reader takes transformers' standard [E, 2I, H] layout."
+            )
+
+    def _expert_sizes(self, experts) -> tuple[int, int]:
+        E, H, I = experts.down_proj.shape  # noqa: E741
+        return int(E), int(I)
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        return PROJECTIONS if self.has_gate else ("up", "down")
+
+    def _walk(self, model, layers) -> None:
+        # parameters once each (a tied lm_head is the embedding's own parameter) and persistent buffers
+        state = model.state_dict()
+        kept = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+        state = {k: v for k, v in state.items() if k in kept}
+        layer_of = {}
+        for key in state:
+            if key.startswith(self._layers_prefix):
+                L, rest = key[len(self._layers_prefix) :].split(".", 1)
+                layer_of[key] = (int(L), rest)
+        modules = dict(model.named_modules())
+        for key, tensor in state.items():
+            L, rest = layer_of.get(key, (None, key))
+            if L is not None and L in self.experts_path and rest.startswith(self.experts_path[L] + "."):
+                self._add_experts(key, L, rest[len(self.experts_path[L]) + 1 :], tensor)
+                continue
+            disk = self._revert(key, tensor)
+            if len(disk) > 1:  # one parameter stored as several tensors (Kimi-Linear's q/k/v convolutions)
+                self._joined[key] = (self._joined_axis(key, tensor, disk), list(disk))
+            module = modules.get(key.rsplit(".", 1)[0])
+            role = self._role(key, L, rest, tensor, module)
+            for name, t in disk.items():
+                self._memory_to_disk.setdefault(key, name)
+                self._entries[name] = (tuple(t.shape), role)
+                if not tensor.is_floating_point():  # an integer table (DeepSeek-V4's hash routing): its own width
+                    self._itemsizes[name] = tensor.element_size()
+
+    def _role(self, key, L, rest, t, module) -> TensorRole:
+        leaf = key.rsplit(".", 1)[-1]
+        norm = module is not None and "norm" in type(module).__name__.lower()
+        if L is None:
+            if "embed_tokens" in key or key.endswith("embeddings.weight"):
+                return TensorRole("embedding")
+            if key.startswith("lm_head."):
+                return TensorRole("lm_head")
+            return TensorRole("norm") if norm else TensorRole("other")
+        if norm:
+            return TensorRole("norm", L)
+        linear = isinstance(module, torch.nn.Linear) and leaf in ("weight", "bias")
+        proj = _proj_of(rest)
+        if L in self.block_path and rest.startswith(self.block_path[L] + "."):
+            inside = rest[len(self.block_path[L]) + 1 :]
+            if _SHARED.search(inside.split(".")[0]):
+                if t.dim() == 2 and t.shape[0] == 1:
+                    return TensorRole("shared_expert_gate", L)
+                return TensorRole("shared_expert", L, None, proj) if linear else TensorRole("other", L)
+            return TensorRole("router", L)  # the block's own parameters: the router's (and its bias)
+        if L not in self.block_path and linear and proj is not None:
+            return TensorRole("dense_mlp", L, None, proj)
+        if linear:
+            return TensorRole("attention", L)
+        return TensorRole("other", L)
+
+    def _joined_axis(self, key, tensor, disk) -> int:
+        """The axis along which the on-disk parts of `key` concatenate to it, checked on a tag tensor."""
+        shape = tuple(tensor.shape)
+        for axis in range(len(shape)):
+            if (
+                all(t.dim() == len(shape) for t in disk.values())
+                and sum(t.shape[axis] for t in disk.values()) == shape[axis]
+            ):
+                small = [1] * len(shape)
+                small[axis] = shape[axis]
+                tag = torch.arange(shape[axis], dtype=torch.float64).reshape(small)
+                parts = list(self._revert(key, tag).values())
+                if torch.equal(torch.cat(parts, axis), tag):
+                    return axis
+        raise UserError(f"this {self.model_type} model stores {key} as {len(disk)} tensors moequant cannot join.")
+
+    def layer_state_dict(self, checkpoint, layer, keys, dtype=torch.float32, experts=None, tensors=None, device=None):
+        joined = {k for k in keys if f"{self._layers_prefix}{layer}.{k}" in self._joined}
+        out = super().layer_state_dict(
+            checkpoint, layer, [k for k in keys if k not in joined], dtype, experts, tensors, device
+        )
+        tensors = tensors or {}
+        for k in joined:
+            axis, names = self._joined[f"{self._layers_prefix}{layer}.{k}"]
+            parts = [tensors[n] if n in tensors else checkpoint.get(n, device) for n in names]
+            out[k] = torch.cat([p.to(dtype) if p.is_floating_point() else p for p in parts], axis)
+        return out
+
+    def _add_experts(self, key, L, param, tensor) -> None:
+        """On-disk names of one fused experts parameter, by reversing a tag tensor of its values."""
+        E, I, H = self.num_experts, self.expert_intermediate, self.hidden  # noqa: E741
+        if param == "gate_up_proj":
+            halves = ("gate", "up")
+            rows = 2 * I
+        elif param == "up_proj" and not self.has_gate:
+            halves, rows = ("up",), I
+        elif param == "down_proj":
+            halves, rows = ("down",), H
+        else:
+            raise UserError(f"this {self.model_type} model's experts hold {param}, which moequant does not know.")
+        if tuple(tensor.shape) != (E, rows, tensor.shape[2]):
+            raise UserError(f"{key} has shape {list(tensor.shape)}; the standard experts layout is [{E}, {rows}, ...].")
+        width = rows // len(halves)
+        shapes = {n: tuple(t.shape) for n, t in self._revert(key, tensor).items()}
+        for name, t in self._revert(key, _tag(tuple(tensor.shape), 1)).items():
+            values = t.flatten()
+            first = int(values[0])
+            e, r = divmod(first, rows)
+            half = halves[r // width]
+            if (
+                t.dim() != 2
+                or values.numel() != width
+                or not torch.equal(values, first + torch.arange(width, dtype=values.dtype))
+            ):
+                raise UserError(
+                    f"this {self.model_type} model stores its experts fused on disk ({name}, shape {list(shapes[name])}); "
+                    "moequant's generic reader takes one tensor per expert."
+                )
+            transposed = t.shape[0] == 1
+            self._expert_names[(L, e, half)] = (name, transposed)
+            self._entries[name] = (shapes[name], TensorRole("routed_expert", L, e, half))
+            if transposed:
+                raise UserError(
+                    f"this {self.model_type} model stores expert weights transposed ({name}); not supported yet."
+                )
+
+    # ---- the Adapter contract ------------------------------------------------------------------
+    @property
+    def routing(self) -> Routing:
+        """Metadata for the report (calibration runs the model's own router): the config's routing keys,
+        where it has them; a selection bias (DeepSeek-V3's `e_score_correction_bias`) implies sigmoid scores;
+        a config without `norm_topk_prob` renormalises its top-k weights (Mixtral's rule)."""
+        c = self.text_config
+        bias = any(r.role == "router" and "correction" in n for n, (_, r) in self._entries.items())
+        scoring = str(cfg_get(c, "scoring_func", "score_func", default="sigmoid" if bias else "softmax")).lower()
+        grouped = cfg_get(c, "topk_method", default="group_limited_greedy") in ("group_limited_greedy", "noaux_tc")
+        return Routing(
+            "sigmoid" if "sigmoid" in scoring else "softmax",
+            self.top_k,
+            normalize_topk=bool(cfg_get(c, "norm_topk_prob", default=True)),
+            groups=int(cfg_get(c, "n_group", default=1) or 1) if grouped else 1,
+            topk_groups=int(cfg_get(c, "topk_group", default=1) or 1) if grouped else 1,
+            scaling=float(cfg_get(c, "routed_scaling_factor", default=1.0) or 1.0),
+            correction_bias=bias,
+            router_bias=any(
+                r.role == "router" and n.endswith(".bias") and "correction" not in n
+                for n, (_, r) in self._entries.items()
+            ),
+        )
+
+    @property
+    def num_shared_experts(self) -> int:
+        L = self.moe_layers[0]
+        return 1 if any(r.role == "shared_expert" and r.layer == L for _, r in self._entries.values()) else 0
+
+    def stored_itemsizes(self):
+        return self._itemsizes
+
+    @property
+    def shared_intermediate(self) -> int:
+        """Width of a MoE layer's shared expert(s) together (0 without one), from its down projection."""
+        L = self.moe_layers[0]
+        for shape, r in self._entries.values():
+            if r.role == "shared_expert" and r.layer == L and r.proj == "down" and len(shape) == 2:
+                return int(shape[1])
+        return 0
+
+    def expected_tensors(self):
+        return self._entries
+
+    def expert_tensor_name(self, layer, expert, proj):
+        self._check_expert(layer, expert, proj)
+        return self._expert_names[(layer, expert, proj)][0]
+
+    def _check_expert(self, layer, expert, proj):
+        if proj not in self.projections:
+            raise UserError(f"projection {proj!r} is not one of {', '.join(self.projections)}.")
+        super()._check_expert(layer, expert, "down")
+
+    def decoder(self, model):
+        return decoder_layers(model)
+
+    def moe_block(self, model, layer):
+        return self.decoder(model)[1][layer].get_submodule(self.block_path[layer])
+
+    def experts_module(self, model, layer):
+        return self.decoder(model)[1][layer].get_submodule(self.experts_path[layer])
+
+    def final_norm(self, model):
+        """The decoder's own normalisation module after its layers (transformers names it per family)."""
+        base = self.decoder(model)[0]
+        norms = [m for _, m in base.named_children() if "norm" in type(m).__name__.lower()]
+        if len(norms) != 1:
+            raise UserError(f"{type(model).__name__} has {len(norms)} final norms; moequant expects one.")
+        return norms[0]
+
+    def router_module(self, mlp):
+        for name in ("gate", "router"):
+            if isinstance(getattr(mlp, name, None), torch.nn.Module):
+                return getattr(mlp, name)
+        raise UserError(f"this {self.model_type} model's MoE block has no router module moequant can find.")
+
+    def memory_to_disk(self, layer, key):
+        return self._memory_to_disk[f"{self._layers_prefix}{layer}.{key}"]
+
+    def disk_name(self, memory_key: str) -> str:
+        return self._memory_to_disk[memory_key]
+
+    def expert_from_module(self, experts, expert, proj):
+        i = self.expert_intermediate
+        if proj == "down":
+            return experts.down_proj[expert]
+        if not self.has_gate:
+            return experts.up_proj[expert]
+        gate_up = experts.gate_up_proj[expert]
+        return gate_up[:i] if proj == "gate" else gate_up[i:]
+
+    def expert_hidden(self, experts, x, expert):
+        return self.experts_hidden(experts, x, [expert])[0]
+
+    def experts_hidden(self, experts, x, ids):
+        if not self.has_gate:
+            return experts.act_fn(torch.matmul(x, experts.up_proj[ids].transpose(-1, -2)))
+        return experts._apply_gate(torch.matmul(x, experts.gate_up_proj[ids].transpose(-1, -2)))
+
+    def dense_mlp_intermediate(self) -> int:
+        return int(self.config.get("intermediate_size", 0))
+
+
+def _proj_of(rest: str) -> str | None:
+    m = re.search(r"(?:^|\.)(gate|up|down|w1|w2|w3)(?:_proj)?\.weight$", rest)
+    if not m:
+        return None
+    return {"w1": "gate", "w3": "up", "w2": "down"}.get(m.group(1), m.group(1))
+
+
+def _prefix_of(model, base) -> str:
+    for name, module in model.named_modules():
+        if module is base:
+            return name + "." if name else ""
+    raise UserError(f"{type(model).__name__}'s decoder is not one of its modules.")

@@ -1,0 +1,192 @@
+"""Tiny random checkpoints of every MoE family the installed transformers ships with its standard experts
+interface, built from each family's own config class defaults, shrunk.
+
+Shrinking sets only the size fields a config already has (so each family keeps its own structure:
+shared experts, dense layers, linear-attention layers, MLA, grouped routing), keeps one layer of each
+kind its per-layer lists name, and uses the bundled models' tokenizer so the whole pipeline runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+from moequant.zoo import path as zoo_path
+
+VOCAB = 4096  # the bundled tokenizer's
+LAYERS = 4
+EXPERT_WIDTH = 128  # a multiple of every int4 group size
+
+SIZES = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "ffn_hidden_size": 256,
+    "dense_intermediate_size": 256,
+    "moe_intermediate_size": EXPERT_WIDTH,
+    "expert_ffn_hidden_size": EXPERT_WIDTH,
+    "expert_intermediate_size": EXPERT_WIDTH,
+    "shared_expert_intermediate_size": 128,
+    "moe_shared_expert_intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_experts": 8,
+    "n_routed_experts": 8,
+    "num_local_experts": 8,
+    "moe_num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "moe_k": 2,
+    "top_k_experts": 2,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16,
+    "qk_head_dim": 32,
+    "v_head_dim": 32,
+    "o_lora_rank": 32,
+    "o_groups": 2,
+    "index_n_heads": 2,
+    "index_head_dim": 32,
+    "index_topk": 16,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 32,
+    "mamba_d_state": 16,
+    "mamba_dt_rank": 16,
+    "ssm_state_size": 16,
+    "n_groups": 1,
+    "chunk_size": 32,
+    "max_position_embeddings": 512,
+    "sliding_window": 64,
+    "zero_expert_num": 2,
+    "num_dense_layers": 1,
+    "first_k_dense_replace": 1,
+    "n_shared_experts": 1,
+    "moe_num_shared_experts": 1,
+    "expert_layer_period": 2,
+    "expert_layer_offset": 1,
+    "attn_layer_period": 2,
+    "attn_layer_offset": 0,
+}
+# where a family's own config rules out the generic sizes above
+OVERRIDES: dict[str, dict] = {
+    "zaya": {"num_experts_per_tok": 1},
+    "gemma4": {"enable_moe_block": True},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+}
+
+# The installed transformers' MoE families with the standard experts interface (one model_type per modeling
+# folder that has a causal-LM class), and those moequant does not take, each with the start of its refusal.
+FAMILIES = sorted(
+    t
+    for t in __import__("moequant.arch", fromlist=["x"]).supported_model_types()
+    if not t.endswith("_text") or t[:-5] not in __import__("moequant.arch", fromlist=["x"]).supported_model_types()
+)
+NAMED = (
+    "qwen3_5_moe",
+    "qwen3_next",
+    "glm4_moe",
+    "glm_moe_dsa",
+    "deepseek_v32",
+    "deepseek_v4",
+    "minimax_m2",
+    "gemma4",
+    "ernie4_5_moe",
+    "hunyuan_v1_moe",
+    "dots1",
+    "longcat_flash",
+    "granitemoe",
+    "phimoe",
+    "lfm2_moe",
+    "nemotron_h",
+    "jamba",
+    "kimi_linear",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "olmoe",
+    "gpt_oss",
+)
+NOT_SUPPORTED: dict[str, str] = {}
+
+PER_LAYER_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type", "hybrid_override_pattern")
+
+
+def _shrunk_list(values: list, n: int) -> list:
+    """n entries that keep every distinct kind the list names (first occurrences first, in order)."""
+    firsts = sorted({v: i for i, v in reversed(list(enumerate(values)))}.values())
+    picked = sorted(set(firsts[:n]) | set(range(n - min(n, len(firsts)), 0)))[:n]
+    out = [values[i] for i in picked]
+    i = 0
+    while len(out) < n:  # pad with the list's own pattern
+        out.append(values[i % len(values)])
+        i += 1
+    return out
+
+
+def tiny_family_config(model_type: str):
+    """The family's config with its defaults, its text part shrunk to LAYERS layers of tiny width."""
+    from transformers import AutoConfig
+
+    top = AutoConfig.for_model(model_type)
+    config = top.get_text_config()
+    keys = config.to_dict()
+    for key, value in SIZES.items():  # under the config's own names or its aliases
+        if key in keys or key in getattr(config, "attribute_map", {}):
+            setattr(config, key, value)
+    if keys.get("n_group", 1) and (keys.get("n_group") or 1) > 1:
+        config.n_group, config.topk_group = 2, 1
+    layers_key = "num_hidden_layers" if "num_hidden_layers" in keys else "num_layers"
+    before = keys.get(layers_key)
+    setattr(config, layers_key, LAYERS)
+    for key, value in keys.items():  # per-layer lists: one layer of each kind they name
+        if isinstance(value, list) and value and (key in PER_LAYER_LISTS or len(value) == before):
+            setattr(config, key, _shrunk_list(value, LAYERS))
+    if isinstance(keys.get("per_layer_config"), dict):  # Gemma-4: overrides for some layer indices
+        config.per_layer_config = {k: v for k, v in keys["per_layer_config"].items() if int(k) < LAYERS}
+    for key in ("mlp_only_layers",):
+        if keys.get(key):
+            setattr(config, key, [])
+    config.vocab_size = VOCAB
+    config.tie_word_embeddings = False
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = 0, 0, None
+    if "num_nextn_predict_layers" in keys:
+        config.num_nextn_predict_layers = 0
+    for key, value in OVERRIDES.get(model_type, {}).items():
+        setattr(config, key, value)
+    if top is not config:
+        top.tie_word_embeddings = False
+    return top
+
+
+def build_family(model_type: str, directory: Path, seed: int = 0) -> Path:
+    """Save a tiny random model of the family (bf16, transformers' own on-disk names) with the bundled tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(tiny_family_config(model_type))
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if "correction_bias" in name:
+                    b.normal_(0, 0.02)
+        model = model.to(torch.bfloat16)
+        directory = Path(directory)
+        model.save_pretrained(directory)
+    finally:
+        logger.setLevel(level)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(zoo_path("tiny-qwen2moe") / name, directory / name)
+    return directory

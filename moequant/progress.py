@@ -49,21 +49,35 @@ class LayerProgress:
             self._bar.stop()
 
 
+PLAIN_EVERY_S = 10.0  # a log (no terminal) gets a line at most this often while steps finish
+
+
 class StepProgress:
-    """A bar with the time left over `total` equal steps (rich), or nothing: `advance()` after each."""
+    """A bar with the time left over `total` equal steps (rich), or nothing: `advance()` after each. Where
+    stdout is no terminal (a log, a pipe), where rich draws no bar until the end, a plain line
+    "label: done/total steps, N s" once at least PLAIN_EVERY_S seconds have passed since the last one."""
 
     def __init__(self, label: str, total: int, enabled: bool = True):
-        self._bar = None
+        self._bar, self.label, self.total, self.done = None, label, total, 0
+        self.t0 = self._said = time.perf_counter()
+        self._plain = False
         if enabled and total > 0:
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self._bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-            self._bar.start()
-            self._task = self._bar.add_task(label, total=total)
+            self._plain = not Console().is_terminal
+            if not self._plain:
+                self._bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+                self._bar.start()
+                self._task = self._bar.add_task(label, total=total)
 
     def advance(self) -> None:
+        self.done += 1
         if self._bar is not None:
             self._bar.advance(self._task)
+        elif self._plain and (time.perf_counter() - self._said >= PLAIN_EVERY_S or self.done == self.total):
+            self._said = time.perf_counter()
+            print(f"{self.label}: {self.done}/{self.total} steps, {self._said - self.t0:.0f} s", flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

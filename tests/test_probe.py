@@ -345,17 +345,38 @@ def test_tensor_probe_kl_equals_the_whole_model_with_one_tensor_quantized(tiny_d
             assert probe["tensors"][name][key] == pytest.approx(kl_mean(ref, logits_of(copy, ids)), rel=1e-4, abs=1e-14)
 
 
-def test_tensor_probe_shows_a_bar_with_the_time_left(tiny_dirs, tmp_path, capsys):
-    """The per-tensor probe (minutes on a CPU for GGUF's types) shows its progress: one step per layer of
-    each walk, all of them done at the end, with rich's time-left column."""
+@pytest.mark.parametrize("probe", ["layers", "tensors"])
+def test_probes_show_progress_step_by_step_and_finish_every_step(tiny_dirs, tmp_path, capsys, monkeypatch, probe):
+    """Both probes (minutes on a CPU for GGUF's types) advance their bar per stream's forward through a layer and
+    per stream's KL of a batch, and end with every step they announced done; in a log (no terminal, where rich
+    draws nothing until the end) a plain line says how far they are, at least every PLAIN_EVERY_S seconds."""
+    from moequant import progress as progress_module
     from moequant.arch import adapter_for
-    from moequant.calib.probe import run_tensor_probe
+    from moequant.calib.probe import run_probe, run_tensor_probe
     from moequant.io.checkpoint import open_checkpoint
 
-    ckpt = open_checkpoint(tiny_dirs["qwen2_moe"])
+    bars = []
+    real = progress_module.StepProgress
+
+    class Recorded(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    monkeypatch.setattr(progress_module, "StepProgress", Recorded)
+    monkeypatch.setattr(progress_module, "PLAIN_EVERY_S", 0.0)  # every step a line
+    d = tiny_dirs["qwen2_moe"]
+    ckpt = open_checkpoint(d)
     adapter = adapter_for(ckpt.config)
     ids = torch.stack([s.input_ids for s in make_samples()])
-    run_tensor_probe(ckpt, adapter, ids, ("int8-channel",), batch_size=BS, progress=True)
-    shown = capsys.readouterr().out
-    steps = 2 * adapter.num_layers  # one walk for the decoder layers' tensors, one for lm_head
-    assert re.search(rf"probing \d+ tensor formats .* {steps}/{steps} .*0:00:00", shown), shown
+    if probe == "tensors":
+        run_tensor_probe(ckpt, adapter, ids, ("int8-channel", "int4-g32-sym"), batch_size=BS, progress=True)
+        label = r"probing \d+ tensor formats"
+    else:
+        stats = calibrate(str(d), tmp_path / "stats", settings(probe_samples=0), samples=make_samples(), progress=False)
+        run_probe(ckpt, adapter, ids, stats, ("int4-g32-sym",), batch_size=BS, projections=True, progress=True)
+        label = "probing layers"
+    (bar,) = bars
+    assert bar.done == bar.total > 4 * adapter.num_layers  # finer than one step per layer
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == bar.total and re.fullmatch(rf"{label}: {bar.total}/{bar.total} steps, \d+ s", lines[-1])

@@ -327,10 +327,16 @@ def run_probe(
     chunks = [moe[i : i + per_walk] for i in range(0, len(moe), per_walk)]
     kl_alone: dict = {}  # probed layer, or (layer, projection) -> summed KL
     kl_restored: dict[int, float] = {}
+    from moequant.progress import StepProgress
+
+    batches = len(runner.embedded)
+    steps = sum(_walk_steps(adapter.num_layers, chunk, set(moe), split, batches) for chunk in chunks)
+    bar = StepProgress("probing layers", steps, progress)
     for chunk in chunks:
-        alone, restored, kl_everything = _walk(runner, adapter, head, chunk, set(moe), quantized, split, progress)
+        alone, restored, kl_everything = _walk(runner, adapter, head, chunk, set(moe), quantized, split, bar)
         kl_alone.update(alone)
         kl_restored.update(restored)
+    bar.close()
     kl_all = kl_everything / tokens
     for L in moe:
         sens, count = _layer_sensitivity(stats_dir, L)
@@ -369,8 +375,25 @@ def run_probe(
     }
 
 
+def _walk_steps(num_layers: int, probed_layers: list[int], moe_layers: set[int], split: tuple, batches: int) -> int:
+    """The steps `_walk` advances its bar by: each stream's forward through a layer, each MoE layer's quantization,
+    each stream's KL per batch (the walk's streams counted as it makes them)."""
+    steps = alone = restored = 0
+    for L in range(num_layers):
+        steps += 1 + alone  # original, the alone streams
+        if L in moe_layers:
+            probed = L in probed_layers
+            restored += probed
+            steps += probed + 1 + 1 + restored - probed  # restored[L]; quantize; everything; the other restored
+            steps += probed * (1 + len(split))  # alone[L], alone[(L, p)]
+            alone += probed * (1 + len(split))
+        else:
+            steps += 1 + restored  # everything, the restored streams
+    return steps + batches * (alone + restored + 1)
+
+
 def _walk(
-    runner, adapter, head, probed_layers: list[int], moe_layers: set[int], quantized, split: tuple, progress: bool
+    runner, adapter, head, probed_layers: list[int], moe_layers: set[int], quantized, split: tuple, bar
 ) -> tuple[dict, dict[int, float], float]:
     """One walk over the decoder layers with these streams (per-batch hidden states):
     original (no layer quantized), everything (every MoE layer's experts quantized), and for every
@@ -378,17 +401,17 @@ def _walk(
     each projection p in `split` (only P's p quantized) and restored[P] (every MoE layer but P
     quantized; branches off `everything` at P).
     Returns the summed KL against the original of every alone and restored stream, and of
-    everything."""
+    everything. `bar` (moequant.progress.StepProgress) advances by `_walk_steps`."""
     original = everything = runner.embedded
     alone: dict[int, list[torch.Tensor]] = {}
     restored: dict[int, list[torch.Tensor]] = {}
-    layers = range(adapter.num_layers)
-    if progress:
-        from rich.progress import track
 
-        layers = track(layers, description="probing layers", total=adapter.num_layers)
-    for L in layers:
-        run = lambda module, h: _forward(runner, module, L, h)
+    def run(module, h):
+        out = _forward(runner, module, L, h)
+        bar.advance()
+        return out
+
+    for L in range(adapter.num_layers):
         before, everything_before = original, everything
         with runner.materialized(L) as module:
             original = run(module, original)
@@ -403,6 +426,7 @@ def _walk(
                     restored[P] = run(module, restored[P])
         if L in moe_layers:
             experts = quantized(L)
+            bar.advance()
             with runner.materialized(L, experts=experts) as module:
                 if L in probed_layers:
                     alone[L] = run(module, before)
@@ -422,6 +446,7 @@ def _walk(
             **{("restored", P): h for P, h in restored.items()},
             "everything": everything,
         },
+        bar.advance,
     )
     return (
         {P: kl[("alone", P)] for P in alone},
@@ -481,7 +506,8 @@ def run_tensor_probe(
     progress: bool = False,
 ) -> dict:
     """tensor_probe.json's dict: the KL of every probed tensor alone in every format that holds it.
-    progress: a bar with the time left, one step per layer of each walk (minutes on a CPU for GGUF's types)."""
+    progress: a bar with the time left, one step per stream's forward through a layer and per stream's KL of
+    a batch (minutes on a CPU for GGUF's types; in a log, a line at least every 10 s)."""
     from moequant import formats
     from moequant.errors import UserError
     from moequant.io.layers import LayerRunner

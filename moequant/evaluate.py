@@ -132,6 +132,8 @@ class _Capture:
     inputs: dict = field(default_factory=dict)  # layer -> MoE block input [tokens, hidden]
     pre_norm: dict = field(default_factory=dict)  # layer -> input of the norm before the MoE block
     outputs: dict = field(default_factory=dict)  # layer -> MoE block output [tokens, hidden]
+    # layer -> the block's other call arguments (DeepSeek-V4's hash-routed blocks also take the input ids)
+    extra: dict = field(default_factory=dict)
     handles: list = field(default_factory=list)
 
     def __post_init__(self):
@@ -160,6 +162,7 @@ class _Capture:
         def hook(module, args, kwargs, output):
             if self.active:
                 x = args[0] if args else kwargs["hidden_states"]
+                self.extra[layer] = (args[1:], {k: v for k, v in kwargs.items() if k != "hidden_states"})
                 y = output[0] if isinstance(output, tuple) else output  # gpt-oss also returns router scores
                 if self.keep_inputs:
                     self.inputs[layer] = x.detach()
@@ -373,8 +376,9 @@ class _Tally:
         q_block = _moe_block(q_model, L)
         x_q = _block_input_for(q_model, L, ref_cap.pre_norm.get(L), x_ref)
         q_cap.active = False  # the second run on the reference input must not overwrite captures
+        args, kwargs = q_cap.extra.get(L, ((), {}))
         try:
-            y_q = q_block(x_q.to(next(q_block.parameters()).device))
+            y_q = q_block(x_q.to(next(q_block.parameters()).device), *args, **kwargs)
         finally:
             q_cap.active = True
         y_q = (y_q[0] if isinstance(y_q, tuple) else y_q).reshape(-1, y_ref.shape[-1]).to(y_ref.device).float()

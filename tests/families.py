@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from moequant.arch import supported_model_types
 from moequant.zoo import path as zoo_path
 
 VOCAB = 4096  # the bundled tokenizer's
@@ -82,6 +83,7 @@ OVERRIDES: dict[str, dict] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
 }
 
+_TYPES = set(supported_model_types())
 # The installed transformers' MoE families with the standard experts interface (one model_type per modeling
 # folder that has a causal-LM class), and those moequant does not take, each with the start of its refusal.
 FAMILIES = sorted(
@@ -116,7 +118,50 @@ NAMED = (
     "olmoe",
     "gpt_oss",
 )
-NOT_SUPPORTED: dict[str, str] = {}
+FUSED = "stores its experts fused on disk"
+NOT_SUPPORTED: dict[str, str] = {
+    # the refusal's words: experts layouts the generic reader does not take yet
+    "aria_text": "experts are stored transposed",
+    "ergo": "experts are stored transposed",
+    "gemma4": FUSED,
+    "granitemoe": FUSED,
+    "granitemoe_swa": FUSED,
+    "granitemoeshared": FUSED,
+    "hy_v4": FUSED,
+    "inkling_text": FUSED,
+    "lara_mini": FUSED,
+    "minimax_m3_vl_text": FUSED,
+    "zaya": FUSED,
+}
+# families whose export plain transformers 5.25 cannot load, for reasons of its own (the test checks they still fail)
+CONV_CONCAT = "its weight conversion concatenates the q/k/v convolutions and fails under a quantization_config"
+TRANSFORMERS_CANNOT_RELOAD: dict[str, str] = {
+    "bailing_hybrid": CONV_CONCAT,
+    "kimi_linear": CONV_CONCAT,
+    "gpt_oss": "its MXFP4 loader needs accelerate, which the test extra does not install",
+}
+# families this fixture cannot build a tiny model of (their config validators tie sizes it does not set):
+# untested, not refused
+UNBUILT: dict[str, str] = {
+    "dots3_note": "per-layer attention kinds that must be homogeneous",
+    "inkling2_text": "a vocabulary offset larger than the bundled tokenizer",
+    "inkling2_loop_text": "a vocabulary offset larger than the bundled tokenizer",
+    "granitemoehybrid": "Mamba head sizes tied to the hidden size",
+    "kolibri1_1": "indexed-attention layer indices tied to the layer count",
+    "qwen4_exp": "head sizes left to a nested config",
+}
+
+# families whose experts are fused on disk export in their own layout (compressed-tensors needs one tensor each)
+OWN_LAYOUT = {"gpt_oss": ("gpt-oss-mxfp4", "mxfp4")}
+# quantized checkpoints read natively, as these families ship them (tests/test_families.py builds each)
+QUANTIZED_SOURCES: dict[str, str] = {
+    "deepseek_v32": "FP8-block",
+    "deepseek_v4": "FP8-block",
+    "glm4_moe": "FP8-block",
+    "qwen3_5_moe": "FP8-block",
+    "minimax_m2": "FP8-block",
+    "deepseek_v3": "INT4 compressed-tensors",  # Kimi-K2.5's text model
+}
 
 PER_LAYER_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type", "hybrid_override_pattern")
 
@@ -143,7 +188,11 @@ def tiny_family_config(model_type: str):
     for key, value in SIZES.items():  # under the config's own names or its aliases
         if key in keys or key in getattr(config, "attribute_map", {}):
             setattr(config, key, value)
-    if keys.get("n_group", 1) and (keys.get("n_group") or 1) > 1:
+    if "qk_rope_head_dim" in keys and "head_dim" in keys:  # MLA: the rotary part is the head_dim transformers uses
+        config.head_dim = SIZES["qk_rope_head_dim"]
+    if "kv_lora_rank" in keys and "num_key_value_heads" in keys:  # MLA: one key / value per query head
+        config.num_key_value_heads = SIZES["num_attention_heads"]
+    if (getattr(config, "n_group", None) or 1) > 1:  # grouped routing (the key may be an alias)
         config.n_group, config.topk_group = 2, 1
     layers_key = "num_hidden_layers" if "num_hidden_layers" in keys else "num_layers"
     before = keys.get(layers_key)
@@ -190,3 +239,38 @@ def build_family(model_type: str, directory: Path, seed: int = 0) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(zoo_path("tiny-qwen2moe") / name, directory / name)
     return directory
+
+
+def support_table() -> str:
+    """The README's table of families, from the lists above (what tests/test_families.py checks)."""
+    from moequant.layouts.gguf import ARCHS
+
+    lines = [
+        "| family (`model_type`) | apply + transformers reload | compressed-tensors | GGUF | quantized source |",
+        "|---|---|---|---|---|",
+    ]
+    for family in FAMILIES:
+        if family in NOT_SUPPORTED or family in UNBUILT:
+            why = f"refused: {NOT_SUPPORTED[family]}" if family in NOT_SUPPORTED else f"untested ({UNBUILT[family]})"
+            lines.append(f"| {family} | {why} | — | — | — |")
+            continue
+        export = "gpt-oss-mxfp4 layout" if family in OWN_LAYOUT else "yes"
+        reload = "yes" if family not in TRANSFORMERS_CANNOT_RELOAD else "apply: yes; transformers cannot reload (see below)"
+        gguf = "yes" if family in ARCHS else "precheck refuses"
+        source = QUANTIZED_SOURCES.get(family, "—")
+        lines.append(f"| {family} | {reload} | {export} | {gguf} | {source} |")
+    return "\n".join(lines) + "\n"
+
+
+def readme_table(readme_text: str) -> str:
+    start, end = readme_text.index(TABLE_START) + len(TABLE_START), readme_text.index(TABLE_END)
+    return readme_text[start:end].lstrip("\n")
+
+
+TABLE_START, TABLE_END = "<!-- families table: python tests/families.py -->", "<!-- end of families table -->"
+
+if __name__ == "__main__":  # rewrite the README's table from the lists above
+    readme = Path(__file__).parent.parent / "README.md"
+    text = readme.read_text()
+    start, end = text.index(TABLE_START) + len(TABLE_START), text.index(TABLE_END)
+    readme.write_text(text[:start] + "\n" + support_table() + text[end:])

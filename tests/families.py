@@ -255,10 +255,13 @@ def support_table() -> str:
             lines.append(f"| {family} | {why} | — | — | — |")
             continue
         export = "gpt-oss-mxfp4 layout" if family in OWN_LAYOUT else "yes"
-        reload = "yes" if family not in TRANSFORMERS_CANNOT_RELOAD else "apply: yes; transformers cannot reload (see below)"
+        reload = "yes" if family not in TRANSFORMERS_CANNOT_RELOAD else "apply: yes; transformers: no (below)"
         gguf = "yes" if family in ARCHS else "precheck refuses"
         source = QUANTIZED_SOURCES.get(family, "—")
         lines.append(f"| {family} | {reload} | {export} | {gguf} | {source} |")
+    lines.append("")
+    for family, why in sorted(TRANSFORMERS_CANNOT_RELOAD.items()):
+        lines.append(f"- {family}: plain transformers cannot reload the export: {why}.")
     return "\n".join(lines) + "\n"
 
 

@@ -32,7 +32,7 @@ def load(path, dtype: torch.dtype | None = None, device: str = "cpu"):
     config.json (moequant.io.layers.build_skeleton), then each decoder layer is filled from the
     checkpoint through the architecture adapter's in-memory layout (the same code that
     calibration runs layer by layer), each quantized weight decoded as it is read."""
-    from moequant.io.layers import build_skeleton
+    from moequant.io.layers import build_skeleton, fill_computed_buffers, make_head_real
 
     gguf_file = gguf_export_file(path)
     if gguf_file is not None:  # a GGUF export: one file in llama.cpp's names, read back through gguf-py
@@ -44,15 +44,11 @@ def load(path, dtype: torch.dtype | None = None, device: str = "cpu"):
     require_complete(ckpt, adapter)
     dtype = dtype or _config_dtype(ckpt.config)
     model = build_skeleton(ckpt, dtype)
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(adapter.decoder(model)[1]):
         layer.to_empty(device="cpu")
+        fill_computed_buffers(model, layer, "cpu")
         layer.load_state_dict(adapter.layer_state_dict(ckpt, i, list(layer.state_dict()), dtype), strict=True)
-    head = model.get_output_embeddings()
-    if adapter.tie_embeddings:
-        head.weight = model.get_input_embeddings().weight
-    else:
-        head.to_empty(device="cpu")
-        head.load_state_dict({"weight": ckpt.get("lm_head.weight").to(dtype)})
+    make_head_real(model, ckpt, adapter, "cpu", dtype)
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"moequant.load left {left[0]} unfilled")  # a module the adapter does not know

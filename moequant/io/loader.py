@@ -82,7 +82,7 @@ def _load_gguf(file: Path, dtype: torch.dtype | None, device: str):
     import types
 
     from moequant.io.checkpoint import EXPORT_INFO
-    from moequant.io.layers import build_skeleton
+    from moequant.io.layers import build_skeleton, fill_computed_buffers, make_head_real
     from moequant.layouts.gguf import read_gguf_weights
 
     info_path = file.parent / EXPORT_INFO
@@ -98,22 +98,18 @@ def _load_gguf(file: Path, dtype: torch.dtype | None, device: str):
     adapter = adapter_for(config)
     tensors, experts = read_gguf_weights(file, adapter, config)
     dtype = dtype or _config_dtype(config)
-    with tempfile.TemporaryDirectory() as tmp:  # build_skeleton reads a config.json and the embeddings
+    with tempfile.TemporaryDirectory() as tmp:  # build_skeleton reads a config.json, and the weights by name
         (Path(tmp) / "config.json").write_text(json.dumps(config))
-        source = types.SimpleNamespace(directory=Path(tmp), get=lambda name, device=None: tensors[name])
+        source = types.SimpleNamespace(directory=Path(tmp), config=config, get=lambda name, device=None: tensors[name])
         model = build_skeleton(source, dtype)
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(adapter.decoder(model)[1]):
         layer.to_empty(device="cpu")
+        fill_computed_buffers(model, layer, "cpu")
         mine = {p: experts.pop((i, p)) for p in adapter.projections if (i, p) in experts}
         state = adapter.layer_state_dict(source, i, list(layer.state_dict()), dtype, experts=mine, tensors=tensors)
         layer.load_state_dict(state, strict=True)
         del mine, state
-    head = model.get_output_embeddings()
-    if adapter.tie_embeddings:
-        head.weight = model.get_input_embeddings().weight
-    else:
-        head.to_empty(device="cpu")
-        head.load_state_dict({"weight": tensors["lm_head.weight"].to(dtype)})
+    make_head_real(model, source, adapter, "cpu", dtype)
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"moequant.load left {left[0]} unfilled")  # a module the adapter does not know

@@ -20,6 +20,7 @@ biases).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -149,6 +150,7 @@ class GenericAdapter(Adapter):
         self._memory_to_disk: dict[str, str] = {}
         self._itemsizes: dict[str, int] = {}
         self._joined: dict[str, tuple[int, list[str]]] = {}  # memory key -> (axis, on-disk parts in order)
+        self._records: dict[int | None, dict] = {}  # per layer walked in full: what it added
         self._entries: dict[str, tuple[tuple[int, ...], TensorRole]] = {}
         self._expert_names: dict[tuple[int, int, str], tuple[str, bool]] = {}  # (L, e, proj) -> (disk name, transposed)
         self.moe_layers, self.block_path, self.experts_path = [], {}, {}
@@ -205,31 +207,83 @@ class GenericAdapter(Adapter):
         return PROJECTIONS if self.has_gate else ("up", "down")
 
     def _walk(self, model, layers) -> None:
+        """Every parameter's on-disk names, shapes and roles. Layers of one structure share their names but for
+        the layer index: the first layer of each structure is reversed, the second reversed too and compared with
+        the first one's names renumbered, and the rest are renumbered only if those agree (DeepSeek-V3's 61 layers
+        cost three layers' reversals)."""
         # parameters once each (a tied lm_head is the embedding's own parameter) and persistent buffers
         state = model.state_dict()
         kept = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-        state = {k: v for k, v in state.items() if k in kept}
-        layer_of = {}
-        for key in state:
-            if key.startswith(self._layers_prefix):
-                L, rest = key[len(self._layers_prefix) :].split(".", 1)
-                layer_of[key] = (int(L), rest)
         modules = dict(model.named_modules())
+        by_layer: dict[int | None, list] = {}
         for key, tensor in state.items():
-            L, rest = layer_of.get(key, (None, key))
+            if key not in kept:
+                continue
+            L, rest = None, key
+            if key.startswith(self._layers_prefix):
+                index, rest = key[len(self._layers_prefix) :].split(".", 1)
+                L = int(index)
+            by_layer.setdefault(L, []).append((key, rest, tensor))
+        seen: dict[tuple, list] = {}  # structure -> [first layer, renumbering verified: None / True / False]
+        for L, items in by_layer.items():
+            structure = (L in self.experts_path, tuple((rest, tuple(t.shape), t.dtype) for _, rest, t in items))
+            first = seen.get(structure) if L is not None else None
+            if first is not None and first[1]:
+                self._merge(self._renumbered(first[0], L))
+                continue
+            record = self._walk_layer(L, items, modules)
+            if L is not None and first is None:
+                seen[structure] = [L, None]
+            elif first is not None:
+                first[1] = self._renumbered(first[0], L) == record
+            self._records[L] = record
+            self._merge(record)
+
+    def _walk_layer(self, L, items, modules) -> dict:
+        record = {"m2d": {}, "entries": {}, "experts": {}, "joined": {}, "itemsizes": {}}
+        for key, rest, tensor in items:
             if L is not None and L in self.experts_path and rest.startswith(self.experts_path[L] + "."):
-                self._add_experts(key, L, rest[len(self.experts_path[L]) + 1 :], tensor)
+                self._add_experts(record, key, L, rest[len(self.experts_path[L]) + 1 :], tensor)
                 continue
             disk = self._revert(key, tensor)
             if len(disk) > 1:  # one parameter stored as several tensors (Kimi-Linear's q/k/v convolutions)
-                self._joined[key] = (self._joined_axis(key, tensor, disk), list(disk))
+                record["joined"][key] = (self._joined_axis(key, tensor, disk), list(disk))
             module = modules.get(key.rsplit(".", 1)[0])
             role = self._role(key, L, rest, tensor, module)
             for name, t in disk.items():
-                self._memory_to_disk.setdefault(key, name)
-                self._entries[name] = (tuple(t.shape), role)
+                record["m2d"].setdefault(key, name)
+                record["entries"][name] = (tuple(t.shape), role)
                 if not tensor.is_floating_point():  # an integer table (DeepSeek-V4's hash routing): its own width
-                    self._itemsizes[name] = tensor.element_size()
+                    record["itemsizes"][name] = tensor.element_size()
+        return record
+
+    def _renumbered(self, L0: int, L: int) -> dict:
+        """Layer L0's record with its layer index replaced by L (memory keys, on-disk names and roles)."""
+        on_disk = re.compile(rf"(^|\.)layers\.{L0}\.")
+
+        def name(n: str) -> str:
+            return on_disk.sub(rf"\g<1>layers.{L}.", n, count=1)
+
+        def key(k: str) -> str:
+            return f"{self._layers_prefix}{L}." + k[len(f"{self._layers_prefix}{L0}.") :]
+
+        r = self._records[L0]
+        return {
+            "m2d": {key(k): name(n) for k, n in r["m2d"].items()},
+            "entries": {
+                name(n): (shape, dataclasses.replace(role, layer=L)) for n, (shape, role) in r["entries"].items()
+            },
+            "experts": {(L, e, p): (name(n), t) for (_, e, p), (n, t) in r["experts"].items()},
+            "joined": {key(k): (axis, [name(n) for n in names]) for k, (axis, names) in r["joined"].items()},
+            "itemsizes": {name(n): size for n, size in r["itemsizes"].items()},
+        }
+
+    def _merge(self, record: dict) -> None:
+        self._memory_to_disk.update(record["m2d"])
+        self._entries.update(record["entries"])
+        self._expert_names.update(record["experts"])
+        self._joined.update(record["joined"])
+        self._itemsizes.update(record["itemsizes"])
 
     def _role(self, key, L, rest, t, module) -> TensorRole:
         leaf = key.rsplit(".", 1)[-1]
@@ -285,7 +339,7 @@ class GenericAdapter(Adapter):
             out[k] = torch.cat([p.to(dtype) if p.is_floating_point() else p for p in parts], axis)
         return out
 
-    def _add_experts(self, key, L, param, tensor) -> None:
+    def _add_experts(self, record, key, L, param, tensor) -> None:
         """On-disk names of one fused experts parameter, by reversing a tag tensor of its values."""
         E, I, H = self.num_experts, self.expert_intermediate, self.hidden  # noqa: E741
         if param == "gate_up_proj":
@@ -300,7 +354,6 @@ class GenericAdapter(Adapter):
         if tuple(tensor.shape) != (E, rows, tensor.shape[2]):
             raise UserError(f"{key} has shape {list(tensor.shape)}; the standard experts layout is [{E}, {rows}, ...].")
         width = rows // len(halves)
-        shapes = {n: tuple(t.shape) for n, t in self._revert(key, tensor).items()}
         for name, t in self._revert(key, _tag(tuple(tensor.shape), 1)).items():
             values = t.flatten()
             first = int(values[0])
@@ -312,12 +365,13 @@ class GenericAdapter(Adapter):
                 or not torch.equal(values, first + torch.arange(width, dtype=values.dtype))
             ):
                 raise UserError(
-                    f"this {self.model_type} model stores its experts fused on disk ({name}, shape {list(shapes[name])}); "
+                    f"this {self.model_type} model stores its experts fused on disk ({name}); "
                     "moequant's generic reader takes one tensor per expert."
                 )
             transposed = t.shape[0] == 1
-            self._expert_names[(L, e, half)] = (name, transposed)
-            self._entries[name] = (shapes[name], TensorRole("routed_expert", L, e, half))
+            shape = (tensor.shape[2], width) if transposed else (width, tensor.shape[2])
+            record["experts"][(L, e, half)] = (name, transposed)
+            record["entries"][name] = (tuple(int(d) for d in shape), TensorRole("routed_expert", L, e, half))
             if transposed:
                 raise UserError(
                     f"this {self.model_type} model stores expert weights transposed ({name}); not supported yet."

@@ -99,19 +99,19 @@ def _adapter(model):
     return adapter_for(model.config.to_dict())
 
 
-def _moe_block(model, layer: int):
-    return _adapter(model).moe_block(model, layer)
+def _moe_block(model, adapter, layer: int):
+    return adapter.moe_block(model, layer)
 
 
-def _pre_moe_norm(model, layer: int):
-    return getattr(_adapter(model).decoder(model)[1][layer], "post_attention_layernorm", None)
+def _pre_moe_norm(model, adapter, layer: int):
+    return getattr(adapter.decoder(model)[1][layer], "post_attention_layernorm", None)
 
 
-def _block_input_for(model, layer: int, pre_norm, x_ref):
+def _block_input_for(model, adapter, layer: int, pre_norm, x_ref):
     """The reference model's MoE-block input as `model` sees it: its own norm applied to the
     reference's pre-norm hidden states (equal to x_ref unless the norm was changed, e.g. by an
     AWQ scale folded into it)."""
-    norm = _pre_moe_norm(model, layer)
+    norm = _pre_moe_norm(model, adapter, layer)
     if norm is None or pre_norm is None:
         return x_ref
     return norm(pre_norm.to(next(norm.parameters()).device))
@@ -138,11 +138,11 @@ class _Capture:
 
     def __post_init__(self):
         for L in self.adapter.moe_layers:
-            block = _moe_block(self.model, L)
+            block = _moe_block(self.model, self.adapter, L)
             router = self.adapter.router_module(block)
             self.handles.append(router.register_forward_hook(self._on_router(L)))
             self.handles.append(block.register_forward_hook(self._on_block(L), with_kwargs=True))
-            norm = _pre_moe_norm(self.model, L)
+            norm = _pre_moe_norm(self.model, self.adapter, L)
             if self.keep_inputs and norm is not None:
                 self.handles.append(norm.register_forward_hook(self._on_norm(L)))
 
@@ -264,7 +264,7 @@ def expert_output_errors(adapter, ref_experts, q_experts, x, xq, r_idx, grouped:
 
 
 def _has_fused_experts(model, adapter, layer) -> bool:
-    experts = getattr(_moe_block(model, layer), "experts", None)
+    experts = getattr(_moe_block(model, adapter, layer), "experts", None)
     return (
         experts is not None
         and hasattr(experts, "down_proj")
@@ -373,8 +373,8 @@ class _Tally:
         y_ref = ref_cap.outputs[L].float()
         y_own = q_cap.outputs[L].to(y_ref.device).float()
         x_ref = ref_cap.inputs[L]
-        q_block = _moe_block(q_model, L)
-        x_q = _block_input_for(q_model, L, ref_cap.pre_norm.get(L), x_ref)
+        q_block = _moe_block(q_model, adapter, L)
+        x_q = _block_input_for(q_model, adapter, L, ref_cap.pre_norm.get(L), x_ref)
         q_cap.active = False  # the second run on the reference input must not overwrite captures
         args, kwargs = q_cap.extra.get(L, ((), {}))
         try:

@@ -85,6 +85,11 @@ class Adapter:
     tie_embeddings: bool = field(init=False)
 
     def __post_init__(self):
+        self.derive()
+        self._expected: dict[str, tuple[tuple[int, ...], TensorRole]] | None = None
+
+    def derive(self) -> None:
+        """Sizes and structure from the config (a subclass may derive them otherwise: arch/generic.py)."""
         c = self.config
         try:
             self.num_layers = int(c["num_hidden_layers"])
@@ -94,7 +99,6 @@ class Adapter:
             raise UserError(f"config.json lacks {e.args[0]!r}, which a {self.model_type} config must have.") from None
         self.tie_embeddings = bool(c.get("tie_word_embeddings", False))
         self.setup()
-        self._expected: dict[str, tuple[tuple[int, ...], TensorRole]] | None = None
 
     # ---- hooks ---------------------------------------------------------------------------
     def setup(self) -> None:

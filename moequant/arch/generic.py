@@ -130,7 +130,7 @@ class GenericAdapter(Adapter):
 
     model_types = ()
 
-    def __post_init__(self):
+    def derive(self):
         """Sizes from transformers' own (text) config of the model: its names and defaults, not ours."""
         model = meta_model(json.dumps(self.config, sort_keys=True, default=str))
         text = model.config.get_text_config()
@@ -138,7 +138,6 @@ class GenericAdapter(Adapter):
         self.tie_embeddings = model.get_output_embeddings() is None or (
             model.get_output_embeddings().weight is model.get_input_embeddings().weight
         )
-        self._expected = None
         self.setup(model)
 
     def setup(self, model):

@@ -353,13 +353,14 @@ class GenericAdapter(Adapter):
         if tuple(tensor.shape) != (E, rows, tensor.shape[2]):
             raise UserError(f"{key} has shape {list(tensor.shape)}; the standard experts layout is [{E}, {rows}, ...].")
         width = rows // len(halves)
+        shapes = {n: tuple(int(d) for d in t.shape) for n, t in self._revert(key, tensor).items()}
         for name, t in self._revert(key, _tag(tuple(tensor.shape), 1)).items():
             values = t.flatten()
             first = int(values[0])
             e, r = divmod(first, rows)
             half = halves[r // width]
             if (
-                t.dim() != 2
+                len(shapes.get(name, ())) != 2
                 or values.numel() != width
                 or not torch.equal(values, first + torch.arange(width, dtype=values.dtype))
             ):
@@ -367,10 +368,10 @@ class GenericAdapter(Adapter):
                     f"this {self.model_type} model stores its experts fused on disk ({name}); "
                     "moequant's generic reader takes one tensor per expert."
                 )
-            transposed = t.shape[0] == 1
-            shape = (tensor.shape[2], width) if transposed else (width, tensor.shape[2])
+            # [out, in] on disk unless the rows are the second axis (a tag of one column may come back 1-D)
+            transposed = t.shape[0] == 1 if t.dim() == 2 else shapes[name][0] != width
             record["experts"][(L, e, half)] = (name, transposed)
-            record["entries"][name] = (tuple(int(d) for d in shape), TensorRole("routed_expert", L, e, half))
+            record["entries"][name] = (shapes[name], TensorRole("routed_expert", L, e, half))
             if transposed:
                 raise UserError(
                     f"this {self.model_type} model stores expert weights transposed ({name}); not supported yet."

@@ -28,8 +28,9 @@ LAYERS = [
     (
         "moequant.errors",
         "moequant.budget",
+        "moequant.timing",
         "moequant.vllm_plugin.names",
-    ),  # one clear sentence; the run's memory budget; the plugin's checkpoint keys (no imports)
+    ),  # one clear sentence; the run's memory budget; stage seconds; the plugin's checkpoint keys (no imports)
 ]
 
 

@@ -284,6 +284,13 @@ class Adapter:
     def final_norm(self, model):
         return self.decoder(model)[0].norm
 
+    def block_in_layer(self, layer_module, layer: int):
+        """The MoE block of one decoder layer module."""
+        return layer_module.mlp
+
+    def experts_in_layer(self, layer_module, layer: int):
+        return self.block_in_layer(layer_module, layer).experts
+
     # ---- the same experts in a loaded transformers model (fused 3-D parameters) --------------
     def experts_module(self, model, layer: int):
         return self.moe_block(model, layer).experts

@@ -403,8 +403,13 @@ class GenericAdapter(Adapter):
 
     @property
     def num_shared_experts(self) -> int:
+        """Shared experts per MoE layer: the config's count (DeepSeek's one block of n_shared_experts widths counts
+        as that many, as llama.cpp counts it), else 1 where the layer holds a shared expert."""
         L = self.moe_layers[0]
-        return 1 if any(r.role == "shared_expert" and r.layer == L for _, r in self._entries.values()) else 0
+        if not any(r.role == "shared_expert" and r.layer == L for _, r in self._entries.values()):
+            return 0
+        counts = [self.text_config.get(k) for k in ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")]
+        return next((int(n) for n in counts if isinstance(n, int) and not isinstance(n, bool) and n > 0), 1)
 
     def stored_itemsizes(self):
         return self._itemsizes
@@ -435,6 +440,12 @@ class GenericAdapter(Adapter):
 
     def moe_block(self, model, layer):
         return self.decoder(model)[1][layer].get_submodule(self.block_path[layer])
+
+    def block_in_layer(self, layer_module, layer):
+        return layer_module.get_submodule(self.block_path[layer])
+
+    def experts_in_layer(self, layer_module, layer):
+        return layer_module.get_submodule(self.experts_path[layer])
 
     def experts_module(self, model, layer):
         return self.decoder(model)[1][layer].get_submodule(self.experts_path[layer])

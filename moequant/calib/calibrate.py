@@ -647,7 +647,7 @@ def _moe_layer_statistics(
     bs = settings.batch_size
     col = LayerCollector(
         adapter,
-        module.mlp.experts,
+        adapter.experts_in_layer(module, L),
         adapter.num_experts,
         adapter.top_k,
         domains,
@@ -892,10 +892,11 @@ def save_carried(work: Path, fingerprint, next_layer: int, hidden: list) -> None
 
 def collect_moe_stats(runner, module, layer: int, collector: "LayerCollector", hidden, before_batch=None):
     """Run one MoE layer with the collector hooked to its router and experts; returns the outputs."""
-    adapter, mlp = runner.adapter, module.mlp
+    adapter = runner.adapter
+    mlp = adapter.block_in_layer(module, layer)
     hooks = [
         adapter.router_module(mlp).register_forward_hook(collector.on_router),
-        mlp.experts.register_forward_pre_hook(collector.on_experts, with_kwargs=True),
+        adapter.experts_in_layer(module, layer).register_forward_pre_hook(collector.on_experts, with_kwargs=True),
     ]
     try:
         return runner.forward(module, layer, hidden, before_batch=before_batch)

@@ -27,8 +27,9 @@ class _PassThrough(nn.Module):
         super().__init__()
         self.index = index
         self.record = record
-        if hasattr(original, "attention_type"):
-            self.attention_type = original.attention_type
+        for name in ("attention_type", "block_type", "layer_type"):  # what the model's forward reads of a layer
+            if isinstance(getattr(original, name, None), str):
+                setattr(self, name, getattr(original, name))
 
     def forward(self, hidden_states, *args, **kwargs):
         if self.index == 0:

@@ -653,8 +653,8 @@ def _statistics_and_quantize_in_chunks(
     quantized, report = {}, {}
     with _materialized(runner, layer, experts=host) as module:
         hooks = [
-            adapter.router_module(module.mlp).register_forward_hook(on_router),
-            module.mlp.experts.register_forward_pre_hook(on_experts, with_kwargs=True),
+            adapter.router_module(adapter.block_in_layer(module, layer)).register_forward_hook(on_router),
+            adapter.experts_in_layer(module, layer).register_forward_pre_hook(on_experts, with_kwargs=True),
         ]
         try:
             with timing.stage("forward"):  # only the record is used: the next layer reads the quantized output
@@ -676,7 +676,7 @@ def _statistics_and_quantize_in_chunks(
             with timing.stage("statistics"):  # the chunk's input statistics and Hessians
                 col = LayerCollector(
                     adapter,
-                    module.mlp.experts,
+                    adapter.experts_in_layer(module, layer),
                     E,
                     adapter.top_k,
                     [],
@@ -749,7 +749,7 @@ def _quantize_other(ckpt, rows, replaced: dict | None = None) -> tuple[dict, dic
 AWQ_MAX_TOKENS = 65536  # calibration tokens kept per layer for the shared gate/up scale search
 
 
-def _token_recorder(adapter, module, store: dict):
+def _token_recorder(adapter, module, layer: int, store: dict):
     """Hooks that keep the MoE block's input tokens and routing (for AWQ's block-output search)."""
     routing = {}
 
@@ -768,20 +768,20 @@ def _token_recorder(adapter, module, store: dict):
             store.setdefault("indices", []).append(routing["now"][0][:room])
             store.setdefault("weights", []).append(routing["now"][1][:room])
 
-    store["act"] = module.mlp.experts.act_fn
+    store["act"] = adapter.experts_in_layer(module, layer).act_fn
     return [
-        adapter.router_module(module.mlp).register_forward_hook(on_router),
-        module.mlp.experts.register_forward_pre_hook(on_experts, with_kwargs=True),
+        adapter.router_module(adapter.block_in_layer(module, layer)).register_forward_hook(on_router),
+        adapter.experts_in_layer(module, layer).register_forward_pre_hook(on_experts, with_kwargs=True),
     ]
 
 
-def _routing_recorder(adapter, module, store: list):
+def _routing_recorder(adapter, module, layer: int, store: list):
     """Forward hook on the layer's router that appends each batch's top-k expert sets (sorted)."""
 
     def hook(_module, _args, output):
         store.append(output[2].reshape(-1, adapter.top_k).sort(-1).values.cpu())
 
-    return adapter.router_module(module.mlp).register_forward_hook(hook)
+    return adapter.router_module(adapter.block_in_layer(module, layer)).register_forward_hook(hook)
 
 
 # ----------------------------------------------------------------------------- the pass
@@ -1216,7 +1216,7 @@ def _awq_statistics(runner, adapter, L: int, hidden, weights: dict, hessian_weig
     with runner.materialized(L, experts=weights) as module:
         col = LayerCollector(
             adapter,
-            module.mlp.experts,
+            adapter.experts_in_layer(module, L),
             adapter.num_experts,
             adapter.top_k,
             [],
@@ -1225,7 +1225,10 @@ def _awq_statistics(runner, adapter, L: int, hidden, weights: dict, hessian_weig
             hessian_weighting=hessian_weighting,
         )
         col.token_domains = torch.zeros(0, dtype=torch.long)
-        hooks = [_routing_recorder(adapter, module, routing_before), *_token_recorder(adapter, module, tokens)]
+        hooks = [
+            _routing_recorder(adapter, module, L, routing_before),
+            *_token_recorder(adapter, module, L, tokens),
+        ]
         try:
             collect_moe_stats(runner, module, L, col, hidden)
         finally:

@@ -51,6 +51,7 @@ SIZES = {
     "o_lora_rank": 32,
     "o_groups": 2,
     "index_n_heads": 2,
+    "index_num_heads": 2,
     "index_head_dim": 32,
     "index_topk": 16,
     "linear_key_head_dim": 32,
@@ -76,6 +77,8 @@ SIZES = {
     "attn_layer_period": 2,
     "attn_layer_offset": 0,
 }
+# families whose config derives its per-layer lists from the layer count: built with it
+BUILD_WITH: dict[str, dict] = {"kolibri1_1": {"num_hidden_layers": LAYERS}}
 # where a family's own config rules out the generic sizes above
 OVERRIDES: dict[str, dict] = {
     "zaya": {"num_experts_per_tok": 1},
@@ -133,6 +136,11 @@ NOT_SUPPORTED: dict[str, str] = {
     "minimax_m3_vl_text": FUSED,
     "zaya": FUSED,
 }
+# families moequant refuses to run one decoder layer at a time (apply, calibrate, streamed eval), with its words
+APPLY_REFUSED: dict[str, str] = {
+    "glm_moe_dsa": "hands more than the hidden states from one decoder layer to the next",
+    "longcat_flash": "weightless zero experts",
+}
 # families whose export plain transformers 5.25 cannot load, for reasons of its own (the test checks they still fail)
 CONV_CONCAT = "its weight conversion concatenates the q/k/v convolutions and fails under a quantization_config"
 TRANSFORMERS_CANNOT_RELOAD: dict[str, str] = {
@@ -147,7 +155,6 @@ UNBUILT: dict[str, str] = {
     "inkling2_text": "a vocabulary offset larger than the bundled tokenizer",
     "inkling2_loop_text": "a vocabulary offset larger than the bundled tokenizer",
     "granitemoehybrid": "Mamba head sizes tied to the hidden size",
-    "kolibri1_1": "indexed-attention layer indices tied to the layer count",
     "qwen4_exp": "head sizes left to a nested config",
 }
 
@@ -182,7 +189,7 @@ def tiny_family_config(model_type: str):
     """The family's config with its defaults, its text part shrunk to LAYERS layers of tiny width."""
     from transformers import AutoConfig
 
-    top = AutoConfig.for_model(model_type)
+    top = AutoConfig.for_model(model_type, **BUILD_WITH.get(model_type, {}))
     config = top.get_text_config()
     keys = config.to_dict()
     for key, value in SIZES.items():  # under the config's own names or its aliases
@@ -198,7 +205,7 @@ def tiny_family_config(model_type: str):
     before = keys.get(layers_key)
     setattr(config, layers_key, LAYERS)
     for key, value in keys.items():  # per-layer lists: one layer of each kind they name
-        if isinstance(value, list) and value and (key in PER_LAYER_LISTS or len(value) == before):
+        if isinstance(value, list) and len(value) > LAYERS and (key in PER_LAYER_LISTS or len(value) == before):
             setattr(config, key, _shrunk_list(value, LAYERS))
     if isinstance(keys.get("per_layer_config"), dict):  # Gemma-4: overrides for some layer indices
         config.per_layer_config = {k: v for k, v in keys["per_layer_config"].items() if int(k) < LAYERS}

@@ -20,6 +20,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from families import (
+    APPLY_REFUSED,
     FAMILIES,
     NAMED,
     NOT_SUPPORTED,
@@ -42,8 +43,8 @@ SUPPORTED = [f for f in FAMILIES if f not in NOT_SUPPORTED and f not in UNBUILT]
 TOKENS = torch.randint(1, 4000, (2, 24), generator=torch.Generator().manual_seed(0))
 PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 OWN_RECIPE = {"gpt_oss": ("recipes/uniform-mxfp4.yaml", ["export.format=gpt-oss-mxfp4"])}
-# the whole `apply` (slow set, CI time): the named families; the selective recipe on two 2026 flagships
-APPLIED = sorted(set(NAMED) & set(SUPPORTED))
+# the whole `apply` (slow set): every family it takes; the selective recipe on two 2026 flagships
+APPLIED = [f for f in SUPPORTED if f not in APPLY_REFUSED]
 SELECTIVE = ("qwen3_5_moe", "deepseek_v4")
 SMALL = [
     "calibration.probe_samples=0",
@@ -69,10 +70,23 @@ def built(tmp_path_factory):
 
 
 def test_at_least_forty_families_and_every_named_one_pass():
-    assert len(SUPPORTED) >= 40, (len(SUPPORTED), sorted(NOT_SUPPORTED))
-    # the named families not taken yet: Gemma-4 and GraniteMoE keep their experts fused on disk (an open issue)
-    missing = set(NAMED) & (set(NOT_SUPPORTED) | set(UNBUILT))
-    assert missing == {"gemma4", "granitemoe"}, missing
+    assert len(APPLIED) >= 40, (len(APPLIED), sorted(NOT_SUPPORTED), sorted(APPLY_REFUSED))
+    # the named families not taken yet (an open issue): Gemma-4 and GraniteMoE keep their experts fused on disk,
+    # GLM-5 (glm_moe_dsa) passes state between layers, LongCat-Flash routes to zero experts
+    missing = set(NAMED) - set(APPLIED)
+    assert missing == {"gemma4", "granitemoe", "glm_moe_dsa", "longcat_flash"}, missing
+
+
+@pytest.mark.parametrize("model_type", sorted(APPLY_REFUSED))
+def test_a_family_apply_cannot_run_is_refused_in_one_sentence(model_type, built, tmp_path):
+    args = ["apply", "--recipe", "recipes/uniform-int4.yaml", "--model", str(built(model_type))]
+    result = CliRunner().invoke(
+        main, args + ["--output", str(tmp_path / "run")] + [x for s in SMALL for x in ("--set", s)]
+    )
+    assert result.exit_code == 2, result.output[-2000:]
+    said = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(said) == 1 and APPLY_REFUSED[model_type] in said[0], result.output[-2000:]
+    assert not (tmp_path / "run" / "checkpoint").exists()
     assert set(NAMED) <= set(FAMILIES), set(NAMED) - set(FAMILIES)
 
 

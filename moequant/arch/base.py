@@ -264,6 +264,8 @@ class Adapter:
         if proj not in PROJECTIONS:
             raise UserError(f"projection {proj!r} is not one of {', '.join(PROJECTIONS)}.")
 
+    layerwise_refusal: ClassVar[str | None] = None  # why a family cannot run one layer at a time (arch/generic.py)
+
     def stored_itemsizes(self) -> dict[str, int]:
         """Bytes per element of the tensors a checkpoint does not store as 2-byte floats (integer tables)."""
         return {}

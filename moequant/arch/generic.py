@@ -415,6 +415,20 @@ class GenericAdapter(Adapter):
         return self._itemsizes
 
     @property
+    def layerwise_refusal(self) -> str | None:
+        """Why this family cannot be run one decoder layer at a time (calibration, quantize pass, streamed
+        evaluation), or None. A router with more rows than experts also picks "zero" (identity) experts that
+        hold no weights (LongCat-Flash); moequant's routing statistics count the real experts only."""
+        L = self.moe_layers[0]
+        rows = [s[0] for n, (s, r) in self._entries.items() if r.role == "router" and r.layer == L and len(s) == 2]
+        if rows and max(rows) > self.num_experts:
+            return (
+                f"its router picks among {max(rows)} choices for {self.num_experts} experts (the rest are weightless "
+                "zero experts), which moequant's routing statistics do not count yet"
+            )
+        return None
+
+    @property
     def shared_intermediate(self) -> int:
         """Width of a MoE layer's shared expert(s) together (0 without one), from its down projection."""
         L = self.moe_layers[0]

@@ -136,6 +136,10 @@ class LayerRunner:
         dtype=torch.float32,
         experts_implementation: str | None = None,
     ):
+        if adapter.layerwise_refusal:
+            raise UserError(
+                f"moequant cannot run this {adapter.model_type} model layer by layer: {adapter.layerwise_refusal}."
+            )
         self.checkpoint = checkpoint
         self.adapter = adapter
         self.device = torch.device(device)
@@ -159,6 +163,12 @@ class LayerRunner:
             try:
                 with torch.no_grad():
                     base(input_ids=batch, use_cache=False)
+            except (ValueError, TypeError) as e:  # a layer's output is more than its hidden states
+                raise UserError(
+                    f"moequant cannot run this {self.adapter.model_type} model layer by layer: transformers' "
+                    f"{type(base).__name__} hands more than the hidden states from one decoder layer to the next "
+                    f"({type(e).__name__}: {str(e)[:80]})."
+                ) from None
             finally:
                 for i, layer in enumerate(originals):
                     layers[i] = layer

@@ -19,25 +19,7 @@ def supported_model_types() -> list[str]:
 
 
 def adapter_for(config: dict) -> Adapter:
-    """The adapter for a config dict (from config.json); UserError for unknown model types. The same config
-    gives the same adapter object (deriving one walks transformers' model, so it is done once)."""
-    import json
-
-    try:
-        key = json.dumps(config, sort_keys=True, default=str)
-    except (TypeError, ValueError):
-        return _adapter_for(config)
-    if key not in _ADAPTERS_MADE:
-        if len(_ADAPTERS_MADE) >= 16:
-            _ADAPTERS_MADE.pop(next(iter(_ADAPTERS_MADE)))
-        _ADAPTERS_MADE[key] = _adapter_for(config)
-    return _ADAPTERS_MADE[key]
-
-
-_ADAPTERS_MADE: dict[str, Adapter] = {}
-
-
-def _adapter_for(config: dict) -> Adapter:
+    """The adapter for a config dict (from config.json); UserError for unknown model types."""
     model_type = config.get("model_type")
     if model_type not in ADAPTERS:
         refuse_unknown(model_type)

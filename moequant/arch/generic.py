@@ -186,6 +186,7 @@ class GenericAdapter(Adapter):
         self.top_k = int(next((k for k in top_k if isinstance(k, int) and not isinstance(k, bool)), 1))
         self.text_config = {**text, **{k: v for k, v in self.config.items() if k in text}}
         self.num_layers = len(layers)
+        self._final_norms = sum("norm" in type(m).__name__.lower() for _, m in base.named_children())
         self._walk(model, layers)
 
     # ---- structure ---------------------------------------------------------------------------
@@ -419,8 +420,14 @@ class GenericAdapter(Adapter):
         """Why this family cannot be run one decoder layer at a time (calibration, quantize pass, streamed
         evaluation), or None. A router with more rows than experts also picks "zero" (identity) experts that
         hold no weights (LongCat-Flash); moequant's routing statistics count the real experts only."""
+        if self._final_norms != 1:
+            return f"its decoder ends in {self._final_norms} normalisation modules, where moequant applies one before the head"
         L = self.moe_layers[0]
-        rows = [s[0] for n, (s, r) in self._entries.items() if r.role == "router" and r.layer == L and len(s) == 2]
+        rows = [
+            s[0]
+            for n, (s, r) in self._entries.items()
+            if r.role == "router" and r.layer == L and len(s) == 2 and s[1] == self.hidden and n not in self._itemsizes
+        ]
         if rows and max(rows) > self.num_experts:
             return (
                 f"its router picks among {max(rows)} choices for {self.num_experts} experts (the rest are weightless "

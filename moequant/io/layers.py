@@ -65,7 +65,7 @@ def build_skeleton(checkpoint, dtype=torch.float32, experts_implementation: str 
 
     from moequant.arch import adapter_for
 
-    adapter = adapter_for(checkpoint.config)
+    adapter = getattr(checkpoint, "adapter", None) or adapter_for(checkpoint.config)  # the checkpoint's own
     quiet = logging.getLogger("transformers")
     level = quiet.level
     quiet.setLevel(logging.ERROR)

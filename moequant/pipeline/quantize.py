@@ -1326,7 +1326,7 @@ def _quantized_forward(
             for p, t in experts_dq.items()
         }
     with _materialized(run.runner, L, experts=experts_dq, tensors=forward_tensors) as module:
-        hook = _routing_recorder(run.adapter, module, routing_after) if record_routing else None
+        hook = _routing_recorder(run.adapter, module, L, routing_after) if record_routing else None
         try:
             with timing.stage("forward"):
                 hidden = run.runner.forward(module, L, hidden)

@@ -41,6 +41,14 @@ def _quiet():
     return logger, level
 
 
+try:  # huggingface_hub's validation errors of strict config dataclasses (transformers 5.x configs)
+    from huggingface_hub.errors import StrictDataclassError as _StrictError
+
+    _CONFIG_ERRORS: tuple = (_StrictError,)
+except ImportError:  # an older huggingface_hub: its configs raise ValueError / TypeError, caught upstream
+    _CONFIG_ERRORS = ()
+
+
 def decode_special_floats(config: dict) -> dict:
     """config.json as transformers reads it: its `{"__float__": "Infinity"}` tags back to floats."""
     from transformers import PretrainedConfig
@@ -61,6 +69,8 @@ def meta_model(config_json: str):
         hf = AutoConfig.for_model(config["model_type"], **raw)
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(hf)
+    except _CONFIG_ERRORS as e:  # transformers' own validation of a config value: one sentence upstream
+        raise ValueError(str(e).splitlines()[-1].strip() or type(e).__name__) from None
     finally:
         logger.setLevel(level)
 

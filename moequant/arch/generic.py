@@ -138,8 +138,6 @@ def _tag(shape: tuple[int, ...], axis: int) -> torch.Tensor:
 class GenericAdapter(Adapter):
     """Every family whose experts follow transformers' standard experts interface."""
 
-    model_types = ()
-
     def derive(self):
         """Sizes from transformers' own (text) config of the model: its names and defaults, not ours."""
         model = meta_model(json.dumps(self.config, sort_keys=True, default=str))
@@ -517,9 +515,6 @@ class GenericAdapter(Adapter):
         if not self.has_gate:
             return experts.act_fn(torch.matmul(x, experts.up_proj[ids].transpose(-1, -2)))
         return experts._apply_gate(torch.matmul(x, experts.gate_up_proj[ids].transpose(-1, -2)))
-
-    def dense_mlp_intermediate(self) -> int:
-        return int(self.config.get("intermediate_size", 0))
 
 
 def _proj_of(rest: str) -> str | None:

@@ -553,13 +553,11 @@ def evaluate(
     return tally.result(len(windows), time.perf_counter() - start)
 
 
-def _logits(runner, hidden: torch.Tensor) -> torch.Tensor:
-    """The causal LM's head on the last decoder layer's output (final norm, then lm_head)."""
-    model = runner.model
-    norm, head = runner.adapter.final_norm(model), model.get_output_embeddings()
+def _logits(runner, b: int, hidden: torch.Tensor) -> torch.Tensor:
+    """The causal LM's head on batch b's last decoder layer output (the decoder's final norm, then lm_head)."""
+    head = runner.model.get_output_embeddings()
     # the skeleton keeps its final norm (and a tied head) on the host, an untied head on the device
-    h = norm(hidden.to(norm.weight.device))
-    return head(h.to(head.weight.device))
+    return head(runner.finish(b, hidden).to(head.weight.device))
 
 
 def _real_head(runner, adapter) -> None:
@@ -661,7 +659,7 @@ def evaluate_streaming(
                 _real_head(ref_run, adapter)
                 _real_head(q_run, q_adapter)
                 for b, batch_ids in enumerate(ref_run.batches):
-                    tally.add_logits(batch_ids, batch_doms[b], _logits(ref_run, h_ref[b]), _logits(q_run, h_q[b]))
+                    tally.add_logits(batch_ids, batch_doms[b], _logits(ref_run, b, h_ref[b]), _logits(q_run, b, h_q[b]))
     finally:
         if progress:
             bar.stop()

@@ -78,7 +78,16 @@ SIZES = {
     "attn_layer_offset": 0,
 }
 # families whose config derives its per-layer lists from the layer count: built with it
-BUILD_WITH: dict[str, dict] = {"kolibri1_1": {"num_hidden_layers": LAYERS}}
+BUILD_WITH: dict[str, dict] = {
+    # Kolibri-1.1 as its checkpoints are: indexed-attention layers, one reusing another's keys and values and
+    # the index pool handed from layer to layer
+    "kolibri1_1": {
+        "num_hidden_layers": LAYERS,
+        "layer_types": ["sliding_attention", "indexed_attention", "indexed_attention", "indexed_attention"],
+        "index_layers": [1, 3],
+        "kv_source_layers": [0, 1, 1, 3],
+    }
+}
 # where a family's own config rules out the generic sizes above
 OVERRIDES: dict[str, dict] = {
     "zaya": {"num_experts_per_tok": 1},
@@ -91,6 +100,8 @@ OVERRIDES: dict[str, dict] = {
         "indexer_compress_ratio": 4,
     },
     "gemma4": {"enable_moe_block": True},
+    # GLM-5: layers that reuse the previous layer's indexer top-k (handed from layer to layer), as its checkpoints do
+    "glm_moe_dsa": {"indexer_types": ["full", "shared", "full", "shared"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
 }
 
@@ -148,10 +159,7 @@ NOT_SUPPORTED: dict[str, str] = {
 }
 # families moequant refuses to run one decoder layer at a time (apply, calibrate, streamed eval), with its words
 APPLY_REFUSED: dict[str, str] = {
-    "glm_moe_dsa": "hands more than the hidden states from one decoder layer to the next",
     "longcat_flash": "weightless zero experts",
-    "kolibri1_1": "hands more than the hidden states from one decoder layer to the next",
-    "qwen4_exp": "normalisation modules",
 }
 # families whose export plain transformers 5.25 cannot load, for reasons of its own (the test checks they still fail)
 CONV_CONCAT = "its weight conversion concatenates the q/k/v convolutions and fails under a quantization_config"
@@ -274,6 +282,8 @@ def support_table() -> str:
             continue
         export = "gpt-oss-mxfp4 layout" if family in OWN_LAYOUT else "yes"
         reload = "yes" if family not in TRANSFORMERS_CANNOT_RELOAD else "apply: yes; transformers: no (below)"
+        if family in APPLY_REFUSED:
+            reload = f"apply refused: {APPLY_REFUSED[family]}; an export of it reloads"
         gguf = "yes" if family in ARCHS else "precheck refuses"
         source = QUANTIZED_SOURCES.get(family, "—")
         lines.append(f"| {family} | {reload} | {export} | {gguf} | {source} |")

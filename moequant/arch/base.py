@@ -283,9 +283,6 @@ class Adapter:
         """The MoE block of decoder layer `layer` (router, experts, shared experts)."""
         return self.decoder(model)[1][layer].mlp
 
-    def final_norm(self, model):
-        return self.decoder(model)[0].norm
-
     def block_in_layer(self, layer_module, layer: int):
         """The MoE block of one decoder layer module."""
         return layer_module.mlp

@@ -194,7 +194,6 @@ class GenericAdapter(Adapter):
         self.top_k = int(next((k for k in top_k if isinstance(k, int) and not isinstance(k, bool)), 1))
         self.text_config = {**text, **{k: v for k, v in self.config.items() if k in text}}
         self.num_layers = len(layers)
-        self._final_norms = sum("norm" in type(m).__name__.lower() for _, m in base.named_children())
         self._walk(model, layers)
 
     # ---- structure ---------------------------------------------------------------------------
@@ -428,8 +427,6 @@ class GenericAdapter(Adapter):
         """Why this family cannot be run one decoder layer at a time (calibration, quantize pass, streamed
         evaluation), or None. A router with more rows than experts also picks "zero" (identity) experts that
         hold no weights (LongCat-Flash); moequant's routing statistics count the real experts only."""
-        if self._final_norms != 1:
-            return f"its decoder ends in {self._final_norms} normalisation modules, where moequant applies one before the head"
         L = self.moe_layers[0]
         rows = [
             s[0]
@@ -478,14 +475,6 @@ class GenericAdapter(Adapter):
 
     def experts_module(self, model, layer):
         return self.decoder(model)[1][layer].get_submodule(self.experts_path[layer])
-
-    def final_norm(self, model):
-        """The decoder's own normalisation module after its layers (transformers names it per family)."""
-        base = self.decoder(model)[0]
-        norms = [m for _, m in base.named_children() if "norm" in type(m).__name__.lower()]
-        if len(norms) != 1:
-            raise UserError(f"{type(model).__name__} has {len(norms)} final norms; moequant expects one.")
-        return norms[0]
 
     def router_module(self, mlp):
         for name in ("gate", "router"):

@@ -152,25 +152,33 @@ def _layer_sensitivity(stats_dir: Path, layer: int) -> tuple[dict, torch.Tensor]
 
 
 def _head(runner, checkpoint):
-    """hidden -> logits through the model's own final norm and lm_head (tied: the embedding)."""
+    """Finished hidden states (LayerRunner.finish) -> logits through the model's lm_head (tied: the embedding)."""
+    from moequant.errors import UserError
     from moequant.io.layers import make_head_real
 
-    model = runner.model
-    head = make_head_real(model, checkpoint, runner.adapter, runner.device, runner.dtype, copy_tied=True)
-    norm = runner.adapter.final_norm(model).to(runner.device)
+    if runner.shared_between_layers:  # every probed stream would write into the one container of a batch
+        raise UserError(
+            f"the probe cannot run several streams of this {runner.adapter.model_type} model at once: its layers "
+            "share keys and values through the model's own loop; set calibration.probe_samples: 0."
+        )
+    head = make_head_real(runner.model, checkpoint, runner.adapter, runner.device, runner.dtype, copy_tied=True)
+    if runner.final_norm is not None:  # the decoder's final norm beside the head, on the device
+        runner.final_norm.to(runner.device)
 
     def logits(h: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return head(norm(h.to(runner.device)))
+            return head(h.to(runner.device))
 
     return logits
 
 
-def _kl_sum(head, reference: list[torch.Tensor], probed: list[torch.Tensor]) -> float:
-    return _kl_sums(head, reference, {0: probed})[0]
+def _finished(runner, stream: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A stream's last-layer hidden states (per batch) through what the decoder does before the head."""
+    with torch.no_grad():
+        return [runner.finish(b, h) for b, h in enumerate(stream)]
 
 
-def _kl_sums(head, reference: list[torch.Tensor], streams: dict, advance=None) -> dict:
+def _kl_sums(runner, head, reference: list[torch.Tensor], streams: dict, advance=None) -> dict:
     """{key: summed KL(reference || stream)} over every token of each stream (per-batch hidden states, as the
     reference), token_statistics' float64 KL. The reference's log-probabilities are computed once per block of
     positions for all streams, and each stream's logits once (per block): the per-tensor probe compares
@@ -179,14 +187,18 @@ def _kl_sums(head, reference: list[torch.Tensor], streams: dict, advance=None) -
     `advance`: called once per stream and batch (a progress bar's step)."""
     totals = dict.fromkeys(streams, 0.0)
     for b, h_ref in enumerate(reference):
-        rows = h_ref.reshape(-1, h_ref.shape[-1])
+        with torch.no_grad():  # what the decoder does before the head, once per batch of each stream
+            rows = runner.finish(b, h_ref).reshape(-1, h_ref.shape[-1])
+            finished = {
+                key: runner.finish(b, stream[b]).reshape(-1, h_ref.shape[-1]) for key, stream in streams.items()
+            }
         vocab = head(rows[:1]).shape[-1]
         step = max(1, LOGIT_CHUNK_ELEMENTS // vocab)  # float64 temporaries of token_statistics' size
         for s in range(0, rows.shape[0], step):
             lp = torch.log_softmax(head(rows[s : s + step]).double(), dim=-1)
             p = lp.exp()
-            for key, stream in streams.items():
-                h = stream[b].reshape(-1, stream[b].shape[-1])[s : s + step]
+            for key, rows_q in finished.items():
+                h = rows_q[s : s + step]
                 lq = torch.log_softmax(head(h).to(lp.device).double(), dim=-1)
                 # tokens the original gives probability 0 (masked logits, -inf) add nothing, not NaN
                 kl = torch.where(p > 0, p * (lp - lq), 0.0).sum(-1).clamp_min(0)
@@ -439,6 +451,7 @@ def _walk(
                     alone[(L, p)] = run(module, before)
             del experts
     kl = _kl_sums(
+        runner,
         head,
         original,
         {
@@ -463,9 +476,7 @@ def _forward(runner, module, layer: int, hidden: list[torch.Tensor]) -> list[tor
     out = []
     with torch.no_grad():
         for b, h in enumerate(hidden):
-            args, kwargs = runner.layer_kwargs[b][layer]
-            y = module(h.to(runner.device), *args, **kwargs)
-            out.append((y[0] if isinstance(y, tuple) else y).detach().to("cpu"))
+            out.append(runner.run(module, layer, b, h).detach().to("cpu"))
     return out
 
 
@@ -555,7 +566,7 @@ def run_tensor_probe(
                 with runner.materialized(L, tensors={u[0]: dequantized(u[0], u[1])}) as module:
                     streams[u] = _forward(runner, module, L, before)
                 bar.advance()
-        for (name, key, _), kl in _kl_sums(head, original, streams, bar.advance).items():
+        for (name, key, _), kl in _kl_sums(runner, head, original, streams, bar.advance).items():
             result.setdefault(name, {})[key] = kl / tokens
     if heads:  # lm_head: the final hidden states, logits through the quantized copy
         final = runner.embedded
@@ -563,6 +574,7 @@ def run_tensor_probe(
             with runner.materialized(L) as module:
                 final = _forward(runner, module, L, final)
             bar.advance()
+        final = _finished(runner, final)
         for name, key, _ in heads:
             weight = runner.model.lm_head.weight
             with torch.no_grad():

@@ -10,7 +10,9 @@ forward code is used unchanged — no per-architecture re-implementation of atte
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import logging
 
 import torch
@@ -21,12 +23,15 @@ from moequant.errors import UserError
 
 
 class _PassThrough(nn.Module):
-    """Stands in for decoder layer `index`: records its inputs, returns hidden states unchanged."""
+    """Stands in for decoder layer `index`: records its inputs, returns hidden states unchanged (with
+    `with_state`, also a marker where a layer returns more: the model's loop hands it to the next layer)."""
 
-    def __init__(self, index: int, record: dict, original: nn.Module):
+    def __init__(self, index: int, record: dict, original: nn.Module, with_state: bool = False):
         super().__init__()
         self.index = index
         self.record = record
+        self.with_state = with_state
+        self.output = None  # what it returns instead of its input (LayerRunner.finish)
         for name in ("attention_type", "block_type", "layer_type"):  # what the model's forward reads of a layer
             if isinstance(getattr(original, name, None), str):
                 setattr(self, name, getattr(original, name))
@@ -35,7 +40,24 @@ class _PassThrough(nn.Module):
         if self.index == 0:
             self.record["hidden"] = hidden_states
         self.record[self.index] = (args, kwargs)
-        return hidden_states
+        out = hidden_states if self.output is None else self.output
+        return (out, _State(self.index)) if self.with_state else out
+
+
+class _State:
+    """Marks what decoder layer `index` returned beside its hidden states (GLM-5's attention indexer
+    top-k): the argument of a later layer that receives it is the one the model's loop hands it to."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _digest(hidden: torch.Tensor) -> tuple:
+    """Which stream of hidden states this is: its shape and a fixed sample of its values, exactly (the same
+    on any device; streams that differ anywhere differ in the sample in practice)."""
+    flat = hidden.detach().reshape(-1)
+    sample = flat[:: max(1, flat.numel() // 256)][:256]
+    return (tuple(hidden.shape), sample.float().cpu().numpy().tobytes())
 
 
 def experts_implementation_for(device, dtype) -> str | None:
@@ -156,24 +178,76 @@ class LayerRunner:
     def _capture(self) -> None:
         base, layers = self.adapter.decoder(self.model)
         originals = list(layers)
+        # where a layer hands the next one a second output (GLM-5's indexer top-k): layer -> (its argument, from)
+        self.state_from: dict[int, tuple[str, int]] = {}
+        self._states: dict[tuple, object] = {}  # (layer, batch, digest of its output) -> the state it returned
+        with_state = self._with_state = False
+        self.shared_between_layers = False
         for batch in self.batches:
-            record: dict = {}
-            for i, layer in enumerate(originals):
-                layers[i] = _PassThrough(i, record, layer)
-            try:
-                with torch.no_grad():
-                    base(input_ids=batch, use_cache=False)
-            except (ValueError, TypeError) as e:  # a layer's output is more than its hidden states
-                raise UserError(
-                    f"moequant cannot run this {self.adapter.model_type} model layer by layer: transformers' "
-                    f"{type(base).__name__} hands more than the hidden states from one decoder layer to the next "
-                    f"({type(e).__name__}: {str(e)[:80]})."
-                ) from None
-            finally:
+            while True:
+                record: dict = {}
                 for i, layer in enumerate(originals):
-                    layers[i] = layer
+                    layers[i] = _PassThrough(i, record, layer, with_state)
+                try:
+                    with torch.no_grad():
+                        base(input_ids=batch, use_cache=False)
+                    break
+                except (ValueError, TypeError) as e:  # the model's loop unpacks more than hidden states
+                    if with_state:
+                        raise UserError(
+                            f"moequant cannot run this {self.adapter.model_type} model layer by layer: transformers' "
+                            f"{type(base).__name__} hands more than the hidden states from one decoder layer to the "
+                            f"next ({type(e).__name__}: {str(e)[:80]})."
+                        ) from None
+                    with_state = True
+                    self._with_state = True
+                finally:
+                    for i, layer in enumerate(originals):
+                        layers[i] = layer
+            layer_inputs = [(i, v) for i, v in record.items() if isinstance(i, int)] if with_state else []
+            for i, (args, kwargs) in layer_inputs:
+                handed = [k for k, v in kwargs.items() if isinstance(v, _State)]
+                if len(handed) > 1 or any(isinstance(v, _State) for v in args):
+                    raise UserError(
+                        f"moequant cannot run this {self.adapter.model_type} model layer by layer: its decoder "
+                        "layers take more than one state from the layers before them."
+                    )
+                if handed:
+                    self.state_from[i] = (handed[0], kwargs[handed[0]].index)
+                    record[i] = (args, {k: v for k, v in kwargs.items() if k != handed[0]})
+            # a container the model's loop gives every layer to write into and read from (Kolibri-1.1's shared
+            # keys and values): one per batch, so a runner carries one stream of hidden states at a time
+            self.shared_between_layers = self.shared_between_layers or any(
+                isinstance(v, collections.UserDict) for _, kwargs in layer_inputs_all(record) for v in kwargs.values()
+            )
             self.embedded.append(record.pop("hidden").detach())
             self.layer_kwargs.append({i: _to_device(v, self.device) for i, v in record.items()})
+
+    def finish(self, b: int, hidden: torch.Tensor) -> torch.Tensor:
+        """What transformers' decoder makes of batch b's last-layer output before the head: its final norm (on
+        the norm's device), or, where the decoder does more after its layers (DeepSeek-V4's hyper-connection
+        head), the decoder's own forward with the last layer's output put in its place (on the host)."""
+        base, layers = self.adapter.decoder(self.model)
+        if self.final_norm is not None:
+            return self.final_norm(hidden.to(self.final_norm.weight.device))
+        originals = list(layers)
+        for i, layer in enumerate(originals):
+            layers[i] = _PassThrough(i, {}, layer, self._with_state)
+        layers[-1].output = hidden.to(base.get_input_embeddings().weight.device)
+        try:
+            with torch.no_grad():
+                return base(input_ids=self.batches[b], use_cache=False).last_hidden_state
+        finally:
+            for i, layer in enumerate(originals):
+                layers[i] = layer
+
+    @functools.cached_property
+    def final_norm(self) -> nn.Module | None:
+        """The decoder's final norm where it is all the decoder holds after its layers, else None."""
+        base, layers = self.adapter.decoder(self.model)
+        skip = {id(layers), id(base.get_input_embeddings())}
+        held = [m for m in base.children() if id(m) not in skip and any(True for _ in m.parameters())]
+        return held[0] if len(held) == 1 and "norm" in type(held[0]).__name__.lower() else None
 
     def read_layer(self, layer: int, experts: dict | None = None, tensors: dict | None = None) -> dict:
         """Decoder layer `layer`'s state dict from disk (or the given replacements); on a GPU the checkpoint's
@@ -212,10 +286,26 @@ class LayerRunner:
             release_freed_memory()
 
     def run(self, module: nn.Module, layer: int, b: int, h: torch.Tensor) -> torch.Tensor:
-        """One materialised layer on batch b's hidden states (its own attention masks and positions)."""
+        """One materialised layer on batch b's hidden states (its own attention masks and positions, and
+        the state the layer before it returned for these hidden states, where the model hands one on)."""
         args, kwargs = self.layer_kwargs[b][layer]
+        if layer in self.state_from:
+            name, source = self.state_from[layer]
+            key = (source, b, _digest(h))
+            if key not in self._states:
+                raise UserError(
+                    f"moequant cannot resume this {self.adapter.model_type} run mid-way: decoder layer {layer} needs "
+                    f"what layer {source} handed on, which is not kept between runs; rerun with --overwrite."
+                )
+            kwargs = {**kwargs, name: self._states[key]}
         y = module(h.to(self.device), *args, **kwargs)
-        return y[0] if isinstance(y, tuple) else y
+        if not isinstance(y, tuple):
+            return y
+        if self.state_from and len(y) > 1:
+            # keep only the states of this layer and the one before it (every stream moves layer by layer)
+            self._states = {k: v for k, v in self._states.items() if k[0] in (layer - 1, layer)}
+            self._states[(layer, b, _digest(y[0]))] = y[1]
+        return y[0]
 
     def forward(
         self, module: nn.Module, layer: int, hidden: list[torch.Tensor], before_batch=None
@@ -234,6 +324,11 @@ class LayerRunner:
                     )
                 out.append(y.detach())  # stays on the device: the next layer reads it there
         return out
+
+
+def layer_inputs_all(record: dict) -> list:
+    """The (args, kwargs) a capture recorded for each decoder layer."""
+    return [v for i, v in record.items() if isinstance(i, int)]
 
 
 def _to_device(value, device):

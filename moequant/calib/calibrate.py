@@ -383,11 +383,6 @@ def _tf32_for(x: torch.Tensor):
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def module_hidden(args, kwargs) -> int:
-    x = args[0] if args else kwargs["hidden_states"]
-    return x.shape[-1]
-
-
 def sensitivity(
     weights: dict[str, torch.Tensor],
     stats: dict[str, torch.Tensor],

@@ -161,11 +161,6 @@ def _stdlib_prose() -> list[Document]:
     return [Document(rel, "prose", lambda p=path: _docstrings(p)) for rel, path in _stdlib_files()]
 
 
-def _files_under(pattern: str) -> list[tuple[str, Path]]:
-    matches = sorted(glob.glob(pattern, recursive=True))
-    return [(m, Path(m)) for m in matches if Path(m).is_file()]
-
-
 _PYTHON_DOCS = ("/usr/share/doc/python3*-doc/html/_sources", "*.txt")
 _KERNEL_DOCS = ("/usr/share/doc/linux-doc*/html/_sources", "*.rst.txt")
 

@@ -81,10 +81,6 @@ GGML_NAME = {t.name: t.name.upper() for t in TYPES.values()}  # llama.cpp's spel
 _SEARCH = torch.linspace(-0.6, 1.2, 19).tolist()  # offsets of the code range tried per block
 
 
-def block_type(spec) -> BlockType:
-    return TYPES[spec.name]
-
-
 def row_bytes(name: str, cols: int) -> int:
     t = TYPES[name]
     return cols // t.block * t.nbytes

@@ -434,11 +434,6 @@ def written_shapes(config: dict, hf_name: str, shape) -> list[tuple[str, tuple[i
     return out
 
 
-def gguf_name(model_type: str, hf_name: str) -> str | None:
-    targets = gguf_targets(model_type, hf_name)
-    return targets[0][0] if len(targets) == 1 else None
-
-
 def ggml_type(spec):
     import gguf
 

@@ -26,10 +26,12 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # tests/support: llama.cpp's own quantizer and tensor types
 
 
 def main(argv=None) -> int:  # noqa: C901
@@ -44,11 +46,12 @@ def main(argv=None) -> int:  # noqa: C901
     from moequant.errors import UserError
     from moequant.export.gguf import GGUF_FILE, gguf_bytes, reshaped_reason, write_imatrix
     from moequant.export.layouts import export_checkpoint
-    from moequant.export.verify_llamacpp import evaluate_gguf, quantize
     from moequant.io.checkpoint import open_checkpoint
+    from moequant.llamacpp.evaluate import evaluate_gguf
     from moequant.pipeline.apply import apply, calibration_settings, resolve_recipe
     from moequant.plan.model import NON_EXPERT_ROLES
     from moequant.zoo import path as zoo_path
+    from tests.support.verify_llamacpp import quantize
 
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="tiny-qwen2moe,tiny-mixtral,tiny-qwen3moe,tiny-deepseek-v3")

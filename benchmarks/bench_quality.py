@@ -41,12 +41,14 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # tests/support: llama.cpp's own quantizer and tensor types
 # (format, algorithm, grid, Hessian weighting): the grids alone (RTN), GPTQ on each grid, the
 # Hessian weightings on the best of them, and the asymmetric formats
 OURS = (
@@ -87,10 +89,10 @@ def main(argv=None) -> int:
     from moequant.calib.calibrate import MIN_ROUTED_TOKENS, calibrate, plain_settings
     from moequant.calib.data import load_samples
     from moequant.calib.stats import chosen_hessian, load_stats
-    from moequant.export.verify_llamacpp import ggml_quantize
     from moequant.formats.ggml import dequantize_tensor
     from moequant.io.checkpoint import load_tokenizer, open_checkpoint
     from moequant.io.loader import from_pretrained_complete
+    from moequant.llamacpp.runner import ggml_quantize
     from moequant.metrics import token_statistics
     from moequant.zoo import path as zoo_path
 
@@ -505,7 +507,7 @@ def q4_k_m_types(src, out: Path, ad, cols: dict) -> tuple[dict, str]:
     from moequant.errors import UserError
     from moequant.export.gguf import GGUF_FILE
     from moequant.export.layouts import export_checkpoint
-    from moequant.export.verify_llamacpp import quantize, tensor_types
+    from tests.support.verify_llamacpp import quantize, tensor_types
 
     rule = q4_k_m_rule(ad, cols)
     try:

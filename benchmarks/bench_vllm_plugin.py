@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moequant.export.verify_vllm import _error_summary, ensure_vllm_env, ensure_vllm_plugin  # noqa: E402
+from tests.support.verify_vllm import _error_summary, ensure_vllm_env, ensure_vllm_plugin  # noqa: E402
 
 GROUP = {"tiny-qwen2moe": 64, "tiny-mixtral": 128}
 
@@ -48,7 +48,7 @@ GROUP = {"tiny-qwen2moe": 64, "tiny-mixtral": 128}
 _WORKER = r"""
 import ctypes, json, platform, random, sys, time
 if platform.machine() == "x86_64":
-    ctypes.CDLL(None).syscall(158, 0x1023, 18)  # AMX tile permission (see moequant.export.verify_vllm)
+    ctypes.CDLL(None).syscall(158, 0x1023, 18)  # AMX tile permission (see tests/support/verify_vllm.py)
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 job = json.loads(open(sys.argv[1]).read())

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from support.verify_vllm import compare_logprobs, default_prompts, ensure_gptqmodel_env, run_gptqmodel
 from test_export_models import VOCAB, build_model
 from test_vllm import gptq_experts
 
 from moequant.export.layouts import export_checkpoint
-from moequant.export.verify_vllm import compare_logprobs, default_prompts, ensure_gptqmodel_env, run_gptqmodel
 
 pytestmark = pytest.mark.slow
 

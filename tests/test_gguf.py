@@ -10,11 +10,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from support import verify_llamacpp as V
 
 from moequant import formats
 from moequant.arch import adapter_for
 from moequant.errors import UserError
-from moequant.export import verify_llamacpp as V
 from moequant.export.layouts import export_checkpoint
 from moequant.formats import ggml
 from moequant.io.checkpoint import open_checkpoint

@@ -15,12 +15,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from support import verify_llamacpp as V
 from tiny import GGUF_CONFIGS, build_gguf_tiny
 
 from moequant import formats
 from moequant.arch import adapter_for
 from moequant.errors import UserError
-from moequant.export import verify_llamacpp as V
 from moequant.export.gguf import gguf_targets
 from moequant.export.layouts import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint

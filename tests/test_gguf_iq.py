@@ -12,9 +12,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from support import verify_llamacpp as V
 
 from moequant import formats
-from moequant.export import verify_llamacpp as V
 from moequant.formats.ggml_iq import IQ_TYPES
 
 

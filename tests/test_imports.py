@@ -18,7 +18,7 @@ LAYERS = [
     ("moequant.pipeline",),  # apply, pareto, quantize, precheck
     ("moequant.evaluate", "moequant.report"),
     ("moequant.plan",),  # recipe, rules, budget solver, plan I/O
-    ("moequant.export",),  # the export driver (any registered layout), the GGUF file, engine checks
+    ("moequant.export", "moequant.llamacpp.evaluate"),  # the export driver (any layout), the GGUF file, its score
     ("moequant.calib", "moequant.zoo.train"),  # calibration, its statistics and probes
     ("moequant.parallel", "moequant.metrics", "moequant.progress", "moequant.vllm_plugin"),
     ("moequant.io", "moequant.arch", "moequant.algorithms", "moequant.zoo"),
@@ -30,7 +30,9 @@ LAYERS = [
         "moequant.budget",
         "moequant.timing",
         "moequant.vllm_plugin.names",
-    ),  # one clear sentence; the run's memory budget; stage seconds; the plugin's checkpoint keys (no imports)
+        "moequant.llamacpp",
+    ),  # one clear sentence; the run's memory budget; stage seconds; the plugin's checkpoint keys; llama.cpp's
+    # runner (no imports)
 ]
 
 

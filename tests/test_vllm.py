@@ -1,7 +1,7 @@
 """vLLM's CPU build loads moequant's exports of both zoo models and agrees with moequant.load().
 
 This test RUNS in CI: it builds the cached vLLM venv when it is missing (~3 min, ~3.5 GB, once;
-`python -m moequant.export.verify_vllm --install-only` does the same ahead of time) and fails loudly
+`python tests/support/verify_vllm.py --install-only` does the same ahead of time) and fails loudly
 when vLLM cannot be installed or run. All checkpoints go through one vLLM worker process.
 Control: vLLM's outputs for the W4A16 export, scored against moequant.load() of the same
 weights with the experts rotated by one (what a name-mapping bug in a reader would do), must
@@ -18,12 +18,7 @@ import re
 
 import pytest
 import torch
-from test_export_models import quantize_experts
-
-from moequant.algorithms.gptq import gptq
-from moequant.arch import adapter_for
-from moequant.export.layouts import export_checkpoint
-from moequant.export.verify_vllm import (
+from support.verify_vllm import (
     compare_with_moequant,
     engine_dtype,
     ensure_vllm_env,
@@ -31,6 +26,11 @@ from moequant.export.verify_vllm import (
     quantized_moe_kernel_gap,
     run_vllm,
 )
+from test_export_models import quantize_experts
+
+from moequant.algorithms.gptq import gptq
+from moequant.arch import adapter_for
+from moequant.export.layouts import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
 from moequant.zoo import path as zoo_path
 

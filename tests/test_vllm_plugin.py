@@ -1,6 +1,6 @@
 """moequant's vLLM plugin (moequant.vllm_plugin) serves per-expert format mixes in the real vLLM CPU build.
 
-This test RUNS vLLM (the cached CPU venv of moequant.export.verify_vllm, built when missing; the plugin is
+This test RUNS vLLM (the cached CPU venv of tests/support/verify_vllm.py, built when missing; the plugin is
 installed into it editable from this checkout) and fails loudly when it cannot. One vLLM worker
 runs every checkpoint; every comparison uses whole distributions (vLLM's log-probabilities for all
 4096 tokens of the vocabulary).
@@ -39,17 +39,17 @@ import re
 
 import pytest
 import torch
-from test_export_models import quantize_experts
-
-from moequant.arch import adapter_for
-from moequant.export.layouts import export_checkpoint
-from moequant.export.verify_vllm import (
+from support.verify_vllm import (
     ensure_vllm_env,
     ensure_vllm_plugin,
     mixed_layer_kernel_gap,
     quantized_moe_kernel_gap,
     run_vllm,
 )
+from test_export_models import quantize_experts
+
+from moequant.arch import adapter_for
+from moequant.export.layouts import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
 from moequant.io.loader import load
 from moequant.targets.vllm_moequant import VllmMoequant

@@ -1,3 +1,3 @@
 """Writing what engines load: export_checkpoint and the streamed export write any layout of the registry
-(moequant.layouts, one file per layout), the GGUF file writer (gguf), and the checks by the engines
-themselves (verify_vllm, verify_llamacpp with its llamacpp_worker)."""
+(moequant.layouts, one file per layout) and the GGUF file writer (gguf). The checks by the engines themselves
+live with the tests (tests/support/), llama.cpp's runner in moequant.llamacpp."""

@@ -12,7 +12,7 @@ does, and would still be checked against ggml bit for bit. What moequant adds is
 per (layer, projection) from measured sensitivity and usage, and the importance it quantizes with
 (per expert: each expert's own input second moments, which llama-imatrix sees only for routed
 tokens); the codes inside a type are ggml's own (ggml_quantize_chunk with that imatrix, run in the
-llama.cpp venv by moequant.formats.llamacpp — llama.cpp is built once when missing). GPTQ on
+llama.cpp venv by moequant.llamacpp.runner — llama.cpp is built once when missing). GPTQ on
 these grids is not offered: the lattice has no per-column rounding to feed back the error.
 """
 
@@ -64,7 +64,7 @@ class GgmlIQuants(Format):
     def quantize(self, x: torch.Tensor, spec, importance=None, hessian=None) -> torch.Tensor:
         """float32 [..., out, in] -> packed blocks, by ggml_quantize_chunk with `importance` ([in] or [..., in],
         the inputs' second moments) as its imatrix (ones when None: IQ2_XXS / IQ2_XS need one)."""
-        from moequant.formats.llamacpp import ggml_quantize
+        from moequant.llamacpp.runner import ggml_quantize
 
         if hessian is not None:
             raise UserError(

@@ -309,9 +309,9 @@ def evaluate_output(run: Run, timings: dict):
     settings = dict(dataset=e.dataset, samples=e.samples, seq_len=e.seq_len, seed=recipe.seed, progress=run.progress)
     t0 = time.perf_counter()
     with timing.stage("evaluate", whole=True):  # its reads and forwards inside
-        if layout_for(recipe.export.format).container == "gguf":  # llama.cpp runs it (moequant.export.verify_llamacpp)
+        if layout_for(recipe.export.format).container == "gguf":  # llama.cpp runs it (moequant.llamacpp.evaluate)
             from moequant.export.gguf import GGUF_FILE
-            from moequant.export.verify_llamacpp import evaluate_gguf
+            from moequant.llamacpp.evaluate import evaluate_gguf
 
             output = checkpoint_dir
             quality = evaluate_gguf(Path(checkpoint_dir) / GGUF_FILE, run.source.directory, **settings)

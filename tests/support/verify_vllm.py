@@ -1,7 +1,7 @@
 """Check an exported checkpoint with a serving engine we did not write: vLLM's CPU build.
 
-    python -m moequant.export.verify_vllm CHECKPOINT [CHECKPOINT ...] [--steps 32] [--median 0.15] [--p95 0.6]
-    python -m moequant.export.verify_vllm --install-only      # build the cached vLLM venv (CI does this once)
+    python tests/support/verify_vllm.py CHECKPOINT [CHECKPOINT ...] [--steps 32] [--median 0.15] [--p95 0.6]
+    python tests/support/verify_vllm.py --install-only      # build the cached vLLM venv (CI does this once)
 
 vLLM lives in its own virtual environment (it pins its own torch and transformers), created
 once by `ensure_vllm_env()` at ~/.cache/moequant/vllm-cpu or $MOEQUANT_VLLM_VENV. All
@@ -554,7 +554,7 @@ def compare_logprobs(checkpoint, prompts: list[list[int]], theirs: list, *, top_
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moequant.export.verify_vllm", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python tests/support/verify_vllm.py", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoints", nargs="*", help="exported checkpoint directories")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--median", type=float, default=Tolerance.median, help="max median |Δ logprob| (nats)")

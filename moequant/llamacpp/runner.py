@@ -1,11 +1,11 @@
 """llama.cpp (llama-cpp-python) built once and run in its own venv: the reference implementation of the
-ggml block types, whose own quantizer moequant uses for the i-quants (formats/ggml_iq.py) and whose
-dequantizer checks ours. moequant.export.verify_llamacpp runs GGUF files through the same worker.
+ggml block types, whose own quantizer moequant uses for the i-quants (formats/ggml_iq.py), whose
+dequantizer checks ours, and which runs a GGUF export for its evaluation (moequant.llamacpp.evaluate).
 
 PyPI has only llama-cpp-python's source: `ensure_llama_cpp()` builds its wheel once into
 ~/.cache/moequant/wheels (about 16 minutes on 2 cores; CMAKE_ARGS as below), then installs it
 with numpy and gguf into its own venv ~/.cache/moequant/llama-cpp ($MOEQUANT_LLAMA_VENV).
-llama.cpp runs in a worker process (moequant/export/llamacpp_worker.py) that gets paths and writes
+llama.cpp runs in a worker process (worker.py beside this file) that gets paths and writes
 results to files: a ggml abort fails the call, not the caller. A failed build or install raises.
 """
 
@@ -33,7 +33,7 @@ CMAKE_ARGS = (
     "-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF "
     "-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF"
 )
-WORKER = Path(__file__).resolve().parents[1] / "export" / "llamacpp_worker.py"  # a file it runs, not an import
+WORKER = Path(__file__).resolve().with_name("worker.py")  # a file it runs, not an import
 
 
 def _wheel() -> Path | None:
@@ -99,7 +99,7 @@ def ensure_llama_cpp(log=print) -> Path:
 
 
 def run_ops(ops: list[dict], timeout: int = 1800) -> list:
-    """Run worker ops (see llamacpp_worker.py) in the llama.cpp venv; raises with its log on failure."""
+    """Run worker ops (see worker.py) in the llama.cpp venv; raises with its log on failure."""
     python = ensure_llama_cpp()
     with tempfile.TemporaryDirectory() as tmp:
         job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
@@ -110,7 +110,7 @@ def run_ops(ops: list[dict], timeout: int = 1800) -> list:
             text=True,
             timeout=timeout,
             env={**os.environ, "PYTHONPATH": ""},
-        )  # -P: not moequant/ first on sys.path (inspect.py)
+        )  # -P: not the worker's own folder first on sys.path
         if proc.returncode != 0 or not result.exists():
             raise RuntimeError(f"llama.cpp worker failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
         return json.loads(result.read_text())["results"]
@@ -148,3 +148,17 @@ def ggml_quantize(items: list[tuple[str, np.ndarray, np.ndarray | None]]) -> lis
             )
         run_ops(ops)
         return [np.load(f"{tmp}/q{i}.npy") for i in range(len(items))]
+
+
+def logits(models: list, tokens: list[list[int]]) -> list[list[np.ndarray]]:
+    """llama.cpp's logits [len, vocab] of each token sequence, for each GGUF in `models` (one process)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ops = [
+            {"op": "logits", "model": str(m), "tokens": tokens, "out": f"{tmp}/l{i}.npz"} for i, m in enumerate(models)
+        ]
+        run_ops(ops)
+        out = []
+        for i in range(len(models)):
+            with np.load(f"{tmp}/l{i}.npz") as z:
+                out.append([z[f"seq{j}"] for j in range(len(tokens))])
+        return out

@@ -1,81 +1,11 @@
-"""llama.cpp (llama-cpp-python) as an independent reader of our GGUF exports.
-
-    python -m moequant.export.verify_llamacpp --install-only     # build / install once (CI does it ahead)
-
-PyPI has only llama-cpp-python's source: `ensure_llama_cpp()` builds its wheel once into
-~/.cache/moequant/wheels (about 16 minutes on 2 cores; CMAKE_ARGS as below), then installs it
-with numpy and gguf into its own venv ~/.cache/moequant/llama-cpp ($MOEQUANT_LLAMA_VENV).
-llama.cpp runs in a worker process (moequant/export/llamacpp_worker.py) that gets token ids and paths
-and writes logits / results to files: a ggml abort on a bad file fails the call, not pytest.
-A failed build or install raises: tests that need llama.cpp fail loudly, they never skip.
-"""
+"""A GGUF export scored in llama.cpp: its KL, top-1 agreement and perplexity against the original model in
+transformers, on the evaluation split (apply's evaluation when the export is GGUF)."""
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-import tempfile
-
 import numpy as np
 
-from moequant.formats.llamacpp import (  # noqa: F401  (the runner lives with the formats that use ggml's quantizer)
-    CACHE,
-    CMAKE_ARGS,
-    DEFAULT_VENV,
-    PACKAGES,
-    READY_MARKER,
-    VERSION,
-    WHEEL_DIR,
-    WORKER,
-    build_wheel,
-    ensure_llama_cpp,
-    ggml_dequantize,
-    ggml_quantize,
-    run_ops,
-    venv_path,
-)
-
-
-def tokenize(model: str | os.PathLike, texts: list[str]) -> list[list[int]]:
-    return run_ops([{"op": "tokenize", "model": str(model), "texts": texts}])[0]["tokens"]
-
-
-def logits(models: list, tokens: list[list[int]]) -> list[list[np.ndarray]]:
-    """llama.cpp's logits [len, vocab] of each token sequence, for each GGUF in `models` (one process)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        ops = [
-            {"op": "logits", "model": str(m), "tokens": tokens, "out": f"{tmp}/l{i}.npz"} for i, m in enumerate(models)
-        ]
-        run_ops(ops)
-        out = []
-        for i in range(len(models)):
-            with np.load(f"{tmp}/l{i}.npz") as z:
-                out.append([z[f"seq{j}"] for j in range(len(tokens))])
-        return out
-
-
-def quantize(
-    src, dst, ftype: str = "Q4_K_M", imatrix=None, overrides=None, token_embedding_type=None, output_tensor_type=None
-) -> dict:
-    return run_ops(
-        [
-            {
-                "op": "quantize",
-                "src": str(src),
-                "dst": str(dst),
-                "ftype": ftype,
-                "imatrix": None if imatrix is None else str(imatrix),
-                "overrides": overrides or {},
-                "token_embedding_type": token_embedding_type,
-                "output_tensor_type": output_tensor_type,
-            }
-        ]
-    )[0]
-
-
-def tensor_types(model) -> dict:
-    return run_ops([{"op": "types", "model": str(model)}])[0]
+from moequant.llamacpp.runner import logits
 
 
 def evaluate_gguf(
@@ -155,15 +85,3 @@ def kl_per_token(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
 
     lp, lq = logsm(ref_logits), logsm(logits)
     return (np.exp(lp) * (lp - lq)).sum(-1)
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moequant.export.verify_llamacpp")
-    parser.add_argument("--install-only", action="store_true", help="build / install llama-cpp-python and exit")
-    parser.parse_args(argv)
-    print(ensure_llama_cpp())  # the venv's python; building it is all this command does
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Runs inside the llama.cpp venv (llama-cpp-python + numpy + gguf only; no moequant, no torch).
 
-    python llamacpp_worker.py JOB.json RESULT.json
+    python worker.py JOB.json RESULT.json
 
 JOB: {"ops": [...]}, each op one of
   {"op": "tokenize", "model": gguf, "texts": [str]}                  -> {"tokens": [[int]]}

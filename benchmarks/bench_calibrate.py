@@ -24,6 +24,8 @@ from pathlib import Path
 
 from measure import peak_rss_bytes  # benchmarks/measure.py (the script's own directory)
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/support: the plain calibration settings
+
 SHAPE = dict(
     hidden_size=512,
     moe_intermediate_size=384,
@@ -53,9 +55,10 @@ def child(model: str, out: str, samples: int, seq_len: int, device: str, hessian
 
     import torch
 
-    from moequant.calib.calibrate import calibrate, plain_settings
+    from moequant.calib.calibrate import calibrate
     from moequant.calib.data import Sample
     from moequant.io.checkpoint import open_checkpoint
+    from tests.support.plain import plain_settings
 
     ckpt = open_checkpoint(model)
     vocab = int(ckpt.config["vocab_size"])

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     from moequant.algorithms.gptq import gptq
     from moequant.algorithms.refit import refit_scales
     from moequant.arch import adapter_for
-    from moequant.calib.calibrate import MIN_ROUTED_TOKENS, calibrate, plain_settings
+    from moequant.calib.calibrate import MIN_ROUTED_TOKENS, calibrate
     from moequant.calib.data import load_samples
     from moequant.calib.stats import chosen_hessian, load_stats
     from moequant.formats.ggml import dequantize_tensor
@@ -95,6 +95,7 @@ def main(argv=None) -> int:
     from moequant.llamacpp.runner import ggml_quantize
     from moequant.metrics import token_statistics
     from moequant.zoo import path as zoo_path
+    from tests.support.plain import plain_settings
 
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="tiny-qwen2moe,tiny-mixtral,tiny-qwen3moe,tiny-deepseek-v3")

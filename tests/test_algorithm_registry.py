@@ -104,7 +104,9 @@ def test_entries_say_what_they_need():
 def test_library_settings_default_to_the_recipe_s():
     """CalibrationSettings without a recipe are the recipe schema's defaults; from a recipe they are built
     in one place (moequant.plan.calibration.calibration_settings) and carry its `gptq:` section itself."""
-    from moequant.calib.calibrate import CalibrationSettings, plain_settings
+    from support.plain import plain_settings
+
+    from moequant.calib.calibrate import CalibrationSettings
     from moequant.pipeline.apply import calibration_settings, resolve_recipe
     from moequant.plan.recipe import Recipe
 

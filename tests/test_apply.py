@@ -234,10 +234,10 @@ def test_searched_grid_and_refit_reach_the_quantize_pass(model_dir, tmp_path):
     differ from the min/max grid's (both with token-weighted Hessians); the statistics' fingerprint
     names the choice, and the recipe's defaults are routing Hessians on the searched grid with the refit."""
     import torch
+    from support.plain import plain_settings
 
     from moequant.algorithms.gptq import gptq
     from moequant.algorithms.refit import refit_scales
-    from moequant.calib.calibrate import plain_settings
     from moequant.pipeline.apply import calibration_settings, resolve_recipe
 
     tokens = "calibration.hessian_weighting=tokens"

@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from support.plain import plain_settings
 from tiny import TINY_CONFIGS, build_tiny
 
 from moequant.arch import adapter_for
-from moequant.calib.calibrate import calibrate, plain_settings
+from moequant.calib.calibrate import calibrate
 from moequant.calib.data import Sample
 from moequant.calib.stats import load_stats
 from moequant.cli import main

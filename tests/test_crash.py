@@ -381,7 +381,9 @@ def _damaged_copy(model_dir: Path, directory: Path, name: str, index, value) -> 
 
 
 def _calibrate(model, out, **kw):
-    from moequant.calib.calibrate import calibrate, plain_settings
+    from support.plain import plain_settings
+
+    from moequant.calib.calibrate import calibrate
 
     settings = plain_settings(dataset="builtin:stdlib-prose", samples=2, seq_len=32, formats=("int4-g32-sym",), **kw)
     return calibrate(str(model), out, settings, progress=False)

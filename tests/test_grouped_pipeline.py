@@ -172,7 +172,8 @@ def test_quantize_pass_in_expert_chunks_equals_the_whole_layer(tiny_dirs, tmp_pa
     give the same GPTQ codes, report and carried activations as the whole layer at once."""
     from pathlib import Path
 
-    from moequant.calib.calibrate import plain_settings
+    from support.plain import plain_settings
+
     from moequant.calib.data import Sample
     from moequant.pipeline import quantize
     from moequant.plan.policy import make_plan
@@ -209,7 +210,8 @@ def test_all_tokens_statistics_only_for_experts_that_fall_back_give_the_same_pas
     import dataclasses
     from pathlib import Path
 
-    from moequant.calib.calibrate import plain_settings
+    from support.plain import plain_settings
+
     from moequant.calib.data import Sample
     from moequant.pipeline import quantize
     from moequant.plan.policy import make_plan
@@ -263,7 +265,8 @@ def test_round_to_nearest_streamed_a_chunk_of_experts_at_a_time_equals_the_whole
     import dataclasses
     from pathlib import Path
 
-    from moequant.calib.calibrate import plain_settings
+    from support.plain import plain_settings
+
     from moequant.calib.data import Sample
     from moequant.pipeline import quantize
     from moequant.plan.policy import make_plan

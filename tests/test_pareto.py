@@ -16,13 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from support.runs import interpolate_uniform
 
 from moequant import formats
 from moequant.arch import adapter_for
 from moequant.errors import UserError
 from moequant.io.checkpoint import open_checkpoint
 from moequant.pipeline.apply import resolve_recipe
-from moequant.pipeline.pareto import bits_for_bytes, find, interpolate_uniform, pareto, resolve_budget
+from moequant.pipeline.pareto import bits_for_bytes, find, pareto, resolve_budget
 from moequant.targets import get_target
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from support.plain import plain_settings
 from tiny import build_tiny
 
 from moequant import formats
-from moequant.calib.calibrate import calibrate, plain_settings
+from moequant.calib.calibrate import calibrate
 from moequant.calib.data import Sample
 from moequant.calib.probe import choose_probe_format, probe_algorithm_for, probe_indices
 from moequant.calib.stats import LayerStats, Stats, load_stats

@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from support.plain import plain_settings
 
 from moequant import formats
 from moequant.algorithms import gptq
-from moequant.calib.calibrate import calibrate, plain_settings
+from moequant.calib.calibrate import calibrate
 from moequant.calib.stats import load_stats
 from moequant.errors import UserError
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from support.plain import plain_settings
 from tiny import build_tiny
 
 from moequant.arch import adapter_for
-from moequant.calib.calibrate import plain_settings
 from moequant.calib.data import Sample
 from moequant.export.layouts import export_checkpoint
 from moequant.export.streamed import StreamedExport

@@ -39,7 +39,6 @@ from moequant.calib.settings import (  # noqa: F401  (the names library callers 
     HESSIAN_WEIGHTINGS,
     MIN_ROUTED_TOKENS,
     CalibrationSettings,
-    plain_settings,
 )
 from moequant.calib.stats import chosen_hessian, layer_file
 from moequant.errors import UserError

@@ -132,14 +132,3 @@ class CalibrationSettings:
         if self.probe_projections:  # likewise
             fields["probe_projections"] = True
         return fields
-
-
-# What the library's own defaults were before they followed the recipe (2026-12-04): 64 x 256 samples,
-# token-weighted Hessians, GPTQ as published and an RTN probe. Tests and benchmarks whose expectations
-# were set with them ask for them by name.
-PLAIN = dict(samples=64, seq_len=256, hessian_weighting="tokens", gptq=PLAIN_GPTQ, probe_algorithm="rtn")
-
-
-def plain_settings(**fields) -> CalibrationSettings:
-    """CalibrationSettings from PLAIN, with `fields` on top."""
-    return CalibrationSettings(**{**PLAIN, **fields})

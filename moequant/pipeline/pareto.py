@@ -625,12 +625,3 @@ def _interpolate(xs: list[float], ys: list[float], x: float) -> float:
         if x0 <= x <= x1:
             return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y0
     return ys[-1]
-
-
-def interpolate_uniform(points: list[dict], bits: float, low: str, high: str) -> float:
-    """KL of the straight line between two uniform points (by name) at `bits` per routed weight:
-    what mixing the two formats at random over the layers gives, to first order."""
-    a, b = find(points, low), find(points, high)
-    x0, x1 = a["bits_per_weight_experts"], b["bits_per_weight_experts"]
-    t = (bits - x0) / (x1 - x0)
-    return a["kl_mean"] + t * (b["kl_mean"] - a["kl_mean"])

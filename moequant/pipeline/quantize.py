@@ -498,15 +498,6 @@ def _clip_report(clipped, ids) -> dict:
     }
 
 
-def load_awq_scales(work_dir, layer: int) -> dict[str, torch.Tensor] | None:
-    """The AWQ scales the pass used in `layer` (from `work/awq_LLL.safetensors`), or None:
-    "input" [hidden] (the shared gate/up scale: the norm was divided by it, its consumers'
-    input columns multiplied) and "down" [E, expert_intermediate] (down_proj columns multiplied,
-    up_proj rows divided; 1 for experts without AWQ)."""
-    path = Path(work_dir) / f"awq_{layer:03d}.safetensors"
-    return load_file(str(path)) if path.exists() else None
-
-
 def _quantize_experts(
     adapter,
     layer: int,

@@ -22,7 +22,7 @@ Two sweeps:
 
 TF32 on CUDA (the fused sweep only; MOEQUANT_GPTQ_MATMUL=fp32 forces float32 products
 throughout, MOEQUANT_GPTQ_CHOLESKY_MATMUL=fp32 only in the factorization; the report's settings
-say what ran). Both phases are bound by float32 matrix products (~50 TFLOP/s on an H200), so:
+say what ran). Both phases are bound by float32 matrix products, so:
 - the lazy updates between blocks, W[:, later] += D[:, block] @ V'[block, later], are plain TF32
   products (10-bit mantissa inputs, float32 sums). D = W - Q is the quantization error itself, so
   a ~2^-11 relative error of its update is far below the quantization step; the columns inside
@@ -31,23 +31,19 @@ say what ran). Both phases are bound by float32 matrix products (~50 TFLOP/s on 
   exactly, into hi + lo, and L L^T = hi hi^T + hi lo^T + lo hi^T as three TF32 products), about
   2^-20 relative, 4x float32's factor error against a float64 factor at the DeepSeek-V3 shape.
   Plain TF32 is not used there: at the DeepSeek-V3 shape it made damped Hessians lose positive
-  definiteness (measured: failed factorizations, which the retry answers with 10x damping).
-Measured on an H200 (benchmarks/bench_gptq.py, int4-g128, act order): held-out error per
-projection equal to float32's within 0.1% (DeepSeek-V3 shape: 0.001540 / 0.001541 / 0.01369 vs
-float32's 0.001541 / 0.001541 / 0.01369), solve 3.85 s -> 2.70 s. Codes differ from the float32
-run's in 13% of gate/up entries there (1.2% at the Qwen3-30B-A3B shape), and that is no loss:
-GPTQ's column recursion is chaotic (one flipped code changes the error fed to every later
-column), so any change of rounding spreads. The float32 run itself differs from one with a
-float64 Cholesky factor in 7.4% of the codes at that shape, at the same held-out error.
+  definiteness (failed factorizations, which the retry answers with 10x damping).
+TF32 keeps the held-out error per projection of float32 and is faster; its codes differ from a
+float32 run's, and that is no loss: GPTQ's column recursion is chaotic (one flipped code changes
+the error fed to every later column), so any change of rounding spreads, as a float64 Cholesky
+factor's does (the measurements: benchmarks/RESULTS.md, bench_gptq.py).
 
 Same numbers as one expert at a time: tests/test_gptq.py checks batched against one-by-one
 and both against an independent float64 GPTQ, code for code, on the CPU, and the fused
 sweep's formulation (through its torch definition) against the torch sweep. On a GPU, batched
-and single solves run different cuBLAS / cuSOLVER kernels, whose float32 rounding differs, and
-about 1e-4 to 2e-3 of the codes flip (measured on an H200, benchmarks/bench_gptq.py --verify);
-the fused (with MOEQUANT_GPTQ_MATMUL=fp32) and torch sweeps differ by 0 to 9e-4 of the codes at
-equal held-out error, the TF32 default and float32 fused sweeps by 4e-3 to 7e-3 at held-out error
-within 0.04% (tests/test_gptq_cuda.py, H200, n = 1024).
+and single solves run different cuBLAS / cuSOLVER kernels, whose float32 rounding differs, and a
+small share of the codes flip at equal held-out error (benchmarks/bench_gptq.py --verify;
+tests/test_gptq_cuda.py bounds the fused, torch, TF32 and float32 sweeps against each other;
+measured shares: benchmarks/RESULTS.md, bench_gptq.py).
 
 The algorithm is GPTQ (Frantar et al., 2022) with lazy block updates: for column j,
     q_j = quantize(w_j);  e_j = (w_j - q_j) / U_jj;  w_{k>j} -= e_j * U_{j,k}
@@ -660,7 +656,7 @@ def _sweep_fused(w_all, v, fixed_params, perm, group_width, per_row, block_size,
 _SUPER_BLOCK = 1024  # columns per outer lazy-update block of the fused sweep
 # Columns per block of the fused sweep, at most (a smaller block_size wins). The kernel's work per
 # column grows with the block width while the lazy updates between blocks are cheap TF32 products:
-# 64 measured fastest on the H200 (DeepSeek-V3 shape: kernel 0.075 s vs 0.116 s at 128, 32 experts).
+# 64 measured fastest (benchmarks/RESULTS.md, bench_gptq.py: the fused sweep's block width).
 _FUSED_BLOCK = 64
 
 

@@ -50,7 +50,7 @@ def usable(spec, device: torch.device, dtype: torch.dtype) -> bool:
 
 LAUNCH = (32, 4)  # rows per program, warps per program (for 128-column blocks)
 # launch shape per block width (power of two); widths not listed scale LAUNCH's rows by 128 / width
-# measured on the H200 (64 columns: 32 rows x 1 warp fastest, 16x1 / 32x2 / 64x4 within 10%)
+# measured fastest (benchmarks/RESULTS.md, bench_gptq.py: the column kernel's launch shapes)
 LAUNCH_BY_BLOCK: dict[int, tuple[int, int]] = {64: (32, 1)}
 
 

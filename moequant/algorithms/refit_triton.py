@@ -16,8 +16,8 @@ Exactness: the codes are small integers (int8 for formats of <= 7 bits). H is wr
 and group g, as s[g, j] * (P1 * 2^14 + P2 * 2^7 + P3) with int8 pieces P (`hessian_pieces`): about
 2^-22 of the largest |H[j, i]| over the group. The three products C_g P are integer products (int8
 in, int32 sums: exact), combined in float32; the row sums with c_h and w are float32. So A and b
-carry float32-level rounding (measured 2e-7 relative to float64 on the H200; the split-TF32 torch
-products they replace: 8e-8 for A, 4e-6 to 2e-5 for b).
+carry float32-level rounding, as the split-TF32 torch products they replace (measured against
+float64: benchmarks/RESULTS.md, bench_gptq.py).
 """
 
 from __future__ import annotations
@@ -35,11 +35,8 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's CPU interpreter (development)
 GROUP_SIZES = (32, 64, 128)  # group widths the kernel takes (the int8 products' depth)
 BASE = 128.0  # the pieces' radix: P1 * BASE^2 + P2 * BASE + P3
-# rows per program, warps, pipeline stages, by group width (H200, 2026-12-04, DeepSeek-V3 gate shape
-# [2048, 7168], benchmarks/bench_gptq.py --profile-refit 16, ms per 256 experts): g128 311 at
-# (64, 8, 3), 421 at (32, 4, 3), 578 at (128, 8, 3), 1116 at (64, 4, 3); g32 1157, 1208, 1856, 1707.
-# The kernel before (one program per row tile and group, walking the column blocks): g128 544,
-# g32 1069 at its best launch shape. Fixed, not tuned per run: results must not depend on timings.
+# rows per program, warps, pipeline stages, by group width: the fastest measured (benchmarks/RESULTS.md,
+# bench_gptq.py: the refit kernel's launch shapes). Fixed, not tuned per run: results must not depend on timings.
 LAUNCH = {128: (64, 8, 3), 64: (64, 8, 3), 32: (64, 8, 3)}
 
 

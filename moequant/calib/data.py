@@ -530,8 +530,8 @@ def load_documents(source: str, split: str = "calibration") -> list[Corpus]:
 
 
 def _encoder(tokenizer) -> tuple[Callable[[list[str]], list[list[int]]], int | None]:
-    """(texts -> their token ids, the EOS id). A Rust tokenizer encodes a batch on all cores (the
-    calibration and evaluation texts took ~2.6 s one by one on the H200's host, each apply)."""
+    """(texts -> their token ids, the EOS id). A Rust tokenizer encodes a batch on all cores (one by one,
+    the calibration and evaluation texts took seconds of every apply)."""
     if hasattr(tokenizer, "encode_batch") and hasattr(tokenizer, "token_to_id"):  # tokenizers.Tokenizer
         return (lambda texts: [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]), None
     backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -37,10 +37,8 @@ two-sided shares keep layers 0, 1 (0.01734, the best of the six).
 
 Why 32 samples: tiny-mixtral's layer shares differ by less than the noise of 8 x 256 probe
 tokens (layer 0's kl: 0.0054 / 0.0061 / 0.0066 on 8 / 16 / 32 samples, the others 0.0055-0.0069).
-With int4 symmetric scale signs chosen (2026-12-05; 64 x 256 calibration, 128 x 256 evaluation
-tokens), 8 samples ranked the layers 1 > 2 > 3 > 0 and kept layers 1, 2 at int8 (KL 0.01573, 4th
-of the six plans, whose mean is 0.01559); 16 and 32 samples rank layer 0 first and keep layers 0, 1
-(0.01494, the best). The probe runs by default only below 2e9 routed-expert parameters
+With int4 symmetric scale signs chosen, 8 samples still picked a worse than average plan and 16 and 32
+the best (benchmarks/RESULTS.md, bench_quality.py: the probe's sample count). The probe runs by default only below 2e9 routed-expert parameters
 (plan.calibration.PROBE_MAX_EXPERT_PARAMS).
 
 Why held out: GPTQ fits its Hessians' tokens. On tiny-mixtral (16 x 128 calibration tokens) GPTQ

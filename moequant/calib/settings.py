@@ -23,8 +23,8 @@ DEFAULT_DATASET = "builtin:mix"
 # "tokens": c = 1 (every routed token alike); "routing": c = r, the token's routing weight for the
 # expert (MoEQuant's affinity-guided GPTQ). The all-tokens Hessians (all-experts coverage) stay
 # unweighted. c = r^2 (the weight of the squared output error, since the expert's output reaches the
-# layer multiplied by r) was measured too and dropped: benchmarks/bench_quality.py, 2026-12-02, it
-# beat "tokens" on two of four runs and lost to "routing" on three.
+# layer multiplied by r) was measured too and dropped: it beat "tokens" on two of four runs and lost to
+# "routing" on three (benchmarks/RESULTS.md, bench_quality.py).
 HESSIAN_WEIGHTINGS = ("tokens", "routing")
 
 

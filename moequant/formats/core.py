@@ -515,7 +515,7 @@ def searched_fit(spec, xg: torch.Tensor, importance: torch.Tensor | None = None,
     group keeps the one with the smaller error, its codes as `_encode` gives them, ties positive. No
     byte more: the scale is a bf16 number either way, and every dequantizer multiplies by it
     (w = q * s); on tiny-deepseek-v3 it cuts the importance-weighted round-to-nearest error of
-    int4-g32-sym by 12% (benchmarks/RESULTS.md, bench_quality 2026-12-05 session 21)."""
+    int4-g32-sym by 12% (benchmarks/RESULTS.md, bench_quality.py: symmetric scale signs)."""
     spec = get_format(spec)
     return _search(spec, xg, importance, name, signed=signed_scales(spec))
 

@@ -9,8 +9,8 @@ importance, one write of the chosen scales (and zero points). A symmetric group 
 code ranges in that pass, its own and the mirrored one of a negative scale (core._search says why
 that is the search on -x): the candidates' codes are rounded once and clamped twice. With `signed`
 the kernel also makes core._choose_sign's choice between the two, on the codes `_encode` stores:
-in torch that choice is a dozen more passes over the weights (on an H100, 731 -> 465 ms per 256
-DeepSeek-V3 gate experts at int4-g32; benchmarks/RESULTS.md, bench_gptq 2026-12-06 session 24).
+in torch that choice is a dozen more passes over the weights (benchmarks/RESULTS.md, bench_gptq.py:
+the sign choice inside the Triton kernel).
 
 Arithmetic is searched_fit's torch loop, operation for operation: candidate scales are
 spread * (1 / d) with 1 / d in float32 (`factors`); in a candidate's error an element's code is
@@ -131,7 +131,7 @@ def searched_fit_triton(
 
 
 # groups per program and warps, by group width (default: 2048 elements per program, 4 warps);
-# measured on the H200 (benchmarks/bench_gptq.py --profile-refit): within 5% of the default
+# measured within 5% of the default (benchmarks/RESULTS.md, bench_gptq.py: the search kernel's launch shapes)
 LAUNCH: dict[int, tuple[int, int]] = {128: (8, 4), 32: (16, 2)}
 
 

@@ -178,7 +178,7 @@ class Gptq(Layout):
 
     def _base(self) -> dict:
         # true_sequential False: down_proj's Hessian comes from the unquantized gate/up activations
-        # (true-sequential within a layer was measured and dropped: bench_quality, 2026-12-02)
+        # (true-sequential within a layer was measured and dropped: benchmarks/RESULTS.md, bench_quality.py)
         return {
             "bits": self.base_bits,
             "group_size": self.base_group,

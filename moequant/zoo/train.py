@@ -11,7 +11,7 @@ Three steps, each a sub-command, so the GPU step needs nothing but torch, transf
       trains for S seconds of wall clock (learning rate schedule over the time budget) on a GPU
       when there is one and saves MODEL/ with save_pretrained in bfloat16, plus train_log.json.
       (tiny-qwen3moe and tiny-deepseek-v3: --seconds 300 each, the two processes side by side on
-      one H200, from a corpus made with --tokenizer moequant/zoo/tiny-qwen2moe)
+      one GPU, from a corpus made with --tokenizer moequant/zoo/tiny-qwen2moe; each card names it)
   python -m moequant.zoo.train card --model MODEL --tokenizer DIR/tokenizer --name NAME
       re-saves the checkpoint into moequant/zoo/NAME/ with the tokenizer, measures held-out
       perplexity and routing shares per domain on the evaluation split (CPU, float32) and writes

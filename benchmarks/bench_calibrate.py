@@ -55,9 +55,9 @@ def child(model: str, out: str, samples: int, seq_len: int, device: str, hessian
 
     import torch
 
-    from moequant.calib.calibrate import calibrate
-    from moequant.calib.data import Sample
     from moequant.io.checkpoint import open_checkpoint
+    from moequant.measure.calibrate import calibrate
+    from moequant.measure.data import Sample
     from tests.support.plain import plain_settings
 
     ckpt = open_checkpoint(model)

@@ -103,8 +103,8 @@ def child_moequant(tool: str, model: str, out: str, samples: int, seq_len: int, 
     """Runs in the subprocess: one `moequant apply`; counts every byte written under stats/ and work/."""
     import torch
 
-    import moequant.calib.calibrate as cal
     import moequant.io.checkpoint as ck
+    import moequant.measure.calibrate as cal
     import moequant.pipeline.quantize as qz
     from moequant import timing
     from moequant.pipeline.apply import apply
@@ -215,8 +215,8 @@ def calibration_ids(model: str, samples: int, seq_len: int):
     """The calibration tokens moequant's quantize pass draws for these settings (same seed and split)."""
     import torch
 
-    from moequant.calib.data import load_samples
     from moequant.io.checkpoint import load_tokenizer
+    from moequant.measure.data import load_samples
 
     s = load_samples("builtin:mix", load_tokenizer(Path(model)), samples, seq_len, split="calibration", seed=0)
     return torch.stack([x.input_ids for x in s])

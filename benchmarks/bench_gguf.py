@@ -42,12 +42,12 @@ def main(argv=None) -> int:  # noqa: C901
 
     from moequant import formats
     from moequant.arch import adapter_for
-    from moequant.calib.calibrate import calibrate
     from moequant.errors import UserError
     from moequant.export.gguf import GGUF_FILE, gguf_bytes, reshaped_reason, write_imatrix
-    from moequant.export.layouts import export_checkpoint
+    from moequant.export.write import export_checkpoint
     from moequant.io.checkpoint import open_checkpoint
     from moequant.llamacpp.evaluate import evaluate_gguf
+    from moequant.measure.calibrate import calibrate
     from moequant.pipeline.apply import apply, calibration_settings, resolve_recipe
     from moequant.plan.model import NON_EXPERT_ROLES
     from moequant.zoo import path as zoo_path

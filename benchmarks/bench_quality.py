@@ -86,13 +86,13 @@ def main(argv=None) -> int:
     from moequant.algorithms.gptq import gptq
     from moequant.algorithms.refit import refit_scales
     from moequant.arch import adapter_for
-    from moequant.calib.calibrate import MIN_ROUTED_TOKENS, calibrate
-    from moequant.calib.data import load_samples
-    from moequant.calib.stats import chosen_hessian, load_stats
     from moequant.formats.ggml import dequantize_tensor
     from moequant.io.checkpoint import load_tokenizer, open_checkpoint
     from moequant.io.loader import from_pretrained_complete
     from moequant.llamacpp.runner import ggml_quantize
+    from moequant.measure.calibrate import MIN_ROUTED_TOKENS, calibrate
+    from moequant.measure.data import load_samples
+    from moequant.measure.stats import chosen_hessian, load_stats
     from moequant.metrics import token_statistics
     from moequant.zoo import path as zoo_path
     from tests.support.plain import plain_settings
@@ -507,7 +507,7 @@ def q4_k_m_types(src, out: Path, ad, cols: dict) -> tuple[dict, str]:
     against `q4_k_m_rule`; the rule alone where moequant's GGUF export does not take the architecture."""
     from moequant.errors import UserError
     from moequant.export.gguf import GGUF_FILE
-    from moequant.export.layouts import export_checkpoint
+    from moequant.export.write import export_checkpoint
     from tests.support.verify_llamacpp import quantize, tensor_types
 
     rule = q4_k_m_rule(ad, cols)

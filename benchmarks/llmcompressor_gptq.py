@@ -26,8 +26,8 @@ def tokens(model: str, out: str, samples: int, seq_len: int, seed: int) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from moequant.calib.data import load_samples
     from moequant.io.checkpoint import load_tokenizer, open_checkpoint
+    from moequant.measure.data import load_samples
 
     ckpt = open_checkpoint(model)
     s = load_samples("builtin:mix", load_tokenizer(ckpt.directory), samples, seq_len, split="calibration", seed=seed)

@@ -94,18 +94,18 @@ def main(ctx):
 
 
 def memory_options(fn):
-    """--max-gpu-memory / --max-host-memory: the run's one memory budget (moequant.budget)."""
+    """--max-gpu-memory / --max-host-memory: the run's one memory budget (moequant.memory_budget)."""
 
     def configure(ctx, param, value):  # every invocation sets both caps (None: what is free)
-        from moequant import budget
+        from moequant import memory_budget
 
         try:
-            budget.parse_bytes(value, f"--{param.name.replace('_', '-')}-memory") if value is not None else None
+            memory_budget.parse_bytes(value, f"--{param.name.replace('_', '-')}-memory") if value is not None else None
         except UserError as e:
             raise click.BadParameter(str(e)) from None
         ctx.meta[param.name] = value
         if "max_gpu" in ctx.meta and "max_host" in ctx.meta:
-            budget.configure(ctx.meta["max_gpu"], ctx.meta["max_host"])
+            memory_budget.configure(ctx.meta["max_gpu"], ctx.meta["max_host"])
         return value
 
     fn = click.option(
@@ -136,7 +136,7 @@ def memory_options(fn):
 @user_errors
 def inspect(model: str, as_json: bool):
     """Memory account of MODEL (a checkpoint directory, a config.json, or zoo:NAME), no weights loaded."""
-    from moequant.plan.inspect import inspect_model
+    from moequant.plan.memory import inspect_model
 
     acc = inspect_model(model)
     if as_json:
@@ -261,12 +261,12 @@ def calibrate(
     import dataclasses
     from pathlib import Path
 
-    from moequant.budget import check_device
-    from moequant.calib.calibrate import calibrate as run
     from moequant.io.checkpoint import open_checkpoint
+    from moequant.measure.calibrate import calibrate as run
+    from moequant.memory_budget import check_device
     from moequant.pipeline.apply import calibration_settings, resolve_recipe
     from moequant.pipeline.precheck import check_memory, check_recipe, unfit_notes
-    from moequant.plan.calibration import sensitivity_formats
+    from moequant.plan.measurements import sensitivity_formats
 
     check_device(device)  # before anything is read or written
     if batch_size < 1:

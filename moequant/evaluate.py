@@ -497,7 +497,7 @@ def evaluate(
     grouped: bool | None = None,
 ) -> dict:
     """Compare `quantized_model` with `reference_model` (transformers causal LMs, already loaded,
-    eval mode) on `samples` (moequant.calib.data Samples, 1-D token tensors, or a [N, T] tensor).
+    eval mode) on `samples` (moequant.measure.data Samples, 1-D token tensors, or a [N, T] tensor).
 
     Returns a plain dict (JSON-ready); keys are described in the module docstring and below:
     tokens, samples, ppl_original, ppl_quantized, nll_original, nll_quantized, kl_mean, kl_p90,
@@ -668,12 +668,12 @@ def evaluate_streaming(
 
 def _layers_read_ahead(runs, adapter, ahead: bool | None = None):
     """(L, [each run's layer L state, or None: read when materialized]) for every decoder layer. With `ahead`
-    (None: on a GPU with room for a second layer of every run, moequant.budget) the next layer is read and
+    (None: on a GPU with room for a second layer of every run, moequant.memory_budget) the next layer is read and
     decoded on a thread while this one computes: the evaluation was bound by reading both models' layers one
     after the other. On the host it is not (host memory stays at one layer of each model)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from moequant import budget
+    from moequant import memory_budget as budget
 
     if ahead is None:
         device = torch.device(runs[0].device)
@@ -769,9 +769,9 @@ def evaluate_checkpoints(
     checkpoint; whole models only for lm-eval tasks, or for a checkpoint only transformers reads.
     A quantized reference (an FP8 / INT4 / MXFP4 source) is its dequantized weights. dtype:
     the compute dtype, by default the reference's config dtype (bf16 for most models)."""
-    from moequant.calib.data import load_samples
     from moequant.io.checkpoint import model_dtype, open_checkpoint
     from moequant.io.fingerprint import check_checkpoint_in_run
+    from moequant.measure.data import load_samples
 
     check_checkpoint_in_run(checkpoint)  # OUTPUT/checkpoint swapped in from another run: say so, evaluate nothing
     if lm_eval_tasks:

@@ -182,7 +182,7 @@ class ReportFile(_Part):
 def _load_stats(stats):
     if stats is None or hasattr(stats, "layers"):
         return stats
-    from moequant.calib.stats import load_stats
+    from moequant.measure.stats import load_stats
 
     return load_stats(stats, with_hessians=False)
 

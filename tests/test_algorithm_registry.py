@@ -46,7 +46,7 @@ def test_a_registered_algorithm_runs_through_calibrate_probe_and_quantize(model_
     """A toy algorithm registered here and named by the recipe is what the probe measures the probe format
     with and what the quantize pass rounds every int4 expert with (its codes are the toy's, not RTN's);
     nothing else changes."""
-    from moequant.calib.calibrate import calibrate
+    from moequant.measure.calibrate import calibrate
     from moequant.pipeline.apply import calibration_settings, plan_stage, resolve_recipe
     from moequant.pipeline.quantize import quantize_model
     from moequant.pipeline.run import open_run
@@ -103,10 +103,10 @@ def test_entries_say_what_they_need():
 
 def test_library_settings_default_to_the_recipe_s():
     """CalibrationSettings without a recipe are the recipe schema's defaults; from a recipe they are built
-    in one place (moequant.plan.calibration.calibration_settings) and carry its `gptq:` section itself."""
+    in one place (moequant.plan.measurements.calibration_settings) and carry its `gptq:` section itself."""
     from support.plain import plain_settings
 
-    from moequant.calib.calibrate import CalibrationSettings
+    from moequant.measure.calibrate import CalibrationSettings
     from moequant.pipeline.apply import calibration_settings, resolve_recipe
     from moequant.plan.recipe import Recipe
 

@@ -45,10 +45,10 @@ from support.runs import load_awq_scales
 import moequant
 from moequant.algorithms.registry import GptqOptions
 from moequant.arch import adapter_for
-from moequant.calib.data import load_samples, load_samples_with_holdout
 from moequant.evaluate import evaluate
-from moequant.export.layouts import export_checkpoint
+from moequant.export.write import export_checkpoint
 from moequant.io.checkpoint import load_tokenizer, open_checkpoint
+from moequant.measure.data import load_samples, load_samples_with_holdout
 from moequant.pipeline.quantize import quantize_model
 from moequant.plan.policy import make_plan
 from moequant.plan.recipe import load_recipe

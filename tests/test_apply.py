@@ -170,9 +170,9 @@ def _first_layer_runs(model_dir, tmp_path, overrides: list[str], contrast: list[
 
     import moequant
     from moequant.arch import adapter_for
-    from moequant.calib.calibrate import MIN_ROUTED_TOKENS, CalibrationSettings, calibrate
-    from moequant.calib.stats import chosen_hessian, load_stats
     from moequant.io.checkpoint import open_checkpoint
+    from moequant.measure.calibrate import MIN_ROUTED_TOKENS, CalibrationSettings, calibrate
+    from moequant.measure.stats import chosen_hessian, load_stats
     from moequant.pipeline.apply import calibration_settings, resolve_recipe
 
     ckpt = open_checkpoint(model_dir)

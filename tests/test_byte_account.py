@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 
 from moequant import formats, zoo
-from moequant.calib.calibrate import calibrate
 from moequant.errors import UserError
-from moequant.export.layouts import export_checkpoint
+from moequant.export.write import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
+from moequant.measure.calibrate import calibrate
 from moequant.pipeline.apply import calibration_settings, export_arguments, resolve_recipe
 from moequant.pipeline.quantize import quantize_model
-from moequant.plan.calibration import sensitivity_formats
+from moequant.plan.measurements import sensitivity_formats
 from moequant.plan.plan_io import plan_to_dict
 from moequant.plan.policy import make_plan
 from moequant.plan.rules import needs_statistics
@@ -225,8 +225,7 @@ def test_inspect_counts_expert_bytes_as_formats_nbytes_over_the_files(model):
 
     from safetensors import safe_open
 
-    from moequant.plan.inspect import inspect_model
-    from moequant.plan.memory import EXPERT_VARIANTS
+    from moequant.plan.memory import EXPERT_VARIANTS, inspect_model
 
     folder = zoo.path(model)
     shapes, data_bytes = [], 0

@@ -11,12 +11,12 @@ from support.plain import plain_settings
 from tiny import TINY_CONFIGS, build_tiny
 
 from moequant.arch import adapter_for
-from moequant.calib.calibrate import calibrate
-from moequant.calib.data import Sample
-from moequant.calib.stats import load_stats
 from moequant.cli import main
 from moequant.errors import UserError
 from moequant.io.checkpoint import open_checkpoint
+from moequant.measure.calibrate import calibrate
+from moequant.measure.data import Sample
+from moequant.measure.stats import load_stats
 
 SEQ, N, BS = 24, 6, 3
 FORMATS = ("int8-channel", "fp8-channel")
@@ -209,8 +209,8 @@ def test_bad_input(tiny_dirs, tmp_path):
 def test_zoo_routing_counts_match_an_independent_hook(tmp_path, zoo_name):
     """Real data through a trained zoo model: exact counts, and experts specialise by domain."""
     from moequant import zoo
-    from moequant.calib.data import load_samples
     from moequant.io.checkpoint import load_tokenizer
+    from moequant.measure.data import load_samples
 
     directory = zoo.path(zoo_name)
     samples = load_samples("builtin:stdlib-code", load_tokenizer(directory), N, 64, seed=3)
@@ -244,7 +244,7 @@ def test_sensitivity_is_on_the_grid_the_quantize_pass_rounds_onto(tiny_dirs, tmp
     per channel; as published (min/max grid) every format is on its min/max rule."""
     from moequant import formats
     from moequant.algorithms.registry import GptqOptions
-    from moequant.calib.stats import chosen_hessian
+    from moequant.measure.stats import chosen_hessian
 
     src = str(tiny_dirs["qwen2_moe"])
     keys = ("int4-g32-sym", "int8-channel")

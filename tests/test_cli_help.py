@@ -26,7 +26,7 @@ def test_help_shows_what_recipe_takes_and_the_real_defaults():
 
 
 def test_ctrl_c_in_a_command_that_writes_nothing_says_so(monkeypatch):
-    from moequant.plan import inspect as inspect_module
+    from moequant.plan import memory as inspect_module
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

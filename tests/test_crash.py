@@ -191,8 +191,8 @@ def test_interrupt_between_hidden_states_and_progress_marker_resumes_identically
 ):
     """The narrowest windows of the resumable stages: killed after a layer's carried hidden states
     were written but before the progress marker saying so (calibration, then the quantize pass)."""
-    from moequant.calib import calibrate
     from moequant.io import checkpoint
+    from moequant.measure import calibrate
 
     ref, _ = reference
     out = tmp_path / "windows"
@@ -308,7 +308,7 @@ def _quantized_experts(model_dir):
 
 
 def test_full_disk_during_export_fails_in_one_sentence_and_leaves_no_checkpoint(model_dir, tmp_path, monkeypatch):
-    from moequant.export.layouts import export_checkpoint
+    from moequant.export.write import export_checkpoint
     from moequant.io import checkpoint
 
     quantized = _quantized_experts(model_dir)
@@ -383,7 +383,7 @@ def _damaged_copy(model_dir: Path, directory: Path, name: str, index, value) -> 
 def _calibrate(model, out, **kw):
     from support.plain import plain_settings
 
-    from moequant.calib.calibrate import calibrate
+    from moequant.measure.calibrate import calibrate
 
     settings = plain_settings(dataset="builtin:stdlib-prose", samples=2, seq_len=32, formats=("int4-g32-sym",), **kw)
     return calibrate(str(model), out, settings, progress=False)

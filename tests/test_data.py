@@ -1,4 +1,4 @@
-"""moequant.calib.data: builtin stdlib sources, hashed splits, seeded samples, local files, clear errors.
+"""moequant.measure.data: builtin stdlib sources, hashed splits, seeded samples, local files, clear errors.
 
 Built on the Python standard library sources only, which every machine has; the tokenizer is the
 one shipped with the default zoo model.
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from moequant import zoo
-from moequant.calib import data
 from moequant.errors import UserError
+from moequant.measure import data
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 

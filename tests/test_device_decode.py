@@ -15,7 +15,7 @@ from test_export_models import build_model, quantize_experts, quantize_named
 
 from benchmarks.make_sources import make_deepseek_fp8, make_gpt_oss_mxfp4, make_qwen_int4
 from moequant.arch import adapter_for
-from moequant.export.layouts import export_checkpoint
+from moequant.export.write import export_checkpoint
 from moequant.io.checkpoint import Checkpoint, open_checkpoint
 from moequant.io.layers import build_skeleton
 

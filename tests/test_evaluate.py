@@ -299,7 +299,7 @@ def _char_tokenizer(directory):
 def test_evaluate_checkpoints_moequant_and_foreign_compressed_tensors(tmp_path):
     from moequant import formats
     from moequant.arch import adapter_for
-    from moequant.export.layouts import export_checkpoint
+    from moequant.export.write import export_checkpoint
     from moequant.io.checkpoint import EXPORT_INFO, open_checkpoint
 
     src = build_tiny("mixtral", tmp_path / "orig")
@@ -453,12 +453,12 @@ def test_streamed_evaluation_equals_the_whole_model_evaluation(zoo, tmp_path, mo
     from moequant import evaluate as evaluation
     from moequant import formats
     from moequant.arch import adapter_for
-    from moequant.calib.data import load_samples
     from moequant.evaluate import evaluate_streaming
-    from moequant.export.layouts import export_checkpoint
+    from moequant.export.write import export_checkpoint
     from moequant.io.checkpoint import load_tokenizer, open_checkpoint
     from moequant.io.layers import LayerRunner
     from moequant.io.loader import load
+    from moequant.measure.data import load_samples
 
     src = open_checkpoint(zoo)
     ad = adapter_for(src.config)

@@ -18,7 +18,7 @@ from test_export_models import build_model, quantize_experts, quantize_named
 from moequant import formats
 from moequant.arch import adapter_for
 from moequant.errors import UserError
-from moequant.export.layouts import export_checkpoint
+from moequant.export.write import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
 from moequant.io.loader import dequantized_state_dict, load
 from moequant.layouts.compressed_tensors import TRANSFORMERS_GUARD, transformers_guard_group
@@ -245,7 +245,7 @@ def test_a_crash_leaves_the_old_output_untouched(mixtral, tmp_path, monkeypatch)
             raise KeyboardInterrupt
         return formats.pack_compressed_tensors(q)
 
-    monkeypatch.setattr("moequant.export.layouts.formats.pack_compressed_tensors", failing)
+    monkeypatch.setattr("moequant.export.write.formats.pack_compressed_tensors", failing)
     with pytest.raises(KeyboardInterrupt):
         export_checkpoint(mixtral, quantize_experts(mixtral, lambda L, e, p: "int8-channel"), out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -286,7 +286,7 @@ REFUSALS = [
 def test_a_plan_the_layout_cannot_hold_is_refused_before_any_work(mixtral, tmp_path, monkeypatch, case):
     _, layout, target, format_of, message = case
     experts = quantize_experts(mixtral, format_of)
-    monkeypatch.setattr("moequant.export.layouts.ShardWriter", None)  # any write attempt would crash differently
+    monkeypatch.setattr("moequant.export.write.ShardWriter", None)  # any write attempt would crash differently
     with pytest.raises(UserError, match=re.escape(message)) as err:
         export_checkpoint(mixtral, experts, tmp_path / "out", layout=layout, target=target)
     assert str(err.value).count(". ") == 0 and str(err.value).endswith(".")  # one sentence

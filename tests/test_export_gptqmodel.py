@@ -15,7 +15,7 @@ from support.verify_vllm import compare_logprobs, default_prompts, ensure_gptqmo
 from test_export_models import VOCAB, build_model
 from test_vllm import gptq_experts
 
-from moequant.export.layouts import export_checkpoint
+from moequant.export.write import export_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -482,7 +482,7 @@ def mutated_config(data, junk=config_junk) -> dict:
 
 
 def check_config(directory: Path, config: dict) -> None:
-    from moequant.plan.inspect import inspect_model
+    from moequant.plan.memory import inspect_model
 
     (directory / "config.json").write_text(json.dumps(config, default=str))
     ends_well(inspect_model, str(directory / "config.json"))

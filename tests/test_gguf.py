@@ -15,7 +15,7 @@ from support import verify_llamacpp as V
 from moequant import formats
 from moequant.arch import adapter_for
 from moequant.errors import UserError
-from moequant.export.layouts import export_checkpoint
+from moequant.export.write import export_checkpoint
 from moequant.formats import ggml
 from moequant.io.checkpoint import open_checkpoint
 from moequant.zoo import path as zoo_path
@@ -110,7 +110,7 @@ def _reference_model(source, dequantized: dict, tmp, replaced: dict | None = Non
 
 def _texts(n=4, chars=1500):
     """Text of the kind the bundled models were trained on (builtin:mix: stdlib code and docstrings)."""
-    from moequant.calib.data import _stdlib_code, _stdlib_prose
+    from moequant.measure.data import _stdlib_code, _stdlib_prose
 
     docs = [d.read() for d in _stdlib_code()[:n]] + [d.read() for d in _stdlib_prose()[:n]]
     return [d[:chars] for d in docs if d.strip()]
@@ -309,7 +309,7 @@ def test_imatrix_from_our_statistics_is_accepted_by_llama_model_quantize(llama, 
     import subprocess
     import sys
 
-    from moequant.calib.stats import load_stats
+    from moequant.measure.stats import load_stats
 
     stats_dir, imat = tmp_path / "run" / "stats", tmp_path / "imatrix.gguf"
     proc = subprocess.run(

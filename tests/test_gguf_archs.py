@@ -22,7 +22,7 @@ from moequant import formats
 from moequant.arch import adapter_for
 from moequant.errors import UserError
 from moequant.export.gguf import gguf_targets
-from moequant.export.layouts import export_checkpoint
+from moequant.export.write import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
 
 ARCHS = tuple(GGUF_CONFIGS)
@@ -42,7 +42,7 @@ def llama():
 
 def _texts():
     """Text of the kind the bundled tokenizer was trained on (builtin:mix: stdlib code and docstrings)."""
-    from moequant.calib.data import _stdlib_code, _stdlib_prose
+    from moequant.measure.data import _stdlib_code, _stdlib_prose
 
     docs = [d.read() for d in _stdlib_code()[:3]] + [d.read() for d in _stdlib_prose()[:3]]
     return [d[:1200] for d in docs if d.strip()]

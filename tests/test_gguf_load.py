@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from moequant import formats
 from moequant.arch import adapter_for
-from moequant.export.layouts import export_checkpoint
+from moequant.export.write import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
 from moequant.io.loader import load
 from moequant.zoo import path as zoo_path

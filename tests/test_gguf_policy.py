@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from moequant.calib.stats import LayerStats, Stats
 from moequant.errors import UserError
+from moequant.measure.stats import LayerStats, Stats
 from moequant.plan.policy import make_plan
 from moequant.plan.recipe import recipe_from_dict
 from moequant.plan.summary import format_summary

@@ -17,9 +17,9 @@ import torch
 from tiny import TINY_CONFIGS, build_tiny
 
 from moequant.arch import adapter_for
-from moequant.calib.calibrate import LayerCollector, collect_moe_stats
 from moequant.io.checkpoint import open_checkpoint
 from moequant.io.layers import LayerRunner
+from moequant.measure.calibrate import LayerCollector, collect_moe_stats
 
 SEQ, N, BS = 16, 4, 2
 
@@ -138,7 +138,7 @@ def test_experts_grouped_by_padded_batches_equal_one_expert_at_a_time(tiny_dirs,
     largest count, one batched matmul; what a GPU runs) equal the per-expert loop's (the CPU's),
     every key, biases (gpt-oss) and routing-weighted Hessians included; groups forced small so that
     one batch spans several, some of one expert."""
-    import moequant.calib.calibrate as cal
+    import moequant.measure.calibrate as cal
 
     monkeypatch.setitem(cal.GROUPED_ELEMENTS, "cpu", 2**13)  # groups of 1 to 8 experts here
     d = tiny_dirs[model_type]
@@ -174,7 +174,7 @@ def test_quantize_pass_in_expert_chunks_equals_the_whole_layer(tiny_dirs, tmp_pa
 
     from support.plain import plain_settings
 
-    from moequant.calib.data import Sample
+    from moequant.measure.data import Sample
     from moequant.pipeline import quantize
     from moequant.plan.policy import make_plan
     from moequant.plan.recipe import load_recipe
@@ -212,7 +212,7 @@ def test_all_tokens_statistics_only_for_experts_that_fall_back_give_the_same_pas
 
     from support.plain import plain_settings
 
-    from moequant.calib.data import Sample
+    from moequant.measure.data import Sample
     from moequant.pipeline import quantize
     from moequant.plan.policy import make_plan
     from moequant.plan.recipe import load_recipe
@@ -267,7 +267,7 @@ def test_round_to_nearest_streamed_a_chunk_of_experts_at_a_time_equals_the_whole
 
     from support.plain import plain_settings
 
-    from moequant.calib.data import Sample
+    from moequant.measure.data import Sample
     from moequant.pipeline import quantize
     from moequant.plan.policy import make_plan
     from moequant.plan.recipe import load_recipe

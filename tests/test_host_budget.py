@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 from helpers import header_only_checkpoint
 
-from moequant import budget
+from moequant import memory_budget
 from moequant.cli import main
 from moequant.errors import UserError
 from moequant.io.checkpoint import Checkpoint, open_checkpoint
@@ -74,7 +74,7 @@ def test_a_host_budget_below_one_layers_read_is_refused_before_any_weight_is_rea
     layers = _layer_bytes_from_headers(model)
     assert need * 2**30 >= max(layers.values())  # at least the largest layer (8 of them, ~210 MB each)
     assert reads == [] and not out.exists()
-    budget.configure()
+    memory_budget.configure()
 
 
 def test_the_host_need_is_the_largest_layer_as_read_plus_what_the_process_holds(model, monkeypatch):
@@ -85,15 +85,15 @@ def test_the_host_need_is_the_largest_layer_as_read_plus_what_the_process_holds(
     # on a GPU the routed experts go to the device one at a time: the layer's other tensors and one expert
     expert = 2 * 1024 * 512
     assert precheck.layer_host_bytes(ckpt, "cuda")[1] == nbytes - 64 * 3 * expert + expert
-    monkeypatch.setattr(budget, "rss_bytes", lambda: 500 * 2**20)
+    monkeypatch.setattr(memory_budget, "rss_bytes", lambda: 500 * 2**20)
     try:
-        budget.configure(max_host=500 * 2**20 + nbytes)  # exactly enough
+        memory_budget.configure(max_host=500 * 2**20 + nbytes)  # exactly enough
         precheck.check_host_memory(ckpt, "cpu")
-        budget.configure(max_host=500 * 2**20 + nbytes - 1)
+        memory_budget.configure(max_host=500 * 2**20 + nbytes - 1)
         with pytest.raises(UserError, match="cannot hold one layer's read"):
             precheck.check_host_memory(ckpt, "cpu")
         precheck.check_host_memory(ckpt, "cuda")  # a GPU run's host read is one expert, not the layer
-        budget.configure()
+        memory_budget.configure()
         precheck.check_host_memory(ckpt, "cpu")  # no cap: nothing to refuse
     finally:
-        budget.configure()
+        memory_budget.configure()

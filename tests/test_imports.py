@@ -19,7 +19,7 @@ LAYERS = [
     ("moequant.evaluate", "moequant.report"),
     ("moequant.plan",),  # recipe, rules, budget solver, plan I/O
     ("moequant.export", "moequant.llamacpp.evaluate"),  # the export driver (any layout), the GGUF file, its score
-    ("moequant.calib", "moequant.zoo.train"),  # calibration, its statistics and probes
+    ("moequant.measure", "moequant.zoo.train"),  # calibration, its statistics and probes
     ("moequant.parallel", "moequant.metrics", "moequant.progress", "moequant.vllm_plugin"),
     ("moequant.io", "moequant.arch", "moequant.algorithms", "moequant.zoo"),
     ("moequant.layouts",),  # one file per export layout: what it holds, its packer, its config, its reader
@@ -27,7 +27,7 @@ LAYERS = [
     ("moequant.formats",),
     (
         "moequant.errors",
-        "moequant.budget",
+        "moequant.memory_budget",
         "moequant.timing",
         "moequant.vllm_plugin.names",
         "moequant.llamacpp",

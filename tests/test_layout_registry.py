@@ -12,7 +12,7 @@ from test_export_models import quantize_named
 
 from moequant import formats
 from moequant.errors import UserError
-from moequant.export.layouts import export_checkpoint
+from moequant.export.write import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
 from moequant.layouts import LAYOUTS, RECIPE_LAYOUTS, Layout, layout_refusal, register
 from moequant.layouts.base import module_name

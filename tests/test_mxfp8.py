@@ -97,7 +97,7 @@ def test_an_mxfp8_export_reads_back_through_compressed_tensors_and_moequant_load
     from test_export_models import build_model, quantize_experts
 
     from moequant.arch import adapter_for
-    from moequant.export.layouts import export_checkpoint
+    from moequant.export.write import export_checkpoint
     from moequant.io.checkpoint import open_checkpoint
     from moequant.io.loader import dequantized_state_dict
 

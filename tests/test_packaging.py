@@ -42,7 +42,7 @@ def test_the_wheel_holds_the_package_data_and_works_from_outside_the_checkout(tm
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     code = (
-        "import moequant, moequant.calib.data as d; from moequant.plan.recipe import load_recipe; "
+        "import moequant, moequant.measure.data as d; from moequant.plan.recipe import load_recipe; "
         "r = load_recipe('selective'); print(moequant.__file__); print(r.model); "
         "print(len(d.load_documents('mix')) > 0); print(d.SPEC_DIR.is_dir())"
     )

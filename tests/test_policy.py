@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from moequant.calib.stats import LayerStats, Stats
 from moequant.errors import UserError
+from moequant.measure.stats import LayerStats, Stats
 from moequant.plan.context import tensors_from_checkpoint
 from moequant.plan.model import SCHEMA
 from moequant.plan.plan_io import read_plan, write_plan

@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import moequant.arch
-import moequant.export.layouts  # noqa: F401
+import moequant.export.write  # noqa: F401
 import moequant.formats  # noqa: F401
 import moequant.io.checkpoint
 

@@ -14,11 +14,11 @@ from support.plain import plain_settings
 from tiny import build_tiny
 
 from moequant import formats
-from moequant.calib.calibrate import calibrate
-from moequant.calib.data import Sample
-from moequant.calib.probe import choose_probe_format, probe_algorithm_for, probe_indices
-from moequant.calib.stats import LayerStats, Stats, load_stats
 from moequant.errors import UserError
+from moequant.measure.calibrate import calibrate
+from moequant.measure.data import Sample
+from moequant.measure.probe import choose_probe_format, probe_algorithm_for, probe_indices
+from moequant.measure.stats import LayerStats, Stats, load_stats
 from moequant.plan.policy import make_plan
 from moequant.plan.recipe import recipe_from_dict
 from moequant.plan.summary import format_summary
@@ -188,7 +188,7 @@ def test_probe_samples_setting_is_fingerprinted_and_zero_disables(tiny_dirs, tmp
 
 
 def test_resume_after_a_kill_during_the_probe(tiny_dirs, tmp_path, monkeypatch):
-    from moequant.calib import probe as probe_module
+    from moequant.measure import probe as probe_module
 
     d = str(tiny_dirs["mixtral"])
     whole = calibrate(d, tmp_path / "whole", settings(), samples=make_samples(), progress=False)
@@ -316,7 +316,7 @@ def test_tensor_probe_kl_equals_the_whole_model_with_one_tensor_quantized(tiny_d
     """Independent reference for the per-tensor probe (non_experts.formats): a copy of the checkpoint
     with one non-expert weight replaced by its RTN-dequantized copy, run whole by transformers, KL in
     float64, for every probed tensor (attention, shared experts, lm_head) and format."""
-    from moequant.calib.stats import TENSOR_PROBE_FILE
+    from moequant.measure.stats import TENSOR_PROBE_FILE
 
     d = tiny_dirs[model_type]
     samples = make_samples()
@@ -353,8 +353,8 @@ def test_probes_show_progress_step_by_step_and_finish_every_step(tiny_dirs, tmp_
     draws nothing until the end) a plain line says how far they are, at least every PLAIN_EVERY_S seconds."""
     from moequant import progress as progress_module
     from moequant.arch import adapter_for
-    from moequant.calib.probe import run_probe, run_tensor_probe
     from moequant.io.checkpoint import open_checkpoint
+    from moequant.measure.probe import run_probe, run_tensor_probe
 
     bars = []
     real = progress_module.StepProgress

@@ -10,9 +10,9 @@ from support.plain import plain_settings
 
 from moequant import formats
 from moequant.algorithms import gptq
-from moequant.calib.calibrate import calibrate
-from moequant.calib.stats import load_stats
 from moequant.errors import UserError
+from moequant.measure.calibrate import calibrate
+from moequant.measure.stats import load_stats
 
 # ---------------------------------------------------------------------------------------------
 # float64 references
@@ -234,8 +234,8 @@ def test_routing_weighted_hessians_match_float64(tmp_path, weighting):
     from transformers import AutoModelForCausalLM
 
     from moequant.arch import adapter_for
-    from moequant.calib.data import Sample
     from moequant.io.checkpoint import open_checkpoint
+    from moequant.measure.data import Sample
 
     directory = build_tiny("qwen2_moe", tmp_path / "m", seed=3)
     g = torch.Generator().manual_seed(0)

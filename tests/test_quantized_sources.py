@@ -250,7 +250,7 @@ def test_eval_reference_of_a_quantized_source_is_its_dequantized_weights(sources
 
 @pytest.mark.parametrize("kind", ["deepseek", "qwen", "gpt_oss"])
 def test_inspect_counts_parameters_not_scales_and_the_real_bytes(kind, sources, copies):
-    from moequant.plan.inspect import inspect_model
+    from moequant.plan.memory import inspect_model
 
     a, b = inspect_model(str(sources[kind])), inspect_model(str(copies[kind]))
     assert a["params_on_disk"] == b["params_on_disk"] and a["total_params"] == b["total_params"]

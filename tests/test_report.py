@@ -20,7 +20,7 @@ from tiny import build_tiny, tiny_config
 
 from moequant import formats
 from moequant.arch import adapter_for
-from moequant.export.layouts import export_checkpoint
+from moequant.export.write import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
 from moequant.plan.memory import checkpoint_bytes, gpus_needed, memory_account
 from moequant.report import build_report

@@ -15,10 +15,10 @@ from support.plain import plain_settings
 from tiny import build_tiny
 
 from moequant.arch import adapter_for
-from moequant.calib.data import Sample
-from moequant.export.layouts import export_checkpoint
 from moequant.export.streamed import StreamedExport
+from moequant.export.write import export_checkpoint
 from moequant.io.checkpoint import INDEX_NAME, open_checkpoint
+from moequant.measure.data import Sample
 from moequant.pipeline import quantize
 from moequant.plan.policy import make_plan
 from moequant.plan.recipe import load_recipe

@@ -12,7 +12,7 @@ from test_export_models import quantize_experts
 from test_policy import make_stats, model_tensors
 
 from moequant.errors import UserError
-from moequant.export.layouts import export_checkpoint
+from moequant.export.write import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
 from moequant.pipeline.precheck import check_recipe
 from moequant.plan.policy import make_plan

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_export_models import quantize_experts
 
-from moequant.export.layouts import export_checkpoint
+from moequant.export.write import export_checkpoint
 from moequant.io.loader import load
 from moequant.layouts.compressed_tensors import TRANSFORMERS_REFUSAL
 from moequant.zoo import path as zoo_path

@@ -30,7 +30,7 @@ from test_export_models import quantize_experts
 
 from moequant.algorithms.gptq import gptq
 from moequant.arch import adapter_for
-from moequant.export.layouts import export_checkpoint
+from moequant.export.write import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
 from moequant.zoo import path as zoo_path
 

@@ -49,7 +49,7 @@ from support.verify_vllm import (
 from test_export_models import quantize_experts
 
 from moequant.arch import adapter_for
-from moequant.export.layouts import export_checkpoint
+from moequant.export.write import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
 from moequant.io.loader import load
 from moequant.targets.vllm_moequant import VllmMoequant

@@ -14,8 +14,8 @@ import torch
 from safetensors import safe_open
 
 from moequant import zoo
-from moequant.calib import data
 from moequant.errors import UserError
+from moequant.measure import data
 
 MODELS = ["tiny-qwen2moe", "tiny-mixtral", "tiny-qwen3moe", "tiny-deepseek-v3"]
 WIDE = ["tiny-qwen3moe", "tiny-deepseek-v3"]  # every expert / dense MLP width a multiple of 256

@@ -630,10 +630,10 @@ def _stats(inputs, hessian, mean_abs, tokens, device):
 
 
 def _default_chunk(num_experts, rows, n_in, device):
-    from moequant import budget
+    from moequant import memory_budget
 
     per_expert = 4 * (2 * n_in * n_in + 6 * rows * n_in)  # H, its product with delta; W, W*s, codes, W_hat
-    return max(1, min(num_experts, int(budget.temporary_bytes(device) // per_expert)))
+    return max(1, min(num_experts, int(memory_budget.temporary_bytes(device) // per_expert)))
 
 
 def _check(weights, hessian, mean_abs):

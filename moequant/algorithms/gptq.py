@@ -951,11 +951,11 @@ def _token_counts(tokens, num_experts):
 
 def _default_chunk(num_experts, rows, num_in, device):
     """Experts per batch so the working set (H, its factors, W, Q, updates) fits the run's memory
-    budget (moequant.budget: --max-gpu-memory, default what is free)."""
-    from moequant import budget
+    budget (moequant.memory_budget: --max-gpu-memory, default what is free)."""
+    from moequant import memory_budget
 
     # float32: H, its flipped copy, Cholesky factor (+ its split low part), U (act order: gathers);
     # W copies, updates, codes.
     # An optimistic estimate is fine: a chunk that runs out of memory is retried at half the size.
     per_expert = 4 * (6 * num_in * num_in + 4 * rows * num_in)
-    return max(1, min(num_experts, int(budget.temporary_bytes(device) // per_expert)))
+    return max(1, min(num_experts, int(memory_budget.temporary_bytes(device) // per_expert)))

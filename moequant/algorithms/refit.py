@@ -36,7 +36,7 @@ def refit_scales(q, weight: torch.Tensor, hessian: torch.Tensor, *, budget_bytes
     split TF32 on accelerators (H = H_hi + H_lo, both TF32 numbers; the codes are small
     integers, exact in TF32), about 2^-20 relative. The systems are solved by Cholesky (A is a
     Gram matrix, lightly damped) on accelerators, by LU in float64 on the CPU. Chunks hold at
-    most `budget_bytes` of the work (default: moequant.budget's share for temporaries). The
+    most `budget_bytes` of the work (default: moequant.memory_budget's share for temporaries). The
     per-row check keeps the old scales wherever the solve does not help."""
     return refit_scales_shared([q], [weight], hessian, budget_bytes=budget_bytes)[0]
 
@@ -45,7 +45,7 @@ def refit_scales_shared(qs, weights, hessian: torch.Tensor, *, budget_bytes: int
     """`refit_scales` of projections that read the same input (gate and up): one Hessian, whose
     preparation (the kernel's int8 pieces) is made once per chunk of experts for all of them;
     the same scales as one `refit_scales` per projection."""
-    from moequant import budget
+    from moequant import memory_budget
 
     for q in qs:
         if not (q.spec.is_int and q.spec.granularity == "group"):
@@ -77,7 +77,7 @@ def refit_scales_shared(qs, weights, hessian: torch.Tensor, *, budget_bytes: int
         # Y and one Y-sized temporary (its second product, then the A reduction's), codes, weights, W H,
         # the Hessian and its two TF32 halves
         per_expert = work.itemsize * (2 * groups * rows * cols + 3 * rows * cols + 3 * cols * cols)
-    limit = budget_bytes if budget_bytes is not None else budget.temporary_bytes(device) // 2
+    limit = budget_bytes if budget_bytes is not None else memory_budget.temporary_bytes(device) // 2
     chunk = max(1, min(num_experts, limit // per_expert))
     parts, e0 = [[] for _ in qs], 0
     while e0 < num_experts:

@@ -485,7 +485,7 @@ def write_imatrix(stats_dir, out_path) -> Path:
     """
     import gguf
 
-    from moequant.calib.stats import load_stats
+    from moequant.measure.stats import load_stats
 
     stats = load_stats(stats_dir, with_hessians=False)
     out_path = Path(out_path)

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from moequant.errors import UserError
-from moequant.export.layouts import (
+from moequant.export.write import (
     check_export_options,
     linear_shape,
     make_writer,

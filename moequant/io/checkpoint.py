@@ -205,7 +205,7 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
     """A checkpoint directory, a bare config.json, or `zoo:NAME` → a filesystem path."""
     s = str(spec)
     if s.startswith("zoo:"):
-        from moequant.io import zoo
+        from moequant import zoo
 
         return Path(zoo.path(s[4:]))
     p = Path(s).expanduser()

@@ -22,9 +22,9 @@ def evaluate_gguf(
     progress: a bar with the time left over the reference's windows, then a line for llama.cpp's run."""
     import torch
 
-    from moequant.calib.data import load_samples
     from moequant.io.checkpoint import load_tokenizer, open_checkpoint
     from moequant.io.loader import from_pretrained_complete
+    from moequant.measure.data import load_samples
     from moequant.progress import StepProgress
 
     ref_dir = open_checkpoint(reference).directory

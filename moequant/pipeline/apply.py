@@ -27,8 +27,7 @@ import shutil
 import time
 from pathlib import Path
 
-from moequant import budget, parallel, timing
-from moequant.calib.calibrate import CalibrationSettings, calibrate, model_fingerprint
+from moequant import memory_budget, parallel, timing
 from moequant.errors import UserError
 from moequant.io.checkpoint import atomic_write_text, is_disk_full, open_checkpoint
 from moequant.io.fingerprint import (
@@ -39,9 +38,10 @@ from moequant.io.fingerprint import (
 )
 from moequant.io.run_lock import output_lock
 from moequant.layouts import layout_for
+from moequant.measure.calibrate import CalibrationSettings, calibrate, model_fingerprint
 from moequant.pipeline.precheck import check_recipe, check_run
 from moequant.pipeline.run import Run, hold_lock, open_run
-from moequant.plan.calibration import calibration_settings
+from moequant.plan.measurements import calibration_settings
 from moequant.plan.plan_io import plan_to_dict, read_plan, write_plan
 from moequant.plan.policy import make_plan
 from moequant.plan.recipe import Recipe, load_recipe, recipe_to_dict
@@ -138,7 +138,7 @@ def apply(
     if parallel.is_helper_rank():
         progress, log = False, _silent
     recipe = resolve_recipe(recipe_path, model, output, overrides)
-    budget.check_device(device)  # a device this machine lacks, before anything is read or written
+    memory_budget.check_device(device)  # a device this machine lacks, before anything is read or written
     # a bad or unreadable checkpoint is refused before anything is written, then an unsupported architecture
     run = open_run(recipe, device, progress, log)
     run.overwrite = overwrite
@@ -253,8 +253,8 @@ def quantize_and_export(
 ) -> dict | None:
     """The quantize pass (every rank), then rank 0 exports OUTPUT/checkpoint and writes checkpoint.json
     (`apply`'s stage, and each run of `pareto`). Returns the quantize report, or None on the other ranks."""
-    from moequant.export.layouts import export_checkpoint
     from moequant.export.streamed import StreamedExport
+    from moequant.export.write import export_checkpoint
     from moequant.pipeline.quantize import quantize_model
 
     out = run.directory

@@ -353,8 +353,8 @@ def pareto(
 ) -> dict:
     """Run the budget plans (each budget x each target) and the uniform baselines against one set
     of statistics; write OUTPUT/pareto.json and OUTPUT/pareto.png. Returns pareto.json's dict."""
-    from moequant.budget import check_device
     from moequant.io.run_lock import output_lock
+    from moequant.memory_budget import check_device
     from moequant.pipeline.apply import resolve_recipe
     from moequant.pipeline.run import open_run
 

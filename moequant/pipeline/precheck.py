@@ -121,7 +121,7 @@ def layer_gpu_need(recipe, adapter) -> tuple[int, str]:
     """The least GPU memory one MoE layer of the quantize pass needs (bytes), from shapes alone, and
     what it is made of: the layer's experts in bf16 twice (the module the forward runs and the
     quantized copy the next layer reads), its calibration activations, and one expert's statistics
-    and GPTQ working set (the smallest chunk moequant.budget can size)."""
+    and GPTQ working set (the smallest chunk moequant.memory_budget can size)."""
     from moequant import parallel
 
     d, i = adapter.hidden, adapter.expert_intermediate
@@ -140,17 +140,19 @@ def layer_gpu_need(recipe, adapter) -> tuple[int, str]:
 def check_memory(recipe, adapter, device: str) -> None:
     """Refuse, before any weight is read, a run whose MoE layers cannot fit the GPU budget
     (--max-gpu-memory, else the device's free memory when the device is a GPU)."""
-    from moequant import budget
+    from moequant import memory_budget
 
-    limit = budget.gpu_limit_bytes()
+    limit = memory_budget.gpu_limit_bytes()
     if limit is None and not str(device).startswith("cuda"):
         return
     if not adapter.moe_layers:
         return
     need, parts = layer_gpu_need(recipe, adapter)
     if limit is None:
-        limit = budget.device_free_bytes(device)
-        what = f"the {limit / 2**30:.1f} GiB free on {device} (less a {budget.MARGIN_BYTES / 2**30:.0f} GiB margin)"
+        limit = memory_budget.device_free_bytes(device)
+        what = (
+            f"the {limit / 2**30:.1f} GiB free on {device} (less a {memory_budget.MARGIN_BYTES / 2**30:.0f} GiB margin)"
+        )
     else:
         what = f"--max-gpu-memory {limit / 2**30:.1f} GiB"
     if need > limit:
@@ -187,13 +189,13 @@ def layer_host_bytes(ckpt, device: str) -> tuple[int, int]:
 def check_host_memory(ckpt, device: str) -> None:
     """Refuse, before any weight is read, a --max-host-memory (or MOEQUANT_MAX_HOST_MEMORY) that cannot hold
     what this process already holds plus one decoder layer's read (`layer_host_bytes`)."""
-    from moequant import budget
+    from moequant import memory_budget
 
-    cap = budget.host_limit_bytes()
+    cap = memory_budget.host_limit_bytes()
     if cap is None:
         return
     layer, read = layer_host_bytes(ckpt, device)
-    held = budget.rss_bytes()
+    held = memory_budget.rss_bytes()
     if held + read > cap:
         raise UserError(
             f"--max-host-memory {_gib(cap)} cannot hold one layer's read: this process already holds {_gib(held)} "

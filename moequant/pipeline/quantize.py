@@ -57,7 +57,10 @@ from safetensors.torch import load_file
 from moequant import formats, parallel, timing
 from moequant.algorithms.registry import algorithm
 from moequant.arch import Adapter
-from moequant.calib.calibrate import (
+from moequant.errors import UserError
+from moequant.io.checkpoint import Checkpoint, atomic_write_text, open_checkpoint
+from moequant.io.layers import LayerRunner, compute_dtype, release_freed_memory
+from moequant.measure.calibrate import (
     CalibrationSettings,
     LayerCollector,
     collect_moe_stats,
@@ -65,10 +68,7 @@ from moequant.calib.calibrate import (
     save_atomic,
     save_carried,
 )
-from moequant.calib.stats import chosen_hessian
-from moequant.errors import UserError
-from moequant.io.checkpoint import Checkpoint, atomic_write_text, open_checkpoint
-from moequant.io.layers import LayerRunner, compute_dtype, release_freed_memory
+from moequant.measure.stats import chosen_hessian
 from moequant.plan.model import Plan
 from moequant.progress import LayerProgress
 
@@ -592,9 +592,9 @@ def _quantize_experts(
 
 def _experts_per_chunk(adapter, device) -> int:
     """Experts whose Hessians (gate/up d x d, down I x I routed and all-tokens; sums and normalised
-    copies, float32) and float32 weights fit half the run's memory budget (moequant.budget; the other
+    copies, float32) and float32 weights fit half the run's memory budget (moequant.memory_budget; the other
     half is GPTQ's); all of them on the CPU (small models)."""
-    from moequant import budget
+    from moequant import memory_budget as budget
 
     if torch.device(device).type == "cpu":
         return adapter.num_experts
@@ -923,7 +923,7 @@ def _quantize_model(
 
 def _calibration_input_ids(ckpt, settings: CalibrationSettings, samples) -> torch.Tensor:
     """[samples, seq_len] token ids of the calibration samples (`samples`, or loaded as `settings` say)."""
-    from moequant.calib.data import load_samples
+    from moequant.measure.data import load_samples
 
     if samples is None:
         tokenizer = ckpt.tokenizer
@@ -1022,7 +1022,7 @@ def _expert_bytes(adapter, experts: int, dtype) -> int:
 def _submit_read_ahead(reader, run: "_Pass", L: int, rows):
     """Read layer L's experts on the reader thread; on a GPU their bytes are reserved in the budget from now
     until they are allocated, so chunks sized meanwhile (this layer's statistics, GPTQ) leave room for them."""
-    from moequant import budget
+    from moequant import memory_budget as budget
 
     device, dtype = _experts_placement(run, _uses_awq(rows))
     n = run.adapter.num_experts if run.own is None else len(run.own)
@@ -1039,8 +1039,8 @@ def _submit_read_ahead(reader, run: "_Pass", L: int, rows):
 
 def _read_ahead_fits(adapter, run: "_Pass", own: range | None, rows) -> bool:
     """Whether the next layer's experts may be read while this one computes: always into host memory; onto
-    a GPU only when the budget (moequant.budget) holds a second layer's experts besides this one's work."""
-    from moequant import budget
+    a GPU only when the budget (moequant.memory_budget) holds a second layer's experts besides this one's work."""
+    from moequant import memory_budget as budget
 
     device, dtype = _experts_placement(run, _uses_awq(rows))
     if device is None:

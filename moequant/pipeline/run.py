@@ -12,7 +12,7 @@ checkpoint is opened once, after the export, as `Run.output` for the evaluation 
 Stages that are also library functions (calibrate, quantize_model, evaluate_checkpoints, build_report)
 keep taking a path or an open Checkpoint: `open_checkpoint` returns an open one as it is.
 
-The memory budget is moequant.budget's caps, set for the process (--max-gpu-memory / --max-host-memory)
+The memory budget is moequant.memory_budget's caps, set for the process (--max-gpu-memory / --max-host-memory)
 before the run opens; every chunk of the run's work asks it for the run's device.
 """
 

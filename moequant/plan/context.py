@@ -22,7 +22,7 @@ plans).
 
 Cross-layer sensitivity: a layer-output error does not reach the model's output equally from
 every layer (on the bundled models the loss above grows ~3x with depth relative to the real
-effect on the final KL). When the statistics hold the per-layer KL probe (moequant.calib.probe: layer
+effect on the final KL). When the statistics hold the per-layer KL probe (moequant.measure.probe: layer
 L's measured share of the KL with its routed experts in one format, the mean of the KL of
 quantizing L alone and of the KL saved by restoring L when every MoE layer is quantized),
 every loss of layer L (all its experts and formats) is multiplied by
@@ -92,7 +92,7 @@ def tensors_from_checkpoint(ckpt, adapter=None) -> list[TensorInfo]:
 def loaded_stats(stats):
     if stats is None or hasattr(stats, "layers"):
         return stats
-    from moequant.calib.stats import load_stats
+    from moequant.measure.stats import load_stats
 
     return load_stats(stats, with_hessians=False)
 

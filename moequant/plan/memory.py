@@ -1,7 +1,8 @@
 """Every memory account of an MoE model, and the one way bytes are written as text.
 
-- From the config alone (weights never loaded; `moequant inspect`, through plan.inspect): `account`,
-  its text `format_account`, `routed_expert_bytes` (all routed experts in one format).
+- From the config alone (weights never loaded): `account`, its text `format_account`, `routed_expert_bytes`
+  (all routed experts in one format); `inspect_model`, `moequant inspect`'s account cross-checked against the
+  safetensors headers.
 - Of checkpoints on disk, from their safetensors headers (or a GGUF file's, export.gguf.gguf_bytes):
   `checkpoint_bytes` (bytes by role and per routed expert), `original_tensor_name`, `is_expert_bias`,
   and `memory_account`, the `memory` section of report.json (moequant.report documents its keys;
@@ -393,3 +394,33 @@ def memory_account(original, checkpoint, shares: dict | None = None) -> dict:
         "gpu_sizes_gb": list(GPU_SIZES_GB),
         "kv_headroom": KV_HEADROOM,
     }
+
+
+def inspect_model(model: str) -> dict:
+    """Account for a checkpoint directory, a bare config.json or zoo:NAME.
+
+    When weights are present, every tensor the config implies must exist with the implied
+    shape (a mismatch is a UserError), and the byte count on disk is reported beside the account:
+    `bytes_on_disk` / `tensors_on_disk` as the files store them (a quantized source: its codes and
+    scales), `params_on_disk` the parameters of the logical model (every tensor the checkpoint
+    holds, quantized weights counted by their dense shape, scales not counted; MTP layers included),
+    and `source_formats` {format: weights} for a quantized source.
+    """
+    from moequant.io.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(model)
+    adapter = ckpt.adapter
+    acc = account(adapter)
+    acc["model"] = str(model)
+    acc["weights_checked"] = not ckpt.config_only
+    if not ckpt.config_only:
+        adapter.check_shapes(ckpt)
+        acc["bytes_on_disk"] = ckpt.stored_bytes
+        acc["tensors_on_disk"] = len(ckpt.stored)
+        acc["params_on_disk"] = sum(e.numel for e in ckpt.entries.values())
+        if ckpt.encodings:
+            counts: dict[str, int] = {}
+            for enc in ckpt.encodings.values():
+                counts[enc.description] = counts.get(enc.description, 0) + 1
+            acc["source_formats"] = dict(sorted(counts.items()))
+    return acc

@@ -47,10 +47,10 @@ from typing_extensions import Annotated
 
 from moequant.algorithms.registry import ALGORITHMS
 from moequant.algorithms.registry import GptqOptions as Gptq
-from moequant.calib.settings import DEFAULT_DATASET, Calibration
 from moequant.errors import UserError
 from moequant.formats import REGISTRY, format_names, get_format, parse_key
 from moequant.layouts import RECIPE_LAYOUTS, layout_for
+from moequant.measure.settings import DEFAULT_DATASET, Calibration
 from moequant.targets import TARGETS, get_target
 
 FORMAT_NAMES = format_names()  # every registered format (moequant.formats), llama.cpp's block types last

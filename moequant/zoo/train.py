@@ -168,7 +168,7 @@ def build_corpus(out: Path, tokenizer_from: Path | None = None) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from moequant.calib import data
+    from moequant.measure import data
 
     out.mkdir(parents=True, exist_ok=True)
     texts: dict[str, list[str]] = {}
@@ -458,7 +458,7 @@ def make_card(model_dir: Path, tokenizer_dir: Path, name: str, zoo_dir: Path) ->
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from moequant.calib import data
+    from moequant.measure import data
 
     log = json.loads((model_dir / "train_log.json").read_text())
     target = zoo_dir / name
@@ -531,7 +531,7 @@ def make_card(model_dir: Path, tokenizer_dir: Path, name: str, zoo_dir: Path) ->
             "python": platform.python_version(),
             "transformers": transformers.__version__,
             "torch": torch.__version__,
-            "how": "moequant.calib.data.load_samples(f'builtin:{source}', tokenizer, split='evaluation', **setup); "
+            "how": "moequant.measure.data.load_samples(f'builtin:{source}', tokenizer, split='evaluation', **setup); "
             "perplexity = exp(mean over samples of mean next-token NLL)",
         },
         "routing_share": routing,
@@ -569,7 +569,7 @@ def render_card(card: dict) -> str:
         "",
         "## Data",
         "",
-        "Built at training time from installed packages (calibration split of `moequant.calib.data`; the",
+        "Built at training time from installed packages (calibration split of `moequant.measure.data`; the",
         "evaluation split was never trained on). No text is shipped. Share of training sequences:",
         "",
         "| source | share | origin and licence |",

@@ -5,7 +5,7 @@ set with them ask for them by name."""
 from __future__ import annotations
 
 from moequant.algorithms.registry import PLAIN_GPTQ
-from moequant.calib.settings import CalibrationSettings
+from moequant.measure.settings import CalibrationSettings
 
 PLAIN = dict(samples=64, seq_len=256, hessian_weighting="tokens", gptq=PLAIN_GPTQ, probe_algorithm="rtn")
 

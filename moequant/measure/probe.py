@@ -39,7 +39,7 @@ Why 32 samples: tiny-mixtral's layer shares differ by less than the noise of 8 x
 tokens (layer 0's kl: 0.0054 / 0.0061 / 0.0066 on 8 / 16 / 32 samples, the others 0.0055-0.0069).
 With int4 symmetric scale signs chosen, 8 samples still picked a worse than average plan and 16 and 32
 the best (benchmarks/RESULTS.md, bench_quality.py: the probe's sample count). The probe runs by default only below 2e9 routed-expert parameters
-(plan.calibration.PROBE_MAX_EXPERT_PARAMS).
+(plan.measurements.PROBE_MAX_EXPERT_PARAMS).
 
 Why held out: GPTQ fits its Hessians' tokens. On tiny-mixtral (16 x 128 calibration tokens) GPTQ
 int4 of layers 2 / 3 gave KL 0.0049 / 0.0040 on calibration tokens and 0.0119 / 0.0103 on
@@ -80,7 +80,7 @@ from pathlib import Path
 
 import torch
 
-from moequant.calib.stats import PROBE_SCHEMA, TENSOR_PROBE_SCHEMA, chosen_hessian, layer_file
+from moequant.measure.stats import PROBE_SCHEMA, TENSOR_PROBE_SCHEMA, chosen_hessian, layer_file
 from moequant.metrics import LOGIT_CHUNK_ELEMENTS, token_statistics
 
 DEFAULT_USAGE_FLOOR = 0.05  # the recipe's default experts.usage_floor

@@ -33,18 +33,18 @@ import torch
 from safetensors.torch import load_file
 
 from moequant.algorithms.registry import algorithm
-from moequant.calib.probe import auto_probe_algorithm, probe_algorithm_for
-from moequant.calib.settings import (  # noqa: F401  (the names library callers import from here)
+from moequant.errors import UserError
+from moequant.formats import REGISTRY
+from moequant.io.checkpoint import atomic_write_text, open_checkpoint, save_safetensors
+from moequant.io.layers import LayerRunner, compute_dtype
+from moequant.measure.probe import auto_probe_algorithm, probe_algorithm_for
+from moequant.measure.settings import (  # noqa: F401  (the names library callers import from here)
     DEFAULT_SENSITIVITY_FORMATS,
     HESSIAN_WEIGHTINGS,
     MIN_ROUTED_TOKENS,
     CalibrationSettings,
 )
-from moequant.calib.stats import chosen_hessian, layer_file
-from moequant.errors import UserError
-from moequant.formats import REGISTRY
-from moequant.io.checkpoint import atomic_write_text, open_checkpoint, save_safetensors
-from moequant.io.layers import LayerRunner, compute_dtype
+from moequant.measure.stats import chosen_hessian, layer_file
 
 
 def model_fingerprint(checkpoint) -> str:
@@ -609,7 +609,7 @@ def _probe_algorithm(settings: CalibrationSettings, adapter) -> str:
 def _calibration_samples(ckpt, adapter, settings: CalibrationSettings, tokenizer, samples):
     """(samples, the probe's held-out input ids or None). Drawn from settings.dataset when `samples`
     is None; else the caller's pre-tokenised samples (library use, tests)."""
-    from moequant.calib.data import load_samples_with_holdout
+    from moequant.measure.data import load_samples_with_holdout
 
     probe_ids = None  # the probe's own samples when they are held out from the statistics
     if samples is None:
@@ -686,8 +686,8 @@ def _write_layer_statistics(
 
 def _run_probes(ckpt, adapter, output: Path, settings: CalibrationSettings, input_ids, probe_ids, progress) -> None:
     """The per-layer KL probe and the per-tensor probe (settings.tensor_formats), each file replaced."""
-    from moequant.calib.probe import probe_indices, run_probe, run_tensor_probe
-    from moequant.calib.stats import PROBE_FILE, TENSOR_PROBE_FILE, write_probe, write_tensor_probe
+    from moequant.measure.probe import probe_indices, run_probe, run_tensor_probe
+    from moequant.measure.stats import PROBE_FILE, TENSOR_PROBE_FILE, write_probe, write_tensor_probe
 
     (output / PROBE_FILE).unlink(missing_ok=True)
     if settings.probe_samples > 0 and adapter.moe_layers:
@@ -925,7 +925,7 @@ def plot_routing(stats_dir: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moequant.calib.stats import load_stats
+    from moequant.measure.stats import load_stats
 
     s = load_stats(stats_dir, with_hessians=False)
     layers = sorted(s.layers)

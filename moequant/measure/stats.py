@@ -33,7 +33,10 @@ from moequant.errors import UserError
 from moequant.io.checkpoint import atomic_write_text
 
 GROUP_OF_PROJ = {"gate": "gate_up", "up": "gate_up", "down": "down"}
-PROBE_SCHEMA, PROBE_FILE = "moequant.calib.probe/1", "probe.json"  # written by calib.probe
+PROBE_SCHEMA, PROBE_FILE = (
+    "moequant.calib.probe/1",
+    "probe.json",
+)  # written by measure.probe (the schema keeps its first name)
 TENSOR_PROBE_SCHEMA, TENSOR_PROBE_FILE = "moequant.tensor_probe/1", "tensor_probe.json"
 
 
@@ -157,7 +160,7 @@ def chosen_hessian(stats: dict[str, torch.Tensor], group: str, idx, min_tokens: 
     return own, chosen
 
 
-# The probe files (calib.probe writes them; their schemas are above)
+# The probe files (measure.probe writes them; their schemas are above)
 
 
 def _write_json(path: Path, data: dict) -> Path:

@@ -1,4 +1,4 @@
-"""The run's one memory budget (moequant.budget): sizes, chunks that never change results, and the
+"""The run's one memory budget (moequant.memory_budget): sizes, chunks that never change results, and the
 precheck that refuses a layer the GPU budget cannot hold before any weight is read."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 from helpers import header_only_checkpoint, make_layer
 
-from moequant import budget
+from moequant import memory_budget
 from moequant.algorithms import gptq
 from moequant.cli import main
 from moequant.errors import UserError
@@ -21,21 +21,21 @@ from moequant.errors import UserError
     [("60GiB", 60 * 2**30), ("512MiB", 512 * 2**20), ("1.5T", int(1.5 * 2**40)), ("123", 123), ("2 GB", 2 * 2**30)],
 )
 def test_memory_sizes_are_read_as_written(text, want):
-    assert budget.parse_bytes(text, "--max-gpu-memory") == want
+    assert memory_budget.parse_bytes(text, "--max-gpu-memory") == want
 
 
 @pytest.mark.parametrize("text", ["lots", "60 GiBs", "-1G", ""])
 def test_a_malformed_memory_size_is_one_sentence(text):
     with pytest.raises(UserError, match="is not a memory size; write it like 60GiB"):
-        budget.parse_bytes(text, "--max-gpu-memory")
+        memory_budget.parse_bytes(text, "--max-gpu-memory")
 
 
 def test_gptq_batches_sized_by_a_small_budget_give_the_same_codes(monkeypatch):
-    """A budget that fits one expert at a time (GPTQ's batches come from moequant.budget) changes
+    """A budget that fits one expert at a time (GPTQ's batches come from moequant.memory_budget) changes
     nothing: every expert's solve is its own."""
     w, h, _ = make_layer(experts=5, out=24, n_in=64, tokens=300, seed=4)
     whole, rep_whole = gptq.gptq_pass(w, h, "int4-g32-sym", grid="searched", refit=True)
-    monkeypatch.setattr(budget, "temporary_bytes", lambda device: 1)
+    monkeypatch.setattr(memory_budget, "temporary_bytes", lambda device: 1)
     small, rep_small = gptq.gptq_pass(w, h, "int4-g32-sym", grid="searched", refit=True)
     assert rep_small.settings["chunk_experts"] == 1 and rep_whole.settings["chunk_experts"] == 5
     assert torch.equal(whole.codes, small.codes) and torch.equal(whole.scales, small.scales)
@@ -43,11 +43,11 @@ def test_gptq_batches_sized_by_a_small_budget_give_the_same_codes(monkeypatch):
 
 def test_the_host_cap_bounds_what_a_chunk_may_take():
     try:
-        budget.configure(max_host="1GiB")
-        assert budget.device_free_bytes("cpu") == 0  # this process alone holds more than 1 GiB - margin
-        assert budget.temporary_bytes("cpu") == 2**26  # the floor: one small chunk still runs
+        memory_budget.configure(max_host="1GiB")
+        assert memory_budget.device_free_bytes("cpu") == 0  # this process alone holds more than 1 GiB - margin
+        assert memory_budget.temporary_bytes("cpu") == 2**26  # the floor: one small chunk still runs
     finally:
-        budget.configure()
+        memory_budget.configure()
 
 
 def test_a_deepseek_v3_layer_under_a_small_gpu_budget_is_refused_before_reading_weights(tmp_path, monkeypatch):
@@ -103,7 +103,7 @@ def test_a_deepseek_v3_layer_under_a_small_gpu_budget_is_refused_before_reading_
     )
     assert result.exit_code == 2 and "needs at least" not in result.output, result.output
     assert not out.exists()
-    from moequant import budget as b
+    from moequant import memory_budget as b
 
     assert b.gpu_limit_bytes() == 120 * 2**30
     CliRunner().invoke(main, ["apply", "--recipe", "uniform-int4", "--model", str(model), "--output", str(out)])
@@ -132,11 +132,11 @@ def test_a_read_ahead_s_reservation_is_left_free_until_released(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 2**30, 140 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
-    free = budget.device_free_bytes("cuda")
-    assert free == 100 * 2**30 - budget.MARGIN_BYTES
-    release = budget.reserve_gpu(30 * 2**30)
-    assert budget.device_free_bytes("cuda") == free - 30 * 2**30
-    assert budget.temporary_bytes("cuda") == int(0.85 * (free - 30 * 2**30))
+    free = memory_budget.device_free_bytes("cuda")
+    assert free == 100 * 2**30 - memory_budget.MARGIN_BYTES
+    release = memory_budget.reserve_gpu(30 * 2**30)
+    assert memory_budget.device_free_bytes("cuda") == free - 30 * 2**30
+    assert memory_budget.temporary_bytes("cuda") == int(0.85 * (free - 30 * 2**30))
     release()
     release()
-    assert budget.device_free_bytes("cuda") == free
+    assert memory_budget.device_free_bytes("cuda") == free

@@ -5,7 +5,7 @@ by default the cap is what is free, less a margin. Every chunk size on the quant
 batches, the scale refit, statistics Hessians) asks `temporary_bytes(device)`: the memory one
 such computation may add on top of what is already resident, from the same accounting, instead
 of a constant of its own. Results never depend on the budget: chunks split experts, whose
-computations are independent (tests/test_budget.py checks bit for bit).
+computations are independent (tests/test_memory_budget.py checks bit for bit).
 """
 
 from __future__ import annotations

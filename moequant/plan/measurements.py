@@ -4,8 +4,8 @@ from the recipe alone (`calibration:`, `gptq:`, `algorithms:`, `seed`) and the m
 
 from __future__ import annotations
 
-from moequant.calib.settings import CalibrationSettings
 from moequant.io.checkpoint import open_checkpoint
+from moequant.measure.settings import CalibrationSettings
 from moequant.plan.recipe import Recipe, resolve_format
 from moequant.targets import get_target
 
@@ -30,7 +30,7 @@ def _quantized_keys(recipe: Recipe, entries) -> tuple[str, ...]:
 def calibration_settings(
     recipe: Recipe, device: str = "cpu", formats: tuple[str, ...] | None = None, ckpt=None
 ) -> CalibrationSettings:
-    from moequant.calib.probe import auto_probe_algorithm
+    from moequant.measure.probe import auto_probe_algorithm
 
     c = recipe.calibration
     formats = formats or sensitivity_formats(recipe)

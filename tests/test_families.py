@@ -116,7 +116,7 @@ def _file_bytes(folder):
 
 @pytest.mark.parametrize("model_type", SUPPORTED)
 def test_inspect_accounts_the_saved_bytes(model_type, built):
-    from moequant.plan.inspect import inspect_model
+    from moequant.plan.memory import inspect_model
 
     folder = built(model_type)
     data, routed = _file_bytes(folder)
@@ -154,7 +154,7 @@ def _transformers_matches_moequant(checkpoint) -> float:
 def test_int4_experts_export_reloads_in_transformers(model_type, built, tmp_path):
     from test_export_models import quantize_experts
 
-    from moequant.export.layouts import export_checkpoint
+    from moequant.export.write import export_checkpoint
 
     source = built(model_type)
     layout, key = OWN_LAYOUT.get(model_type, ("compressed-tensors", "int4-g32-sym"))
@@ -270,7 +270,7 @@ def _quantized_source(model_type, source, directory):
     model); written by our exporter, read back below against independent decoders."""
     from test_export_models import quantize_experts, quantize_named
 
-    from moequant.export.layouts import export_checkpoint
+    from moequant.export.write import export_checkpoint
 
     kind = QUANTIZED_SOURCES[model_type]
     if kind == "FP8-block":

@@ -27,6 +27,7 @@ LAYERS = [
     ("moequant.formats",),
     (
         "moequant.errors",
+        "moequant.registry",
         "moequant.memory_budget",
         "moequant.timing",
         "moequant.vllm_plugin.names",

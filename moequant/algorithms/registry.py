@@ -20,6 +20,8 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from moequant.registry import Registry
+
 
 class GptqOptions(BaseModel):
     """How GPTQ rounds (the quantize pass and the probe alike, algorithms.gptq.gptq_pass): the recipe's
@@ -62,20 +64,16 @@ class Algorithm:
     options: type[BaseModel] | None = None  # its options: the recipe's section of the algorithm's name
 
 
-ALGORITHMS: dict[str, Algorithm] = {}
+ALGORITHMS: Registry = Registry("algorithm", "'{name}' is not an algorithm; accepted: {accepted}", ValueError)
 
 
 def register(algorithm: Algorithm) -> Algorithm:
-    ALGORITHMS[algorithm.name] = algorithm
-    return algorithm
+    return ALGORITHMS.add(algorithm, algorithm.name)
 
 
 def algorithm(name: str) -> Algorithm:
     """The registered algorithm `name` (a plan row's `algorithm`)."""
-    try:
-        return ALGORITHMS[name]
-    except KeyError:
-        raise ValueError(f"'{name}' is not an algorithm; accepted: {', '.join(ALGORITHMS)}") from None
+    return ALGORITHMS.find(name)
 
 
 def probe_algorithms() -> tuple[str, ...]:

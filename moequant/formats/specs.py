@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass
 
 from moequant.errors import UserError
+from moequant.registry import Registry
 
 INT_GROUP_SIZES = (32, 64, 128)
 FP8_GRANULARITIES = ("channel", "block", "tensor")
@@ -178,15 +179,11 @@ class Format:
         raise UserError(f"format {spec.key} has no compressed-tensors scheme.")
 
 
-REGISTRY: dict[str, Format] = {}
+REGISTRY: Registry = Registry("format")  # get_format refuses an unknown name itself (it also parses keys)
 
 
 def register(family: Format) -> Format:
-    for name in family.names:
-        if name in REGISTRY:
-            raise ValueError("format name %r is registered twice" % name)
-        REGISTRY[name] = family
-    return family
+    return REGISTRY.add(family, *family.names, unique=True)
 
 
 def format_names(ggml: bool | None = None) -> tuple[str, ...]:

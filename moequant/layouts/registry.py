@@ -3,20 +3,20 @@ export, the planner's byte account, the precheck, the recipe's `export.format`).
 
 from __future__ import annotations
 
-from moequant.errors import UserError
 from moequant.layouts.base import Layout
+from moequant.registry import Registry
 from moequant.targets import get_target
 
-LAYOUTS: dict[str, type[Layout]] = {}
-RECIPE_LAYOUTS: dict[str, type[Layout]] = {}  # by what a recipe's export.format calls them
+LAYOUTS: Registry = Registry("layout")
+# by what a recipe's export.format calls them
+RECIPE_LAYOUTS: Registry = Registry("layout", "export layout {name!r} is not supported; accepted: {accepted}.")
 
 
 def register(layout: type[Layout]) -> type[Layout]:
     """Make `layout` known by its name (and its recipe name): export_checkpoint, the plan and the precheck
     then take it with no other change."""
-    LAYOUTS[layout.name] = layout
-    RECIPE_LAYOUTS[layout.recipe_name or layout.name] = layout
-    return layout
+    RECIPE_LAYOUTS.add(layout, layout.recipe_name or layout.name)
+    return LAYOUTS.add(layout, layout.name)
 
 
 def reader_for(quant_method) -> type[Layout] | None:
@@ -31,10 +31,9 @@ def quant_methods() -> list[str]:
 
 def layout_for(export_format: str) -> type[Layout]:
     """The layout a recipe's `export.format` names (a layout's own name is accepted too)."""
-    layout = RECIPE_LAYOUTS.get(export_format) or LAYOUTS.get(export_format)
-    if layout is None:
-        raise UserError(f"export layout {export_format!r} is not supported; accepted: {', '.join(RECIPE_LAYOUTS)}.")
-    return layout
+    if isinstance(export_format, str) and export_format in LAYOUTS and export_format not in RECIPE_LAYOUTS:
+        return LAYOUTS[export_format]
+    return RECIPE_LAYOUTS.find(export_format)
 
 
 def layout_refusal(layout: str, spec, target: str, adapter, routed: bool = True) -> str | None:

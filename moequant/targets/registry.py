@@ -3,23 +3,19 @@ recipe's `target`, the planner, the precheck, the export)."""
 
 from __future__ import annotations
 
-from moequant.errors import UserError
+from moequant.registry import Registry
 from moequant.targets.base import Target
 
-TARGETS: dict[str, Target] = {}
+TARGETS: Registry = Registry("target", "target {name!r} is not a target; accepted: {accepted}.")
 
 
 def register(target: Target) -> Target:
     """Make `target` known by its name: recipes, the planner, the precheck and the export then take it."""
-    TARGETS[target.name] = target
-    return target
+    return TARGETS.add(target, target.name)
 
 
 def get_target(name) -> Target:
     """The registered target `name` (a Target is returned as it is)."""
     if isinstance(name, Target):
         return name
-    target = TARGETS.get(name)
-    if target is None:
-        raise UserError(f"target {name!r} is not a target; accepted: {', '.join(TARGETS)}.")
-    return target
+    return TARGETS.find(name)

@@ -173,7 +173,7 @@ def check_export_options(layout: str, target, int8_activations: str) -> None:
         raise UserError(f"export layout {layout!r} is not supported; accepted: {', '.join(LAYOUTS)}.")
     if not isinstance(target, Target) and target not in TARGETS:
         raise UserError(f"export target {target!r} is not supported; accepted: {', '.join(TARGETS)}.")
-    why = get_target(target).refuses_layout(LAYOUTS[layout])
+    why = get_target(target).check(layout=LAYOUTS[layout])
     if why:
         raise UserError(why + ".")
     if int8_activations not in ("none", "dynamic"):

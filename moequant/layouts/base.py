@@ -148,7 +148,7 @@ class Layout:
             what = self.refuses(q.spec)
             if what:
                 raise UserError(f"the {self.name} layout holds {what}; tensor {name} is planned as {q.spec.key}.")
-            why = self.target.refuses(q.spec, routed=self.roles[name].role == "routed_expert")
+            why = self.target.check(q.spec, routed=self.roles[name].role == "routed_expert")
             if why:
                 raise UserError(f"target {self.target} cannot serve {q.spec.key}, the format of {name}: {why}.")
 
@@ -161,7 +161,7 @@ class Layout:
         if self.target.expert_format_map:
             self._one_format_per_expert()
         routed = {n: q.spec for n, q in self.items.items() if self.roles[n].role == "routed_expert"}
-        why = self.target.refuses_routed_mix(routed)
+        why = self.target.check(routed_mix=routed)
         if why:
             raise UserError(why + ".")
 

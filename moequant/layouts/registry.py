@@ -44,7 +44,7 @@ def layout_refusal(layout: str, spec, target: str, adapter, routed: bool = True)
     if layout not in LAYOUTS:
         return f"export layout {layout!r} is not supported; accepted: {', '.join(LAYOUTS)}"
     writer = LAYOUTS[layout]
-    why = get_target(target).refuses_layout(writer)
+    why = get_target(target).check(layout=writer)
     if why:
         return why
     why = writer.refuses_model(adapter)

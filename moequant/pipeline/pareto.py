@@ -85,7 +85,7 @@ def _uniform_recipe(recipe, entry: str):
     from moequant.plan.recipe import resolve_format
 
     spec = resolve_format(recipe, entry)
-    target = "vllm" if get_target("vllm").refuses(spec, routed=True) is None else ANY_MIX
+    target = "vllm" if get_target("vllm").check(spec, routed=True) is None else ANY_MIX
     return _variant(recipe, target=target, method="uniform", format=entry), spec
 
 

@@ -56,7 +56,7 @@ def check_recipe(recipe, ckpt) -> list[str]:
     layout = layout_for(recipe.export.format).name
     specs = plan_formats(recipe)
     for spec in specs:
-        if recipe.experts.method == "budget" and get_target(recipe.target).refuses(spec, routed=True):
+        if recipe.experts.method == "budget" and get_target(recipe.target).check(spec, routed=True):
             continue  # the plan drops it for the target and says so
         why = layout_refusal(layout, spec, recipe.target, adapter)
         if why:

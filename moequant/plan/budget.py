@@ -38,7 +38,7 @@ def _budget_candidates(recipe: Recipe) -> tuple[list, dict[str, str]]:
     dropped: dict[str, str] = {}
     specs = []
     for spec in dedupe_specs(resolve_format(recipe, f) for f in recipe.experts.formats):
-        why = target.refuses(spec, routed=True)
+        why = target.check(spec, routed=True)
         if why:
             dropped[spec.key] = why
         else:
@@ -94,7 +94,7 @@ def _non_expert_options(ctx: PlanContext, recipe: Recipe, plans: list, reference
     for spec in dedupe_specs(
         resolve_format(recipe, f) for f in [recipe.non_experts.format, *recipe.non_experts.formats]
     ):
-        why = target.refuses(spec, routed=False)
+        why = target.check(spec, routed=False)
         if why and spec.quantized:
             raise UserError(f"non_experts.formats offers {spec.key}, which target {recipe.target} cannot serve: {why}.")
         specs.append(spec)
@@ -207,7 +207,7 @@ def alternative_budget_plan(ctx: PlanContext, target: str, free, entries, limit:
     """The budget plan for `target` over `entries` (servable, with sensitivities) within `limit`."""
     specs = []
     for spec in dedupe_specs(resolve_format(ctx.recipe, f) for f in entries):
-        if get_target(target).refuses(spec, routed=True):
+        if get_target(target).check(spec, routed=True):
             continue
         try:
             for e in free:

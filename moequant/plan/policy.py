@@ -106,7 +106,7 @@ def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
 
 def _non_expert_plans(ctx: PlanContext, recipe: Recipe, tensors: list[TensorInfo], non_expert_spec) -> list[TensorPlan]:
     """The plans of every tensor but the routed experts: non_experts.format, or bf16 with the reason."""
-    reason = get_target(recipe.target).refuses(non_expert_spec, routed=False)
+    reason = get_target(recipe.target).check(non_expert_spec, routed=False)
     if reason and non_expert_spec.quantized:
         raise UserError(
             f"non_experts.format {non_expert_spec.key} cannot be served by target {recipe.target}: "

@@ -275,7 +275,7 @@ class Recipe(Strict):
 
     @model_validator(mode="after")
     def _target_reads_the_layout(self):
-        why = get_target(self.target).refuses_layout(layout_for(self.export.format))
+        why = get_target(self.target).check(layout=layout_for(self.export.format))
         if why:
             raise ValueError(why)
         return self

@@ -106,7 +106,7 @@ def rules_assignment(ctx: PlanContext, recipe: Recipe, free, shapes_only: bool) 
         assignment = {}
         for rule in recipe.experts.rules:
             spec = resolve_format(recipe, rule.format)
-            why = target.refuses(spec, routed=True)
+            why = target.check(spec, routed=True)
             if why:
                 raise UserError(
                     f"experts.rules gives routed experts {spec.key}, which target {target} cannot "
@@ -115,7 +115,7 @@ def rules_assignment(ctx: PlanContext, recipe: Recipe, free, shapes_only: bool) 
     else:
         assignment = _apply_rules(ctx, recipe, free)
     for spec in dedupe_specs(assignment.values()):
-        why = target.refuses(spec, routed=True)
+        why = target.check(spec, routed=True)
         if why:
             key = "experts.format" if method == "uniform" else "experts.rules"
             raise UserError(

@@ -1,7 +1,12 @@
 """What a serving target is: an engine that loads moequant's checkpoints, described by what it loads (formats
 per routed and non-routed tensor, the unit routed experts share a format in, the layouts it reads, which
 modules it fuses) and how it refuses. The formats, the layouts and the planner ask a target these things;
-none of them names one. One file per engine beside this one; moequant.targets.registry lists them."""
+none of them names one. One file per engine beside this one; moequant.targets.registry lists them.
+
+Whether an engine can serve something is one question, `Target.check`: the recipe validator (a layout), the
+planner and the precheck (a format, routed or not), the layout export (each tensor's format, the routed
+experts' mix) all ask it and nothing else. An engine's file answers it by overriding `check` itself or the
+parts it is made of (`refuses`, `refuses_layout`, `refuses_routed_mix`)."""
 
 from __future__ import annotations
 
@@ -23,6 +28,17 @@ class Target:
     # group is integer (the checkpoint says so)
     non_expert_choice = True  # a budget may choose each non-expert tensor's format (non_experts.formats)
     routed_formats = ""  # what it serves for routed experts, in words (refusals end with it)
+
+    def check(self, spec=None, *, routed: bool = True, layout=None, routed_mix: dict | None = None) -> str | None:
+        """Why this engine cannot serve what it is asked (None: it can), one of:
+        `spec`: a tensor in this format (`routed`: a routed expert of a fused-MoE layer, whose kernels are
+        narrower than linear ones); `layout`: a checkpoint written in this layout (a moequant.layouts class);
+        `routed_mix`: routed expert tensors in these formats ({name: spec}), beyond one format per unit."""
+        if layout is not None:
+            return self.refuses_layout(layout)
+        if routed_mix is not None:
+            return self.refuses_routed_mix(routed_mix)
+        return self.refuses(spec, routed)
 
     def refuses(self, spec, routed: bool) -> str | None:
         """Why this engine cannot load a tensor in `spec` (None: it can); `routed`: a routed expert of a

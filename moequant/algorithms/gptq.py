@@ -660,6 +660,25 @@ _SUPER_BLOCK = 1024  # columns per outer lazy-update block of the fused sweep
 _FUSED_BLOCK = 64
 
 
+# The environment switches that change GPU results (GPTQ's products and Cholesky, the Triton kernels of the
+# sweep, the refit and the grid search, CUDA graphs), each with whether a value reads as its default (unset: it does): a run records the
+# ones set otherwise in its fingerprint (moequant.measure.settings), so statistics and checkpoints made under
+# other GPU math are never reused for this one.
+GPU_MATH_SWITCHES = {
+    "MOEQUANT_GPTQ_MATMUL": lambda v: v.lower() == "tf32",
+    "MOEQUANT_GPTQ_CHOLESKY_MATMUL": lambda v: v.lower() == "tf32x3",
+    "MOEQUANT_CHOLESKY": lambda v: v == "auto",
+    "MOEQUANT_TRITON": lambda v: v != "0",
+    "MOEQUANT_CUDA_GRAPHS": lambda v: v != "0",
+}
+
+
+def gpu_math_switches() -> dict[str, str]:
+    """{variable: value} of the GPU-math switches set to something other than their default."""
+    values = {k: os.environ.get(k) for k in GPU_MATH_SWITCHES}
+    return {k: v for k, v in values.items() if v is not None and not GPU_MATH_SWITCHES[k](v)}
+
+
 def _update_matmul() -> str:
     """MOEQUANT_GPTQ_MATMUL: "tf32" (default) or "fp32", the fused sweep's lazy-update products."""
 

@@ -669,8 +669,9 @@ def evaluate_streaming(
 def _layers_read_ahead(runs, adapter, ahead: bool | None = None):
     """(L, [each run's layer L state, or None: read when materialized]) for every decoder layer. With `ahead`
     (None: on a GPU with room for a second layer of every run, moequant.memory_budget) the next layer is read and
-    decoded on a thread while this one computes: the evaluation was bound by reading both models' layers one
-    after the other. On the host it is not (host memory stays at one layer of each model)."""
+    decoded while this one computes: the evaluation was bound by reading both models' layers one after the
+    other. Its routed experts are read by several threads at once, both models' together (`_read_states`).
+    On the host it is not (host memory stays at one layer of each model)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from moequant import memory_budget as budget
@@ -683,10 +684,13 @@ def _layers_read_ahead(runs, adapter, ahead: bool | None = None):
         for L in range(adapter.num_layers):
             yield L, [None] * len(runs)
         return
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moequant-eval-read") as reader:
+    with (
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="moequant-eval-read") as reader,
+        ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="moequant-eval-read-experts") as slices,
+    ):
 
         def read(L):
-            return reader.submit(lambda: [r.read_layer(L) for r in runs])
+            return reader.submit(_read_states, runs, adapter, L, slices)
 
         pending = read(0)
         for L in range(adapter.num_layers):
@@ -695,6 +699,37 @@ def _layers_read_ahead(runs, adapter, ahead: bool | None = None):
                 pending = read(L + 1)
             yield L, states
             del states
+
+
+_READ_THREADS = 8  # threads that read and decode one layer's routed experts (both models' at once)
+
+
+def _read_states(runs, adapter, L: int, pool) -> list:
+    """Each run's layer L state (LayerRunner.read_layer). An MoE layer's routed experts, stored one tensor per
+    expert, are read first as slices of experts on `pool`'s threads, every run's at once, each slice cast into
+    its place in one stack per projection (one thread reading both models expert after expert was the
+    evaluation's cost on a GPU), then handed to read_layer, which reads the rest: the same values in the same
+    dtype as read_layer reads itself."""
+    if L not in adapter.moe_layers or adapter.fused_experts or pool is None:
+        return [r.read_layer(L) for r in runs]
+    E = adapter.num_experts
+    step = max(1, -(-E // _READ_THREADS))
+
+    def fill(r, p, stack, part, device):
+        stack[part.start : part.stop] = r.adapter.read_experts(r.checkpoint, L, p, part, device, r.dtype)
+
+    stacks, jobs = [], []
+    for r in runs:
+        device = r.device if torch.device(r.device).type == "cuda" else None  # as read_layer: decoded there
+        mine = {}
+        for p in adapter.projections:
+            mine[p] = torch.empty((E,) + tuple(adapter.expert_shape(p)), dtype=r.dtype, device=device)
+            for lo in range(0, E, step):
+                jobs.append(pool.submit(fill, r, p, mine[p], range(lo, min(E, lo + step)), device))
+        stacks.append(mine)
+    for job in jobs:
+        job.result()
+    return [r.read_layer(L, experts=mine) for r, mine in zip(runs, stacks)]
 
 
 def _layer_bytes(run, adapter) -> int:

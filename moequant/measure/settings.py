@@ -119,13 +119,14 @@ class CalibrationSettings:
                 "save_hessians",
             )
         }
-        # absent at token weighting and GPTQ as published (the recipe's defaults before 2026-12-02):
-        # statistics made with them keep their fingerprint, and the recipe's defaults now add these fields
+        # Fields added since the first fingerprint are written only away from what that fingerprint implied, so
+        # statistics made before each was added keep their fingerprint: token weighting and GPTQ as published
+        # (the first defaults; the recipe's defaults now add these fields)
         if self.hessian_weighting != "tokens":
             fields["hessian_weighting"] = self.hessian_weighting
         if self.gptq != PLAIN_GPTQ:  # likewise
             fields["gptq"] = [self.gptq.grid, self.gptq.refit]
-        if self.gptq.grid == "searched":  # statistics made before 2026-12-05 hold min/max sensitivities
+        if self.gptq.grid == "searched":  # the first statistics held min/max sensitivities
             fields["sensitivity_grid"] = "searched"
         if self.tensor_formats:  # likewise
             fields["tensor_formats"] = list(self.tensor_formats)

@@ -240,19 +240,44 @@ def tiny_family_config(model_type: str):
         setattr(config, key, value)
     if top is not config:
         top.tie_word_embeddings = False
+    if model_type in AS_SHIPPED:  # the class its checkpoints name, towers and all
+        top.architectures = [AS_SHIPPED[model_type]]
+    for key in ("vision_config", "audio_config"):  # the non-text towers, kept as they are: tiny too
+        tower = getattr(top, key, None)
+        if tower is not None and not isinstance(tower, dict):
+            for name, value in TOWER_SIZES.items():
+                if name in tower.to_dict():
+                    setattr(tower, name, config.hidden_size if name == "out_hidden_size" else value)
+            if getattr(tower, "deepstack_visual_indexes", None):
+                tower.deepstack_visual_indexes = [0]
     return top
+
+
+# families whose checkpoints ship the text model inside a multimodal one: built as that (vision tower kept)
+AS_SHIPPED = {"qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+TOWER_SIZES = {
+    "depth": 1,
+    "num_hidden_layers": 1,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "out_hidden_size": None,  # the text model's hidden size
+}
 
 
 def build_family(model_type: str, directory: Path, seed: int = 0) -> Path:
     """Save a tiny random model of the family (bf16, transformers' own on-disk names) with the bundled tokenizer."""
-    from transformers import AutoModelForCausalLM
+    from moequant.arch.generic import model_class
 
     logger = logging.getLogger("transformers")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(tiny_family_config(model_type))
+        config = tiny_family_config(model_type)
+        model = model_class(config.to_dict()).from_config(config)
         with torch.no_grad():
             for name, b in model.named_buffers():
                 if "correction_bias" in name:

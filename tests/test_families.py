@@ -132,13 +132,23 @@ def _kl(a, b) -> float:
     return float((a.exp() * (a - b)).sum(-1).mean())
 
 
+def _transformers_model(path):
+    """Plain transformers' model of a saved checkpoint, through the auto class its config names (a multimodal
+    wrapper's image-text class, else the causal LM)."""
+    import json
+    from pathlib import Path
+
+    from moequant.arch.generic import model_class
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    return model_class(config).from_pretrained(str(path), dtype=torch.float32).eval()
+
+
 def _transformers_matches_moequant(checkpoint) -> float:
     """Plain transformers' reading of an export holds moequant's dequantized weights bit for bit (it keeps the
     decompressed experts in the checkpoint's dtype: ours are rounded to it, once), and its logits then equal
     those of moequant.load's model: the KL between the two."""
-    from transformers import AutoModelForCausalLM
-
-    theirs = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    theirs = _transformers_model(checkpoint)
     ours = load(checkpoint, torch.float32)
     their_state = theirs.state_dict()
     with torch.no_grad():
@@ -180,12 +190,10 @@ def test_layer_by_layer_equals_transformers_whole_forward(model_type, built):
     """What calibration, the quantize pass and the evaluation run (one decoder layer at a time, each with the
     arguments and, where the family hands one on, the state the model's own loop gives it) ends where
     transformers' whole forward ends: the final norm's output."""
-    from transformers import AutoModelForCausalLM
-
     from moequant.io.layers import LayerRunner
 
     source = built(model_type)
-    whole = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
+    whole = _transformers_model(source)
     adapter = adapter_for(whole.config.to_dict())
     runner = LayerRunner(open_checkpoint(source), adapter, TOKENS, batch_size=1)
     hidden = list(runner.embedded)

@@ -57,10 +57,28 @@ def decode_special_floats(config: dict) -> dict:
     return decode(config) if decode else config
 
 
+def model_class(config: dict):
+    """transformers' auto class for a checkpoint: its image-text model where config.json names that class or
+    the family has no causal LM (Qwen3.5-MoE, Qwen3-VL-MoE and Kimi-K2.5 ship the text model inside a
+    multimodal one, vision tower beside it), else its causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    t = config.get("model_type")
+    causal, image_text = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(t), MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(t)
+    named = (config.get("architectures") or [None])[0]
+    if image_text and (causal is None or (named == image_text and named != causal)):
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 @functools.lru_cache(maxsize=8)
 def meta_model(config_json: str):
-    """transformers' causal-LM model for a config.json, on the meta device (no memory)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """transformers' model for a config.json (`model_class`), on the meta device (no memory)."""
+    from transformers import AutoConfig
 
     config = decode_special_floats(json.loads(config_json))
     raw = {k: v for k, v in config.items() if k != "model_type"}
@@ -68,7 +86,7 @@ def meta_model(config_json: str):
     try:
         hf = AutoConfig.for_model(config["model_type"], **raw)
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(hf)
+            return model_class(config).from_config(hf)
     except _CONFIG_ERRORS as e:  # transformers' own validation of a config value: one sentence upstream
         raise ValueError(str(e).splitlines()[-1].strip() or type(e).__name__) from None
     finally:

@@ -83,9 +83,10 @@ def build_skeleton(checkpoint, dtype=torch.float32, experts_implementation: str 
     """The model on the meta device with everything outside its decoder layers and its head made real
     (embedding, final norm, rotary embedding, and whatever else the family keeps there), each tensor read
     under its on-disk name."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from moequant.arch import adapter_for
+    from moequant.arch.generic import model_class
 
     adapter = getattr(checkpoint, "adapter", None) or adapter_for(checkpoint.config)  # the checkpoint's own
     quiet = logging.getLogger("transformers")
@@ -95,7 +96,7 @@ def build_skeleton(checkpoint, dtype=torch.float32, experts_implementation: str 
         config = AutoConfig.from_pretrained(checkpoint.directory, trust_remote_code=False)
         with torch.device("meta"):
             extra = {"experts_implementation": experts_implementation} if experts_implementation else {}
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
+            model = model_class(checkpoint.config).from_config(config, dtype=dtype, **extra)
     finally:
         quiet.setLevel(level)
     base, layers = adapter.decoder(model)

@@ -13,6 +13,7 @@ picks one experts scheme for the whole model and decodes per-layer mixes wrongly
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -129,13 +130,15 @@ def require_complete(ckpt, adapter) -> None:
 def from_pretrained_complete(directory, dtype, shown_as=None):
     """transformers' from_pretrained, refusing a checkpoint that lacks tensors the model needs:
     transformers initialises those at random and goes on, which would make every number wrong."""
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
+
+    from moequant.arch.generic import model_class
 
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # only our own (rich) bars on screen: its tqdm would interleave with them
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
+        config = json.loads((Path(directory) / "config.json").read_text())
+        model, info = model_class(config).from_pretrained(
             str(directory), dtype=dtype, trust_remote_code=False, output_loading_info=True
         )
     finally:

@@ -325,8 +325,22 @@ def readme_table(readme_text: str) -> str:
 
 TABLE_START, TABLE_END = "<!-- families table: python tests/families.py -->", "<!-- end of families table -->"
 
-if __name__ == "__main__":  # rewrite the README's table from the lists above
+
+def tested_families() -> dict:
+    """moequant/arch/tested_families.json: the families moequant takes here and this transformers' version."""
+    import transformers
+
+    taken = [f for f in FAMILIES if f not in NOT_SUPPORTED and f not in UNBUILT]
+    return {"transformers": transformers.__version__, "model_types": taken}
+
+
+if __name__ == "__main__":  # rewrite the README's table and the tested families from the lists above
+    import json
+
+    from moequant.arch import TESTED_FAMILIES
+
     readme = Path(__file__).parent.parent / "README.md"
     text = readme.read_text()
     start, end = text.index(TABLE_START) + len(TABLE_START), text.index(TABLE_END)
     readme.write_text(text[:start] + "\n" + support_table() + text[end:])
+    TESTED_FAMILIES.write_text(json.dumps(tested_families(), indent=1) + "\n")

@@ -5,6 +5,9 @@ exists only for what that rule cannot express (gpt-oss), listed in `ADAPTERS`.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from moequant.arch.base import PROJECTIONS, ROLES, Adapter, Routing, TensorRole  # noqa: F401
 from moequant.arch.generic import GenericAdapter, decode_special_floats, standard_experts_families
 from moequant.arch.gpt_oss import GptOssAdapter
@@ -63,6 +66,12 @@ def refuse_unknown(model_type) -> None:
     """One sentence for a model type transformers does not know, or knows without MoE experts."""
     from transformers import CONFIG_MAPPING, __version__
 
+    tested = tested_families()
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING and model_type in tested["model_types"]:
+        raise UserError(
+            f"model_type {model_type!r} is not known to the installed transformers {__version__}; moequant takes it "
+            f"with transformers {tested['transformers']} (pip install -U 'transformers>={tested['transformers']}')."
+        )
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise UserError(
             f"model_type {model_type!r} is not known to the installed transformers {__version__}; "
@@ -97,3 +106,12 @@ def with_defaults(config: dict) -> dict:
     finally:
         logger.setLevel(level)
     return {**full, **config}
+
+
+TESTED_FAMILIES = Path(__file__).with_name("tested_families.json")
+
+
+def tested_families() -> dict:
+    """The families tests/test_families.py passes and the transformers version it ran with (written by
+    `python tests/families.py`): what a too-old transformers is told to upgrade to."""
+    return json.loads(TESTED_FAMILIES.read_text())

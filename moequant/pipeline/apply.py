@@ -87,7 +87,7 @@ def plan_stage(run: Run, stats_dir: Path | None, settings: CalibrationSettings):
     """Make the plan; rewrite OUTPUT/plan.json only when its content changes (so a rerun reuses it).
     Returns (the plan, whether plan.json was reused)."""
     plan_path = run.directory / "plan.json"
-    plan = make_plan(run.recipe, run.source, stats_dir)
+    plan = run.plan if stats_dir is None and run.plan is not None else make_plan(run.recipe, run.source, stats_dir)
     plan.run_fingerprint = run_fingerprint(run.recipe, run.source, settings, plan)
     if plan_path.exists():
         try:

@@ -34,22 +34,24 @@ def check_run(run) -> None:
     """What `apply` refuses before anything is written (a moequant.pipeline.run.Run): the recipe against the
     model's shapes (check_recipe; its notes are logged), a layer that cannot fit the GPU budget or whose read
     cannot fit the host budget, a checkpoint without tokenizer files."""
-    for note in check_recipe(run.recipe, run.source):
+    for note in check_recipe(run.recipe, run.source, run):
         run.log(f"note: {note}")
     check_memory(run.recipe, run.adapter, run.device)  # before any weight is read
     check_host_memory(run.source, run.device)
     run.source.tokenizer  # noqa: B018  (loaded now and kept: a checkpoint without tokenizer files is refused here)
 
 
-def check_recipe(recipe, ckpt) -> list[str]:
+def check_recipe(recipe, ckpt, run=None) -> list[str]:
     """Raise UserError for what shapes alone refuse in the open checkpoint `ckpt`, and for an algorithm that
     runs in one process only under torchrun; return the plan's notes (e.g. a candidate not offered to some
-    layers because it cannot hold their dimensions, and why)."""
+    layers because it cannot hold their dimensions, and why). The plan of a recipe that reads no statistics
+    is made whole here, once: with a `run`, it is kept as `run.plan` for the plan stage."""
     from moequant import parallel
     from moequant.algorithms.registry import algorithm
     from moequant.layouts import layout_for, layout_refusal
-    from moequant.plan.policy import check_plan
+    from moequant.plan.policy import check_plan, make_plan
     from moequant.plan.recipe import resolve_format
+    from moequant.plan.rules import needs_statistics
     from moequant.targets import get_target
 
     adapter = ckpt.adapter
@@ -71,7 +73,11 @@ def check_recipe(recipe, ckpt) -> list[str]:
             f"export.format {recipe.export.format}: {why}; set non_experts.format to one it holds "
             f"(bf16 always works) or choose another export.format."
         )
-    notes = check_plan(recipe, ckpt)
+    if run is not None and not needs_statistics(recipe):
+        run.plan = make_plan(recipe, ckpt, None)  # the shapes decide it all: the plan stage takes this one
+        notes = list(run.plan.notes)
+    else:
+        notes = check_plan(recipe, ckpt)
     # what the algorithms refuse, for this model and under torchrun (last: the plan's checks say more)
     used = {recipe.algorithm_for(spec.name) for spec in specs if spec.quantized}
     scaling = [a for a in recipe.algorithms.values() if algorithm(a).scales_layer]

@@ -29,6 +29,7 @@ from moequant.io.run_lock import output_lock
 
 if TYPE_CHECKING:
     from moequant.arch import Adapter
+    from moequant.plan.model import Plan
     from moequant.plan.recipe import Recipe
 
 
@@ -44,6 +45,7 @@ class Run:
     log: Callable[..., None] = print
     output: Checkpoint | Path | None = None  # OUTPUT/checkpoint once exported, opened once (GGUF: its directory)
     overwrite: bool = False  # statistics of other settings in OUTPUT/stats may be replaced (--overwrite)
+    plan: Plan | None = None  # the precheck's plan when the recipe reads no statistics (the plan stage's, then)
 
     @property
     def adapter(self) -> Adapter:

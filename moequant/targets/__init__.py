@@ -3,7 +3,7 @@ routed experts share a format in, layouts, fused modules, kernel facts with the 
 and how it refuses. base.py: the Target class; registry.py: the targets by name, which every caller asks.
 
 vllm.py, sglang.py, transformers.py, llama_cpp.py, vllm_moequant.py (moequant's vLLM plugin), vllm_cuda.py.
-A new engine is one file whose Target is passed to `register`."""
+A new engine is one file whose Target is passed to `register`; every stage asks it `Target.check`."""
 
 from moequant.targets.base import UNITS, Target  # noqa: F401
 from moequant.targets.llama_cpp import LlamaCpp

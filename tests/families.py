@@ -187,6 +187,16 @@ QUANTIZED_SOURCES: dict[str, str] = {
     "deepseek_v3": "INT4 compressed-tensors",  # Kimi-K2.5's text model
 }
 
+# families whose llama.cpp graph takes only what their checkpoints have, where the defaults above differ: the config
+# tests/test_gguf_families.py builds them with (what, overrides); other configs are refused by the GGUF precheck
+GGUF_OVERRIDES: dict[str, tuple[str, dict]] = {
+    "dots1": ("as many key / value heads as query heads", {"num_key_value_heads": SIZES["num_attention_heads"]}),
+    "lfm2_moe": ("tied embeddings", {"tie_word_embeddings": True}),
+    # one MoE layer: a random sigmoid router has near ties that llama.cpp's 8-bit activations in the quantized layers
+    # before it flip (tests/test_gguf_archs.py's DeepSeek-V3 has one too)
+    "glm4_moe_lite": ("dense layers first", {"mlp_layer_types": ["dense", "dense", "dense", "sparse"]}),
+}
+
 PER_LAYER_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type", "hybrid_override_pattern")
 
 
@@ -294,7 +304,7 @@ def build_family(model_type: str, directory: Path, seed: int = 0) -> Path:
 
 def support_table() -> str:
     """The README's table of families, from the lists above (what tests/test_families.py checks)."""
-    from moequant.layouts.gguf import ARCHS
+    from moequant.layouts.gguf import ARCHS, REFUSED
 
     lines = [
         "| family (`model_type`) | apply + transformers reload | compressed-tensors | GGUF | quantized source |",
@@ -309,12 +319,30 @@ def support_table() -> str:
         reload = "yes" if family not in TRANSFORMERS_CANNOT_RELOAD else "apply: yes; transformers: no (below)"
         if family in APPLY_REFUSED:
             reload = f"apply refused: {APPLY_REFUSED[family]}; an export of it reloads"
-        gguf = "yes" if family in ARCHS else "precheck refuses"
+        gguf = (
+            "precheck refuses (below)"
+            if family not in ARCHS
+            else "yes, as shipped (below)"
+            if family in GGUF_OVERRIDES
+            else "yes"
+        )
         source = QUANTIZED_SOURCES.get(family, "—")
         lines.append(f"| {family} | {reload} | {export} | {gguf} | {source} |")
     lines.append("")
     for family, why in sorted(TRANSFORMERS_CANNOT_RELOAD.items()):
         lines.append(f"- {family}: plain transformers cannot reload the export: {why}.")
+    lines.append("")
+    lines.append(
+        'GGUF "yes": llama.cpp (llama-cpp-python 0.3.36) runs the export as transformers runs our dequantization '
+        "(tests/test_gguf_archs.py, tests/test_gguf_families.py, tests/test_gguf.py)."
+    )
+    lines.append("")
+    for family, (what, _) in sorted(GGUF_OVERRIDES.items()):
+        lines.append(f"- {family}: GGUF as its checkpoints are: {what}; other configs are refused by the precheck.")
+    for family in FAMILIES:
+        if family not in NOT_SUPPORTED and family not in UNBUILT and family not in ARCHS:
+            why = REFUSED.get(family, "llama.cpp (llama-cpp-python 0.3.36) has no graph for it")
+            lines.append(f"- {family}: GGUF refused: {why}.")
     return "\n".join(lines) + "\n"
 
 

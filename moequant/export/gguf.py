@@ -31,7 +31,6 @@ from moequant.errors import UserError
 from moequant.formats import check_shape, get_format
 from moequant.io.checkpoint import EXPORT_INFO, atomic_directory
 from moequant.layouts.gguf import (
-    ARCHS,
     FLOAT_TYPES,
     GGUF_FILE,
     GRAPHS,
@@ -39,6 +38,7 @@ from moequant.layouts.gguf import (
     add_common_metadata,
     ggml_type,
     gguf_targets,
+    model_refusal,
     packed_blocks,
     plain_array,
     plain_type,
@@ -53,14 +53,8 @@ from moequant.layouts.gguf import (
 def check_gguf(ckpt, adapter, items: dict) -> None:
     """Refuse, before any work, what llama.cpp could not run as planned."""
     mt = adapter.model_type
-    if mt not in GRAPHS:
-        raise UserError(
-            f"GGUF export supports {', '.join(sorted(GRAPHS))} (llama.cpp's "
-            f"{', '.join(sorted(set(ARCHS.values())))} graphs); this checkpoint is {mt}."
-        )
     c = ckpt.config
-    graph = GRAPHS[mt]
-    why = graph.refuses(adapter, c)
+    why = model_refusal(adapter, c)
     if why:
         raise UserError(f"{why}; it cannot be exported to GGUF as is.")
     if c.get("sliding_window") and c.get("use_sliding_window"):
@@ -412,7 +406,8 @@ def export_gguf(
         writer.add_file_type(_file_type(items, float_type))
         writer.add_quantization_version(2)
         add_tokenizer(writer, ckpt.directory)
-        order = ["token_embd.weight", "output_norm.weight", "output.weight"]
+        order = [t for t in ("token_embd.weight", "output_norm.weight", "output.weight") if t in plan_of]
+        order += sorted(t for t in plan_of if not t.startswith("blk.") and t not in order)  # output_norm.bias ...
         for L in range(adapter.num_layers):
             order += sorted(t for t in plan_of if t.startswith(f"blk.{L}."))
             if L in adapter.moe_layers:

@@ -13,9 +13,12 @@ byte account asks the same `plain_nbytes` (through the gguf layout), so it count
 holds (gpt-oss's 2-D expert biases aside: the account counts them in `float_type`).
 
 Everything llama.cpp's graphs need to know about an architecture is in `GRAPHS` (one entry per
-model_type): the llama.cpp architecture, the tensor names (HF regex -> GGUF name, with the
-transform some need), the metadata it reads and what it cannot run. Facts from the llama.cpp that
-llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants):
+model_type): the llama.cpp architecture, the tensors it writes transformed or split (every name is
+gguf-py's: its `TensorNameMap` for the architecture, as llama.cpp's own converter names them), the
+metadata it reads (`_hp_moe` from the adapter for the newer graphs, a small function where a graph
+reads more) and what it cannot run. A family llama.cpp has no graph for, or one GGUF export does not
+write (`REFUSED`, with why), is refused by the precheck. Facts from the llama.cpp that
+llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants, its loader's errors):
 
 - routed experts of layer N stacked per projection: `blk.N.ffn_{gate,up,down}_exps.weight`,
   ggml shape {n_embd, n_ff_exp, n_expert} (down {n_ff_exp, n_embd, n_expert}); one ggml type per
@@ -38,6 +41,11 @@ llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants):
   routed_scaling_factor, `expert_weights_norm`, groups as `expert_group_count` / `_used_count` ranked
   by the sum of each group's two best scores (V3's rule; V2's group_limited_greedy ranks by the best
   one: refused), shared experts `ffn_*_shexp` of width n_ff_exp * n_shared;
+- glm4moe (GLM-4.5 ... 4.7, Solar-Open), minimax-m2, ernie4_5-moe, hunyuan-moe, dots1, lfm2moe and
+  GLM-4.7-Flash (deepseek2) read their MoE keys from `_hp_moe`; ernie4_5-moe also interleave_moe_layer_step;
+  dots1 takes as many key / value heads as query heads; lfm2moe computes the logits with the embeddings
+  (tied), finds its short-convolution layers by their zero key / value heads and wants the conv kernel
+  {kernel, channels}; phimoe routes by a renormalised softmax, not PhiMoE's sparsemixer (refused);
 - openai-moe (gpt-oss): gate / up de-interleaved into `ffn_{gate,up}_exps` with their biases
   (`.bias` {n_ff_exp, n_expert}), `post_attention_norm`, `attn_sinks.weight`, router bias
   `ffn_gate_inp.bias`, sliding window on even layers (llama.cpp's fixed pattern), SwiGLU with
@@ -57,6 +65,7 @@ layer as gguf-py writes them (only the one being written is in memory).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -125,19 +134,14 @@ def _flat(t, c):  # qwen2moe's shared-expert gate [1, n_embd] -> llama.cpp's {n_
     return t.reshape(-1)
 
 
-# ---- the architectures -----------------------------------------------------------------------------
+def _conv(t, c):  # a depthwise conv1d [channels, 1, kernel] -> llama.cpp's {kernel, channels}
+    return t.reshape(t.shape[0], t.shape[-1])
 
-_COMMON = [
-    (r"model\.embed_tokens\.weight", "token_embd.weight"),
-    (r"model\.norm\.weight", "output_norm.weight"),
-    (r"lm_head\.weight", "output.weight"),
-    (_L + r"input_layernorm\.weight", r"blk.\1.attn_norm.weight"),
-    (_L + r"post_attention_layernorm\.weight", r"blk.\1.ffn_norm.weight"),
-    (_L + r"self_attn\.([qkv])_proj\.(weight|bias)", r"blk.\1.attn_\2.\3"),
-    (_L + r"self_attn\.o_proj\.(weight|bias)", r"blk.\1.attn_output.\2"),
-    (_L + r"self_attn\.([qk])_norm\.weight", r"blk.\1.attn_\2_norm.weight"),
-    (_L + r"mlp\.gate\.weight", r"blk.\1.ffn_gate_inp.weight"),
-]
+
+RESHAPES = (_flat, _conv)  # transforms that only reshape: valid on packed rows, undone by a reshape
+
+
+# ---- the architectures -----------------------------------------------------------------------------
 
 
 def add_common_metadata(w, adapter, c: dict) -> None:
@@ -147,7 +151,7 @@ def add_common_metadata(w, adapter, c: dict) -> None:
     w.add_embedding_length(adapter.hidden)
     w.add_block_count(adapter.num_layers)
     w.add_head_count(int(c["num_attention_heads"]))
-    w.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", 1e-6)))
+    w.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", c.get("norm_eps", 1e-6))))
     w.add_expert_count(adapter.num_experts)
     w.add_expert_used_count(adapter.top_k)
     w.add_vocab_size(int(c["vocab_size"]))
@@ -176,13 +180,13 @@ def _rope(c: dict) -> dict:
     return c.get("rope_parameters") or c.get("rope_scaling") or {}
 
 
-def _gqa_heads(w, adapter, c: dict) -> None:
+def _gqa_heads(w, adapter, c: dict, rotary: float = 1.0, kv_heads=None) -> None:
     n_head = int(c["num_attention_heads"])
     head_dim = int(c.get("head_dim") or adapter.hidden // n_head)
-    w.add_head_count_kv(int(c.get("num_key_value_heads") or n_head))
+    w.add_head_count_kv(kv_heads if kv_heads is not None else int(c.get("num_key_value_heads") or n_head))
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(int(head_dim * rotary))
 
 
 def _hp_llama(w, adapter, c):
@@ -236,6 +240,53 @@ def _hp_openai_moe(w, adapter, c):
     w.add_feed_forward_length(adapter.expert_intermediate)
     w.add_expert_feed_forward_length(adapter.expert_intermediate)
     w.add_sliding_window(int(c["sliding_window"]))
+
+
+def _hp_moe(w, adapter, c, kv_heads=None, routing=None):
+    """The MoE keys llama.cpp's newer graphs (glm4moe, dots1, ernie4_5-moe, ...) read, from the adapter: each graph
+    reads the ones it needs and ignores the rest. Rope over the first partial_rotary_factor of each head."""
+    rotary = float(_rope(c).get("partial_rotary_factor", c.get("partial_rotary_factor")) or 1.0)
+    _gqa_heads(w, adapter, c, rotary, kv_heads)
+    dense = c.get("intermediate_size") or c.get("ffn_hidden_size") or adapter.expert_intermediate
+    w.add_feed_forward_length(int(dense))
+    w.add_expert_feed_forward_length(adapter.expert_intermediate)
+    if adapter.num_shared_experts:
+        w.add_expert_shared_count(adapter.num_shared_experts)
+        w.add_expert_shared_feed_forward_length(adapter.shared_intermediate)
+    w.add_leading_dense_block_count(adapter.moe_layers[0] if adapter.moe_layers else adapter.num_layers)
+    r = routing or adapter.routing
+    w.add_expert_weights_scale(float(r.scaling))
+    w.add_expert_weights_norm(bool(r.normalize_topk))
+    _gating(w, r)
+
+
+def _hp_ernie(w, adapter, c):
+    """ERNIE-4.5: MoE layers from moe_layer_start_index on, every moe_layer_interval-th (llama.cpp's
+    interleave_moe_layer_step)."""
+    _hp_moe(w, adapter, c)
+    w.add_interleave_moe_layer_step(int(c.get("moe_layer_interval") or 1))
+
+
+def _hp_lfm2(w, adapter, c):
+    """LFM2-MoE: short-convolution layers are those with no key / value heads (a per-layer list), the kernel
+    length as shortconv.l_cache; sigmoid routing (its expert_bias selects only)."""
+    import dataclasses
+
+    n_kv = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    kv_heads = [n_kv if t != "conv" else 0 for t in c["layer_types"]]
+    _hp_moe(w, adapter, c, kv_heads, dataclasses.replace(adapter.routing, scoring="sigmoid"))
+    w.add_shortconv_l_cache(int(c["conv_L_cache"]))
+
+
+def _gating(w, r):
+    import gguf
+
+    w.add_expert_gating_func(
+        gguf.ExpertGatingFuncType.SIGMOID if r.scoring == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX
+    )
+    if r.groups > 1 and r.topk_groups < r.groups:  # all groups kept = no group limit (llama.cpp wants used < count)
+        w.add_expert_group_count(r.groups)
+        w.add_expert_group_used_count(r.topk_groups)
 
 
 def _no_refusal(adapter, c):
@@ -320,87 +371,212 @@ def _refuse_openai_moe(adapter, c):
     return None
 
 
+def _refuse_interleaved_dense(adapter, c):
+    moe = adapter.moe_layers
+    if moe != list(range(moe[0] if moe else adapter.num_layers, adapter.num_layers)):
+        return (
+            f"llama.cpp's {GRAPHS[adapter.model_type].arch} graph has dense layers only before the first MoE layer "
+            f"(leading_dense_block_count), but this checkpoint's MoE layers are {moe}"
+        )
+    return None
+
+
+def _first(*checks):
+    def refuses(adapter, c):
+        return next((why for why in (check(adapter, c) for check in checks) if why), None)
+
+    return refuses
+
+
+def _refuse_dots1(adapter, c):
+    n_head, n_kv = int(c["num_attention_heads"]), int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    if n_kv != n_head:
+        return (
+            f"llama.cpp's dots1 graph takes as many key / value heads as query heads (dots.llm1's own attention), but "
+            f"this checkpoint's config.json has {n_kv} key / value heads for {n_head} query heads"
+        )
+    return None
+
+
+def _refuse_ernie(adapter, c):
+    end = c.get("moe_layer_end_index")
+    if end is not None and 0 <= int(end) < adapter.num_layers - 1:
+        return (
+            "llama.cpp's ernie4_5-moe graph has MoE layers up to the last one, but this checkpoint's config.json "
+            f"ends them at moe_layer_end_index {end}"
+        )
+    return None
+
+
+def _refuse_lfm2(adapter, c):
+    if not c.get("tie_word_embeddings", True):
+        return (
+            "llama.cpp's lfm2moe graph computes the logits with the token embeddings (tied, as LFM2 ships), but this "
+            "checkpoint's config.json sets tie_word_embeddings: false"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class Graph:
-    """How one HF architecture is written for one llama.cpp graph."""
+    """How one HF architecture is written for one llama.cpp graph. Tensor names are gguf-py's: its
+    `TensorNameMap` for the architecture names every on-disk tensor it knows (as llama.cpp's own converter
+    names them); a graph lists only what it writes transformed or split."""
 
-    arch: str  # general.architecture
-    names: list  # (HF regex, [(GGUF name template, transform or None)]): the first pattern that matches wins
+    arch: str  # general.architecture: gguf-py's MODEL_ARCH_NAMES name
     hparams: Callable  # (writer, adapter, config) -> None: the graph's own metadata
     refuses: Callable = _no_refusal  # (adapter, config) -> why llama.cpp could not run it, or None
+    transforms: tuple = ()  # (HF regex, transform): the tensor gguf-py names, written transformed
+    splits: tuple = ()  # (HF regex with the layer as group 1, [(gguf MODEL_TENSOR name, transform or None)], suffix)
 
 
-def _one(pattern, repl, fn=None):
-    return (pattern, [(repl, fn)])
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+_BIASES = ("FFN_EXP_PROBS_B",)  # gguf-py tensors llama.cpp reads as .bias
+_HF_RENAMES = ((r"\.e_score_correction_bias$", ".e_score_correction.bias"),)  # as llama.cpp's converter renames them
 
 
+@functools.lru_cache(maxsize=None)
+def _name_map(arch: str):
+    import gguf
+
+    archs = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}
+    return gguf.get_tensor_name_map(archs[arch], 1)  # layer 0 only: names are looked up with the layer as 0
+
+
+def _tensor_name(tensor: str, layer: int, suffix: str) -> str:
+    import gguf
+
+    return gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[tensor]].format(bid=layer) + suffix
+
+
+def mapped_name(arch: str, hf_name: str) -> str | None:
+    """gguf-py's name of an on-disk tensor in llama.cpp's `arch` graph (.weight / .bias kept), or None."""
+    key = hf_name
+    for pattern, repl in _HF_RENAMES:
+        key = re.sub(pattern, repl, key)
+    m = _LAYER.search(key)
+    if m:
+        key = key[: m.start()] + ".layers.0." + key[m.end() :]
+    found = _name_map(arch).get_type_and_name(key, try_suffixes=(".weight", ".bias"))
+    if found is None:
+        return None
+    tensor, name = found
+    if not name.endswith((".weight", ".bias")):  # stored without a suffix (gpt-oss's sinks, AFMoE's expert_bias)
+        name += ".bias" if tensor.name in _BIASES else ".weight"
+    return f"blk.{m[1]}." + name[len("blk.0.") :] if m and name.startswith("blk.0.") else name
+
+
+_DEEPSEEK2 = Graph(
+    "deepseek2",
+    _hp_deepseek2,
+    _refuse_deepseek2,
+    splits=((_L + r"self_attn\.kv_b_proj\.weight", [("ATTN_K_B", _k_b), ("ATTN_V_B", _v_b)], ".weight"),),
+)
 GRAPHS: dict[str, Graph] = {
     "qwen2_moe": Graph(
-        "qwen2moe",
-        [
-            _one(_L + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2_shexp.weight"),
-            _one(_L + r"mlp\.shared_expert_gate\.weight", r"blk.\1.ffn_gate_inp_shexp.weight", _flat),
-            *[_one(p, r) for p, r in _COMMON],
-        ],
-        _hp_qwen2moe,
-        _refuse_qwen2moe,
+        "qwen2moe", _hp_qwen2moe, _refuse_qwen2moe, transforms=((_L + r"mlp\.shared_expert_gate\.weight", _flat),)
     ),
-    "qwen3_moe": Graph("qwen3moe", [_one(p, r) for p, r in _COMMON], _hp_qwen3moe, _refuse_qwen3moe),
-    "olmoe": Graph("olmoe", [_one(p, r) for p, r in _COMMON], _hp_llama, _refuse_olmoe),
+    "qwen3_moe": Graph("qwen3moe", _hp_qwen3moe, _refuse_qwen3moe),
+    "olmoe": Graph("olmoe", _hp_llama, _refuse_olmoe),
     "mixtral": Graph(
         "llama",
-        [
-            _one(_L + r"self_attn\.q_proj\.weight", r"blk.\1.attn_q.weight", _permute_q),
-            _one(_L + r"self_attn\.k_proj\.weight", r"blk.\1.attn_k.weight", _permute_k),
-            _one(_L + r"block_sparse_moe\.gate\.weight", r"blk.\1.ffn_gate_inp.weight"),
-            *[_one(p, r) for p, r in _COMMON],
-        ],
         _hp_llama,
+        transforms=((_L + r"self_attn\.q_proj\.weight", _permute_q), (_L + r"self_attn\.k_proj\.weight", _permute_k)),
     ),
     "gpt_oss": Graph(
         "gpt-oss",
-        [
-            _one(_L + r"post_attention_layernorm\.weight", r"blk.\1.post_attention_norm.weight"),
-            _one(_L + r"self_attn\.sinks", r"blk.\1.attn_sinks.weight"),
-            _one(_L + r"mlp\.router\.(weight|bias)", r"blk.\1.ffn_gate_inp.\2"),
-            (
-                _L + r"mlp\.experts\.gate_up_proj_bias",
-                [(r"blk.\1.ffn_gate_exps.bias", _even), (r"blk.\1.ffn_up_exps.bias", _odd)],
-            ),
-            _one(_L + r"mlp\.experts\.down_proj_bias", r"blk.\1.ffn_down_exps.bias"),
-            *[_one(p, r) for p, r in _COMMON],
-        ],
         _hp_openai_moe,
         _refuse_openai_moe,
+        splits=(
+            (_L + r"mlp\.experts\.gate_up_proj_bias", [("FFN_GATE_EXP", _even), ("FFN_UP_EXP", _odd)], ".bias"),
+            (_L + r"mlp\.experts\.down_proj_bias", [("FFN_DOWN_EXP", None)], ".bias"),
+        ),
     ),
+    "deepseek_v2": _DEEPSEEK2,
+    "deepseek_v3": _DEEPSEEK2,
+    "glm4_moe": Graph("glm4moe", _hp_moe, _refuse_interleaved_dense),
+    "minimax_m2": Graph("minimax-m2", _hp_moe, _refuse_interleaved_dense),
+    "ernie4_5_moe": Graph("ernie4_5-moe", _hp_ernie, _refuse_ernie),
+    "hunyuan_v1_moe": Graph("hunyuan-moe", _hp_moe, _refuse_interleaved_dense),
+    "dots1": Graph("dots1", _hp_moe, _first(_refuse_interleaved_dense, _refuse_dots1)),
+    "lfm2_moe": Graph(
+        "lfm2moe",
+        _hp_lfm2,
+        _first(_refuse_interleaved_dense, _refuse_lfm2),
+        transforms=((_L + r"conv\.conv\.weight", _conv),),
+    ),
+    "glm4_moe_lite": _DEEPSEEK2,
+    "solar_open": Graph("glm4moe", _hp_moe, _refuse_interleaved_dense),
 }
-_DEEPSEEK2 = Graph(
-    "deepseek2",
-    [
-        _one(_L + r"self_attn\.q_a_proj\.weight", r"blk.\1.attn_q_a.weight"),
-        _one(_L + r"self_attn\.q_b_proj\.weight", r"blk.\1.attn_q_b.weight"),
-        _one(_L + r"self_attn\.(q_a|kv_a)_layernorm\.weight", r"blk.\1.attn_\2_norm.weight"),
-        _one(_L + r"self_attn\.kv_a_proj_with_mqa\.weight", r"blk.\1.attn_kv_a_mqa.weight"),
-        (_L + r"self_attn\.kv_b_proj\.weight", [(r"blk.\1.attn_k_b.weight", _k_b), (r"blk.\1.attn_v_b.weight", _v_b)]),
-        _one(_L + r"mlp\.gate\.e_score_correction_bias", r"blk.\1.exp_probs_b.bias"),
-        _one(_L + r"mlp\.shared_experts\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2_shexp.weight"),
-        _one(_L + r"mlp\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2.weight"),
-        *[_one(p, r) for p, r in _COMMON],
-    ],
-    _hp_deepseek2,
-    _refuse_deepseek2,
-)
-GRAPHS["deepseek_v2"] = GRAPHS["deepseek_v3"] = _DEEPSEEK2
 ARCHS = {mt: g.arch for mt, g in GRAPHS.items()}  # model_type -> llama.cpp architecture
+
+
+# families llama.cpp has a graph for that GGUF export does not write, each with why (tests/families.py's table)
+REFUSED: dict[str, str] = {
+    "phimoe": (
+        "llama.cpp's phimoe graph weights the top-k experts by a renormalised softmax, not by PhiMoE's sparsemixer "
+        "(a softmax over the scores near the best one), so it would not compute this checkpoint's logits"
+    ),
+    "kimi_k25": (
+        "its text model (llama.cpp's deepseek2) sits inside a multimodal checkpoint, and GGUF export writes text-only "
+        "checkpoints"
+    ),
+    **{
+        mt: f"llama.cpp's {arch} graph needs {what}, which GGUF export does not write yet"
+        for mt, arch, what in (
+            ("afmoe", "afmoe", "sliding-window metadata"),
+            ("exaone_moe", "exaone-moe", "sliding-window metadata"),
+            ("mimo_v2_flash", "mimo2", "sliding-window metadata with its own rope and attention-sink biases"),
+            ("glm_moe_dsa", "glm-dsa", "MLA and its sparse-attention indexer's metadata"),
+            ("qwen3_next", "qwen3next", "the gated-delta-net layers transformed (A_log, conv, fused projections)"),
+            ("qwen3_5_moe", "qwen35moe", "the gated-delta-net layers transformed (A_log, conv, fused projections)"),
+            ("jamba", "jamba", "the Mamba layers transformed (A_log, conv)"),
+            ("nemotron_h", "nemotron_h_moe", "the Mamba-2 layers transformed (A_log, conv, grouped norm)"),
+            ("kimi_linear", "kimi-linear", "the KDA linear-attention layers transformed"),
+        )
+    },
+    **{
+        mt: f"llama.cpp's {arch} graph is newer than gguf-py 0.19, whose tensor names GGUF export writes"
+        for mt, arch in (
+            ("deepseek_v32", "deepseek32"),
+            ("deepseek_v4", "deepseek4"),
+            ("hy_v3", "hy_v3"),
+            ("laguna", "laguna"),
+            ("mellum", "mellum"),
+            ("qwen4_exp", "qwen4exp"),
+            ("minicpm5_moe", "minicpm5"),
+            ("cohere2_moe", "cohere2moe"),
+            ("minimax", "minimax-01"),
+        )
+    },
+}
+
+
+def model_refusal(adapter, config: dict) -> str | None:
+    """Why a GGUF file of this model could not be run by llama.cpp as transformers runs the checkpoint (one clause),
+    or None: a family llama.cpp has no graph for, one GGUF export does not write (REFUSED), a config its graph
+    cannot follow."""
+    mt = adapter.model_type
+    if mt in REFUSED:
+        return f"GGUF export does not write {mt}: {REFUSED[mt]}"
+    if mt not in GRAPHS:
+        return (
+            f"llama.cpp (llama-cpp-python 0.3.36) has no graph for {mt}; GGUF export writes {', '.join(sorted(GRAPHS))}"
+        )
+    return GRAPHS[mt].refuses(adapter, config)
 
 
 def gguf_targets(model_type: str, hf_name: str) -> list[tuple[str, Callable | None]]:
     """The GGUF tensors one on-disk tensor becomes: [(GGUF name, transform or None)] ([] when none)."""
-    for pattern, targets in GRAPHS[model_type].names:
+    graph = GRAPHS[model_type]
+    for pattern, parts, suffix in graph.splits:
         m = re.fullmatch(pattern, hf_name)
         if m:
-            return [(m.expand(repl), fn) for repl, fn in targets]
-    return []
+            return [(_tensor_name(t, int(m[1]), suffix), fn) for t, fn in parts]
+    name = mapped_name(graph.arch, hf_name)
+    if name is None:
+        return []
+    return [(name, next((fn for p, fn in graph.transforms if re.fullmatch(p, hf_name)), None))]
 
 
 def reshaped_reason(model_type: str | None, hf_name: str) -> str | None:
@@ -538,9 +714,7 @@ class Gguf(Layout):
 
     @classmethod
     def refuses_model(cls, adapter):
-        if adapter.model_type not in ARCHS:
-            return f"the gguf layout writes {', '.join(ARCHS)}, not {adapter.model_type}"
-        return None
+        return model_refusal(adapter, adapter.config)
 
 
 # ---- reading a GGUF file back (moequant.load of a GGUF export) -------------------------------------
@@ -550,7 +724,7 @@ def _inverse(fn, gguf_tensor: torch.Tensor, shape, config) -> torch.Tensor | Non
     """The HF tensor of shape `shape` that `fn` (one of the transforms above, or None) wrote as `gguf_tensor`;
     None for a transform that does not only reshape or reorder rows (kv_b_proj's split halves, gpt-oss's
     de-interleaved gate / up)."""
-    if fn is None or fn is _flat:
+    if fn is None or fn in RESHAPES:
         return gguf_tensor.reshape(shape)
     if fn in ROW_ORDER:  # where each original row went: the transform of the row indices
         rows = torch.arange(shape[0], dtype=torch.float64).reshape(shape[0], 1)

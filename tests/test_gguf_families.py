@@ -1,0 +1,158 @@
+"""GGUF export of the MoE families beyond tests/test_gguf_archs.py's (GLM-4.5 ... 4.7, MiniMax-M2, ERNIE-4.5,
+Hunyuan, dots.llm1, Phi-3.5-MoE, ...): each family's tiny random model (tests/families.py's `build_family`,
+weights made decisive below) is exported as F32 and quantized GGUF and run by llama.cpp itself against
+transformers' forward of the same weights. Tensor names come from gguf-py's TensorNameMap; each family's
+metadata from moequant.layouts.gguf. The families' widths are 128: the quantized file uses ggml's 32-blocks."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import families
+import gguf
+import numpy as np
+import pytest
+import torch
+from families import build_family
+from support import verify_llamacpp as V
+from test_gguf_archs import _entropy, _kl, _logits, _reference, _texts
+from tiny import GGUF_CONFIGS
+
+from moequant import formats
+from moequant.arch import adapter_for
+from moequant.export.write import export_checkpoint
+from moequant.io.checkpoint import open_checkpoint
+from moequant.layouts.gguf import ARCHS, REFUSED, gguf_targets
+
+HEAD_SCALE: dict[str, float] = {}
+TYPES = ("q4_0", "q5_1", "q4_1", "q5_0", "q8_0")  # 32-blocks: rows of 128 hold them
+
+
+# the families GGUF writes beyond tests/test_gguf_archs.py's and tests/test_gguf.py's (qwen2_moe, mixtral)
+FAMILIES = sorted(set(ARCHS) - set(GGUF_CONFIGS) - {"qwen2_moe", "mixtral"})
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return V.ensure_llama_cpp()
+
+
+def decisive_family(model_type: str, directory, monkeypatch, seed: int = 0):
+    """build_family's model with the lm_head (tied: the final norm) at 32x and the routers at 8x, uneven norms and biases: logits far from
+    uniform and routing far from ties, so a KL between two forwards means something (tests/tiny.py's rule)."""
+    from safetensors.torch import load_file, save_file
+
+    monkeypatch.setitem(
+        families.OVERRIDES,
+        model_type,
+        {**families.OVERRIDES.get(model_type, {}), **families.GGUF_OVERRIDES.get(model_type, ("", {}))[1]},
+    )
+    source = build_family(model_type, directory, seed)
+    ad = adapter_for(open_checkpoint(source).config)
+    g = torch.Generator().manual_seed(seed)
+    files = sorted(source.glob("*.safetensors"))
+    tied = not any("lm_head.weight" in load_file(str(f)) for f in files)
+    for f in files:
+        tensors = load_file(str(f))
+        for name, t in tensors.items():
+            role = ad.classify(name).role
+            x = t.float()
+            if name == "lm_head.weight":
+                x = x * HEAD_SCALE.get(model_type, 32)
+            elif role == "router" and t.dim() == 2:
+                x = x * 8
+            elif t.dim() == 1 and name.endswith("bias"):
+                x = torch.randn(t.shape, generator=g) * 0.1
+            elif t.dim() == 1 and "norm" in name:
+                x = x + torch.rand(t.shape, generator=g) - 0.5  # uneven around the family's own init (0 or 1)
+                if tied and not re.search(r"\.\d+\.", name):  # the final norm scales the logits in the head's place
+                    x = x * HEAD_SCALE.get(model_type, 32)
+            tensors[name] = x.to(t.dtype)
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    return source
+
+
+def _quantized(source, model_type):
+    """Routed experts in one 32-block type per (layer, projection), shared experts in q4_0, with the dequantized
+    weights transformers should run: ({key: QuantizedTensor}, {(layer, proj): [E, out, in]}, {name: [out, in]})."""
+    ckpt = open_checkpoint(source)
+    ad = adapter_for(ckpt.config)
+    types = itertools.cycle(TYPES)
+    quantized, experts, others = {}, {}, {}
+    for L in ad.moe_layers:
+        for p in ad.projections:
+            W = ad.read_experts(ckpt, L, p).float()
+            q = formats.quantize_ggml(W, next(types))
+            for e in range(W.shape[0]):
+                quantized[(L, e, p)] = q.expert(e)
+            experts[(L, p)] = q.dequantize()
+    for name in ckpt.keys():
+        targets = gguf_targets(model_type, name)
+        if ad.classify(name).role == "shared_expert" and len(ckpt.shape(name)) == 2 and len(targets) == 1:
+            if targets[0][1] is None:
+                q = formats.quantize_ggml(ckpt.get(name).float(), "q4_0")
+                quantized[name] = q
+                others[name] = q.dequantize()
+    return quantized, experts, others
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_llama_cpp_runs_the_family(model_type, llama, tmp_path, monkeypatch):
+    """The F32 GGUF gives transformers' logits in llama.cpp (KL <= 1e-4); the quantized one holds the planned types
+    and llama.cpp runs it as transformers runs moequant's dequantization of the same codes (KL <= 1e-3, while the
+    quantization itself is over 10x that)."""
+    from tokenizers import Tokenizer
+
+    source = decisive_family(model_type, tmp_path / "src", monkeypatch)
+    tok = Tokenizer.from_file(str(source / "tokenizer.json"))
+    ids = [tok.encode(t).ids[:64] for t in _texts()[:3]]
+    f32 = export_checkpoint(source, {}, tmp_path / "f32", layout="gguf", target="llama.cpp", gguf_float="f32")
+    quantized, experts, others = _quantized(source, model_type)
+    qdir = export_checkpoint(source, quantized, tmp_path / "q", layout="gguf", target="llama.cpp", gguf_float="f32")
+    got = {t.name: t.tensor_type.name.lower() for t in gguf.GGUFReader(qdir / "model.gguf").tensors}
+    ad = adapter_for(open_checkpoint(source).config)
+    for L in ad.moe_layers:
+        for p in ad.projections:
+            assert got[f"blk.{L}.ffn_{p}_exps.weight"] == quantized[(L, 0, p)].spec.name
+    assert all(got[t] == "q4_0" for n in others for t, _ in gguf_targets(model_type, n))
+
+    base = _logits(_reference(source, {}, {}, tmp_path / "r0"), ids)
+    ours = _logits(_reference(source, experts, others, tmp_path / "r1"), ids)
+    ll_f32, ll_q = V.logits([f32 / "model.gguf", qdir / "model.gguf"], ids)
+    kl_f32, kl_same, kl_quant = _kl(base, ll_f32), _kl(ours, ll_q), _kl(base, ours)
+    entropy = float(np.mean([_entropy(b) for b in base]))
+    print(
+        f"{model_type}: KL f32 {kl_f32:.2e}, llama.cpp vs ours {kl_same:.2e}, quantization {kl_quant:.2e}, "
+        f"entropy {entropy:.2f} of {np.log(base[0].shape[-1]):.2f}"
+    )
+    assert entropy < 0.8 * np.log(base[0].shape[-1])
+    assert kl_f32 <= 1e-4
+    assert kl_same <= 1e-3
+    assert kl_quant > 10 * kl_same
+
+
+# every family moequant takes that GGUF export does not write: the precheck refuses it before any work
+NOT_WRITTEN = sorted(
+    f for f in families.FAMILIES if f not in families.NOT_SUPPORTED and f not in families.UNBUILT and f not in ARCHS
+)
+# a config llama.cpp's graph of the family cannot follow (the families' defaults here), with the refusal's words
+CONFIG_REFUSED = {
+    "dots1": "as many key / value heads as query heads",
+    "lfm2_moe": "tie_word_embeddings: false",
+    "glm4_moe_lite": "dense layers only before the first MoE layer",
+}
+
+
+@pytest.mark.parametrize("model_type", NOT_WRITTEN + sorted(CONFIG_REFUSED))
+def test_what_gguf_does_not_write_is_refused_by_the_precheck_in_one_sentence(model_type):
+    from moequant.formats import get_format
+    from moequant.layouts import layout_refusal
+
+    config = families.tiny_family_config(model_type).to_dict()
+    config["model_type"] = model_type
+    why = layout_refusal("gguf", get_format("q4_k"), "llama.cpp", adapter_for(config))
+    assert why and "\n" not in why and ". " not in why, why
+    assert model_type in why or CONFIG_REFUSED.get(model_type, "?") in why, why
+    assert (model_type in REFUSED) == ("GGUF export does not write" in why), why

@@ -192,9 +192,17 @@ QUANTIZED_SOURCES: dict[str, str] = {
 GGUF_OVERRIDES: dict[str, tuple[str, dict]] = {
     "dots1": ("as many key / value heads as query heads", {"num_key_value_heads": SIZES["num_attention_heads"]}),
     "lfm2_moe": ("tied embeddings", {"tie_word_embeddings": True}),
-    # one MoE layer: a random sigmoid router has near ties that llama.cpp's 8-bit activations in the quantized layers
-    # before it flip (tests/test_gguf_archs.py's DeepSeek-V3 has one too)
+    # one MoE layer (here and below): a random sigmoid router has near ties that llama.cpp's 8-bit activations in the
+    # quantized layers before it flip (tests/test_gguf_archs.py's DeepSeek-V3 has one too)
     "glm4_moe_lite": ("dense layers first", {"mlp_layer_types": ["dense", "dense", "dense", "sparse"]}),
+    "exaone_moe": (
+        "dense layers first",
+        {
+            "mlp_layer_types": ["dense", "dense", "dense", "sparse"],
+            "sliding_window": 16,  # shorter than the test's texts: the window acts
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        },
+    ),
 }
 
 PER_LAYER_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type", "hybrid_override_pattern")

@@ -142,6 +142,7 @@ CONFIG_REFUSED = {
     "dots1": "as many key / value heads as query heads",
     "lfm2_moe": "tie_word_embeddings: false",
     "glm4_moe_lite": "dense layers only before the first MoE layer",
+    "exaone_moe": "dense layers only before the first MoE layer",
 }
 
 

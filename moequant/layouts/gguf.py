@@ -278,6 +278,14 @@ def _hp_lfm2(w, adapter, c):
     w.add_shortconv_l_cache(int(c["conv_L_cache"]))
 
 
+def _hp_swa(w, adapter, c):
+    """_hp_moe with sliding-window attention on the layers config.json's layer_types say (llama.cpp's per-layer
+    sliding_window_pattern)."""
+    _hp_moe(w, adapter, c)
+    w.add_sliding_window(int(c["sliding_window"]))
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
+
+
 def _gating(w, r):
     import gguf
 
@@ -507,6 +515,7 @@ GRAPHS: dict[str, Graph] = {
     ),
     "glm4_moe_lite": _DEEPSEEK2,
     "solar_open": Graph("glm4moe", _hp_moe, _refuse_interleaved_dense),
+    "exaone_moe": Graph("exaone-moe", _hp_swa, _refuse_interleaved_dense),
 }
 ARCHS = {mt: g.arch for mt, g in GRAPHS.items()}  # model_type -> llama.cpp architecture
 
@@ -524,9 +533,12 @@ REFUSED: dict[str, str] = {
     **{
         mt: f"llama.cpp's {arch} graph needs {what}, which GGUF export does not write yet"
         for mt, arch, what in (
-            ("afmoe", "afmoe", "sliding-window metadata"),
-            ("exaone_moe", "exaone-moe", "sliding-window metadata"),
-            ("mimo_v2_flash", "mimo2", "sliding-window metadata with its own rope and attention-sink biases"),
+            ("afmoe", "afmoe", "its gated attention and AFMoE's own norms and routing worked out"),
+            (
+                "mimo_v2_flash",
+                "mimo2",
+                "the sliding-window layers' own head counts and sizes and attention-sink biases",
+            ),
             ("glm_moe_dsa", "glm-dsa", "MLA and its sparse-attention indexer's metadata"),
             ("qwen3_next", "qwen3next", "the gated-delta-net layers transformed (A_log, conv, fused projections)"),
             ("qwen3_5_moe", "qwen35moe", "the gated-delta-net layers transformed (A_log, conv, fused projections)"),

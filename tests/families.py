@@ -195,6 +195,10 @@ GGUF_OVERRIDES: dict[str, tuple[str, dict]] = {
     # one MoE layer (here and below): a random sigmoid router has near ties that llama.cpp's 8-bit activations in the
     # quantized layers before it flip (tests/test_gguf_archs.py's DeepSeek-V3 has one too)
     "glm4_moe_lite": ("dense layers first", {"mlp_layer_types": ["dense", "dense", "dense", "sparse"]}),
+    "qwen3_next": (
+        "full attention every full_attention_interval-th layer",
+        {"layer_types": ["linear_attention"] * 3 + ["full_attention"]},
+    ),
     "exaone_moe": (
         "dense layers first",
         {

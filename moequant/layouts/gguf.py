@@ -45,7 +45,10 @@ llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants, its l
   GLM-4.7-Flash (deepseek2) read their MoE keys from `_hp_moe`; ernie4_5-moe also interleave_moe_layer_step;
   dots1 takes as many key / value heads as query heads; lfm2moe computes the logits with the embeddings
   (tied), finds its short-convolution layers by their zero key / value heads and wants the conv kernel
-  {kernel, channels}; phimoe routes by a renormalised softmax, not PhiMoE's sparsemixer (refused);
+  {kernel, channels}; qwen3next (Qwen3-Next) takes the gated-delta-net layers as llama.cpp's converter
+  writes them (ssm_a = -exp(A_log), dt_bias as ssm_dt.bias, the conv kernel {kernel, channels}, every
+  norm but the gated one's as 1 + weight) and full attention every full_attention_interval-th layer;
+  phimoe routes by a renormalised softmax, not PhiMoE's sparsemixer (refused);
 - openai-moe (gpt-oss): gate / up de-interleaved into `ffn_{gate,up}_exps` with their biases
   (`.bias` {n_ff_exp, n_expert}), `post_attention_norm`, `attn_sinks.weight`, router bias
   `ffn_gate_inp.bias`, sliding window on even layers (llama.cpp's fixed pattern), SwiGLU with
@@ -136,6 +139,14 @@ def _flat(t, c):  # qwen2moe's shared-expert gate [1, n_embd] -> llama.cpp's {n_
 
 def _conv(t, c):  # a depthwise conv1d [channels, 1, kernel] -> llama.cpp's {kernel, channels}
     return t.reshape(t.shape[0], t.shape[-1])
+
+
+def _neg_exp(t, c):  # Mamba-style A_log -> llama.cpp's ssm_a = -exp(A_log)
+    return -torch.exp(t.float())
+
+
+def _plus_one(t, c):  # a norm that scales by 1 + weight (Qwen3-Next's) -> llama.cpp's plain weight
+    return t.float() + 1
 
 
 RESHAPES = (_flat, _conv)  # transforms that only reshape: valid on packed rows, undone by a reshape
@@ -284,6 +295,34 @@ def _hp_swa(w, adapter, c):
     _hp_moe(w, adapter, c)
     w.add_sliding_window(int(c["sliding_window"]))
     w.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
+
+
+def _hp_qwen3next(w, adapter, c):
+    """Qwen3-Next: qwen2moe's keys, rope over partial_rotary_factor of each head, the gated-delta-net sizes as
+    llama.cpp's ssm keys and a full-attention layer every full_attention_interval layers."""
+    _hp_moe(w, adapter, c)
+    w.add_ssm_conv_kernel(int(c["linear_conv_kernel_dim"]))
+    w.add_ssm_state_size(int(c["linear_key_head_dim"]))
+    w.add_ssm_group_count(int(c["linear_num_key_heads"]))
+    w.add_ssm_time_step_rank(int(c["linear_num_value_heads"]))
+    w.add_ssm_inner_size(int(c["linear_value_head_dim"]) * int(c["linear_num_value_heads"]))
+    w.add_full_attention_interval(_full_attention_interval(c))
+
+
+def _full_attention_interval(c) -> int:
+    types = c.get("layer_types") or []
+    return types.index("full_attention") + 1 if "full_attention" in types else int(c.get("full_attention_interval", 4))
+
+
+def _refuse_qwen3next(adapter, c):
+    n = _full_attention_interval(c)
+    want = ["full_attention" if (L + 1) % n == 0 else "linear_attention" for L in range(adapter.num_layers)]
+    if list(c.get("layer_types") or want) != want:
+        return (
+            f"llama.cpp's {GRAPHS[adapter.model_type].arch} graph puts full attention on every "
+            f"full_attention_interval-th layer, but this checkpoint's layer_types differ"
+        )
+    return None
 
 
 def _gating(w, r):
@@ -439,7 +478,9 @@ class Graph:
 
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
-_BIASES = ("FFN_EXP_PROBS_B",)  # gguf-py tensors llama.cpp reads as .bias
+# what llama.cpp's loader adds to gguf-py's name of a tensor stored without a suffix (the rest, like Mamba's ssm_a,
+# it reads without one)
+_SUFFIXES = {"ATTN_SINKS": ".weight", "FFN_EXP_PROBS_B": ".bias"}
 _HF_RENAMES = ((r"\.e_score_correction_bias$", ".e_score_correction.bias"),)  # as llama.cpp's converter renames them
 
 
@@ -470,7 +511,7 @@ def mapped_name(arch: str, hf_name: str) -> str | None:
         return None
     tensor, name = found
     if not name.endswith((".weight", ".bias")):  # stored without a suffix (gpt-oss's sinks, AFMoE's expert_bias)
-        name += ".bias" if tensor.name in _BIASES else ".weight"
+        name += _SUFFIXES.get(tensor.name, "")
     return f"blk.{m[1]}." + name[len("blk.0.") :] if m and name.startswith("blk.0.") else name
 
 
@@ -516,6 +557,18 @@ GRAPHS: dict[str, Graph] = {
     "glm4_moe_lite": _DEEPSEEK2,
     "solar_open": Graph("glm4moe", _hp_moe, _refuse_interleaved_dense),
     "exaone_moe": Graph("exaone-moe", _hp_swa, _refuse_interleaved_dense),
+    "qwen3_next": Graph(
+        "qwen3next",
+        _hp_qwen3next,
+        _first(_refuse_interleaved_dense, _refuse_qwen3next),
+        transforms=(
+            (_L + r"mlp\.shared_expert_gate\.weight", _flat),
+            (_L + r"linear_attn\.A_log", _neg_exp),
+            (_L + r"linear_attn\.conv1d\.weight", _conv),
+            (r".*(?<!linear_attn\.)norm\.weight", _plus_one),
+        ),
+        splits=((_L + r"linear_attn\.dt_bias", [("SSM_DT", None)], ".bias"),),
+    ),
 }
 ARCHS = {mt: g.arch for mt, g in GRAPHS.items()}  # model_type -> llama.cpp architecture
 
@@ -526,10 +579,13 @@ REFUSED: dict[str, str] = {
         "llama.cpp's phimoe graph weights the top-k experts by a renormalised softmax, not by PhiMoE's sparsemixer "
         "(a softmax over the scores near the best one), so it would not compute this checkpoint's logits"
     ),
-    "kimi_k25": (
-        "its text model (llama.cpp's deepseek2) sits inside a multimodal checkpoint, and GGUF export writes text-only "
-        "checkpoints"
-    ),
+    **{
+        mt: (
+            f"its text model (llama.cpp's {arch}) sits inside a multimodal checkpoint, which GGUF export does not "
+            "write yet (llama.cpp takes the vision tower as a separate mmproj file)"
+        )
+        for mt, arch in (("kimi_k25", "deepseek2"), ("qwen3_5_moe", "qwen35moe"))
+    },
     **{
         mt: f"llama.cpp's {arch} graph needs {what}, which GGUF export does not write yet"
         for mt, arch, what in (
@@ -540,8 +596,6 @@ REFUSED: dict[str, str] = {
                 "the sliding-window layers' own head counts and sizes and attention-sink biases",
             ),
             ("glm_moe_dsa", "glm-dsa", "MLA and its sparse-attention indexer's metadata"),
-            ("qwen3_next", "qwen3next", "the gated-delta-net layers transformed (A_log, conv, fused projections)"),
-            ("qwen3_5_moe", "qwen35moe", "the gated-delta-net layers transformed (A_log, conv, fused projections)"),
             ("jamba", "jamba", "the Mamba layers transformed (A_log, conv)"),
             ("nemotron_h", "nemotron_h_moe", "the Mamba-2 layers transformed (A_log, conv, grouped norm)"),
             ("kimi_linear", "kimi-linear", "the KDA linear-attention layers transformed"),

@@ -212,11 +212,14 @@ def _pair_outputs(experts, x: torch.Tensor, expert_of_pair: torch.Tensor) -> tor
     return experts(x, expert_of_pair[:, None], ones).float()
 
 
-def _errors_grouped(ref_experts, q_experts, x, xq, r_idx, num_experts: int):
-    """expert_output_errors by one experts forward per model over every token-expert pair (no host sync)."""
+def _errors_grouped(ref_experts, q_experts, x, xq, r_idx, num_experts: int, zero_experts: bool = False):
+    """expert_output_errors by one experts forward per model over every token-expert pair (no host sync but
+    where the router also picks weightless zero experts, whose pairs are dropped)."""
     k = r_idx.shape[1]
     token = torch.arange(r_idx.shape[0], device=r_idx.device).repeat_interleave(k)
     expert = r_idx.reshape(-1)
+    if zero_experts:
+        token, expert = token[expert < num_experts], expert[expert < num_experts]
     q_dev = q_experts.down_proj.device
     y_ref = _pair_outputs(ref_experts, x[token], expert)
     y_q = _pair_outputs(q_experts, xq[token.to(xq.device)].to(q_dev), expert.to(q_dev)).to(x.device)
@@ -257,7 +260,8 @@ def expert_output_errors(adapter, ref_experts, q_experts, x, xq, r_idx, grouped:
     pair through each model's experts module at once (its grouped kernel on a GPU), else one expert
     at a time (the CPU's exact arithmetic of one expert's tokens)."""
     if grouped:
-        err, ref = _errors_grouped(ref_experts, q_experts, x, xq, r_idx, adapter.num_experts)
+        zero_experts = adapter.router_choices > adapter.num_experts  # LongCat-Flash: no output to compare
+        err, ref = _errors_grouped(ref_experts, q_experts, x, xq, r_idx, adapter.num_experts, zero_experts)
     else:
         err, ref = _errors_per_expert(adapter, ref_experts, q_experts, x, xq, r_idx, adapter.num_experts)
     return err.cpu(), ref.cpu()
@@ -368,7 +372,7 @@ class _Tally:
         for b, d in enumerate(doms):
             if d is not None:
                 self.route_same_dom[d][L] += int(equal[b * T : (b + 1) * T].sum())
-        self.routed[li] += torch.bincount(r_idx.reshape(-1).cpu(), minlength=self.num_experts)
+        self.routed[li] += torch.bincount(r_idx.reshape(-1).cpu(), minlength=self.num_experts)[: self.num_experts]
 
         y_ref = ref_cap.outputs[L].float()
         y_own = q_cap.outputs[L].to(y_ref.device).float()

@@ -264,7 +264,10 @@ class Adapter:
         if proj not in PROJECTIONS:
             raise UserError(f"projection {proj!r} is not one of {', '.join(PROJECTIONS)}.")
 
-    layerwise_refusal: ClassVar[str | None] = None  # why a family cannot run one layer at a time (arch/generic.py)
+    @property
+    def router_choices(self) -> int:
+        """How many choices the router picks among (the experts, unless it also picks weightless ones)."""
+        return self.num_experts
 
     def stored_itemsizes(self) -> dict[str, int]:
         """Bytes per element of the tensors a checkpoint does not store as 2-byte floats (integer tables)."""

@@ -441,22 +441,16 @@ class GenericAdapter(Adapter):
         return self._itemsizes
 
     @property
-    def layerwise_refusal(self) -> str | None:
-        """Why this family cannot be run one decoder layer at a time (calibration, quantize pass, streamed
-        evaluation), or None. A router with more rows than experts also picks "zero" (identity) experts that
-        hold no weights (LongCat-Flash); moequant's routing statistics count the real experts only."""
+    def router_choices(self) -> int:
+        """How many choices the router picks among: its rows. More than the experts where it also picks weightless
+        "zero" (identity) experts, numbered after the real ones (LongCat-Flash); statistics count the real ones."""
         L = self.moe_layers[0]
         rows = [
             s[0]
             for n, (s, r) in self._entries.items()
             if r.role == "router" and r.layer == L and len(s) == 2 and s[1] == self.hidden and n not in self._itemsizes
         ]
-        if rows and max(rows) > self.num_experts:
-            return (
-                f"its router picks among {max(rows)} choices for {self.num_experts} experts (the rest are weightless "
-                "zero experts), which moequant's routing statistics do not count yet"
-            )
-        return None
+        return max(rows + [self.num_experts])
 
     @property
     def shared_intermediate(self) -> int:

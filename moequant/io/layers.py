@@ -159,10 +159,6 @@ class LayerRunner:
         dtype=torch.float32,
         experts_implementation: str | None = None,
     ):
-        if adapter.layerwise_refusal:
-            raise UserError(
-                f"moequant cannot run this {adapter.model_type} model layer by layer: {adapter.layerwise_refusal}."
-            )
         self.checkpoint = checkpoint
         self.adapter = adapter
         self.device = torch.device(device)

@@ -124,23 +124,26 @@ class LayerCollector:
         acc = torch.float64 if dev.type == "cpu" else torch.float32
         self.tokens += indices.shape[0]
         flat = indices.reshape(-1)
-        self._zeros("routing.count", E, torch.int64, dev).add_(torch.bincount(flat, minlength=E))
+        # a choice of a weightless zero expert (index >= E, LongCat-Flash) counts nowhere: bincount's tail is
+        # cut off, and its weight is added as 0 to the last expert
+        real = flat < E
+        self._zeros("routing.count", E, torch.int64, dev).add_(torch.bincount(flat, minlength=E)[:E])
         self._zeros("routing.weight_sum", E, torch.float64, dev).index_add_(
-            0, flat, weights.reshape(-1).to(acc).to(torch.float64)
+            0, flat.clamp(max=E - 1), (weights.reshape(-1) * real).to(acc).to(torch.float64)
         )
         # rank = position of the choice when the token's weights are sorted high to low
         order = torch.argsort(weights.float(), dim=1, descending=True, stable=True)
         ranked = torch.gather(indices, 1, order)
         rank_count = self._zeros("routing.rank_count", (E, self.top_k), torch.int64, dev)
         for r in range(self.top_k):
-            rank_count[:, r] += torch.bincount(ranked[:, r], minlength=E)
+            rank_count[:, r] += torch.bincount(ranked[:, r], minlength=E)[:E]
         for d in self.domains:
             self._zeros(f"routing.count.{d}", E, torch.int64, dev)
         if self.domains:
             token_domains = self.token_domains.to(dev)
             for di, d in enumerate(self.domains):
                 sel = indices[token_domains == di]
-                self.t[f"routing.count.{d}"] += torch.bincount(sel.reshape(-1), minlength=E)
+                self.t[f"routing.count.{d}"] += torch.bincount(sel.reshape(-1), minlength=E)[:E]
         self._routing = (indices, weights)
 
     def _acc(self, key: str, value: torch.Tensor) -> None:
@@ -164,7 +167,8 @@ class LayerCollector:
         acc = torch.float64 if dev.type == "cpu" else torch.float32
         flat = indices.reshape(-1)
         pair = torch.arange(flat.numel(), device=dev)
-        if E < self.num_experts:  # this chunk's experts only, numbered from first_expert
+        # this chunk's experts only, numbered from first_expert (and never a router's zero experts)
+        if E < self.num_experts or self.adapter.router_choices > self.num_experts:
             keep = (flat >= self.first_expert) & (flat < self.first_expert + E)
             flat, pair = flat[keep] - self.first_expert, pair[keep]
         order = torch.argsort(flat, stable=True)

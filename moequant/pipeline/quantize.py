@@ -653,7 +653,7 @@ def _statistics_and_quantize_in_chunks(
         finally:
             for hook in hooks:
                 hook.remove()
-        routed_tokens = torch.bincount(torch.cat(record["indices"]).reshape(-1), minlength=E).tolist()
+        routed_tokens = torch.bincount(torch.cat(record["indices"]).reshape(-1), minlength=E)[:E].tolist()
         # one resident copy: each chunk's dequantized values overwrite its original weights once they are
         # copied for solving (a second layer-sized buffer where the resident copy is not in the compute dtype)
         in_place = own is None and all(

@@ -157,10 +157,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "inkling2_text": FUSED,
     "inkling2_loop_text": "tensors moequant cannot join",
 }
-# families moequant refuses to run one decoder layer at a time (apply, calibrate, streamed eval), with its words
-APPLY_REFUSED: dict[str, str] = {
-    "longcat_flash": "weightless zero experts",
-}
 # families whose export plain transformers 5.25 cannot load, for reasons of its own (the test checks they still fail)
 CONV_CONCAT = "its weight conversion concatenates the q/k/v convolutions and fails under a quantization_config"
 TRANSFORMERS_CANNOT_RELOAD: dict[str, str] = {
@@ -329,8 +325,6 @@ def support_table() -> str:
             continue
         export = "gpt-oss-mxfp4 layout" if family in OWN_LAYOUT else "yes"
         reload = "yes" if family not in TRANSFORMERS_CANNOT_RELOAD else "apply: yes; transformers: no (below)"
-        if family in APPLY_REFUSED:
-            reload = f"apply refused: {APPLY_REFUSED[family]}; an export of it reloads"
         gguf = (
             "precheck refuses (below)"
             if family not in ARCHS

@@ -186,7 +186,10 @@ QUANTIZED_SOURCES: dict[str, str] = {
 # families whose llama.cpp graph takes only what their checkpoints have, where the defaults above differ: the config
 # tests/test_gguf_families.py builds them with (what, overrides); other configs are refused by the GGUF precheck
 GGUF_OVERRIDES: dict[str, tuple[str, dict]] = {
-    "dots1": ("as many key / value heads as query heads", {"num_key_value_heads": SIZES["num_attention_heads"]}),
+    "dots1": (
+        "as many key / value heads as query heads",
+        {"num_key_value_heads": SIZES["num_attention_heads"], "first_k_dense_replace": 3},  # one MoE layer (below)
+    ),
     "lfm2_moe": ("tied embeddings", {"tie_word_embeddings": True}),
     # one MoE layer (here and below): a random sigmoid router has near ties that llama.cpp's 8-bit activations in the
     # quantized layers before it flip (tests/test_gguf_archs.py's DeepSeek-V3 has one too)

@@ -589,13 +589,13 @@ REFUSED: dict[str, str] = {
     **{
         mt: f"llama.cpp's {arch} graph needs {what}, which GGUF export does not write yet"
         for mt, arch, what in (
+            ("glm_moe_dsa", "glm-dsa", "its MLA and indexer tensors in a layout (a ggml shape check fails on ours)"),
             ("afmoe", "afmoe", "its gated attention and AFMoE's own norms and routing worked out"),
             (
                 "mimo_v2_flash",
                 "mimo2",
                 "the sliding-window layers' own head counts and sizes and attention-sink biases",
             ),
-            ("glm_moe_dsa", "glm-dsa", "MLA and its sparse-attention indexer's metadata"),
             ("jamba", "jamba", "the Mamba layers transformed (A_log, conv)"),
             ("nemotron_h", "nemotron_h_moe", "the Mamba-2 layers transformed (A_log, conv, grouped norm)"),
             ("kimi_linear", "kimi-linear", "the KDA linear-attention layers transformed"),

@@ -48,6 +48,8 @@ llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants, its l
   {kernel, channels}; qwen3next (Qwen3-Next) takes the gated-delta-net layers as llama.cpp's converter
   writes them (ssm_a = -exp(A_log), dt_bias as ssm_dt.bias, the conv kernel {kernel, channels}, every
   norm but the gated one's as 1 + weight) and full attention every full_attention_interval-th layer;
+  jamba: Mamba layers (ssm_a = -exp(A_log), the conv kernel {kernel, channels}) where a layer has no key /
+  value heads (a per-layer list);
   phimoe routes by a renormalised softmax, not PhiMoE's sparsemixer (refused);
 - openai-moe (gpt-oss): gate / up de-interleaved into `ffn_{gate,up}_exps` with their biases
   (`.bias` {n_ff_exp, n_expert}), `post_attention_norm`, `attn_sinks.weight`, router bias
@@ -325,6 +327,20 @@ def _refuse_qwen3next(adapter, c):
     return None
 
 
+def _hp_jamba(w, adapter, c):
+    """Jamba: attention layers are those with key / value heads (a per-layer list, every attn_layer_period-th from
+    attn_layer_offset), the others Mamba layers sized by the ssm keys; MoE layers are the ones holding a router."""
+    n_kv = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    period, offset = int(c["attn_layer_period"]), int(c["attn_layer_offset"])
+    kv_heads = [n_kv if L % period == offset else 0 for L in range(adapter.num_layers)]
+    _gqa_heads(w, adapter, c, kv_heads=kv_heads)
+    w.add_feed_forward_length(int(c["intermediate_size"]))
+    w.add_ssm_conv_kernel(int(c["mamba_d_conv"]))
+    w.add_ssm_inner_size(int(c["mamba_expand"]) * adapter.hidden)
+    w.add_ssm_state_size(int(c["mamba_d_state"]))
+    w.add_ssm_time_step_rank(int(c["mamba_dt_rank"]))
+
+
 def _gating(w, r):
     import gguf
 
@@ -557,6 +573,11 @@ GRAPHS: dict[str, Graph] = {
     "glm4_moe_lite": _DEEPSEEK2,
     "solar_open": Graph("glm4moe", _hp_moe, _refuse_interleaved_dense),
     "exaone_moe": Graph("exaone-moe", _hp_swa, _refuse_interleaved_dense),
+    "jamba": Graph(
+        "jamba",
+        _hp_jamba,
+        transforms=((_L + r"mamba\.A_log", _neg_exp), (_L + r"mamba\.conv1d\.weight", _conv)),
+    ),
     "qwen3_next": Graph(
         "qwen3next",
         _hp_qwen3next,
@@ -596,7 +617,6 @@ REFUSED: dict[str, str] = {
                 "mimo2",
                 "the sliding-window layers' own head counts and sizes and attention-sink biases",
             ),
-            ("jamba", "jamba", "the Mamba layers transformed (A_log, conv)"),
             ("nemotron_h", "nemotron_h_moe", "the Mamba-2 layers transformed (A_log, conv, grouped norm)"),
             ("kimi_linear", "kimi-linear", "the KDA linear-attention layers transformed"),
         )

@@ -198,6 +198,11 @@ GGUF_OVERRIDES: dict[str, tuple[str, dict]] = {
         "full attention every full_attention_interval-th layer",
         {"layer_types": ["linear_attention"] * 3 + ["full_attention"]},
     ),
+    # Nemotron-3-Nano's kinds of layers: Mamba-2, MoE, attention (no dense MLP)
+    "nemotron_h": (
+        "no dense MLP layers",
+        {"layers_block_type": ["linear_attention", "moe", "full_attention", "linear_attention"]},
+    ),
     "exaone_moe": (
         "dense layers first",
         {

@@ -147,6 +147,7 @@ CONFIG_REFUSED = {
     "lfm2_moe": "tie_word_embeddings: false",
     "glm4_moe_lite": "dense layers only before the first MoE layer",
     "exaone_moe": "dense layers only before the first MoE layer",
+    "nemotron_h": "has dense MLP layers",
 }
 
 

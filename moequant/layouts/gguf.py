@@ -50,6 +50,8 @@ llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants, its l
   norm but the gated one's as 1 + weight) and full attention every full_attention_interval-th layer;
   jamba: Mamba layers (ssm_a = -exp(A_log), the conv kernel {kernel, channels}) where a layer has no key /
   value heads (a per-layer list);
+  nemotron_h_moe (Nemotron-H): Mamba-2 layers likewise (A and D {1, n_head}, dt_bias as ssm_dt.bias, the gated
+  norm {d_inner / n_groups, n_groups}), MoE layers by their per-layer width, no dense MLP layers;
   phimoe routes by a renormalised softmax, not PhiMoE's sparsemixer (refused);
 - openai-moe (gpt-oss): gate / up de-interleaved into `ffn_{gate,up}_exps` with their biases
   (`.bias` {n_ff_exp, n_expert}), `post_attention_norm`, `attn_sinks.weight`, router bias
@@ -151,7 +153,24 @@ def _plus_one(t, c):  # a norm that scales by 1 + weight (Qwen3-Next's) -> llama
     return t.float() + 1
 
 
-RESHAPES = (_flat, _conv)  # transforms that only reshape: valid on packed rows, undone by a reshape
+def _heads_col(t, c):  # Mamba-2's per-head A / D [n_head] -> llama.cpp's {1, n_head}
+    return t.reshape(-1, 1)
+
+
+def _neg_exp_col(t, c):
+    return _heads_col(_neg_exp(t, c), c)
+
+
+def _grouped(t, c):  # Mamba-2's gated norm [d_inner] -> llama.cpp's {d_inner / n_groups, n_groups}
+    return t.reshape(int(c.get("n_groups") or 1), -1)
+
+
+RESHAPES = (
+    _flat,
+    _conv,
+    _heads_col,
+    _grouped,
+)  # transforms that only reshape: valid on packed rows, undone by a reshape
 
 
 # ---- the architectures -----------------------------------------------------------------------------
@@ -164,7 +183,7 @@ def add_common_metadata(w, adapter, c: dict) -> None:
     w.add_embedding_length(adapter.hidden)
     w.add_block_count(adapter.num_layers)
     w.add_head_count(int(c["num_attention_heads"]))
-    w.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", c.get("norm_eps", 1e-6))))
+    w.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", c.get("norm_eps", c.get("layer_norm_epsilon", 1e-6)))))
     w.add_expert_count(adapter.num_experts)
     w.add_expert_used_count(adapter.top_k)
     w.add_vocab_size(int(c["vocab_size"]))
@@ -341,6 +360,22 @@ def _hp_jamba(w, adapter, c):
     w.add_ssm_time_step_rank(int(c["mamba_dt_rank"]))
 
 
+def _hp_nemotron_h(w, adapter, c):
+    """Nemotron-H: each layer is Mamba-2, attention, an MLP or an MoE (layers_block_type); attention layers are told
+    by their key / value heads and MLP layers by their width (per-layer lists), the Mamba-2 sizes as the ssm keys."""
+    kinds = c["layers_block_type"]
+    n_kv = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    ff = {"mlp": int(c["intermediate_size"]), "moe": adapter.expert_intermediate}
+    _hp_moe(w, adapter, c, kv_heads=[n_kv if k in ("attention", "full_attention") else 0 for k in kinds])
+    w.add_feed_forward_length([ff.get(k, 0) for k in kinds])
+    w.add_ssm_conv_kernel(int(c["conv_kernel"]))
+    w.add_ssm_inner_size(int(c["mamba_num_heads"]) * int(c["mamba_head_dim"]))
+    w.add_ssm_state_size(int(c["ssm_state_size"]))
+    w.add_ssm_time_step_rank(int(c["mamba_num_heads"]))
+    w.add_ssm_group_count(int(c.get("n_groups") or 1))
+    w.add_layer_norm_eps(float(c.get("layer_norm_epsilon", 1e-5)))
+
+
 def _gating(w, r):
     import gguf
 
@@ -480,6 +515,15 @@ def _refuse_lfm2(adapter, c):
     return None
 
 
+def _refuse_nemotron_h(adapter, c):
+    if "mlp" in c.get("layers_block_type", []):
+        return (
+            "llama.cpp's nemotron_h_moe graph takes Mamba-2, attention and MoE layers, but this checkpoint's "
+            "layers_block_type has dense MLP layers"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class Graph:
     """How one HF architecture is written for one llama.cpp graph. Tensor names are gguf-py's: its
@@ -578,6 +622,18 @@ GRAPHS: dict[str, Graph] = {
         _hp_jamba,
         transforms=((_L + r"mamba\.A_log", _neg_exp), (_L + r"mamba\.conv1d\.weight", _conv)),
     ),
+    "nemotron_h": Graph(
+        "nemotron_h_moe",
+        _hp_nemotron_h,
+        _refuse_nemotron_h,
+        transforms=(
+            (r"backbone\.layers\.\d+\.mixer\.A_log", _neg_exp_col),
+            (r"backbone\.layers\.\d+\.mixer\.D", _heads_col),
+            (r"backbone\.layers\.\d+\.mixer\.conv1d\.weight", _conv),
+            (r"backbone\.layers\.\d+\.mixer\.norm\.weight", _grouped),
+        ),
+        splits=((r"backbone\.layers\.(\d+)\.mixer\.dt_bias", [("SSM_DT", None)], ".bias"),),
+    ),
     "qwen3_next": Graph(
         "qwen3next",
         _hp_qwen3next,
@@ -617,7 +673,6 @@ REFUSED: dict[str, str] = {
                 "mimo2",
                 "the sliding-window layers' own head counts and sizes and attention-sink biases",
             ),
-            ("nemotron_h", "nemotron_h_moe", "the Mamba-2 layers transformed (A_log, conv, grouped norm)"),
             ("kimi_linear", "kimi-linear", "the KDA linear-attention layers transformed"),
         )
     },

@@ -55,13 +55,42 @@ def build(directory: Path, layers: int) -> int:
 
 
 CHILD = """
-import json, sys
+import json, os, sys, threading, time
 from moequant import timing
 from moequant.pipeline.apply import apply
 model, out, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+# where the peak is: the resident size sampled every 20 ms, each sample given to the innermost stage open
+# on the run's thread (moequant.timing's names) at that moment
+page, names, by_stage, done = os.sysconf("SC_PAGE_SIZE"), [], {{}}, threading.Event()
+real_stage = timing.stage
+
+class named:
+    def __init__(self, name, *a, **k):
+        self.name, self.inner = name, real_stage(name, *a, **k)
+    def __enter__(self):
+        if timing.active():
+            names.append(self.name)
+        return self.inner.__enter__()
+    def __exit__(self, *exc):
+        if timing.active() and names:
+            names.pop()
+        return self.inner.__exit__(*exc)
+
+timing.stage = named
+
+def sample():
+    with open("/proc/self/statm") as f:
+        while not done.wait(0.02):
+            f.seek(0)
+            rss = int(f.read().split()[1]) * page
+            key = names[-1] if names else "(no stage)"
+            by_stage[key] = max(by_stage.get(key, 0), rss)
+
+threading.Thread(target=sample, daemon=True).start()
 apply({recipe!r}, model=model, output=out, overrides=overrides, progress=False, log=lambda *a: None)
+done.set()
 status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
-print(json.dumps({{"peak_rss": int(status["VmHWM"].split()[0]) * 1024, "timings": timing.account()}}))
+print(json.dumps({{"peak_rss": int(status["VmHWM"].split()[0]) * 1024, "timings": timing.account(), "by_stage": by_stage}}))
 """
 
 
@@ -93,6 +122,8 @@ def main() -> None:
     )
     t = r["timings"]
     print("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1]) if v >= 0.05))
+    peaks = sorted(r["by_stage"].items(), key=lambda kv: -kv[1])
+    print("peak RSS (GB) by the stage open when it was sampled: " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in peaks))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ import torch
 from moequant.errors import UserError
 
 MARGIN_BYTES = 2 * 2**30  # left free for the allocator's fragmentation, kernels' workspaces, other processes
-CPU_TEMPORARY_BYTES = 4 * 2**30  # the CPU's default share (its float64 work is slow beyond this anyway)
+# the CPU's default share, small so that a CPU-only run's host memory stays near its resident layers (issue 55
+# item 7, benchmarks/bench_host_rss.py); GPTQ batches and statistics chunks give the same codes at any size
+CPU_TEMPORARY_BYTES = 2**30
 _limits: dict[str, int | None] = {"gpu": None, "host": None}  # the caps; None: what is free
 _reserved = {"gpu": 0}  # bytes promised to work in flight on another thread (a read-ahead) not yet allocated
 _reserved_lock = threading.Lock()

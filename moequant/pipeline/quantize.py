@@ -593,11 +593,9 @@ def _quantize_experts(
 def _experts_per_chunk(adapter, device) -> int:
     """Experts whose Hessians (gate/up d x d, down I x I routed and all-tokens; sums and normalised
     copies, float32) and float32 weights fit half the run's memory budget (moequant.memory_budget; the other
-    half is GPTQ's); all of them on the CPU (small models)."""
+    half is GPTQ's), on a GPU and on the CPU alike (chunks give the same codes: test_grouped_pipeline)."""
     from moequant import memory_budget as budget
 
-    if torch.device(device).type == "cpu":
-        return adapter.num_experts
     d, i = adapter.hidden, adapter.expert_intermediate
     per_expert = 2 * 4 * (d * d + 2 * i * i) + 4 * 3 * d * i
     return max(1, min(adapter.num_experts, budget.temporary_bytes(device) // 2 // per_expert))
@@ -612,7 +610,7 @@ def _statistics_and_quantize_in_chunks(
     copy of the calibration tokens); then, one chunk of experts at a time, the chunk's statistics
     and Hessians are built from that record, its weights (float32 on the device) quantized and
     its dequantized weights kept in the compute dtype, and the chunk's Hessians freed. With one
-    chunk (the CPU, small layers) this is the whole-layer computation itself.
+    chunk (small layers) this is the whole-layer computation itself.
     With `own` (an expert-parallel rank's slice, moequant.parallel), `host` and the returned
     dequantized experts hold those experts only; the others are zeros in the recording forward.
     Returns (quantized, report, dequantized experts {proj: [E, out, in]}, routed tokens per expert)."""

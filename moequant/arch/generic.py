@@ -144,6 +144,19 @@ class _Reverter:
 
         return revert_weight_conversion(self.model, {key: tensor})
 
+    def renamed_together(self, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """{key: {on-disk name: tensor}} for the keys that are only renamed, reversed all at once: a group rename
+        (Kimi-K2.5's vision blocks: norm1/norm2 on disk norm0/norm1) renames a key only beside its partners. A
+        renamed tensor comes back as itself, which says whose name it now has; the rest is left to `__call__`."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        owner = {id(t): k for k, t in tensors.items()}
+        out = {}
+        for name, t in revert_weight_conversion(self.model, dict(tensors)).items():
+            if id(t) in owner and owner[id(t)] not in out:
+                out[owner[id(t)]] = {name: t}
+        return out
+
 
 def _tag(shape: tuple[int, ...], axis: int) -> torch.Tensor:
     """[E, ...] with 1 everywhere but the expert axis and `axis`: value = expert * n + index along `axis`."""
@@ -266,11 +279,17 @@ class GenericAdapter(Adapter):
 
     def _walk_layer(self, L, items, modules) -> dict:
         record = {"m2d": {}, "entries": {}, "experts": {}, "joined": {}, "itemsizes": {}}
+        plain = {
+            key: tensor
+            for key, rest, tensor in items
+            if not (L is not None and L in self.experts_path and rest.startswith(self.experts_path[L] + "."))
+        }
+        renamed = self._revert.renamed_together(plain)
         for key, rest, tensor in items:
-            if L is not None and L in self.experts_path and rest.startswith(self.experts_path[L] + "."):
+            if key not in plain:
                 self._add_experts(record, key, L, rest[len(self.experts_path[L]) + 1 :], tensor)
                 continue
-            disk = self._revert(key, tensor)
+            disk = renamed.get(key) or self._revert(key, tensor)
             if len(disk) > 1:  # one parameter stored as several tensors (Kimi-Linear's q/k/v convolutions)
                 record["joined"][key] = (self._joined_axis(key, tensor, disk), list(disk))
             module = modules.get(key.rsplit(".", 1)[0])

@@ -174,7 +174,6 @@ class LayerRunner:
 
     def _capture(self) -> None:
         base, layers = self.adapter.decoder(self.model)
-        originals = list(layers)
         # where a layer hands the next one a second output (GLM-5's indexer top-k): layer -> (its argument, from)
         self.state_from: dict[int, tuple[str, int]] = {}
         self._states: dict[tuple, object] = {}  # (layer, batch, digest of its output) -> the state it returned
@@ -183,10 +182,8 @@ class LayerRunner:
         for batch in self.batches:
             while True:
                 record: dict = {}
-                for i, layer in enumerate(originals):
-                    layers[i] = _PassThrough(i, record, layer, with_state)
                 try:
-                    with torch.no_grad():
+                    with _passed_through(layers, record, with_state), torch.no_grad():
                         base(input_ids=batch, use_cache=False)
                     break
                 except (ValueError, TypeError) as e:  # the model's loop unpacks more than hidden states
@@ -196,13 +193,9 @@ class LayerRunner:
                             f"{type(base).__name__} hands more than the hidden states from one decoder layer to the "
                             f"next ({type(e).__name__}: {str(e)[:80]})."
                         ) from None
-                    with_state = True
-                    self._with_state = True
-                finally:
-                    for i, layer in enumerate(originals):
-                        layers[i] = layer
-            layer_inputs = [(i, v) for i, v in record.items() if isinstance(i, int)] if with_state else []
-            for i, (args, kwargs) in layer_inputs:
+                    with_state = self._with_state = True
+            layer_inputs = [(i, v) for i, v in record.items() if isinstance(i, int)]
+            for i, (args, kwargs) in layer_inputs if with_state else []:
                 handed = [k for k, v in kwargs.items() if isinstance(v, _State)]
                 if len(handed) > 1 or any(isinstance(v, _State) for v in args):
                     raise UserError(
@@ -215,7 +208,7 @@ class LayerRunner:
             # a container the model's loop gives every layer to write into and read from (Kolibri-1.1's shared
             # keys and values): one per batch, so a runner carries one stream of hidden states at a time
             self.shared_between_layers = self.shared_between_layers or any(
-                isinstance(v, collections.UserDict) for _, kwargs in layer_inputs_all(record) for v in kwargs.values()
+                isinstance(v, collections.UserDict) for _, (_, kwargs) in layer_inputs for v in kwargs.values()
             )
             self.embedded.append(record.pop("hidden").detach())
             self.layer_kwargs.append({i: _to_device(v, self.device) for i, v in record.items()})
@@ -227,16 +220,9 @@ class LayerRunner:
         base, layers = self.adapter.decoder(self.model)
         if self.final_norm is not None:
             return self.final_norm(hidden.to(self.final_norm.weight.device))
-        originals = list(layers)
-        for i, layer in enumerate(originals):
-            layers[i] = _PassThrough(i, {}, layer, self._with_state)
-        layers[-1].output = hidden.to(base.get_input_embeddings().weight.device)
-        try:
-            with torch.no_grad():
-                return base(input_ids=self.batches[b], use_cache=False).last_hidden_state
-        finally:
-            for i, layer in enumerate(originals):
-                layers[i] = layer
+        output = hidden.to(base.get_input_embeddings().weight.device)
+        with _passed_through(layers, {}, self._with_state, output), torch.no_grad():
+            return base(input_ids=self.batches[b], use_cache=False).last_hidden_state
 
     @functools.cached_property
     def final_norm(self) -> nn.Module | None:
@@ -323,9 +309,19 @@ class LayerRunner:
         return out
 
 
-def layer_inputs_all(record: dict) -> list:
-    """The (args, kwargs) a capture recorded for each decoder layer."""
-    return [v for i, v in record.items() if isinstance(i, int)]
+@contextlib.contextmanager
+def _passed_through(layers, record: dict, with_state: bool, output: torch.Tensor | None = None):
+    """The decoder's layers replaced by pass-throughs recording into `record` (the last one returning `output`
+    where given), restored afterwards."""
+    originals = list(layers)
+    for i, layer in enumerate(originals):
+        layers[i] = _PassThrough(i, record, layer, with_state)
+    layers[-1].output = output
+    try:
+        yield
+    finally:
+        for i, layer in enumerate(originals):
+            layers[i] = layer
 
 
 def _to_device(value, device):

@@ -459,8 +459,8 @@ class GenericAdapter(Adapter):
     def stored_itemsizes(self):
         return self._itemsizes
 
-    @property
-    def router_choices(self) -> int:
+    @functools.cached_property
+    def router_choices(self) -> int:  # read for every calibration batch: the entries are scanned once
         """How many choices the router picks among: its rows. More than the experts where it also picks weightless
         "zero" (identity) experts, numbered after the real ones (LongCat-Flash); statistics count the real ones."""
         L = self.moe_layers[0]

@@ -19,6 +19,12 @@ import torch
 from moequant.errors import UserError
 
 MARGIN_BYTES = 2 * 2**30  # left free for the allocator's fragmentation, kernels' workspaces, other processes
+# without --max-gpu-memory, a run allocates at most this share of the card and its caching allocator reserves at
+# most GPU_RESERVED_SHARE (`bound_allocator`): the rest is for serving processes and other work beside it (issue 55
+# item 3: a DeepSeek-V3 layer within 60 GiB of an 80 GB card; what is allocated alone did not bound what the
+# allocator reserved, 13 GiB above it)
+GPU_DEFAULT_SHARE = 0.70
+GPU_RESERVED_SHARE = 0.75
 # the CPU's default share, small so that a CPU-only run's host memory stays near its resident layers (issue 55
 # item 7, benchmarks/bench_host_rss.py); GPTQ batches and statistics chunks give the same codes at any size
 CPU_TEMPORARY_BYTES = 2**30
@@ -95,7 +101,8 @@ def check_device(device) -> str:
 
 
 def device_free_bytes(device) -> int:
-    """What this process may still allocate on `device`: free memory, within the cap, less the margin."""
+    """What this process may still allocate on `device`: free memory, within the cap (by default
+    GPU_DEFAULT_SHARE of a GPU), less the margin."""
     device = torch.device(device)
     if device.type != "cuda":
         free = host_available_bytes()
@@ -103,13 +110,38 @@ def device_free_bytes(device) -> int:
         if cap is not None:
             free = min(free, cap - rss_bytes())
         return max(0, free - MARGIN_BYTES)
-    free, _ = torch.cuda.mem_get_info(device)
+    free, total = torch.cuda.mem_get_info(device)
     # memory the caching allocator holds but does not use is free for us too
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    cap = _limit("gpu")
-    if cap is not None:
-        free = min(free, cap - torch.cuda.memory_allocated(device))
+    cap = gpu_cap(_limit("gpu"), total)
+    free = min(free, cap - torch.cuda.memory_allocated(device))
     return max(0, free - MARGIN_BYTES - _reserved["gpu"])
+
+
+def gpu_cap(limit: int | None, total: int) -> int:
+    """Bytes a run may allocate on a GPU of `total` bytes: --max-gpu-memory, else GPU_DEFAULT_SHARE of the card."""
+    return limit if limit is not None else int(GPU_DEFAULT_SHARE * total)
+
+
+def reserved_cap(limit: int | None, total: int) -> int:
+    """Bytes the caching allocator may reserve: the cap plus the room the default leaves it (GPU_RESERVED_SHARE
+    of the card, or of --max-gpu-memory scaled alike), never more than the card."""
+    return min(total, int(gpu_cap(limit, total) * GPU_RESERVED_SHARE / GPU_DEFAULT_SHARE))
+
+
+def bound_allocator(device) -> None:
+    """On a GPU, hold the caching allocator's reserved memory to `reserved_cap` (it returns its cached blocks and
+    retries before it goes past), in expandable segments unless PYTORCH_CUDA_ALLOC_CONF says otherwise: the
+    fixed-size segments of the layer-sized buffers left gigabytes reserved and unusable beside what was allocated."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF") and not os.environ.get("PYTORCH_ALLOC_CONF"):
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9; older: the env only
+        if setter is not None:
+            setter("expandable_segments:True")
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(reserved_cap(_limit("gpu"), total) / total, device)
 
 
 def reserve_gpu(nbytes: int):

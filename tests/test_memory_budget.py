@@ -129,7 +129,8 @@ def test_a_read_ahead_s_reservation_is_left_free_until_released(monkeypatch):
     """The next layer's read-ahead allocates on another thread while this layer sizes its chunks: its bytes
     are reserved from the moment it is submitted (the DeepSeek-V3 two-layer runs ran out of memory when
     chunks took what the read-ahead was about to fill), and given back once, however often released."""
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 2**30, 140 * 2**30))
+    # a card whose default share (GPU_DEFAULT_SHARE of 150 GiB) is above what is free: free memory bounds
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 2**30, 150 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
     free = memory_budget.device_free_bytes("cuda")
@@ -140,3 +141,21 @@ def test_a_read_ahead_s_reservation_is_left_free_until_released(monkeypatch):
     release()
     release()
     assert memory_budget.device_free_bytes("cuda") == free
+
+
+def test_without_a_cap_a_run_takes_a_share_of_an_80_gb_card_and_reserves_at_most_60_gib(monkeypatch):
+    """Issue 55 item 3: by default the budget allocates at most GPU_DEFAULT_SHARE of the card even where more is
+    free, and the allocator's reserved bound (`bound_allocator` hands it to torch) stays under 60 GiB on an 80 GB
+    card; an explicit --max-gpu-memory replaces the share, and the reserved bound never exceeds the card."""
+    total = 80 * 10**9  # an "80 GB" card (an H100 80GB HBM3 reports about 79.2 GiB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - 2**30, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2**30)
+    assert memory_budget.device_free_bytes("cuda") == int(0.70 * total) - 2**30 - memory_budget.MARGIN_BYTES
+    assert memory_budget.gpu_cap(None, total) < memory_budget.reserved_cap(None, total) <= 60 * 2**30
+    try:
+        memory_budget.configure(max_gpu="70GiB")
+        assert memory_budget.device_free_bytes("cuda") == 70 * 2**30 - 2**30 - memory_budget.MARGIN_BYTES
+        assert memory_budget.reserved_cap(memory_budget.gpu_limit_bytes(), total) == total
+    finally:
+        memory_budget.configure()

@@ -144,6 +144,7 @@ def apply(
     run.overwrite = overwrite
     check_run(run)  # what the recipe, the shapes and the machine refuse, before anything is written
     run.device = parallel.start(run.adapter.num_experts, device)  # joins the torchrun job when WORLD_SIZE > 1
+    memory_budget.bound_allocator(run.device)  # what the allocator reserves, not only what is allocated
     made = not run.directory.exists()
     with hold_lock(run, "apply"):  # the lock before anything is written into the directory
         try:

@@ -157,7 +157,8 @@ def check_memory(recipe, adapter, device: str) -> None:
     if limit is None:
         limit = memory_budget.device_free_bytes(device)
         what = (
-            f"the {limit / 2**30:.1f} GiB free on {device} (less a {memory_budget.MARGIN_BYTES / 2**30:.0f} GiB margin)"
+            f"the {limit / 2**30:.1f} GiB free on {device} (at most {memory_budget.GPU_DEFAULT_SHARE:.0%} of the card "
+            f"without --max-gpu-memory, less a {memory_budget.MARGIN_BYTES / 2**30:.0f} GiB margin)"
         )
     else:
         what = f"--max-gpu-memory {limit / 2**30:.1f} GiB"

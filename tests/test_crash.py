@@ -531,7 +531,7 @@ def test_work_files_hold_low_bit_codes_two_to_a_byte_and_give_them_back(key, tmp
     """The quantize pass's resume record: integer codes of <= 4 bits are stored as nibbles (half the
     scratch of int8 codes) and read back exactly, eagerly and lazily; other formats as they are."""
     from moequant import formats
-    from moequant.pipeline.quantize import load_quantized, save_quantized
+    from moequant.io.work_files import load_quantized, save_quantized
 
     w = torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(0))
     q = formats.quantize(w, key)

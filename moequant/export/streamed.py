@@ -11,7 +11,7 @@ no host re-pack: the scratch beyond the output itself is the pass's hidden state
 
 The bytes are export_checkpoint's own (tests/test_streamed_export.py compares the two tensor by
 tensor for every layout). GGUF, one file whose header lists every tensor first, keeps the
-work-file path (moequant.pipeline.quantize.save_quantized).
+work-file path (moequant.io.work_files.save_quantized).
 """
 
 from __future__ import annotations

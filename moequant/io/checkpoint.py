@@ -563,6 +563,14 @@ def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | No
     os.chmod(path, 0o666 & ~current_umask())
 
 
+def save_atomic(tensors: dict, path: Path, metadata: dict) -> None:
+    """`tensors` as one safetensors file, written under a temporary name and renamed: a crash leaves the
+    old file or none."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_safetensors({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+    tmp.replace(path)
+
+
 SAFETENSORS_DTYPES = {
     torch.bool: "BOOL",
     torch.uint8: "U8",

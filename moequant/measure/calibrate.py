@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 from moequant.algorithms.registry import algorithm
 from moequant.errors import UserError
 from moequant.formats import REGISTRY
-from moequant.io.checkpoint import atomic_write_text, open_checkpoint, save_safetensors
+from moequant.io.checkpoint import atomic_write_text, open_checkpoint, save_atomic
 from moequant.io.layers import LayerRunner, compute_dtype
 from moequant.measure.probe import auto_probe_algorithm, probe_algorithm_for
 from moequant.measure.settings import (  # noqa: F401  (the names library callers import from here)
@@ -901,14 +901,6 @@ def collect_moe_stats(runner, module, layer: int, collector: "LayerCollector", h
     finally:
         for h in hooks:
             h.remove()
-
-
-def save_atomic(tensors: dict, path: Path, metadata: dict) -> None:
-    """`tensors` as one safetensors file, written under a temporary name and renamed: a crash leaves the
-    old file or none."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_safetensors({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-    tmp.replace(path)
 
 
 def _progress(iterable, enabled, label, total, start):

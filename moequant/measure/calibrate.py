@@ -44,6 +44,7 @@ from moequant.measure.settings import (  # noqa: F401  (the names library caller
     MIN_ROUTED_TOKENS,
     CalibrationSettings,
 )
+from moequant.measure.saliency import REAP, REAP_SUM, accumulate_reap, reap_scores
 from moequant.measure.stats import chosen_hessian, layer_file
 
 
@@ -98,6 +99,8 @@ class LayerCollector:
     # min_tokens routed tokens (stats.chosen_hessian), and pushing every token through every expert is most
     # of a layer's statistics: it asks for those experts alone. The others' all-tokens down rows stay zero.
     all_tokens_experts: list[bool] | None = None
+    reap: bool = False  # REAP's saliency of each expert (measure.saliency), from its routed tokens' outputs
+    _gates: torch.Tensor | None = None  # the current batch's router weight per sorted token-expert pair
 
     @property
     def local_experts(self) -> int:
@@ -175,6 +178,9 @@ class LayerCollector:
         token_of_pair = pair[order] // self.top_k
         expert_of_pair = flat[order]
         coef = self._hessian_coefficients(routing_weights, pair[order])  # per sorted pair, or None
+        if self.reap:
+            self._zeros(REAP_SUM, E, torch.float64, dev)
+            self._gates = None if routing_weights is None else routing_weights.reshape(-1)[pair[order]]
         counts = torch.bincount(flat, minlength=E)
         offsets = [0] + torch.cumsum(counts, 0).tolist()  # the one host sync of the batch
         xf = x.float()
@@ -285,6 +291,12 @@ class LayerCollector:
                     # computed from the routed rows alone in both coverage modes, so the routed
                     # statistics do not depend on the mode (bit for bit)
                     he = self.adapter.expert_hidden(self.experts_module, x[rows], first + e).float()
+                    if self.reap and self._gates is not None:
+                        at = slice(offsets[e], offsets[e + 1])
+                        accumulate_reap(
+                            self.t[REAP_SUM], self.adapter, self.experts_module, he, [first + e],
+                            self._gates[at], expert_of_pair[at],
+                        )  # fmt: skip
                     ha = he.to(acc)
                     self._zeros("input_routed.down.sqsum", (E, inter), torch.float64, dev)[e] += (ha**2).sum(0).double()
                     self._zeros("input_routed.down.abssum", (E, inter), torch.float64, dev)[e] += (
@@ -323,6 +335,13 @@ class LayerCollector:
             he = self.adapter.experts_hidden(self.experts_module, pad, [first + lo_ids + e for e in range(lo, hi)])
             he = he.float() * mask[..., None]  # [c, m, I]
             del pad
+            if self.reap and self._gates is not None:
+                at = slice(offsets[lo_ids + lo], offsets[lo_ids + hi])
+                ids_here = [first + lo_ids + e for e in range(lo, hi)]
+                accumulate_reap(
+                    self.t[REAP_SUM], self.adapter, self.experts_module, he, ids_here,
+                    self._gates[at], expert_of_pair[at], mask,
+                )  # fmt: skip
             at = slice(lo_ids + lo, lo_ids + hi)
             ha = he.to(acc)
             sqsum[at] += (ha**2).sum(1).double()
@@ -337,6 +356,8 @@ class LayerCollector:
         """Turn sums into the documented per-expert statistics (means, normalised Hessians)."""
         t, E = self.t, self.local_experts
         out = {k: v for k, v in t.items() if k.startswith("routing.")}
+        if REAP_SUM in t:
+            out[REAP] = reap_scores(t[REAP_SUM], t["input_routed.down.tokens"])
         for group in ("gate_up", "down"):
             n_r = t[f"input_routed.{group}.tokens"]
             out[f"input_routed.{group}.tokens"] = n_r
@@ -654,6 +675,7 @@ def _moe_layer_statistics(
         first_expert=own.start,
         chunk_experts=len(own),
         hessian_weighting=settings.hessian_weighting,
+        reap=True,
     )
 
     def set_domains(b, col=col):

@@ -16,6 +16,7 @@ Layout of a `stats/` directory:
   shape they would be ~57 GB per layer; `CalibrationSettings.save_hessians` / `calibrate
   --save-hessians` also writes them as `hessian.<group>` / `hessian_routed.<group>`);
   `sensitivity.<proj>.<format_key> [E]` float64 predicted output error (see calibrate.py);
+  `saliency.reap [E]` float64 REAP's criterion (mean router weight x output norm over routed tokens, saliency.py);
 - `probe.json`: the per-layer KL probe (measured KL of quantizing one layer's routed experts,
   the policy's predicted loss for it, their ratio), when calibration ran it (see probe.py).
 """

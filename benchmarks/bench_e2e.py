@@ -194,6 +194,7 @@ def child_llmc(model: str, out: str, samples: int, seq_len: int, eval_samples: i
     )
     seconds = time.perf_counter() - t0
     peak_gpu = torch.cuda.max_memory_allocated() / 2**30
+    peak_reserved = torch.cuda.max_memory_reserved() / 2**30
     del m
     torch.cuda.empty_cache()
     try:
@@ -204,6 +205,7 @@ def child_llmc(model: str, out: str, samples: int, seq_len: int, eval_samples: i
         "seconds": seconds,
         "timings": {},
         "peak_gpu_gib": peak_gpu,
+        "peak_gpu_reserved_gib": peak_reserved,
         "peak_rss_gib": peak_rss_bytes() / 2**30,
         "scratch_bytes": 0,
         "stats_bytes": 0,

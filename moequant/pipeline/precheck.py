@@ -55,6 +55,10 @@ def check_recipe(recipe, ckpt, run=None) -> list[str]:
     from moequant.targets import get_target
 
     adapter = ckpt.adapter
+    if recipe.experts.prune is not None:  # a count the model cannot drop (moequant.plan.prune), first
+        from moequant.plan.prune import prune_layout
+
+        prune_layout(recipe.experts.prune, adapter)
     layout = layout_for(recipe.export.format).name
     specs = plan_formats(recipe)
     for spec in specs:

@@ -24,6 +24,7 @@ experts:
     - {layers: "0-3", format: int8}
     - {format: int4}
   usage_floor: 0.05           # see moequant.plan.context: usage weight of never-routed experts
+  prune: {experts: 2, saliency: reap}   # or {fraction: 0.25}: drop that many experts of every MoE layer (plan.prune)
 algorithms: {int4: gptq, mxfp4: gptq, int8: rtn, fp8: rtn}
 formats: {int4: {group_size: 128, symmetric: true}, fp8: {block: [128, 128]}}
 export: {format: compressed-tensors}    # | gptq | awq | fp8-block | gpt-oss-mxfp4
@@ -50,6 +51,7 @@ from moequant.algorithms.registry import GptqOptions as Gptq
 from moequant.errors import UserError
 from moequant.formats import REGISTRY, format_names, get_format, parse_key
 from moequant.layouts import RECIPE_LAYOUTS, layout_for
+from moequant.measure.saliency import CRITERIA as SALIENCY_CRITERIA
 from moequant.measure.settings import DEFAULT_DATASET, Calibration
 from moequant.targets import TARGETS, get_target
 
@@ -201,6 +203,21 @@ class Rule(Strict):
         return None if self.layers is None else parse_layer_ranges(self.layers)
 
 
+class Prune(Strict):
+    """Experts dropped from every MoE layer (moequant.plan.prune): a count or a fraction of each layer's, the
+    lowest by `saliency` (moequant.measure.saliency) in each layer."""
+
+    experts: Optional[int] = Field(None, gt=0)
+    fraction: Optional[float] = Field(None, gt=0, lt=1)
+    saliency: Literal[SALIENCY_CRITERIA] = "reap"
+
+    @model_validator(mode="after")
+    def one_kind(self):
+        if (self.experts is None) == (self.fraction is None):
+            raise ValueError("give exactly one of experts (a count per layer) or fraction, e.g. {experts: 2}")
+        return self
+
+
 class Experts(Strict):
     method: Literal[METHODS] = "budget"
     budget: Optional[Budget] = None
@@ -208,6 +225,7 @@ class Experts(Strict):
     format: Optional[FormatEntry] = None
     rules: Optional[list[Rule]] = None
     usage_floor: float = Field(0.05, ge=0, le=1)
+    prune: Optional[Prune] = None
 
     @field_validator("formats")
     @classmethod
@@ -516,8 +534,12 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:
-    """Plain JSON-able dict (for plan.json and reports)."""
-    return recipe.model_dump(mode="json")
+    """Plain JSON-able dict (for plan.json and reports); `experts.prune` only when set, so a recipe without it
+    writes the plan.json and run fingerprint it always did."""
+    data = recipe.model_dump(mode="json")
+    if data["experts"].get("prune") is None:
+        del data["experts"]["prune"]
+    return data
 
 
 def resolve_format(recipe: Recipe, entry: str):

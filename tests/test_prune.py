@@ -242,3 +242,59 @@ def test_a_recipe_without_prune_writes_the_plan_it_always_did(name):
     assert "prune" not in json.dumps(data)
     pruned = recipe_to_dict(load_recipe(name, ["experts.prune={experts: 2}"]))
     assert pruned["experts"]["prune"] == {"experts": 2, "fraction": None, "saliency": "reap"}
+
+
+# ---------------------------------------------------------------------------------------------- apply
+
+
+@pytest.mark.slow
+def test_apply_with_prune_exports_the_smaller_model_as_compressed_tensors(tmp_path):
+    """apply drops each layer's lowest-REAP experts, quantizes the smaller model (uniform int4) and exports it as
+    compressed-tensors: transformers loads it with its fewer experts (moequant.load's weights), it is the pruned
+    model (nearer the original whose routers never choose the dropped experts than the original itself), and
+    prune.json's price of pruning is the KL an independent transformers forward measures."""
+    from transformers import AutoModelForCausalLM
+
+    from moequant.io.checkpoint import open_checkpoint
+    from moequant.io.loader import load
+    from moequant.measure.data import load_samples
+    from moequant.pipeline.apply import apply
+
+    out = tmp_path / "run"
+    settings = [
+        "model=zoo:tiny-qwen3moe",
+        "experts.prune={experts: 2}",
+        "calibration.samples=8",
+        "calibration.seq_len=48",
+        "evaluate.samples=4",
+        "evaluate.seq_len=48",
+    ]
+    apply("uniform-int4", output=str(out), overrides=settings, progress=False, log=lambda *a: None)
+    record = json.loads((out / "prune" / "prune.json").read_text())
+    stats = load_stats(out / "prune" / "stats", with_hessians=False)
+    for L, layer in stats.layers.items():  # the two lowest REAP scores of each layer went
+        reap = layer.tensors["saliency.reap"]
+        assert record["layers"][str(L)]["dropped"] == sorted(torch.argsort(reap)[:2].tolist())
+    drops = {int(L): v["dropped"] for L, v in record["layers"].items()}
+
+    config = json.loads((out / "checkpoint" / "config.json").read_text())
+    assert config["num_local_experts"] == 6 and config["num_experts_per_tok"] == 4
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    source = open_checkpoint("zoo:tiny-qwen3moe")
+    adapter = source.adapter
+    windows = load_samples("builtin:mix", source.tokenizer, 4, 48, split="evaluation", seed=0)
+    ids = torch.stack([w.input_ids for w in windows])
+    theirs = AutoModelForCausalLM.from_pretrained(out / "checkpoint", dtype=torch.float32)
+    original = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32)
+    with torch.no_grad():
+        got = theirs(input_ids=ids).logits
+        # the two readers round differently (tiny-qwen3moe unpruned: mean 3.9e-5, max 8e-4), and a near tie of a
+        # router may flip a position: the median, not the mean
+        assert _kl(load(out / "checkpoint", torch.float32)(ids).logits, got).median() <= 1e-4
+        full = original(input_ids=ids).logits
+        with routers_never_choosing(original, adapter, drops):
+            pruned = original(input_ids=ids).logits
+    assert _kl(pruned, got).mean() < _kl(full, got).mean() / 4
+    measured = float(_kl(full, pruned).mean())
+    assert record["quality"]["kl_mean"] == pytest.approx(measured, rel=0.05)  # prune.json ran in bf16
+    assert record["bytes_saved"] == source.stored_bytes - open_checkpoint(out / "prune" / "model").stored_bytes > 0

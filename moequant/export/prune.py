@@ -61,9 +61,12 @@ def pruned_config(config: dict, adapter, layout: PruneLayout) -> dict:
     return out
 
 
-def write_pruned_checkpoint(source, drops: dict[int, list[int]], layout: PruneLayout, output) -> Path:
+def write_pruned_checkpoint(
+    source, drops: dict[int, list[int]], layout: PruneLayout, output, source_fingerprint: str | None = None
+) -> Path:
     """Write the model `source` (a path or an open Checkpoint) without the experts `drops` ({MoE layer: experts})
-    into `output`, atomically. Returns the directory."""
+    into `output`, atomically; `source_fingerprint` (the source's identity) is kept in its PRUNE_FILE.
+    Returns the directory."""
     ckpt = open_checkpoint(source)
     adapter = ckpt.adapter
     if sorted(drops) != sorted(adapter.moe_layers) or any(len(set(d)) != layout.count for d in drops.values()):
@@ -109,6 +112,7 @@ def write_pruned_checkpoint(source, drops: dict[int, list[int]], layout: PruneLa
         record = {
             "schema": "moequant.prune/1",
             "source": str(ckpt.path),
+            "source_fingerprint": source_fingerprint,
             "experts": layout.experts,
             "kept": layout.kept,
             "mode": layout.mode,

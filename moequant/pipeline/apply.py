@@ -170,6 +170,12 @@ def _apply(run: Run) -> Path:
     timings: dict[str, float] = {}
     reads_statistics = needs_statistics(run.recipe)
     settings = calibration_settings(run.recipe, run.device, ckpt=run.source)
+    if run.recipe.experts.prune is not None:  # the smaller model is the source from here on (pipeline.prune)
+        from moequant.pipeline.prune import prune_stage
+
+        with timing.stage("prune", whole=True):
+            run = prune_stage(run, settings)
+        settings = calibration_settings(run.recipe, run.device, ckpt=run.source)
 
     with timing.stage("calibrate", whole=True):
         stats_dir = calibrate_stage(run, settings) if reads_statistics else _no_calibration(run)

@@ -10,6 +10,10 @@ float32 stacks that read one input (gate and up, when `joins_gate_up(spec)`; els
 returns (a QuantizedTensor per stack, a report or None). With a report ({"fallbacks": {index of the
 expert in the stack: why}, "damp": ...}), the quantize pass records it under the algorithm's name.
 
+An algorithm that changes a whole layer's weights before they are rounded (AWQ) says so with `prepare_layer`
+(the quantize pass calls it once per layer; what it reads and returns: layer.py), and one that cannot run
+on some models or runs with `refusal` (precheck and the quantize pass ask it before any work).
+
 A new algorithm is one `register(Algorithm(...))`; a recipe may then name it in `algorithms:`.
 """
 
@@ -54,14 +58,23 @@ class Algorithm:
     hessians: bool = False
     # the quantize pass collects the layer's input statistics for it (a forward of the layer)
     statistics: bool = False
-    # scales a whole layer's weights before rounding (AWQ: folded into the norm, the router, the
-    # shared expert and up_proj; pipeline.quantize), on host copies, in one process
-    scales_layer: bool = False
+    # (layer.LayerToPrepare) -> layer.PreparedLayer: changes the whole layer's weights before rounding (AWQ's
+    # scales, folded into the norm, the router, the shared expert and up_proj), on float32 host copies
+    prepare_layer: Callable | None = None
+    prepare_tokens: int = 0  # the MoE block's input tokens (with their routing) the preparation reads, at most
+    # (adapter, plan rows that name it, processes) -> why it cannot run there, or None; precheck asks with no
+    # rows (the plan does not exist yet), the quantize pass with the plan's
+    refusal: Callable | None = None
     # gate and up (one input) share one solve when both are in `spec` for the same experts
     joins_gate_up: Callable = _never
     # the algorithm the calibration KL probe measures this one's formats with (the probe runs no AWQ)
     probe: str = "rtn"
     options: type[BaseModel] | None = None  # its options: the recipe's section of the algorithm's name
+
+    @property
+    def scales_layer(self) -> bool:
+        """Whether it prepares whole layers before rounding (then on host copies, the layer at once)."""
+        return self.prepare_layer is not None
 
 
 ALGORITHMS: Registry = Registry("algorithm", "'{name}' is not an algorithm; accepted: {accepted}", ValueError)
@@ -124,6 +137,29 @@ register(
         options=GptqOptions,
     )
 )
-# AWQ rounds to nearest once pipeline.quantize has scaled the layer (algorithms/awq.py searches the scales)
-register(Algorithm("awq", _rtn, statistics=True, scales_layer=True))
+
+
+def _awq_prepare(layer):
+    from moequant.algorithms.awq_layer import prepare_layer
+
+    return prepare_layer(layer)
+
+
+def _awq_refusal(adapter, rows, processes):
+    from moequant.algorithms.awq_layer import refusal
+
+    return refusal(adapter, rows, processes)
+
+
+# AWQ rounds to nearest once its preparation has scaled the layer (awq_layer.py; the search is awq.py)
+register(
+    Algorithm(
+        "awq",
+        _rtn,
+        statistics=True,
+        prepare_layer=_awq_prepare,
+        prepare_tokens=65536,  # calibration tokens kept per layer for the shared gate/up scale search
+        refusal=_awq_refusal,
+    )
+)
 register(Algorithm("imatrix", _imatrix, hessians=True, statistics=True))

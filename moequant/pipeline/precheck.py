@@ -82,20 +82,14 @@ def check_recipe(recipe, ckpt, run=None) -> list[str]:
         notes = list(run.plan.notes)
     else:
         notes = check_plan(recipe, ckpt)
-    # what the algorithms refuse, for this model and under torchrun (last: the plan's checks say more)
+    # what the algorithms refuse, for this model and under torchrun (last: the plan's checks say more); an
+    # algorithm the recipe names but no format uses is asked about the model alone
     used = {recipe.algorithm_for(spec.name) for spec in specs if spec.quantized}
-    scaling = [a for a in recipe.algorithms.values() if algorithm(a).scales_layer]
-    if adapter.fused_experts and scaling:
-        raise UserError(
-            f"algorithms: {scaling[0]} is not supported for {adapter.model_type} (fused experts whose activation "
-            "clamps up_proj, so the down_proj scale cannot be folded exactly); accepted there: gptq or rtn."
-        )
-    one_process = sorted(a for a in used if algorithm(a).scales_layer)
-    if parallel.world_size() > 1 and one_process:
-        raise UserError(
-            f"algorithm {one_process[0]} runs in one process only (its shared gate/up scale is searched over all "
-            "of a layer's experts together); run it without torchrun, or use gptq or rtn."
-        )
+    for name in dict.fromkeys([*recipe.algorithms.values(), *sorted(used)]):
+        refusal = algorithm(name).refusal
+        why = refusal(adapter, [], parallel.world_size() if name in used else 1) if refusal is not None else None
+        if why:
+            raise UserError(why)
     return notes
 
 

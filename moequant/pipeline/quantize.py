@@ -11,24 +11,10 @@ For each decoder layer, one in memory at a time:
    unquantized gate/up: one forward per layer instead of three);
    non-expert tensors (attention, shared experts, dense MLP) use RTN in this version; GPTQ
    uses activation order with static groups for integer formats (what vLLM loads);
-   AWQ (experts whose plan row says `awq`, round-to-nearest after scaling):
-   - down_proj: one scale per expert, searched on the expert's own routed tokens (all tokens
-     for an expert with fewer than `min_tokens`: reported), folded into the output rows of the
-     same expert's up_proj (exact in float);
-   - gate_proj / up_proj read the layer's normalised hidden state, shared by every expert, the
-     router and the shared expert, so a per-expert scale cannot be folded: one scale per layer
-     (the shared variant) is searched on the error of all AWQ experts together (each in its own
-     format, weighted by its routed tokens) and folded into `post_attention_layernorm` (divided)
-     and every consumer of its output (multiplied): all routed experts' gate/up, the router,
-     the shared expert's gate/up and shared_expert_gate. These full-precision tensors keep their
-     dtype and are returned beside the quantized ones (plain tensors, exported as they are);
-     the layer's routing with them is compared with the original routing (report). The shared
-     scale's alpha is searched on the MoE block's routed output with down_proj quantized as the
-     pass quantizes it, on the first 3/4 of the recorded calibration tokens, and kept only if the
-     clipped, quantized block is also better on the last 1/4 (else s = 1: round-to-nearest);
-   - after scaling, every AWQ weight's per-group range is clipped where that lowers its
-     calibration output error (`awq_clip`, AWQ's second step), then rounded to nearest;
-3. the layer runs again with the dequantized weights (and the folded full-precision tensors,
+   an algorithm that prepares the whole layer first (AWQ: moequant.algorithms.awq_layer) gets the
+   layer's float32 host copies and statistics before any of this, through its registered hook
+   (`Algorithm.prepare_layer`), and may hand back full-precision tensors it changed;
+3. the layer runs again with the dequantized weights (and the prepared full-precision tensors,
    rounded to their dtype as exported); its output is what layer L+1 sees.
 
 Resumable: each finished layer's quantized (and replaced full-precision) tensors, report and
@@ -52,10 +38,11 @@ from pathlib import Path
 import torch
 
 from moequant import formats, parallel, timing
-from moequant.algorithms.registry import algorithm
+from moequant.algorithms.layer import LayerToPrepare
+from moequant.algorithms.registry import ALGORITHMS, algorithm
 from moequant.arch import Adapter
 from moequant.errors import UserError
-from moequant.io.checkpoint import Checkpoint, atomic_write_text, open_checkpoint, save_atomic
+from moequant.io.checkpoint import Checkpoint, atomic_write_text, open_checkpoint
 from moequant.io.layers import LayerRunner, compute_dtype, release_freed_memory
 from moequant.io.work_files import load_quantized, save_quantized
 from moequant.measure.calibrate import (
@@ -86,10 +73,6 @@ def _plan_fingerprint(plan: Plan, settings: CalibrationSettings, extra: str) -> 
 # ----------------------------------------------------------------------------- one layer
 
 
-AWQ_GRID = 20  # alpha steps of the AWQ scale search
-AWQ_HOLDOUT = 0.25  # share of the recorded calibration tokens that validates the shared gate/up scale
-
-
 def _chosen_statistics(collected: dict, group: str, idx: torch.Tensor, num_experts: int, min_tokens: int):
     """Per expert of `idx`: (own, routed tokens, Hessian, mean |x|, token count used) — the expert's
     own routed-token statistics when it has at least `min_tokens` tokens, else all tokens'
@@ -102,270 +85,6 @@ def _chosen_statistics(collected: dict, group: str, idx: torch.Tensor, num_exper
     )
     used = torch.where(own, tokens, collected[f"input.{group}.tokens"][idx])
     return own.cpu(), tokens.cpu(), H, m, used
-
-
-def _check_awq_supported(adapter, layer: int) -> None:
-    if adapter.fused_experts:
-        raise UserError(
-            f"algorithm awq is not supported for {adapter.model_type}: its experts are fused on disk and "
-            "its activation clamps up_proj, so the down_proj scale cannot be folded exactly; use gptq or rtn."
-        )
-    norm = f"model.layers.{layer}.post_attention_layernorm.weight"
-    if norm not in adapter.expected_tensors():
-        raise UserError(
-            f"algorithm awq needs {norm} to fold the shared gate/up scale into; {adapter.model_type} "
-            "has none; use gptq or rtn."
-        )
-
-
-def _input_consumers(adapter, ckpt, layer: int) -> list[str]:
-    """Non-expert tensors of an MoE layer that read the normalised hidden state (their input columns
-    are multiplied by the shared gate/up scale): router, shared expert gate/up, shared_expert_gate."""
-    out = []
-    for name in adapter.layer_tensor_names(layer):
-        role = adapter.classify(name)
-        shape = tuple(ckpt.shape(name))
-        reads_input = role.role in ("router", "shared_expert_gate") or (
-            role.role == "shared_expert" and role.proj in ("gate", "up")
-        )
-        if reads_input and name.endswith(".weight") and len(shape) == 2 and shape[1] == adapter.hidden:
-            out.append(name)
-    return out
-
-
-def _awq_layer(
-    adapter,
-    ckpt,
-    layer: int,
-    plan_rows,
-    weights: dict,
-    collected: dict,
-    min_tokens: int,
-    device,
-    tokens: dict | None = None,
-):
-    """AWQ scales of one MoE layer, applied to `weights` (proj -> [E, out, in] float32, changed in place).
-
-    down_proj: per expert, on the expert's own routed-token statistics (`awq_scales`). gate/up:
-    one scale for the layer, searched on the MoE block's routed output over the calibration
-    `tokens` (x, indices, weights, act; `awq_shared_scale_moe`), else on each expert's gate/up
-    output error through its Hessian, weighted by its tokens (`awq_shared_scale`).
-
-    Returns (input scale [H] or None, full-precision replacements {on-disk name: float32 tensor},
-    changed {proj: bool [E]} — which experts' weights the folds changed, report)."""
-    E = adapter.num_experts
-    changed = {p: torch.zeros(E, dtype=torch.bool) for p in adapter.projections}
-    report, replaced = {}, {}
-    down_scales = torch.ones(E, adapter.expert_intermediate)
-    by = {}
-    for t in plan_rows:
-        if t.quantized and algorithm(t.algorithm).scales_layer:
-            by.setdefault((t.proj, t.format), []).append(t.expert)
-
-    # down_proj: per expert, folded into the output rows of the same expert's up_proj
-    for (proj, key), experts in sorted(by.items()):
-        if proj != "down":
-            continue
-        idx = torch.tensor(sorted(experts))
-        scales, entry = _awq_down(weights, key, idx, collected, E, min_tokens, device)
-        down_scales[idx] = scales
-        report[f"down:{key}"] = entry
-        changed["down"][idx] = changed["up"][idx] = True
-
-    # gate_proj / up_proj: one scale for the layer (they share the normalised input)
-    shared = {(proj, key): experts for (proj, key), experts in by.items() if proj in ("gate", "up")}
-    scale = None
-    if shared:
-        scale, folded, shared_replaced, shared_report = _awq_shared_gate_up(
-            adapter, ckpt, layer, plan_rows, weights, collected, min_tokens, device, tokens, shared
-        )
-        replaced.update(shared_replaced)
-        report.update(shared_report)
-        # every routed expert reads the folded norm's output; without a fold (s = 1) only the down_proj
-        # fold changed experts (their up rows)
-        for proj in ("gate", "up"):
-            changed[proj][:] = folded
-        changed["up"] |= changed["down"]
-    report["scales"] = {"down": down_scales, "input": scale if scale is not None else torch.ones(adapter.hidden)}
-    return scale, replaced, changed, report
-
-
-def _awq_down(
-    weights: dict, key: str, idx: torch.Tensor, collected: dict, num_experts: int, min_tokens: int, device
-) -> tuple[torch.Tensor, dict]:
-    """AWQ of the down_proj of experts `idx` in format `key`: per-expert scales (on each expert's own
-    routed-token statistics) folded into the same experts' up_proj rows, then the scaled weights clipped;
-    `weights` changed in place. Returns (the scales [len(idx), I], report entry)."""
-    from moequant.algorithms.awq import awq_clip, awq_scales
-
-    own, counts, H, m, used = _chosen_statistics(collected, "down", idx, num_experts, min_tokens)
-    scales, rep = awq_scales(
-        [weights["down"][idx]], key, hessian=H, mean_abs=m, tokens=used, grid=AWQ_GRID, device=device
-    )
-    scales = scales.to("cpu", torch.float32)
-    weights["down"][idx] *= scales[:, None, :]
-    weights["up"][idx] /= scales[:, :, None]
-    clipped = awq_clip(weights["down"][idx], key, H / (scales[:, :, None] * scales[:, None, :]), device=device)
-    weights["down"][idx] = clipped.weight.to("cpu", torch.float32)
-    ids = idx.tolist()
-    fallbacks = {
-        str(e): f"all-tokens statistics: {int(counts[i])} routed tokens < {min_tokens}"
-        for i, e in enumerate(ids)
-        if not own[i]
-    }
-    fallbacks.update({str(ids[i]): f"{rep.method[i]}: {rep.reason[i]}" for i in range(len(ids)) if rep.reason[i]})
-    return scales, {
-        "variant": "per expert, folded into the same expert's up_proj rows",
-        "alpha": dict(zip(map(str, ids), rep.alpha)),
-        "calibration_error_rtn": dict(zip(map(str, ids), rep.error_rtn)),
-        "calibration_error_awq": dict(zip(map(str, ids), rep.error_awq)),
-        "clip": _clip_report(clipped, ids),
-        "fallbacks": fallbacks,
-    }
-
-
-def _awq_shared_gate_up(
-    adapter,
-    ckpt,
-    layer: int,
-    plan_rows,
-    weights: dict,
-    collected: dict,
-    min_tokens: int,
-    device,
-    tokens: dict | None,
-    shared: dict,
-):
-    """The layer's one gate/up input scale (`shared`: (proj, format) -> AWQ experts): searched, multiplied
-    into every routed expert's gate/up (in place), the AWQ rows clipped, and folded into the
-    post-attention norm and its other consumers unless it is 1.
-    Returns (scale [H], folded, full-precision replacements, report entries)."""
-    from moequant.algorithms.awq import SharedGroup, awq_clip
-
-    shared_keys = sorted(shared)
-    groups, info = [], []
-    for proj, key in shared_keys:
-        idx = torch.tensor(sorted(shared[(proj, key)]))
-        own, counts, H, _, _ = _chosen_statistics(collected, "gate_up", idx, adapter.num_experts, min_tokens)
-        # each expert's error counts once per routed token (sum over experts = error over all
-        # tokens); an expert no token reached still counts as one
-        groups.append(SharedGroup(weights[proj][idx], key, H, counts.clamp(min=1).double()))
-        info.append((proj, key, idx.tolist(), own, counts))
-    res, objective = _search_shared_scale(
-        plan_rows, weights, groups, collected["input.gate_up.abs_mean"][0], tokens, adapter.num_experts, device
-    )
-    scale = res.scale.to("cpu", torch.float32)
-    for proj in ("gate", "up"):
-        weights[proj] *= scale  # every routed expert reads the folded norm's output
-    clips = {}
-    for (proj, key), (g, (_, _, ids, _, _)) in zip(shared_keys, zip(groups, info)):
-        idx = torch.tensor(ids)
-        clipped = awq_clip(weights[proj][idx], key, g.hessian / (scale[:, None] * scale[None, :]), device=device)
-        weights[proj][idx] = clipped.weight.to("cpu", torch.float32)
-        clips[(proj, key)] = _clip_report(clipped, ids)
-    norm = f"model.layers.{layer}.post_attention_layernorm.weight"
-    consumers = _input_consumers(adapter, ckpt, layer)
-    folded = bool((scale != 1).any())  # alpha = 0: s = 1, nothing to fold (tensors stay as they are)
-    replaced = {}
-    if folded:
-        replaced[norm] = ckpt.get(norm).float() / scale
-        for name in consumers:
-            replaced[name] = ckpt.get(name).float() * scale
-    report = _shared_scale_report(res, scale, objective, info, clips, [norm] + consumers if folded else [])
-    return scale, folded, replaced, report
-
-
-def _search_shared_scale(
-    plan_rows, weights: dict, groups: list, magnitude: torch.Tensor, tokens: dict | None, num_experts: int, device
-):
-    """The shared gate/up scale's search: on the MoE block's routed output over the recorded calibration
-    tokens when there are any, else on each expert's gate/up output error through its Hessian.
-    Returns (the search's result, the objective in words)."""
-    from moequant.algorithms.awq import awq_shared_scale, awq_shared_scale_moe
-
-    if not (tokens and tokens.get("x")):
-        res = awq_shared_scale(groups, magnitude, grid=AWQ_GRID, device=device)
-        return res, "each expert's gate/up output error through its Hessian, weighted by its routed tokens"
-    specs = [None] * num_experts  # per expert: (gate format, up format) of its AWQ rows
-    for t in plan_rows:
-        if t.quantized and t.proj in ("gate", "up") and algorithm(t.algorithm).scales_layer:
-            pair = list(specs[t.expert] or (None, None))
-            pair[("gate", "up").index(t.proj)] = t.format
-            specs[t.expert] = tuple(pair)
-    # down_proj as the quantized block will have it: AWQ rows are round-to-nearest of the
-    # scaled, clipped weights; other quantized rows are approximated by round-to-nearest
-    down_hat = weights["down"].clone()
-    for key in sorted({t.format for t in plan_rows if t.proj == "down" and t.quantized}):
-        idx = torch.tensor(sorted(t.expert for t in plan_rows if t.proj == "down" and t.format == key))
-        down_hat[idx] = formats.quantize(down_hat[idx], key).dequantize(torch.float32)
-    res = awq_shared_scale_moe(
-        torch.cat(tokens["x"]),
-        torch.cat(tokens["indices"]),
-        torch.cat(tokens["weights"]),
-        weights["gate"],
-        weights["up"],
-        weights["down"],
-        specs,
-        tokens["act"],
-        magnitude,
-        grid=AWQ_GRID,
-        device=device,
-        down_hat=down_hat,
-        holdout=AWQ_HOLDOUT,
-        clip=True,
-    )
-    return res, (
-        "MoE block output over the calibration tokens (routing-weighted; down quantized as the pass "
-        f"does); alpha chosen on the first {1 - AWQ_HOLDOUT:.0%} of the tokens, kept only if the "
-        f"clipped, quantized block is also better on the last {AWQ_HOLDOUT:.0%}"
-    )
-
-
-def _shared_scale_report(
-    res, scale: torch.Tensor, objective: str, info: list, clips: dict, folded_into: list[str]
-) -> dict:
-    """Report entries of the shared gate/up scale: one per (proj, format) of `info`, and "shared_scale"."""
-    report = {}
-    for proj, key, ids, own, counts in info:
-        report[f"{proj}:{key}"] = {
-            "variant": (
-                "shared gate/up scale folded into post_attention_layernorm, router"
-                + (", shared expert" if any("shared_expert" in n for n in folded_into) else "")
-            )
-            if folded_into
-            else "shared gate/up scale s = 1 (alpha = 0: no gain confirmed), nothing folded",
-            "alpha": res.alpha,
-            "clip": clips[(proj, key)],
-            "routed_tokens": dict(zip(map(str, ids), counts.tolist())),
-            "fallbacks": {
-                str(e): "0 routed tokens: gets the layer's shared scale"
-                for i, e in enumerate(ids)
-                if int(counts[i]) == 0
-            },
-        }
-    report["shared_scale"] = {
-        "alpha": res.alpha,
-        "objective": objective,
-        "folded_into": folded_into,
-        "scale_min": float(scale.min()),
-        "scale_max": float(scale.max()),
-        "objective_rtn": res.objective[0],
-        "objective_awq": res.objective[int(round(res.alpha * AWQ_GRID))],
-        "objective_best": min(res.objective),
-        "validation": res.validation,
-    }
-    return report
-
-
-def _clip_report(clipped, ids) -> dict:
-    """Per expert: share of weight groups whose range AWQ clipped, and the calibration output error
-    of round-to-nearest after scaling, without and with the clipping (relative to each other)."""
-    share = (clipped.ratio < 1).double().mean(dim=(1, 2))
-    gain = clipped.error_after / clipped.error_before.clamp(min=1e-30)
-    return {
-        "clipped_groups": dict(zip(map(str, ids), share.tolist())),
-        "error_ratio": dict(zip(map(str, ids), gain.tolist())),
-    }
 
 
 def _quantize_experts(
@@ -605,11 +324,8 @@ def _quantize_other(ckpt, rows, replaced: dict | None = None) -> tuple[dict, dic
     return quantized, dequant
 
 
-AWQ_MAX_TOKENS = 65536  # calibration tokens kept per layer for the shared gate/up scale search
-
-
-def _token_recorder(adapter, module, layer: int, store: dict):
-    """Hooks that keep the MoE block's input tokens and routing (for AWQ's block-output search)."""
+def _token_recorder(adapter, module, layer: int, store: dict, limit: int):
+    """Hooks that keep the MoE block's first `limit` input tokens and their routing (a layer preparation's)."""
     routing = {}
 
     def on_router(_module, _args, output):
@@ -621,7 +337,7 @@ def _token_recorder(adapter, module, layer: int, store: dict):
     def on_experts(_module, args, kwargs):
         x = (args[0] if args else kwargs["hidden_states"]).detach()
         x = x.reshape(-1, x.shape[-1]).float().cpu()
-        room = AWQ_MAX_TOKENS - sum(t.shape[0] for t in store.setdefault("x", []))
+        room = limit - sum(t.shape[0] for t in store.setdefault("x", []))
         if room > 0:
             store["x"].append(x[:room])
             store.setdefault("indices", []).append(routing["now"][0][:room])
@@ -697,12 +413,13 @@ def _quantize_model(
     it is quantized, no work file; the returned tensors are then only those outside the decoder
     layers, for `export.finish`.
 
-    Where AWQ folded its scales into tensors that stay in full precision (post-attention norm,
-    router, shared expert, experts the plan keeps), the mapping also holds them as plain tensors
-    under their on-disk names, in the checkpoint's dtype: `export_checkpoint` writes them as they are."""
+    Where a layer preparation (AWQ) folded its scales into tensors that stay in full precision (post-attention
+    norm, router, shared expert, experts the plan keeps), the mapping also holds them as plain tensors under
+    their on-disk names, in the checkpoint's dtype: `export_checkpoint` writes them as they are."""
     world = parallel.world()  # None: one process; else this rank quantizes its slice of every layer's experts
     ckpt = open_checkpoint(model)
     adapter = ckpt.adapter
+    _refuse_unsupported(plan, adapter, world)  # before any work
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     with timing.stage("data"):  # the calibration samples' tokens
@@ -716,7 +433,6 @@ def _quantize_model(
     )
     own = world.experts(adapter.num_experts) if world is not None else None
 
-    _refuse_awq_where_unsupported(plan, adapter, world)  # before any work
     rows_by_layer: dict[int | None, list] = {}
     for t in plan.tensors:
         rows_by_layer.setdefault(t.layer, []).append(t)
@@ -866,20 +582,22 @@ def _read_layer_experts(adapter, ckpt, layer: int, own: range | None, device=Non
         }
 
 
-def _experts_placement(run: "_Pass", for_awq: bool = False) -> tuple:
+def _experts_placement(run: "_Pass", prepared: bool = False) -> tuple:
     """(device, dtype) `_read_layer_experts` reads a layer into: on a GPU run the device, in the compute
     dtype when a forward runs (one resident copy serves the forward, the statistics and GPTQ; float32 only
     per chunk being solved), else float32 (round-to-nearest of the decoded values); (None, None) on the
-    CPU and for AWQ, whose search runs on host copies."""
+    CPU and for a layer an algorithm prepares (AWQ's search), on host copies."""
     device = torch.device(run.settings.device)
-    if device.type != "cuda" or for_awq:
+    if device.type != "cuda" or prepared:
         return None, None
     return device, run.runner.dtype if run.runner is not None else torch.float32
 
 
-def _uses_awq(rows) -> bool:
-    """Whether an algorithm scales the layer's weights before rounding (AWQ) in these rows."""
-    return any(t.quantized and algorithm(t.algorithm).scales_layer for t in rows if t.role == "routed_expert")
+def _preparing(rows):
+    """The algorithm that prepares the layer before rounding (AWQ: `Algorithm.prepare_layer`) in these rows, or
+    None (one per layer: `_refuse_unsupported`)."""
+    names = sorted({t.algorithm for t in rows if t.role == "routed_expert" and t.quantized})
+    return next((algorithm(n) for n in names if algorithm(n).prepare_layer is not None), None)
 
 
 def _expert_bytes(adapter, experts: int, dtype) -> int:
@@ -892,7 +610,7 @@ def _submit_read_ahead(reader, run: "_Pass", L: int, rows):
     until they are allocated, so chunks sized meanwhile (this layer's statistics, GPTQ) leave room for them."""
     from moequant import memory_budget as budget
 
-    device, dtype = _experts_placement(run, _uses_awq(rows))
+    device, dtype = _experts_placement(run, _preparing(rows) is not None)
     n = run.adapter.num_experts if run.own is None else len(run.own)
     release = budget.reserve_gpu(_expert_bytes(run.adapter, n, dtype)) if device is not None else (lambda: None)
 
@@ -910,7 +628,7 @@ def _read_ahead_fits(adapter, run: "_Pass", own: range | None, rows) -> bool:
     a GPU only when the budget (moequant.memory_budget) holds a second layer's experts besides this one's work."""
     from moequant import memory_budget as budget
 
-    device, dtype = _experts_placement(run, _uses_awq(rows))
+    device, dtype = _experts_placement(run, _preparing(rows) is not None)
     if device is None:
         return True
     n = adapter.num_experts if own is None else len(own)
@@ -1013,17 +731,19 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
         expert_rows if run.own is None else [t for t in expert_rows if t.expert in run.own]
     )  # what this rank quantizes
     needs_stats = _needs_statistics(expert_rows)
-    uses_awq = _uses_awq(expert_rows)
+    preparer = _preparing(expert_rows)  # AWQ: it changes the layer's weights before they are rounded
     collected, routed_tokens, routing_before, tokens, weights = None, None, [], {}, None
     streamed = _rtn_streamed(run, expert_rows)
-    if expert_rows and (uses_awq or not needs_stats) and not streamed:
-        dev = "cpu" if uses_awq else run.settings.device  # AWQ's search runs on host copies
-        host = host_experts or _read_layer_experts(adapter, run.ckpt, L, run.own, *_experts_placement(run, uses_awq))
+    if expert_rows and (preparer or not needs_stats) and not streamed:
+        dev = "cpu" if preparer else run.settings.device  # a preparation runs on host copies
+        host = host_experts or _read_layer_experts(
+            adapter, run.ckpt, L, run.own, *_experts_placement(run, preparer is not None)
+        )
         with timing.stage("decode"):
             weights = {p: host[p].to(dev, torch.float32) for p in adapter.projections}
         del host
     chunked = None
-    if L in adapter.moe_layers and needs_stats and not uses_awq:
+    if L in adapter.moe_layers and needs_stats and not preparer:
         run.bar.stage("statistics and GPTQ")
         host = host_experts or _read_layer_experts(adapter, run.ckpt, L, run.own, *_experts_placement(run))
         chunked = _statistics_and_quantize_in_chunks(
@@ -1032,10 +752,10 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
         del host
     elif L in adapter.moe_layers and needs_stats:
         run.bar.stage("statistics")
-        collected, routed_tokens, routing_before, tokens = _awq_statistics(
-            run.runner, adapter, L, hidden, weights, run.settings.hessian_weighting
+        collected, routed_tokens, routing_before, tokens = _prepare_statistics(
+            run.runner, adapter, L, hidden, weights, run.settings.hessian_weighting, preparer.prepare_tokens
         )
-    quantized, report, experts_dq, replaced, awq_report = {}, {}, None, {}, {}
+    quantized, report, experts_dq, replaced, prepared = {}, {}, None, {}, None
     if chunked is not None:
         quantized, report, experts_dq, routed_tokens = chunked
     elif streamed:
@@ -1043,33 +763,33 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
         quantized, report, experts_dq = _rtn_experts_streamed(run, L, mine)
     elif expert_rows:
         run.bar.stage("quantizing experts")
-        quantized, report, experts_dq, replaced, awq_report = _quantize_whole_layer_experts(
-            run, L, expert_rows, mine, weights, collected, tokens, uses_awq
+        quantized, report, experts_dq, replaced, prepared = _quantize_whole_layer_experts(
+            run, L, expert_rows, mine, weights, collected, tokens, preparer
         )
     with timing.stage("non_experts"):  # attention, shared experts, router: round-to-nearest or kept
         q_other, kept, forward_tensors = _quantize_layer_other(run, L, other_rows, replaced, experts_dq)
     if run.world is None or run.world.rank == 0:  # rank 0's work/ file holds the layer's non-expert tensors
         quantized.update(q_other)
-    # a later layer's GPTQ / AWQ reads this layer's quantized output; an AWQ layer's report also
-    # compares its routing before and after the folds
+    # a later layer's GPTQ / AWQ reads this layer's quantized output; a prepared layer's report also
+    # compares its routing before and after the preparation
     routing_after = []
-    if L < run.last_data_layer or (uses_awq and routing_before):
+    if L < run.last_data_layer or (preparer and routing_before):
         run.bar.stage("quantized forward")
         hidden, routing_after = _quantized_forward(
-            run, L, hidden, experts_dq, forward_tensors, record_routing=bool(uses_awq and routing_before)
+            run, L, hidden, experts_dq, forward_tensors, record_routing=bool(preparer and routing_before)
         )
     del weights, experts_dq, collected
-    _add_awq_report(
-        report, awq_report, routing_before, routing_after, bool(q_other), run.work / f"awq_{L:03d}.safetensors"
-    )
+    if prepared is not None and prepared.finish is not None:  # its report entries; its diagnostics in work/
+        diagnostics = run.work / f"{preparer.name}_{L:03d}.safetensors"
+        prepared.finish(report, routing_before, routing_after, bool(q_other), diagnostics)
     quantized.update(kept)
     _save_layer(run, L, quantized, report, routed_tokens, t0, hidden)
     return hidden
 
 
-def _awq_statistics(runner, adapter, L: int, hidden, weights: dict, hessian_weighting: str = "tokens"):
-    """One forward of an AWQ layer with its original weights (`weights`, host copies): the experts'
-    statistics, and for the AWQ search the routing and the MoE block's input tokens.
+def _prepare_statistics(runner, adapter, L: int, hidden, weights: dict, hessian_weighting: str, max_tokens: int):
+    """One forward of a layer an algorithm prepares, with its original weights (`weights`, host copies): the
+    experts' statistics, and for the preparation the routing and the MoE block's first `max_tokens` tokens.
     Returns (statistics on the CPU, routed tokens per expert, routing [per batch], recorded tokens)."""
     routing_before, tokens = [], {}
     with runner.materialized(L, experts=weights) as module:
@@ -1086,7 +806,7 @@ def _awq_statistics(runner, adapter, L: int, hidden, weights: dict, hessian_weig
         col.token_domains = torch.zeros(0, dtype=torch.long)
         hooks = [
             _routing_recorder(adapter, module, L, routing_before),
-            *_token_recorder(adapter, module, L, tokens),
+            *(_token_recorder(adapter, module, L, tokens, max_tokens) if max_tokens else []),
         ]
         try:
             collect_moe_stats(runner, module, L, col, hidden)
@@ -1110,24 +830,32 @@ def _quantize_whole_layer_experts(
     weights: dict,
     collected: dict | None,
     tokens: dict,
-    uses_awq: bool,
+    preparer,
 ):
-    """The layer's routed experts in one go (no chunks): AWQ's scales first where the plan asks for
-    them, then GPTQ / RTN (`_quantize_experts`).
-    Returns (quantized, report, dequantized experts, full-precision replacements, AWQ report)."""
-    changed, replaced, awq_report, input_scale = {}, {}, {}, None
-    if uses_awq:
-        input_scale, replaced, changed, awq_report = _awq_layer(
-            run.adapter,
-            run.ckpt,
-            L,
-            expert_rows,
-            weights,
-            collected,
-            run.settings.min_tokens,
-            run.settings.device,
-            tokens,
+    """The layer's routed experts in one go (no chunks): the `preparer`'s preparation first (AWQ's scales),
+    then every row by its algorithm (`_quantize_experts`).
+    Returns (quantized, report, dequantized experts, full-precision replacements, the preparation or None)."""
+    prepared, changed, replaced, input_scale = None, {}, {}, None
+    if preparer is not None:
+        choose = functools.partial(
+            _chosen_statistics, collected, num_experts=run.adapter.num_experts, min_tokens=run.settings.min_tokens
         )
+        prepared = preparer.prepare_layer(
+            LayerToPrepare(
+                preparer.name,
+                run.adapter,
+                run.ckpt,
+                L,
+                expert_rows,
+                weights,
+                collected,
+                choose,
+                tokens,
+                run.settings.min_tokens,
+                run.settings.device,
+            )
+        )
+        input_scale, replaced, changed = prepared.input_scale, dict(prepared.replaced), prepared.changed
     quantized, report, experts_dq = _quantize_experts(
         run.adapter,
         L,
@@ -1148,11 +876,11 @@ def _quantize_whole_layer_experts(
             if (e, proj) not in planned:
                 name = run.adapter.expert_tensor_name(L, e, proj)
                 replaced[name] = weights[proj][e]
-    return quantized, report, experts_dq, replaced, awq_report
+    return quantized, report, experts_dq, replaced, prepared
 
 
 def _quantize_layer_other(run: _Pass, L: int, other_rows: list, replaced: dict, experts_dq: dict | None):
-    """RTN of the layer's non-expert tensors (from `replaced` where AWQ folds changed them), and the
+    """RTN of the layer's non-expert tensors (from `replaced` where a preparation changed them), and the
     full-precision replacements the plan keeps, in their checkpoint dtype; routed experts among those
     go into `experts_dq` (in place). Returns (quantized non-expert tensors, kept replacements,
     the non-expert tensors the quantized forward uses)."""
@@ -1252,34 +980,29 @@ def _finish_layer_save(run: _Pass, L: int, close, report: dict, hidden) -> None:
     _write_progress(run, L, report, hidden)
 
 
-def _refuse_awq_where_unsupported(plan: Plan, adapter, world) -> None:
-    """AWQ runs on routed experts of architectures whose folds are exact, in one process."""
-    awq_layers = sorted(
-        {
-            t.layer
-            for t in plan.tensors
-            if t.role == "routed_expert" and t.quantized and algorithm(t.algorithm).scales_layer
-        }
-    )
-    for L in awq_layers:
-        _check_awq_supported(adapter, L)
-    if awq_layers and world is not None:
-        raise UserError(
-            "algorithm awq runs in one process only (its shared gate/up scale is searched over all of a "
-            "layer's experts together); run it without torchrun, or use gptq or rtn."
-        )
-    other_awq = sorted(
-        {
-            t.name
-            for t in plan.tensors
-            if t.role != "routed_expert" and t.quantized and algorithm(t.algorithm).scales_layer
-        }
-    )
-    if other_awq:
-        raise UserError(
-            f"algorithm awq is implemented for routed experts only; the plan asks it for {other_awq[0]} "
-            "(a non-expert tensor); use rtn or gptq for that format."
-        )
+def _refuse_unsupported(plan: Plan, adapter, world) -> None:
+    """What the plan's algorithms refuse for this model and run (`Algorithm.refusal`), before any work; and a
+    layer two algorithms would both prepare."""
+    rows_of: dict[str, list] = {}
+    for t in plan.tensors:
+        if t.quantized:
+            rows_of.setdefault(t.algorithm, []).append(t)
+    for name, rows in rows_of.items():
+        refusal = algorithm(name).refusal
+        why = refusal(adapter, rows, world.size if world is not None else 1) if refusal is not None else None
+        if why:
+            raise UserError(why)
+    preparing: dict[int, set] = {}
+    for name, rows in rows_of.items():
+        if algorithm(name).prepare_layer is not None:
+            for t in rows:
+                preparing.setdefault(t.layer, set()).add(name)
+    for L, names in sorted(preparing.items()):
+        if len(names) > 1:
+            raise UserError(
+                f"layer {L}: algorithms {' and '.join(sorted(names))} would each prepare its weights before "
+                "rounding; name one of them for that layer's formats."
+            )
 
 
 def _resume_point(work: Path, fingerprint: str, runner, last_data_layer: int, world):
@@ -1294,35 +1017,12 @@ def _resume_point(work: Path, fingerprint: str, runner, last_data_layer: int, wo
     if hidden is None:
         hidden = runner.embedded
     if start == 0 and (world is None or world.rank == 0):
-        for p in [*work.glob("layer_*"), *work.glob("awq_*")]:
+        prepared = [n for n, a in ALGORITHMS.items() if a.prepare_layer is not None]  # their diagnostics
+        for p in [*work.glob("layer_*"), *(f for n in prepared for f in work.glob(f"{n}_*"))]:
             shutil.rmtree(p) if p.is_dir() else p.unlink()  # directories: a streamed export's layer shards
     if world is not None:  # no rank writes into work/ before rank 0 has cleared it
         world.barrier("the start of the quantize pass")
     return start, hidden
-
-
-def _add_awq_report(
-    report: dict, awq_report: dict, routing_before, routing_after, attention_quantized: bool, scales_file: Path
-) -> None:
-    """AWQ's per-expert diagnostics into the layer report; its scales into `scales_file` (diagnostics for
-    tests and reports: the checkpoint holds the folds themselves)."""
-    scales = awq_report.pop("scales", None)
-    if scales is not None:
-        save_atomic(scales, scales_file, {})
-    shared = awq_report.pop("shared_scale", None)
-    for k, v in awq_report.items():
-        report[k]["awq"] = v
-    if shared is None:
-        return
-    report["awq_shared_scale"] = shared
-    if routing_after:
-        same = sum(int((a == b).all(-1).sum()) for a, b in zip(routing_before, routing_after))
-        total = sum(a.shape[0] for a in routing_before)
-        shared["routing_agreement"] = same / max(total, 1)
-        shared["routing_note"] = (
-            "top-k expert sets of the calibration tokens, original layer vs. the exported one (folded "
-            "norm/router in their dtype" + (", quantized attention" if attention_quantized else "") + ")"
-        )
 
 
 def _collect_layer_files(

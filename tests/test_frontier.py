@@ -61,7 +61,8 @@ def test_the_report_s_runs_plot_compares_only_runs_of_its_own_model(tmp_path):
     KL is against another reference), so a directory with one run of each model has no such plot at all."""
     import json
 
-    from moequant.report import plot_pareto, sibling_runs
+    from moequant.report import sibling_runs
+    from moequant.report.views import plot_pareto
 
     def run(name, model, size, kl):
         (tmp_path / name).mkdir()

@@ -6,7 +6,8 @@ from __future__ import annotations
 from moequant.arch import adapter_for
 from moequant.io.checkpoint import open_checkpoint
 from moequant.plan.memory import format_bytes
-from moequant.report import _expert_formats, _summary_tables
+from moequant.report import _expert_formats
+from moequant.report.views import _summary_tables
 
 
 def tensor(layer, expert, proj, key):

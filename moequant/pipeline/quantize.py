@@ -29,8 +29,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import json
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,38 +37,20 @@ import torch
 
 from moequant import parallel, timing
 from moequant.algorithms.layer import LayerToPrepare
-from moequant.algorithms.registry import ALGORITHMS, algorithm
+from moequant.algorithms.registry import algorithm
 from moequant.arch import Adapter
 from moequant.errors import UserError
-from moequant.io.checkpoint import Checkpoint, atomic_write_text, open_checkpoint
+from moequant.io.checkpoint import Checkpoint, open_checkpoint
 from moequant.io.layers import LayerRunner, compute_dtype, release_freed_memory
-from moequant.io.work_files import load_quantized, save_quantized
 from moequant.measure.calibrate import (
     CalibrationSettings,
     LayerCollector,
     collect_moe_stats,
-    load_carried,
-    save_carried,
 )
 from moequant.pipeline.experts import _chosen_statistics, _merge_chunk_report, _quantize_experts, _quantize_other
+from moequant.pipeline.resume import collect_layer_files, plan_fingerprint, resume_point, save_layer
 from moequant.plan.model import Plan
 from moequant.progress import LayerProgress
-
-
-def _plan_fingerprint(plan: Plan, settings: CalibrationSettings, extra: str) -> str:
-    body = json.dumps(
-        {
-            "tensors": [(t.name, t.layer, t.expert, t.proj, t.format, t.algorithm) for t in plan.tensors],
-            "settings": settings.fingerprint_fields(),
-            "extra": extra,
-        },
-        sort_keys=True,
-        default=str,
-    )
-    return hashlib.sha256(body.encode()).hexdigest()[:16]
-
-
-# ----------------------------------------------------------------------------- one layer
 
 
 def _experts_per_chunk(adapter, device) -> int:
@@ -227,25 +207,6 @@ def _routing_recorder(adapter, module, layer: int, store: list):
 # ----------------------------------------------------------------------------- the pass
 
 
-def _layer_file(work: Path, layer: int, rank: int) -> Path:
-    """A layer's quantized tensors in work/; in an expert-parallel run each rank's experts in its own file."""
-    return work / (f"layer_{layer:03d}.safetensors" if rank == 0 else f"layer_{layer:03d}.rank{rank}.safetensors")
-
-
-def _mark_finished(work: Path, fingerprint: str, next_layer: int) -> None:
-    """Progress of the part of the pass that needs no activations (after the last GPTQ / AWQ layer)."""
-    atomic_write_text(work / "weights_only.json", json.dumps({"fingerprint": fingerprint, "next_layer": next_layer}))
-
-
-def _finished_layers(work: Path, fingerprint: str) -> int:
-    path = work / "weights_only.json"
-    if path.exists():
-        record = json.loads(path.read_text())
-        if record.get("fingerprint") == fingerprint:
-            return int(record["next_layer"])
-    return 0
-
-
 def quantize_model(
     model: str,
     plan: Plan,
@@ -289,7 +250,7 @@ def _quantize_model(
     work.mkdir(parents=True, exist_ok=True)
     with timing.stage("data"):  # the calibration samples' tokens
         input_ids = _calibration_input_ids(ckpt, settings, samples)
-    fingerprint = _plan_fingerprint(
+    fingerprint = plan_fingerprint(
         plan,
         settings,
         hashlib.sha256(input_ids.numpy().tobytes()).hexdigest()
@@ -327,7 +288,7 @@ def _quantize_model(
                 dtype=compute_dtype(settings.compute_dtype, settings.device),
             )
     with timing.stage("resume"):
-        start, hidden = _resume_point(work, fingerprint, runner, last_data_layer, world)
+        start, hidden = resume_point(work, fingerprint, runner, last_data_layer, world)
     bar = LayerProgress("quantizing", adapter.num_layers - start, int(input_ids.numel()), progress)
     run = _Pass(ckpt, adapter, settings, world, own, runner, work, fingerprint, last_data_layer, bar, export)
     # the next layer's experts are read from disk (into host memory) while this one computes
@@ -367,7 +328,7 @@ def _quantize_model(
     if world is not None and world.rank != 0:  # rank 0 exports: it reads every rank's work/ files
         return {}, {}
     with timing.stage("collect"):
-        return _collect_layer_files(ckpt, adapter, work, rows_by_layer.get(None, []), world, lazy, export is None)
+        return collect_layer_files(ckpt, adapter, work, rows_by_layer.get(None, []), world, lazy, export is None)
 
 
 def _calibration_input_ids(ckpt, settings: CalibrationSettings, samples) -> torch.Tensor:
@@ -403,7 +364,7 @@ class _Pass:
     last_data_layer: int  # the last layer whose quantization reads activations (-1: none)
     bar: LayerProgress
     export: object = None  # StreamedExport: layers written as the output's shards (else work files)
-    saver: object = None  # one process: the thread that finishes each layer's writes (`_save_layer`)
+    saver: object = None  # one process: the thread that finishes each layer's writes (`save_layer`)
     saving: object = None  # the future of the layer being saved there, if any
 
     def wait_saved(self) -> None:
@@ -648,7 +609,7 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
         diagnostics = run.work / f"{preparer.name}_{L:03d}.safetensors"
         prepared.finish(report, routing_before, routing_after, bool(q_other), diagnostics)
     quantized.update(kept)
-    _save_layer(run, L, quantized, report, routed_tokens, t0, hidden)
+    save_layer(run, L, quantized, report, routed_tokens, t0, hidden)
     return hidden
 
 
@@ -788,63 +749,6 @@ def _quantized_forward(
     return hidden, routing_after
 
 
-def _save_layer(run: _Pass, L: int, quantized: dict, report: dict, routed_tokens, t0: float, hidden) -> None:
-    """The layer's quantized tensors (this rank's work/ file), its report (rank 0, every rank's parts
-    merged) and the pass's progress: the hidden states the next layer reads, or past the last layer
-    that reads activations, just the next layer's number. `t0`: when the layer started (its report's seconds)."""
-    world = run.world
-    if world is None and run.saver is not None:  # one process: the layer's writes finish beside the next layer
-        with timing.stage("pack_write"):
-            close = (
-                run.export.queue_layer_end(L, quantized, run.rank)
-                if run.export is not None
-                else functools.partial(save_quantized, quantized, _layer_file(run.work, L, run.rank))
-            )
-        if routed_tokens is not None:
-            report["routed_tokens"] = routed_tokens
-        report["seconds"] = time.perf_counter() - t0
-        run.wait_saved()  # at most one layer's writes in flight; in order, so the resume record stays one
-        run.saving = run.saver.submit(_finish_layer_save, run, L, close, report, hidden)
-        return
-    with timing.stage("pack_write"):
-        if run.export is None:
-            save_quantized(quantized, _layer_file(run.work, L, run.rank))
-        else:
-            if world is not None and run.adapter.fused_experts:  # one tensor holds every rank's experts: rank 0's
-                parts = world.gather_objects(quantized, f"layer {L}'s quantized experts")
-                quantized = {k: v for part in parts for k, v in part.items()} if world.rank == 0 else {}
-            run.export.end_layer(L, quantized, run.rank)
-    if world is not None:  # written by every rank before rank 0 records the layer as finished
-        parts = world.gather_objects(report, f"layer {L}'s quantize report")
-        if world.rank != 0:
-            return
-        report = {}
-        for part in parts:  # rank order = expert order, as one process's chunks
-            _merge_chunk_report(report, part)
-    if routed_tokens is not None:
-        report["routed_tokens"] = routed_tokens
-    report["seconds"] = time.perf_counter() - t0
-    with timing.stage("carry_write"):  # the resume record: the layer's report and the hidden states it hands on
-        _write_progress(run, L, report, hidden)
-
-
-def _write_progress(run: _Pass, L: int, report: dict, hidden) -> None:
-    """The layer's report, then the pass's progress: the hidden states entering layer L + 1 (or past the last
-    layer that reads activations, just its number). Written after the layer's tensors are in place."""
-    atomic_write_text(run.work / f"layer_{L:03d}.json", json.dumps(report, indent=2))
-    if L < run.last_data_layer:
-        save_carried(run.work, run.fingerprint, L + 1, hidden)
-    else:
-        _mark_finished(run.work, run.fingerprint, L + 1)
-
-
-def _finish_layer_save(run: _Pass, L: int, close, report: dict, hidden) -> None:
-    """On the saver thread: the layer's shards (or work file) closed and in place, then its progress, in that
-    order (a run stopped meanwhile resumes at a layer whose tensors are all written)."""
-    close()
-    _write_progress(run, L, report, hidden)
-
-
 def _refuse_unsupported(plan: Plan, adapter, world) -> None:
     """What the plan's algorithms refuse for this model and run (`Algorithm.refusal`), before any work; and a
     layer two algorithms would both prepare."""
@@ -868,38 +772,3 @@ def _refuse_unsupported(plan: Plan, adapter, world) -> None:
                 f"layer {L}: algorithms {' and '.join(sorted(names))} would each prepare its weights before "
                 "rounding; name one of them for that layer's formats."
             )
-
-
-def _resume_point(work: Path, fingerprint: str, runner, last_data_layer: int, world):
-    """(first layer to quantize, the hidden states entering it) from work/; a fresh start clears work/."""
-    if runner is not None:
-        start, hidden = load_carried(work, fingerprint, len(runner.batches))
-        finished = _finished_layers(work, fingerprint)
-        if finished > max(start, last_data_layer):  # past the last layer that reads data
-            start, hidden = finished, []
-    else:
-        start, hidden = _finished_layers(work, fingerprint), []
-    if hidden is None:
-        hidden = runner.embedded
-    if start == 0 and (world is None or world.rank == 0):
-        prepared = [n for n, a in ALGORITHMS.items() if a.prepare_layer is not None]  # their diagnostics
-        for p in [*work.glob("layer_*"), *(f for n in prepared for f in work.glob(f"{n}_*"))]:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()  # directories: a streamed export's layer shards
-    if world is not None:  # no rank writes into work/ before rank 0 has cleared it
-        world.barrier("the start of the quantize pass")
-    return start, hidden
-
-
-def _collect_layer_files(
-    ckpt, adapter, work: Path, top_rows: list, world, lazy: bool, work_files: bool = True
-) -> tuple[dict, dict]:
-    """Every layer's quantized tensors (every rank's work/ file, when the pass wrote `work_files`) and
-    reports, plus the tensors outside the decoder layers (lm_head when the plan quantizes it)."""
-    q_top, _ = _quantize_other(ckpt, top_rows)
-    quantized_all, reports = dict(q_top), {}
-    files_per_layer = (world.size if world is not None else 1) if work_files else 0
-    for L in range(adapter.num_layers):
-        for rank in range(files_per_layer):
-            quantized_all.update(load_quantized(_layer_file(work, L, rank), lazy=lazy))
-        reports[L] = json.loads((work / f"layer_{L:03d}.json").read_text())
-    return quantized_all, reports

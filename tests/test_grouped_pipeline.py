@@ -269,6 +269,7 @@ def test_round_to_nearest_streamed_a_chunk_of_experts_at_a_time_equals_the_whole
 
     from moequant.measure.data import Sample
     from moequant.pipeline import quantize
+    from moequant.pipeline.read_ahead import expert_bytes
     from moequant.plan.policy import make_plan
     from moequant.plan.recipe import load_recipe
 
@@ -297,7 +298,7 @@ def test_round_to_nearest_streamed_a_chunk_of_experts_at_a_time_equals_the_whole
     monkeypatch.setattr(quantize, "_rtn_experts_streamed", streamed)
     monkeypatch.setattr(quantize, "_rtn_streamed", lambda run, rows: any(t.algorithm == "rtn" for t in rows))
     adapter = adapter_for(open_checkpoint(d).config)
-    monkeypatch.setattr(quantize, "RTN_CHUNK_BYTES", 4 * quantize._expert_bytes(adapter, 1, torch.float32))
+    monkeypatch.setattr(quantize, "RTN_CHUNK_BYTES", 4 * expert_bytes(adapter, 1, torch.float32))
     chunked, _ = quantize.quantize_model(str(d), plan, settings, tmp_path / "streamed", samples=samples, progress=False)
     rtn_layers = sorted({t.layer for t in plan.tensors if t.role == "routed_expert" and t.algorithm == "rtn"})
     assert calls == rtn_layers and rtn_layers and adapter.num_experts == 6

@@ -27,7 +27,6 @@ the GPU); the library call and GGUF keep a work file of codes per layer (moequan
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import time
 from dataclasses import dataclass
@@ -36,7 +35,6 @@ from pathlib import Path
 import torch
 
 from moequant import parallel, timing
-from moequant.algorithms.layer import LayerToPrepare
 from moequant.algorithms.registry import algorithm
 from moequant.arch import Adapter
 from moequant.errors import UserError
@@ -45,10 +43,18 @@ from moequant.io.layers import LayerRunner, compute_dtype, release_freed_memory
 from moequant.measure.calibrate import (
     CalibrationSettings,
     LayerCollector,
-    collect_moe_stats,
 )
-from moequant.pipeline.experts import _chosen_statistics, _merge_chunk_report, _quantize_experts, _quantize_other
+from moequant.pipeline.experts import _merge_chunk_report, _quantize_experts, _quantize_other
+from moequant.pipeline.read_ahead import (
+    expert_buffers,
+    expert_bytes,
+    experts_placement,
+    read_ahead_fits,
+    read_layer_experts,
+    submit_read_ahead,
+)
 from moequant.pipeline.resume import collect_layer_files, plan_fingerprint, resume_point, save_layer
+from moequant.pipeline.whole_layer import prepare_statistics, quantize_whole_layer, routing_recorder
 from moequant.plan.model import Plan
 from moequant.progress import LayerProgress
 
@@ -120,7 +126,7 @@ def _statistics_and_quantize_in_chunks(
         in_place = own is None and all(
             h.dtype == dtype and h.device.type == torch.device(dev).type for h in host.values()
         )
-        dequant = host if in_place else _expert_buffers(adapter, last - first, dtype, dev)
+        dequant = host if in_place else expert_buffers(adapter, last - first, dtype, dev)
         on_gpu = torch.device(dev).type == "cuda"
         chunk = _experts_per_chunk(adapter, dev)
         for lo in range(first, last, chunk):
@@ -167,44 +173,6 @@ def _statistics_and_quantize_in_chunks(
             _merge_chunk_report(report, rep)
             del collected, weights, dq
     return quantized, report, dequant, routed_tokens
-
-
-def _token_recorder(adapter, module, layer: int, store: dict, limit: int):
-    """Hooks that keep the MoE block's first `limit` input tokens and their routing (a layer preparation's)."""
-    routing = {}
-
-    def on_router(_module, _args, output):
-        routing["now"] = (
-            output[2].reshape(-1, adapter.top_k).cpu(),
-            output[1].reshape(-1, adapter.top_k).float().cpu(),
-        )
-
-    def on_experts(_module, args, kwargs):
-        x = (args[0] if args else kwargs["hidden_states"]).detach()
-        x = x.reshape(-1, x.shape[-1]).float().cpu()
-        room = limit - sum(t.shape[0] for t in store.setdefault("x", []))
-        if room > 0:
-            store["x"].append(x[:room])
-            store.setdefault("indices", []).append(routing["now"][0][:room])
-            store.setdefault("weights", []).append(routing["now"][1][:room])
-
-    store["act"] = adapter.experts_in_layer(module, layer).act_fn
-    return [
-        adapter.router_module(adapter.block_in_layer(module, layer)).register_forward_hook(on_router),
-        adapter.experts_in_layer(module, layer).register_forward_pre_hook(on_experts, with_kwargs=True),
-    ]
-
-
-def _routing_recorder(adapter, module, layer: int, store: list):
-    """Forward hook on the layer's router that appends each batch's top-k expert sets (sorted)."""
-
-    def hook(_module, _args, output):
-        store.append(output[2].reshape(-1, adapter.top_k).sort(-1).values.cpu())
-
-    return adapter.router_module(adapter.block_in_layer(module, layer)).register_forward_hook(hook)
-
-
-# ----------------------------------------------------------------------------- the pass
 
 
 def quantize_model(
@@ -307,9 +275,9 @@ def _quantize_model(
                 L + 1 in adapter.moe_layers
                 and any(t.role == "routed_expert" for t in next_rows)
                 and not _rtn_streamed(run, _routed_expert_rows(next_rows))
-                and _read_ahead_fits(adapter, run, own, next_rows)
+                and read_ahead_fits(adapter, run, own, _preparing(next_rows) is not None)
             ):
-                read_ahead[L + 1] = _submit_read_ahead(reader, run, L + 1, next_rows)
+                read_ahead[L + 1] = submit_read_ahead(reader, run, L + 1, _preparing(next_rows) is not None)
             # `hidden` is held only here and in the call: each layer's input is freed once it returns its output
             with timing.stage("read_wait"):  # what the read-ahead did not hide behind the last layer's work
                 host_experts = pending.result() if pending is not None else None
@@ -396,69 +364,11 @@ def _store(run: _Pass):
     return run.export.store if run.export is not None else None
 
 
-def _read_layer_experts(adapter, ckpt, layer: int, own: range | None, device=None, dtype=None) -> dict:
-    """A layer's routed-expert weights {proj: [E, out, in]} from disk; this rank's experts only. With a GPU
-    `device` their stored bytes go there and are decoded there, into `dtype`; without, on the host as read
-    (float32 for quantized sources: the CPU's exact path). Its seconds less the disk reads' are "decode"
-    (transfer, decode and stacking; moequant.timing)."""
-    with timing.stage("decode"):
-        return {
-            p: parallel.read_experts(adapter, ckpt, layer, p, own, device=device, dtype=dtype)
-            for p in adapter.projections
-        }
-
-
-def _experts_placement(run: "_Pass", prepared: bool = False) -> tuple:
-    """(device, dtype) `_read_layer_experts` reads a layer into: on a GPU run the device, in the compute
-    dtype when a forward runs (one resident copy serves the forward, the statistics and GPTQ; float32 only
-    per chunk being solved), else float32 (round-to-nearest of the decoded values); (None, None) on the
-    CPU and for a layer an algorithm prepares (AWQ's search), on host copies."""
-    device = torch.device(run.settings.device)
-    if device.type != "cuda" or prepared:
-        return None, None
-    return device, run.runner.dtype if run.runner is not None else torch.float32
-
-
 def _preparing(rows):
     """The algorithm that prepares the layer before rounding (AWQ: `Algorithm.prepare_layer`) in these rows, or
     None (one per layer: `_refuse_unsupported`)."""
     names = sorted({t.algorithm for t in rows if t.role == "routed_expert" and t.quantized})
     return next((algorithm(n) for n in names if algorithm(n).prepare_layer is not None), None)
-
-
-def _expert_bytes(adapter, experts: int, dtype) -> int:
-    """Bytes of `experts` experts' three projections in `dtype`."""
-    return experts * 3 * adapter.hidden * adapter.expert_intermediate * torch.finfo(dtype).bits // 8
-
-
-def _submit_read_ahead(reader, run: "_Pass", L: int, rows):
-    """Read layer L's experts on the reader thread; on a GPU their bytes are reserved in the budget from now
-    until they are allocated, so chunks sized meanwhile (this layer's statistics, GPTQ) leave room for them."""
-    from moequant import memory_budget as budget
-
-    device, dtype = _experts_placement(run, _preparing(rows) is not None)
-    n = run.adapter.num_experts if run.own is None else len(run.own)
-    release = budget.reserve_gpu(_expert_bytes(run.adapter, n, dtype)) if device is not None else (lambda: None)
-
-    def read():
-        try:
-            return _read_layer_experts(run.adapter, run.ckpt, L, run.own, device, dtype)
-        finally:
-            release()
-
-    return reader.submit(read)
-
-
-def _read_ahead_fits(adapter, run: "_Pass", own: range | None, rows) -> bool:
-    """Whether the next layer's experts may be read while this one computes: always into host memory; onto
-    a GPU only when the budget (moequant.memory_budget) holds a second layer's experts besides this one's work."""
-    from moequant import memory_budget as budget
-
-    device, dtype = _experts_placement(run, _preparing(rows) is not None)
-    if device is None:
-        return True
-    n = adapter.num_experts if own is None else len(own)
-    return budget.device_free_bytes(device) > 3 * _expert_bytes(adapter, n, dtype)
 
 
 RTN_CHUNK_BYTES = 2 * 2**30  # float32 expert weights per chunk of a streamed round-to-nearest layer: it is
@@ -482,14 +392,6 @@ def _rtn_streamed(run: "_Pass", expert_rows) -> bool:
     return bool(expert_rows) and not _needs_statistics(expert_rows) and torch.device(run.settings.device).type == "cuda"
 
 
-def _expert_buffers(adapter, experts: int, dtype, device) -> dict:
-    """Empty {proj: [experts, out, in]} tensors for a layer's dequantized experts."""
-    return {
-        p: torch.empty((experts,) + tuple(adapter.expert_shape(p)), dtype=dtype, device=device)
-        for p in adapter.projections
-    }
-
-
 def _rtn_experts_streamed(run: "_Pass", L: int, mine: list):
     """Round-to-nearest of layer L's routed experts (this rank's), a chunk at a time (`_rtn_streamed`); codes
     go to the host per chunk. Returns (quantized, report, dequantized experts in the compute dtype when a
@@ -497,18 +399,18 @@ def _rtn_experts_streamed(run: "_Pass", L: int, mine: list):
     from concurrent.futures import ThreadPoolExecutor
 
     adapter, device = run.adapter, torch.device(run.settings.device)
-    read_dtype = _experts_placement(run)[1]
+    read_dtype = experts_placement(run)[1]
     first, last = (run.own.start, run.own.stop) if run.own is not None else (0, adapter.num_experts)
-    chunk = max(1, RTN_CHUNK_BYTES // _expert_bytes(adapter, 1, torch.float32))
+    chunk = max(1, RTN_CHUNK_BYTES // expert_bytes(adapter, 1, torch.float32))
     forward = L < run.last_data_layer
-    dequant = _expert_buffers(adapter, last - first, run.runner.dtype, device) if forward else None
+    dequant = expert_buffers(adapter, last - first, run.runner.dtype, device) if forward else None
     quantized, report = {}, {}
     starts = list(range(first, last, chunk))
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moequant-read") as reader:
 
         def read(lo):
             return reader.submit(
-                _read_layer_experts, adapter, run.ckpt, L, range(lo, min(last, lo + chunk)), device, read_dtype
+                read_layer_experts, adapter, run.ckpt, L, range(lo, min(last, lo + chunk)), device, read_dtype
             )
 
         pending = read(starts[0])
@@ -562,8 +464,8 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
     streamed = _rtn_streamed(run, expert_rows)
     if expert_rows and (preparer or not needs_stats) and not streamed:
         dev = "cpu" if preparer else run.settings.device  # a preparation runs on host copies
-        host = host_experts or _read_layer_experts(
-            adapter, run.ckpt, L, run.own, *_experts_placement(run, preparer is not None)
+        host = host_experts or read_layer_experts(
+            adapter, run.ckpt, L, run.own, *experts_placement(run, preparer is not None)
         )
         with timing.stage("decode"):
             weights = {p: host[p].to(dev, torch.float32) for p in adapter.projections}
@@ -571,14 +473,14 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
     chunked = None
     if L in adapter.moe_layers and needs_stats and not preparer:
         run.bar.stage("statistics and GPTQ")
-        host = host_experts or _read_layer_experts(adapter, run.ckpt, L, run.own, *_experts_placement(run))
+        host = host_experts or read_layer_experts(adapter, run.ckpt, L, run.own, *experts_placement(run))
         chunked = _statistics_and_quantize_in_chunks(
             run.runner, adapter, L, hidden, mine, host, run.settings, run.own, _store(run)
         )
         del host
     elif L in adapter.moe_layers and needs_stats:
         run.bar.stage("statistics")
-        collected, routed_tokens, routing_before, tokens = _prepare_statistics(
+        collected, routed_tokens, routing_before, tokens = prepare_statistics(
             run.runner, adapter, L, hidden, weights, run.settings.hessian_weighting, preparer.prepare_tokens
         )
     quantized, report, experts_dq, replaced, prepared = {}, {}, None, {}, None
@@ -589,7 +491,7 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
         quantized, report, experts_dq = _rtn_experts_streamed(run, L, mine)
     elif expert_rows:
         run.bar.stage("quantizing experts")
-        quantized, report, experts_dq, replaced, prepared = _quantize_whole_layer_experts(
+        quantized, report, experts_dq, replaced, prepared = quantize_whole_layer(
             run, L, expert_rows, mine, weights, collected, tokens, preparer
         )
     with timing.stage("non_experts"):  # attention, shared experts, router: round-to-nearest or kept
@@ -611,98 +513,6 @@ def _quantize_layer(run: _Pass, L: int, rows: list, hidden, host_experts: dict |
     quantized.update(kept)
     save_layer(run, L, quantized, report, routed_tokens, t0, hidden)
     return hidden
-
-
-def _prepare_statistics(runner, adapter, L: int, hidden, weights: dict, hessian_weighting: str, max_tokens: int):
-    """One forward of a layer an algorithm prepares, with its original weights (`weights`, host copies): the
-    experts' statistics, and for the preparation the routing and the MoE block's first `max_tokens` tokens.
-    Returns (statistics on the CPU, routed tokens per expert, routing [per batch], recorded tokens)."""
-    routing_before, tokens = [], {}
-    with runner.materialized(L, experts=weights) as module:
-        col = LayerCollector(
-            adapter,
-            adapter.experts_in_layer(module, L),
-            adapter.num_experts,
-            adapter.top_k,
-            [],
-            True,
-            True,
-            hessian_weighting=hessian_weighting,
-        )
-        col.token_domains = torch.zeros(0, dtype=torch.long)
-        hooks = [
-            _routing_recorder(adapter, module, L, routing_before),
-            *(_token_recorder(adapter, module, L, tokens, max_tokens) if max_tokens else []),
-        ]
-        try:
-            collect_moe_stats(runner, module, L, col, hidden)
-        finally:
-            for hook in hooks:
-                hook.remove()
-        collected = col.finish()
-        col.t.clear()  # the raw sums: the normalised copies above are what the layer uses
-        # the pass's own routing (inputs from the quantized layers before): the report's
-        # usage signal when the recipe ran no calibration
-        routed_tokens = collected["routing.count"].tolist()
-        collected = {k: v.cpu() for k, v in collected.items()}
-    return collected, routed_tokens, routing_before, tokens
-
-
-def _quantize_whole_layer_experts(
-    run: _Pass,
-    L: int,
-    expert_rows: list,
-    mine: list,
-    weights: dict,
-    collected: dict | None,
-    tokens: dict,
-    preparer,
-):
-    """The layer's routed experts in one go (no chunks): the `preparer`'s preparation first (AWQ's scales),
-    then every row by its algorithm (`_quantize_experts`).
-    Returns (quantized, report, dequantized experts, full-precision replacements, the preparation or None)."""
-    prepared, changed, replaced, input_scale = None, {}, {}, None
-    if preparer is not None:
-        choose = functools.partial(
-            _chosen_statistics, collected, num_experts=run.adapter.num_experts, min_tokens=run.settings.min_tokens
-        )
-        prepared = preparer.prepare_layer(
-            LayerToPrepare(
-                preparer.name,
-                run.adapter,
-                run.ckpt,
-                L,
-                expert_rows,
-                weights,
-                collected,
-                choose,
-                tokens,
-                run.settings.min_tokens,
-                run.settings.device,
-            )
-        )
-        input_scale, replaced, changed = prepared.input_scale, dict(prepared.replaced), prepared.changed
-    quantized, report, experts_dq = _quantize_experts(
-        run.adapter,
-        L,
-        mine,
-        collected,
-        run.settings.min_tokens,
-        run.settings.device,
-        weights=weights,
-        input_scale=input_scale,
-        first_expert=run.own.start if run.own is not None else 0,
-        options=run.settings.algorithm_options,
-        store=_store(run),
-    )
-    # experts the folds changed but the plan keeps in full precision: written as folded
-    planned = {(t.expert, t.proj) for t in mine if t.quantized}
-    for proj, mask in changed.items():
-        for e in mask.nonzero().flatten().tolist():
-            if (e, proj) not in planned:
-                name = run.adapter.expert_tensor_name(L, e, proj)
-                replaced[name] = weights[proj][e]
-    return quantized, report, experts_dq, replaced, prepared
 
 
 def _quantize_layer_other(run: _Pass, L: int, other_rows: list, replaced: dict, experts_dq: dict | None):
@@ -739,7 +549,7 @@ def _quantized_forward(
             for p, t in experts_dq.items()
         }
     with _materialized(run.runner, L, experts=experts_dq, tensors=forward_tensors) as module:
-        hook = _routing_recorder(run.adapter, module, L, routing_after) if record_routing else None
+        hook = routing_recorder(run.adapter, module, L, routing_after) if record_routing else None
         try:
             with timing.stage("forward"):
                 hidden = run.runner.forward(module, L, hidden)

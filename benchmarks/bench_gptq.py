@@ -603,7 +603,7 @@ def profile(device, shape, experts, out_dir=None):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from moequant.algorithms import gptq
+    from moequant.algorithms import cholesky, gptq
 
     torch.backends.cuda.matmul.allow_tf32 = False
     layer = make_layer(shape, device)
@@ -628,7 +628,7 @@ def profile(device, shape, experts, out_dir=None):
     damped.diagonal(dim1=-2, dim2=-1).add_(0.01 * damped.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True))
     rows = []
     small = damped[:2, :256, :256]  # library handles and kernels loaded outside the timings
-    torch.linalg.cholesky_ex(small), torch.linalg.cholesky_ex(small[0]), gptq._blocked_cholesky(small.clone(), 128)
+    torch.linalg.cholesky_ex(small), torch.linalg.cholesky_ex(small[0]), cholesky.blocked_cholesky(small.clone(), 128)
     torch.linalg.solve_triangular(small, small, upper=False)
     rows.append(("cholesky_ex batched (cusolver)", timed(lambda: torch.linalg.cholesky_ex(damped), warm=False)))
     rows.append(
@@ -636,7 +636,10 @@ def profile(device, shape, experts, out_dir=None):
     )
     for nb in (256, 512, 1024):
         rows.append(
-            (f"blocked cholesky nb={nb} (bmm)", timed(lambda: gptq._blocked_cholesky(damped.clone(), nb), warm=False))
+            (
+                f"blocked cholesky nb={nb} (bmm)",
+                timed(lambda: cholesky.blocked_cholesky(damped.clone(), nb), warm=False),
+            )
         )
     chol = torch.linalg.cholesky_ex(damped)[0]
     eye = torch.eye(n, device=device).expand(experts, n, n)
@@ -864,7 +867,7 @@ def profile_refit(device, shape, experts, key):
             except Exception as err:  # noqa: BLE001
                 print(f"  {lib}: {type(err).__name__} {str(err)[:200]}", flush=True)
         torch.backends.cuda.preferred_linalg_library("default")
-        from moequant.algorithms.gptq import _blocked_cholesky
+        from moequant.algorithms.cholesky import blocked_cholesky as _blocked_cholesky
 
         for nb in (32, 64):
             flat = damped.view(-1, groups, groups)

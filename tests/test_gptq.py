@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import make_layer, output_error
 
-from moequant.algorithms import gptq, rtn
+from moequant.algorithms import cholesky, gptq, rtn
 from moequant.errors import UserError
 
 INT4 = "int4-g32-sym"
@@ -222,7 +222,7 @@ def test_blocked_cholesky_equals_lapack():
     a = x.mT @ x / 300
     a[2, 150, 150] = -1.0  # not positive definite from column 151 on
     want, want_info = torch.linalg.cholesky_ex(a)
-    got, info = gptq._blocked_cholesky(a.clone(), 64)
+    got, info = cholesky.blocked_cholesky(a.clone(), 64)
     assert info.tolist() == want_info.tolist() == [0, 0, 151]
     torch.testing.assert_close(got[:2], want[:2], rtol=0, atol=1e-12)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import make_layer, output_error
 
-from moequant.algorithms import gptq, gptq_triton, rtn
+from moequant.algorithms import cholesky, gptq, gptq_triton, rtn
 
 pytestmark = [
     pytest.mark.gpu,
@@ -158,7 +158,7 @@ def test_blocked_cholesky_matches_cusolver():
     a = (x.mT @ x / 1500).cuda()
     a[3, 700, 700] = -1.0  # not positive definite from column 701 on
     want, want_info = torch.linalg.cholesky_ex(a)
-    got, info = gptq._blocked_cholesky(a.clone(), 512)
+    got, info = cholesky.blocked_cholesky(a.clone(), 512)
     assert torch.equal(info.cpu(), want_info.cpu().to(info.dtype))
     torch.testing.assert_close(got[:3], want[:3], rtol=0, atol=1e-10)
 
@@ -173,8 +173,8 @@ def test_blocked_cholesky_split_tf32_is_float32_accurate():
     a[3, 700, 700] = -1.0
     exact, exact_info = torch.linalg.cholesky_ex(a)
     a32 = a.float().cuda()
-    got, info = gptq._blocked_cholesky(a32.clone(), 512, split=True)
-    plain, _ = gptq._blocked_cholesky(a32.clone(), 512)
+    got, info = cholesky.blocked_cholesky(a32.clone(), 512, split=True)
+    plain, _ = cholesky.blocked_cholesky(a32.clone(), 512)
     assert info.tolist() == exact_info.tolist() == [0, 0, 0, 701]
     scale = exact[:3].abs().amax()
     err_split = ((got[:3].double().cpu() - exact[:3]).abs().amax() / scale).item()

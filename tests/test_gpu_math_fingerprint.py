@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from moequant.algorithms.gptq import GPU_MATH_SWITCHES
+from moequant.algorithms.gpu_math import GPU_MATH_SWITCHES
 from moequant.measure.settings import CalibrationSettings
 
 

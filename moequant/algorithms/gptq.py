@@ -14,7 +14,7 @@ Two sweeps:
   Triton kernel for the columns inside each 64-column block (moequant.algorithms.gptq_triton
   explains both), and the updates between blocks as batched matrix products (TF32 by default,
   below) in two levels (64-column blocks and 1024-column super-blocks). On CUDA the Cholesky of large
-  matrices is a blocked one made of batched matrix products (`_cholesky_ex`), about 2x faster
+  matrices is a blocked one made of batched matrix products (`cholesky.cholesky_ex`), about 2x faster
   than cuSOLVER's batched one.
 - torch (every other case, and always on the CPU): U, the Cholesky factor of H^-1, and the
   column loop in torch; on CUDA the block sweep is captured once as a CUDA graph and replayed
@@ -66,14 +66,16 @@ on the calibration data.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from moequant import timing
 from moequant.algorithms import gptq_triton
+from moequant.algorithms.cholesky import inverse_cholesky
+from moequant.algorithms.columns import cq_call, cq_fit, squeeze_params, stack_chunks, tree_map
+from moequant.algorithms.gpu_math import cholesky_matmul, cuda_graphs_enabled, update_matmul
 from moequant.algorithms.tf32 import tf32_products as _tf32_products
 from moequant.errors import UserError
 
@@ -317,7 +319,7 @@ def gptq_shared_hessian(
         del quantized
         start = experts.stop
     report.settings["chunk_experts"] = chunk_experts
-    return [_stack_chunks(p) for p in parts], report
+    return [stack_chunks(p) for p in parts], report
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,9 +385,9 @@ def _gptq_chunk(
     # reversed Cholesky factor V of H itself (no inverse; see gptq_triton's module doc).
     fused = fixed_params is not None and gptq_triton.usable(spec, h.device, h.dtype)
     report.settings["sweep"] = "triton" if fused else "torch"
-    tf32 = fused and h.is_cuda and _update_matmul() == "tf32"
+    tf32 = fused and h.is_cuda and update_matmul() == "tf32"
     report.settings["update_matmul"] = "tf32" if tf32 else "fp32"
-    tf32_chol = tf32 and _cholesky_matmul() == "tf32x3"
+    tf32_chol = tf32 and cholesky_matmul() == "tf32x3"
     report.settings["cholesky_matmul"] = "tf32x3" if tf32_chol else "fp32"
     t0 = _clock(h)
     report.seconds["prepare"] += t0 - t_start
@@ -452,7 +454,7 @@ def _fixed_params(cqs, ws, spec, per_row, static_groups, importance, squeeze):
         for cq, w in zip(cqs, ws):
             groups = w.unflatten(-1, (num_in // group_width, group_width)).transpose(-3, -2)  # [c, G, out, width]
             fitted = cq_fit(cq, groups, squeeze, imp)
-            fixed_params.append([_tree_map(lambda t: t[:, g], fitted) for g in range(num_in // group_width)])
+            fixed_params.append([tree_map(lambda t: t[:, g], fitted) for g in range(num_in // group_width)])
         return fixed_params
     if static_groups:
         return [
@@ -466,7 +468,7 @@ def _factorize(h, idx, report, damp, max_damp_tries, *, inverse, tf32):
     """The (inverse) Cholesky factor of each damped Hessian; an expert whose every damping fails falls
     back to round-to-nearest (identity factor), and the report says so."""
     num_in = h.shape[-1]
-    u, used_damp = _inverse_cholesky(
+    u, used_damp = inverse_cholesky(
         h, damp, max_damp_tries, [report.method[e] == RTN for e in idx], inverse=inverse, tf32=tf32
     )
     for j, e in enumerate(idx):
@@ -491,7 +493,7 @@ def _sweep_torch(w_all, u, cqs, fixed_params, perm, group_width, per_row, block_
     fixed = fixed_params is not None
     # Fixed params of all groups side by side (leaves [c, X, groups]), gathered per block into
     # per-column params (leaves [c, X, block]) so every column's params are a view.
-    stacked = [_tree_map(lambda *leaves: torch.cat(leaves, dim=-1), *ps) for ps in fixed_params] if fixed else None
+    stacked = [tree_map(lambda *leaves: torch.cat(leaves, dim=-1), *ps) for ps in fixed_params] if fixed else None
     dynamic_params: list[list[Any]] = [[] for _ in cqs]
 
     # Rows of projections with per-row scales and nothing per tensor (not nvfp4's global scale,
@@ -504,7 +506,7 @@ def _sweep_torch(w_all, u, cqs, fixed_params, perm, group_width, per_row, block_
             return None
         if merge:
             per_weight = _block_params_per_weight(i1, i2)
-            return [_tree_map(lambda *leaves: torch.cat(leaves, dim=1), *per_weight)]
+            return [tree_map(lambda *leaves: torch.cat(leaves, dim=1), *per_weight)]
         return _block_params_per_weight(i1, i2)
 
     def _block_params_per_weight(i1, i2):
@@ -515,7 +517,7 @@ def _sweep_torch(w_all, u, cqs, fixed_params, perm, group_width, per_row, block_
         else:
             group = (torch.arange(i1, i2, device=w_all.device) // group_width).expand(c, -1)  # noqa: F821
         return [
-            _tree_map(lambda t: _widen(_gather_last(t, group[:, None, :].expand(-1, t.shape[1], -1))), st)
+            tree_map(lambda t: _widen(_gather_last(t, group[:, None, :].expand(-1, t.shape[1], -1))), st)
             for st in stacked
         ]
 
@@ -526,14 +528,14 @@ def _sweep_torch(w_all, u, cqs, fixed_params, perm, group_width, per_row, block_
                 params1 = []
                 for k, (cq, piece) in enumerate(zip(cqs, w1[..., i : i + group_width].split(out_rows, dim=1))):
                     dynamic_params[k].append(cq_fit(cq, piece, squeeze))
-                    params1.append(_tree_map(lambda t: t.expand(*t.shape[:-1], group_width), dynamic_params[k][-1]))
+                    params1.append(tree_map(lambda t: t.expand(*t.shape[:-1], group_width), dynamic_params[k][-1]))
                 offset = i
             else:
                 offset = 0 if fixed else offset
             w = w1[..., i : i + 1]  # [c, rows, 1]
             values = []
             for k, (cq, piece) in enumerate(zip(sweep_cqs, w.split(sweep_rows, dim=1))):
-                p = _tree_map(lambda t: t[..., i - offset : i - offset + 1], params1[k])
+                p = tree_map(lambda t: t[..., i - offset : i - offset + 1], params1[k])
                 column_codes = cq_call(cq.quantize, piece, p, squeeze)
                 codes1[k][..., i : i + 1] = column_codes
                 values.append(cq_call(cq.dequantize, column_codes, p, squeeze).to(w.dtype))
@@ -545,7 +547,7 @@ def _sweep_torch(w_all, u, cqs, fixed_params, perm, group_width, per_row, block_
     # Codes dtype of the format, from one column (cheap).
     probe = (
         [
-            cq_call(cq.quantize, piece[..., :1], _tree_map(lambda t: t[..., :1], bp), squeeze)
+            cq_call(cq.quantize, piece[..., :1], tree_map(lambda t: t[..., :1], bp), squeeze)
             for cq, piece, bp in zip(sweep_cqs, w_all[..., :1].split(sweep_rows, dim=1), block_params(0, 1))
         ]
         if fixed
@@ -559,7 +561,7 @@ def _sweep_torch(w_all, u, cqs, fixed_params, perm, group_width, per_row, block_
     ]
 
     graph = None
-    use_graph = fixed and w_all.is_cuda and _cuda_graphs_enabled()
+    use_graph = fixed and w_all.is_cuda and cuda_graphs_enabled()
     for i1 in range(0, num_in, block_size):
         i2 = min(i1 + block_size, num_in)
         if use_graph and i1 > 0 and i2 - i1 == block_size:
@@ -598,7 +600,7 @@ def _finish(cqs, codes, out_rows, merge, perm, idx, report, losses, params, sque
         if report.method[e] != RTN:
             report.proxy_loss[e] = float(losses[j])
     return [
-        cq.assemble(t[0] if squeeze else t, [_squeeze_params(p, squeeze) for p in ps])
+        cq.assemble(t[0] if squeeze else t, [squeeze_params(p, squeeze) for p in ps])
         for cq, t, ps in zip(cqs, codes, params)
     ]
 
@@ -610,10 +612,10 @@ def _sweep_fused(w_all, v, fixed_params, perm, group_width, per_row, block_size,
     H (consumed). tf32: the lazy updates between blocks as TF32 products (module doc).
     Returns (int8 codes [c, rows, n], proxy loss [c] float64)."""
     c, rows, n = w_all.shape
-    scales = torch.cat([_widen(_tree_map(lambda *t: torch.cat(t, dim=-1), *ps).scales) for ps in fixed_params], dim=1)
+    scales = torch.cat([_widen(tree_map(lambda *t: torch.cat(t, dim=-1), *ps).scales) for ps in fixed_params], dim=1)
     zeros = None
     if fixed_params[0][0].zeros is not None:
-        zeros = torch.cat([_widen(_tree_map(lambda *t: torch.cat(t, dim=-1), *ps).zeros) for ps in fixed_params], dim=1)
+        zeros = torch.cat([_widen(tree_map(lambda *t: torch.cat(t, dim=-1), *ps).zeros) for ps in fixed_params], dim=1)
     scales = scales.contiguous()
     zeros = None if zeros is None else zeros.contiguous()
     if per_row:
@@ -660,43 +662,6 @@ _SUPER_BLOCK = 1024  # columns per outer lazy-update block of the fused sweep
 _FUSED_BLOCK = 64
 
 
-# The environment switches that change GPU results (GPTQ's products and Cholesky, the Triton kernels of the
-# sweep, the refit and the grid search, CUDA graphs), each with whether a value reads as its default (unset: it does): a run records the
-# ones set otherwise in its fingerprint (moequant.measure.settings), so statistics and checkpoints made under
-# other GPU math are never reused for this one.
-GPU_MATH_SWITCHES = {
-    "MOEQUANT_GPTQ_MATMUL": lambda v: v.lower() == "tf32",
-    "MOEQUANT_GPTQ_CHOLESKY_MATMUL": lambda v: v.lower() == "tf32x3",
-    "MOEQUANT_CHOLESKY": lambda v: v == "auto",
-    "MOEQUANT_TRITON": lambda v: v != "0",
-    "MOEQUANT_CUDA_GRAPHS": lambda v: v != "0",
-}
-
-
-def gpu_math_switches() -> dict[str, str]:
-    """{variable: value} of the GPU-math switches set to something other than their default."""
-    values = {k: os.environ.get(k) for k in GPU_MATH_SWITCHES}
-    return {k: v for k, v in values.items() if v is not None and not GPU_MATH_SWITCHES[k](v)}
-
-
-def _update_matmul() -> str:
-    """MOEQUANT_GPTQ_MATMUL: "tf32" (default) or "fp32", the fused sweep's lazy-update products."""
-
-    value = os.environ.get("MOEQUANT_GPTQ_MATMUL", "tf32").lower()
-    if value not in ("tf32", "fp32"):
-        raise UserError(f"MOEQUANT_GPTQ_MATMUL={value!r}: expected 'tf32' or 'fp32'.")
-    return value
-
-
-def _cholesky_matmul() -> str:
-    """MOEQUANT_GPTQ_CHOLESKY_MATMUL: "tf32x3" (default) or "fp32", the blocked Cholesky's products."""
-
-    value = os.environ.get("MOEQUANT_GPTQ_CHOLESKY_MATMUL", "tf32x3").lower()
-    if value not in ("tf32x3", "fp32"):
-        raise UserError(f"MOEQUANT_GPTQ_CHOLESKY_MATMUL={value!r}: expected 'tf32x3' or 'fp32'.")
-    return value
-
-
 def _widen(t):
     """bf16 / fp16 / fp8 scales and int8 zero points as float32 (exact): the column quantizer
     converts them to float32 anyway, so converting once per block saves kernels per column.
@@ -722,13 +687,13 @@ class _BlockBuffers:
         self.u1 = torch.empty(c, width, width, dtype=u.dtype, device=u.device)
         self.err1 = torch.zeros_like(self.w1)
         self.codes1 = [torch.zeros(t.shape[0], t.shape[1], width, dtype=t.dtype, device=t.device) for t in codes]
-        self.params1 = [_tree_map(torch.empty_like, p) for p in params1]
+        self.params1 = [tree_map(torch.empty_like, p) for p in params1]
 
     def load(self, w_all, u, params1, i1, i2):
         self.w1.copy_(w_all[..., i1:i2])
         self.u1.copy_(u[:, i1:i2, i1:i2])
         for dst, src in zip(self.params1, params1):
-            _tree_map(lambda d, s_: d.copy_(s_), dst, src)
+            tree_map(lambda d, s_: d.copy_(s_), dst, src)
 
 
 def _clock(t: torch.Tensor) -> float:
@@ -738,125 +703,6 @@ def _clock(t: torch.Tensor) -> float:
     if t.is_cuda:
         torch.cuda.synchronize(t.device)
     return time.perf_counter()
-
-
-def _cuda_graphs_enabled() -> bool:
-
-    return os.environ.get("MOEQUANT_CUDA_GRAPHS", "1") != "0"
-
-
-def _inverse_cholesky(h, damp, max_tries, skip, inverse=True, tf32=False):
-    """U = upper Cholesky factor of (H + lambda I)^-1 per expert, lambda = f * mean(diag(H)).
-
-    f starts at `damp` and grows tenfold for the experts whose factorization failed, up to
-    `max_tries` tries. Experts flagged in `skip` (round-to-nearest) get U = I.
-    With inverse=False, V = U^-1 instead (upper triangular, H + lambda I = V V^T), which the
-    fused sweep uses.
-    Returns (U or V [c, in, in], f used per expert, None where skipped or every try failed).
-    """
-    c, n = h.shape[0], h.shape[-1]
-    mean_diag = h.diagonal(dim1=-2, dim2=-1).mean(dim=-1)
-    u = None  # allocated (as identities) only when some expert is skipped or fails
-    used: list[float | None] = [None] * c
-    todo = torch.tensor([not s for s in skip], device=h.device)
-    factor = damp
-    for _ in range(max_tries):
-        if not bool(todo.any()):
-            break
-        rows = todo.nonzero().flatten()
-        every = len(rows) == c
-        # U without forming H^-1: with J the order-reversing permutation and J H J = L L^T,
-        # H^-1 = (J L^-1 J)^T (J L^-1 J) and J L^-1 J is upper triangular. One Cholesky and one
-        # triangular solve, half the work of inverse-then-Cholesky. V = J L J.
-        damped = torch.flip(h if every else h[rows], dims=(-2, -1))
-        damped.diagonal(dim1=-2, dim2=-1).add_((factor * mean_diag[rows])[:, None])
-        chol, info = _cholesky_ex(damped, tf32)
-        del damped
-        if inverse:
-            eye = torch.eye(n, device=h.device, dtype=h.dtype).expand(len(rows), n, n)
-            upper = torch.flip(torch.linalg.solve_triangular(chol, eye, upper=False), dims=(-2, -1))
-            ok = (info == 0) & torch.isfinite(upper).flatten(1).all(dim=1)
-        else:
-            upper = torch.flip(chol, dims=(-2, -1))
-            ok = (info == 0) & torch.isfinite(upper.diagonal(dim1=-2, dim2=-1)).all(dim=1)
-        del chol
-        ok &= (upper.diagonal(dim1=-2, dim2=-1) > 0).all(dim=1)
-        if every and u is None and bool(ok.all()):  # the usual case: no copy into identities
-            u = upper
-            used = [factor] * c
-            break
-        if u is None:
-            u = torch.eye(n, device=h.device, dtype=h.dtype).repeat(c, 1, 1)
-        done = rows[ok]
-        u[done] = upper[ok]
-        del upper
-        for j in done.tolist():
-            used[j] = factor
-        todo[done] = False
-        factor = factor * 10 if factor > 0 else 1e-4
-    if u is None:
-        u = torch.eye(n, device=h.device, dtype=h.dtype).repeat(c, 1, 1)
-    return u, used
-
-
-def _cholesky_ex(a, tf32=False):
-    """torch.linalg.cholesky_ex (lower factor, info per matrix), on CUDA for large batched
-    matrices as a blocked left-looking Cholesky whose work is batched matrix products over all
-    experts (MOEQUANT_CHOLESKY=torch|looped|blocked chooses; default `blocked` for n >= 1024)."""
-
-    how = os.environ.get("MOEQUANT_CHOLESKY", "auto")
-    n = a.shape[-1]
-    if how == "auto":
-        how = "blocked" if a.is_cuda and a.dim() == 3 and n >= 1024 else "torch"
-    if how == "looped" and a.dim() == 3:
-        out = [torch.linalg.cholesky_ex(m) for m in a]
-        return torch.stack([o[0] for o in out]), torch.stack([o[1] for o in out])
-    if how != "blocked" or a.dim() != 3:
-        return torch.linalg.cholesky_ex(a)
-    return _blocked_cholesky(a, 512, split=tf32)
-
-
-def _blocked_cholesky(a, nb, split=False):
-    """Lower Cholesky factors of a batch [c, n, n], overwriting `a` (left-looking, panels of nb
-    columns: one batched product with the finished columns, a small batched Cholesky of the
-    diagonal block, a batched triangular solve below it). Returns (L, info) like cholesky_ex.
-
-    split: the products with the finished columns as three TF32 tensor-core products: each
-    finished column is split exactly into hi (its top 11 significant bits, a TF32 number) + lo
-    (the rest) once, and L L^T = hi hi^T + hi lo^T + lo hi^T up to the lo lo^T term and lo's
-    rounding to TF32, about 2^-20 relative (~16 float32 roundings) instead of plain TF32's 2^-11,
-    which lets some damped Hessians lose positive definiteness (measured). `a` holds hi while
-    it runs and hi + lo (= L exactly) at the end."""
-    c, n = a.shape[0], a.shape[-1]
-    info = torch.zeros(c, dtype=torch.int32, device=a.device)
-    lo = torch.empty_like(a) if split else None
-    for j in range(0, n, nb):
-        j2 = min(j + nb, n)
-        panel = a[:, j:, j:j2]
-        if j > 0:
-            if split:
-                hi_rows, lo_rows = a[:, j:, :j], lo[:, j:, :j]
-                with _tf32_products(True):
-                    panel.baddbmm_(lo_rows, hi_rows[:, : j2 - j].mT, alpha=-1)  # small terms first
-                    panel.baddbmm_(hi_rows, lo_rows[:, : j2 - j].mT, alpha=-1)
-                    panel.baddbmm_(hi_rows, hi_rows[:, : j2 - j].mT, alpha=-1)
-            else:
-                panel.baddbmm_(a[:, j:, :j], a[:, j:j2, :j].mT, alpha=-1)
-        d, bad = torch.linalg.cholesky_ex(panel[:, : j2 - j])
-        info = torch.where((info == 0) & (bad > 0), bad + j, info)
-        panel[:, : j2 - j] = d
-        if j2 < n:
-            panel[:, j2 - j :] = torch.linalg.solve_triangular(d.mT, panel[:, j2 - j :], upper=True, left=False)
-            if split:  # finished columns j..j2 (rows j..n): hi in place, lo beside it
-                hi = (panel.view(torch.int32) & -8192).view(torch.float32)
-                torch.sub(panel, hi, out=lo[:, j:, j:j2])
-                panel.copy_(hi)
-                del hi
-    if split:
-        for j in range(0, n - nb, nb):  # the last panel was never split
-            a[:, j:, j : j + nb] += lo[:, j:, j : j + nb]
-        del lo
-    return a.tril_(), info
 
 
 def _choose_hessians(h, experts, token_counts, min_tokens, shared_hessian, report, device):
@@ -881,65 +727,6 @@ def _choose_hessians(h, experts, token_counts, min_tokens, shared_hessian, repor
         else:
             report.method[e], report.reason[e] = RTN, reason
     return h
-
-
-# ---------------------------------------------------------------------------------------------
-# glue to the format's column quantizer
-
-
-def cq_call(method, cols, params, squeeze):
-    """A column-quantizer method on [c, out, k] columns (the quantizer of a 2-D weight has no c)."""
-    if squeeze:
-        return method(cols[0], _squeeze_params(params, True)).unsqueeze(0)
-    return method(cols, params)
-
-
-def cq_fit(cq, w_group, squeeze, importance=None):
-    if importance is not None and squeeze:
-        importance = importance[0]
-    params = (
-        cq.fit(w_group[0] if squeeze else w_group)
-        if importance is None
-        else cq.fit(w_group[0] if squeeze else w_group, importance)
-    )
-    return _tree_map(lambda t: t.unsqueeze(0), params) if squeeze else params
-
-
-def _squeeze_params(params, squeeze):
-    return _tree_map(lambda t: t[0], params) if squeeze else params
-
-
-def _tree_map(fn: Callable, *trees):
-    first = trees[0]
-    if isinstance(first, torch.Tensor):
-        return fn(*trees)
-    if first is None or isinstance(first, (int, float, str, bool)):
-        return first
-    if isinstance(first, (tuple, list)):
-        return type(first)(_tree_map(fn, *parts) for parts in zip(*trees))
-    if isinstance(first, dict):
-        return {k: _tree_map(fn, *(t[k] for t in trees)) for k in first}
-    if dataclasses.is_dataclass(first):
-        return dataclasses.replace(
-            first, **{f.name: _tree_map(fn, *(getattr(t, f.name) for t in trees)) for f in dataclasses.fields(first)}
-        )
-    raise TypeError(f"cannot batch column-quantizer params of type {type(first).__name__}")
-
-
-def _stack_chunks(parts):
-    """QuantizedTensors of consecutive expert chunks -> one QuantizedTensor of all experts."""
-    if len(parts) == 1:
-        return parts[0]
-    first = parts[0]
-    cat = lambda ts: None if ts[0] is None else torch.cat(ts, dim=0)  # noqa: E731
-    return dataclasses.replace(
-        first,
-        shape=(sum(p.shape[0] for p in parts),) + tuple(first.shape[1:]),
-        codes=cat([p.codes for p in parts]),
-        scales=cat([p.scales for p in parts]),
-        zeros=cat([p.zeros for p in parts]),
-        global_scale=cat([p.global_scale for p in parts]),
-    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -132,7 +132,7 @@ class CalibrationSettings:
             fields["tensor_formats"] = list(self.tensor_formats)
         if self.probe_projections:  # likewise
             fields["probe_projections"] = True
-        from moequant.algorithms.gptq import gpu_math_switches
+        from moequant.algorithms.gpu_math import gpu_math_switches
 
         switches = gpu_math_switches()
         if switches:  # GPU math set away from its defaults by environment variables changes GPTQ's codes

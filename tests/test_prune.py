@@ -298,3 +298,10 @@ def test_apply_with_prune_exports_the_smaller_model_as_compressed_tensors(tmp_pa
     measured = float(_kl(full, pruned).mean())
     assert record["quality"]["kl_mean"] == pytest.approx(measured, rel=0.05)  # prune.json ran in bf16
     assert record["bytes_saved"] == source.stored_bytes - open_checkpoint(out / "prune" / "model").stored_bytes > 0
+    from moequant.report import read_report
+
+    assert read_report(out / "report.json")["prune"] == record  # the report says what was dropped and its price
+    md = (out / "report.md").read_text()
+    assert "## Experts dropped (2 of 8 per MoE layer, by reap)" in md and "## Price of pruning alone" in md
+    for L, v in record["layers"].items():
+        assert f"| {L} | {', '.join(map(str, v['dropped']))} | {v['routing_mass']:.1%} |" in md

@@ -172,6 +172,7 @@ class ReportFile(_Part):
     plan: Optional[PlanDigest]
     timings: dict[str, float]
     ranks: int
+    prune: Optional[dict[str, Any]] = None  # what apply's prune stage dropped (report.prune), only when it ran
 
 
 # ----------------------------------------------------------------------------- per-expert table
@@ -345,6 +346,10 @@ def build_report(
         "timings": {k: float(v) for k, v in (timings or {}).items()},
         "ranks": int(ranks),
     }
+    from moequant.report.prune import prune_record
+
+    if prune_record(output_dir) is not None:  # a run that dropped experts (issue 58); the key is absent otherwise
+        report["prune"] = prune_record(output_dir)
     report = _finite(report)
     if output_dir is not None:
         write_report(report, output_dir)

@@ -207,6 +207,9 @@ def _summary_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]
                 rows,
             )
         )
+    from moequant.report.prune import prune_tables
+
+    tables += prune_tables(report)  # experts dropped and their price, when the run pruned (issue 58)
     if report.get("timings"):
         tables.append(
             (

@@ -11,3 +11,15 @@ def load(path, dtype=None, device: str = "cpu"):
     from moequant.io.loader import load as _load
 
     return _load(path, dtype=dtype, device=device)
+
+
+def register_for_transformers(path) -> bool:
+    """Let plain transformers' from_pretrained load moequant's export at `path` of a family whose own
+    checkpoints keep experts fused (Gemma-4, GraniteMoE, Qwen3-VL-MoE ...): call it once before loading.
+    Returns False (and does nothing) for the families transformers loads as they are."""
+    import json
+    from pathlib import Path
+
+    from moequant.arch.generic import register_for_transformers as _register
+
+    return _register(json.loads((Path(path) / "config.json").read_text()))

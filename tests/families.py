@@ -99,7 +99,19 @@ OVERRIDES: dict[str, dict] = {
         "indexer_budget": 64,
         "indexer_compress_ratio": 4,
     },
-    "gemma4": {"enable_moe_block": True},
+    "glm5_next": {"qk_rope_head_dim": 0},  # its indexed attention takes no rotary part
+    "ernie4_5_vl_moe": {"moe_intermediate_size": [EXPERT_WIDTH, EXPERT_WIDTH]},  # text and vision experts
+    "glm4v_moe": {  # its rotary sections fill half of the tiny heads' rotary part
+        "rope_parameters": {
+            "rope_theta": 1e4,
+            "partial_rotary_factor": 0.5,
+            "rope_type": "default",
+            "mrope_section": [2, 3, 3],
+        }
+    },
+    "hy_v4_vl": {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "mrope_section": [2, 3, 3]}},
+    "mistral4": {"head_dim": SIZES["qk_nope_head_dim"] + SIZES["qk_rope_head_dim"]},  # rotary: half of head_dim
+    "gemma4": {"enable_moe_block": True, "pad_token_id": 0},  # its multimodal forward masks with the pad id
     # GLM-5: layers that reuse the previous layer's indexer top-k (handed from layer to layer), as its checkpoints do
     "glm_moe_dsa": {"indexer_types": ["full", "shared", "full", "shared"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
@@ -132,6 +144,9 @@ NAMED = (
     "nemotron_h",
     "jamba",
     "kimi_linear",
+    "kimi_k25",
+    "mistral4",
+    "qwen3_vl_moe",
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
@@ -145,16 +160,6 @@ NOT_SUPPORTED: dict[str, str] = {
     # the refusal's words: experts layouts the generic reader does not take yet
     "aria_text": "experts are stored transposed",
     "ergo": "experts are stored transposed",
-    "gemma4": FUSED,
-    "granitemoe": FUSED,
-    "granitemoe_swa": FUSED,
-    "granitemoeshared": FUSED,
-    "hy_v4": FUSED,
-    "inkling_text": FUSED,
-    "lara_mini": FUSED,
-    "minimax_m3_vl_text": FUSED,
-    "zaya": FUSED,
-    "inkling2_text": FUSED,
     "inkling2_loop_text": "tensors moequant cannot join",
 }
 # families whose export plain transformers 5.25 cannot load, for reasons of its own (the test checks they still fail)
@@ -236,6 +241,8 @@ def tiny_family_config(model_type: str):
     config = top.get_text_config()
     keys = config.to_dict()
     for key, value in SIZES.items():  # under the config's own names or its aliases
+        if key in OVERRIDES.get(model_type, {}):
+            continue
         if key in keys or key in getattr(config, "attribute_map", {}):
             setattr(config, key, value)
     if "qk_rope_head_dim" in keys and "head_dim" in keys:  # MLA: the rotary part is the head_dim transformers uses
@@ -259,7 +266,11 @@ def tiny_family_config(model_type: str):
     if "unpadded_vocab_size" in keys:  # Inkling-2: the head's rows (the checkpoint pads the unembedding)
         config.unpadded_vocab_size = VOCAB
     config.tie_word_embeddings = False
-    config.bos_token_id, config.eos_token_id, config.pad_token_id = 0, 0, None
+    config.bos_token_id, config.eos_token_id = 0, 0
+    try:
+        config.pad_token_id = None
+    except (TypeError, ValueError):  # a config that requires one (Step-3.7)
+        config.pad_token_id = 0
     if "num_nextn_predict_layers" in keys:
         config.num_nextn_predict_layers = 0
     for key, value in OVERRIDES.get(model_type, {}).items():
@@ -271,9 +282,13 @@ def tiny_family_config(model_type: str):
     for key in ("vision_config", "audio_config"):  # the non-text towers, kept as they are: tiny too
         tower = getattr(top, key, None)
         if tower is not None and not isinstance(tower, dict):
+            depth = {k: tower.to_dict().get(k) for k in ("depth", "num_hidden_layers")}
             for name, value in TOWER_SIZES.items():
                 if name in tower.to_dict():
                     setattr(tower, name, config.hidden_size if name == "out_hidden_size" else value)
+            for key, value in tower.to_dict().items():  # the tower's per-layer lists: one entry a layer left
+                if isinstance(value, list) and len(value) > 1 and len(value) in [d for d in depth.values() if d]:
+                    setattr(tower, key, value[: TOWER_SIZES["num_hidden_layers"]])
             if getattr(tower, "deepstack_visual_indexes", None):
                 tower.deepstack_visual_indexes = [0]
     return top
@@ -293,8 +308,9 @@ TOWER_SIZES = {
 }
 
 
-def build_family(model_type: str, directory: Path, seed: int = 0) -> Path:
-    """Save a tiny random model of the family (bf16, transformers' own on-disk names) with the bundled tokenizer."""
+def build_family(model_type: str, directory: Path, seed: int = 0, **text: object) -> Path:
+    """Save a tiny random model of the family (bf16, transformers' own on-disk names) with the bundled tokenizer;
+    `text` sets fields of its text config."""
     from moequant.arch.generic import model_class
 
     logger = logging.getLogger("transformers")
@@ -303,6 +319,8 @@ def build_family(model_type: str, directory: Path, seed: int = 0) -> Path:
     try:
         torch.manual_seed(seed)
         config = tiny_family_config(model_type)
+        for key, value in text.items():
+            setattr(config.get_text_config(), key, value)
         model = model_class(config.to_dict()).from_config(config)
         with torch.no_grad():
             for name, b in model.named_buffers():

@@ -95,23 +95,42 @@ def meta_model(config_json: str):
 
 @functools.lru_cache(maxsize=1)
 def standard_experts_families() -> tuple[str, ...]:
-    """model_types of the installed transformers whose modeling code uses `use_experts_implementation`."""
+    """model_types of the installed transformers with a causal-LM or image-text model whose text model's modeling
+    code uses `use_experts_implementation` (Kimi-K2.5 wraps DeepSeek-V3's text model: its own file has no experts)."""
     import pathlib
 
     import transformers
     from transformers import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
     root = pathlib.Path(transformers.__file__).parent / "models"
+    folders = {
+        p.parent.name
+        for p in root.glob("*/modeling_*.py")
+        if "use_experts_implementation" in p.read_text(errors="replace")
+    }
+
+    def folder(t):
+        return CONFIG_MAPPING[t].__module__.split(".")[-2]
+
     out = set()
-    for path in root.glob("*/modeling_*.py"):
-        if "use_experts_implementation" not in path.read_text(errors="replace"):
+    for t in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+        if t not in CONFIG_MAPPING:
             continue
-        out |= {
-            t
-            for t, cls in CONFIG_MAPPING.items()
-            if cls.__module__.split(".")[-2] == path.parent.name and t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        }
+        if folder(t) in folders:
+            out.add(t)
+            continue
+        if "text_config" not in CONFIG_MAPPING[t].sub_configs:
+            continue
+        try:  # a wrapper of another family's text model: the one its defaults name
+            text_type = CONFIG_MAPPING[t]().get_text_config().model_type
+        except Exception:  # noqa: BLE001  (a config whose defaults do not build is no family moequant can take)
+            continue
+        if text_type in CONFIG_MAPPING and folder(text_type) in folders:
+            out.add(t)
     return tuple(sorted(out))
 
 
@@ -136,13 +155,24 @@ class _Reverter:
         from transformers.core_model_loading import PrefixChange
 
         self.model = model
-        convs = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
-        model._weight_conversions = convs or None
+        convs = [
+            c
+            for c in get_model_conversion_mapping(model, add_legacy=False)
+            if not isinstance(c, (PrefixChange, _per_expert_merge()))
+        ]
+        self.none = not convs  # the family's names on disk are its names in memory
+        model._weight_conversions = convs  # (None would make transformers look the mapping up again)
 
     def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         from transformers.core_model_loading import revert_weight_conversion
 
-        return revert_weight_conversion(self.model, {key: tensor})
+        return {key: tensor} if self.none else revert_weight_conversion(self.model, {key: tensor})
+
+    def together(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Several in-memory tensors reversed at once (those a family stores as one tensor on disk)."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return dict(tensors) if self.none else revert_weight_conversion(self.model, dict(tensors))
 
     def renamed_together(self, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
         """{key: {on-disk name: tensor}} for the keys that are only renamed, reversed all at once: a group rename
@@ -150,6 +180,8 @@ class _Reverter:
         renamed tensor comes back as itself, which says whose name it now has; the rest is left to `__call__`."""
         from transformers.core_model_loading import revert_weight_conversion
 
+        if self.none:
+            return {k: {k: t} for k, t in tensors.items()}
         owner = {id(t): k for k, t in tensors.items()}
         out = {}
         for name, t in revert_weight_conversion(self.model, dict(tensors)).items():
@@ -191,6 +223,10 @@ class GenericAdapter(Adapter):
         self._records: dict[int | None, dict] = {}  # per layer walked in full: what it added
         self._entries: dict[str, tuple[tuple[int, ...], TensorRole]] = {}
         self._expert_names: dict[tuple[int, int, str], tuple[str, bool]] = {}  # (L, e, proj) -> (disk name, transposed)
+        # experts fused on disk: each expert's tensor under the name its per-expert checkpoints would have
+        self._fused: dict[str, tuple] = {}  # name -> (fused name, expert, first row, end row, fused shape in memory)
+        self._fused_disk: dict[str, tuple[tuple[int, ...], TensorRole]] = {}  # fused name -> (shape, role)
+        self._split: dict[str, tuple[str, torch.Tensor]] = {}  # memory key -> (stored with others as, its rows there)
         self.moe_layers, self.block_path, self.experts_path = [], {}, {}
         shapes = set()
         for L, layer in enumerate(layers):
@@ -278,7 +314,16 @@ class GenericAdapter(Adapter):
             self._merge(record)
 
     def _walk_layer(self, L, items, modules) -> dict:
-        record = {"m2d": {}, "entries": {}, "experts": {}, "joined": {}, "itemsizes": {}}
+        record = {
+            "m2d": {},
+            "entries": {},
+            "experts": {},
+            "joined": {},
+            "itemsizes": {},
+            "fused": {},
+            "fused_disk": {},
+            "split": {},
+        }
         plain = {
             key: tensor
             for key, rest, tensor in items
@@ -299,7 +344,41 @@ class GenericAdapter(Adapter):
                 record["entries"][name] = (tuple(t.shape), role)
                 if not tensor.is_floating_point():  # an integer table (DeepSeek-V4's hash routing): its own width
                     record["itemsizes"][name] = tensor.element_size()
+        self._add_split(record, plain)
         return record
+
+    def _add_split(self, record, plain) -> None:
+        """Parameters stored together as one tensor on disk (Kimi-K2.5's vision attention: q, k and v rows in
+        one `wqkv`, q and k rows permuted for its rotary embedding): each parameter's rows of the stored tensor,
+        found by reversing tags of row numbers together."""
+        sharing: dict[str, list[str]] = {}
+        for key, name in record["m2d"].items():
+            if key in plain and key not in record["joined"]:
+                sharing.setdefault(name, []).append(key)
+        for name, keys in sharing.items():
+            if len(keys) < 2:
+                continue
+            whole = self._revert.together({k: plain[k] for k in keys})
+            tags, start = {}, 0
+            for k in keys:
+                n, rest = plain[k].shape[0], plain[k].dim() - 1
+                tags[k] = torch.arange(start, start + n, dtype=torch.float64).reshape(n, *[1] * rest)
+                start += n
+            rows = self._revert.together(tags).get(name)
+            if name not in whole or rows is None or rows.shape[0] != start:
+                raise UserError(
+                    f"this {self.model_type} model stores {', '.join(keys)} together as {name} in a way moequant cannot split."
+                )
+            rows = rows.reshape(start, -1)[:, 0].long()
+            record["entries"][name] = (tuple(whole[name].shape), record["entries"][name][1])
+            start = 0
+            for k in keys:
+                n = plain[k].shape[0]
+                at = ((rows >= start) & (rows < start + n)).nonzero().flatten()
+                index = torch.empty(n, dtype=torch.long)
+                index[rows[at] - start] = at
+                record["split"][k] = (name, index)
+                start += n
 
     def _renumbered(self, L0: int, L: int) -> dict:
         """Layer L0's record with its layer index replaced by L (memory keys, on-disk names and roles)."""
@@ -320,6 +399,11 @@ class GenericAdapter(Adapter):
             "experts": {(L, e, p): (name(n), t) for (_, e, p), (n, t) in r["experts"].items()},
             "joined": {key(k): (axis, [name(n) for n in names]) for k, (axis, names) in r["joined"].items()},
             "itemsizes": {name(n): size for n, size in r["itemsizes"].items()},
+            "fused": {name(v): (name(d), *rest) for v, (d, *rest) in r["fused"].items()},
+            "fused_disk": {
+                name(n): (shape, dataclasses.replace(role, layer=L)) for n, (shape, role) in r["fused_disk"].items()
+            },
+            "split": {key(k): (name(n), index) for k, (n, index) in r["split"].items()},
         }
 
     def _merge(self, record: dict) -> None:
@@ -328,6 +412,9 @@ class GenericAdapter(Adapter):
         self._expert_names.update(record["experts"])
         self._joined.update(record["joined"])
         self._itemsizes.update(record["itemsizes"])
+        self._fused.update(record["fused"])
+        self._fused_disk.update(record["fused_disk"])
+        self._split.update(record["split"])
 
     def _role(self, key, L, rest, t, module) -> TensorRole:
         leaf = key.rsplit(".", 1)[-1]
@@ -371,7 +458,26 @@ class GenericAdapter(Adapter):
                     return axis
         raise UserError(f"this {self.model_type} model stores {key} as {len(disk)} tensors moequant cannot join.")
 
+    def read_tensor(self, checkpoint, memory_key: str, device=None) -> torch.Tensor:
+        split = self._split.get(memory_key)
+        if split is not None:
+            name, rows = split
+            return checkpoint.get(name, device)[rows.to(device or "cpu")]
+        if memory_key in self._joined:
+            axis, names = self._joined[memory_key]
+            return torch.cat([checkpoint.get(n, device) for n in names], axis)
+        return super().read_tensor(checkpoint, memory_key, device)
+
     def layer_state_dict(self, checkpoint, layer, keys, dtype=torch.float32, experts=None, tensors=None, device=None):
+        split = {k for k in keys if f"{self._layers_prefix}{layer}.{k}" in self._split}
+        if split:
+            out = self.layer_state_dict(
+                checkpoint, layer, [k for k in keys if k not in split], dtype, experts, tensors, device
+            )
+            for k in split:
+                t = self.read_tensor(checkpoint, f"{self._layers_prefix}{layer}.{k}", device)
+                out[k] = t.to(dtype) if t.is_floating_point() else t
+            return out
         joined = {k for k in keys if f"{self._layers_prefix}{layer}.{k}" in self._joined}
         out = super().layer_state_dict(
             checkpoint, layer, [k for k in keys if k not in joined], dtype, experts, tensors, device
@@ -399,6 +505,9 @@ class GenericAdapter(Adapter):
             raise UserError(f"{key} has shape {list(tensor.shape)}; the standard experts layout is [{E}, {rows}, ...].")
         width = rows // len(halves)
         shapes = {n: tuple(int(d) for d in t.shape) for n, t in self._revert(key, tensor).items()}
+        if len(shapes) == 1 and len(next(iter(shapes.values()))) == 3:
+            self._add_fused(record, key, L, halves, tensor, *next(iter(shapes.items())))
+            return
         for name, t in self._revert(key, _tag(tuple(tensor.shape), 1)).items():
             values = t.flatten()
             first = int(values[0])
@@ -421,6 +530,39 @@ class GenericAdapter(Adapter):
                 raise UserError(
                     f"this {self.model_type} model stores expert weights transposed ({name}); not supported yet."
                 )
+
+    def _add_fused(self, record, key, L, halves, tensor, name, disk_shape) -> None:
+        """Experts stored fused on disk as they are in memory, or with the last two axes swapped where the family's
+        mapping transposes them (Qwen3-VL-MoE; transformers then goes by the stored shape, and so does
+        Checkpoint.present_fused_experts). Each expert's projection is presented under the name a per-expert
+        checkpoint gives it (`experts.N.gate_proj.weight`: what vLLM's loaders and transformers' per-expert
+        mapping take), read as a slice of the fused tensor; the export writes those names."""
+        E, rows, cols = (int(d) for d in tensor.shape)
+        tag = _tag((E, rows, cols), 1)
+        back = next(iter(self._revert(key, tag).values()))
+        if not (torch.equal(back, tag) or torch.equal(back, tag.transpose(1, 2))):
+            raise UserError(
+                f"this {self.model_type} model stores its experts fused on disk in a layout moequant does not know ({name})."
+            )
+        width = rows // len(halves)
+        record["fused_disk"][name] = (disk_shape, TensorRole("routed_expert", L, None, "_".join(halves)))
+        for e in range(E):
+            for i, half in enumerate(halves):
+                per_expert = f"{self._layers_prefix}{L}.{self.experts_path[L]}.{e}.{half}_proj.weight"
+                virtual = next(iter(self._revert(per_expert, torch.empty(width, cols, device="meta"))))
+                record["experts"][(L, e, half)] = (virtual, False)
+                record["entries"][virtual] = ((width, cols), TensorRole("routed_expert", L, e, half))
+                record["fused"][virtual] = (name, e, i * width, (i + 1) * width, (E, rows, cols))
+
+    @property
+    def experts_fused_on_disk(self) -> dict[str, tuple]:
+        """{per-expert name: (fused on-disk name, expert, first row, end row, the fused shape in memory)} where the
+        family's checkpoints keep a layer's experts in one tensor (empty otherwise)."""
+        return self._fused
+
+    def classify(self, name):
+        fused = self._fused_disk.get(name)
+        return fused[1] if fused else super().classify(name)
 
     # ---- the Adapter contract ------------------------------------------------------------------
     @property
@@ -549,3 +691,64 @@ def _prefix_of(model, base) -> str:
         if module is base:
             return name + "." if name else ""
     raise UserError(f"{type(model).__name__}'s decoder is not one of its modules.")
+
+
+_REGISTERED: set[str] = set()  # model types given the per-expert merge in this process
+
+
+@functools.cache
+def _per_expert_merge():
+    """transformers' WeightConverter under a name of ours: the adapter's reversal (_Reverter) leaves these out,
+    so the family's own on-disk names stay what it reads."""
+    from transformers.core_model_loading import WeightConverter
+
+    return type("MoequantPerExpertMerge", (WeightConverter,), {})
+
+
+def register_for_transformers(config: dict) -> bool:
+    """Teach transformers' from_pretrained to load a moequant export of a family whose own checkpoints keep a
+    layer's experts in one tensor (Gemma-4, GraniteMoE, Qwen3-VL-MoE, Mistral-4 ...): the export stores one
+    tensor per expert, as vLLM loads it, and transformers has no per-expert mapping for these families. The
+    family's own mapping is kept and transformers' per-expert merge (its qwen2_moe rule) added, through its public
+    `register_checkpoint_conversion_mapping`. Returns whether the family needed it (False: nothing done)."""
+    from moequant.arch import adapter_for
+
+    adapter = adapter_for(config)
+    if not getattr(adapter, "experts_fused_on_disk", None):
+        return False
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    model_type = config["model_type"]
+    if model_type in _REGISTERED:
+        return True
+    own = get_checkpoint_conversion_mapping(model_type) or []
+    if adapter.has_gate:
+        merge = [
+            _per_expert_merge()(
+                source_patterns=["experts.*.gate_proj.weight", "experts.*.up_proj.weight"],
+                target_patterns="experts.gate_up_proj",
+                operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
+            )
+        ]
+    else:
+        merge = [
+            _per_expert_merge()(
+                source_patterns="experts.*.up_proj.weight",
+                target_patterns="experts.up_proj",
+                operations=[MergeModulelist(dim=0)],
+            )
+        ]
+    merge.append(
+        _per_expert_merge()(
+            source_patterns="experts.*.down_proj.weight",
+            target_patterns="experts.down_proj",
+            operations=[MergeModulelist(dim=0)],
+        )
+    )
+    _REGISTERED.add(model_type)
+    register_checkpoint_conversion_mapping(model_type, own + merge, overwrite=True)
+    return True

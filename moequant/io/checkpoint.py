@@ -238,6 +238,7 @@ class Checkpoint:
         self._last: tuple[str, torch.Tensor] | None = None  # the last decoded tensor, for get_slice
         self.encodings = dequant.encodings(config, entries, path, self.read_stored) if decode and entries else {}
         self.entries = _logical_entries(entries, self.encodings)
+        self.slices: dict[str, tuple[str, int, int, int, bool]] = {}  # see present_fused_experts
 
     # An opened checkpoint stands wherever its path is accepted (os.PathLike, str): the stages of one run
     # are handed it, and open_checkpoint returns it as it is instead of reading every header again.
@@ -286,6 +287,10 @@ class Checkpoint:
             return self._read_stored(name)
 
     def _read_stored(self, name: str) -> torch.Tensor:
+        if name in self.slices:  # one expert of a fused tensor: only its bytes are read
+            fused, expert, start, end, transposed = self.slices[name]
+            part = self._handle(self.stored[fused].shard).get_slice(fused)
+            return part[expert, :, start:end].t().contiguous() if transposed else part[expert, start:end, :]
         entry = self.stored[name]
         dtype = TORCH_DTYPES.get(entry.dtype)
         if dtype is None:  # exotic dtypes (F4 …): let the safetensors library decode them
@@ -314,6 +319,30 @@ class Checkpoint:
                 self._last = (name, self.get(name))
             return self._last[1]
         return self._handle(self._entry(name).shard).get_slice(name)
+
+    def present_fused_experts(self, experts: dict[str, tuple]) -> None:
+        """List each expert of experts fused on disk as a tensor of its own, under the name `experts` gives it
+        ({name: (fused tensor, expert, first row, end row, the fused tensor's shape in memory)}), in place of the
+        fused tensor; `get` reads just that expert's rows. A fused tensor stored with its last two axes swapped
+        is read transposed, as transformers reads it (by the stored shape). The rest of moequant then sees one
+        tensor per expert, as most families store them and as the export writes them."""
+        fused = {f for f, *_ in experts.values()}
+        quantized = sorted(fused & set(self.encodings))
+        if quantized:
+            raise UserError(
+                f"{quantized[0]} holds experts fused and quantized; moequant reads fused experts unquantized only."
+            )
+        slices, entries = {}, {n: e for n, e in self.entries.items() if n not in fused}
+        for name, (f, expert, start, end, (E, rows, cols)) in experts.items():
+            stored = self.stored[f]
+            if tuple(stored.shape) not in ((E, rows, cols), (E, cols, rows)):
+                raise UserError(
+                    f"tensor {f} in {self.path} has shape {list(stored.shape)}, but config.json implies {[E, rows, cols]}."
+                )
+            transposed = tuple(stored.shape) != (E, rows, cols)
+            slices[name] = (f, expert, start, end, transposed)
+            entries[name] = TensorEntry(stored.shard, stored.dtype, (end - start, cols))
+        self.entries, self.slices = entries, slices
 
     def close(self) -> None:
         self._handles.clear()
@@ -388,7 +417,15 @@ def open_checkpoint(spec: str | os.PathLike, decode: bool = True) -> Checkpoint:
     config_path = _confined(path, "config.json", "config file")
     config = _read_config(config_path)
     entries = _read_entries(path)
-    return Checkpoint(path, config, entries, config_only=not entries, decode=decode)
+    ckpt = Checkpoint(path, config, entries, config_only=not entries, decode=decode)
+    if decode and any(len(e.shape) == 3 for e in entries.values()):  # experts fused on disk, maybe
+        try:
+            slices = getattr(ckpt.adapter, "experts_fused_on_disk", None)
+        except UserError:  # an architecture moequant does not take: said where the adapter is asked for
+            slices = None
+        if slices:
+            ckpt.present_fused_experts(slices)
+    return ckpt
 
 
 def _read_config(path: Path) -> dict:

@@ -106,11 +106,11 @@ def build_skeleton(checkpoint, dtype=torch.float32, experts_implementation: str 
             continue
         fill_computed_buffers(model, module, "cpu", recurse=False)
         for key, p in list(module.named_parameters(recurse=False)):
-            t = checkpoint.get(adapter.disk_name(f"{name}.{key}" if name else key))
+            t = adapter.read_tensor(checkpoint, f"{name}.{key}" if name else key)
             module._parameters[key] = nn.Parameter(t.to(dtype) if t.is_floating_point() else t, requires_grad=False)
         for key in [k for k in module._buffers if k not in module._non_persistent_buffers_set]:
             if module._buffers[key] is not None:
-                t = checkpoint.get(adapter.disk_name(f"{name}.{key}" if name else key))
+                t = adapter.read_tensor(checkpoint, f"{name}.{key}" if name else key)
                 module._buffers[key] = t.to(dtype) if t.is_floating_point() else t
     model.eval()
     return model

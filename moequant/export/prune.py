@@ -10,7 +10,8 @@ dropping whole groups gets `n_group` and `topk_group` to match; top-k is unchang
 transformers, vLLM, SGLang and llama.cpp as the original family does, and the rest of moequant (calibrate,
 plan, quantize, every export layout) takes it as any other model.
 
-Tensors are written as they are read (a quantized source is decoded, so its copy is in the model's dtype).
+`layout` is a moequant.plan.prune.PruneLayout (count, experts, kept, mode, groups, topk_groups), `drops` its
+choice per layer. Tensors are written as they are read (a quantized source is decoded, so its copy is in the model's dtype).
 """
 
 from __future__ import annotations
@@ -28,13 +29,12 @@ from moequant.io.checkpoint import (
     model_dtype,
     open_checkpoint,
 )
-from moequant.plan.prune import PruneLayout, kept_experts
 
 COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts", "num_routed_experts")
 PRUNE_FILE = "moequant_prune.json"  # beside config.json: what was dropped, for a reader and the report
 
 
-def pruned_config(config: dict, adapter, layout: PruneLayout) -> dict:
+def pruned_config(config: dict, adapter, layout) -> dict:
     """config.json of the pruned model: the expert count (where the family keeps it: top level or its text
     config), and, when whole groups go, the groups."""
     out = copy.deepcopy(config)
@@ -62,7 +62,7 @@ def pruned_config(config: dict, adapter, layout: PruneLayout) -> dict:
 
 
 def write_pruned_checkpoint(
-    source, drops: dict[int, list[int]], layout: PruneLayout, output, source_fingerprint: str | None = None
+    source, drops: dict[int, list[int]], layout, output, source_fingerprint: str | None = None
 ) -> Path:
     """Write the model `source` (a path or an open Checkpoint) without the experts `drops` ({MoE layer: experts})
     into `output`, atomically; `source_fingerprint` (the source's identity) is kept in its PRUNE_FILE.
@@ -75,7 +75,7 @@ def write_pruned_checkpoint(
     from moequant.arch import adapter_for
 
     small = adapter_for(config)
-    kept = kept_experts(drops, layout.experts)
+    kept = {L: [e for e in range(layout.experts) if e not in set(d)] for L, d in drops.items()}
     renamed = {}  # original on-disk name -> pruned on-disk name, for every kept expert
     skipped = set()
     for L in adapter.moe_layers:

@@ -23,7 +23,7 @@ from moequant import formats
 from moequant.arch import adapter_for
 from moequant.export.write import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
-from moequant.layouts.gguf import ARCHS, REFUSED, gguf_targets
+from moequant.layouts.gguf_graphs import ARCHS, REFUSED, gguf_targets
 
 HEAD_SCALE: dict[str, float] = {}
 # families whose quantized check quantizes the last MoE layer only. Qwen3-Next with every layer's experts quantized:

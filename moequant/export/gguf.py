@@ -33,19 +33,21 @@ from moequant.io.checkpoint import EXPORT_INFO, atomic_directory
 from moequant.layouts.gguf import (
     FLOAT_TYPES,
     GGUF_FILE,
-    GRAPHS,
-    SPLITS,
-    add_common_metadata,
     ggml_type,
-    gguf_targets,
-    model_refusal,
     packed_blocks,
     plain_array,
     plain_type,
     reordered_rows,
-    reshaped_reason,
     stores_natively,
     tied_output,
+)
+from moequant.layouts.gguf_graphs import (
+    GRAPHS,
+    SPLITS,
+    add_common_metadata,
+    gguf_targets,
+    model_refusal,
+    reshaped_reason,
     written_shapes,
 )
 

@@ -1,0 +1,719 @@
+"""What llama.cpp's graphs read, per architecture: the GGUF layout's `GRAPHS` (one entry per model_type).
+
+Everything llama.cpp's graphs need to know about an architecture is in `GRAPHS` (one entry per
+model_type): the llama.cpp architecture, the tensors it writes transformed or split (every name is
+gguf-py's: its `TensorNameMap` for the architecture, as llama.cpp's own converter names them), the
+metadata it reads (`_hp_moe` from the adapter for the newer graphs, a small function where a graph
+reads more) and what it cannot run. A family llama.cpp has no graph for, or one GGUF export does not
+write (`REFUSED`, with why), is refused by the precheck. Facts from the llama.cpp that
+llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants, its loader's errors):
+
+- routed experts of layer N stacked per projection: `blk.N.ffn_{gate,up,down}_exps.weight`,
+  ggml shape {n_embd, n_ff_exp, n_expert} (down {n_ff_exp, n_embd, n_expert}); one ggml type per
+  tensor, so every expert of a (layer, projection) must share its format;
+- `output.weight` always (a copy of the embeddings when they are tied: the qwen2moe, olmoe and
+  openai-moe loaders require it);
+- mixtral is llama.cpp's `llama` architecture, whose rope rotates interleaved pairs: q/k rows are
+  permuted from the HF (rotate-half) order. deepseek2's rope rotates interleaved pairs too, which is
+  the order DeepSeek's weights already have (rope_interleave); the others are NEOX (rotate-half);
+- qwen3moe always renormalises the top-k weights, olmoe and qwen2moe never: a config saying
+  otherwise is refused; qwen3moe / olmoe q and k norms are `attn_{q,k}_norm` (olmoe's over the whole
+  projection);
+- deepseek2 (DeepSeek-V2 / V3 / Kimi-K2): `leading_dense_block_count` dense layers (`ffn_{gate,up,
+  down}`), MLA with kv_b_proj split per head into `attn_k_b` {qk_nope, kv_lora, n_head} (K part,
+  transposed) and `attn_v_b` {kv_lora, v_head, n_head} (a planned ggml type writes both halves in it:
+  attn_v_b as the planned codes' own rows, attn_k_b requantized along its qk_nope-wide rows from the
+  original weights; `written_shapes` lets the plan check and count them), one KV head, key/value lengths kv_lora+rope /
+  kv_lora and the `_mla` ones nope+rope / v_head, `expert_gating_func` (V3 sigmoid, V2 softmax),
+  `exp_probs_b.bias` = e_score_correction_bias (selection only), `expert_weights_scale` =
+  routed_scaling_factor, `expert_weights_norm`, groups as `expert_group_count` / `_used_count` ranked
+  by the sum of each group's two best scores (V3's rule; V2's group_limited_greedy ranks by the best
+  one: refused), shared experts `ffn_*_shexp` of width n_ff_exp * n_shared;
+- glm4moe (GLM-4.5 ... 4.7, Solar-Open), minimax-m2, ernie4_5-moe, hunyuan-moe, dots1, lfm2moe and
+  GLM-4.7-Flash (deepseek2) read their MoE keys from `_hp_moe`; ernie4_5-moe also interleave_moe_layer_step;
+  dots1 takes as many key / value heads as query heads; lfm2moe computes the logits with the embeddings
+  (tied), finds its short-convolution layers by their zero key / value heads and wants the conv kernel
+  {kernel, channels}; qwen3next (Qwen3-Next) takes the gated-delta-net layers as llama.cpp's converter
+  writes them (ssm_a = -exp(A_log), dt_bias as ssm_dt.bias, the conv kernel {kernel, channels}, every
+  norm but the gated one's as 1 + weight) and full attention every full_attention_interval-th layer;
+  jamba: Mamba layers (ssm_a = -exp(A_log), the conv kernel {kernel, channels}) where a layer has no key /
+  value heads (a per-layer list);
+  nemotron_h_moe (Nemotron-H): Mamba-2 layers likewise (A and D {1, n_head}, dt_bias as ssm_dt.bias, the gated
+  norm {d_inner / n_groups, n_groups}), MoE layers by their per-layer width, no dense MLP layers;
+  phimoe routes by a renormalised softmax, not PhiMoE's sparsemixer (refused);
+- openai-moe (gpt-oss): gate / up de-interleaved into `ffn_{gate,up}_exps` with their biases
+  (`.bias` {n_ff_exp, n_expert}), `post_attention_norm`, `attn_sinks.weight`, router bias
+  `ffn_gate_inp.bias`, sliding window on even layers (llama.cpp's fixed pattern), SwiGLU with
+  alpha 1.702 / limit 7; MXFP4 experts as ggml MXFP4 blocks (e8m0 byte, then element j in the low
+  nibble of byte j and element j+16 in its high nibble).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+_L = r"model\.layers\.(\d+)\."
+
+
+# ---- transforms of one HF tensor into one GGUF tensor (torch in, torch out) -----------------------
+
+
+def _rope_permute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
+    """HF rotate-half row order -> llama.cpp's interleaved pairs, per head (rows of any width)."""
+    r = rows.shape[0]
+    return rows.reshape(n_head, 2, r // n_head // 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+def _permute_q(t, c):
+    return _rope_permute(t, int(c["num_attention_heads"]))
+
+
+def _permute_k(t, c):
+    return _rope_permute(t, int(c.get("num_key_value_heads") or c["num_attention_heads"]))
+
+
+ROW_ORDER = (_permute_q, _permute_k)  # transforms that only reorder rows: valid on packed ggml rows too
+
+
+def _kv_b(t, c):
+    """kv_b_proj [n_head * (nope + v), kv_lora] -> [n_head, nope + v, kv_lora]."""
+    return t.reshape(int(c["num_attention_heads"]), int(c["qk_nope_head_dim"]) + int(c["v_head_dim"]), -1)
+
+
+def _k_b(t, c):  # attn_k_b: ggml {nope, kv_lora, n_head} = torch [n_head, kv_lora, nope]
+    return _kv_b(t, c)[:, : int(c["qk_nope_head_dim"])].transpose(1, 2).contiguous()
+
+
+def _v_b(t, c):  # attn_v_b: ggml {kv_lora, v_head, n_head} = torch [n_head, v_head, kv_lora]
+    return _kv_b(t, c)[:, int(c["qk_nope_head_dim"]) :].contiguous()
+
+
+SPLITS = (_k_b, _v_b)  # transforms whose parts GGUF quantizes as tensors of their own (export_gguf's _split)
+
+
+def _even(t, c):  # gpt-oss gate_up bias [E, 2I]: gate = even columns
+    return t[..., 0::2].contiguous()
+
+
+def _odd(t, c):
+    return t[..., 1::2].contiguous()
+
+
+def _flat(t, c):  # qwen2moe's shared-expert gate [1, n_embd] -> llama.cpp's {n_embd}
+    return t.reshape(-1)
+
+
+def _conv(t, c):  # a depthwise conv1d [channels, 1, kernel] -> llama.cpp's {kernel, channels}
+    return t.reshape(t.shape[0], t.shape[-1])
+
+
+def _neg_exp(t, c):  # Mamba-style A_log -> llama.cpp's ssm_a = -exp(A_log)
+    return -torch.exp(t.float())
+
+
+def _plus_one(t, c):  # a norm that scales by 1 + weight (Qwen3-Next's) -> llama.cpp's plain weight
+    return t.float() + 1
+
+
+def _heads_col(t, c):  # Mamba-2's per-head A / D [n_head] -> llama.cpp's {1, n_head}
+    return t.reshape(-1, 1)
+
+
+def _neg_exp_col(t, c):
+    return _heads_col(_neg_exp(t, c), c)
+
+
+def _grouped(t, c):  # Mamba-2's gated norm [d_inner] -> llama.cpp's {d_inner / n_groups, n_groups}
+    return t.reshape(int(c.get("n_groups") or 1), -1)
+
+
+RESHAPES = (
+    _flat,
+    _conv,
+    _heads_col,
+    _grouped,
+)  # transforms that only reshape: valid on packed rows, undone by a reshape
+
+
+# ---- the architectures -----------------------------------------------------------------------------
+
+
+def add_common_metadata(w, adapter, c: dict) -> None:
+    """Keys every graph reads; head / expert widths are each graph's own."""
+    w.add_name(str(c.get("_name_or_path") or adapter.model_type))
+    w.add_context_length(int(c.get("max_position_embeddings", 4096)))
+    w.add_embedding_length(adapter.hidden)
+    w.add_block_count(adapter.num_layers)
+    w.add_head_count(int(c["num_attention_heads"]))
+    w.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", c.get("norm_eps", c.get("layer_norm_epsilon", 1e-6)))))
+    w.add_expert_count(adapter.num_experts)
+    w.add_expert_used_count(adapter.top_k)
+    w.add_vocab_size(int(c["vocab_size"]))
+    rope = _rope(c)
+    w.add_rope_freq_base(float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
+    if rope.get("rope_type") == "yarn":
+        import gguf
+
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        for key, add in (
+            ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+            ("beta_slow", w.add_rope_scaling_yarn_beta_slow),
+        ):
+            if rope.get(key) is not None:
+                add(float(rope[key]))
+    elif rope.get("rope_type") == "linear":
+        import gguf
+
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+
+
+def _rope(c: dict) -> dict:
+    return c.get("rope_parameters") or c.get("rope_scaling") or {}
+
+
+def _gqa_heads(w, adapter, c: dict, rotary: float = 1.0, kv_heads=None) -> None:
+    n_head = int(c["num_attention_heads"])
+    head_dim = int(c.get("head_dim") or adapter.hidden // n_head)
+    w.add_head_count_kv(kv_heads if kv_heads is not None else int(c.get("num_key_value_heads") or n_head))
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(int(head_dim * rotary))
+
+
+def _hp_llama(w, adapter, c):
+    _gqa_heads(w, adapter, c)
+    w.add_feed_forward_length(int(c.get("intermediate_size", adapter.expert_intermediate)))
+
+
+def _hp_qwen2moe(w, adapter, c):
+    _hp_llama(w, adapter, c)
+    w.add_expert_feed_forward_length(adapter.expert_intermediate)
+    w.add_expert_shared_feed_forward_length(adapter.shared_intermediate)
+
+
+def _hp_qwen3moe(w, adapter, c):
+    _hp_llama(w, adapter, c)
+    w.add_expert_feed_forward_length(adapter.expert_intermediate)
+
+
+def _hp_deepseek2(w, adapter, c):
+    import gguf
+
+    kv_lora, rope, nope = int(c["kv_lora_rank"]), int(c["qk_rope_head_dim"]), int(c["qk_nope_head_dim"])
+    w.add_head_count_kv(1)  # MLA runs as MQA over the compressed KV
+    w.add_feed_forward_length(int(c.get("intermediate_size", adapter.expert_intermediate)))
+    w.add_leading_dense_block_count(adapter.moe_layers[0] if adapter.moe_layers else adapter.num_layers)
+    w.add_q_lora_rank(int(c.get("q_lora_rank") or 0))
+    w.add_kv_lora_rank(kv_lora)
+    w.add_key_length(kv_lora + rope)
+    w.add_value_length(kv_lora)
+    w.add_key_length_mla(nope + rope)
+    w.add_value_length_mla(int(c["v_head_dim"]))
+    w.add_rope_dimension_count(rope)
+    w.add_expert_feed_forward_length(adapter.expert_intermediate)
+    w.add_expert_shared_count(adapter.num_shared_experts)
+    r = adapter.routing
+    w.add_expert_weights_scale(float(r.scaling))
+    w.add_expert_weights_norm(bool(r.normalize_topk))
+    w.add_expert_gating_func(
+        gguf.ExpertGatingFuncType.SIGMOID if r.scoring == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX
+    )
+    if r.groups > 1 and r.topk_groups < r.groups:  # all groups kept = no group limit (llama.cpp wants used < count)
+        w.add_expert_group_count(r.groups)
+        w.add_expert_group_used_count(r.topk_groups)
+    mscale_all = _rope(c).get("mscale_all_dim")
+    if _rope(c).get("rope_type") == "yarn" and mscale_all:
+        w.add_rope_scaling_yarn_log_mul(0.1 * float(mscale_all))  # llama.cpp divides it by 0.1 again
+
+
+def _hp_openai_moe(w, adapter, c):
+    _gqa_heads(w, adapter, c)
+    w.add_feed_forward_length(adapter.expert_intermediate)
+    w.add_expert_feed_forward_length(adapter.expert_intermediate)
+    w.add_sliding_window(int(c["sliding_window"]))
+
+
+def _hp_moe(w, adapter, c, kv_heads=None, routing=None):
+    """The MoE keys llama.cpp's newer graphs (glm4moe, dots1, ernie4_5-moe, ...) read, from the adapter: each graph
+    reads the ones it needs and ignores the rest. Rope over the first partial_rotary_factor of each head."""
+    rotary = float(_rope(c).get("partial_rotary_factor", c.get("partial_rotary_factor")) or 1.0)
+    _gqa_heads(w, adapter, c, rotary, kv_heads)
+    dense = c.get("intermediate_size") or c.get("ffn_hidden_size") or adapter.expert_intermediate
+    w.add_feed_forward_length(int(dense))
+    w.add_expert_feed_forward_length(adapter.expert_intermediate)
+    if adapter.num_shared_experts:
+        w.add_expert_shared_count(adapter.num_shared_experts)
+        w.add_expert_shared_feed_forward_length(adapter.shared_intermediate)
+    w.add_leading_dense_block_count(adapter.moe_layers[0] if adapter.moe_layers else adapter.num_layers)
+    r = routing or adapter.routing
+    w.add_expert_weights_scale(float(r.scaling))
+    w.add_expert_weights_norm(bool(r.normalize_topk))
+    _gating(w, r)
+
+
+def _hp_ernie(w, adapter, c):
+    """ERNIE-4.5: MoE layers from moe_layer_start_index on, every moe_layer_interval-th (llama.cpp's
+    interleave_moe_layer_step)."""
+    _hp_moe(w, adapter, c)
+    w.add_interleave_moe_layer_step(int(c.get("moe_layer_interval") or 1))
+
+
+def _hp_lfm2(w, adapter, c):
+    """LFM2-MoE: short-convolution layers are those with no key / value heads (a per-layer list), the kernel
+    length as shortconv.l_cache; sigmoid routing (its expert_bias selects only)."""
+    import dataclasses
+
+    n_kv = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    kv_heads = [n_kv if t != "conv" else 0 for t in c["layer_types"]]
+    _hp_moe(w, adapter, c, kv_heads, dataclasses.replace(adapter.routing, scoring="sigmoid"))
+    w.add_shortconv_l_cache(int(c["conv_L_cache"]))
+
+
+def _hp_swa(w, adapter, c):
+    """_hp_moe with sliding-window attention on the layers config.json's layer_types say (llama.cpp's per-layer
+    sliding_window_pattern)."""
+    _hp_moe(w, adapter, c)
+    w.add_sliding_window(int(c["sliding_window"]))
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
+
+
+def _hp_qwen3next(w, adapter, c):
+    """Qwen3-Next: qwen2moe's keys, rope over partial_rotary_factor of each head, the gated-delta-net sizes as
+    llama.cpp's ssm keys and a full-attention layer every full_attention_interval layers."""
+    _hp_moe(w, adapter, c)
+    w.add_ssm_conv_kernel(int(c["linear_conv_kernel_dim"]))
+    w.add_ssm_state_size(int(c["linear_key_head_dim"]))
+    w.add_ssm_group_count(int(c["linear_num_key_heads"]))
+    w.add_ssm_time_step_rank(int(c["linear_num_value_heads"]))
+    w.add_ssm_inner_size(int(c["linear_value_head_dim"]) * int(c["linear_num_value_heads"]))
+    w.add_full_attention_interval(_full_attention_interval(c))
+
+
+def _full_attention_interval(c) -> int:
+    types = c.get("layer_types") or []
+    return types.index("full_attention") + 1 if "full_attention" in types else int(c.get("full_attention_interval", 4))
+
+
+def _refuse_qwen3next(adapter, c):
+    n = _full_attention_interval(c)
+    want = ["full_attention" if (L + 1) % n == 0 else "linear_attention" for L in range(adapter.num_layers)]
+    if list(c.get("layer_types") or want) != want:
+        return (
+            f"llama.cpp's {GRAPHS[adapter.model_type].arch} graph puts full attention on every "
+            f"full_attention_interval-th layer, but this checkpoint's layer_types differ"
+        )
+    return None
+
+
+def _hp_jamba(w, adapter, c):
+    """Jamba: attention layers are those with key / value heads (a per-layer list, every attn_layer_period-th from
+    attn_layer_offset), the others Mamba layers sized by the ssm keys; MoE layers are the ones holding a router."""
+    n_kv = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    period, offset = int(c["attn_layer_period"]), int(c["attn_layer_offset"])
+    kv_heads = [n_kv if L % period == offset else 0 for L in range(adapter.num_layers)]
+    _gqa_heads(w, adapter, c, kv_heads=kv_heads)
+    w.add_feed_forward_length(int(c["intermediate_size"]))
+    w.add_ssm_conv_kernel(int(c["mamba_d_conv"]))
+    w.add_ssm_inner_size(int(c["mamba_expand"]) * adapter.hidden)
+    w.add_ssm_state_size(int(c["mamba_d_state"]))
+    w.add_ssm_time_step_rank(int(c["mamba_dt_rank"]))
+
+
+def _hp_nemotron_h(w, adapter, c):
+    """Nemotron-H: each layer is Mamba-2, attention, an MLP or an MoE (layers_block_type); attention layers are told
+    by their key / value heads and MLP layers by their width (per-layer lists), the Mamba-2 sizes as the ssm keys."""
+    kinds = c["layers_block_type"]
+    n_kv = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    ff = {"mlp": int(c["intermediate_size"]), "moe": adapter.expert_intermediate}
+    _hp_moe(w, adapter, c, kv_heads=[n_kv if k in ("attention", "full_attention") else 0 for k in kinds])
+    w.add_feed_forward_length([ff.get(k, 0) for k in kinds])
+    w.add_ssm_conv_kernel(int(c["conv_kernel"]))
+    w.add_ssm_inner_size(int(c["mamba_num_heads"]) * int(c["mamba_head_dim"]))
+    w.add_ssm_state_size(int(c["ssm_state_size"]))
+    w.add_ssm_time_step_rank(int(c["mamba_num_heads"]))
+    w.add_ssm_group_count(int(c.get("n_groups") or 1))
+    w.add_layer_norm_eps(float(c.get("layer_norm_epsilon", 1e-5)))
+
+
+def _gating(w, r):
+    import gguf
+
+    w.add_expert_gating_func(
+        gguf.ExpertGatingFuncType.SIGMOID if r.scoring == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX
+    )
+    if r.groups > 1 and r.topk_groups < r.groups:  # all groups kept = no group limit (llama.cpp wants used < count)
+        w.add_expert_group_count(r.groups)
+        w.add_expert_group_used_count(r.topk_groups)
+
+
+def _no_refusal(adapter, c):
+    return None
+
+
+def _refuse_qwen2moe(adapter, c):
+    if c.get("norm_topk_prob"):
+        return (
+            "llama.cpp's qwen2moe graph does not renormalise the top-k routing weights, but this checkpoint's "
+            "config.json sets norm_topk_prob: true"
+        )
+    return _refuse_dense_layers(adapter, c)
+
+
+def _refuse_dense_layers(adapter, c):
+    if adapter.dense_layers:
+        return (
+            f"llama.cpp's {GRAPHS[adapter.model_type].arch} graph needs every layer to be an MoE layer; this "
+            f"checkpoint has dense layers (mlp_only_layers / decoder_sparse_step)"
+        )
+    return None
+
+
+def _refuse_qwen3moe(adapter, c):
+    if not adapter.routing.normalize_topk:
+        return (
+            "llama.cpp's qwen3moe graph always renormalises the top-k routing weights, but this checkpoint's "
+            "config.json sets norm_topk_prob: false"
+        )
+    return _refuse_dense_layers(adapter, c)
+
+
+def _refuse_olmoe(adapter, c):
+    if adapter.routing.normalize_topk:
+        return (
+            "llama.cpp's olmoe graph does not renormalise the top-k routing weights, but this checkpoint's "
+            "config.json sets norm_topk_prob: true"
+        )
+    if c.get("clip_qkv"):
+        return "llama.cpp's olmoe graph does not clip q / k / v, but this checkpoint's config.json sets clip_qkv"
+    return None
+
+
+def _refuse_deepseek2(adapter, c):
+    moe = adapter.moe_layers
+    if moe != list(range(moe[0] if moe else adapter.num_layers, adapter.num_layers)):
+        return (
+            "llama.cpp's deepseek2 graph has dense layers only before the first MoE layer "
+            "(leading_dense_block_count); this checkpoint's moe_layer_freq interleaves them"
+        )
+    if c.get("rope_interleave") is False:
+        return (
+            "llama.cpp's deepseek2 graph rotates interleaved rope pairs (DeepSeek's own weight order), but this "
+            "checkpoint's config.json sets rope_interleave: false"
+        )
+    r = adapter.routing
+    if adapter.model_type == "deepseek_v2":
+        if r.groups > 1 and r.topk_groups < r.groups:
+            return (
+                "llama.cpp's deepseek2 graph ranks expert groups by the sum of their two best scores (DeepSeek-V3's "
+                "rule), but this DeepSeek-V2 checkpoint routes with group_limited_greedy (the best score)"
+            )
+        if r.normalize_topk:
+            return (
+                "transformers' DeepSeek-V2 does not renormalise the top-k weights, but this checkpoint's "
+                "config.json sets norm_topk_prob: true; the GGUF could not match it"
+            )
+    return None
+
+
+def _refuse_openai_moe(adapter, c):
+    if float(c.get("swiglu_limit", 7.0)) != 7.0 or float(c.get("swiglu_alpha", 1.702)) != 1.702:
+        return "llama.cpp's openai-moe graph fixes SwiGLU's alpha 1.702 and limit 7.0; this config.json differs"
+    types = c.get("layer_types") or []
+    want = ["sliding_attention" if L % 2 == 0 else "full_attention" for L in range(adapter.num_layers)]
+    if types and list(types) != want:
+        return (
+            "llama.cpp's openai-moe graph puts sliding-window attention on even layers and full attention on odd "
+            "ones; this config.json's layer_types differ"
+        )
+    return None
+
+
+def _refuse_interleaved_dense(adapter, c):
+    moe = adapter.moe_layers
+    if moe != list(range(moe[0] if moe else adapter.num_layers, adapter.num_layers)):
+        return (
+            f"llama.cpp's {GRAPHS[adapter.model_type].arch} graph has dense layers only before the first MoE layer "
+            f"(leading_dense_block_count), but this checkpoint's MoE layers are {moe}"
+        )
+    return None
+
+
+def _first(*checks):
+    def refuses(adapter, c):
+        return next((why for why in (check(adapter, c) for check in checks) if why), None)
+
+    return refuses
+
+
+def _refuse_dots1(adapter, c):
+    n_head, n_kv = int(c["num_attention_heads"]), int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    if n_kv != n_head:
+        return (
+            f"llama.cpp's dots1 graph takes as many key / value heads as query heads (dots.llm1's own attention), but "
+            f"this checkpoint's config.json has {n_kv} key / value heads for {n_head} query heads"
+        )
+    return None
+
+
+def _refuse_ernie(adapter, c):
+    end = c.get("moe_layer_end_index")
+    if end is not None and 0 <= int(end) < adapter.num_layers - 1:
+        return (
+            "llama.cpp's ernie4_5-moe graph has MoE layers up to the last one, but this checkpoint's config.json "
+            f"ends them at moe_layer_end_index {end}"
+        )
+    return None
+
+
+def _refuse_lfm2(adapter, c):
+    if not c.get("tie_word_embeddings", True):
+        return (
+            "llama.cpp's lfm2moe graph computes the logits with the token embeddings (tied, as LFM2 ships), but this "
+            "checkpoint's config.json sets tie_word_embeddings: false"
+        )
+    return None
+
+
+def _refuse_nemotron_h(adapter, c):
+    if "mlp" in c.get("layers_block_type", []):
+        return (
+            "llama.cpp's nemotron_h_moe graph takes Mamba-2, attention and MoE layers, but this checkpoint's "
+            "layers_block_type has dense MLP layers"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class Graph:
+    """How one HF architecture is written for one llama.cpp graph. Tensor names are gguf-py's: its
+    `TensorNameMap` for the architecture names every on-disk tensor it knows (as llama.cpp's own converter
+    names them); a graph lists only what it writes transformed or split."""
+
+    arch: str  # general.architecture: gguf-py's MODEL_ARCH_NAMES name
+    hparams: Callable  # (writer, adapter, config) -> None: the graph's own metadata
+    refuses: Callable = _no_refusal  # (adapter, config) -> why llama.cpp could not run it, or None
+    transforms: tuple = ()  # (HF regex, transform): the tensor gguf-py names, written transformed
+    splits: tuple = ()  # (HF regex with the layer as group 1, [(gguf MODEL_TENSOR name, transform or None)], suffix)
+
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+# what llama.cpp's loader adds to gguf-py's name of a tensor stored without a suffix (the rest, like Mamba's ssm_a,
+# it reads without one)
+_SUFFIXES = {"ATTN_SINKS": ".weight", "FFN_EXP_PROBS_B": ".bias"}
+_HF_RENAMES = ((r"\.e_score_correction_bias$", ".e_score_correction.bias"),)  # as llama.cpp's converter renames them
+
+
+@functools.lru_cache(maxsize=None)
+def _name_map(arch: str):
+    import gguf
+
+    archs = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}
+    return gguf.get_tensor_name_map(archs[arch], 1)  # layer 0 only: names are looked up with the layer as 0
+
+
+def _tensor_name(tensor: str, layer: int, suffix: str) -> str:
+    import gguf
+
+    return gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[tensor]].format(bid=layer) + suffix
+
+
+def mapped_name(arch: str, hf_name: str) -> str | None:
+    """gguf-py's name of an on-disk tensor in llama.cpp's `arch` graph (.weight / .bias kept), or None."""
+    key = hf_name
+    for pattern, repl in _HF_RENAMES:
+        key = re.sub(pattern, repl, key)
+    m = _LAYER.search(key)
+    if m:
+        key = key[: m.start()] + ".layers.0." + key[m.end() :]
+    found = _name_map(arch).get_type_and_name(key, try_suffixes=(".weight", ".bias"))
+    if found is None:
+        return None
+    tensor, name = found
+    if not name.endswith((".weight", ".bias")):  # stored without a suffix (gpt-oss's sinks, AFMoE's expert_bias)
+        name += _SUFFIXES.get(tensor.name, "")
+    return f"blk.{m[1]}." + name[len("blk.0.") :] if m and name.startswith("blk.0.") else name
+
+
+_DEEPSEEK2 = Graph(
+    "deepseek2",
+    _hp_deepseek2,
+    _refuse_deepseek2,
+    splits=((_L + r"self_attn\.kv_b_proj\.weight", [("ATTN_K_B", _k_b), ("ATTN_V_B", _v_b)], ".weight"),),
+)
+GRAPHS: dict[str, Graph] = {
+    "qwen2_moe": Graph(
+        "qwen2moe", _hp_qwen2moe, _refuse_qwen2moe, transforms=((_L + r"mlp\.shared_expert_gate\.weight", _flat),)
+    ),
+    "qwen3_moe": Graph("qwen3moe", _hp_qwen3moe, _refuse_qwen3moe),
+    "olmoe": Graph("olmoe", _hp_llama, _refuse_olmoe),
+    "mixtral": Graph(
+        "llama",
+        _hp_llama,
+        transforms=((_L + r"self_attn\.q_proj\.weight", _permute_q), (_L + r"self_attn\.k_proj\.weight", _permute_k)),
+    ),
+    "gpt_oss": Graph(
+        "gpt-oss",
+        _hp_openai_moe,
+        _refuse_openai_moe,
+        splits=(
+            (_L + r"mlp\.experts\.gate_up_proj_bias", [("FFN_GATE_EXP", _even), ("FFN_UP_EXP", _odd)], ".bias"),
+            (_L + r"mlp\.experts\.down_proj_bias", [("FFN_DOWN_EXP", None)], ".bias"),
+        ),
+    ),
+    "deepseek_v2": _DEEPSEEK2,
+    "deepseek_v3": _DEEPSEEK2,
+    "glm4_moe": Graph("glm4moe", _hp_moe, _refuse_interleaved_dense),
+    "minimax_m2": Graph("minimax-m2", _hp_moe, _refuse_interleaved_dense),
+    "ernie4_5_moe": Graph("ernie4_5-moe", _hp_ernie, _refuse_ernie),
+    "hunyuan_v1_moe": Graph("hunyuan-moe", _hp_moe, _refuse_interleaved_dense),
+    "dots1": Graph("dots1", _hp_moe, _first(_refuse_interleaved_dense, _refuse_dots1)),
+    "lfm2_moe": Graph(
+        "lfm2moe",
+        _hp_lfm2,
+        _first(_refuse_interleaved_dense, _refuse_lfm2),
+        transforms=((_L + r"conv\.conv\.weight", _conv),),
+    ),
+    "glm4_moe_lite": _DEEPSEEK2,
+    "solar_open": Graph("glm4moe", _hp_moe, _refuse_interleaved_dense),
+    "exaone_moe": Graph("exaone-moe", _hp_swa, _refuse_interleaved_dense),
+    "jamba": Graph(
+        "jamba",
+        _hp_jamba,
+        transforms=((_L + r"mamba\.A_log", _neg_exp), (_L + r"mamba\.conv1d\.weight", _conv)),
+    ),
+    "nemotron_h": Graph(
+        "nemotron_h_moe",
+        _hp_nemotron_h,
+        _refuse_nemotron_h,
+        transforms=(
+            (r"backbone\.layers\.\d+\.mixer\.A_log", _neg_exp_col),
+            (r"backbone\.layers\.\d+\.mixer\.D", _heads_col),
+            (r"backbone\.layers\.\d+\.mixer\.conv1d\.weight", _conv),
+            (r"backbone\.layers\.\d+\.mixer\.norm\.weight", _grouped),
+        ),
+        splits=((r"backbone\.layers\.(\d+)\.mixer\.dt_bias", [("SSM_DT", None)], ".bias"),),
+    ),
+    "qwen3_next": Graph(
+        "qwen3next",
+        _hp_qwen3next,
+        _first(_refuse_interleaved_dense, _refuse_qwen3next),
+        transforms=(
+            (_L + r"mlp\.shared_expert_gate\.weight", _flat),
+            (_L + r"linear_attn\.A_log", _neg_exp),
+            (_L + r"linear_attn\.conv1d\.weight", _conv),
+            (r".*(?<!linear_attn\.)norm\.weight", _plus_one),
+        ),
+        splits=((_L + r"linear_attn\.dt_bias", [("SSM_DT", None)], ".bias"),),
+    ),
+}
+ARCHS = {mt: g.arch for mt, g in GRAPHS.items()}  # model_type -> llama.cpp architecture
+
+
+# families llama.cpp has a graph for that GGUF export does not write, each with why (tests/families.py's table)
+REFUSED: dict[str, str] = {
+    "phimoe": (
+        "llama.cpp's phimoe graph weights the top-k experts by a renormalised softmax, not by PhiMoE's sparsemixer "
+        "(a softmax over the scores near the best one), so it would not compute this checkpoint's logits"
+    ),
+    **{
+        mt: (
+            f"its text model (llama.cpp's {arch}) sits inside a multimodal checkpoint, which GGUF export does not "
+            "write yet (llama.cpp takes the vision tower as a separate mmproj file)"
+        )
+        for mt, arch in (("kimi_k25", "deepseek2"), ("qwen3_5_moe", "qwen35moe"))
+    },
+    **{
+        mt: f"llama.cpp's {arch} graph needs {what}, which GGUF export does not write yet"
+        for mt, arch, what in (
+            ("glm_moe_dsa", "glm-dsa", "its MLA and indexer tensors in a layout (a ggml shape check fails on ours)"),
+            ("afmoe", "afmoe", "its gated attention and AFMoE's own norms and routing worked out"),
+            (
+                "mimo_v2_flash",
+                "mimo2",
+                "the sliding-window layers' own head counts and sizes and attention-sink biases",
+            ),
+            ("kimi_linear", "kimi-linear", "the KDA linear-attention layers transformed"),
+        )
+    },
+    **{
+        mt: f"llama.cpp's {arch} graph is newer than gguf-py 0.19, whose tensor names GGUF export writes"
+        for mt, arch in (
+            ("deepseek_v32", "deepseek32"),
+            ("deepseek_v4", "deepseek4"),
+            ("hy_v3", "hy_v3"),
+            ("laguna", "laguna"),
+            ("mellum", "mellum"),
+            ("qwen4_exp", "qwen4exp"),
+            ("minicpm5_moe", "minicpm5"),
+            ("cohere2_moe", "cohere2moe"),
+            ("minimax", "minimax-01"),
+        )
+    },
+}
+
+
+def model_refusal(adapter, config: dict) -> str | None:
+    """Why a GGUF file of this model could not be run by llama.cpp as transformers runs the checkpoint (one clause),
+    or None: a family llama.cpp has no graph for, one GGUF export does not write (REFUSED), a config its graph
+    cannot follow."""
+    mt = adapter.model_type
+    if mt in REFUSED:
+        return f"GGUF export does not write {mt}: {REFUSED[mt]}"
+    if mt not in GRAPHS:
+        return (
+            f"llama.cpp (llama-cpp-python 0.3.36) has no graph for {mt}; GGUF export writes {', '.join(sorted(GRAPHS))}"
+        )
+    return GRAPHS[mt].refuses(adapter, config)
+
+
+def gguf_targets(model_type: str, hf_name: str) -> list[tuple[str, Callable | None]]:
+    """The GGUF tensors one on-disk tensor becomes: [(GGUF name, transform or None)] ([] when none)."""
+    graph = GRAPHS[model_type]
+    for pattern, parts, suffix in graph.splits:
+        m = re.fullmatch(pattern, hf_name)
+        if m:
+            return [(_tensor_name(t, int(m[1]), suffix), fn) for t, fn in parts]
+    name = mapped_name(graph.arch, hf_name)
+    if name is None:
+        return []
+    return [(name, next((fn for p, fn in graph.transforms if re.fullmatch(p, hf_name)), None))]
+
+
+def reshaped_reason(model_type: str | None, hf_name: str) -> str | None:
+    """Why GGUF writes this tensor unquantized: llama.cpp's graph wants it transformed in a way that
+    packed ggml rows cannot take and that GGUF export does not requantize; None otherwise (kv_b_proj's
+    halves are quantized as tensors of their own: written_shapes)."""
+    if model_type not in GRAPHS:
+        return None
+    targets = gguf_targets(model_type, hf_name)
+    if all(fn in (None, *ROW_ORDER, *SPLITS) for _, fn in targets):
+        return None
+    return (
+        f"llama.cpp's {GRAPHS[model_type].arch} graph reshapes it into "
+        f"{', '.join(t for t, _ in targets)}, which GGUF export writes unquantized"
+    )
+
+
+def written_shapes(config: dict, hf_name: str, shape) -> list[tuple[str, tuple[int, int]]]:
+    """(GGUF name, [rows, row width]) of each tensor GGUF writes for this one in a ggml type: ggml quantizes
+    along the row, so each width must hold the type's blocks (kv_b_proj: attn_k_b's rows are qk_nope wide,
+    attn_v_b's kv_lora). [] for a tensor GGUF does not write one to one or split."""
+    targets = gguf_targets(config.get("model_type"), hf_name) if config.get("model_type") in GRAPHS else []
+    out = []
+    for name, fn in targets:
+        s = (
+            tuple(shape)
+            if fn in (None, *ROW_ORDER)
+            else tuple(fn(torch.empty(tuple(shape), device="meta"), config).shape)
+        )
+        out.append((name, (math.prod(s[:-1]), s[-1])))
+    return out

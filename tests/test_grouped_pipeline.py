@@ -138,7 +138,7 @@ def test_experts_grouped_by_padded_batches_equal_one_expert_at_a_time(tiny_dirs,
     largest count, one batched matmul; what a GPU runs) equal the per-expert loop's (the CPU's),
     every key, biases (gpt-oss) and routing-weighted Hessians included; groups forced small so that
     one batch spans several, some of one expert."""
-    import moequant.measure.calibrate as cal
+    import moequant.measure.collector as cal
 
     monkeypatch.setitem(cal.GROUPED_ELEMENTS, "cpu", 2**13)  # groups of 1 to 8 experts here
     d = tiny_dirs[model_type]

@@ -24,7 +24,7 @@ class LayerToPrepare:
     layer: int
     rows: list  # the layer's routed-expert plan rows (every algorithm's)
     weights: dict  # proj -> [E, out, in] float32 on the host, changed in place
-    statistics: dict  # the experts' input statistics from the forward (measure.calibrate.LayerCollector)
+    statistics: dict  # the experts' input statistics from the forward (measure.collector.LayerCollector)
     # (group, expert ids) -> (own [c] bool, routed tokens [c], Hessian [c, d, d], mean |x| [c, d], tokens used
     # [c]): each expert's routed-token statistics when it has at least min_tokens, else all tokens'
     choose: Callable

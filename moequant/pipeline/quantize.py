@@ -40,10 +40,8 @@ from moequant.arch import Adapter
 from moequant.errors import UserError
 from moequant.io.checkpoint import Checkpoint, open_checkpoint
 from moequant.io.layers import LayerRunner, compute_dtype, release_freed_memory
-from moequant.measure.calibrate import (
-    CalibrationSettings,
-    LayerCollector,
-)
+from moequant.measure.calibrate import CalibrationSettings
+from moequant.measure.collector import LayerCollector
 from moequant.pipeline.experts import _merge_chunk_report, _quantize_experts, _quantize_other
 from moequant.pipeline.read_ahead import (
     expert_buffers,

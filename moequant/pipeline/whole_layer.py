@@ -11,7 +11,8 @@ import functools
 import torch
 
 from moequant.algorithms.layer import LayerToPrepare
-from moequant.measure.calibrate import LayerCollector, collect_moe_stats
+from moequant.measure.calibrate import collect_moe_stats
+from moequant.measure.collector import LayerCollector
 from moequant.pipeline.experts import _chosen_statistics, _quantize_experts
 
 

@@ -103,9 +103,11 @@ def child_moequant(tool: str, model: str, out: str, samples: int, seq_len: int, 
     """Runs in the subprocess: one `moequant apply`; counts every byte written under stats/ and work/."""
     import torch
 
+    import moequant.algorithms.awq_layer as awq_layer
     import moequant.io.checkpoint as ck
+    import moequant.io.work_files as work_files
     import moequant.measure.calibrate as cal
-    import moequant.pipeline.quantize as qz
+    import moequant.pipeline.resume as resume
     from moequant import timing
     from moequant.pipeline.apply import apply
 
@@ -121,8 +123,8 @@ def child_moequant(tool: str, model: str, out: str, samples: int, seq_len: int, 
         if any(part in ("stats", "work") for part in Path(path).parts):
             scratch["bytes"] += Path(path).stat().st_size
 
-    cal.save_atomic = qz.save_atomic = counting_save
-    ck.atomic_write_text = cal.atomic_write_text = qz.atomic_write_text = counting_text
+    cal.save_atomic = work_files.save_atomic = awq_layer.save_atomic = counting_save  # stats, work files, AWQ scales
+    ck.atomic_write_text = cal.atomic_write_text = resume.atomic_write_text = counting_text
     recipe, extra = RECIPES[tool]
     overrides = [
         f"calibration.samples={samples}",

@@ -185,7 +185,8 @@ QUANTIZED_SOURCES: dict[str, str] = {
     "glm4_moe": "FP8-block",
     "qwen3_5_moe": "FP8-block",
     "minimax_m2": "FP8-block",
-    "deepseek_v3": "INT4 compressed-tensors",  # Kimi-K2.5's text model
+    "deepseek_v3": "INT4 compressed-tensors",  # Kimi-K2.5's text model, saved alone
+    "kimi_k25": "INT4 compressed-tensors",  # as it ships: routed experts int4, vision tower bf16
 }
 
 # families whose llama.cpp graph takes only what their checkpoints have, where the defaults above differ: the config

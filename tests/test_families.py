@@ -396,8 +396,8 @@ def test_apply_selective_recipe(model_type, built, tmp_path):
 
 def _quantized_source(model_type, source, directory):
     """The family's checkpoint as it ships quantized: FP8 128x128 blocks on every projection (DeepSeek-V3.2 / V4,
-    GLM-4.x-FP8, Qwen3.5-FP8, MiniMax-M2), or INT4 compressed-tensors routed experts (Kimi-K2.5's DeepSeek-V3 text
-    model); written by our exporter, read back below against independent decoders."""
+    GLM-4.x-FP8, Qwen3.5-FP8, MiniMax-M2), or INT4 compressed-tensors routed experts (Kimi-K2.5, and its
+    DeepSeek-V3 text model saved alone); written by our exporter, read back below against independent decoders."""
     from test_export_models import quantize_experts, quantize_named
 
     from moequant.export.write import export_checkpoint
@@ -437,7 +437,7 @@ def test_quantized_source_reads_natively(model_type, built, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ("deepseek_v32", "deepseek_v3"))
+@pytest.mark.parametrize("model_type", ("deepseek_v32", "deepseek_v3", "kimi_k25"))
 def test_apply_from_the_quantized_source(model_type, built, tmp_path):
     source = _quantized_source(model_type, built(model_type), tmp_path / "source")
     checkpoint = _apply(source, tmp_path / "run", "recipes/uniform-int4.yaml")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -41,14 +40,14 @@ from moequant.export.write import (
 from moequant.formats import QuantizedTensor, parse_key
 from moequant.io.checkpoint import INDEX_NAME, SINGLE_NAME, ShardWriter, atomic_directory
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 WRITE_AHEAD = 64  # packed tensors waiting for the writer thread at most (host memory: a few chunks' tensors)
 
 
-def layer_of(name: str, num_layers: int) -> int | None:
-    """The decoder layer a tensor belongs to (its shards), or None (embeddings, head, MTP layers)."""
-    m = _LAYER.search(name)
-    return int(m.group(1)) if m and int(m.group(1)) < num_layers else None
+def layer_of(name: str, adapter) -> int | None:
+    """The decoder layer a tensor belongs to (its shards), as the adapter places it (Kimi-K2.5 names its text
+    layers `blocks.N` on disk), or None (embeddings, head, towers, MTP layers)."""
+    layer = adapter.classify(name).layer
+    return layer if layer is not None and layer < adapter.num_layers else None
 
 
 def planned_items(plan, ckpt, adapter) -> dict[str, QuantizedTensor]:
@@ -118,7 +117,7 @@ class StreamedExport:
         self.describe = f"{layout} for {target}, int8 activations {int8_activations}, shards {max_shard_bytes}"
         self.layer_names: dict[int | None, list[str]] = {}
         for name in ckpt.keys():
-            self.layer_names.setdefault(layer_of(name, adapter.num_layers), []).append(name)
+            self.layer_names.setdefault(layer_of(name, adapter), []).append(name)
         self._open: _OpenLayer | None = None
 
     def layer_dir(self, layer: int, rank: int = 0) -> Path:

@@ -144,7 +144,7 @@ def test_unknown_keys():
     )
     assert error_of({"experts": {**BUDGET, "foo": 1}}) == (
         "recipe r.yaml: unknown key 'experts.foo'; accepted keys here: method, budget, formats, format, rules, "
-        "usage_floor."
+        "usage_floor, prune."
     )
     assert error_of({"experts": {"method": "rules", "rules": [{"format": "int4", "share": 2}]}}) == (
         "recipe r.yaml: unknown key 'experts.rules[0].share'; accepted keys here: share_at_least, share_below, "

@@ -66,6 +66,8 @@ def test_notebook_runs_every_model_and_plots(executed):
     assert sorted(summary) == sorted(MODELS)
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) == 1
+    # printed text and the one plot only: no cell shows the value of its last expression (a stray result)
+    assert {o.output_type for c in nb.cells if c.cell_type == "code" for o in c.outputs} <= {"stream", "display_data"}
     for model, s in summary.items():
         names = {p["name"] for p in s["points"]}
         assert {f"uniform-int4-g{GROUP[model]}-sym", "uniform-fp8-channel", "uniform-mxfp4"} <= names

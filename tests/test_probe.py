@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 
@@ -381,3 +382,31 @@ def test_probes_show_progress_step_by_step_and_finish_every_step(tiny_dirs, tmp_
     assert bar.done == bar.total > 4 * adapter.num_layers  # finer than one step per layer
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == bar.total and re.fullmatch(rf"{label}: {bar.total}/{bar.total} steps, \d+ s", lines[-1])
+
+
+def test_probe_kl_equals_float64_log_softmax_kl_with_masked_logits():
+    """The probes' KL (from the change of the logits) against KL from two float64 log-softmaxes, for large, small
+    and tiny perturbations, with vocabulary entries both sides mask (-inf: probability 0, no term, not NaN)."""
+    from moequant.measure.probe import _kl_sums
+
+    class Runner:
+        def finish(self, b, h):
+            return h
+
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(50, 16, generator=g)
+
+    def head(h):
+        z = h @ W.T
+        z[..., :3] = float("-inf")
+        return z
+
+    def kl64(h, q):
+        lp, lq = torch.log_softmax(head(h).double(), -1), torch.log_softmax(head(q).double(), -1)
+        return float(torch.where(lp > float("-inf"), lp.exp() * (lp - lq), 0.0).sum())
+
+    ref = [torch.randn(2, 7, 16, generator=g) for _ in range(2)]
+    for scale in (3.0, 1e-2, 1e-5):
+        streams = [h + scale * torch.randn(h.shape, generator=g) for h in ref]
+        got = _kl_sums(Runner(), head, ref, {"s": streams})["s"]
+        assert math.isfinite(got) and got == pytest.approx(sum(map(kl64, ref, streams)), rel=1e-6)

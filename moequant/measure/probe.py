@@ -178,8 +178,9 @@ def _finished(runner, stream: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _kl_sums(runner, head, reference: list[torch.Tensor], streams: dict, advance=None) -> dict:
     """{key: summed KL(reference || stream)} over every token of each stream (per-batch hidden states, as the
-    reference), token_statistics' float64 KL. The reference's log-probabilities are computed once per block of
-    positions for all streams, and each stream's logits once (per block): the per-tensor probe compares
+    reference), in float64 from the change of the logits (equal to token_statistics' KL to float64 rounding).
+    The reference's probabilities are computed once per block of positions for all streams, and each stream's
+    logits once (per block): the per-tensor probe compares
     hundreds of streams with one reference, and recomputing the reference (and the top-1 agreement
     token_statistics also returns) for each took 96% of its time on a CPU (py-spy, gguf.yaml on tiny-qwen2moe).
     `advance`: called once per stream and batch (a progress bar's step)."""
@@ -193,13 +194,20 @@ def _kl_sums(runner, head, reference: list[torch.Tensor], streams: dict, advance
         vocab = head(rows[:1]).shape[-1]
         step = max(1, LOGIT_CHUNK_ELEMENTS // vocab)  # float64 temporaries of token_statistics' size
         for s in range(0, rows.shape[0], step):
-            lp = torch.log_softmax(head(rows[s : s + step]).double(), dim=-1)
-            p = lp.exp()
+            z_ref = head(rows[s : s + step])
+            p = torch.softmax(z_ref.double(), dim=-1)
+            # tokens the original gives probability 0 (masked logits, -inf) add nothing, not NaN
+            live = None if bool(torch.isfinite(z_ref).all()) else p > 0
             for key, rows_q in finished.items():
-                h = rows_q[s : s + step]
-                lq = torch.log_softmax(head(h).to(lp.device).double(), dim=-1)
-                # tokens the original gives probability 0 (masked logits, -inf) add nothing, not NaN
-                kl = torch.where(p > 0, p * (lp - lq), 0.0).sum(-1).clamp_min(0)
+                # KL(p || q) = log sum_v p_v exp(x_v), x = d - sum_v p_v d_v, d = z_q - z_ref (the logits' change):
+                # one exp and one float64 temporary per logit and stream (a log-softmax per stream and the
+                # difference of log-probabilities cost several: most of the probe's KL time on a CPU), and no
+                # large terms cancel
+                d = (head(rows_q[s : s + step]).to(z_ref.device) - z_ref).double()
+                if live is not None:
+                    d = torch.where(live, d, 0.0)
+                x = d.sub_(torch.linalg.vecdot(p, d)[:, None]).expm1_()
+                kl = torch.log1p(torch.linalg.vecdot(p, x)).clamp_min(0)
                 totals[key] += float(kl.sum())
                 if advance is not None and s + step >= rows.shape[0]:  # this stream's batch is done
                     advance()

@@ -140,8 +140,9 @@ def bound_allocator(device) -> None:
         setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9; older: the env only
         if setter is not None:
             setter("expandable_segments:True")
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(reserved_cap(_limit("gpu"), total) / total, device)
+    index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda": the current one
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(reserved_cap(_limit("gpu"), total) / total, index)
 
 
 def reserve_gpu(nbytes: int):

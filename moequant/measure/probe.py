@@ -199,16 +199,16 @@ def _kl_sums(runner, head, reference: list[torch.Tensor], streams: dict, advance
             # tokens the original gives probability 0 (masked logits, -inf) add nothing, not NaN
             live = None if bool(torch.isfinite(z_ref).all()) else p > 0
             for key, rows_q in finished.items():
-                # KL(p || q) = log sum_v p_v exp(x_v), x = d - sum_v p_v d_v, d = z_q - z_ref (the logits' change):
-                # one exp and one float64 temporary per logit and stream (a log-softmax per stream and the
-                # difference of log-probabilities cost several: most of the probe's KL time on a CPU), and no
-                # large terms cancel
+                # KL(p || q) = log sum_v p_v exp(d_v) - sum_v p_v d_v, d = z_q - z_ref (the logits' change): one
+                # exp and one float64 temporary per logit and stream, the sums over the vocabulary as matrix
+                # products (a log-softmax per stream, the difference of log-probabilities and elementwise sums
+                # took most of the per-tensor probe's CPU time)
                 d = (head(rows_q[s : s + step]).to(z_ref.device) - z_ref).double()
                 if live is not None:
                     d = torch.where(live, d, 0.0)
-                x = d.sub_(torch.linalg.vecdot(p, d)[:, None]).expm1_()
-                kl = torch.log1p(torch.linalg.vecdot(p, x)).clamp_min(0)
-                totals[key] += float(kl.sum())
+                mean = torch.bmm(p[:, None, :], d[:, :, None]).reshape(-1)
+                kl = torch.bmm(p[:, None, :], d.exp_()[:, :, None]).reshape(-1).log_() - mean
+                totals[key] += float(kl.clamp_min(0).sum())
                 if advance is not None and s + step >= rows.shape[0]:  # this stream's batch is done
                     advance()
     return totals

@@ -192,6 +192,12 @@ QUANTIZED_SOURCES: dict[str, str] = {
 # families whose llama.cpp graph takes only what their checkpoints have, where the defaults above differ: the config
 # tests/test_gguf_families.py builds them with (what, overrides); other configs are refused by the GGUF precheck
 GGUF_OVERRIDES: dict[str, tuple[str, dict]] = {
+    # llama.cpp asserts that the sections fit the rotary dimensions; transformers' default [24, 20, 20] fills heads of
+    # 128 (Qwen3-VL's), not the tiny model's 32
+    "qwen3_vl_moe": (
+        "M-RoPE sections that fill each head's rotary half",
+        {"rope_parameters": {"rope_theta": 5e5, "rope_type": "default", "mrope_section": [6, 5, 5]}},
+    ),
     "dots1": (
         "as many key / value heads as query heads",
         {"num_key_value_heads": SIZES["num_attention_heads"], "first_k_dense_replace": 3},  # one MoE layer (below)

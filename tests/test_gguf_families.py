@@ -16,7 +16,7 @@ import pytest
 import torch
 from families import build_family
 from support import verify_llamacpp as V
-from test_gguf_archs import _entropy, _kl, _logits, _reference, _texts
+from test_gguf_archs import _entropy, _kl, _logits, _texts
 from tiny import GGUF_CONFIGS
 
 from moequant import formats
@@ -25,12 +25,22 @@ from moequant.export.write import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
 from moequant.layouts.gguf_graphs import ARCHS, REFUSED, gguf_targets
 
-HEAD_SCALE: dict[str, float] = {}
+HEAD_SCALE: dict[str, float] = {"granitemoe": 32 * 6, "granitemoeshared": 32 * 6}  # Granite divides by logits_scaling
 # families whose quantized check quantizes the last MoE layer only. Qwen3-Next with every layer's experts quantized:
 # llama.cpp vs our dequantization 3e-3 of KL (measured; its F32 file matches to 3e-7, the last layer alone to 8e-5);
 # the likely cause, not isolated: llama.cpp's 8-bit activations in each quantized matmul, through the recurrent layers
-LAST_LAYER_ONLY = ("qwen3_next",)
+# Qwen3-VL-MoE likewise: 1.3e-3 with its four MoE layers quantized, 1.0e-5 with the last one (its F32 file: 1.5e-6)
+LAST_LAYER_ONLY = ("qwen3_next", "qwen3_vl_moe")
 TYPES = ("q4_0", "q5_1", "q4_1", "q5_0", "q8_0")  # 32-blocks: rows of 128 hold them
+# config values the families' defaults leave at a no-op, set here so that llama.cpp must read them: Granite-3.1-MoE's
+# multipliers (the defaults are all 1.0) and GraniteMoeShared's shared expert (the default width is 0: none)
+GRANITE = {
+    "attention_multiplier": 0.0078125,
+    "embedding_multiplier": 12.0,
+    "residual_multiplier": 0.22,
+    "logits_scaling": 6.0,
+}
+CHECKED = {"granitemoe": GRANITE, "granitemoeshared": {**GRANITE, "shared_intermediate_size": 128}}
 
 
 # the families GGUF writes beyond tests/test_gguf_archs.py's and tests/test_gguf.py's (qwen2_moe, mixtral)
@@ -50,7 +60,11 @@ def decisive_family(model_type: str, directory, monkeypatch, seed: int = 0):
     monkeypatch.setitem(
         families.OVERRIDES,
         model_type,
-        {**families.OVERRIDES.get(model_type, {}), **families.GGUF_OVERRIDES.get(model_type, ("", {}))[1]},
+        {
+            **families.OVERRIDES.get(model_type, {}),
+            **families.GGUF_OVERRIDES.get(model_type, ("", {}))[1],
+            **CHECKED.get(model_type, {}),
+        },
     )
     source = build_family(model_type, directory, seed)
     ad = adapter_for(open_checkpoint(source).config)
@@ -101,6 +115,33 @@ def _quantized(source, model_type):
                 quantized[name] = q
                 others[name] = q.dequantize()
     return quantized, experts, others
+
+
+def _reference(source, experts: dict, others: dict, tmp):
+    """transformers (float32) running `source` with these weights in place of its own, through the auto class its
+    config names (a multimodal wrapper's image-text class, else the causal LM; experts kept fused on disk by the
+    family's own checkpoints load per expert once registered)."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    import moequant
+    from moequant.arch.generic import model_class
+
+    ckpt = open_checkpoint(source)
+    ad = adapter_for(ckpt.config)
+    tensors = {n: ckpt.get(n).float() for n in ckpt.keys()}
+    tensors.update(others)
+    for (L, p), stack in experts.items():
+        for e in range(ad.num_experts):
+            tensors[ad.expert_tensor_name(L, e, p)] = stack[e]
+    tmp.mkdir(parents=True)
+    shutil.copy(source / "config.json", tmp / "config.json")
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / "model.safetensors"))
+    moequant.register_for_transformers(tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    return model_class(config).from_pretrained(str(tmp), dtype=torch.float32).eval()
 
 
 @pytest.mark.slow

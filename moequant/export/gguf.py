@@ -46,7 +46,9 @@ from moequant.layouts.gguf_graphs import (
     SPLITS,
     add_common_metadata,
     gguf_targets,
+    graph_config,
     model_refusal,
+    outside_text_model,
     reshaped_reason,
     written_shapes,
 )
@@ -55,10 +57,10 @@ from moequant.layouts.gguf_graphs import (
 def check_gguf(ckpt, adapter, items: dict) -> None:
     """Refuse, before any work, what llama.cpp could not run as planned."""
     mt = adapter.model_type
-    c = ckpt.config
-    why = model_refusal(adapter, c)
+    why = model_refusal(adapter, ckpt.config)
     if why:
         raise UserError(f"{why}; it cannot be exported to GGUF as is.")
+    c = graph_config(adapter, ckpt.config)
     if c.get("sliding_window") and c.get("use_sliding_window"):
         raise UserError("GGUF export does not write sliding-window attention; config.json enables use_sliding_window.")
     tokenizer_pre(ckpt.directory)
@@ -286,13 +288,15 @@ def export_gguf(
     read = lambda n: kept[n] if n in kept else ckpt.get(n)  # noqa: E731
     mt = adapter.model_type
     graph = GRAPHS[mt]
-    c = ckpt.config
+    c = graph_config(adapter, ckpt.config)
     expert_names = _expert_names(adapter)
     plan_of = {}  # GGUF name -> (HF name, transform)
     for name in ckpt.keys():
         if name in expert_names:
             continue
         targets = gguf_targets(mt, name)
+        if not targets and outside_text_model(adapter, c, name):  # the vision tower: llama.cpp's mmproj file
+            continue
         if not targets:
             raise UserError(f"tensor {name} of {ckpt.path} has no GGUF counterpart in llama.cpp's {graph.arch} graph.")
         for target, fn in targets:
@@ -425,7 +429,7 @@ def export_gguf(
         writer.close()
         # the model's config.json (its source quantization left out: the file says how it is stored), which
         # moequant.load builds the transformers model from when it reads this file back (io/loader.py)
-        config = {k: v for k, v in c.items() if k not in ("quantization_config", "moequant")}
+        config = {k: v for k, v in ckpt.config.items() if k not in ("quantization_config", "moequant")}
         info = {**(info or {"layout": "gguf"}), "config": config}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
     return out_dir

@@ -68,8 +68,12 @@ def stores_natively(spec) -> bool:
 
 def tied_output(names) -> str | None:
     """The checkpoint tensor written again as output.weight: the embeddings when `names` hold no
-    lm_head.weight (tied; several llama.cpp loaders require output.weight), else None."""
-    return None if "lm_head.weight" in names else "model.embed_tokens.weight"
+    lm_head.weight (tied; several llama.cpp loaders require output.weight), else None. A multimodal
+    checkpoint's text model holds them under its own prefix (model.language_model.embed_tokens.weight)."""
+    names = list(names)
+    if any(n == "lm_head.weight" or n.endswith(".lm_head.weight") for n in names):
+        return None
+    return next((n for n in names if n.endswith("language_model.embed_tokens.weight")), "model.embed_tokens.weight")
 
 
 def plain_type(role: str, ndim: int, float_type: str, types) -> str:

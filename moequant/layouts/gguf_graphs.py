@@ -94,7 +94,20 @@ def _v_b(t, c):  # attn_v_b: ggml {kv_lora, v_head, n_head} = torch [n_head, v_h
     return _kv_b(t, c)[:, int(c["qk_nope_head_dim"]) :].contiguous()
 
 
-SPLITS = (_k_b, _v_b)  # transforms whose parts GGUF quantizes as tensors of their own (export_gguf's _split)
+def _first_half(t, c):  # GraniteMoeShared's shared_mlp.input_linear [2S, H]: gate rows, then up rows
+    return t[: t.shape[0] // 2]
+
+
+def _second_half(t, c):
+    return t[t.shape[0] // 2 :]
+
+
+SPLITS = (
+    _k_b,
+    _v_b,
+    _first_half,
+    _second_half,
+)  # transforms whose parts GGUF quantizes as tensors of their own (export_gguf's _split)
 
 
 def _even(t, c):  # gpt-oss gate_up bias [E, 2I]: gate = even columns
@@ -203,6 +216,29 @@ def _hp_qwen2moe(w, adapter, c):
 def _hp_qwen3moe(w, adapter, c):
     _hp_llama(w, adapter, c)
     w.add_expert_feed_forward_length(adapter.expert_intermediate)
+
+
+def _hp_qwen3vlmoe(w, adapter, c):
+    """Qwen3-VL-MoE's text model: qwen3moe's keys, M-RoPE's sections (four, zero-padded; a text token has one
+    position in each) and the vision tower's deepstack layer count (llama.cpp's input embedding is that many times
+    wider)."""
+    _hp_qwen3moe(w, adapter, c)
+    w.add_rope_dimension_sections(([int(s) for s in _rope(c)["mrope_section"]] + [0, 0, 0, 0])[:4])
+    w.add_num_deepstack_layers(len((c.get("vision_config") or {}).get("deepstack_visual_indexes") or []))
+
+
+def _hp_granite(w, adapter, c):
+    """GraniteMoe(Shared): llama's keys with the expert width as the feed-forward length (the graph's n_ff), head
+    width hidden / heads (llama.cpp's converter ignores head_dim), the four multipliers as llama.cpp's scales and the
+    shared expert's width."""
+    _gqa_heads(w, adapter, {k: v for k, v in c.items() if k != "head_dim"})
+    w.add_feed_forward_length(adapter.expert_intermediate)
+    w.add_attention_scale(float(c["attention_multiplier"]))
+    w.add_embedding_scale(float(c["embedding_multiplier"]))
+    w.add_residual_scale(float(c["residual_multiplier"]))
+    w.add_logit_scale(float(c["logits_scaling"]))
+    if c.get("shared_intermediate_size"):  # GraniteMoeShared's shared_mlp (a width of 0: none)
+        w.add_expert_shared_feed_forward_length(int(c["shared_intermediate_size"]))
 
 
 def _hp_deepseek2(w, adapter, c):
@@ -386,6 +422,17 @@ def _refuse_qwen3moe(adapter, c):
     return _refuse_dense_layers(adapter, c)
 
 
+def _refuse_qwen3vlmoe(adapter, c):
+    sections = _rope(c).get("mrope_section") or []
+    half = int(c.get("head_dim") or adapter.hidden // int(c["num_attention_heads"])) // 2
+    if sum(int(s) for s in sections) != half:
+        return (
+            "llama.cpp's qwen3vlmoe graph rotates by M-RoPE sections that together fill each head's rotary half "
+            f"({half} frequencies), but this checkpoint's text config has mrope_section {sections or 'unset'}"
+        )
+    return _refuse_qwen3moe(adapter, c)
+
+
 def _refuse_olmoe(adapter, c):
     if adapter.routing.normalize_topk:
         return (
@@ -509,7 +556,13 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 # what llama.cpp's loader adds to gguf-py's name of a tensor stored without a suffix (the rest, like Mamba's ssm_a,
 # it reads without one)
 _SUFFIXES = {"ATTN_SINKS": ".weight", "FFN_EXP_PROBS_B": ".bias"}
-_HF_RENAMES = ((r"\.e_score_correction_bias$", ".e_score_correction.bias"),)  # as llama.cpp's converter renames them
+# as llama.cpp's converters rename them: DeepSeek's correction bias; a multimodal checkpoint's text model (transformers'
+# model.language_model., Kimi-K2.5's language_model.) under the causal LM's names
+_HF_RENAMES = (
+    (r"\.e_score_correction_bias$", ".e_score_correction.bias"),
+    (r"^model\.language_model\.", "model."),
+    (r"^language_model\.", ""),
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -549,16 +602,28 @@ _DEEPSEEK2 = Graph(
     _refuse_deepseek2,
     splits=((_L + r"self_attn\.kv_b_proj\.weight", [("ATTN_K_B", _k_b), ("ATTN_V_B", _v_b)], ".weight"),),
 )
+# llama.cpp's llama-style graphs rotate interleaved pairs: q / k rows from HF's rotate-half order
+_PERMUTE_QK = ((_L + r"self_attn\.q_proj\.weight", _permute_q), (_L + r"self_attn\.k_proj\.weight", _permute_k))
 GRAPHS: dict[str, Graph] = {
     "qwen2_moe": Graph(
         "qwen2moe", _hp_qwen2moe, _refuse_qwen2moe, transforms=((_L + r"mlp\.shared_expert_gate\.weight", _flat),)
     ),
     "qwen3_moe": Graph("qwen3moe", _hp_qwen3moe, _refuse_qwen3moe),
+    "qwen3_vl_moe": Graph("qwen3vlmoe", _hp_qwen3vlmoe, _refuse_qwen3vlmoe),
     "olmoe": Graph("olmoe", _hp_llama, _refuse_olmoe),
-    "mixtral": Graph(
-        "llama",
-        _hp_llama,
-        transforms=((_L + r"self_attn\.q_proj\.weight", _permute_q), (_L + r"self_attn\.k_proj\.weight", _permute_k)),
+    "mixtral": Graph("llama", _hp_llama, transforms=_PERMUTE_QK),
+    "granitemoe": Graph("granitemoe", _hp_granite, transforms=_PERMUTE_QK),
+    "granitemoeshared": Graph(
+        "granitemoe",
+        _hp_granite,
+        transforms=_PERMUTE_QK,
+        splits=(
+            (
+                _L + r"shared_mlp\.input_linear\.weight",
+                [("FFN_GATE_SHEXP", _first_half), ("FFN_UP_SHEXP", _second_half)],
+                ".weight",
+            ),
+        ),
     ),
     "gpt_oss": Graph(
         "gpt-oss",
@@ -661,6 +726,24 @@ REFUSED: dict[str, str] = {
 }
 
 
+def graph_config(adapter, config: dict) -> dict:
+    """The config llama.cpp's graph is written from: a multimodal checkpoint's text config (transformers' own, with
+    config.json's values) beside its top-level keys (vision_config) and model_type; a causal LM's config.json."""
+    if "text_config" not in config:
+        return config
+    return {**config, **adapter.text_config, "model_type": config["model_type"]}
+
+
+def outside_text_model(adapter, config: dict, hf_name: str) -> bool:
+    """Whether a multimodal checkpoint's tensor lies outside its text model and head (the vision tower, its
+    projector): llama.cpp reads those from a separate mmproj file, which GGUF export does not write."""
+    if "text_config" not in config:
+        return False
+    expert = adapter.expert_tensor_name(adapter.moe_layers[0], 0, adapter.projections[0])
+    prefix = expert[: re.search(r"\.\w+\.\d+\.", expert).start() + 1]  # the text model's, before its layers
+    return not hf_name.startswith(prefix) and adapter.classify(hf_name).role != "lm_head"
+
+
 def model_refusal(adapter, config: dict) -> str | None:
     """Why a GGUF file of this model could not be run by llama.cpp as transformers runs the checkpoint (one clause),
     or None: a family llama.cpp has no graph for, one GGUF export does not write (REFUSED), a config its graph
@@ -672,7 +755,7 @@ def model_refusal(adapter, config: dict) -> str | None:
         return (
             f"llama.cpp (llama-cpp-python 0.3.36) has no graph for {mt}; GGUF export writes {', '.join(sorted(GRAPHS))}"
         )
-    return GRAPHS[mt].refuses(adapter, config)
+    return GRAPHS[mt].refuses(adapter, graph_config(adapter, config))
 
 
 def gguf_targets(model_type: str, hf_name: str) -> list[tuple[str, Callable | None]]:

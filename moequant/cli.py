@@ -124,8 +124,9 @@ def memory_options(fn):
         expose_value=False,
         callback=configure,
         metavar="SIZE",
-        help="GPU memory the run may use, e.g. 60GiB [default: what is free, less "
-        "2 GiB]; chunks are sized from it and a layer that cannot fit is refused before any weight is read.",
+        help="GPU memory the run may use, e.g. 60GiB [default: what is free, at most 70% of the card, less "
+        "2 GiB; the allocator reserves at most 75%]; chunks are sized from it and a layer that cannot fit is "
+        "refused before any weight is read.",
     )(fn)
     return fn
 

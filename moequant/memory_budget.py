@@ -1,8 +1,9 @@
 """One memory budget for a run: how much device and host memory moequant's chunked work may take.
 
 `--max-gpu-memory` / `--max-host-memory` (CLI; `configure` here) cap what this process holds;
-by default the cap is what is free, less a margin. Every chunk size on the quantize path (GPTQ
-batches, the scale refit, statistics Hessians) asks `temporary_bytes(device)`: the memory one
+by default the cap is what is free (on a GPU at most GPU_DEFAULT_SHARE of the card), less a margin, and on a
+GPU `bound_allocator` holds what torch's caching allocator reserves within the same room. Every chunk size on
+the quantize path (GPTQ batches, the scale refit, statistics Hessians) asks `temporary_bytes(device)`: the memory one
 such computation may add on top of what is already resident, from the same accounting, instead
 of a constant of its own. Results never depend on the budget: chunks split experts, whose
 computations are independent (tests/test_memory_budget.py checks bit for bit).

@@ -648,6 +648,7 @@ GRAPHS: dict[str, Graph] = {
         transforms=((_L + r"conv\.conv\.weight", _conv),),
     ),
     "glm4_moe_lite": _DEEPSEEK2,
+    "mistral4": Graph("mistral4", _hp_deepseek2, _refuse_deepseek2, splits=_DEEPSEEK2.splits),  # deepseek2's graph
     "solar_open": Graph("glm4moe", _hp_moe, _refuse_interleaved_dense),
     "exaone_moe": Graph("exaone-moe", _hp_swa, _refuse_interleaved_dense),
     "jamba": Graph(

@@ -29,8 +29,10 @@ HEAD_SCALE: dict[str, float] = {"granitemoe": 32 * 6, "granitemoeshared": 32 * 6
 # families whose quantized check quantizes the last MoE layer only. Qwen3-Next with every layer's experts quantized:
 # llama.cpp vs our dequantization 3e-3 of KL (measured; its F32 file matches to 3e-7, the last layer alone to 8e-5);
 # the likely cause, not isolated: llama.cpp's 8-bit activations in each quantized matmul, through the recurrent layers
-# Qwen3-VL-MoE likewise: 1.3e-3 with its four MoE layers quantized, 1.0e-5 with the last one (its F32 file: 1.5e-6)
-LAST_LAYER_ONLY = ("qwen3_next", "qwen3_vl_moe")
+# Qwen3-VL-MoE likewise: 1.3e-3 with its four MoE layers quantized, 1.0e-5 with the last one (its F32 file: 1.5e-6);
+# Kimi-K2.5 1.7e-3 with its three (F32: 8e-7): a random sigmoid router has near ties that llama.cpp's 8-bit activations
+# in the quantized layers before it flip (tests/families.py's GGUF_OVERRIDES give GLM-4.7-Flash one MoE layer for it)
+LAST_LAYER_ONLY = ("qwen3_next", "qwen3_vl_moe", "kimi_k25")
 TYPES = ("q4_0", "q5_1", "q4_1", "q5_0", "q8_0")  # 32-blocks: rows of 128 hold them
 # config values the families' defaults leave at a no-op, set here so that llama.cpp must read them: Granite-3.1-MoE's
 # multipliers (the defaults are all 1.0) and GraniteMoeShared's shared expert (the default width is 0: none)

@@ -562,6 +562,7 @@ _HF_RENAMES = (
     (r"\.e_score_correction_bias$", ".e_score_correction.bias"),
     (r"^model\.language_model\.", "model."),
     (r"^language_model\.", ""),
+    (r"^model\.blocks\.", "model.layers."),  # Kimi-K2.5's text layers, as moequant's adapter names them on disk
 )
 
 
@@ -579,11 +580,16 @@ def _tensor_name(tensor: str, layer: int, suffix: str) -> str:
     return gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[tensor]].format(bid=layer) + suffix
 
 
+def _renamed(hf_name: str) -> str:
+    """An on-disk name as llama.cpp's converters see it (_HF_RENAMES): what the graphs' patterns and gguf-py match."""
+    for pattern, repl in _HF_RENAMES:
+        hf_name = re.sub(pattern, repl, hf_name)
+    return hf_name
+
+
 def mapped_name(arch: str, hf_name: str) -> str | None:
     """gguf-py's name of an on-disk tensor in llama.cpp's `arch` graph (.weight / .bias kept), or None."""
-    key = hf_name
-    for pattern, repl in _HF_RENAMES:
-        key = re.sub(pattern, repl, key)
+    key = _renamed(hf_name)
     m = _LAYER.search(key)
     if m:
         key = key[: m.start()] + ".layers.0." + key[m.end() :]
@@ -648,6 +654,7 @@ GRAPHS: dict[str, Graph] = {
         transforms=((_L + r"conv\.conv\.weight", _conv),),
     ),
     "glm4_moe_lite": _DEEPSEEK2,
+    "kimi_k25": _DEEPSEEK2,  # its text model: DeepSeek-V3's
     "mistral4": Graph("mistral4", _hp_deepseek2, _refuse_deepseek2, splits=_DEEPSEEK2.splits),  # deepseek2's graph
     "solar_open": Graph("glm4moe", _hp_moe, _refuse_interleaved_dense),
     "exaone_moe": Graph("exaone-moe", _hp_swa, _refuse_interleaved_dense),
@@ -695,7 +702,7 @@ REFUSED: dict[str, str] = {
             f"its text model (llama.cpp's {arch}) sits inside a multimodal checkpoint, which GGUF export does not "
             "write yet (llama.cpp takes the vision tower as a separate mmproj file)"
         )
-        for mt, arch in (("kimi_k25", "deepseek2"), ("qwen3_5_moe", "qwen35moe"))
+        for mt, arch in (("qwen3_5_moe", "qwen35moe"),)
     },
     **{
         mt: f"llama.cpp's {arch} graph needs {what}, which GGUF export does not write yet"
@@ -762,14 +769,15 @@ def model_refusal(adapter, config: dict) -> str | None:
 def gguf_targets(model_type: str, hf_name: str) -> list[tuple[str, Callable | None]]:
     """The GGUF tensors one on-disk tensor becomes: [(GGUF name, transform or None)] ([] when none)."""
     graph = GRAPHS[model_type]
+    key = _renamed(hf_name)
     for pattern, parts, suffix in graph.splits:
-        m = re.fullmatch(pattern, hf_name)
+        m = re.fullmatch(pattern, key)
         if m:
             return [(_tensor_name(t, int(m[1]), suffix), fn) for t, fn in parts]
     name = mapped_name(graph.arch, hf_name)
     if name is None:
         return []
-    return [(name, next((fn for p, fn in graph.transforms if re.fullmatch(p, hf_name)), None))]
+    return [(name, next((fn for p, fn in graph.transforms if re.fullmatch(p, key)), None))]
 
 
 def reshaped_reason(model_type: str | None, hf_name: str) -> str | None:

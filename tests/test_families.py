@@ -26,11 +26,12 @@ from families import (
     NOT_SUPPORTED,
     OWN_LAYOUT,
     QUANTIZED_SOURCES,
+    REFUSED_LAYER_BY_LAYER,
     TRANSFORMERS_CANNOT_RELOAD,
-    UNBUILT,
     build_family,
     readme_table,
     support_table,
+    taken_families,
 )
 
 from moequant.arch import adapter_for
@@ -39,7 +40,7 @@ from moequant.errors import UserError
 from moequant.io.checkpoint import open_checkpoint
 from moequant.io.loader import load
 
-SUPPORTED = [f for f in FAMILIES if f not in NOT_SUPPORTED and f not in UNBUILT]
+SUPPORTED = taken_families()
 TOKENS = torch.randint(1, 4000, (2, 24), generator=torch.Generator().manual_seed(0))
 PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 OWN_RECIPE = {"gpt_oss": ("recipes/uniform-mxfp4.yaml", ["export.format=gpt-oss-mxfp4"])}
@@ -69,8 +70,8 @@ def built(tmp_path_factory):
 
 
 def test_at_least_forty_families_and_every_named_one_pass():
-    # issue 54 asks for 40: 43 families pass inspect, export and reload, and the whole apply (a floor)
-    assert len(SUPPORTED) >= 43, len(SUPPORTED)
+    # issue 54 asks for 40: 55 families pass inspect, export and reload, and the whole apply (a floor)
+    assert len(SUPPORTED) >= 55, len(SUPPORTED)
     missing = set(NAMED) - set(SUPPORTED)
     assert not missing, missing
     assert set(NAMED) <= set(FAMILIES), set(NAMED) - set(FAMILIES)
@@ -353,6 +354,18 @@ def test_a_family_moequant_does_not_take_is_refused_in_one_sentence(model_type, 
     said = str(e.value)
     assert "\n" not in said and said.endswith("."), said
     assert NOT_SUPPORTED[model_type].split(":")[0] in said, (said, NOT_SUPPORTED[model_type])
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED_LAYER_BY_LAYER))
+def test_a_family_the_layer_runner_does_not_take_is_refused_in_one_sentence(model_type, built, tmp_path):
+    args = ["apply", "--recipe", "recipes/uniform-int4.yaml", "--model", str(built(model_type))]
+    result = CliRunner().invoke(
+        main, args + ["--output", str(tmp_path / "run")] + [x for s in SMALL for x in ("--set", s)]
+    )
+    assert result.exit_code == 2, result.output[-2000:]
+    said = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(said) == 1 and REFUSED_LAYER_BY_LAYER[model_type] in said[0], result.output[-2000:]
+    assert not (tmp_path / "run" / "checkpoint").exists()
 
 
 def _apply(model_dir, out, recipe, extra=()):

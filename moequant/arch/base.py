@@ -339,7 +339,8 @@ class Adapter:
         experts, tensors = experts or {}, tensors or {}
         out = {}
         for key in keys:
-            if key.endswith("experts.gate_up_proj") and not self.fused_experts:
+            routed = key.split(".")[-2:-1] == ["experts"]  # the routed experts' (not a fused shared_experts module's)
+            if routed and key.endswith("experts.gate_up_proj") and not self.fused_experts:
                 # gate then up, each cast into its half as it arrives: one [E, 2I, H] tensor in `dtype`
                 # and one projection in flight (a cat of two float32 stacks held three)
                 fused = None
@@ -353,9 +354,9 @@ class Adapter:
                     fused[:, half * part.shape[1] : (half + 1) * part.shape[1]] = part
                     del part
                 out[key] = fused
-            elif key.endswith("experts.up_proj") and not self.fused_experts:  # experts without a gate
+            elif routed and key.endswith("experts.up_proj") and not self.fused_experts:  # experts without a gate
                 out[key] = self.read_experts(checkpoint, layer, "up", device=device, dtype=dtype)
-            elif key.endswith("experts.down_proj") and not self.fused_experts:
+            elif routed and key.endswith("experts.down_proj") and not self.fused_experts:
                 d = experts.get("down", None)
                 out[key] = (
                     self.read_experts(checkpoint, layer, "down", device=device, dtype=dtype)
@@ -363,7 +364,8 @@ class Adapter:
                     else d.to(dtype)
                 )
             elif (
-                self.fused_experts
+                routed
+                and self.fused_experts
                 and (key.endswith("experts.gate_up_proj") or key.endswith("experts.down_proj"))
                 and experts
             ):

@@ -12,7 +12,9 @@ name table:
 - on-disk names: every in-memory parameter goes through transformers' reverse conversion on its own.
   For the experts, the reversed tensor is a small *tag* tensor whose values are row numbers, so the
   values that land in each on-disk tensor say which expert and which projection it holds and whether
-  it is stored transposed, whatever chain of operations the family's mapping uses.
+  it is stored transposed, whatever chain of operations the family's mapping uses. Where the experts stay
+  fused on disk, each expert's projection is presented under its per-expert name, read as a slice
+  (`experts_fused_on_disk`); parameters stored together or row-permuted are read by their rows (`_add_split`).
 
 Only what this rule cannot express keeps a family file (gpt-oss's interleaved, transposed experts with
 biases).
@@ -224,9 +226,9 @@ class GenericAdapter(Adapter):
         self._entries: dict[str, tuple[tuple[int, ...], TensorRole]] = {}
         self._expert_names: dict[tuple[int, int, str], tuple[str, bool]] = {}  # (L, e, proj) -> (disk name, transposed)
         # experts fused on disk: each expert's tensor under the name its per-expert checkpoints would have
-        self._fused: dict[str, tuple] = {}  # name -> (fused name, expert, first row, end row, fused shape in memory)
+        self._fused: dict[str, tuple] = {}  # name -> (fused name, expert, first row, end row, its shape untransposed)
         self._fused_disk: dict[str, tuple[tuple[int, ...], TensorRole]] = {}  # fused name -> (shape, role)
-        self._split: dict[str, tuple[str, torch.Tensor]] = {}  # memory key -> (stored with others as, its rows there)
+        self._split: dict[str, tuple[str, tuple[int, ...]]] = {}  # memory key -> (stored with others as, its rows)
         self.moe_layers, self.block_path, self.experts_path = [], {}, {}
         shapes = set()
         for L, layer in enumerate(layers):
@@ -348,36 +350,40 @@ class GenericAdapter(Adapter):
         return record
 
     def _add_split(self, record, plain) -> None:
-        """Parameters stored together as one tensor on disk (Kimi-K2.5's vision attention: q, k and v rows in
-        one `wqkv`, q and k rows permuted for its rotary embedding): each parameter's rows of the stored tensor,
-        found by reversing tags of row numbers together."""
+        """Parameters whose rows are stored elsewhere than at their own rows: several stored together as one
+        tensor (Kimi-K2.5's vision attention: q, k and v in one `wqkv`), or one stored with its rows permuted for
+        a rotary embedding (Kimi-K2.5's and Mistral-Large-4's vision q and k). Reversing tags of row numbers
+        (together, for those stored together) says which stored rows each parameter's rows are."""
         sharing: dict[str, list[str]] = {}
         for key, name in record["m2d"].items():
-            if key in plain and key not in record["joined"]:
+            if key in plain and key not in record["joined"] and plain[key].dim() > 0:
                 sharing.setdefault(name, []).append(key)
         for name, keys in sharing.items():
-            if len(keys) < 2:
-                continue
-            whole = self._revert.together({k: plain[k] for k in keys})
             tags, start = {}, 0
             for k in keys:
                 n, rest = plain[k].shape[0], plain[k].dim() - 1
                 tags[k] = torch.arange(start, start + n, dtype=torch.float64).reshape(n, *[1] * rest)
                 start += n
             rows = self._revert.together(tags).get(name)
-            if name not in whole or rows is None or rows.shape[0] != start:
-                raise UserError(
-                    f"this {self.model_type} model stores {', '.join(keys)} together as {name} in a way moequant cannot split."
-                )
-            rows = rows.reshape(start, -1)[:, 0].long()
-            record["entries"][name] = (tuple(whole[name].shape), record["entries"][name][1])
+            if rows is None or rows.shape[0] != start or rows.numel() != start:  # not rows (transposed, reshaped)
+                if len(keys) > 1:
+                    raise UserError(
+                        f"this {self.model_type} model stores {', '.join(keys)} together as {name} in a way moequant "
+                        "cannot split."
+                    )
+                continue
+            rows = rows.flatten().long()
+            if len(keys) == 1 and torch.equal(rows, torch.arange(start)):
+                continue  # stored as it is
+            whole = self._revert.together({k: plain[k] for k in keys})[name]
+            record["entries"][name] = (tuple(whole.shape), record["entries"][name][1])
             start = 0
             for k in keys:
                 n = plain[k].shape[0]
                 at = ((rows >= start) & (rows < start + n)).nonzero().flatten()
                 index = torch.empty(n, dtype=torch.long)
                 index[rows[at] - start] = at
-                record["split"][k] = (name, index)
+                record["split"][k] = (name, tuple(index.tolist()))
                 start += n
 
     def _renumbered(self, L0: int, L: int) -> dict:
@@ -462,7 +468,7 @@ class GenericAdapter(Adapter):
         split = self._split.get(memory_key)
         if split is not None:
             name, rows = split
-            return checkpoint.get(name, device)[rows.to(device or "cpu")]
+            return checkpoint.get(name, device)[torch.tensor(rows, device=device)]
         if memory_key in self._joined:
             axis, names = self._joined[memory_key]
             return torch.cat([checkpoint.get(n, device) for n in names], axis)
@@ -505,8 +511,8 @@ class GenericAdapter(Adapter):
             raise UserError(f"{key} has shape {list(tensor.shape)}; the standard experts layout is [{E}, {rows}, ...].")
         width = rows // len(halves)
         shapes = {n: tuple(int(d) for d in t.shape) for n, t in self._revert(key, tensor).items()}
-        if len(shapes) == 1 and len(next(iter(shapes.values()))) == 3:
-            self._add_fused(record, key, L, halves, tensor, *next(iter(shapes.items())))
+        if all(len(shape) == 3 for shape in shapes.values()):
+            self._add_fused(record, key, L, halves, tensor, shapes)
             return
         for name, t in self._revert(key, _tag(tuple(tensor.shape), 1)).items():
             values = t.flatten()
@@ -531,32 +537,42 @@ class GenericAdapter(Adapter):
                     f"this {self.model_type} model stores expert weights transposed ({name}); not supported yet."
                 )
 
-    def _add_fused(self, record, key, L, halves, tensor, name, disk_shape) -> None:
-        """Experts stored fused on disk as they are in memory, or with the last two axes swapped where the family's
-        mapping transposes them (Qwen3-VL-MoE; transformers then goes by the stored shape, and so does
-        Checkpoint.present_fused_experts). Each expert's projection is presented under the name a per-expert
-        checkpoint gives it (`experts.N.gate_proj.weight`: what vLLM's loaders and transformers' per-expert
-        mapping take), read as a slice of the fused tensor; the export writes those names."""
+    def _add_fused(self, record, key, L, halves, tensor, shapes) -> None:
+        """Experts stored fused on disk: one tensor of every expert as in memory, or gate and up apart (Step-3.7),
+        possibly with the last two axes swapped where the family's mapping transposes them (Qwen3-VL-MoE;
+        transformers then goes by the stored shape, and so does Checkpoint.present_fused_experts). A tag of the
+        rows says which rows each stored tensor holds. Each expert's projection is presented under the name a
+        per-expert checkpoint gives it (`experts.N.gate_proj.weight`: what vLLM's loaders and transformers'
+        per-expert mapping take), read as a slice of the fused tensor; the export writes those names."""
         E, rows, cols = (int(d) for d in tensor.shape)
-        tag = _tag((E, rows, cols), 1)
-        back = next(iter(self._revert(key, tag).values()))
-        if not (torch.equal(back, tag) or torch.equal(back, tag.transpose(1, 2))):
-            raise UserError(
-                f"this {self.model_type} model stores its experts fused on disk in a layout moequant does not know ({name})."
-            )
         width = rows // len(halves)
-        record["fused_disk"][name] = (disk_shape, TensorRole("routed_expert", L, None, "_".join(halves)))
-        for e in range(E):
+        found = {}
+        for name, t in self._revert(key, _tag((E, rows, cols), 1)).items():
+            values = t.reshape(E, -1) - torch.arange(E, dtype=torch.float64)[:, None] * rows  # rows of each expert
+            first, n = int(values[0, 0]), values.shape[1]
+            if not torch.equal(values, first + torch.arange(n, dtype=torch.float64).expand(E, n)):
+                raise UserError(
+                    f"this {self.model_type} model stores its experts fused on disk in a layout moequant does not know ({name})."
+                )
+            record["fused_disk"][name] = (shapes[name], TensorRole("routed_expert", L, None, "_".join(halves)))
             for i, half in enumerate(halves):
+                if first <= i * width and (i + 1) * width <= first + n:
+                    found[half] = (name, i * width - first, (i + 1) * width - first, (E, n, cols))
+        if set(found) != set(halves):
+            raise UserError(
+                f"this {self.model_type} model's fused experts on disk do not hold {sorted(set(halves) - set(found))}."
+            )
+        for e in range(E):
+            for half, (name, start, end, shape) in found.items():
                 per_expert = f"{self._layers_prefix}{L}.{self.experts_path[L]}.{e}.{half}_proj.weight"
                 virtual = next(iter(self._revert(per_expert, torch.empty(width, cols, device="meta"))))
                 record["experts"][(L, e, half)] = (virtual, False)
                 record["entries"][virtual] = ((width, cols), TensorRole("routed_expert", L, e, half))
-                record["fused"][virtual] = (name, e, i * width, (i + 1) * width, (E, rows, cols))
+                record["fused"][virtual] = (name, e, start, end, shape)
 
     @property
     def experts_fused_on_disk(self) -> dict[str, tuple]:
-        """{per-expert name: (fused on-disk name, expert, first row, end row, the fused shape in memory)} where the
+        """{per-expert name: (fused on-disk name, expert, first row, end row, that tensor's shape untransposed)} where the
         family's checkpoints keep a layer's experts in one tensor (empty otherwise)."""
         return self._fused
 

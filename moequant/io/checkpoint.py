@@ -326,6 +326,7 @@ class Checkpoint:
         fused tensor; `get` reads just that expert's rows. A fused tensor stored with its last two axes swapped
         is read transposed, as transformers reads it (by the stored shape). The rest of moequant then sees one
         tensor per expert, as most families store them and as the export writes them."""
+        experts = {n: x for n, x in experts.items() if x[0] in self.stored}  # moequant's exports store them apart
         fused = {f for f, *_ in experts.values()}
         quantized = sorted(fused & set(self.encodings))
         if quantized:

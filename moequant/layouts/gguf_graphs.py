@@ -296,6 +296,14 @@ def _hp_moe(w, adapter, c, kv_heads=None, routing=None):
     _gating(w, r)
 
 
+def _hp_glm4v(w, adapter, c):
+    """GLM-4.xV's text model: glm4moe's keys and M-RoPE's sections (four, zero-padded), as llama.cpp's converter writes
+    them when the config names them (a text token has one position in each)."""
+    _hp_moe(w, adapter, c)
+    if _rope(c).get("mrope_section"):
+        w.add_rope_dimension_sections(([int(s) for s in _rope(c)["mrope_section"]] + [0, 0, 0, 0])[:4])
+
+
 def _hp_ernie(w, adapter, c):
     """ERNIE-4.5: MoE layers from moe_layer_start_index on, every moe_layer_interval-th (llama.cpp's
     interleave_moe_layer_step)."""
@@ -616,6 +624,7 @@ GRAPHS: dict[str, Graph] = {
     ),
     "qwen3_moe": Graph("qwen3moe", _hp_qwen3moe, _refuse_qwen3moe),
     "qwen3_vl_moe": Graph("qwen3vlmoe", _hp_qwen3vlmoe, _refuse_qwen3vlmoe),
+    "qwen3_omni_moe_thinker": Graph("qwen3vlmoe", _hp_qwen3vlmoe, _refuse_qwen3vlmoe),  # as llama.cpp's converter
     "olmoe": Graph("olmoe", _hp_llama, _refuse_olmoe),
     "mixtral": Graph("llama", _hp_llama, transforms=_PERMUTE_QK),
     "granitemoe": Graph("granitemoe", _hp_granite, transforms=_PERMUTE_QK),
@@ -657,6 +666,7 @@ GRAPHS: dict[str, Graph] = {
     "kimi_k25": _DEEPSEEK2,  # its text model: DeepSeek-V3's
     "mistral4": Graph("mistral4", _hp_deepseek2, _refuse_deepseek2, splits=_DEEPSEEK2.splits),  # deepseek2's graph
     "solar_open": Graph("glm4moe", _hp_moe, _refuse_interleaved_dense),
+    "glm4v_moe": Graph("glm4moe", _hp_glm4v, _refuse_interleaved_dense),
     "exaone_moe": Graph("exaone-moe", _hp_swa, _refuse_interleaved_dense),
     "jamba": Graph(
         "jamba",
@@ -715,6 +725,18 @@ REFUSED: dict[str, str] = {
                 "the sliding-window layers' own head counts and sizes and attention-sink biases",
             ),
             ("kimi_linear", "kimi-linear", "the KDA linear-attention layers transformed"),
+            (
+                "gemma4",
+                "gemma4",
+                "Gemma-4's per-layer input embeddings, layer scalars, router scales and the dense MLP beside its "
+                "experts worked out",
+            ),
+            (
+                "unlimited_ocr",
+                "deepseek2-ocr",
+                "its text model's layout and metadata worked out (llama.cpp's converter knows it as "
+                "UnlimitedOCRForCausalLM)",
+            ),
         )
     },
     **{
@@ -729,6 +751,8 @@ REFUSED: dict[str, str] = {
             ("minicpm5_moe", "minicpm5"),
             ("cohere2_moe", "cohere2moe"),
             ("minimax", "minimax-01"),
+            ("granitemoe_swa", "granite_swa"),
+            ("hy_v4", "hy_v4"),
         )
     },
 }

@@ -219,10 +219,6 @@ GGUF_OVERRIDES: dict[str, tuple[str, dict]] = {
         "M-RoPE sections that fill each head's rotary half",
         {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default", "mrope_section": [6, 5, 5]}},
     ),
-    "qwen3_omni_moe_thinker": (
-        "M-RoPE sections that fill each head's rotary half",
-        {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default", "mrope_section": [6, 5, 5]}},
-    ),
     "dots1": (
         "as many key / value heads as query heads",
         {"num_key_value_heads": SIZES["num_attention_heads"], "first_k_dense_replace": 3},  # one MoE layer (below)

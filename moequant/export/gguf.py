@@ -9,7 +9,8 @@ the metadata, the tokenizer (a byte-level BPE with GPT-2's pre-tokenizer, as the
 or Qwen2 / Qwen3's: `tokenizer_pre`) as `tokenizer.ggml.*`: tokens by id, merges, token types (added
 special tokens are control tokens), bos / eos / padding ids and add_bos = whether the HF
 post-processor adds one, and the tensors in llama.cpp's order. Not written yet: DeepSeek-V3's and
-gpt-oss's own pre-tokenizers (refused, one sentence). Anything llama.cpp could not run as planned is
+gpt-oss's own pre-tokenizers (refused, one sentence), a multimodal checkpoint's vision tower (llama.cpp reads it
+from a separate mmproj file: the file holds the text model). Anything llama.cpp could not run as planned is
 a UserError before anything is written. The file is written in a temporary sibling directory and
 renamed; tensors are read and packed layer by layer as gguf-py writes them (only the one being
 written is in memory). Also here: the GGUF byte account (`gguf_bytes`) and llama.cpp's imatrix

@@ -41,6 +41,16 @@ llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants, its l
   nemotron_h_moe (Nemotron-H): Mamba-2 layers likewise (A and D {1, n_head}, dt_bias as ssm_dt.bias, the gated
   norm {d_inner / n_groups, n_groups}), MoE layers by their per-layer width, no dense MLP layers;
   phimoe routes by a renormalised softmax, not PhiMoE's sparsemixer (refused);
+- a multimodal checkpoint's text model (Qwen3-VL-MoE, Qwen3-Omni's thinker, GLM-4.xV, Kimi-K2.5): llama.cpp's
+  converters drop `model.language_model.` / `language_model.` from its names and write the vision tower as a
+  separate mmproj file (GGUF export does not write that one); qwen3vlmoe is qwen3moe's graph with interleaved M-RoPE,
+  whose four `rope.dimension_sections` must fit each head's rotary dimensions (ggml asserts it), and the vision
+  tower's deepstack layer count; glm4moe takes GLM-4.xV's sections (plain rope without them); a text token has
+  one position in every section, so the rotation is the text model's own;
+- granitemoe (GraniteMoE, GraniteMoeShared): llama's interleaved rope (q / k rows permuted), the expert width as
+  feed_forward_length, attention / embedding / residual / logit scales = attention_multiplier,
+  embedding_multiplier, residual_multiplier, logits_scaling (the logits divided by it), the shared expert's
+  input_linear split into ffn_gate_shexp / ffn_up_shexp; mistral4 is deepseek2's graph under its own name;
 - openai-moe (gpt-oss): gate / up de-interleaved into `ffn_{gate,up}_exps` with their biases
   (`.bias` {n_ff_exp, n_expert}), `post_attention_norm`, `attn_sinks.weight`, router bias
   `ffn_gate_inp.bias`, sliding window on even layers (llama.cpp's fixed pattern), SwiGLU with

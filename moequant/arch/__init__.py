@@ -9,7 +9,12 @@ import json
 from pathlib import Path
 
 from moequant.arch.base import PROJECTIONS, ROLES, Adapter, Routing, TensorRole  # noqa: F401
-from moequant.arch.generic import GenericAdapter, decode_special_floats, standard_experts_families
+from moequant.arch.generic import (
+    GenericAdapter,
+    decode_special_floats,
+    standard_experts_families,
+    wraps_experts_family,
+)
 from moequant.arch.gpt_oss import GptOssAdapter
 from moequant.errors import UserError
 
@@ -18,7 +23,10 @@ ADAPTERS: dict[str, type[Adapter]] = {t: cls for cls in (GptOssAdapter,) for t i
 
 def supported_model_types() -> list[str]:
     """Every model type of the installed transformers whose experts use its standard interface."""
-    return sorted(set(ADAPTERS) | set(standard_experts_families()))
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    wrappers = {t for t in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if wraps_experts_family(t)}
+    return sorted(set(ADAPTERS) | set(standard_experts_families()) | wrappers)
 
 
 def adapter_for(config: dict) -> Adapter:
@@ -77,7 +85,7 @@ def refuse_unknown(model_type) -> None:
             f"model_type {model_type!r} is not known to the installed transformers {__version__}; "
             "a newer transformers may have it (pip install -U transformers)."
         )
-    if model_type not in standard_experts_families():
+    if model_type not in standard_experts_families() and not wraps_experts_family(model_type):
         raise UserError(
             f"model_type {model_type!r} has no experts module with transformers' standard experts interface "
             f"(transformers {__version__}): it is not an MoE moequant can quantize; supported: "

@@ -97,12 +97,13 @@ def meta_model(config_json: str):
 
 @functools.lru_cache(maxsize=1)
 def standard_experts_families() -> tuple[str, ...]:
-    """model_types of the installed transformers with a causal-LM or image-text model whose text model's modeling
-    code uses `use_experts_implementation` (Kimi-K2.5 wraps DeepSeek-V3's text model: its own file has no experts)."""
+    """model_types of the installed transformers with a causal-LM or image-text model whose own modeling code uses
+    `use_experts_implementation`: read from the modeling files' text and the model types' folder names, nothing
+    imported (importing every config module cost most of a first command's start)."""
     import pathlib
 
     import transformers
-    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
@@ -114,26 +115,27 @@ def standard_experts_families() -> tuple[str, ...]:
         for p in root.glob("*/modeling_*.py")
         if "use_experts_implementation" in p.read_text(errors="replace")
     }
+    types = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    return tuple(sorted(t for t in types if t in CONFIG_MAPPING_NAMES and model_type_to_module_name(t) in folders))
 
-    def folder(t):
-        return CONFIG_MAPPING[t].__module__.split(".")[-2]
 
-    out = set()
-    for t in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
-        if t not in CONFIG_MAPPING:
-            continue
-        if folder(t) in folders:
-            out.add(t)
-            continue
-        if "text_config" not in CONFIG_MAPPING[t].sub_configs:
-            continue
-        try:  # a wrapper of another family's text model: the one its defaults name
-            text_type = CONFIG_MAPPING[t]().get_text_config().model_type
-        except Exception:  # noqa: BLE001  (a config whose defaults do not build is no family moequant can take)
-            continue
-        if text_type in CONFIG_MAPPING and folder(text_type) in folders:
-            out.add(t)
-    return tuple(sorted(out))
+@functools.lru_cache(maxsize=None)
+def wraps_experts_family(model_type: str) -> bool:
+    """An image-text model whose text model is another such family's (Kimi-K2.5 wraps DeepSeek-V3's: its own
+    modeling file has no experts), as its config's default text config names it."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or model_type not in CONFIG_MAPPING:
+        return False
+    config_class = CONFIG_MAPPING[model_type]
+    if "text_config" not in getattr(config_class, "sub_configs", {}):
+        return False
+    try:
+        text_type = config_class().get_text_config().model_type
+    except Exception:  # noqa: BLE001  (a config whose defaults do not build is no family moequant can take)
+        return False
+    return text_type != model_type and text_type in standard_experts_families()
 
 
 def is_experts_module(module) -> bool:

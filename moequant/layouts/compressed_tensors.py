@@ -407,10 +407,19 @@ def experts_target(head: str, layers: list[int], leaves) -> str:
     per expert. A list of every expert's name matched nothing there, and compressed-tensors' loader warned
     "Could not match" once per expert projection (192 lines for tiny-qwen2moe); transformers picks its experts'
     scheme from the first group whose `re:` targets name `experts` (integrations/compressed_tensors.py,
-    get_experts_scheme), which this target is."""
+    get_experts_scheme), which this target is. vLLM names an image-text model's text layers
+    `language_model.model.…` where its checkpoints say `model.language_model.…` (its models' hf_to_vllm_mapper
+    renames module paths but leaves `re:` targets as written), so such a head matches under both names."""
     alternatives = "|".join(str(layer) for layer in layers)
     names = "|".join(re.escape(leaf) for leaf in leaves)
-    return f"re:^{re.escape(head)}(?:{alternatives})\\.(?:[^.]+\\.)*experts(?:\\.\\d+\\.(?:{names}))?$"
+    heads = re.escape(head)
+    if head.startswith(MULTIMODAL_TEXT[0]):
+        heads = f"(?:{heads}|{re.escape(MULTIMODAL_TEXT[1] + head[len(MULTIMODAL_TEXT[0]) :])})"
+    return f"re:^{heads}(?:{alternatives})\\.(?:[^.]+\\.)*experts(?:\\.\\d+\\.(?:{names}))?$"
+
+
+# an image-text model's text layers: as transformers and the checkpoints name them, as vLLM does
+MULTIMODAL_TEXT = ("model.language_model.", "language_model.model.")
 
 
 TRANSFORMERS_GUARD = "moequant_transformers_guard"

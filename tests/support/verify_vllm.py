@@ -132,6 +132,30 @@ def request_amx_permission():
         ctypes.CDLL(None).syscall(158, 0x1023, 18)  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XTILEDATA
 
 
+def multimodal(ckpt):
+    # a checkpoint of an image-text model (Qwen3.5-MoE ships so): vLLM runs its language model only
+    arch = (json.loads(open(ckpt + "/config.json").read()).get("architectures") or [""])[0]
+    return arch.endswith("ForConditionalGeneration")
+
+
+def stand_in_torchvision():
+    # vLLM's Qwen3-VL / Qwen3.5 modules import transformers' Qwen2-VL image processor module, which imports
+    # torchvision, and the package index has no torchvision built for vLLM's CPU torch. That module's PIL twin
+    # (same functions, no torchvision) stands in for it; no image is ever processed (token ids in, language
+    # model only).
+    import importlib, types
+    try:
+        import torchvision  # noqa: F401
+        return
+    except Exception:
+        pass
+    pil = importlib.import_module("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+    module = types.ModuleType("transformers.models.qwen2_vl.image_processing_qwen2_vl")
+    module.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
+    module.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil
+    sys.modules[module.__name__] = module
+
+
 def main(job_path, result_path):
     request_amx_permission()
     job = json.loads(open(job_path).read())
@@ -139,11 +163,18 @@ def main(job_path, result_path):
         sys.modules["zentorch"] = None  # `import zentorch` fails: vLLM takes its plain CPU platform
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    if any(multimodal(c) for c in job["checkpoints"]):
+        stand_in_torchvision()
+        # vLLM inspects a model class in a fresh python (to keep CUDA out of this process), which would miss the
+        # stand-in: on the CPU it is inspected here
+        import vllm.model_executor.models.registry as registry
+        registry._run_in_subprocess = lambda fn: fn()
 
     results = {}
     for ckpt, dtype in zip(job["checkpoints"], job["dtypes"]):
         llm = LLM(model=ckpt, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
-                  max_model_len=job["max_model_len"], seed=0, max_logprobs=max(20, job["top_k"]))
+                  max_model_len=job["max_model_len"], seed=0, max_logprobs=max(20, job["top_k"]),
+                  **({"language_model_only": True} if multimodal(ckpt) else {}))
         params = SamplingParams(temperature=0.0, max_tokens=job["steps"], logprobs=job["top_k"],
                                 prompt_logprobs=job["top_k"] if job.get("prompt_logprobs") else None,
                                 detokenize=False, ignore_eos=True)
@@ -257,7 +288,10 @@ def _error_summary(log: str) -> str:
     lines = [
         ln
         for ln in log.splitlines()
-        if re.search(r"(Error|Exception|error:|Illegal|Aborted)", ln)
+        if (
+            re.search(r"(Error|Exception|error:|Illegal|Aborted)", ln)
+            or re.sub(r"^(\[rank\d+\]:)?\s*", "", ln).startswith("assert ")  # the failed assertion's source line
+        )
         and not ln.lstrip().startswith(("File ", "[rank0]:   File"))
     ]
     return "\n".join(lines[-4:]) or log[-2000:]

@@ -738,8 +738,9 @@ REFUSED: dict[str, str] = {
             (
                 "gemma4",
                 "gemma4",
-                "Gemma-4's per-layer input embeddings, layer scalars, router scales and the dense MLP beside its "
-                "experts worked out",
+                "Gemma-4's sliding and full layers' own head widths and key / value heads, its shared key / value "
+                "layers, the full layers' proportional rope (a rope_freqs tensor) and its router scales "
+                "(ffn_gate_inp.scale, ffn_down_exps.scale) worked out",
             ),
             (
                 "unlimited_ocr",

@@ -236,9 +236,10 @@ class Checkpoint:
         self.decode = decode
         self._handles: dict[Path, object] = {}
         self._last: tuple[str, torch.Tensor] | None = None  # the last decoded tensor, for get_slice
+        # before the encodings: reading them reads stored tensors (compressed-tensors' weight_shape), which asks it
+        self.slices: dict[str, tuple[str, int, int, int, bool]] = {}  # see present_fused_experts
         self.encodings = dequant.encodings(config, entries, path, self.read_stored) if decode and entries else {}
         self.entries = _logical_entries(entries, self.encodings)
-        self.slices: dict[str, tuple[str, int, int, int, bool]] = {}  # see present_fused_experts
 
     # An opened checkpoint stands wherever its path is accepted (os.PathLike, str): the stages of one run
     # are handed it, and open_checkpoint returns it as it is instead of reading every header again.

@@ -20,6 +20,6 @@ def register_for_transformers(path) -> bool:
     import json
     from pathlib import Path
 
-    from moequant.arch.generic import register_for_transformers as _register
+    from moequant.arch import register_for_transformers as _register
 
     return _register(json.loads((Path(path) / "config.json").read_text()))

@@ -8,6 +8,7 @@ kind its per-layer lists name, and uses the bundled models' tokenizer so the who
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 from pathlib import Path
@@ -357,12 +358,51 @@ def build_family(model_type: str, directory: Path, seed: int = 0, **text: object
                     b.normal_(0, 0.02)
         model = model.to(torch.bfloat16)
         directory = Path(directory)
-        model.save_pretrained(directory)
+        with _as_transformers_ships():
+            model.save_pretrained(directory)
     finally:
         logger.setLevel(level)
+    if model_type == "kimi_k25":  # its text layers as its checkpoints name them (transformers' save misspells them)
+        _respell(directory, "language_model.model.blocks.", "language_model.model.layers.")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(zoo_path("tiny-qwen2moe") / name, directory / name)
     return directory
+
+
+@contextlib.contextmanager
+def _as_transformers_ships():
+    """transformers' own conversion mappings, without the per-expert merge moequant.register_for_transformers adds
+    (saving reverses it: a family whose checkpoints keep experts fused would be saved one tensor per expert)."""
+    from transformers import conversion_mapping
+
+    from moequant.arch.generic import per_expert_merge
+
+    cache = conversion_mapping._checkpoint_conversion_mapping_cache or {}
+    saved = dict(cache)
+    for key, convs in saved.items():
+        if convs and any(isinstance(c, per_expert_merge()) for c in convs):
+            cache[key] = [c for c in convs if not isinstance(c, per_expert_merge())]
+    try:
+        yield
+    finally:
+        cache.update(saved)
+
+
+def _respell(directory: Path, old: str, new: str) -> None:
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    for shard in directory.glob("*.safetensors"):
+        tensors = {k.replace(old, new, 1) if k.startswith(old) else k: v for k, v in load_file(shard).items()}
+        save_file(tensors, shard, metadata={"format": "pt"})
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {
+            k.replace(old, new, 1) if k.startswith(old) else k: v for k, v in data["weight_map"].items()
+        }
+        index.write_text(json.dumps(data))
 
 
 def support_table() -> str:

@@ -12,6 +12,7 @@ from moequant.arch.base import PROJECTIONS, ROLES, Adapter, Routing, TensorRole 
 from moequant.arch.generic import (
     GenericAdapter,
     decode_special_floats,
+    per_expert_merge,
     standard_experts_families,
     wraps_experts_family,
 )
@@ -123,3 +124,53 @@ def tested_families() -> dict:
     """The families tests/test_families.py passes and the transformers version it ran with (written by
     `python tests/families.py`): what a too-old transformers is told to upgrade to."""
     return json.loads(TESTED_FAMILIES.read_text())
+
+
+_REGISTERED: set[str] = set()  # model types given the per-expert merge in this process
+
+
+def register_for_transformers(config: dict) -> bool:
+    """Teach transformers' from_pretrained to load a moequant export of a family whose own checkpoints keep a
+    layer's experts in one tensor (Gemma-4, GraniteMoE, Qwen3-VL-MoE, Mistral-4 ...): the export stores one
+    tensor per expert, as vLLM loads it, and transformers has no per-expert mapping for these families. The
+    family's own mapping is kept and transformers' per-expert merge (its qwen2_moe rule) added, through its public
+    `register_checkpoint_conversion_mapping`. Returns whether the family needed it (False: nothing done)."""
+    adapter = adapter_for(config)
+    if not getattr(adapter, "experts_fused_on_disk", None):
+        return False
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    model_type = config["model_type"]
+    if model_type in _REGISTERED:
+        return True
+    own = get_checkpoint_conversion_mapping(model_type) or []
+    if adapter.has_gate:
+        merge = [
+            per_expert_merge()(
+                source_patterns=["experts.*.gate_proj.weight", "experts.*.up_proj.weight"],
+                target_patterns="experts.gate_up_proj",
+                operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
+            )
+        ]
+    else:
+        merge = [
+            per_expert_merge()(
+                source_patterns="experts.*.up_proj.weight",
+                target_patterns="experts.up_proj",
+                operations=[MergeModulelist(dim=0)],
+            )
+        ]
+    merge.append(
+        per_expert_merge()(
+            source_patterns="experts.*.down_proj.weight",
+            target_patterns="experts.down_proj",
+            operations=[MergeModulelist(dim=0)],
+        )
+    )
+    _REGISTERED.add(model_type)
+    register_checkpoint_conversion_mapping(model_type, own + merge, overwrite=True)
+    return True

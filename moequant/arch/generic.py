@@ -162,7 +162,7 @@ class _Reverter:
         convs = [
             c
             for c in get_model_conversion_mapping(model, add_legacy=False)
-            if not isinstance(c, (PrefixChange, _per_expert_merge()))
+            if not isinstance(c, (PrefixChange, per_expert_merge()))
         ]
         self.none = not convs  # the family's names on disk are its names in memory
         model._weight_conversions = convs  # (None would make transformers look the mapping up again)
@@ -170,13 +170,18 @@ class _Reverter:
     def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         from transformers.core_model_loading import revert_weight_conversion
 
-        return {key: tensor} if self.none else revert_weight_conversion(self.model, {key: tensor})
+        return {key: tensor} if self.none else self._as_shipped(revert_weight_conversion(self.model, {key: tensor}))
+
+    def _as_shipped(self, reverted: dict) -> dict:
+        """Names as the family's checkpoints spell them where transformers' reversal does not (see AS_SHIPPED)."""
+        fix = AS_SHIPPED.get(self.model.config.model_type)
+        return {re.sub(fix[0], fix[1], n): t for n, t in reverted.items()} if fix else reverted
 
     def together(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Several in-memory tensors reversed at once (those a family stores as one tensor on disk)."""
         from transformers.core_model_loading import revert_weight_conversion
 
-        return dict(tensors) if self.none else revert_weight_conversion(self.model, dict(tensors))
+        return dict(tensors) if self.none else self._as_shipped(revert_weight_conversion(self.model, dict(tensors)))
 
     def renamed_together(self, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
         """{key: {on-disk name: tensor}} for the keys that are only renamed, reversed all at once: a group rename
@@ -188,10 +193,16 @@ class _Reverter:
             return {k: {k: t} for k, t in tensors.items()}
         owner = {id(t): k for k, t in tensors.items()}
         out = {}
-        for name, t in revert_weight_conversion(self.model, dict(tensors)).items():
+        for name, t in self._as_shipped(revert_weight_conversion(self.model, dict(tensors))).items():
             if id(t) in owner and owner[id(t)] not in out:
                 out[owner[id(t)]] = {name: t}
         return out
+
+
+# Where transformers' reverse conversion misspells a family's on-disk names: Kimi-K2.5's mapping renames the vision
+# tower's `blocks` to `layers` with an unanchored pattern, so reversing it also renames the text model's layers,
+# which its checkpoints (and vLLM's loader) spell `language_model.model.layers.N`.
+AS_SHIPPED = {"kimi_k25": (r"^language_model\.model\.blocks\.", "language_model.model.layers.")}
 
 
 def _tag(shape: tuple[int, ...], axis: int) -> torch.Tensor:
@@ -711,62 +722,10 @@ def _prefix_of(model, base) -> str:
     raise UserError(f"{type(model).__name__}'s decoder is not one of its modules.")
 
 
-_REGISTERED: set[str] = set()  # model types given the per-expert merge in this process
-
-
 @functools.cache
-def _per_expert_merge():
+def per_expert_merge():
     """transformers' WeightConverter under a name of ours: the adapter's reversal (_Reverter) leaves these out,
     so the family's own on-disk names stay what it reads."""
     from transformers.core_model_loading import WeightConverter
 
     return type("MoequantPerExpertMerge", (WeightConverter,), {})
-
-
-def register_for_transformers(config: dict) -> bool:
-    """Teach transformers' from_pretrained to load a moequant export of a family whose own checkpoints keep a
-    layer's experts in one tensor (Gemma-4, GraniteMoE, Qwen3-VL-MoE, Mistral-4 ...): the export stores one
-    tensor per expert, as vLLM loads it, and transformers has no per-expert mapping for these families. The
-    family's own mapping is kept and transformers' per-expert merge (its qwen2_moe rule) added, through its public
-    `register_checkpoint_conversion_mapping`. Returns whether the family needed it (False: nothing done)."""
-    from moequant.arch import adapter_for
-
-    adapter = adapter_for(config)
-    if not getattr(adapter, "experts_fused_on_disk", None):
-        return False
-    from transformers.conversion_mapping import (
-        get_checkpoint_conversion_mapping,
-        register_checkpoint_conversion_mapping,
-    )
-    from transformers.core_model_loading import Concatenate, MergeModulelist
-
-    model_type = config["model_type"]
-    if model_type in _REGISTERED:
-        return True
-    own = get_checkpoint_conversion_mapping(model_type) or []
-    if adapter.has_gate:
-        merge = [
-            _per_expert_merge()(
-                source_patterns=["experts.*.gate_proj.weight", "experts.*.up_proj.weight"],
-                target_patterns="experts.gate_up_proj",
-                operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
-            )
-        ]
-    else:
-        merge = [
-            _per_expert_merge()(
-                source_patterns="experts.*.up_proj.weight",
-                target_patterns="experts.up_proj",
-                operations=[MergeModulelist(dim=0)],
-            )
-        ]
-    merge.append(
-        _per_expert_merge()(
-            source_patterns="experts.*.down_proj.weight",
-            target_patterns="experts.down_proj",
-            operations=[MergeModulelist(dim=0)],
-        )
-    )
-    _REGISTERED.add(model_type)
-    register_checkpoint_conversion_mapping(model_type, own + merge, overwrite=True)
-    return True

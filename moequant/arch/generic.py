@@ -448,14 +448,19 @@ class GenericAdapter(Adapter):
             return TensorRole("norm", L)
         linear = isinstance(module, torch.nn.Linear) and leaf in ("weight", "bias")
         proj = _proj_of(rest)
-        if L in self.block_path and rest.startswith(self.block_path[L] + "."):
-            inside = rest[len(self.block_path[L]) + 1 :]
-            if _SHARED.search(inside.split(".")[0]):
+        block = self.block_path.get(L)
+        # experts right in the decoder layer (Gemma-4): the layer is the block, and only its router and shared
+        # experts are the MoE's own; its dense MLP and attention beside them are what they are
+        inside = rest if block == "" else rest[len(block) + 1 :] if block and rest.startswith(block + ".") else None
+        if inside is not None:
+            head = inside.split(".")[0]
+            if _SHARED.search(head):
                 if t.dim() == 2 and t.shape[0] == 1:
                     return TensorRole("shared_expert_gate", L)
                 return TensorRole("shared_expert", L, None, proj) if linear else TensorRole("other", L)
-            return TensorRole("router", L)  # the block's own parameters: the router's (and its bias)
-        if L not in self.block_path and linear and proj is not None:
+            if block or head in ("gate", "router"):
+                return TensorRole("router", L)  # the block's own parameters: the router's (and its bias)
+        if (not block) and linear and proj is not None:
             return TensorRole("dense_mlp", L, None, proj)
         if linear:
             return TensorRole("attention", L)

@@ -5,8 +5,10 @@ symmetric: what vLLM's CPU MoE kernel takes). vLLM's greedy tokens and log-proba
 moequant.load() of the same checkpoint (teacher forcing, tests/support/verify_vllm.py's tolerances).
 
 - Served, the int4 export and the bf16 model, both agreeing: Hunyuan-MoE (hunyuan_v1_moe), Qwen3.5-MoE
-  (qwen3_5_moe, its image-text checkpoint: vLLM runs the language model only) and Qwen3-Next (qwen3_next), these
-  two with gated-delta-net heads of 128 and two layers (BUILD below says why).
+  (qwen3_5_moe, its image-text checkpoint: vLLM runs the language model only), Qwen3-Next (qwen3_next), these
+  two with gated-delta-net heads of 128 and two layers (BUILD below says why), and GraniteMoE (granitemoe, whose
+  checkpoints fuse a layer's experts on disk: the export's one tensor per expert is what vLLM's loader takes).
+  Scored against the bf16 model instead, vLLM's int4 output fails the same check: it tells the two apart.
 - GLM-4.5 ... 4.7 (glm4_moe) and ERNIE-4.5-MoE: vLLM runs the bf16 model and agrees with transformers, but
   refuses the quantized export with its own sentence ("No WNA16 MoE backend supports the deployment
   configuration"): its CPU int4 MoE kernels take plain softmax top-k routing only, not these families'
@@ -14,9 +16,8 @@ moequant.load() of the same checkpoint (teacher forcing, tests/support/verify_vl
 - MiniMax-M2 (minimax_m2): vLLM's CPU build runs neither. Its int4 export gets the same refusal; its bf16 model
   stops at an assertion in vLLM's CPU router (`assert self.scoring_func == "softmax"`: sigmoid scores with a
   correction bias are taken only for grouped routing, and MiniMax-M2 routes ungrouped).
-The test asserts each refusal, so it says when a vLLM release serves them.
-- Not tried here: the families whose experts are fused on disk (gemma4, granitemoe, qwen3_vl_moe, mistral4,
-  kimi_k25).
+  The test asserts each refusal, so it says when a vLLM release serves them.
+- Not tried here yet: Gemma-4, Qwen3-VL-MoE, Mistral-4, Kimi-K2.5.
 Like tests/test_vllm.py this RUNS in CI (it builds the cached vLLM venv when missing) and fails loudly when vLLM
 cannot run.
 """
@@ -31,7 +32,7 @@ from test_export_models import quantize_experts
 
 from moequant.export.write import export_checkpoint
 
-SERVED = ("hunyuan_v1_moe", "qwen3_5_moe", "qwen3_next")
+SERVED = ("hunyuan_v1_moe", "qwen3_5_moe", "qwen3_next", "granitemoe")
 WNA16 = "No WNA16 MoE backend supports"
 BF16_ONLY = ("glm4_moe", "ernie4_5_moe")  # vLLM's CPU int4 MoE kernels refuse their routing
 # families vLLM's CPU build runs in neither form: {family: (its failure on the bf16 model, on the int4 export)}
@@ -59,6 +60,10 @@ BUILD = {
     "minimax_m2": {"rope_parameters": {"rope_theta": 5e6, "rope_type": "default", "partial_rotary_factor": 0.5}},
     "qwen3_5_moe": GDN,
     "qwen3_next": GDN,
+    # GraniteMoE scales attention scores by attention_multiplier, not 1/sqrt(head_dim): Granite-3.0's MoE checkpoints
+    # set it to 1/head_dim (0.015625 for 64-wide heads); the class default 1.0 left the tiny model's attention so
+    # sharp that bf16 rounding alone went past the tolerance (measured: median 0.16 nats on the bf16 model)
+    "granitemoe": {"attention_multiplier": 1 / 32},
 }
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -113,6 +118,11 @@ def test_vllm_cpu_serves_the_generic_families_exports(exports):
     for c, why in refusals.items():
         out = outs[str(c.resolve())]
         assert isinstance(out, str) and why in out, f"{c.parent.name} {c.name}: {str(out)[:300]}"
+    # the check tells the int4 export from the model it came from: vLLM's int4 sequences fail it against the bf16 model
+    for family in SERVED:
+        source, quantized = exports[family]
+        other = compare_with_moequant(source, PROMPTS, outs[str(quantized.resolve())])
+        assert not other.ok, f"{family}: vLLM's int4 output agrees with the bf16 model too: {other.summary()}"
     # what vLLM served is the export: its int4 experts differ from the bf16 model's
     from moequant.io.loader import load
 

@@ -17,7 +17,9 @@ moequant.load() of the same checkpoint (teacher forcing, tests/support/verify_vl
   stops at an assertion in vLLM's CPU router (`assert self.scoring_func == "softmax"`: sigmoid scores with a
   correction bias are taken only for grouped routing, and MiniMax-M2 routes ungrouped).
   The test asserts each refusal, so it says when a vLLM release serves them.
-- Not tried here yet: Gemma-4, Qwen3-VL-MoE, Mistral-4, Kimi-K2.5.
+- Not run here yet: Qwen3-VL-MoE, Mistral-4, Kimi-K2.5 (untried) and Gemma-4: vLLM's Gemma-4 class (gemma4_mm)
+  builds a vision tower from vision_config, which the tiny model from the config class's defaults lacks ("'NoneType'
+  object has no attribute 'hidden_size'"), and its image processor module imports torchvision as Qwen3.5's does.
 Like tests/test_vllm.py this RUNS in CI (it builds the cached vLLM venv when missing) and fails loudly when vLLM
 cannot run.
 """

@@ -561,7 +561,8 @@ def _logits(runner, b: int, hidden: torch.Tensor) -> torch.Tensor:
     """The causal LM's head on batch b's last decoder layer output (the decoder's final norm, then lm_head)."""
     head = runner.model.get_output_embeddings()
     # the skeleton keeps its final norm (and a tied head) on the host, an untied head on the device
-    return head(runner.finish(b, hidden).to(head.weight.device))
+    # (a decoder's own head, as DeepSeek-V4's and Hunyuan-V4's hyper-connection head, may end in another dtype)
+    return head(runner.finish(b, hidden).to(head.weight.device, head.weight.dtype))
 
 
 def _real_head(runner, adapter) -> None:

@@ -364,6 +364,8 @@ def write_report(report: dict, output_dir) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "md": out / "report.md", "html": out / "report.html"}
     data = ReportFile.model_validate(report).model_dump(by_alias=True)  # a report it refuses is a bug
+    if data.get("prune") is None:  # only a run that pruned has the key
+        data.pop("prune", None)
     atomic_write_text(paths["json"], json.dumps(data, indent=2) + "\n")
     return {"json": paths["json"], **write_views(report, out)}
 

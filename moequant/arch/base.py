@@ -323,9 +323,11 @@ class Adapter:
         gate, up = torch.matmul(x, experts.gate_up_proj[ids].transpose(-1, -2)).chunk(2, dim=-1)
         return experts.act_fn(gate) * up
 
-    def read_tensor(self, checkpoint, memory_key: str, device=None) -> torch.Tensor:
-        """The in-memory tensor `memory_key` (outside the routed experts) read from the checkpoint."""
-        return checkpoint.get(self.disk_name(memory_key), device)
+    def read_tensor(self, checkpoint, memory_key: str, device=None, tensors=None) -> torch.Tensor:
+        """The in-memory tensor `memory_key` (outside the routed experts) read from the checkpoint, or taken from
+        `tensors` (on-disk name -> replacement)."""
+        name = self.disk_name(memory_key)
+        return tensors[name] if tensors and name in tensors else checkpoint.get(name, device)
 
     def layer_state_dict(
         self, checkpoint, layer: int, keys, dtype=torch.float32, experts=None, tensors=None, device=None

@@ -482,35 +482,33 @@ class GenericAdapter(Adapter):
                     return axis
         raise UserError(f"this {self.model_type} model stores {key} as {len(disk)} tensors moequant cannot join.")
 
-    def read_tensor(self, checkpoint, memory_key: str, device=None) -> torch.Tensor:
+    def read_tensor(self, checkpoint, memory_key: str, device=None, tensors=None) -> torch.Tensor:
+        """As the base class, for parameters stored as several tensors (joined) or as rows of one (split) too;
+        `tensors` replaces on-disk tensors by name."""
+        tensors = tensors or {}
+
+        def get(name):
+            return tensors[name] if name in tensors else checkpoint.get(name, device)
+
         split = self._split.get(memory_key)
         if split is not None:
             name, rows = split
-            return checkpoint.get(name, device)[torch.tensor(rows, device=device)]
+            t = get(name)
+            return t[torch.tensor(rows, device=t.device)]
         if memory_key in self._joined:
             axis, names = self._joined[memory_key]
-            return torch.cat([checkpoint.get(n, device) for n in names], axis)
-        return super().read_tensor(checkpoint, memory_key, device)
+            return torch.cat([get(n) for n in names], axis)
+        return get(self.disk_name(memory_key))
 
     def layer_state_dict(self, checkpoint, layer, keys, dtype=torch.float32, experts=None, tensors=None, device=None):
-        split = {k for k in keys if f"{self._layers_prefix}{layer}.{k}" in self._split}
-        if split:
-            out = self.layer_state_dict(
-                checkpoint, layer, [k for k in keys if k not in split], dtype, experts, tensors, device
-            )
-            for k in split:
-                t = self.read_tensor(checkpoint, f"{self._layers_prefix}{layer}.{k}", device)
-                out[k] = t.to(dtype) if t.is_floating_point() else t
-            return out
-        joined = {k for k in keys if f"{self._layers_prefix}{layer}.{k}" in self._joined}
+        prefix = f"{self._layers_prefix}{layer}."
+        apart = {k for k in keys if prefix + k in self._split or prefix + k in self._joined}
         out = super().layer_state_dict(
-            checkpoint, layer, [k for k in keys if k not in joined], dtype, experts, tensors, device
+            checkpoint, layer, [k for k in keys if k not in apart], dtype, experts, tensors, device
         )
-        tensors = tensors or {}
-        for k in joined:
-            axis, names = self._joined[f"{self._layers_prefix}{layer}.{k}"]
-            parts = [tensors[n] if n in tensors else checkpoint.get(n, device) for n in names]
-            out[k] = torch.cat([p.to(dtype) if p.is_floating_point() else p for p in parts], axis)
+        for k in apart:
+            t = self.read_tensor(checkpoint, prefix + k, device, tensors)
+            out[k] = t.to(dtype) if t.is_floating_point() else t
         return out
 
     def _add_experts(self, record, key, L, param, tensor) -> None:

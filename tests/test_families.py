@@ -254,6 +254,24 @@ def test_experts_fused_on_disk_are_read_one_expert_at_a_time_as_shipped(tmp_path
         torch.testing.assert_close(load(shipped, torch.float32)(TOKENS).logits, theirs, rtol=1e-5, atol=1e-5)
 
 
+def test_a_fused_experts_tensor_of_the_wrong_shape_is_refused_in_one_sentence(built, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(built("gemma4"), bad)
+    (shard,) = bad.glob("*.safetensors")
+    tensors = load_file(shard)
+    name = next(n for n in tensors if n.endswith("experts.down_proj"))
+    tensors[name] = tensors[name][:, :, :-1].contiguous()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    result = CliRunner().invoke(main, ["inspect", str(bad)])
+    assert result.exit_code == 2, result.output[-2000:]
+    said = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(said) == 1 and name in said[0] and "config.json implies" in said[0], result.output[-2000:]
+
+
 def test_export_of_experts_fused_on_disk_loads_in_transformers_once_registered(built, tmp_path):
     """The export stores one tensor per expert (as vLLM's loaders take these families); transformers has no
     per-expert mapping for Gemma-4, so a fresh process without moequant.register_for_transformers misses the

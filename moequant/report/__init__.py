@@ -79,7 +79,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from moequant.errors import UserError, schema_refusal
 from moequant.plan.memory import memory_account, original_tensor_name
@@ -173,6 +173,13 @@ class ReportFile(_Part):
     timings: dict[str, float]
     ranks: int
     prune: Optional[dict[str, Any]] = None  # what apply's prune stage dropped (report.prune), only when it ran
+
+    @model_serializer(mode="wrap")
+    def _without_absent_prune(self, handler):
+        data = handler(self)
+        if data.get("prune") is None:  # only a run that pruned has the key, so a report reads back as written
+            data.pop("prune", None)
+        return data
 
 
 # ----------------------------------------------------------------------------- per-expert table
@@ -364,8 +371,6 @@ def write_report(report: dict, output_dir) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "md": out / "report.md", "html": out / "report.html"}
     data = ReportFile.model_validate(report).model_dump(by_alias=True)  # a report it refuses is a bug
-    if data.get("prune") is None:  # only a run that pruned has the key
-        data.pop("prune", None)
     atomic_write_text(paths["json"], json.dumps(data, indent=2) + "\n")
     return {"json": paths["json"], **write_views(report, out)}
 

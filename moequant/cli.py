@@ -259,7 +259,6 @@ def calibrate(
 
     Writes OUTPUT/stats (where `plan` and `apply` of the same recipe and output look for them);
     the options below override the recipe's calibration keys."""
-    import dataclasses
     from pathlib import Path
 
     from moequant.io.checkpoint import open_checkpoint
@@ -279,12 +278,10 @@ def calibrate(
         check_recipe(recipe, source)
     keys = tuple(f.strip() for f in formats.split(",") if f.strip()) if formats else sensitivity_formats(recipe)
     notes = unfit_notes(source, keys)
-    settings = dataclasses.replace(
-        calibration_settings(recipe, device, formats=keys, ckpt=source),
-        batch_size=batch_size,
-        hessians=not no_hessians,
-        save_hessians=save_hessians,
-        allow_fewer=allow_fewer,
+    settings = calibration_settings(recipe, device, formats=keys, ckpt=source).model_copy(
+        update=dict(
+            batch_size=batch_size, hessians=not no_hessians, save_hessians=save_hessians, allow_fewer=allow_fewer
+        )
     )
     if imatrix and not str(imatrix).endswith(".gguf"):  # refused before the calibration work
         raise UserError(f"--imatrix {imatrix} must end in .gguf (llama.cpp's GGUF imatrix format).")
@@ -297,7 +294,7 @@ def calibrate(
     adapter = source.adapter
     num_experts = adapter.num_experts
     check_memory(recipe, adapter, device)  # a layer that cannot fit the GPU budget, before any weight is read
-    settings = dataclasses.replace(settings, device=parallel.start(num_experts, device))  # joins torchrun's job
+    settings = settings.model_copy(update={"device": parallel.start(num_experts, device)})  # joins torchrun's job
     with contextlib.ExitStack() as held:  # the run directory, as apply / plan hold it
         parallel.shared(lambda: held.enter_context(output_lock(recipe.output, "calibrate")), "the run directory's lock")
         for note in notes if not helper else ():  # once the directory is ours (a refused run says only why)

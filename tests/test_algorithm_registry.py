@@ -128,4 +128,4 @@ def test_library_settings_default_to_the_recipe_s():
         and from_recipe.algorithm_options["gptq"].grid == "minmax"
     )
     assert from_recipe.fingerprint_fields()["gptq"] == ["minmax", True]
-    assert "gptq" not in plain_settings().fingerprint_fields()
+    assert plain_settings().fingerprint_fields()["gptq"] == ["minmax", False]  # every choice is named

@@ -238,6 +238,32 @@ def test_caller_given_samples_are_reused_when_identical_and_refused_when_not(tin
     assert {p: p.stat().st_mtime_ns for p in out.glob("*") if p.is_file()} != files
 
 
+def test_statistics_of_an_earlier_fingerprint_version_are_made_again_once(tiny_dirs, tmp_path, capsys):
+    """Statistics whose fingerprint has no version (moequant before FINGERPRINT_VERSION, which wrote fields
+    only away from their first defaults) cannot be compared with this run's settings: a rerun calibrates
+    again, says so in one line, and reuses the new statistics after that. Another model's stay refused."""
+    from moequant.measure.settings import FINGERPRINT_VERSION
+
+    d = str(tiny_dirs["mixtral"])
+    out = tmp_path / "stats"
+    calibrate(d, out, settings(), samples=make_samples(), progress=False)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["fingerprint"]["version"] == FINGERPRINT_VERSION
+    old = {k: v for k, v in summary["fingerprint"].items() if k not in ("version", "gptq", "gpu_math")}
+    (out / "summary.json").write_text(json.dumps({**summary, "fingerprint": old}))
+    with pytest.raises(UserError, match="another model.*--overwrite"):
+        calibrate(str(tiny_dirs["olmoe"]), out, settings(), samples=make_samples(), progress=False)
+    capsys.readouterr()
+    calibrate(d, out, settings(), samples=make_samples(), progress=False)
+    said = capsys.readouterr().out.splitlines()
+    assert (
+        len(said) == 1 and "earlier moequant (fingerprint version 1, now" in said[0] and "calibrating again" in said[0]
+    )
+    assert json.loads((out / "summary.json").read_text()) == summary
+    calibrate(d, out, settings(), samples=make_samples(), progress=False)
+    assert capsys.readouterr().out == ""  # made once: reused from now on
+
+
 def test_sensitivity_is_on_the_grid_the_quantize_pass_rounds_onto(tiny_dirs, tmp_path):
     """sensitivity.<proj>.<format> = tr(ΔW H ΔWᵀ) per expert in float64, ΔW on the recipe's GPTQ grid for integer
     group formats (searched: weighted by diag(H), symmetric scale signs chosen) and on the min/max rule for int8

@@ -306,6 +306,8 @@ def test_only_a_per_projection_budget_asks_calibration_to_probe_each_projection(
     assert gguf.probe_projections and gguf.fingerprint_fields()["probe_projections"] is True
     vllm = settings_for("vllm", "int4")
     assert (
-        vllm.probe_samples == 4 and not vllm.probe_projections and "probe_projections" not in vllm.fingerprint_fields()
+        vllm.probe_samples == 4
+        and not vllm.probe_projections
+        and vllm.fingerprint_fields()["probe_projections"] is False
     )
     assert not settings_for("llama.cpp", "q4_k", method="uniform").probe_projections  # no budget: no probe at all

@@ -207,7 +207,6 @@ def test_all_tokens_statistics_only_for_experts_that_fall_back_give_the_same_pas
     """The pass pushes every token through an expert only where it has fewer than min_tokens routed tokens (the
     others never read their all-tokens Hessian): codes, scales and report equal those of every expert's
     all-tokens statistics, on a threshold that sends some experts to their own Hessian and some to the fallback."""
-    import dataclasses
     from pathlib import Path
 
     from support.plain import plain_settings
@@ -224,7 +223,7 @@ def test_all_tokens_statistics_only_for_experts_that_fall_back_give_the_same_pas
     settings = plain_settings(samples=N, seq_len=SEQ, batch_size=BS)
     _, first = quantize.quantize_model(str(d), plan, settings, tmp_path / "counts", samples=samples, progress=False)
     counts = sorted(n for rep in first.values() for n in rep.get("routed_tokens", []))
-    settings = dataclasses.replace(settings, min_tokens=counts[len(counts) // 2])  # the median: both kinds
+    settings = settings.model_copy(update={"min_tokens": counts[len(counts) // 2]})  # the median: both kinds
     asked = []
     real = quantize.LayerCollector
 

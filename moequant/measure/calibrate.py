@@ -20,7 +20,6 @@ written last, so its presence means the statistics are complete.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import shutil
@@ -40,6 +39,7 @@ from moequant.measure.collector import LayerCollector
 from moequant.measure.probe import auto_probe_algorithm, probe_algorithm_for
 from moequant.measure.settings import (  # noqa: F401  (the names library callers import from here)
     DEFAULT_SENSITIVITY_FORMATS,
+    FINGERPRINT_VERSION,
     HESSIAN_WEIGHTINGS,
     MIN_ROUTED_TOKENS,
     CalibrationSettings,
@@ -146,7 +146,7 @@ def _calibrate(ckpt, output, settings: CalibrationSettings, overwrite, tokenizer
     world = parallel.world()  # None: one process; else this rank collects its slice of every layer's experts
     adapter = ckpt.adapter
     adapter.check_shapes(ckpt)
-    settings = dataclasses.replace(settings, probe_algorithm=_probe_algorithm(settings, adapter))
+    settings = settings.model_copy(update={"probe_algorithm": _probe_algorithm(settings, adapter)})
     output = Path(output)
     fingerprint = {"model": model_fingerprint(ckpt), **settings.fingerprint_fields()}
     fingerprint["formats"] = list(fingerprint["formats"])
@@ -380,13 +380,18 @@ def _reusable_or_cleared(output: Path, fingerprint: dict, overwrite: bool) -> bo
 
     summary_path = output / "summary.json"
     if summary_path.exists():
-        old = json.loads(summary_path.read_text())
-        if old.get("fingerprint") == fingerprint:
+        made = json.loads(summary_path.read_text()).get("fingerprint", {})
+        if made == fingerprint:
             return True
-        if not overwrite:
-            what = (
-                "another model" if old.get("fingerprint", {}).get("model") != fingerprint["model"] else "other settings"
+        version = made.get("version", 1)
+        if version != FINGERPRINT_VERSION and made.get("model") == fingerprint["model"]:
+            # an earlier moequant's statistics of this model: their settings cannot be compared, so made again once
+            print(
+                f"calibration: {output} holds statistics of an earlier moequant (fingerprint version {version}, now "
+                f"{FINGERPRINT_VERSION}); calibrating again"
             )
+        elif not overwrite:
+            what = "another model" if made.get("model") != fingerprint["model"] else "other settings"
             raise UserError(
                 f"{output} already holds calibration statistics of {what}; pass --overwrite to replace them, "
                 "or choose another --output."

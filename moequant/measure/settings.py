@@ -1,19 +1,19 @@
 """Calibration's settings: the recipe's `calibration:` section (its one definition) and the settings a
-calibration run and the quantize pass read, whose defaults are that section's and the recipe's `gptq:`.
+calibration run and the quantize pass read (CalibrationSettings: that section, extended by the recipe's
+`seed` and `gptq:` and what apply derives from the recipe and the command).
 
 `moequant.plan.measurements.calibration_settings` builds the settings from a recipe; a library caller that
-passes no recipe gets the recipe schema's defaults. The fields a recipe does not hold (device, batch
-size, the formats measured, what the probe measures: derived from the recipe by apply) have their own.
+passes no recipe gets the recipe schema's defaults.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from moequant.algorithms.registry import PLAIN_GPTQ, GptqOptions
+from moequant.algorithms.registry import GptqOptions
+from moequant.errors import UserError, schema_refusal
 
 DEFAULT_SENSITIVITY_FORMATS = ("fp8-channel", "int8-channel", "int4-g128-sym", "mxfp4", "int3-g128-sym", "int2-g64-sym")
 MIN_ROUTED_TOKENS = 64  # below this an expert's own Hessian is too noisy: use the all-experts one
@@ -53,39 +53,41 @@ class Calibration(BaseModel):
     hessian_weighting: Literal[HESSIAN_WEIGHTINGS] = "routing"
 
 
-_RECIPE = Calibration()
+# Which set of fields fingerprint_fields writes; raise it when a field is added or changes meaning. Statistics of
+# another version are made again once (calibrate says so) instead of being refused as other settings.
+# 1 (unnumbered): fields added after the first were written only away from their first defaults.
+FINGERPRINT_VERSION = 2
 
 
-@dataclass
-class CalibrationSettings:
-    dataset: str = _RECIPE.dataset
-    samples: int = _RECIPE.samples
-    seq_len: int = _RECIPE.seq_len
+class CalibrationSettings(Calibration):
+    """A calibration run's and the quantize pass's settings: the recipe's `calibration:` section (inherited, so
+    its fields and defaults are defined once), the recipe's `seed` and `gptq:`, and what apply derives from the
+    recipe and the command (device, batch size, the formats measured, what the probe measures)."""
+
     seed: int = 0  # the recipe's `seed`
+    # any registered algorithm the probe runs (probe.probe_algorithm_for checks), not only the recipe's rtn / gptq
+    probe_algorithm: str = "auto"
     batch_size: int = 8
-    all_experts: bool = _RECIPE.all_experts
     hessians: bool = True
     formats: tuple[str, ...] = DEFAULT_SENSITIVITY_FORMATS
     min_tokens: int = MIN_ROUTED_TOKENS
     allow_fewer: bool = False
     device: str = "cpu"
-    # per-layer KL probe on this many samples (probe.py), held out when calibrate loads the data; 0: none
-    probe_samples: int = _RECIPE.probe_samples
-    # how the probe quantizes its layer: a registered algorithm it runs (probe.probe_algorithm_for), or
-    # auto: the probe format's family default algorithm as the probe measures it (apply resolves auto
-    # with the recipe's `algorithms:` before calibration)
-    probe_algorithm: str = _RECIPE.probe_algorithm
-    compute_dtype: str = _RECIPE.compute_dtype  # the layers' forward: auto | float32 | bfloat16
     save_hessians: bool = False  # also write the full [E, d, d] Hessians into stats/ (inspection; large)
-    hessian_weighting: str = _RECIPE.hessian_weighting  # each routed token's weight in its expert's Hessian
     # how GPTQ rounds in the probe and the quantize pass: the recipe's `gptq:` section
-    gptq: GptqOptions = field(default_factory=GptqOptions)
+    gptq: GptqOptions = GptqOptions()
     # formats of the per-tensor probe (probe.run_tensor_probe: KL of each non-expert weight alone in
     # each), measured when a recipe lets the budget choose non-expert formats; (): none
     tensor_formats: tuple[str, ...] = ()
     # the KL probe also measures each projection alone (probe.py), for plans that choose a format
     # per (layer, projection): llama.cpp's
     probe_projections: bool = False
+
+    def __init__(self, **fields):
+        try:
+            super().__init__(**fields)
+        except ValidationError as error:  # a library caller's bad value: one sentence, as a recipe's is
+            raise UserError(f"calibration settings: {schema_refusal(error.errors()[0])}") from None
 
     @property
     def gptq_grid(self) -> str:
@@ -101,6 +103,10 @@ class CalibrationSettings:
         return {"gptq": self.gptq}
 
     def fingerprint_fields(self) -> dict:
+        """Everything here that decides the statistics and the codes, with FINGERPRINT_VERSION; the GPU-math
+        switches set away from their defaults (moequant.algorithms.gpu_math) too, as they change GPTQ's codes."""
+        from moequant.algorithms.gpu_math import gpu_math_switches
+
         fields = {
             k: getattr(self, k)
             for k in (
@@ -117,24 +123,14 @@ class CalibrationSettings:
                 "probe_algorithm",
                 "compute_dtype",
                 "save_hessians",
+                "hessian_weighting",
+                "probe_projections",
             )
         }
-        # Fields added since the first fingerprint are written only away from what that fingerprint implied, so
-        # statistics made before each was added keep their fingerprint: token weighting and GPTQ as published
-        # (the first defaults; the recipe's defaults now add these fields)
-        if self.hessian_weighting != "tokens":
-            fields["hessian_weighting"] = self.hessian_weighting
-        if self.gptq != PLAIN_GPTQ:  # likewise
-            fields["gptq"] = [self.gptq.grid, self.gptq.refit]
-        if self.gptq.grid == "searched":  # the first statistics held min/max sensitivities
-            fields["sensitivity_grid"] = "searched"
-        if self.tensor_formats:  # likewise
-            fields["tensor_formats"] = list(self.tensor_formats)
-        if self.probe_projections:  # likewise
-            fields["probe_projections"] = True
-        from moequant.algorithms.gpu_math import gpu_math_switches
-
-        switches = gpu_math_switches()
-        if switches:  # GPU math set away from its defaults by environment variables changes GPTQ's codes
-            fields["gpu_math"] = switches
-        return fields
+        return {
+            "version": FINGERPRINT_VERSION,
+            **fields,
+            "gptq": [self.gptq.grid, self.gptq.refit],
+            "tensor_formats": list(self.tensor_formats),
+            "gpu_math": gpu_math_switches(),
+        }

@@ -1,11 +1,13 @@
 """How much each routed expert matters to the calibration workload: the signal for dropping experts (issue 58).
 
-Three per-expert scores, higher = keep, read from one layer's statistics (stats.py):
+Four per-expert scores, higher = keep, read from one layer's statistics (stats.py):
 - `frequency`: the expert's real top-k hits (`routing.count`);
 - `weight`: the sum of the router weights it received (`routing.weight_sum`);
 - `reap`: REAP's criterion (arXiv 2510.13999), the mean over the tokens routed to the expert of its router
   weight times the L2 norm of its output, g_e(x) * ||f_e(x)||, kept as `saliency.reap`. An expert no token
-  chose scores 0.
+  chose scores 0;
+- `kl`: the measured KL of dropping the expert alone on held-out calibration windows (moequant.measure.drop_probe),
+  which `apply`'s prune stage adds as `saliency.drop_kl`: the loss the budget solver weighs drop by.
 
 The calibration collector computes the output norms where it already has each expert's down-projection
 input for its routed tokens (`accumulate_reap`), so the extra work is one matmul per routed token and expert.
@@ -15,9 +17,10 @@ from __future__ import annotations
 
 import torch
 
-CRITERIA = ("reap", "frequency", "weight")
+CRITERIA = ("reap", "frequency", "weight", "kl")
 REAP_SUM = "saliency.reap_sum"  # the collector's running sum of g * ||f||, per local expert
 REAP = "saliency.reap"
+DROP_KL = "saliency.drop_kl"  # not in the statistics files: the prune stage adds it from drop_probe.json
 
 
 def accumulate_reap(sums: torch.Tensor, adapter, experts, hidden: torch.Tensor, ids, gates, local, mask=None) -> None:
@@ -50,4 +53,6 @@ def saliency(tensors: dict[str, torch.Tensor], criterion: str) -> torch.Tensor:
         return tensors["routing.weight_sum"].double()
     if criterion == "reap":
         return tensors[REAP].double()
+    if criterion == "kl":
+        return tensors[DROP_KL].double()
     raise ValueError(f"saliency criterion {criterion!r} is not one of {', '.join(CRITERIA)}")

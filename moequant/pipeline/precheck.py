@@ -55,7 +55,15 @@ def check_recipe(recipe, ckpt, run=None) -> list[str]:
     from moequant.targets import get_target
 
     adapter = ckpt.adapter
-    if recipe.experts.prune is not None:  # a count the model cannot drop (moequant.plan.prune), first
+    if recipe.experts.prune is not None and recipe.experts.prune.by == "budget":  # a budget no count can meet
+        from moequant.plan.drop import drop_budget, drop_layouts
+        from moequant.plan.recipe import Budget
+
+        drop_budget(recipe, ckpt, None, None, drop_layouts(adapter), shapes_only=True)
+        # the rest of the shape checks without the byte limit, which dropping may meet where formats alone cannot
+        experts = recipe.experts.model_copy(update={"prune": None, "budget": Budget(bits_per_weight=64)})
+        recipe = recipe.model_copy(update={"experts": experts})
+    elif recipe.experts.prune is not None:  # a count the model cannot drop (moequant.plan.prune), first
         from moequant.plan.prune import prune_layout
 
         prune_layout(recipe.experts.prune, adapter)

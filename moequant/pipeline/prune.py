@@ -18,12 +18,15 @@ quantization's against the smaller model (prune.json holds the pruning's against
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from moequant.io.checkpoint import atomic_write_text, model_dtype, open_checkpoint
+from moequant.measure.saliency import DROP_KL
 
 PRUNE_SCHEMA = "moequant.prune_stage/1"
 
@@ -37,15 +40,41 @@ def prune_stage(run, settings):
     from moequant.plan.prune import choose_drops, prune_layout, routing_mass
 
     prune = run.recipe.experts.prune
-    layout = prune_layout(prune, run.adapter)
     directory = run.directory / "prune"
-    light = dataclasses.replace(
-        settings, hessians=False, formats=(), probe_samples=0, tensor_formats=(), save_hessians=False
-    )
-    calibrate(run.source, directory / "stats", light, overwrite=run.overwrite, progress=run.progress)
+    by_budget = prune.by == "budget"
+    criterion = "kl" if by_budget else prune.saliency
+    if by_budget:  # the whole calibration of the source: the budget weighs dropping against its formats
+        calibrate(run.source, directory / "stats", settings, overwrite=run.overwrite, progress=run.progress)
+    else:
+        light = _replaced(settings, hessians=False, formats=(), probe_samples=0, tensor_formats=(), save_hessians=False)
+        calibrate(run.source, directory / "stats", light, overwrite=run.overwrite, progress=run.progress)
     stats = load_stats(directory / "stats", with_hessians=False)
-    tensors = {L: s.tensors for L, s in stats.layers.items()}
-    drops = choose_drops(tensors, layout, prune.saliency)
+    tensors = {L: dict(s.tensors) for L, s in stats.layers.items()}
+    if criterion == "kl":
+        drop_kl = _drop_probe(run, settings, directory)
+        for L in tensors:
+            tensors[L][DROP_KL] = torch.tensor(drop_kl[L], dtype=torch.float64)
+    choice = None
+    if by_budget:
+        from moequant.plan.drop import drop_budget, drop_layouts, pruned_recipe
+
+        drop_kl = {L: np.asarray(v) for L, v in drop_kl.items()}
+        choice = drop_budget(run.recipe, run.source, stats, drop_kl, drop_layouts(run.adapter))
+        rest = pruned_recipe(run.recipe, choice.layout)
+        atomic_write_text(directory / "budget.json", json.dumps(_budget_record(choice), indent=1) + "\n")
+        if choice.layout is None:
+            (directory / "prune.json").unlink(missing_ok=True)  # an earlier run's: this run's report has no prune
+            run.log("prune: the budget drops no expert (quantizing costs less than dropping at these bytes)")
+            return dataclasses.replace(run, recipe=rest, plan=None)
+        layout = choice.layout
+        run = dataclasses.replace(run, recipe=rest)
+        run.log(
+            f"prune: the budget drops {layout.count} of {layout.experts} experts per MoE layer (drop KL "
+            f"{choice.drop_loss:.4g}, formats' predicted KL {choice.quant_loss:.4g})"
+        )
+    else:
+        layout = prune_layout(prune, run.adapter)
+    drops = choice.drops if choice is not None else choose_drops(tensors, layout, criterion)
     model_dir = directory / "model"
     source_id = model_fingerprint(run.source)
     record_path = model_dir / PRUNE_FILE
@@ -64,7 +93,8 @@ def prune_stage(run, settings):
     cost = pruning_cost(run.source, small, e.dataset, e.samples, e.seq_len, run.recipe.seed, device=run.device)
     record = {
         "schema": PRUNE_SCHEMA,
-        "saliency": prune.saliency,
+        "saliency": criterion,
+        "by": prune.by or "count",
         "experts": layout.experts,
         "kept": layout.kept,
         "mode": layout.mode,
@@ -75,11 +105,52 @@ def prune_stage(run, settings):
     atomic_write_text(directory / "prune.json", json.dumps(record, indent=1) + "\n")
     worst = max(mass.values())
     run.log(
-        f"pruned {layout.count} of {layout.experts} experts per MoE layer ({prune.saliency}): up to "
+        f"pruned {layout.count} of {layout.experts} experts per MoE layer ({criterion}): up to "
         f"{worst:.1%} of a layer's calibration routing, {saved / 1e6:.1f} MB saved, KL {cost['kl_mean']:.4g} "
         f"against the source on {e.dataset}"
     )
     return dataclasses.replace(run, source=small, plan=None)
+
+
+def _replaced(settings, **changes):
+    """`settings` with `changes` (CalibrationSettings: a dataclass, or a pydantic model since the settings refactor)."""
+    if hasattr(settings, "model_copy"):
+        return settings.model_copy(update=changes)
+    return dataclasses.replace(settings, **changes)
+
+
+def _drop_probe(run, settings, directory) -> dict[int, list[float]]:
+    """{MoE layer: KL of dropping each expert} on the calibration data's held-out probe windows (the quantization
+    probe's), measured once and kept in OUTPUT/prune/drop_probe.json while the source and the windows are the same."""
+    from moequant.measure.calibrate import model_fingerprint
+    from moequant.measure.data import load_samples_with_holdout
+    from moequant.measure.drop_probe import run_drop_probe
+
+    n = settings.probe_samples or 32
+    _, held_out = load_samples_with_holdout(
+        settings.dataset, run.source.tokenizer, settings.samples, n, settings.seq_len, split="calibration",
+        seed=settings.seed, allow_fewer=settings.allow_fewer,
+    )  # fmt: skip
+    ids = torch.stack([w.input_ids for w in held_out])
+    key = {"source": model_fingerprint(run.source), "windows": hashlib.sha256(ids.numpy().tobytes()).hexdigest()}
+    path = directory / "drop_probe.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    if old.get("key") != key:
+        probe = run_drop_probe(run.source, run.adapter, ids, settings.batch_size, run.device)
+        atomic_write_text(path, json.dumps({**probe, "key": key}) + "\n")
+        old = {**probe, "key": key}
+    return {int(L): v for L, v in old["layers"].items()}
+
+
+def _budget_record(choice) -> dict:
+    """budget.json: what the budget chose and what each count it tried cost."""
+    return {
+        "count": 0 if choice.layout is None else choice.layout.count,
+        "drop_loss": choice.drop_loss,
+        "quant_loss": choice.quant_loss,
+        "routed_bytes": choice.routed_bytes,
+        "counts": choice.counts,
+    }
 
 
 def _expert_bytes(ckpt, adapter, layer: int, experts: list[int]) -> int:

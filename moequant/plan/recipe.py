@@ -24,7 +24,8 @@ experts:
     - {layers: "0-3", format: int8}
     - {format: int4}
   usage_floor: 0.05           # see moequant.plan.context: usage weight of never-routed experts
-  prune: {experts: 2, saliency: reap}   # or {fraction: 0.25}: drop that many experts of every MoE layer (plan.prune)
+  prune: {experts: 2, saliency: reap}   # or {fraction: 0.25}: drop that many experts of every MoE layer (plan.prune);
+                                        # or {by: budget}: the budget chooses how many (plan.drop)
 algorithms: {int4: gptq, mxfp4: gptq, int8: rtn, fp8: rtn}
 formats: {int4: {group_size: 128, symmetric: true}, fp8: {block: [128, 128]}}
 export: {format: compressed-tensors}    # | gptq | awq | fp8-block | gpt-oss-mxfp4
@@ -205,16 +206,22 @@ class Rule(Strict):
 
 class Prune(Strict):
     """Experts dropped from every MoE layer (moequant.plan.prune): a count or a fraction of each layer's, the
-    lowest by `saliency` (moequant.measure.saliency) in each layer."""
+    lowest by `saliency` (moequant.measure.saliency) in each layer; or `by: budget`, the count chosen by the
+    budget solver with drop as one more precision (moequant.plan.drop: the measured KL of dropping, saliency kl)."""
 
     experts: Optional[int] = Field(None, gt=0)
     fraction: Optional[float] = Field(None, gt=0, lt=1)
+    by: Optional[Literal["budget"]] = None
     saliency: Literal[SALIENCY_CRITERIA] = "reap"
 
     @model_validator(mode="after")
     def one_kind(self):
-        if (self.experts is None) == (self.fraction is None):
-            raise ValueError("give exactly one of experts (a count per layer) or fraction, e.g. {experts: 2}")
+        if sum(x is not None for x in (self.experts, self.fraction, self.by)) != 1:
+            raise ValueError(
+                "give exactly one of experts (a count per layer), fraction or by: budget, e.g. {experts: 2}"
+            )
+        if self.by == "budget" and "saliency" in self.model_fields_set and self.saliency != "kl":
+            raise ValueError("by: budget weighs the measured KL of dropping each expert: saliency kl (or none)")
         return self
 
 
@@ -244,6 +251,8 @@ class Experts(Strict):
             raise ValueError("method uniform needs experts.format, e.g. int4")
         if self.method == "rules" and not self.rules:
             raise ValueError("method rules needs a non-empty experts.rules list")
+        if self.prune is not None and self.prune.by == "budget" and self.method != "budget":
+            raise ValueError("prune by: budget needs experts.method budget (the budget chooses the count)")
         return self
 
 
@@ -539,6 +548,8 @@ def recipe_to_dict(recipe: Recipe) -> dict:
     data = recipe.model_dump(mode="json")
     if data["experts"].get("prune") is None:
         del data["experts"]["prune"]
+    elif data["experts"]["prune"]["by"] is None:  # a count or fraction: the dict it was before `by` existed
+        del data["experts"]["prune"]["by"]
     return data
 
 

@@ -260,6 +260,13 @@ def test_apply_with_the_budget_choosing_drop_exports_a_model_transformers_reload
         kl = probe["layers"][L]
         assert len(layer["dropped"]) == count
         assert sorted(layer["dropped"]) == sorted(sorted(range(8), key=lambda e: (kl[e], -e))[:count])
+    assert record["budget"] == chosen and record["by"] == "budget" and record["saliency"] == "kl"
+    md = (out / "report.md").read_text()
+    assert f"## Experts dropped ({count} of 8 per MoE layer, by kl)" in md
+    fits = next(c for c in chosen["counts"] if c["count"] == count)
+    total = fits["drop_loss"] + fits["quant_loss"]
+    assert f"| {count} | {fits['drop_loss']:.4g} | {fits['quant_loss']:.4g} | {total:.4g} |" in md
+    assert "| 1 |  |  | over the budget |" in md
     plan = json.loads((out / "plan.json").read_text())
     source = open_checkpoint("zoo:tiny-qwen3moe")
     routed_numel = sum(

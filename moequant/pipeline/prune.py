@@ -102,6 +102,8 @@ def prune_stage(run, settings):
         "bytes_saved": saved,
         "quality": cost,
     }
+    if choice is not None:
+        record["budget"] = _budget_record(choice)
     atomic_write_text(directory / "prune.json", json.dumps(record, indent=1) + "\n")
     worst = max(mass.values())
     run.log(

@@ -4,7 +4,8 @@ OUTPUT/prune/prune.json (moequant.pipeline.prune) becomes report.json's `prune` 
 nothing) and one table of report.md / report.html: per MoE layer the experts dropped, their share of the
 calibration workload's routing and the bytes saved; then the price of pruning alone, KL and top-1 of the smaller
 model against the original per evaluation domain (the report's quality section is the quantization's, against
-the smaller model).
+the smaller model). A run whose budget chose the count (`prune: {by: budget}`) also shows what every count it
+tried would have cost.
 """
 
 from __future__ import annotations
@@ -32,6 +33,26 @@ def prune_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     ]
     title = f"Experts dropped ({p['experts'] - p['kept']} of {p['experts']} per MoE layer, by {p['saliency']})"
     tables = [(title, ["layer", "experts dropped", "their routing share", "saved"], layers)]
+    budget = p.get("budget")
+    if budget:  # by: budget: what each count it could drop would have cost (moequant.plan.drop)
+        rows = [
+            [
+                str(c["count"]),
+                f"{c['drop_loss']:.4g}",
+                f"{c['quant_loss']:.4g}",
+                f"{c['drop_loss'] + c['quant_loss']:.4g}",
+            ]
+            if c["fits"]
+            else [str(c["count"]), "", "", "over the budget"]
+            for c in budget["counts"]
+        ]
+        tables.append(
+            (
+                "The budget's choice of how many experts to drop (predicted KL per count tried)",
+                ["dropped per layer", "drop KL (measured, summed)", "formats' KL (predicted)", "total"],
+                rows,
+            )
+        )
     q = p.get("quality")
     if q:
         rows = [["all", f"{q['kl_mean']:.4g}", f"{q['kl_p99']:.4g}", f"{q['top1']:.3f}"]]

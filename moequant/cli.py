@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
+
+# Before torch loads OpenMP: its idle worker threads sleep instead of spinning. On a CPU shared with other work
+# a spinning thread holds the core the thread it waits for needs: on this 2-core machine at load 10 a layer
+# forward took 13x and a ggml quantization 200x as long as with one thread (benchmarks/RESULTS.md, bench_gguf).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import click
 

@@ -81,11 +81,15 @@ from pathlib import Path
 import torch
 
 from moequant.measure.stats import PROBE_SCHEMA, TENSOR_PROBE_SCHEMA, chosen_hessian, layer_file
-from moequant.metrics import LOGIT_CHUNK_ELEMENTS, token_statistics
+from moequant.metrics import token_statistics
 
 DEFAULT_USAGE_FLOOR = 0.05  # the recipe's default experts.usage_floor
 PROJECTIONS = ("gate", "up", "down")
 MAX_STREAM_BYTES = 2 * 2**30
+# logits per block of the probes' KL: 2 MiB float64 temporaries stay in the allocator's heap and the CPU's
+# cache; token_statistics' 128 MiB blocks were fresh mappings (page faults: a fifth of the per-tensor probe's
+# time was system time) streamed through memory by every elementwise pass (the KL's CPU time -35% on tiny-qwen2moe)
+KL_BLOCK_ELEMENTS = 1 << 18
 
 
 def probe_indices(num_samples: int, probe_samples: int) -> list[int]:
@@ -192,7 +196,7 @@ def _kl_sums(runner, head, reference: list[torch.Tensor], streams: dict, advance
                 key: runner.finish(b, stream[b]).reshape(-1, h_ref.shape[-1]) for key, stream in streams.items()
             }
         vocab = head(rows[:1]).shape[-1]
-        step = max(1, LOGIT_CHUNK_ELEMENTS // vocab)  # float64 temporaries of token_statistics' size
+        step = max(1, KL_BLOCK_ELEMENTS // vocab)
         for s in range(0, rows.shape[0], step):
             z_ref = head(rows[s : s + step])
             p = torch.softmax(z_ref.double(), dim=-1)
@@ -503,6 +507,21 @@ def _forward(runner, module, layer: int, hidden: list[torch.Tensor]) -> list[tor
 TENSOR_ROLES = ("attention", "shared_expert", "dense_mlp", "lm_head")
 
 
+def _layer_with(runner, layer: int, state: dict, keys: dict, name: str, value: torch.Tensor) -> dict:
+    """The entries of decoder layer `layer`'s state dict that differ from `state` once on-disk tensor `name` is
+    `value`; which entries one tensor reaches (one, or a slice of a joined parameter) is found on its first call
+    and kept in `keys`."""
+    device = runner.device if runner.device.type == "cuda" else None
+    if name not in keys:
+        whole = runner.read_layer(layer, tensors={name: value})
+        keys[name] = [k for k, v in whole.items() if not torch.equal(v, state[k])]
+        return {k: whole[k].to(runner.device) for k in keys[name]}
+    new = runner.adapter.layer_state_dict(
+        runner.checkpoint, layer, keys[name], runner.dtype, tensors={name: value}, device=device
+    )
+    return {k: v.to(runner.device) for k, v in new.items()}
+
+
 def probed_tensors(checkpoint, adapter) -> list[str]:
     """The 2-D non-expert weights a per-tensor plan may quantize."""
     return [
@@ -562,16 +581,23 @@ def run_tensor_probe(
         original, streams = runner.embedded, {}
         for L in range(n):
             before = original
-            with runner.materialized(L) as module:
+            state = runner.read_layer(L)
+            with runner.materialized(L, state=dict(state)) as module:
                 original = _forward(runner, module, L, original)
                 bar.advance()
                 for u in streams:
                     streams[u] = _forward(runner, module, L, streams[u])
                     bar.advance()
-            for u in (u for u in chunk if u[2] == L):
-                with runner.materialized(L, tensors={u[0]: dequantized(u[0], u[1])}) as module:
+                keys: dict[str, list[str]] = {}  # tensor -> the layer's in-memory keys it changes
+                for u in (u for u in chunk if u[2] == L):
+                    # the layer stays materialised: only what the quantized tensor changes is swapped in and
+                    # back (reading and loading the whole layer per probed format was a tenth of the probe)
+                    changed = _layer_with(runner, L, state, keys, u[0], dequantized(u[0], u[1]))
+                    module.load_state_dict(changed, strict=False, assign=True)
                     streams[u] = _forward(runner, module, L, before)
-                bar.advance()
+                    module.load_state_dict({k: state[k] for k in changed}, strict=False, assign=True)
+                    bar.advance()
+            del state
         for (name, key, _), kl in _kl_sums(runner, head, original, streams, bar.advance).items():
             result.setdefault(name, {})[key] = kl / tokens
     if heads:  # lm_head: the final hidden states, logits through the quantized copy

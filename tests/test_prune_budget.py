@@ -33,7 +33,7 @@ def test_drop_probe_matches_transformers_float64_with_the_expert_never_routed(tm
     from transformers import AutoModelForCausalLM
 
     from moequant.io.checkpoint import open_checkpoint
-    from moequant.measure.drop_probe import run_drop_probe
+    from moequant.measure.drop_probe import run_drop_probe, run_drop_sets
 
     directory = build_tiny(model_type, tmp_path / "model", seed=5, dtype=torch.float32)
     ckpt = open_checkpoint(directory)
@@ -56,6 +56,19 @@ def test_drop_probe_matches_transformers_float64_with_the_expert_never_routed(tm
     # dropping changed the output (random tiny weights: KL ~1e-6, 1e4 above the tolerance) but where the random
     # tokens never chose the expert
     assert checked >= 0.75 * len(adapter.moe_layers) * adapter.num_experts
+    # several experts of every layer at once (what a count the budget weighs drops): one stream per set
+    layers = adapter.moe_layers
+    sets = {1: {L: [L % adapter.num_experts] for L in layers}, 2: {L: [0, 1] if L % 2 else [2, 3] for L in layers}}
+    joint = run_drop_sets(ckpt, adapter, ids, sets, batch_size=2)
+    for key, drops in sets.items():
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            for L in layers:
+                stack.enter_context(_restored_bias(model, adapter, L))
+            stack.enter_context(routers_never_choosing(model, adapter, drops))
+            expected = float(_kl64(full, model(input_ids=ids).logits).mean())
+        assert joint[key] == pytest.approx(expected, rel=2e-3, abs=1e-11) and expected > 1e-7
+    single = sum(got["layers"][str(L)][L % adapter.num_experts] for L in layers)
+    assert joint[1] != pytest.approx(single, rel=1e-3)  # the layers' drops do not simply add
 
 
 @contextlib.contextmanager
@@ -143,6 +156,18 @@ def test_budget_drops_where_dropping_is_measurably_cheaper_than_lowering_bits(ch
         kl[(L + 1) % E] = no_drop_loss * (1e-3 if cheap else 2.0)
         drop_kl[L] = kl
     choice = drop_budget(_budget_recipe(0.8 * INT4_BITS), tensors, stats, drop_kl, _layouts(_adapter()))
+    # the drops measured all at once cost more than the whole no-drop plan: the budget keeps every expert
+    asked = []
+    measured = drop_budget(
+        _budget_recipe(0.8 * INT4_BITS),
+        tensors,
+        stats,
+        drop_kl,
+        _layouts(_adapter()),
+        measure=lambda sets: asked.append(sets) or {c: 2 * no_drop_loss for c in sets},
+    )
+    assert measured.layout is None and measured.quant_loss == pytest.approx(no_drop_loss, rel=1e-9)
+    assert list(asked[0]) == [1, 2] and asked[0][1] == {L: [(L + 1) % E] for L in range(LAYERS)}
     if not cheap:
         assert choice.layout is None and choice.drop_loss == 0
         assert choice.quant_loss == pytest.approx(no_drop_loss, rel=1e-9)

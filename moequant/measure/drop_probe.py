@@ -30,32 +30,32 @@ MASKED = -1e30  # finite: sums and differences of masked scores stay finite (no 
 
 
 class _MaskedRouter(TorchFunctionMode):
-    """Every F.linear through the router's weight returns column `expert` at MASKED; `hits` counts them."""
+    """Every F.linear through the router's weight returns the columns of `experts` at MASKED; `hits` counts them."""
 
-    def __init__(self, weight: torch.Tensor, expert: int):
+    def __init__(self, weight: torch.Tensor, experts: list[int]):
         super().__init__()
-        self.weight, self.expert, self.hits = weight, expert, 0
+        self.weight, self.experts, self.hits = weight, list(experts), 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is torch.nn.functional.linear and len(args) > 1 and args[1] is self.weight:
             out = out.clone()
-            out[..., self.expert] = MASKED
+            out[..., self.experts] = MASKED
             self.hits += 1
         return out
 
 
 @contextlib.contextmanager
-def dropped(adapter, module, layer: int, expert: int):
-    """Decoder layer `module` (materialised) routing as if `expert` were not there."""
+def dropped(adapter, module, layer: int, experts: list[int]):
+    """Decoder layer `module` (materialised) routing as if `experts` were not there."""
     router = adapter.router_module(adapter.block_in_layer(module, layer))
     bias = getattr(router, "e_score_correction_bias", None)
     saved = None
     if isinstance(bias, torch.Tensor):  # DeepSeek-V3: the score that chooses is sigmoid + bias
         saved = bias.detach().clone()
         with torch.no_grad():
-            bias[expert] = MASKED
-    mode = _MaskedRouter(router.weight, expert)
+            bias[list(experts)] = MASKED
+    mode = _MaskedRouter(router.weight, experts)
     try:
         with mode:
             yield
@@ -98,7 +98,7 @@ def run_drop_probe(
                 for u in streams:
                     streams[u] = _forward(runner, module, L, streams[u])
                 for u in (u for u in chunk if u[0] == L):
-                    with dropped(adapter, module, L, u[1]):
+                    with dropped(adapter, module, L, [u[1]]):
                         streams[u] = _forward(runner, module, L, before)
         kl.update({u: total / tokens for u, total in _kl_sums(runner, head, original, streams).items()})
     return {
@@ -107,3 +107,21 @@ def run_drop_probe(
         "tokens": tokens,
         "layers": {str(L): [kl[(L, e)] for e in range(adapter.num_experts)] for L in adapter.moe_layers},
     }
+
+
+def run_drop_sets(checkpoint, adapter, input_ids: torch.Tensor, sets: dict, batch_size: int = 8, device="cpu") -> dict:
+    """{key: KL(original || the model with sets[key] = {layer: experts} all dropped at once)} on `input_ids`: what
+    each count the budget weighs really costs (one stream per set, from the embeddings)."""
+    from moequant.io.layers import LayerRunner
+
+    runner = LayerRunner(checkpoint, adapter, input_ids, batch_size=batch_size, device=device)
+    head = _head(runner, checkpoint)
+    original, streams = runner.embedded, dict.fromkeys(sets, runner.embedded)
+    for L in range(adapter.num_layers):
+        with runner.materialized(L) as module:
+            original = _forward(runner, module, L, original)
+            for key, drops in sets.items():
+                with dropped(adapter, module, L, drops[L]) if drops.get(L) else contextlib.nullcontext():
+                    streams[key] = _forward(runner, module, L, streams[key])
+    tokens = int(input_ids.numel())
+    return {key: total / tokens for key, total in _kl_sums(runner, head, original, streams).items()}

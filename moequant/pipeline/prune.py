@@ -59,7 +59,8 @@ def prune_stage(run, settings):
         from moequant.plan.drop import drop_budget, drop_layouts, pruned_recipe
 
         drop_kl = {L: np.asarray(v) for L, v in drop_kl.items()}
-        choice = drop_budget(run.recipe, run.source, stats, drop_kl, drop_layouts(run.adapter))
+        measure = lambda sets: _drop_sets(run, settings, sets)  # noqa: E731  (the KL of each count's drops at once)
+        choice = drop_budget(run.recipe, run.source, stats, drop_kl, drop_layouts(run.adapter), measure=measure)
         rest = pruned_recipe(run.recipe, choice.layout)
         atomic_write_text(directory / "budget.json", json.dumps(_budget_record(choice), indent=1) + "\n")
         if choice.layout is None:
@@ -121,19 +122,32 @@ def _replaced(settings, **changes):
     return dataclasses.replace(settings, **changes)
 
 
+def _probe_windows(run, settings) -> torch.Tensor:
+    """The calibration data's held-out probe windows (those the quantization probe measures on)."""
+    from moequant.measure.data import load_samples_with_holdout
+
+    _, held_out = load_samples_with_holdout(
+        settings.dataset, run.source.tokenizer, settings.samples, settings.probe_samples or 32, settings.seq_len,
+        split="calibration", seed=settings.seed, allow_fewer=settings.allow_fewer,
+    )  # fmt: skip
+    return torch.stack([w.input_ids for w in held_out])
+
+
+def _drop_sets(run, settings, sets: dict) -> dict:
+    """{count: KL of the source with that count's drops all at once} on the probe windows."""
+    from moequant.measure.drop_probe import run_drop_sets
+
+    ids = _probe_windows(run, settings)
+    return run_drop_sets(run.source, run.adapter, ids, sets, settings.batch_size, run.device)
+
+
 def _drop_probe(run, settings, directory) -> dict[int, list[float]]:
     """{MoE layer: KL of dropping each expert} on the calibration data's held-out probe windows (the quantization
     probe's), measured once and kept in OUTPUT/prune/drop_probe.json while the source and the windows are the same."""
     from moequant.measure.calibrate import model_fingerprint
-    from moequant.measure.data import load_samples_with_holdout
     from moequant.measure.drop_probe import run_drop_probe
 
-    n = settings.probe_samples or 32
-    _, held_out = load_samples_with_holdout(
-        settings.dataset, run.source.tokenizer, settings.samples, n, settings.seq_len, split="calibration",
-        seed=settings.seed, allow_fewer=settings.allow_fewer,
-    )  # fmt: skip
-    ids = torch.stack([w.input_ids for w in held_out])
+    ids = _probe_windows(run, settings)
     key = {"source": model_fingerprint(run.source), "windows": hashlib.sha256(ids.numpy().tobytes()).hexdigest()}
     path = directory / "drop_probe.json"
     old = json.loads(path.read_text()) if path.exists() else {}
@@ -148,7 +162,7 @@ def _budget_record(choice) -> dict:
     """budget.json: what the budget chose and what each count it tried cost."""
     return {
         "count": 0 if choice.layout is None else choice.layout.count,
-        "drop_loss": choice.drop_loss,
+        "drop_loss": choice.drop_loss,  # measured with the count's drops all at once (plan.drop)
         "quant_loss": choice.quant_loss,
         "routed_bytes": choice.routed_bytes,
         "counts": choice.counts,

@@ -410,3 +410,31 @@ def test_probe_kl_equals_float64_log_softmax_kl_with_masked_logits():
         streams = [h + scale * torch.randn(h.shape, generator=g) for h in ref]
         got = _kl_sums(Runner(), head, ref, {"s": streams})["s"]
         assert math.isfinite(got) and got == pytest.approx(sum(map(kl64, ref, streams)), rel=1e-6)
+
+
+def test_probe_kl_reports_progress_within_a_batch_not_only_at_its_end(monkeypatch):
+    """The KL of many streams goes block by block of positions (each block for every stream); its progress steps
+    (one per stream and batch) are spread over the blocks as they finish, so a batch whose blocks take tens of
+    seconds on a CPU shows progress during it, and every step is still taken once."""
+    from moequant.measure import probe
+
+    class Runner:
+        def finish(self, b, h):
+            return h
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(32, 8, generator=g)
+    calls = []
+
+    def head(h):
+        calls.append("head")
+        return h @ W.T
+
+    monkeypatch.setattr(probe, "KL_BLOCK_ELEMENTS", 4 * 32)  # 4 positions per block: 10 blocks of 40 positions
+    ref = [torch.randn(2, 20, 8, generator=g)]
+    streams = {i: [ref[0] + 0.1 * torch.randn(ref[0].shape, generator=g)] for i in range(5)}
+    got = probe._kl_sums(Runner(), head, ref, streams, lambda: calls.append("step"))
+    assert calls.count("step") == len(streams)  # one per stream and batch
+    first, last = calls.index("step"), len(calls) - 1 - calls[::-1].index("head")
+    assert first < last / 2  # the first step comes in the first half of the batch's work, not at its end
+    assert got.keys() == streams.keys() and all(v > 0 for v in got.values())

@@ -81,12 +81,12 @@ from pathlib import Path
 import torch
 
 from moequant.measure.stats import PROBE_SCHEMA, TENSOR_PROBE_SCHEMA, chosen_hessian, layer_file
-from moequant.metrics import token_statistics
+from moequant.metrics import LOGIT_CHUNK_ELEMENTS, token_statistics
 
 DEFAULT_USAGE_FLOOR = 0.05  # the recipe's default experts.usage_floor
 PROJECTIONS = ("gate", "up", "down")
 MAX_STREAM_BYTES = 2 * 2**30
-# logits per block of the probes' KL: 2 MiB float64 temporaries stay in the allocator's heap and the CPU's
+# logits per block of the probes' KL on a CPU: 2 MiB float64 temporaries stay in the allocator's heap and the CPU's
 # cache; token_statistics' 128 MiB blocks were fresh mappings (page faults: a fifth of the per-tensor probe's
 # time was system time) streamed through memory by every elementwise pass (the KL's CPU time -35% on tiny-qwen2moe)
 KL_BLOCK_ELEMENTS = 1 << 18
@@ -187,7 +187,8 @@ def _kl_sums(runner, head, reference: list[torch.Tensor], streams: dict, advance
     logits once (per block): the per-tensor probe compares
     hundreds of streams with one reference, and recomputing the reference (and the top-1 agreement
     token_statistics also returns) for each took 96% of its time on a CPU (py-spy, gguf.yaml on tiny-qwen2moe).
-    `advance`: called once per stream and batch (a progress bar's step)."""
+    `advance`: called once per stream and batch (a progress bar's step), spread over the batch's blocks as they
+    finish (a batch's blocks of hundreds of streams take tens of seconds on a CPU)."""
     totals = dict.fromkeys(streams, 0.0)
     for b, h_ref in enumerate(reference):
         with torch.no_grad():  # what the decoder does before the head, once per batch of each stream
@@ -195,9 +196,11 @@ def _kl_sums(runner, head, reference: list[torch.Tensor], streams: dict, advance
             finished = {
                 key: runner.finish(b, stream[b]).reshape(-1, h_ref.shape[-1]) for key, stream in streams.items()
             }
-        vocab = head(rows[:1]).shape[-1]
-        step = max(1, KL_BLOCK_ELEMENTS // vocab)
-        for s in range(0, rows.shape[0], step):
+        z_one = head(rows[:1])
+        # a GPU keeps token_statistics' large blocks (few kernel launches); a CPU small ones (its caches)
+        step = max(1, (LOGIT_CHUNK_ELEMENTS if z_one.device.type == "cuda" else KL_BLOCK_ELEMENTS) // z_one.shape[-1])
+        blocks, advanced = -(-rows.shape[0] // step), 0
+        for j, s in enumerate(range(0, rows.shape[0], step)):
             z_ref = head(rows[s : s + step])
             p = torch.softmax(z_ref.double(), dim=-1)
             # tokens the original gives probability 0 (masked logits, -inf) add nothing, not NaN
@@ -212,10 +215,11 @@ def _kl_sums(runner, head, reference: list[torch.Tensor], streams: dict, advance
                     d = torch.where(live, d, 0.0)
                 mean = torch.bmm(p[:, None, :], d[:, :, None]).reshape(-1)
                 kl = torch.bmm(p[:, None, :], d.exp_()[:, :, None]).reshape(-1).log_() - mean
-                totals[key] += float(kl.clamp_min(0).sum())
-                if advance is not None and s + step >= rows.shape[0]:  # this stream's batch is done
-                    advance()
-    return totals
+                totals[key] += kl.clamp_min(0).sum()  # a tensor: no wait for the device per block
+            while advance is not None and advanced < len(streams) * (j + 1) // blocks:
+                advance()
+                advanced += 1
+    return {key: float(total) for key, total in totals.items()}
 
 
 def probe_algorithm_for(name: str, hessians: bool = True) -> str:

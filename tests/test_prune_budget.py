@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from test_policy import EXPERT_BYTES, FORMAT_PARAMS, expert_loss, make_stats, model_tensors, recipe
-from test_prune import routers_never_choosing
+from test_prune import _refused, routers_never_choosing
 from tiny import build_tiny
 
 from moequant.errors import UserError
@@ -222,6 +222,20 @@ def test_a_budget_no_count_can_meet_is_one_sentence():
     with pytest.raises(UserError):  # the same refusal from shapes alone, before any calibration
         drop_budget(_budget_recipe(1.0), tensors, None, None, _layouts(_adapter()), shapes_only=True)
     assert drop_budget(_budget_recipe(1.8), tensors, None, None, _layouts(_adapter()), shapes_only=True) is None
+
+
+def test_apply_refuses_a_budget_no_count_can_meet_before_calibration(tmp_path):
+    from click.testing import CliRunner
+
+    from moequant.cli import main
+
+    out = tmp_path / "run"
+    args = ["apply", "--recipe", "selective", "--model", "zoo:tiny-qwen3moe", "--output", str(out)]
+    sets = ["experts.prune={by: budget}", "experts.budget={bits_per_weight: 2}", "experts.formats=[int8, int4]"]
+    line = _refused(CliRunner().invoke(main, [*args, *[a for s_ in sets for a in ("--set", s_)]]))
+    # 4 of tiny-qwen3moe's 8 experts may go (top-4 left), the rest int4 at 4.5 bits: 2.25 bits per routed weight
+    assert "experts.budget.bits_per_weight 2.0 is below the smallest feasible plan" in line, line
+    assert "accepted: bits_per_weight >= 2.2500" in line and not out.exists()
 
 
 def test_a_budget_that_may_drop_needs_the_kl_probe():

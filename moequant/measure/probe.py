@@ -207,14 +207,14 @@ def _kl_sums(runner, head, reference: list[torch.Tensor], streams: dict, advance
             live = None if bool(torch.isfinite(z_ref).all()) else p > 0
             for key, rows_q in finished.items():
                 # KL(p || q) = log sum_v p_v exp(d_v) - sum_v p_v d_v, d = z_q - z_ref (the logits' change): one
-                # exp and one float64 temporary per logit and stream, the sums over the vocabulary as matrix
-                # products (a log-softmax per stream, the difference of log-probabilities and elementwise sums
-                # took most of the per-tensor probe's CPU time)
+                # exp and one float64 temporary per logit and stream, the sums over the vocabulary as dot products
+                # (a log-softmax per stream, the difference of log-probabilities and elementwise sums took most of
+                # the per-tensor probe's CPU time)
                 d = (head(rows_q[s : s + step]).to(z_ref.device) - z_ref).double()
                 if live is not None:
                     d = torch.where(live, d, 0.0)
-                mean = torch.bmm(p[:, None, :], d[:, :, None]).reshape(-1)
-                kl = torch.bmm(p[:, None, :], d.exp_()[:, :, None]).reshape(-1).log_() - mean
+                mean = torch.linalg.vecdot(p, d)  # row-wise dot products: a third faster than bmm on a CPU
+                kl = torch.linalg.vecdot(p, d.exp_()).log_() - mean
                 totals[key] += kl.clamp_min(0).sum()  # a tensor: no wait for the device per block
             while advance is not None and advanced < len(streams) * (j + 1) // blocks:
                 advance()

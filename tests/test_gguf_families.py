@@ -23,16 +23,19 @@ from moequant import formats
 from moequant.arch import adapter_for
 from moequant.export.write import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
-from moequant.layouts.gguf_graphs import ARCHS, REFUSED, gguf_targets
+from moequant.layouts.gguf_graphs import ARCHS, GRAPHS, REFUSED, ROW_ORDER, gguf_targets
 
 HEAD_SCALE: dict[str, float] = {"granitemoe": 32 * 6, "granitemoeshared": 32 * 6}  # Granite divides by logits_scaling
-# families whose quantized check quantizes the last MoE layer only. Qwen3-Next with every layer's experts quantized:
-# llama.cpp vs our dequantization 3e-3 of KL (measured; its F32 file matches to 3e-7, the last layer alone to 8e-5);
-# the likely cause, not isolated: llama.cpp's 8-bit activations in each quantized matmul, through the recurrent layers
-# Qwen3-VL-MoE likewise: 1.3e-3 with its four MoE layers quantized, 1.0e-5 with the last one (its F32 file: 1.5e-6);
-# Kimi-K2.5 1.7e-3 with its three (F32: 8e-7): a random sigmoid router has near ties that llama.cpp's 8-bit activations
-# in the quantized layers before it flip (tests/families.py's GGUF_OVERRIDES give GLM-4.7-Flash one MoE layer for it)
-LAST_LAYER_ONLY = ("qwen3_next", "qwen3_vl_moe", "kimi_k25")
+# Qwen3-Next's quantized check quantizes the last MoE layer only: with every layer's experts quantized llama.cpp vs our
+# dequantization is 3e-3 of KL (measured; its F32 file matches to 3e-7, the last layer alone to 8e-5), with routers
+# at 8x or 32x alike; the likely cause, not isolated: llama.cpp's 8-bit activations in each quantized matmul, through
+# the recurrent layers
+LAST_LAYER_ONLY = ("qwen3_next",)
+# routers whose random scores keep near ties at 8x, which llama.cpp's 8-bit activations in the quantized layers
+# before them flip (measured with every MoE layer quantized, llama.cpp vs ours: Qwen3-VL-MoE 1.3e-3 at 8x, 7.4e-5 at
+# 32x; Kimi-K2.5's sigmoid router 1.7e-3 at 8x, 8.1e-4 at 32x; tests/families.py's GGUF_OVERRIDES give GLM-4.7-Flash
+# one MoE layer for it)
+ROUTER_SCALE = {"qwen3_vl_moe": 32, "kimi_k25": 32}
 TYPES = ("q4_0", "q5_1", "q4_1", "q5_0", "q8_0")  # 32-blocks: rows of 128 hold them
 # config values the families' defaults leave at a no-op, set here so that llama.cpp must read them: Granite-3.1-MoE's
 # multipliers (the defaults are all 1.0) and GraniteMoeShared's shared expert (the default width is 0: none)
@@ -55,7 +58,7 @@ def llama():
 
 
 def decisive_family(model_type: str, directory, monkeypatch, seed: int = 0):
-    """build_family's model with the lm_head (tied: the final norm) at 32x and the routers at 8x, uneven norms and biases: logits far from
+    """build_family's model with the lm_head (tied: the final norm) at 32x and the routers at 8x (ROUTER_SCALE), uneven norms and biases: logits far from
     uniform and routing far from ties, so a KL between two forwards means something (tests/tiny.py's rule)."""
     from safetensors.torch import load_file, save_file
 
@@ -81,7 +84,7 @@ def decisive_family(model_type: str, directory, monkeypatch, seed: int = 0):
             if name == "lm_head.weight":
                 x = x * HEAD_SCALE.get(model_type, 32)
             elif role == "router" and t.dim() == 2:
-                x = x * 8
+                x = x * ROUTER_SCALE.get(model_type, 8)
             elif t.dim() == 1 and name.endswith("bias"):
                 x = torch.randn(t.shape, generator=g) * 0.1
             elif t.dim() == 1 and "norm" in name:
@@ -93,8 +96,8 @@ def decisive_family(model_type: str, directory, monkeypatch, seed: int = 0):
     return source
 
 
-def _quantized(source, model_type):
-    """Routed experts in one 32-block type per (layer, projection), shared experts in q4_0, with the dequantized
+def _quantized(source, model_type, reordered=False):
+    """Routed experts in one 32-block type per (layer, projection), shared experts in q4_0 (and, `reordered`, tensors written in another row order in q8_0), with the dequantized
     weights transformers should run: ({key: QuantizedTensor}, {(layer, proj): [E, out, in]}, {name: [out, in]})."""
     ckpt = open_checkpoint(source)
     ad = adapter_for(ckpt.config)
@@ -111,11 +114,17 @@ def _quantized(source, model_type):
     for name in ckpt.keys():
         targets = gguf_targets(model_type, name)
         role = ad.classify(name)
-        if role.role == "shared_expert" and role.layer in layers and len(ckpt.shape(name)) == 2 and len(targets) == 1:
-            if targets[0][1] is None:
-                q = formats.quantize_ggml(ckpt.get(name).float(), "q4_0")
-                quantized[name] = q
-                others[name] = q.dequantize()
+        if len(ckpt.shape(name)) != 2 or len(targets) != 1 or role.role == "routed_expert":
+            continue
+        if role.role == "shared_expert" and role.layer in layers and targets[0][1] is None:
+            key = "q4_0"
+        elif reordered and targets[0][1] in ROW_ORDER:  # llama's q / k, Qwen3.5's value heads tiled: packed rows moved
+            key = "q8_0"
+        else:
+            continue
+        q = formats.quantize_ggml(ckpt.get(name).float(), key)
+        quantized[name] = q
+        others[name] = q.dequantize()
     return quantized, experts, others
 
 
@@ -163,7 +172,7 @@ def test_llama_cpp_runs_the_family(model_type, llama, tmp_path, monkeypatch):
     got = {t.name: t.tensor_type.name.lower() for t in gguf.GGUFReader(qdir / "model.gguf").tensors}
     for L, p in experts:
         assert got[f"blk.{L}.ffn_{p}_exps.weight"] == quantized[(L, 0, p)].spec.name
-    assert all(got[t] == "q4_0" for n in others for t, _ in gguf_targets(model_type, n))
+    assert all(got[t] == quantized[n].spec.name for n in others for t, _ in gguf_targets(model_type, n))
 
     base = _logits(_reference(source, {}, {}, tmp_path / "r0"), ids)
     ours = _logits(_reference(source, experts, others, tmp_path / "r1"), ids)
@@ -178,6 +187,36 @@ def test_llama_cpp_runs_the_family(model_type, llama, tmp_path, monkeypatch):
     assert kl_f32 <= 1e-4
     assert kl_same <= 1e-3
     assert kl_quant > 10 * kl_same
+
+
+REORDERED = sorted(mt for mt in FAMILIES if any(fn in ROW_ORDER for _, fn in GRAPHS[mt].transforms))
+
+
+@pytest.mark.parametrize("model_type", REORDERED)
+def test_packed_rows_written_in_another_order_hold_the_same_codes(model_type, tmp_path, monkeypatch):
+    """A tensor llama.cpp's graph takes in another row order (llama-style q / k, Qwen3.5's value heads tiled by key
+    head) is written from its packed q8_0 rows moved, not requantized: gguf-py's dequantization of the file equals
+    the graph's transform of moequant's dequantization, bit for bit. (Through llama.cpp, Qwen3.5's linear attention
+    in q8_0 moves the logits by 1.2e-2 of KL on its own, measured, its 8-bit activations in the recurrent layers: the
+    check above keeps those tensors in F32.)"""
+    from moequant.layouts.gguf_graphs import graph_config
+
+    source = decisive_family(model_type, tmp_path / "src", monkeypatch)
+    quantized, _, others = _quantized(source, model_type, reordered=True)
+    qdir = export_checkpoint(source, quantized, tmp_path / "q", layout="gguf", target="llama.cpp", gguf_float="f32")
+    stored = {t.name: t for t in gguf.GGUFReader(qdir / "model.gguf").tensors}
+    ckpt = open_checkpoint(source)
+    config = graph_config(adapter_for(ckpt.config), ckpt.config)
+    moved = [n for n in others if gguf_targets(model_type, n)[0][1] in ROW_ORDER]
+    assert moved
+    for name in moved:
+        ((target, fn),) = gguf_targets(model_type, name)
+        t = stored[target]
+        assert t.tensor_type.name == "Q8_0"
+        got = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        want = fn(others[name], config)
+        assert torch.equal(got.reshape(want.shape), want), name
+        assert not torch.equal(want, others[name]), name  # the order did move
 
 
 # every family moequant takes that GGUF export does not write: the precheck refuses it before any work

@@ -88,7 +88,45 @@ def _permute_k(t, c):
     return _rope_permute(t, int(c.get("num_key_value_heads") or c["num_attention_heads"]))
 
 
-ROW_ORDER = (_permute_q, _permute_k)  # transforms that only reorder rows: valid on packed ggml rows too
+def _v_heads_tiled(t, c, head_dim: int, start: int = 0):
+    """Qwen3.5's gated-delta-net rows [start:] from grouped by key head (HF: each key head's value heads together)
+    to tiled (llama.cpp's qwen35 / qwen35moe graphs broadcast key heads over value heads by ggml's tiled repeat):
+    [K, V/K, head_dim] -> [V/K, K, head_dim]. A row order, so it holds for packed ggml rows too."""
+    k_heads, v_heads = int(c["linear_num_key_heads"]), int(c["linear_num_value_heads"])
+    v = t[start:]
+    v = v.reshape(k_heads, v_heads // k_heads, head_dim, *v.shape[1:]).transpose(0, 1).reshape(v.shape)
+    return torch.cat([t[:start], v]) if start else v.contiguous()
+
+
+def _qkv_tiled(t, c):  # in_proj_qkv [q | k | v]: the value rows tiled
+    return _v_heads_tiled(
+        t, c, int(c["linear_value_head_dim"]), 2 * int(c["linear_num_key_heads"]) * int(c["linear_key_head_dim"])
+    )
+
+
+def _z_tiled(t, c):  # in_proj_z [V * head_v_dim]
+    return _v_heads_tiled(t, c, int(c["linear_value_head_dim"]))
+
+
+def _heads_tiled(t, c):  # in_proj_a / in_proj_b [V, hidden], dt_bias [V]: one row per value head
+    return _v_heads_tiled(t, c, 1)
+
+
+def _neg_exp_tiled(t, c):  # A_log [V] -> ssm_a
+    return _neg_exp(_heads_tiled(t, c), c)
+
+
+def _conv_tiled(t, c):  # conv1d over [q | k | v] channels: the value channels tiled, then _conv's shape
+    qk = 2 * int(c["linear_num_key_heads"]) * int(c["linear_key_head_dim"])
+    return _conv(_v_heads_tiled(t, c, int(c["linear_value_head_dim"]), qk), c)
+
+
+def _out_tiled(t, c):  # out_proj [hidden, V * head_v_dim]: its input columns tiled (not a row order)
+    return _v_heads_tiled(t.T, c, int(c["linear_value_head_dim"])).T.contiguous()
+
+
+# transforms that only reorder rows: valid on packed ggml rows too
+ROW_ORDER = (_permute_q, _permute_k, _qkv_tiled, _z_tiled, _heads_tiled)
 
 
 def _kv_b(t, c):
@@ -350,6 +388,8 @@ def _hp_qwen3next(w, adapter, c):
     w.add_ssm_time_step_rank(int(c["linear_num_value_heads"]))
     w.add_ssm_inner_size(int(c["linear_value_head_dim"]) * int(c["linear_num_value_heads"]))
     w.add_full_attention_interval(_full_attention_interval(c))
+    if c.get("layer_types"):  # which layers are linear attention, read before the interval (gguf-py 0.19 has no helper)
+        w.add_array(f"{w.arch}.attention.recurrent_layers", [t == "linear_attention" for t in c["layer_types"]])
 
 
 def _full_attention_interval(c) -> int:
@@ -366,6 +406,15 @@ def _refuse_qwen3next(adapter, c):
             f"full_attention_interval-th layer, but this checkpoint's layer_types differ"
         )
     return None
+
+
+def _hp_qwen35moe(w, adapter, c):
+    """Qwen3.5 / 3.6-MoE's text model: Qwen3-Next's keys and interleaved M-RoPE's four sections (the config's,
+    zero-padded, else [11, 11, 10, 0] as llama.cpp's converter writes when a checkpoint omits them; a text token has
+    one position in each, so they do not change its logits)."""
+    _hp_qwen3next(w, adapter, c)
+    sections = _rope(c).get("mrope_section") or [11, 11, 10]
+    w.add_rope_dimension_sections(([int(s) for s in sections] + [0, 0, 0, 0])[:4])
 
 
 def _hp_jamba(w, adapter, c):
@@ -707,6 +756,23 @@ GRAPHS: dict[str, Graph] = {
         ),
         splits=((_L + r"linear_attn\.dt_bias", [("SSM_DT", None)], ".bias"),),
     ),
+    # Qwen3.5 / 3.6-MoE: Qwen3-Next's graph with q / k / v, z, a and b projected apart and the value heads tiled
+    "qwen3_5_moe": Graph(
+        "qwen35moe",
+        _hp_qwen35moe,
+        _refuse_interleaved_dense,  # any layer_types: the graph reads recurrent_layers
+        transforms=(
+            (_L + r"mlp\.shared_expert_gate\.weight", _flat),
+            (_L + r"linear_attn\.in_proj_qkv\.weight", _qkv_tiled),
+            (_L + r"linear_attn\.in_proj_z\.weight", _z_tiled),
+            (_L + r"linear_attn\.in_proj_[ab]\.weight", _heads_tiled),
+            (_L + r"linear_attn\.A_log", _neg_exp_tiled),
+            (_L + r"linear_attn\.conv1d\.weight", _conv_tiled),
+            (_L + r"linear_attn\.out_proj\.weight", _out_tiled),
+            (r".*(?<!linear_attn\.)norm\.weight", _plus_one),
+        ),
+        splits=((_L + r"linear_attn\.dt_bias", [("SSM_DT", _heads_tiled)], ".bias"),),
+    ),
 }
 ARCHS = {mt: g.arch for mt, g in GRAPHS.items()}  # model_type -> llama.cpp architecture
 
@@ -717,13 +783,6 @@ REFUSED: dict[str, str] = {
         "llama.cpp's phimoe graph weights the top-k experts by a renormalised softmax, not by PhiMoE's sparsemixer "
         "(a softmax over the scores near the best one), so it would not compute this checkpoint's logits"
     ),
-    **{
-        mt: (
-            f"its text model (llama.cpp's {arch}) sits inside a multimodal checkpoint, which GGUF export does not "
-            "write yet (llama.cpp takes the vision tower as a separate mmproj file)"
-        )
-        for mt, arch in (("qwen3_5_moe", "qwen35moe"),)
-    },
     **{
         mt: f"llama.cpp's {arch} graph needs {what}, which GGUF export does not write yet"
         for mt, arch, what in (

@@ -1,5 +1,5 @@
 """The streamed evaluation's reads, A/B in one process: one thread reading both models' layers expert after
-expert (`one-thread`, the reader before moequant.evaluate._read_states) against slices of experts on several
+expert (`one-thread`, the reader before moequant.evaluate.compare._read_states) against slices of experts on several
 threads, both models at once (`threads`, the library's reader).
 
 For each layer count, a random-weight model of a real config (bench_e2e.py's, reused when bench_e2e
@@ -47,7 +47,8 @@ def main() -> None:
 
     import torch
 
-    import moequant.evaluate as evaluation
+    import moequant.evaluate.compare as evaluation
+    from moequant.evaluate import evaluate_checkpoints
     from moequant.pipeline.apply import apply
 
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
@@ -77,7 +78,7 @@ def main() -> None:
             for mode, reader in (("one-thread", one_thread), ("threads", library)):
                 evaluation._read_states = reader
                 t0 = time.perf_counter()
-                q = evaluation.evaluate_checkpoints(
+                q = evaluate_checkpoints(
                     out / "checkpoint",
                     model,
                     samples=a.eval_samples,

@@ -450,10 +450,9 @@ def _close(a, b, path="", rel=1e-5):
 def test_streamed_evaluation_equals_the_whole_model_evaluation(zoo, tmp_path, monkeypatch):
     """evaluate_streaming (two checkpoints, one decoder layer of each in memory) gives evaluate()'s
     numbers on the two loaded models: every metric, per layer, per expert and per domain."""
-    from moequant import evaluate as evaluation
     from moequant import formats
     from moequant.arch import adapter_for
-    from moequant.evaluate import evaluate_streaming
+    from moequant.evaluate import capture, compare, evaluate_streaming
     from moequant.export.write import export_checkpoint
     from moequant.io.checkpoint import load_tokenizer, open_checkpoint
     from moequant.io.layers import LayerRunner
@@ -479,20 +478,20 @@ def test_streamed_evaluation_equals_the_whole_model_evaluation(zoo, tmp_path, mo
     _close(whole, streamed)
     # the per-expert errors as a GPU computes them (all pairs through the experts' grouped kernel), forced on
     # the CPU: the same sums in another order of float32 additions, which a small y_q - y_ref magnifies (~1e-5)
-    calls, errors_grouped = [], evaluation._errors_grouped
+    calls, errors_grouped = [], capture._errors_grouped
 
     def counted(*args):
         calls.append(args)
         return errors_grouped(*args)
 
-    monkeypatch.setattr(evaluation, "_errors_grouped", counted)
+    monkeypatch.setattr(capture, "_errors_grouped", counted)
     grouped = evaluate_streaming(src.directory, out, windows, batch_size=2, dtype=torch.float32, grouped=True)
     assert calls  # the grouped path ran
     _close({**whole, "experts": None}, {**grouped, "experts": None})
     _close(whole["experts"], grouped["experts"], ".experts", rel=2e-4)
     # the next layer read (and, on a GPU, decoded) on a thread while this one computes, forced on the CPU: the
     # same numbers to the bit (the states are the ones materialized would read itself)
-    read_ahead, threads = evaluation._layers_read_ahead, set()
+    read_ahead, threads = compare._layers_read_ahead, set()
 
     def forced(runs, adapter, ahead=None):
         for L, states in read_ahead(runs, adapter, ahead=True):
@@ -506,7 +505,7 @@ def test_streamed_evaluation_equals_the_whole_model_evaluation(zoo, tmp_path, mo
         threads.add(threading.current_thread().name)
         return real_read(self, layer, *args, **kwargs)
 
-    monkeypatch.setattr(evaluation, "_layers_read_ahead", forced)
+    monkeypatch.setattr(compare, "_layers_read_ahead", forced)
     monkeypatch.setattr(LayerRunner, "read_layer", on_which_thread)
     ahead = evaluate_streaming(src.directory, out, windows, batch_size=2, dtype=torch.float32, grouped=False)
     assert any(name.startswith("moequant-eval-read") for name in threads)

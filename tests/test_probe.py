@@ -438,32 +438,3 @@ def test_probe_kl_reports_progress_within_a_batch_not_only_at_its_end(monkeypatc
     first, last = calls.index("step"), len(calls) - 1 - calls[::-1].index("head")
     assert first < last / 2  # the first step comes in the first half of the batch's work, not at its end
     assert got.keys() == streams.keys() and all(v > 0 for v in got.values())
-
-
-@pytest.mark.parametrize("model_type", ["qwen2_moe", "mixtral"])
-def test_streams_through_a_layer_together_equal_one_batch_at_a_time(tiny_dirs, monkeypatch, model_type):
-    """The probes run the batches of several streams through a layer in one call where every batch gives the layer
-    the same other inputs, broadcast over the samples: each stream's output equals its batches run one at a
-    time, every stream advances the bar once; a per-sample input (here a mask of the batch's size) runs them
-    one batch at a time."""
-    from moequant.io.checkpoint import open_checkpoint
-    from moequant.io.layers import LayerRunner
-    from moequant.measure import probe
-
-    ckpt = open_checkpoint(tiny_dirs[model_type])
-    runner = LayerRunner(ckpt, ckpt.adapter, torch.stack([s.input_ids for s in make_samples(n=5)]), batch_size=BS)
-    g = torch.Generator().manual_seed(3)
-    streams = [[h + 0.01 * torch.randn(h.shape, generator=g) for h in runner.embedded] for _ in range(3)]
-    monkeypatch.setattr(probe, "STACK_ELEMENTS", 3 * SEQ * runner.embedded[0].shape[-1])  # 3 samples a call
-    assert probe._stackable(runner, 1)
-    steps = []
-    with runner.materialized(1) as module:
-        alone = [probe._forward(runner, module, 1, h) for h in streams]
-        together = probe._forward_streams(runner, module, 1, streams, lambda: steps.append(1))
-    assert len(steps) == len(streams)
-    for a, t in zip(alone, together):
-        assert [x.shape for x in a] == [x.shape for x in t]
-        assert all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, t))
-    args, kwargs = runner.layer_kwargs[0][1]
-    runner.layer_kwargs[0][1] = (args, {**kwargs, "mask": torch.ones(BS, SEQ)})
-    assert not probe._stackable(runner, 1)

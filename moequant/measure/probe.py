@@ -437,34 +437,29 @@ def _walk(
         bar.advance()
         return out
 
-    def through(module, jobs: list[tuple]) -> dict:
-        """{name: stream} of these (name, stream) through the materialised layer, together (_forward_streams)."""
-        return dict(zip([n for n, _ in jobs], _forward_streams(runner, module, L, [h for _, h in jobs], bar.advance)))
-
     for L in range(adapter.num_layers):
         before, everything_before = original, everything
         with runner.materialized(L) as module:
-            jobs = [(("original",), original)] + [(("alone", P), h) for P, h in alone.items()]
+            original = run(module, original)
+            for P in alone:
+                alone[P] = run(module, alone[P])
             if L in moe_layers:
                 if L in probed_layers:
-                    jobs.append((("restored", L), everything_before))
+                    restored[L] = run(module, everything_before)
             else:  # nothing quantized here: every stream takes the original layer
-                jobs += [(("everything",), everything)] + [(("restored", P), h) for P, h in restored.items()]
-            out = through(module, jobs)
-        original, everything = out[("original",)], out.get(("everything",), everything)
-        alone.update({P: out[("alone", P)] for P in alone})
-        restored.update({n[1]: h for n, h in out.items() if n[0] == "restored"})
+                everything = run(module, everything)
+                for P in restored:
+                    restored[P] = run(module, restored[P])
         if L in moe_layers:
             experts = quantized(L)
             bar.advance()
             with runner.materialized(L, experts=experts) as module:
-                jobs = [(("alone", L), before)] if L in probed_layers else []
-                jobs += [(("everything",), everything_before)]
-                jobs += [(("restored", P), h) for P, h in restored.items() if P != L]
-                out = through(module, jobs)
-            everything = out[("everything",)]
-            alone.update({L: out[("alone", L)]} if L in probed_layers else {})
-            restored.update({n[1]: h for n, h in out.items() if n[0] == "restored"})
+                if L in probed_layers:
+                    alone[L] = run(module, before)
+                everything = run(module, everything_before)
+                for P in restored:
+                    if P != L:
+                        restored[P] = run(module, restored[P])
             for p in split if L in probed_layers else ():
                 with runner.materialized(L, experts={p: experts[p]}) as module:
                     alone[(L, p)] = run(module, before)
@@ -497,78 +492,6 @@ def _forward(runner, module, layer: int, hidden: list[torch.Tensor]) -> list[tor
         for b, h in enumerate(hidden):
             out.append(runner.run(module, layer, b, h).detach().to("cpu"))
     return out
-
-
-# hidden-state elements per layer call when several streams go through a layer together (16 MiB in float32: 64
-# samples of 256 x 256 on the bundled models, one batch of a large model's)
-STACK_ELEMENTS = 1 << 22
-
-
-def _forward_streams(runner, module, layer: int, streams: list, advance) -> list:
-    """Each stream (per-batch hidden states) through one materialised layer, `advance()` once per stream. Where
-    the layer's other inputs allow it (`_stackable`), the batches of consecutive streams go through together in
-    calls of up to STACK_ELEMENTS hidden-state elements: on a CPU a MoE layer's forward costs much less per
-    sample in larger calls (tiny-qwen3moe, one thread: 46 ms a sample in calls of 8 samples, 18 ms in calls
-    of 64; its experts' matrix products are small)."""
-    if not _stackable(runner, layer):
-        out = []
-        for hidden in streams:
-            out.append(_forward(runner, module, layer, hidden))
-            advance()
-        return out
-    pieces = [(i, h) for i, hidden in enumerate(streams) for h in hidden]
-    results: list[list[torch.Tensor]] = [[] for _ in streams]
-    done, start = 0, 0
-    while start < len(pieces):
-        end, size = start + 1, pieces[start][1].numel()
-        while end < len(pieces) and size + pieces[end][1].numel() <= STACK_ELEMENTS:
-            size += pieces[end][1].numel()
-            end += 1
-        group = pieces[start:end]
-        with torch.no_grad():
-            y = runner.run(module, layer, 0, torch.cat([h for _, h in group])).detach().to("cpu")
-        for (i, _), part in zip(group, torch.split(y, [h.shape[0] for _, h in group])):
-            results[i].append(part)
-        start = end
-        finished = group[-1][0] + (end == len(pieces) or pieces[end][0] != group[-1][0])
-        while done < finished:  # every stream whose batches are all through
-            advance()
-            done += 1
-    return results
-
-
-def _stackable(runner, layer: int) -> bool:
-    """Whether every batch gives decoder layer `layer` the same inputs besides its hidden states, each tensor
-    broadcast over the samples (leading size 1, e.g. rotary positions; no per-sample mask), and no state
-    handed from layer to layer: then batches of several streams may go through the layer in one call."""
-    if runner.state_from or runner.shared_between_layers:
-        return False
-    first = runner.layer_kwargs[0][layer]
-    if any(t.dim() > 0 and t.shape[0] != 1 for t in _tensors(first)):
-        return False
-    return all(_same(kwargs[layer], first) for kwargs in runner.layer_kwargs[1:])
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(map(_same, a, b))
-    if a is None or isinstance(a, (bool, int, float, str)):
-        return type(a) is type(b) and a == b
-    return a is b  # anything else (a cache object): the same object or not stackable
 
 
 # ------------------------------------------------------------------------------- per-tensor probe
@@ -664,11 +587,11 @@ def run_tensor_probe(
             before = original
             state = runner.read_layer(L)
             with runner.materialized(L, state=dict(state)) as module:
-                probed = list(streams)
-                original, *through = _forward_streams(
-                    runner, module, L, [original] + [streams[u] for u in probed], bar.advance
-                )
-                streams = dict(zip(probed, through))
+                original = _forward(runner, module, L, original)
+                bar.advance()
+                for u in streams:
+                    streams[u] = _forward(runner, module, L, streams[u])
+                    bar.advance()
                 keys: dict[str, list[str]] = {}  # tensor -> the layer's in-memory keys it changes
                 for u in (u for u in chunk if u[2] == L):
                     # the layer stays materialised: only what the quantized tensor changes is swapped in and

@@ -12,7 +12,7 @@ expert costing 0 bytes. The plan of least total loss wins:
 
 drop loss(d) is measured: the KL of the model with that count's experts dropped from every layer at once (`apply`
 measures one stream per count, moequant.measure.drop_probe.run_drop_sets); without that measurement, the sum of the
-dropped experts' single-drop KLs, which is first order (on tiny-qwen3moe, stdlib-code, 8 x 48 probe tokens, two
+dropped experts' single-drop KLs, which is first order (on tiny-qwen3moe, mix, 4 x 48 probe tokens, two
 experts per layer: 0.242 measured at once, 0.236 summed). Which experts a count drops follows the single-drop KLs.
 
 Both terms are KL on the calibration workload's held-out windows only when the quantization losses are scaled by

@@ -189,6 +189,38 @@ def test_llama_cpp_runs_the_family(model_type, llama, tmp_path, monkeypatch):
     assert kl_quant > 10 * kl_same
 
 
+_ARCH_IDS = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+CONVOLVED = sorted(  # families whose llama.cpp graph convolves (Mamba's, the gated delta net's, LFM2's short conv)
+    mt
+    for mt in set(ARCHS) & set(families.taken_families())
+    if {"SSM_CONV1D", "SHORTCONV_CONV"} & {t.name for t in gguf.MODEL_TENSORS[_ARCH_IDS[ARCHS[mt]]]}
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", CONVOLVED)
+def test_a_bf16_file_holds_in_f32_what_llama_cpp_reads_in_f32(model_type, llama, tmp_path, monkeypatch):
+    """GGUF's plain tensors default to bf16, but ggml's convolutions take F32 kernels only (a bf16 ssm_conv1d aborts
+    llama.cpp in ssm_conv): the file holds the convolution kernels and every norm in F32, as llama.cpp's converter
+    writes them, and llama.cpp runs it with transformers' logits (bf16's rounding of the rest apart)."""
+    from tokenizers import Tokenizer
+
+    source = decisive_family(model_type, tmp_path / "src", monkeypatch)
+    tok = Tokenizer.from_file(str(source / "tokenizer.json"))
+    ids = [tok.encode(t).ids[:64] for t in _texts()[:3]]
+    out = export_checkpoint(source, {}, tmp_path / "bf16", layout="gguf", target="llama.cpp")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out / "model.gguf").tensors}
+    kernels = [n for n in types if n.endswith(("ssm_conv1d.weight", "shortconv.conv.weight"))]
+    assert kernels and all(types[n] == "F32" for n in kernels), types
+    assert all(types[n] == "F32" for n in types if n.endswith("_norm.weight")), types
+    assert "BF16" in types.values()
+    base = _logits(_reference(source, {}, {}, tmp_path / "r0"), ids)
+    (got,) = V.logits([out / "model.gguf"], ids)
+    kl = _kl(base, got)
+    print(f"{model_type}: bf16 file in llama.cpp vs transformers (F32) {kl:.2e}")
+    assert kl <= 1e-3
+
+
 REORDERED = sorted(mt for mt in FAMILIES if any(fn in ROW_ORDER for _, fn in GRAPHS[mt].transforms))
 
 

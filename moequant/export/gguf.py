@@ -310,7 +310,7 @@ def export_gguf(
         if out_name.endswith(".bias"):  # gpt-oss's expert biases are 2-D; ggml adds biases in F32 only
             return "f32"
         role = "lm_head" if out_name == "output.weight" else adapter.classify(hf_name).role
-        return plain_type(role, ndim, float_type, types)
+        return plain_type(role, ndim, float_type, types, [out_name])
 
     def tensor_for(out_name: str) -> _Lazy:
         hf_name, fn = plan_of[out_name]

@@ -87,10 +87,11 @@ class Layout:
         return None
 
     @staticmethod
-    def plain_nbytes(role: str, shape, export, element_size: int = 2) -> int:
+    def plain_nbytes(role: str, shape, export, element_size: int = 2, name=None, config=None) -> int:
         """Bytes the layout writes a tensor in that it leaves unquantized (kept, or planned bf16), `export`
         being the recipe's export section: the plan's byte account asks this. Kept tensors are copied
-        as they are stored: `element_size` bytes per element (DeepSeek-V3's F32 routers: 4)."""
+        as they are stored: `element_size` bytes per element (DeepSeek-V3's F32 routers: 4). `name` and the
+        model's `config`: for a layout that stores some tensors by name (GGUF's F32 convolution kernels)."""
         return math.prod(shape) * element_size
 
     @staticmethod

@@ -27,6 +27,7 @@ layer as gguf-py writes them (only the one being written is in memory).
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import torch
@@ -52,6 +53,12 @@ FLOAT_TYPES = ("bf16", "f16", "f32")
 RAW_TYPES = {"mxfp4": "MXFP4"}  # non-ggml formats that GGUF stores natively (routed experts), by ggml name
 _ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 _F32_ROLES = ("router", "shared_expert_gate")  # ffn_gate_inp(_shexp): F32, never quantized
+# GGUF names llama.cpp's converter writes F32 whatever the file's type, as its graphs read them (ggml's ssm_conv and
+# short conv take F32 kernels only): norms, the (short) convolutions' kernels, DSA's indexer projection, and a
+# tensor stored without a .weight suffix (Mamba's ssm_a, biases)
+_F32_NAMES = re.compile(
+    r".*(_norm\.weight|\.ssm_conv1d\.weight|\.shortconv\.conv\.weight|\.indexer\.proj\.weight)|.*(?<!\.weight)"
+)
 _TYPED_ROLES = {"embedding": "token_embd.weight", "lm_head": "output.weight"}  # the tensors `types` may set, by role
 
 
@@ -76,19 +83,20 @@ def tied_output(names) -> str | None:
     return next((n for n in names if n.endswith("language_model.embed_tokens.weight")), "model.embed_tokens.weight")
 
 
-def plain_type(role: str, ndim: int, float_type: str, types) -> str:
+def plain_type(role: str, ndim: int, float_type: str, types, gguf_names=()) -> str:
     """How a tensor written unquantized (the plan keeps it, or plans bf16) is stored: f32 | f16 | bf16 or
     the ggml type `types` ({GGUF name: type}) gives token_embd / output. `role`: the adapter's, lm_head
-    for output.weight (also the tied copy); `ndim` of the tensor as written."""
+    for output.weight (also the tied copy); `ndim` of the tensor as written; `gguf_names` what it is in the file."""
     typed = types.get(_TYPED_ROLES.get(role)) if types else None
     if typed:
         return typed
-    return "f32" if role in _F32_ROLES or ndim == 1 else float_type
+    f32 = role in _F32_ROLES or ndim == 1 or any(_F32_NAMES.fullmatch(n) for n in gguf_names)
+    return "f32" if f32 else float_type
 
 
-def plain_nbytes(role: str, shape, float_type: str, types) -> int:
+def plain_nbytes(role: str, shape, float_type: str, types, gguf_names=()) -> int:
     """Bytes of a tensor written unquantized (plain_type), as the file holds them."""
-    key = plain_type(role, len(shape), float_type, types)
+    key = plain_type(role, len(shape), float_type, types, gguf_names)
     if key in _ELEMENT_BYTES:
         return _ELEMENT_BYTES[key] * math.prod(int(s) for s in shape)
     from moequant.formats import nbytes
@@ -141,8 +149,10 @@ class Gguf(Layout):
     container = "gguf"
 
     @staticmethod
-    def plain_nbytes(role, shape, export, element_size=2):
-        return plain_nbytes(role, shape, export.gguf_float, export.gguf_types)
+    def plain_nbytes(role, shape, export, element_size=2, name=None, config=None):
+        mt = (config or {}).get("model_type")
+        names = [g for g, _ in gguf_targets(mt, name)] if name and mt in ARCHS else []
+        return plain_nbytes(role, shape, export.gguf_float, export.gguf_types, names)
 
     @staticmethod
     def kept_reason(model_type, name):

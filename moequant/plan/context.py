@@ -181,9 +181,12 @@ class PlanContext:
         shape = tuple(t.shape)
         if not spec.quantized:  # a layout stores plain tensors by role and, copying them, in their stored dtype
             element_size = getattr(t, "element_size", 2)
-            key = (spec.key, shape, t.role, element_size)
+            name = None if t.role == "routed_expert" else t.name  # a layout may store the others by name
+            key = (spec.key, shape, t.role, element_size, name)
             if key not in self._nbytes:
-                self._nbytes[key] = self.layout.plain_nbytes(t.role, shape, self.recipe.export, element_size)
+                self._nbytes[key] = self.layout.plain_nbytes(
+                    t.role, shape, self.recipe.export, element_size, name=name, config=self.config
+                )
             return self._nbytes[key]
         # what the layout writes for it: itself, or its parts (GGUF splits deepseek2's kv_b_proj)
         written = (

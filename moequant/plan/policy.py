@@ -123,10 +123,9 @@ def _non_expert_plans(ctx: PlanContext, recipe: Recipe, tensors: list[TensorInfo
             why = "non_experts.format is bf16"
         try:
             nbytes = ctx.nbytes(spec, t)
-        except UserError as error:
-            raise UserError(
-                f"non_experts.format {spec.key} cannot hold tensor {t.name}: {str(error).rstrip('.')}."
-            ) from None
+        except UserError as error:  # a kept tensor: the type the export layout stores it in (GGUF's gguf_output)
+            where = f"non_experts.format {spec.key}" if spec.quantized else f"export.format {recipe.export.format}"
+            raise UserError(f"{where} cannot hold tensor {t.name}: {str(error).rstrip('.')}.") from None
         plans.append(_row(t, spec, recipe, nbytes, kept=None if spec.quantized else why))
     plans += _copied_tensors(ctx, tensors)
     return plans

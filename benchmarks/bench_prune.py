@@ -2,15 +2,20 @@
 then quantize, against quantizing every expert.
 
     python benchmarks/bench_prune.py [--models tiny-qwen3moe,tiny-qwen2moe] [--samples 64] [--eval-samples 32]
-        [--domain stdlib-code] [--other stdlib-prose] [--variants int4,reap+int4,frequency+int4]
+        [--domain stdlib-code] [--other stdlib-prose] [--variants int4,reap+int4,kl+int4,drop-budget,reap+budget]
 
 Per model, every variant is one `moequant apply` calibrated on `builtin:DOMAIN`:
 - int4: every routed expert int4 (the uniform-int4 recipe: GPTQ, g32 symmetric);
-- SALIENCY+int4: experts.prune drops ceil(20 %) of each layer's experts by SALIENCY (reap | frequency | weight:
-  moequant.measure.saliency), then every kept expert int4, i.e. pruning-then-quantizing at <= 0.8x int4's bytes;
+- SALIENCY+int4: experts.prune drops ceil(20 %) of each layer's experts by SALIENCY (reap | frequency | weight | kl:
+  moequant.measure.saliency; kl: the measured KL of dropping each expert), then every kept expert int4, i.e.
+  pruning-then-quantizing at <= 0.8x int4's bytes;
 - SALIENCY+budget: the same drop, then the selective recipe's budget over int8 / int4 / int3 at 0.8x int4's
   routed bytes (the byte target spread over the kept experts);
-- budget: no drop, the same budget over every expert at 0.8x int4's routed bytes (quantization alone at those bytes).
+- budget: no drop, the same budget over every expert at 0.8x int4's routed bytes (quantization alone at those bytes);
+- drop-budget: experts.prune {by: budget}, the budget at 0.8x int4's routed bytes choosing how many experts every
+  layer drops and the formats (int8 / int4, per layer: vLLM's) of the rest (moequant.plan.drop);
+- drop-budget3: the same with int3 offered too, for target transformers (per expert; int3 is no vLLM format), so
+  the solver weighs dropping against lowering bits.
 Each checkpoint is compared with the ORIGINAL model (moequant.pipeline.prune.pruning_cost: logits, layer by layer)
 on the evaluation split of the calibration domain (held out from calibration) and of another domain: KL mean,
 p99 and top-1 agreement. bytes = the plan's routed-expert bytes (plan.json summary.routed_bytes), ratio to int4's.
@@ -50,6 +55,16 @@ def _apply(model, variant, out, args) -> Path:
     k = math.ceil(0.2 * E) if saliency else 0
     if saliency:
         sets.append(f"experts.prune={{experts: {k}, saliency: {saliency}}}")
+    if kind.startswith("drop-budget"):  # the count is the budget's: the limit is 0.8x int4's bytes of all E experts
+        recipe = "selective"
+        formats = "[int8, int4, int3]" if kind == "drop-budget3" else "[int8, int4]"
+        sets += [f"experts.budget={{bits_per_weight: {0.8 * args.int4_bits[model]:.4f}}}", f"experts.formats={formats}"]
+        sets += [
+            "experts.prune={by: budget}",
+            "formats={int4: {group_size: 32, symmetric: true}, int3: {group_size: 32, symmetric: true}}",
+        ]
+        if kind == "drop-budget3":
+            sets.append("target=transformers")
     if kind == "budget":  # 0.8x int4's routed bytes over the E - k kept experts
         bits = 0.8 * args.int4_bits[model] * E / (E - k)
         sets += [f"experts.budget={{bits_per_weight: {bits:.4f}}}", "experts.formats=[int8, int4, int3]"]
@@ -61,7 +76,7 @@ def _apply(model, variant, out, args) -> Path:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="tiny-qwen3moe,tiny-qwen2moe")
-    p.add_argument("--variants", default="int4,reap+int4,frequency+int4,reap+budget")
+    p.add_argument("--variants", default="int4,drop-budget,reap+int4,kl+int4,drop-budget3,reap+budget")
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--eval-samples", type=int, default=32)
     p.add_argument("--domain", default="stdlib-code")
@@ -96,11 +111,16 @@ def main(argv=None) -> int:
             if prune.exists():
                 layers = json.loads(prune.read_text())["layers"].values()
                 row["routing_mass_dropped"] = max(v["routing_mass"] for v in layers)
+                row["dropped_per_layer"] = len(next(iter(layers))["dropped"])
+            chosen = out / "prune" / "budget.json"
+            if chosen.exists():  # what the budget weighed: per count tried, drop KL + predicted formats' KL
+                row["budget_counts"] = json.loads(chosen.read_text())["counts"]
             row["seconds"] = time.perf_counter() - t0
             results.append(row)
             d, o = row["domain"], row["other"]
             print(
-                f"{model:16s} {variant:16s} bytes {routed:>10d} ({row['ratio'] or 1:.3f}x int4)  "
+                f"{model:16s} {variant:16s} drops {row.get('dropped_per_layer', 0)}  "
+                f"bytes {routed:>10d} ({row['ratio'] or 1:.3f}x int4)  "
                 f"{args.domain} KL {d['kl_mean']:.4f} top1 {d['top1']:.3f}  {args.other} KL {o['kl_mean']:.4f} "
                 f"top1 {o['top1']:.3f}",
                 flush=True,

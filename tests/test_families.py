@@ -6,7 +6,7 @@ saved with `save_pretrained`, so its on-disk names are transformers' own. Then:
   experts, the latter counted from the files' own names);
 - one quantized export (every routed expert int4, round to nearest) loads in plain transformers with the
   logits of moequant's own dequantized model (KL <= 1e-5);
-- (slow) `moequant apply` with uniform int4 GPTQ, and with the selective recipe for the named families,
+- (slow) `moequant apply` with uniform int4 GPTQ, and with the selective recipe,
   writes a checkpoint that plain transformers loads with moequant.load's logits.
 A family moequant does not take is refused in one sentence whose reason the list below names.
 """
@@ -44,8 +44,7 @@ SUPPORTED = taken_families()
 TOKENS = torch.randint(1, 4000, (2, 24), generator=torch.Generator().manual_seed(0))
 PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 OWN_RECIPE = {"gpt_oss": ("recipes/uniform-mxfp4.yaml", ["export.format=gpt-oss-mxfp4"])}
-# the whole `apply` (slow set): every family it takes; the selective recipe on two 2026 flagships
-SELECTIVE = ("qwen3_5_moe", "deepseek_v4")
+# the whole `apply` (slow set): every family it takes, with uniform int4 GPTQ and with the selective recipe
 SMALL = [
     "calibration.probe_samples=0",
     "calibration.samples=4",
@@ -272,6 +271,33 @@ def test_a_fused_experts_tensor_of_the_wrong_shape_is_refused_in_one_sentence(bu
     assert len(said) == 1 and name in said[0] and "config.json implies" in said[0], result.output[-2000:]
 
 
+def test_experts_fused_on_disk_and_quantized_are_refused_in_one_sentence(built, tmp_path):
+    """moequant reads fused experts unquantized only: GraniteMoE's fused input_linear stored in FP8 with 128x128
+    block scales (as DeepSeek's FP8 checkpoints store 2-D weights) gets one sentence, exit 2."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(built("granitemoe"), bad)
+    (shard,) = bad.glob("*.safetensors")
+    tensors = load_file(shard)
+    name = next(n for n in tensors if n.endswith("input_linear.weight"))
+    E, rows, cols = tensors[name].shape
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    tensors[name.replace(".weight", ".weight_scale_inv")] = torch.ones(E, -(-rows // 128), -(-cols // 128))
+    save_file(tensors, shard, metadata={"format": "pt"})
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (bad / "config.json").write_text(json.dumps(config))
+    result = CliRunner().invoke(main, ["inspect", str(bad)])
+    assert result.exit_code == 2, result.output[-2000:]
+    said = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(said) == 1 and name in said[0], result.output[-2000:]
+    assert "Traceback" not in result.output
+
+
 def test_export_of_experts_fused_on_disk_loads_in_transformers_once_registered(built, tmp_path):
     """The export stores one tensor per expert (as vLLM's loaders take these families); transformers has no
     per-expert mapping for Gemma-4, so a fresh process without moequant.register_for_transformers misses the
@@ -406,13 +432,20 @@ def test_apply_uniform_int4_gptq_reloads_in_transformers(model_type, built, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", SELECTIVE)
+@pytest.mark.parametrize("model_type", SUPPORTED)
 def test_apply_selective_recipe(model_type, built, tmp_path):
     """The selective plan (int8 / int4 per layer, by the memory budget) on a flagship's structure: moequant.load
     reads it, and the report's KL is moequant.load's own against the source."""
     import json
 
     source = built(model_type)
+    if model_type in OWN_RECIPE:  # its experts leave only in its own layout's format: selective's mix is refused
+        args = ["apply", "--recipe", "recipes/selective.yaml", "--model", str(source), "--output", str(tmp_path / "r")]
+        result = CliRunner().invoke(main, args + [x for s in SMALL for x in ("--set", s)])
+        said = [line for line in result.output.splitlines() if line.startswith("error:")]
+        assert result.exit_code == 2 and len(said) == 1 and "stores its experts fused" in said[0], result.output[-2000:]
+        assert not (tmp_path / "r").exists()
+        return
     checkpoint = _apply(source, tmp_path / "run", "recipes/selective.yaml")
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     formats = {t["format"] for t in plan["tensors"] if t["role"] == "routed_expert"}

@@ -21,5 +21,6 @@ def register_for_transformers(path) -> bool:
     from pathlib import Path
 
     from moequant.arch import register_for_transformers as _register
+    from moequant.layouts.compressed_tensors import without_transformers_stop
 
-    return _register(json.loads((Path(path) / "config.json").read_text()))
+    return _register(without_transformers_stop(json.loads((Path(path) / "config.json").read_text())))

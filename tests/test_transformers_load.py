@@ -1,28 +1,54 @@
 """Plain transformers (`AutoModelForCausalLM.from_pretrained`, the installed 5.x) on our compressed-tensors
 exports: a checkpoint whose routed experts share one format loads with moequant.load's weights (logits
-KL <= 1e-4); one whose routed experts have several formats (the selective plan's int8 / int4 layers) is
-refused loudly, with the sentence pointing to moequant.load / vLLM, never loaded silently wrong."""
+KL <= 1e-4) and no per-expert warning; one whose routed experts have several formats (the selective plan's
+int8 / int4 layers), which transformers cannot decode, stops before loading in one line naming moequant.load,
+never loaded silently wrong."""
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from test_export_models import quantize_experts
 
+from moequant.cli import main
 from moequant.export.write import export_checkpoint
+from moequant.io.checkpoint import open_checkpoint
 from moequant.io.loader import load
-from moequant.layouts.compressed_tensors import TRANSFORMERS_REFUSAL
+from moequant.layouts.compressed_tensors import TRANSFORMERS_REFUSAL, transformers_stop, without_transformers_stop
 from moequant.zoo import path as zoo_path
 
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["calibration.samples=8", "calibration.seq_len=64", "evaluate.samples=4", "evaluate.seq_len=64"]
 TOKENS = torch.randint(1, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
 
 
-def plain_transformers(checkpoint):
+def plain_transformers(checkpoint, dtype=torch.float32, **options):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype, **options).eval()
+
+
+def apply(recipe: str, out: Path) -> Path:
+    """`moequant apply` of a bundled recipe on the default model (zoo:tiny-qwen2moe), small settings."""
+    args = ["apply", "--recipe", str(ROOT / "recipes" / recipe), "--model", "zoo:tiny-qwen2moe", "--output", str(out)]
+    for s in SMALL:
+        args += ["--set", s]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return out / "checkpoint"
+
+
+@pytest.fixture(scope="module")
+def selective(tmp_path_factory):
+    checkpoint = apply("selective.yaml", tmp_path_factory.mktemp("selective") / "run")
+    plan = json.loads((checkpoint.parent / "plan.json").read_text())
+    assert len({t["format"] for t in plan["tensors"] if t["role"] == "routed_expert"}) > 1  # a per-layer mix
+    return checkpoint
 
 
 def kl_to_moequant(checkpoint, model) -> float:
@@ -44,16 +70,55 @@ def test_one_routed_expert_format_loads_with_moequant_weights_and_no_warning_per
     assert kl_to_moequant(out, model) <= 1e-4
 
 
-def test_routed_experts_in_several_formats_are_refused_loudly(tmp_path, capfd, caplog):
-    source = zoo_path("tiny-qwen2moe")
-    # the selective plan's shape: one format per layer, int4 and int8 layers
-    experts = quantize_experts(source, lambda L, e, p: ["int4-g32-sym", "int8-channel"][L % 2])
-    out = export_checkpoint(source, experts, tmp_path / "mixed")
-    assert kl_to_moequant(out, load(out, torch.float32)) == 0  # moequant.load reads it
-    with caplog.at_level(logging.WARNING), pytest.raises(Exception):  # noqa: B017 - transformers' own error type
-        plain_transformers(out)
+def test_uniform_recipe_checkpoint_loads_quietly_with_moequant_weights(tmp_path, capfd, caplog):
+    """The same through `moequant apply --recipe uniform-int4.yaml` (GPTQ's mirrored grids: negative scales)."""
+    checkpoint = apply("uniform-int4.yaml", tmp_path / "run")
+    assert "attn_implementation" not in json.loads((checkpoint / "config.json").read_text())
+    capfd.readouterr()
+    with caplog.at_level(logging.WARNING):
+        model = plain_transformers(checkpoint, dtype=torch.bfloat16)
     said = capfd.readouterr().err + caplog.text
-    assert TRANSFORMERS_REFUSAL in said, said[-2000:]
-    assert "moequant.load" in TRANSFORMERS_REFUSAL and "vLLM" in TRANSFORMERS_REFUSAL
+    assert "Could not match" not in said, said[-2000:]
+    # equal in the checkpoint's own dtype: transformers multiplies the codes by the bf16 scales in bf16, moequant
+    # in float32 and rounds once (in float32 the two differ by that rounding: KL ~2e-4 here)
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS).logits, load(checkpoint, torch.bfloat16)(TOKENS).logits)
+
+
+def test_selective_recipe_checkpoint_stops_plain_transformers_in_one_line(selective, capfd, caplog):
+    """transformers 5 decodes every routed expert with one scheme, so no quantization_config makes it read a
+    per-layer int4 / int8 mix: it must refuse before building the model, in one line naming moequant.load.
+    Before, one "Could not match" warning among its progress bars, then its own AttributeError mid-load."""
+    capfd.readouterr()
+    with caplog.at_level(logging.WARNING), pytest.raises(ValueError) as refused:
+        plain_transformers(selective)
+    said = capfd.readouterr().err + caplog.text
+    message = str(refused.value)
+    assert TRANSFORMERS_REFUSAL in message and "\n" not in message
+    assert "moequant.load" in TRANSFORMERS_REFUSAL
+    assert said.strip() == "", said[-2000:]  # nothing printed before it: no warning, no progress bar
+    # moequant reads past the stop and builds the model transformers would (its default attention)
+    assert "attn_implementation" not in open_checkpoint(selective).config
+    assert load(selective, torch.float32).config._attn_implementation == "sdpa"
+
+
+def test_selective_checkpoint_is_refused_when_attn_implementation_is_given(selective, capfd, caplog):
+    """A caller's own attn_implementation overrides config.json's stop: the guard group still stops the load,
+    with its one warning naming moequant.load and no expert's name, never decoding a layer with another's scheme."""
+    capfd.readouterr()
+    with caplog.at_level(logging.WARNING), pytest.raises(Exception):  # noqa: B017 - transformers' own error type
+        plain_transformers(selective, attn_implementation="sdpa")
+    said = capfd.readouterr().err + caplog.text
     unmatched = {line.split("Could not match", 1)[1] for line in said.splitlines() if "Could not match" in line}
-    assert len(unmatched) == 1 and TRANSFORMERS_REFUSAL in unmatched.pop()  # the refusal alone, no expert's name
+    assert len(unmatched) == 1 and TRANSFORMERS_REFUSAL in unmatched.pop(), said[-2000:]
+
+
+def test_the_stop_is_written_and_dropped_only_for_a_mix():
+    mixed = {"model_type": "qwen2_moe", "quantization_config": {"config_groups": {"moequant_transformers_guard": {}}}}
+    stopped = transformers_stop(mixed)
+    assert stopped["attn_implementation"] == {"": TRANSFORMERS_REFUSAL}
+    assert without_transformers_stop(stopped) == mixed
+    uniform = {"model_type": "qwen2_moe", "quantization_config": {"config_groups": {"group_0": {}}}}
+    assert transformers_stop(uniform) == uniform
+    own = {"model_type": "qwen2_moe", "attn_implementation": "eager"}  # a source's own choice is kept
+    assert without_transformers_stop(own) == own

@@ -61,6 +61,7 @@ from moequant.io.checkpoint import (
     open_checkpoint,
 )
 from moequant.layouts import LAYOUTS
+from moequant.layouts.compressed_tensors import transformers_stop
 from moequant.targets import TARGETS, Target, get_target
 
 
@@ -157,6 +158,7 @@ def write_checkpoint_files(tmp: Path, ckpt, writer) -> None:
     # source: the output's describes only what this export wrote
     config = {k: v for k, v in ckpt.config.items() if k not in ("auto_map", "quantization_config")}
     config["quantization_config"] = writer.quantization_config()
+    config = transformers_stop(config)  # a per-layer mix: plain transformers refuses it in one line
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for fname, content in writer.extra_files().items():
         (tmp / fname).write_text(json.dumps(content, indent=2) + "\n")

@@ -439,7 +439,9 @@ def _read_config(path: Path) -> dict:
         raise UserError(f"cannot read {path}: {e}.") from None
     if not isinstance(config, dict):
         raise UserError(f"{path} must hold a JSON object.")
-    return config
+    from moequant.layouts.compressed_tensors import without_transformers_stop
+
+    return without_transformers_stop(config)
 
 
 def _read_entries(directory: Path) -> dict[str, TensorEntry]:

@@ -441,3 +441,30 @@ def transformers_guard_group() -> dict:
     writes for fp8-channel experts); the top-level format ignores this group."""
     target = f"re:^{TRANSFORMERS_REFUSAL} - experts$"  # a valid regex as it reads: '.' matches itself too
     return {"targets": [target], **_ct_scheme(formats.parse_key("fp8-channel"), "none")}
+
+
+# config.json's key that makes plain transformers refuse a per-layer mix up front (transformers_stop)
+TRANSFORMERS_STOP_KEY = "attn_implementation"
+
+
+def transformers_stop(config: dict) -> dict:
+    """`config` (a checkpoint's config.json) with the stop for plain transformers added where its
+    quantization_config has the guard group (routed experts in several formats). No targets make transformers 5
+    read such a mix (it takes one experts scheme per model, get_experts_scheme), and the guard alone lets it warn
+    once, then fail mid-load with an AttributeError of its own. transformers validates `attn_implementation`
+    before it builds the model and raises one ValueError quoting an unknown value: TRANSFORMERS_REFUSAL. vLLM's
+    own model classes do not read the key (tests/test_vllm.py; SGLang's are not run here); `{"": ...}` sets it
+    on the top-level config only, not on sub-configs (a vision tower an engine builds from transformers'
+    classes). moequant drops it on reading (without_transformers_stop); a caller passing attn_implementation
+    overrides it and meets the guard."""
+    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
+    if TRANSFORMERS_GUARD not in groups:
+        return config
+    return {**config, TRANSFORMERS_STOP_KEY: {"": TRANSFORMERS_REFUSAL}}
+
+
+def without_transformers_stop(config: dict) -> dict:
+    """config.json as moequant reads it: transformers_stop's key removed (moequant builds the model from it)."""
+    if config.get(TRANSFORMERS_STOP_KEY) != {"": TRANSFORMERS_REFUSAL}:
+        return config
+    return {k: v for k, v in config.items() if k != TRANSFORMERS_STOP_KEY}

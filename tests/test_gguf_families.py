@@ -23,7 +23,8 @@ from moequant import formats
 from moequant.arch import adapter_for
 from moequant.export.write import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
-from moequant.layouts.gguf_graphs import ARCHS, GRAPHS, REFUSED, ROW_ORDER, gguf_targets
+from moequant.layouts.gguf_graphs import ARCHS, GRAPHS, REFUSED, gguf_targets
+from moequant.layouts.gguf_transforms import ROW_ORDER
 
 HEAD_SCALE: dict[str, float] = {"granitemoe": 32 * 6, "granitemoeshared": 32 * 6}  # Granite divides by logits_scaling
 # Qwen3-Next's quantized check quantizes the last MoE layer only: with every layer's experts quantized llama.cpp vs our

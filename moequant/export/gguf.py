@@ -44,7 +44,6 @@ from moequant.layouts.gguf import (
 )
 from moequant.layouts.gguf_graphs import (
     GRAPHS,
-    SPLITS,
     add_common_metadata,
     gguf_targets,
     graph_config,
@@ -53,6 +52,7 @@ from moequant.layouts.gguf_graphs import (
     reshaped_reason,
     written_shapes,
 )
+from moequant.layouts.gguf_transforms import SPLITS
 
 
 def check_gguf(ckpt, adapter, items: dict) -> None:

@@ -38,15 +38,13 @@ from moequant.layouts.gguf_graphs import (  # noqa: F401  (ARCHS, REFUSED: tests
     ARCHS,
     GRAPHS,
     REFUSED,
-    RESHAPES,
-    ROW_ORDER,
-    SPLITS,
     add_common_metadata,
     gguf_targets,
     model_refusal,
     reshaped_reason,
     written_shapes,
 )
+from moequant.layouts.gguf_transforms import RESHAPES, ROW_ORDER
 
 GGUF_FILE = "model.gguf"
 FLOAT_TYPES = ("bf16", "f16", "f32")

@@ -150,6 +150,8 @@ class Gguf(Layout):
     def plain_nbytes(role, shape, export, element_size=2, name=None, config=None):
         mt = (config or {}).get("model_type")
         names = [g for g, _ in gguf_targets(mt, name)] if name and mt in ARCHS else []
+        if name and mt in ARCHS and not names and "text_config" in config:
+            return 0  # a multimodal checkpoint's vision tower: llama.cpp's separate mmproj file, not this one
         return plain_nbytes(role, shape, export.gguf_float, export.gguf_types, names)
 
     @staticmethod

@@ -176,6 +176,10 @@ def _calibrate(ckpt, output, settings: CalibrationSettings, overwrite, tokenizer
         device=settings.device,
         dtype=compute_dtype(settings.compute_dtype, settings.device),
     )
+    if settings.probe_samples > 0 and adapter.moe_layers and runner.shared_between_layers:
+        from moequant.measure.probe import shared_layers_refusal
+
+        raise UserError(shared_layers_refusal(runner))  # now, not after the statistics pass
     start_layer, hidden = load_carried(work, fingerprint, len(runner.batches))
     hidden = runner.embedded if hidden is None else hidden
     writer = world is None or world.rank == 0  # the one process that writes stats/

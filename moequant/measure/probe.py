@@ -153,16 +153,22 @@ def _layer_sensitivity(stats_dir: Path, layer: int) -> tuple[dict, torch.Tensor]
     return sens, count
 
 
+def shared_layers_refusal(runner) -> str:
+    """Why the probe cannot run this model: every probed stream would write into the one container of keys and
+    values the model's loop gives its layers per batch (Kolibri-1.1)."""
+    return (
+        f"the probe cannot run several streams of this {runner.adapter.model_type} model at once: its layers "
+        "share keys and values through the model's own loop; set calibration.probe_samples: 0."
+    )
+
+
 def _head(runner, checkpoint):
     """Finished hidden states (LayerRunner.finish) -> logits through the model's lm_head (tied: the embedding)."""
     from moequant.errors import UserError
     from moequant.io.layers import make_head_real
 
-    if runner.shared_between_layers:  # every probed stream would write into the one container of a batch
-        raise UserError(
-            f"the probe cannot run several streams of this {runner.adapter.model_type} model at once: its layers "
-            "share keys and values through the model's own loop; set calibration.probe_samples: 0."
-        )
+    if runner.shared_between_layers:
+        raise UserError(shared_layers_refusal(runner))
     head = make_head_real(runner.model, checkpoint, runner.adapter, runner.device, runner.dtype, copy_tied=True)
     if runner.final_norm is not None:  # the decoder's final norm beside the head, on the device
         runner.final_norm.to(runner.device)

@@ -44,7 +44,6 @@ from moequant.layouts.gguf import (
 )
 from moequant.layouts.gguf_graphs import (
     GRAPHS,
-    add_common_metadata,
     gguf_targets,
     graph_config,
     model_refusal,
@@ -52,6 +51,7 @@ from moequant.layouts.gguf_graphs import (
     reshaped_reason,
     written_shapes,
 )
+from moequant.layouts.gguf_metadata import add_common_metadata
 from moequant.layouts.gguf_transforms import SPLITS
 
 

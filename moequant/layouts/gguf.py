@@ -38,7 +38,6 @@ from moequant.layouts.gguf_graphs import (  # noqa: F401  (ARCHS, REFUSED: tests
     ARCHS,
     GRAPHS,
     REFUSED,
-    add_common_metadata,
     gguf_targets,
     model_refusal,
     reshaped_reason,

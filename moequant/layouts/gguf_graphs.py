@@ -3,8 +3,8 @@
 Everything llama.cpp's graphs need to know about an architecture is in `GRAPHS` (one entry per
 model_type): the llama.cpp architecture, the tensors it writes transformed or split (every name is
 gguf-py's: its `TensorNameMap` for the architecture, as llama.cpp's own converter names them), the
-metadata it reads (`_hp_moe` from the adapter for the newer graphs, a small function where a graph
-reads more) and what it cannot run. A family llama.cpp has no graph for, or one GGUF export does not
+metadata it reads (gguf_metadata.py: `hp_moe` from the adapter for the newer graphs, a small function where
+a graph reads more) and what it cannot run. A family llama.cpp has no graph for, or one GGUF export does not
 write (`REFUSED`, with why), is refused by the precheck. Facts from the llama.cpp that
 llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants, its loader's errors):
 
@@ -30,7 +30,7 @@ llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants, its l
   by the sum of each group's two best scores (V3's rule; V2's group_limited_greedy ranks by the best
   one: refused), shared experts `ffn_*_shexp` of width n_ff_exp * n_shared;
 - glm4moe (GLM-4.5 ... 4.7, Solar-Open), minimax-m2, ernie4_5-moe, hunyuan-moe, dots1, lfm2moe and
-  GLM-4.7-Flash (deepseek2) read their MoE keys from `_hp_moe`; ernie4_5-moe also interleave_moe_layer_step;
+  GLM-4.7-Flash (deepseek2) read their MoE keys from `meta.hp_moe`; ernie4_5-moe also interleave_moe_layer_step;
   dots1 takes as many key / value heads as query heads; lfm2moe computes the logits with the embeddings
   (tied), finds its short-convolution layers by their zero key / value heads and wants the conv kernel
   {kernel, channels}; qwen3next (Qwen3-Next) takes the gated-delta-net layers as llama.cpp's converter
@@ -68,6 +68,7 @@ from typing import Callable
 
 import torch
 
+from moequant.layouts import gguf_metadata as meta
 from moequant.layouts.gguf_transforms import (
     ROW_ORDER,
     SPLITS,
@@ -97,410 +98,6 @@ from moequant.layouts.gguf_transforms import (
 _L = r"model\.layers\.(\d+)\."
 
 
-# ---- the architectures -----------------------------------------------------------------------------
-
-
-def add_common_metadata(w, adapter, c: dict) -> None:
-    """Keys every graph reads; head / expert widths are each graph's own."""
-    w.add_name(str(c.get("_name_or_path") or adapter.model_type))
-    w.add_context_length(int(c.get("max_position_embeddings", 4096)))
-    w.add_embedding_length(adapter.hidden)
-    w.add_block_count(adapter.num_layers)
-    w.add_head_count(int(c["num_attention_heads"]))
-    w.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", c.get("norm_eps", c.get("layer_norm_epsilon", 1e-6)))))
-    w.add_expert_count(adapter.num_experts)
-    w.add_expert_used_count(adapter.top_k)
-    w.add_vocab_size(int(c["vocab_size"]))
-    rope = _rope(c)
-    w.add_rope_freq_base(float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
-    if rope.get("rope_type") == "yarn":
-        import gguf
-
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(float(rope["factor"]))
-        w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
-        for key, add in (
-            ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
-            ("beta_slow", w.add_rope_scaling_yarn_beta_slow),
-        ):
-            if rope.get(key) is not None:
-                add(float(rope[key]))
-    elif rope.get("rope_type") == "linear":
-        import gguf
-
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(float(rope["factor"]))
-
-
-def _rope(c: dict) -> dict:
-    return c.get("rope_parameters") or c.get("rope_scaling") or {}
-
-
-def _gqa_heads(w, adapter, c: dict, rotary: float = 1.0, kv_heads=None) -> None:
-    n_head = int(c["num_attention_heads"])
-    head_dim = int(c.get("head_dim") or adapter.hidden // n_head)
-    w.add_head_count_kv(kv_heads if kv_heads is not None else int(c.get("num_key_value_heads") or n_head))
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(int(head_dim * rotary))
-
-
-def _hp_llama(w, adapter, c):
-    _gqa_heads(w, adapter, c)
-    w.add_feed_forward_length(int(c.get("intermediate_size", adapter.expert_intermediate)))
-
-
-def _hp_qwen2moe(w, adapter, c):
-    _hp_llama(w, adapter, c)
-    w.add_expert_feed_forward_length(adapter.expert_intermediate)
-    w.add_expert_shared_feed_forward_length(adapter.shared_intermediate)
-
-
-def _hp_qwen3moe(w, adapter, c):
-    _hp_llama(w, adapter, c)
-    w.add_expert_feed_forward_length(adapter.expert_intermediate)
-
-
-def _hp_qwen3vlmoe(w, adapter, c):
-    """Qwen3-VL-MoE's text model: qwen3moe's keys, M-RoPE's sections (four, zero-padded; a text token has one
-    position in each) and the vision tower's deepstack layer count (llama.cpp's input embedding is that many times
-    wider)."""
-    _hp_qwen3moe(w, adapter, c)
-    w.add_rope_dimension_sections(([int(s) for s in _rope(c)["mrope_section"]] + [0, 0, 0, 0])[:4])
-    w.add_num_deepstack_layers(len((c.get("vision_config") or {}).get("deepstack_visual_indexes") or []))
-
-
-def _hp_granite(w, adapter, c):
-    """GraniteMoe(Shared): llama's keys with the expert width as the feed-forward length (the graph's n_ff), head
-    width hidden / heads (llama.cpp's converter ignores head_dim), the four multipliers as llama.cpp's scales and the
-    shared expert's width."""
-    _gqa_heads(w, adapter, {k: v for k, v in c.items() if k != "head_dim"})
-    w.add_feed_forward_length(adapter.expert_intermediate)
-    w.add_attention_scale(float(c["attention_multiplier"]))
-    w.add_embedding_scale(float(c["embedding_multiplier"]))
-    w.add_residual_scale(float(c["residual_multiplier"]))
-    w.add_logit_scale(float(c["logits_scaling"]))
-    if c.get("shared_intermediate_size"):  # GraniteMoeShared's shared_mlp (a width of 0: none)
-        w.add_expert_shared_feed_forward_length(int(c["shared_intermediate_size"]))
-
-
-def _hp_deepseek2(w, adapter, c):
-    import gguf
-
-    kv_lora, rope, nope = int(c["kv_lora_rank"]), int(c["qk_rope_head_dim"]), int(c["qk_nope_head_dim"])
-    w.add_head_count_kv(1)  # MLA runs as MQA over the compressed KV
-    w.add_feed_forward_length(int(c.get("intermediate_size", adapter.expert_intermediate)))
-    w.add_leading_dense_block_count(adapter.moe_layers[0] if adapter.moe_layers else adapter.num_layers)
-    w.add_q_lora_rank(int(c.get("q_lora_rank") or 0))
-    w.add_kv_lora_rank(kv_lora)
-    w.add_key_length(kv_lora + rope)
-    w.add_value_length(kv_lora)
-    w.add_key_length_mla(nope + rope)
-    w.add_value_length_mla(int(c["v_head_dim"]))
-    w.add_rope_dimension_count(rope)
-    w.add_expert_feed_forward_length(adapter.expert_intermediate)
-    w.add_expert_shared_count(adapter.num_shared_experts)
-    r = adapter.routing
-    w.add_expert_weights_scale(float(r.scaling))
-    w.add_expert_weights_norm(bool(r.normalize_topk))
-    w.add_expert_gating_func(
-        gguf.ExpertGatingFuncType.SIGMOID if r.scoring == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX
-    )
-    if r.groups > 1 and r.topk_groups < r.groups:  # all groups kept = no group limit (llama.cpp wants used < count)
-        w.add_expert_group_count(r.groups)
-        w.add_expert_group_used_count(r.topk_groups)
-    mscale_all = _rope(c).get("mscale_all_dim")
-    if _rope(c).get("rope_type") == "yarn" and mscale_all:
-        w.add_rope_scaling_yarn_log_mul(0.1 * float(mscale_all))  # llama.cpp divides it by 0.1 again
-
-
-def _hp_openai_moe(w, adapter, c):
-    _gqa_heads(w, adapter, c)
-    w.add_feed_forward_length(adapter.expert_intermediate)
-    w.add_expert_feed_forward_length(adapter.expert_intermediate)
-    w.add_sliding_window(int(c["sliding_window"]))
-
-
-def _hp_moe(w, adapter, c, kv_heads=None, routing=None):
-    """The MoE keys llama.cpp's newer graphs (glm4moe, dots1, ernie4_5-moe, ...) read, from the adapter: each graph
-    reads the ones it needs and ignores the rest. Rope over the first partial_rotary_factor of each head."""
-    rotary = float(_rope(c).get("partial_rotary_factor", c.get("partial_rotary_factor")) or 1.0)
-    _gqa_heads(w, adapter, c, rotary, kv_heads)
-    dense = c.get("intermediate_size") or c.get("ffn_hidden_size") or adapter.expert_intermediate
-    w.add_feed_forward_length(int(dense))
-    w.add_expert_feed_forward_length(adapter.expert_intermediate)
-    if adapter.num_shared_experts:
-        w.add_expert_shared_count(adapter.num_shared_experts)
-        w.add_expert_shared_feed_forward_length(adapter.shared_intermediate)
-    w.add_leading_dense_block_count(adapter.moe_layers[0] if adapter.moe_layers else adapter.num_layers)
-    r = routing or adapter.routing
-    w.add_expert_weights_scale(float(r.scaling))
-    w.add_expert_weights_norm(bool(r.normalize_topk))
-    _gating(w, r)
-
-
-def _hp_glm4v(w, adapter, c):
-    """GLM-4.xV's text model: glm4moe's keys and M-RoPE's sections (four, zero-padded), as llama.cpp's converter writes
-    them when the config names them (a text token has one position in each)."""
-    _hp_moe(w, adapter, c)
-    if _rope(c).get("mrope_section"):
-        w.add_rope_dimension_sections(([int(s) for s in _rope(c)["mrope_section"]] + [0, 0, 0, 0])[:4])
-
-
-def _hp_ernie(w, adapter, c):
-    """ERNIE-4.5: MoE layers from moe_layer_start_index on, every moe_layer_interval-th (llama.cpp's
-    interleave_moe_layer_step)."""
-    _hp_moe(w, adapter, c)
-    w.add_interleave_moe_layer_step(int(c.get("moe_layer_interval") or 1))
-
-
-def _hp_lfm2(w, adapter, c):
-    """LFM2-MoE: short-convolution layers are those with no key / value heads (a per-layer list), the kernel
-    length as shortconv.l_cache; sigmoid routing (its expert_bias selects only)."""
-    import dataclasses
-
-    n_kv = int(c.get("num_key_value_heads") or c["num_attention_heads"])
-    kv_heads = [n_kv if t != "conv" else 0 for t in c["layer_types"]]
-    _hp_moe(w, adapter, c, kv_heads, dataclasses.replace(adapter.routing, scoring="sigmoid"))
-    w.add_shortconv_l_cache(int(c["conv_L_cache"]))
-
-
-def _hp_swa(w, adapter, c):
-    """_hp_moe with sliding-window attention on the layers config.json's layer_types say (llama.cpp's per-layer
-    sliding_window_pattern)."""
-    _hp_moe(w, adapter, c)
-    w.add_sliding_window(int(c["sliding_window"]))
-    w.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
-
-
-def _hp_qwen3next(w, adapter, c):
-    """Qwen3-Next: qwen2moe's keys, rope over partial_rotary_factor of each head, the gated-delta-net sizes as
-    llama.cpp's ssm keys and a full-attention layer every full_attention_interval layers."""
-    _hp_moe(w, adapter, c)
-    w.add_ssm_conv_kernel(int(c["linear_conv_kernel_dim"]))
-    w.add_ssm_state_size(int(c["linear_key_head_dim"]))
-    w.add_ssm_group_count(int(c["linear_num_key_heads"]))
-    w.add_ssm_time_step_rank(int(c["linear_num_value_heads"]))
-    w.add_ssm_inner_size(int(c["linear_value_head_dim"]) * int(c["linear_num_value_heads"]))
-    w.add_full_attention_interval(_full_attention_interval(c))
-    if c.get("layer_types"):  # which layers are linear attention, read before the interval (gguf-py 0.19 has no helper)
-        w.add_array(f"{w.arch}.attention.recurrent_layers", [t == "linear_attention" for t in c["layer_types"]])
-
-
-def _full_attention_interval(c) -> int:
-    types = c.get("layer_types") or []
-    return types.index("full_attention") + 1 if "full_attention" in types else int(c.get("full_attention_interval", 4))
-
-
-def _refuse_qwen3next(adapter, c):
-    n = _full_attention_interval(c)
-    want = ["full_attention" if (L + 1) % n == 0 else "linear_attention" for L in range(adapter.num_layers)]
-    if list(c.get("layer_types") or want) != want:
-        return (
-            f"llama.cpp's {GRAPHS[adapter.model_type].arch} graph puts full attention on every "
-            f"full_attention_interval-th layer, but this checkpoint's layer_types differ"
-        )
-    return None
-
-
-def _hp_qwen35moe(w, adapter, c):
-    """Qwen3.5 / 3.6-MoE's text model: Qwen3-Next's keys and interleaved M-RoPE's four sections (the config's,
-    zero-padded, else [11, 11, 10, 0] as llama.cpp's converter writes when a checkpoint omits them; a text token has
-    one position in each, so they do not change its logits)."""
-    _hp_qwen3next(w, adapter, c)
-    sections = _rope(c).get("mrope_section") or [11, 11, 10]
-    w.add_rope_dimension_sections(([int(s) for s in sections] + [0, 0, 0, 0])[:4])
-
-
-def _hp_jamba(w, adapter, c):
-    """Jamba: attention layers are those with key / value heads (a per-layer list, every attn_layer_period-th from
-    attn_layer_offset), the others Mamba layers sized by the ssm keys; MoE layers are the ones holding a router."""
-    n_kv = int(c.get("num_key_value_heads") or c["num_attention_heads"])
-    period, offset = int(c["attn_layer_period"]), int(c["attn_layer_offset"])
-    kv_heads = [n_kv if L % period == offset else 0 for L in range(adapter.num_layers)]
-    _gqa_heads(w, adapter, c, kv_heads=kv_heads)
-    w.add_feed_forward_length(int(c["intermediate_size"]))
-    w.add_ssm_conv_kernel(int(c["mamba_d_conv"]))
-    w.add_ssm_inner_size(int(c["mamba_expand"]) * adapter.hidden)
-    w.add_ssm_state_size(int(c["mamba_d_state"]))
-    w.add_ssm_time_step_rank(int(c["mamba_dt_rank"]))
-
-
-def _hp_nemotron_h(w, adapter, c):
-    """Nemotron-H: each layer is Mamba-2, attention, an MLP or an MoE (layers_block_type); attention layers are told
-    by their key / value heads and MLP layers by their width (per-layer lists), the Mamba-2 sizes as the ssm keys."""
-    kinds = c["layers_block_type"]
-    n_kv = int(c.get("num_key_value_heads") or c["num_attention_heads"])
-    ff = {"mlp": int(c["intermediate_size"]), "moe": adapter.expert_intermediate}
-    _hp_moe(w, adapter, c, kv_heads=[n_kv if k in ("attention", "full_attention") else 0 for k in kinds])
-    w.add_feed_forward_length([ff.get(k, 0) for k in kinds])
-    w.add_ssm_conv_kernel(int(c["conv_kernel"]))
-    w.add_ssm_inner_size(int(c["mamba_num_heads"]) * int(c["mamba_head_dim"]))
-    w.add_ssm_state_size(int(c["ssm_state_size"]))
-    w.add_ssm_time_step_rank(int(c["mamba_num_heads"]))
-    w.add_ssm_group_count(int(c.get("n_groups") or 1))
-    w.add_layer_norm_eps(float(c.get("layer_norm_epsilon", 1e-5)))
-
-
-def _gating(w, r):
-    import gguf
-
-    w.add_expert_gating_func(
-        gguf.ExpertGatingFuncType.SIGMOID if r.scoring == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX
-    )
-    if r.groups > 1 and r.topk_groups < r.groups:  # all groups kept = no group limit (llama.cpp wants used < count)
-        w.add_expert_group_count(r.groups)
-        w.add_expert_group_used_count(r.topk_groups)
-
-
-def _no_refusal(adapter, c):
-    return None
-
-
-def _refuse_qwen2moe(adapter, c):
-    if c.get("norm_topk_prob"):
-        return (
-            "llama.cpp's qwen2moe graph does not renormalise the top-k routing weights, but this checkpoint's "
-            "config.json sets norm_topk_prob: true"
-        )
-    return _refuse_dense_layers(adapter, c)
-
-
-def _refuse_dense_layers(adapter, c):
-    if adapter.dense_layers:
-        return (
-            f"llama.cpp's {GRAPHS[adapter.model_type].arch} graph needs every layer to be an MoE layer; this "
-            f"checkpoint has dense layers (mlp_only_layers / decoder_sparse_step)"
-        )
-    return None
-
-
-def _refuse_qwen3moe(adapter, c):
-    if not adapter.routing.normalize_topk:
-        return (
-            "llama.cpp's qwen3moe graph always renormalises the top-k routing weights, but this checkpoint's "
-            "config.json sets norm_topk_prob: false"
-        )
-    return _refuse_dense_layers(adapter, c)
-
-
-def _refuse_qwen3vlmoe(adapter, c):
-    sections = _rope(c).get("mrope_section") or []
-    half = int(c.get("head_dim") or adapter.hidden // int(c["num_attention_heads"])) // 2
-    if sum(int(s) for s in sections) != half:
-        return (
-            "llama.cpp's qwen3vlmoe graph rotates by M-RoPE sections that together fill each head's rotary half "
-            f"({half} frequencies), but this checkpoint's text config has mrope_section {sections or 'unset'}"
-        )
-    return _refuse_qwen3moe(adapter, c)
-
-
-def _refuse_olmoe(adapter, c):
-    if adapter.routing.normalize_topk:
-        return (
-            "llama.cpp's olmoe graph does not renormalise the top-k routing weights, but this checkpoint's "
-            "config.json sets norm_topk_prob: true"
-        )
-    if c.get("clip_qkv"):
-        return "llama.cpp's olmoe graph does not clip q / k / v, but this checkpoint's config.json sets clip_qkv"
-    return None
-
-
-def _refuse_deepseek2(adapter, c):
-    moe = adapter.moe_layers
-    if moe != list(range(moe[0] if moe else adapter.num_layers, adapter.num_layers)):
-        return (
-            "llama.cpp's deepseek2 graph has dense layers only before the first MoE layer "
-            "(leading_dense_block_count); this checkpoint's moe_layer_freq interleaves them"
-        )
-    if c.get("rope_interleave") is False:
-        return (
-            "llama.cpp's deepseek2 graph rotates interleaved rope pairs (DeepSeek's own weight order), but this "
-            "checkpoint's config.json sets rope_interleave: false"
-        )
-    r = adapter.routing
-    if adapter.model_type == "deepseek_v2":
-        if r.groups > 1 and r.topk_groups < r.groups:
-            return (
-                "llama.cpp's deepseek2 graph ranks expert groups by the sum of their two best scores (DeepSeek-V3's "
-                "rule), but this DeepSeek-V2 checkpoint routes with group_limited_greedy (the best score)"
-            )
-        if r.normalize_topk:
-            return (
-                "transformers' DeepSeek-V2 does not renormalise the top-k weights, but this checkpoint's "
-                "config.json sets norm_topk_prob: true; the GGUF could not match it"
-            )
-    return None
-
-
-def _refuse_openai_moe(adapter, c):
-    if float(c.get("swiglu_limit", 7.0)) != 7.0 or float(c.get("swiglu_alpha", 1.702)) != 1.702:
-        return "llama.cpp's openai-moe graph fixes SwiGLU's alpha 1.702 and limit 7.0; this config.json differs"
-    types = c.get("layer_types") or []
-    want = ["sliding_attention" if L % 2 == 0 else "full_attention" for L in range(adapter.num_layers)]
-    if types and list(types) != want:
-        return (
-            "llama.cpp's openai-moe graph puts sliding-window attention on even layers and full attention on odd "
-            "ones; this config.json's layer_types differ"
-        )
-    return None
-
-
-def _refuse_interleaved_dense(adapter, c):
-    moe = adapter.moe_layers
-    if moe != list(range(moe[0] if moe else adapter.num_layers, adapter.num_layers)):
-        return (
-            f"llama.cpp's {GRAPHS[adapter.model_type].arch} graph has dense layers only before the first MoE layer "
-            f"(leading_dense_block_count), but this checkpoint's MoE layers are {moe}"
-        )
-    return None
-
-
-def _first(*checks):
-    def refuses(adapter, c):
-        return next((why for why in (check(adapter, c) for check in checks) if why), None)
-
-    return refuses
-
-
-def _refuse_dots1(adapter, c):
-    n_head, n_kv = int(c["num_attention_heads"]), int(c.get("num_key_value_heads") or c["num_attention_heads"])
-    if n_kv != n_head:
-        return (
-            f"llama.cpp's dots1 graph takes as many key / value heads as query heads (dots.llm1's own attention), but "
-            f"this checkpoint's config.json has {n_kv} key / value heads for {n_head} query heads"
-        )
-    return None
-
-
-def _refuse_ernie(adapter, c):
-    end = c.get("moe_layer_end_index")
-    if end is not None and 0 <= int(end) < adapter.num_layers - 1:
-        return (
-            "llama.cpp's ernie4_5-moe graph has MoE layers up to the last one, but this checkpoint's config.json "
-            f"ends them at moe_layer_end_index {end}"
-        )
-    return None
-
-
-def _refuse_lfm2(adapter, c):
-    if not c.get("tie_word_embeddings", True):
-        return (
-            "llama.cpp's lfm2moe graph computes the logits with the token embeddings (tied, as LFM2 ships), but this "
-            "checkpoint's config.json sets tie_word_embeddings: false"
-        )
-    return None
-
-
-def _refuse_nemotron_h(adapter, c):
-    if "mlp" in c.get("layers_block_type", []):
-        return (
-            "llama.cpp's nemotron_h_moe graph takes Mamba-2, attention and MoE layers, but this checkpoint's "
-            "layers_block_type has dense MLP layers"
-        )
-    return None
-
-
 @dataclass(frozen=True)
 class Graph:
     """How one HF architecture is written for one llama.cpp graph. Tensor names are gguf-py's: its
@@ -509,7 +106,7 @@ class Graph:
 
     arch: str  # general.architecture: gguf-py's MODEL_ARCH_NAMES name
     hparams: Callable  # (writer, adapter, config) -> None: the graph's own metadata
-    refuses: Callable = _no_refusal  # (adapter, config) -> why llama.cpp could not run it, or None
+    refuses: Callable = meta.no_refusal  # (adapter, config) -> why llama.cpp could not run it, or None
     transforms: tuple = ()  # (HF regex, transform): the tensor gguf-py names, written transformed
     splits: tuple = ()  # (HF regex with the layer as group 1, [(gguf MODEL_TENSOR name, transform or None)], suffix)
 
@@ -566,25 +163,30 @@ def mapped_name(arch: str, hf_name: str) -> str | None:
 
 _DEEPSEEK2 = Graph(
     "deepseek2",
-    _hp_deepseek2,
-    _refuse_deepseek2,
+    meta.hp_deepseek2,
+    meta.refuse_deepseek2,
     splits=((_L + r"self_attn\.kv_b_proj\.weight", [("ATTN_K_B", _k_b), ("ATTN_V_B", _v_b)], ".weight"),),
 )
 # llama.cpp's llama-style graphs rotate interleaved pairs: q / k rows from HF's rotate-half order
 _PERMUTE_QK = ((_L + r"self_attn\.q_proj\.weight", _permute_q), (_L + r"self_attn\.k_proj\.weight", _permute_k))
 GRAPHS: dict[str, Graph] = {
     "qwen2_moe": Graph(
-        "qwen2moe", _hp_qwen2moe, _refuse_qwen2moe, transforms=((_L + r"mlp\.shared_expert_gate\.weight", _flat),)
+        "qwen2moe",
+        meta.hp_qwen2moe,
+        meta.refuse_qwen2moe,
+        transforms=((_L + r"mlp\.shared_expert_gate\.weight", _flat),),
     ),
-    "qwen3_moe": Graph("qwen3moe", _hp_qwen3moe, _refuse_qwen3moe),
-    "qwen3_vl_moe": Graph("qwen3vlmoe", _hp_qwen3vlmoe, _refuse_qwen3vlmoe),
-    "qwen3_omni_moe_thinker": Graph("qwen3vlmoe", _hp_qwen3vlmoe, _refuse_qwen3vlmoe),  # as llama.cpp's converter
-    "olmoe": Graph("olmoe", _hp_llama, _refuse_olmoe),
-    "mixtral": Graph("llama", _hp_llama, transforms=_PERMUTE_QK),
-    "granitemoe": Graph("granitemoe", _hp_granite, transforms=_PERMUTE_QK),
+    "qwen3_moe": Graph("qwen3moe", meta.hp_qwen3moe, meta.refuse_qwen3moe),
+    "qwen3_vl_moe": Graph("qwen3vlmoe", meta.hp_qwen3vlmoe, meta.refuse_qwen3vlmoe),
+    "qwen3_omni_moe_thinker": Graph(
+        "qwen3vlmoe", meta.hp_qwen3vlmoe, meta.refuse_qwen3vlmoe
+    ),  # as llama.cpp's converter
+    "olmoe": Graph("olmoe", meta.hp_llama, meta.refuse_olmoe),
+    "mixtral": Graph("llama", meta.hp_llama, transforms=_PERMUTE_QK),
+    "granitemoe": Graph("granitemoe", meta.hp_granite, transforms=_PERMUTE_QK),
     "granitemoeshared": Graph(
         "granitemoe",
-        _hp_granite,
+        meta.hp_granite,
         transforms=_PERMUTE_QK,
         splits=(
             (
@@ -596,8 +198,8 @@ GRAPHS: dict[str, Graph] = {
     ),
     "gpt_oss": Graph(
         "gpt-oss",
-        _hp_openai_moe,
-        _refuse_openai_moe,
+        meta.hp_openai_moe,
+        meta.refuse_openai_moe,
         splits=(
             (_L + r"mlp\.experts\.gate_up_proj_bias", [("FFN_GATE_EXP", _even), ("FFN_UP_EXP", _odd)], ".bias"),
             (_L + r"mlp\.experts\.down_proj_bias", [("FFN_DOWN_EXP", None)], ".bias"),
@@ -605,32 +207,34 @@ GRAPHS: dict[str, Graph] = {
     ),
     "deepseek_v2": _DEEPSEEK2,
     "deepseek_v3": _DEEPSEEK2,
-    "glm4_moe": Graph("glm4moe", _hp_moe, _refuse_interleaved_dense),
-    "minimax_m2": Graph("minimax-m2", _hp_moe, _refuse_interleaved_dense),
-    "ernie4_5_moe": Graph("ernie4_5-moe", _hp_ernie, _refuse_ernie),
-    "hunyuan_v1_moe": Graph("hunyuan-moe", _hp_moe, _refuse_interleaved_dense),
-    "dots1": Graph("dots1", _hp_moe, _first(_refuse_interleaved_dense, _refuse_dots1)),
+    "glm4_moe": Graph("glm4moe", meta.hp_moe, meta.refuse_interleaved_dense),
+    "minimax_m2": Graph("minimax-m2", meta.hp_moe, meta.refuse_interleaved_dense),
+    "ernie4_5_moe": Graph("ernie4_5-moe", meta.hp_ernie, meta.refuse_ernie),
+    "hunyuan_v1_moe": Graph("hunyuan-moe", meta.hp_moe, meta.refuse_interleaved_dense),
+    "dots1": Graph("dots1", meta.hp_moe, meta.first(meta.refuse_interleaved_dense, meta.refuse_dots1)),
     "lfm2_moe": Graph(
         "lfm2moe",
-        _hp_lfm2,
-        _first(_refuse_interleaved_dense, _refuse_lfm2),
+        meta.hp_lfm2,
+        meta.first(meta.refuse_interleaved_dense, meta.refuse_lfm2),
         transforms=((_L + r"conv\.conv\.weight", _conv),),
     ),
     "glm4_moe_lite": _DEEPSEEK2,
     "kimi_k25": _DEEPSEEK2,  # its text model: DeepSeek-V3's
-    "mistral4": Graph("mistral4", _hp_deepseek2, _refuse_deepseek2, splits=_DEEPSEEK2.splits),  # deepseek2's graph
-    "solar_open": Graph("glm4moe", _hp_moe, _refuse_interleaved_dense),
-    "glm4v_moe": Graph("glm4moe", _hp_glm4v, _refuse_interleaved_dense),
-    "exaone_moe": Graph("exaone-moe", _hp_swa, _refuse_interleaved_dense),
+    "mistral4": Graph(
+        "mistral4", meta.hp_deepseek2, meta.refuse_deepseek2, splits=_DEEPSEEK2.splits
+    ),  # deepseek2's graph
+    "solar_open": Graph("glm4moe", meta.hp_moe, meta.refuse_interleaved_dense),
+    "glm4v_moe": Graph("glm4moe", meta.hp_glm4v, meta.refuse_interleaved_dense),
+    "exaone_moe": Graph("exaone-moe", meta.hp_swa, meta.refuse_interleaved_dense),
     "jamba": Graph(
         "jamba",
-        _hp_jamba,
+        meta.hp_jamba,
         transforms=((_L + r"mamba\.A_log", _neg_exp), (_L + r"mamba\.conv1d\.weight", _conv)),
     ),
     "nemotron_h": Graph(
         "nemotron_h_moe",
-        _hp_nemotron_h,
-        _refuse_nemotron_h,
+        meta.hp_nemotron_h,
+        meta.refuse_nemotron_h,
         transforms=(
             (r"backbone\.layers\.\d+\.mixer\.A_log", _neg_exp_col),
             (r"backbone\.layers\.\d+\.mixer\.D", _heads_col),
@@ -641,8 +245,8 @@ GRAPHS: dict[str, Graph] = {
     ),
     "qwen3_next": Graph(
         "qwen3next",
-        _hp_qwen3next,
-        _first(_refuse_interleaved_dense, _refuse_qwen3next),
+        meta.hp_qwen3next,
+        meta.first(meta.refuse_interleaved_dense, meta.refuse_qwen3next),
         transforms=(
             (_L + r"mlp\.shared_expert_gate\.weight", _flat),
             (_L + r"linear_attn\.A_log", _neg_exp),
@@ -654,8 +258,8 @@ GRAPHS: dict[str, Graph] = {
     # Qwen3.5 / 3.6-MoE: Qwen3-Next's graph with q / k / v, z, a and b projected apart and the value heads tiled
     "qwen3_5_moe": Graph(
         "qwen35moe",
-        _hp_qwen35moe,
-        _refuse_interleaved_dense,  # any layer_types: the graph reads recurrent_layers
+        meta.hp_qwen35moe,
+        meta.refuse_interleaved_dense,  # any layer_types: the graph reads recurrent_layers
         transforms=(
             (_L + r"mlp\.shared_expert_gate\.weight", _flat),
             (_L + r"linear_attn\.in_proj_qkv\.weight", _qkv_tiled),
@@ -752,7 +356,8 @@ def model_refusal(adapter, config: dict) -> str | None:
         return (
             f"llama.cpp (llama-cpp-python 0.3.36) has no graph for {mt}; GGUF export writes {', '.join(sorted(GRAPHS))}"
         )
-    return GRAPHS[mt].refuses(adapter, graph_config(adapter, config))
+    why = GRAPHS[mt].refuses(adapter, graph_config(adapter, config))
+    return why and why.replace("{arch}", GRAPHS[mt].arch)
 
 
 def gguf_targets(model_type: str, hf_name: str) -> list[tuple[str, Callable | None]]:

@@ -1,0 +1,407 @@
+"""The metadata llama.cpp's graphs read and the configs they cannot follow, per architecture: the `hparams` and
+`refuses` functions of gguf_graphs.py's `Graph`s (one `hp_*` / `refuse_*` per graph that reads more than its
+neighbours; `hp_moe` is the newer graphs' common MoE keys). Facts from the llama.cpp that llama-cpp-python 0.3.36
+vendors: gguf_graphs.py's docstring. A refusal names llama.cpp's graph as `{arch}`, which gguf_graphs fills in."""
+
+from __future__ import annotations
+
+
+def add_common_metadata(w, adapter, c: dict) -> None:
+    """Keys every graph reads; head / expert widths are each graph's own."""
+    w.add_name(str(c.get("_name_or_path") or adapter.model_type))
+    w.add_context_length(int(c.get("max_position_embeddings", 4096)))
+    w.add_embedding_length(adapter.hidden)
+    w.add_block_count(adapter.num_layers)
+    w.add_head_count(int(c["num_attention_heads"]))
+    w.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", c.get("norm_eps", c.get("layer_norm_epsilon", 1e-6)))))
+    w.add_expert_count(adapter.num_experts)
+    w.add_expert_used_count(adapter.top_k)
+    w.add_vocab_size(int(c["vocab_size"]))
+    rope = rope_parameters(c)
+    w.add_rope_freq_base(float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
+    if rope.get("rope_type") == "yarn":
+        import gguf
+
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        for key, add in (
+            ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+            ("beta_slow", w.add_rope_scaling_yarn_beta_slow),
+        ):
+            if rope.get(key) is not None:
+                add(float(rope[key]))
+    elif rope.get("rope_type") == "linear":
+        import gguf
+
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+
+
+def rope_parameters(c: dict) -> dict:
+    return c.get("rope_parameters") or c.get("rope_scaling") or {}
+
+
+def gqa_heads(w, adapter, c: dict, rotary: float = 1.0, kv_heads=None) -> None:
+    n_head = int(c["num_attention_heads"])
+    head_dim = int(c.get("head_dim") or adapter.hidden // n_head)
+    w.add_head_count_kv(kv_heads if kv_heads is not None else int(c.get("num_key_value_heads") or n_head))
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(int(head_dim * rotary))
+
+
+def hp_llama(w, adapter, c):
+    gqa_heads(w, adapter, c)
+    w.add_feed_forward_length(int(c.get("intermediate_size", adapter.expert_intermediate)))
+
+
+def hp_qwen2moe(w, adapter, c):
+    hp_llama(w, adapter, c)
+    w.add_expert_feed_forward_length(adapter.expert_intermediate)
+    w.add_expert_shared_feed_forward_length(adapter.shared_intermediate)
+
+
+def hp_qwen3moe(w, adapter, c):
+    hp_llama(w, adapter, c)
+    w.add_expert_feed_forward_length(adapter.expert_intermediate)
+
+
+def hp_qwen3vlmoe(w, adapter, c):
+    """Qwen3-VL-MoE's text model: qwen3moe's keys, M-RoPE's sections (four, zero-padded; a text token has one
+    position in each) and the vision tower's deepstack layer count (llama.cpp's input embedding is that many times
+    wider)."""
+    hp_qwen3moe(w, adapter, c)
+    w.add_rope_dimension_sections(([int(s) for s in rope_parameters(c)["mrope_section"]] + [0, 0, 0, 0])[:4])
+    w.add_num_deepstack_layers(len((c.get("vision_config") or {}).get("deepstack_visual_indexes") or []))
+
+
+def hp_granite(w, adapter, c):
+    """GraniteMoe(Shared): llama's keys with the expert width as the feed-forward length (the graph's n_ff), head
+    width hidden / heads (llama.cpp's converter ignores head_dim), the four multipliers as llama.cpp's scales and the
+    shared expert's width."""
+    gqa_heads(w, adapter, {k: v for k, v in c.items() if k != "head_dim"})
+    w.add_feed_forward_length(adapter.expert_intermediate)
+    w.add_attention_scale(float(c["attention_multiplier"]))
+    w.add_embedding_scale(float(c["embedding_multiplier"]))
+    w.add_residual_scale(float(c["residual_multiplier"]))
+    w.add_logit_scale(float(c["logits_scaling"]))
+    if c.get("shared_intermediate_size"):  # GraniteMoeShared's shared_mlp (a width of 0: none)
+        w.add_expert_shared_feed_forward_length(int(c["shared_intermediate_size"]))
+
+
+def hp_deepseek2(w, adapter, c):
+    import gguf
+
+    kv_lora, rope, nope = int(c["kv_lora_rank"]), int(c["qk_rope_head_dim"]), int(c["qk_nope_head_dim"])
+    w.add_head_count_kv(1)  # MLA runs as MQA over the compressed KV
+    w.add_feed_forward_length(int(c.get("intermediate_size", adapter.expert_intermediate)))
+    w.add_leading_dense_block_count(adapter.moe_layers[0] if adapter.moe_layers else adapter.num_layers)
+    w.add_q_lora_rank(int(c.get("q_lora_rank") or 0))
+    w.add_kv_lora_rank(kv_lora)
+    w.add_key_length(kv_lora + rope)
+    w.add_value_length(kv_lora)
+    w.add_key_length_mla(nope + rope)
+    w.add_value_length_mla(int(c["v_head_dim"]))
+    w.add_rope_dimension_count(rope)
+    w.add_expert_feed_forward_length(adapter.expert_intermediate)
+    w.add_expert_shared_count(adapter.num_shared_experts)
+    r = adapter.routing
+    w.add_expert_weights_scale(float(r.scaling))
+    w.add_expert_weights_norm(bool(r.normalize_topk))
+    w.add_expert_gating_func(
+        gguf.ExpertGatingFuncType.SIGMOID if r.scoring == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX
+    )
+    if r.groups > 1 and r.topk_groups < r.groups:  # all groups kept = no group limit (llama.cpp wants used < count)
+        w.add_expert_group_count(r.groups)
+        w.add_expert_group_used_count(r.topk_groups)
+    mscale_all = rope_parameters(c).get("mscale_all_dim")
+    if rope_parameters(c).get("rope_type") == "yarn" and mscale_all:
+        w.add_rope_scaling_yarn_log_mul(0.1 * float(mscale_all))  # llama.cpp divides it by 0.1 again
+
+
+def hp_openai_moe(w, adapter, c):
+    gqa_heads(w, adapter, c)
+    w.add_feed_forward_length(adapter.expert_intermediate)
+    w.add_expert_feed_forward_length(adapter.expert_intermediate)
+    w.add_sliding_window(int(c["sliding_window"]))
+
+
+def hp_moe(w, adapter, c, kv_heads=None, routing=None):
+    """The MoE keys llama.cpp's newer graphs (glm4moe, dots1, ernie4_5-moe, ...) read, from the adapter: each graph
+    reads the ones it needs and ignores the rest. Rope over the first partial_rotary_factor of each head."""
+    rotary = float(rope_parameters(c).get("partial_rotary_factor", c.get("partial_rotary_factor")) or 1.0)
+    gqa_heads(w, adapter, c, rotary, kv_heads)
+    dense = c.get("intermediate_size") or c.get("ffn_hidden_size") or adapter.expert_intermediate
+    w.add_feed_forward_length(int(dense))
+    w.add_expert_feed_forward_length(adapter.expert_intermediate)
+    if adapter.num_shared_experts:
+        w.add_expert_shared_count(adapter.num_shared_experts)
+        w.add_expert_shared_feed_forward_length(adapter.shared_intermediate)
+    w.add_leading_dense_block_count(adapter.moe_layers[0] if adapter.moe_layers else adapter.num_layers)
+    r = routing or adapter.routing
+    w.add_expert_weights_scale(float(r.scaling))
+    w.add_expert_weights_norm(bool(r.normalize_topk))
+    gating(w, r)
+
+
+def hp_glm4v(w, adapter, c):
+    """GLM-4.xV's text model: glm4moe's keys and M-RoPE's sections (four, zero-padded), as llama.cpp's converter writes
+    them when the config names them (a text token has one position in each)."""
+    hp_moe(w, adapter, c)
+    if rope_parameters(c).get("mrope_section"):
+        w.add_rope_dimension_sections(([int(s) for s in rope_parameters(c)["mrope_section"]] + [0, 0, 0, 0])[:4])
+
+
+def hp_ernie(w, adapter, c):
+    """ERNIE-4.5: MoE layers from moe_layer_start_index on, every moe_layer_interval-th (llama.cpp's
+    interleave_moe_layer_step)."""
+    hp_moe(w, adapter, c)
+    w.add_interleave_moe_layer_step(int(c.get("moe_layer_interval") or 1))
+
+
+def hp_lfm2(w, adapter, c):
+    """LFM2-MoE: short-convolution layers are those with no key / value heads (a per-layer list), the kernel
+    length as shortconv.l_cache; sigmoid routing (its expert_bias selects only)."""
+    import dataclasses
+
+    n_kv = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    kv_heads = [n_kv if t != "conv" else 0 for t in c["layer_types"]]
+    hp_moe(w, adapter, c, kv_heads, dataclasses.replace(adapter.routing, scoring="sigmoid"))
+    w.add_shortconv_l_cache(int(c["conv_L_cache"]))
+
+
+def hp_swa(w, adapter, c):
+    """hp_moe with sliding-window attention on the layers config.json's layer_types say (llama.cpp's per-layer
+    sliding_window_pattern)."""
+    hp_moe(w, adapter, c)
+    w.add_sliding_window(int(c["sliding_window"]))
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
+
+
+def hp_qwen3next(w, adapter, c):
+    """Qwen3-Next: qwen2moe's keys, rope over partial_rotary_factor of each head, the gated-delta-net sizes as
+    llama.cpp's ssm keys and a full-attention layer every full_attention_interval layers."""
+    hp_moe(w, adapter, c)
+    w.add_ssm_conv_kernel(int(c["linear_conv_kernel_dim"]))
+    w.add_ssm_state_size(int(c["linear_key_head_dim"]))
+    w.add_ssm_group_count(int(c["linear_num_key_heads"]))
+    w.add_ssm_time_step_rank(int(c["linear_num_value_heads"]))
+    w.add_ssm_inner_size(int(c["linear_value_head_dim"]) * int(c["linear_num_value_heads"]))
+    w.add_full_attention_interval(full_attention_interval(c))
+    if c.get("layer_types"):  # which layers are linear attention, read before the interval (gguf-py 0.19 has no helper)
+        w.add_array(f"{w.arch}.attention.recurrent_layers", [t == "linear_attention" for t in c["layer_types"]])
+
+
+def full_attention_interval(c) -> int:
+    types = c.get("layer_types") or []
+    return types.index("full_attention") + 1 if "full_attention" in types else int(c.get("full_attention_interval", 4))
+
+
+def refuse_qwen3next(adapter, c):
+    n = full_attention_interval(c)
+    want = ["full_attention" if (L + 1) % n == 0 else "linear_attention" for L in range(adapter.num_layers)]
+    if list(c.get("layer_types") or want) != want:
+        return (
+            "llama.cpp's {arch} graph puts full attention on every "
+            "full_attention_interval-th layer, but this checkpoint's layer_types differ"
+        )
+    return None
+
+
+def hp_qwen35moe(w, adapter, c):
+    """Qwen3.5 / 3.6-MoE's text model: Qwen3-Next's keys and interleaved M-RoPE's four sections (the config's,
+    zero-padded, else [11, 11, 10, 0] as llama.cpp's converter writes when a checkpoint omits them; a text token has
+    one position in each, so they do not change its logits)."""
+    hp_qwen3next(w, adapter, c)
+    sections = rope_parameters(c).get("mrope_section") or [11, 11, 10]
+    w.add_rope_dimension_sections(([int(s) for s in sections] + [0, 0, 0, 0])[:4])
+
+
+def hp_jamba(w, adapter, c):
+    """Jamba: attention layers are those with key / value heads (a per-layer list, every attn_layer_period-th from
+    attn_layer_offset), the others Mamba layers sized by the ssm keys; MoE layers are the ones holding a router."""
+    n_kv = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    period, offset = int(c["attn_layer_period"]), int(c["attn_layer_offset"])
+    kv_heads = [n_kv if L % period == offset else 0 for L in range(adapter.num_layers)]
+    gqa_heads(w, adapter, c, kv_heads=kv_heads)
+    w.add_feed_forward_length(int(c["intermediate_size"]))
+    w.add_ssm_conv_kernel(int(c["mamba_d_conv"]))
+    w.add_ssm_inner_size(int(c["mamba_expand"]) * adapter.hidden)
+    w.add_ssm_state_size(int(c["mamba_d_state"]))
+    w.add_ssm_time_step_rank(int(c["mamba_dt_rank"]))
+
+
+def hp_nemotron_h(w, adapter, c):
+    """Nemotron-H: each layer is Mamba-2, attention, an MLP or an MoE (layers_block_type); attention layers are told
+    by their key / value heads and MLP layers by their width (per-layer lists), the Mamba-2 sizes as the ssm keys."""
+    kinds = c["layers_block_type"]
+    n_kv = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    ff = {"mlp": int(c["intermediate_size"]), "moe": adapter.expert_intermediate}
+    hp_moe(w, adapter, c, kv_heads=[n_kv if k in ("attention", "full_attention") else 0 for k in kinds])
+    w.add_feed_forward_length([ff.get(k, 0) for k in kinds])
+    w.add_ssm_conv_kernel(int(c["conv_kernel"]))
+    w.add_ssm_inner_size(int(c["mamba_num_heads"]) * int(c["mamba_head_dim"]))
+    w.add_ssm_state_size(int(c["ssm_state_size"]))
+    w.add_ssm_time_step_rank(int(c["mamba_num_heads"]))
+    w.add_ssm_group_count(int(c.get("n_groups") or 1))
+    w.add_layer_norm_eps(float(c.get("layer_norm_epsilon", 1e-5)))
+
+
+def gating(w, r):
+    import gguf
+
+    w.add_expert_gating_func(
+        gguf.ExpertGatingFuncType.SIGMOID if r.scoring == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX
+    )
+    if r.groups > 1 and r.topk_groups < r.groups:  # all groups kept = no group limit (llama.cpp wants used < count)
+        w.add_expert_group_count(r.groups)
+        w.add_expert_group_used_count(r.topk_groups)
+
+
+def no_refusal(adapter, c):
+    return None
+
+
+def refuse_qwen2moe(adapter, c):
+    if c.get("norm_topk_prob"):
+        return (
+            "llama.cpp's qwen2moe graph does not renormalise the top-k routing weights, but this checkpoint's "
+            "config.json sets norm_topk_prob: true"
+        )
+    return refuse_dense_layers(adapter, c)
+
+
+def refuse_dense_layers(adapter, c):
+    if adapter.dense_layers:
+        return (
+            "llama.cpp's {arch} graph needs every layer to be an MoE layer; this "
+            "checkpoint has dense layers (mlp_only_layers / decoder_sparse_step)"
+        )
+    return None
+
+
+def refuse_qwen3moe(adapter, c):
+    if not adapter.routing.normalize_topk:
+        return (
+            "llama.cpp's qwen3moe graph always renormalises the top-k routing weights, but this checkpoint's "
+            "config.json sets norm_topk_prob: false"
+        )
+    return refuse_dense_layers(adapter, c)
+
+
+def refuse_qwen3vlmoe(adapter, c):
+    sections = rope_parameters(c).get("mrope_section") or []
+    half = int(c.get("head_dim") or adapter.hidden // int(c["num_attention_heads"])) // 2
+    if sum(int(s) for s in sections) != half:
+        return (
+            "llama.cpp's qwen3vlmoe graph rotates by M-RoPE sections that together fill each head's rotary half "
+            f"({half} frequencies), but this checkpoint's text config has mrope_section {sections or 'unset'}"
+        )
+    return refuse_qwen3moe(adapter, c)
+
+
+def refuse_olmoe(adapter, c):
+    if adapter.routing.normalize_topk:
+        return (
+            "llama.cpp's olmoe graph does not renormalise the top-k routing weights, but this checkpoint's "
+            "config.json sets norm_topk_prob: true"
+        )
+    if c.get("clip_qkv"):
+        return "llama.cpp's olmoe graph does not clip q / k / v, but this checkpoint's config.json sets clip_qkv"
+    return None
+
+
+def refuse_deepseek2(adapter, c):
+    moe = adapter.moe_layers
+    if moe != list(range(moe[0] if moe else adapter.num_layers, adapter.num_layers)):
+        return (
+            "llama.cpp's deepseek2 graph has dense layers only before the first MoE layer "
+            "(leading_dense_block_count); this checkpoint's moe_layer_freq interleaves them"
+        )
+    if c.get("rope_interleave") is False:
+        return (
+            "llama.cpp's deepseek2 graph rotates interleaved rope pairs (DeepSeek's own weight order), but this "
+            "checkpoint's config.json sets rope_interleave: false"
+        )
+    r = adapter.routing
+    if adapter.model_type == "deepseek_v2":
+        if r.groups > 1 and r.topk_groups < r.groups:
+            return (
+                "llama.cpp's deepseek2 graph ranks expert groups by the sum of their two best scores (DeepSeek-V3's "
+                "rule), but this DeepSeek-V2 checkpoint routes with group_limited_greedy (the best score)"
+            )
+        if r.normalize_topk:
+            return (
+                "transformers' DeepSeek-V2 does not renormalise the top-k weights, but this checkpoint's "
+                "config.json sets norm_topk_prob: true; the GGUF could not match it"
+            )
+    return None
+
+
+def refuse_openai_moe(adapter, c):
+    if float(c.get("swiglu_limit", 7.0)) != 7.0 or float(c.get("swiglu_alpha", 1.702)) != 1.702:
+        return "llama.cpp's openai-moe graph fixes SwiGLU's alpha 1.702 and limit 7.0; this config.json differs"
+    types = c.get("layer_types") or []
+    want = ["sliding_attention" if L % 2 == 0 else "full_attention" for L in range(adapter.num_layers)]
+    if types and list(types) != want:
+        return (
+            "llama.cpp's openai-moe graph puts sliding-window attention on even layers and full attention on odd "
+            "ones; this config.json's layer_types differ"
+        )
+    return None
+
+
+def refuse_interleaved_dense(adapter, c):
+    moe = adapter.moe_layers
+    if moe != list(range(moe[0] if moe else adapter.num_layers, adapter.num_layers)):
+        return (
+            f"llama.cpp's {{arch}} graph has dense layers only before the first MoE layer "
+            f"(leading_dense_block_count), but this checkpoint's MoE layers are {moe}"
+        )
+    return None
+
+
+def first(*checks):
+    def refuses(adapter, c):
+        return next((why for why in (check(adapter, c) for check in checks) if why), None)
+
+    return refuses
+
+
+def refuse_dots1(adapter, c):
+    n_head, n_kv = int(c["num_attention_heads"]), int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    if n_kv != n_head:
+        return (
+            f"llama.cpp's dots1 graph takes as many key / value heads as query heads (dots.llm1's own attention), but "
+            f"this checkpoint's config.json has {n_kv} key / value heads for {n_head} query heads"
+        )
+    return None
+
+
+def refuse_ernie(adapter, c):
+    end = c.get("moe_layer_end_index")
+    if end is not None and 0 <= int(end) < adapter.num_layers - 1:
+        return (
+            "llama.cpp's ernie4_5-moe graph has MoE layers up to the last one, but this checkpoint's config.json "
+            f"ends them at moe_layer_end_index {end}"
+        )
+    return None
+
+
+def refuse_lfm2(adapter, c):
+    if not c.get("tie_word_embeddings", True):
+        return (
+            "llama.cpp's lfm2moe graph computes the logits with the token embeddings (tied, as LFM2 ships), but this "
+            "checkpoint's config.json sets tie_word_embeddings: false"
+        )
+    return None
+
+
+def refuse_nemotron_h(adapter, c):
+    if "mlp" in c.get("layers_block_type", []):
+        return (
+            "llama.cpp's nemotron_h_moe graph takes Mamba-2, attention and MoE layers, but this checkpoint's "
+            "layers_block_type has dense MLP layers"
+        )
+    return None

@@ -10,6 +10,7 @@ the *marginal* seconds per decoder layer come out without start-up costs:
   moequant-selective   recipes/selective.yaml (budget 5.5 bits over int8 / int4-g128: calibrate, plan,
                        quantize)
   moequant-fp8         recipes/uniform-fp8.yaml (per-channel FP8, round-to-nearest: no forward at all)
+  moequant-rtn         recipes/uniform-int4.yaml at int4-g128, round-to-nearest (no forward at all)
   llmc-gptq            llm-compressor 0.14 oneshot + GPTQModifier W4A16 int4-g128 on the routed experts
                        (the same tensors), saved compressed
 
@@ -45,12 +46,13 @@ from measure import peak_rss_bytes  # benchmarks/measure.py (the script's own di
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "data" / "configs"
-TOOLS = ("moequant-gptq", "moequant-selective", "moequant-fp8", "llmc-gptq")
+TOOLS = ("moequant-gptq", "moequant-selective", "moequant-fp8", "moequant-rtn", "llmc-gptq")
 RECIPES = {
     "moequant-gptq": ("uniform-int4.yaml", ["formats.int4.group_size=128"]),
     # the probe is off by default past 2e9 routed-expert parameters (Qwen3-30B-A3B has 29e9): as there
     "moequant-selective": ("selective.yaml", ["formats.int4.group_size=128", "calibration.probe_samples=0"]),
     "moequant-fp8": ("uniform-fp8.yaml", []),
+    "moequant-rtn": ("uniform-int4.yaml", ["formats.int4.group_size=128", "algorithms.int4=rtn"]),
 }
 
 
@@ -334,7 +336,13 @@ def main() -> None:
         _write_json(Path(a.json), results)
 
 
-OUTPUT_BITS = {"moequant-gptq": 4.25, "moequant-selective": 5.5, "moequant-fp8": 8.1, "llmc-gptq": 4.25}
+OUTPUT_BITS = {
+    "moequant-gptq": 4.25,
+    "moequant-selective": 5.5,
+    "moequant-fp8": 8.1,
+    "moequant-rtn": 4.25,
+    "llmc-gptq": 4.25,
+}
 SOURCE_BITS = {"bf16": 16.0, "fp8-block": 8.1}
 
 
@@ -426,15 +434,16 @@ def print_table(results: dict, tools, layer_counts) -> None:
                 + ", ".join(f"L{L}={v:.1f}" for L, v in sorted(r["layer_seconds"].items(), key=lambda kv: int(kv[0])))
             )
     print_stages(results, tools, counts)
-    fp8 = [(n, runs[f"moequant-fp8@{n}"]) for n in counts if "timings" in runs.get(f"moequant-fp8@{n}", {})]
-    if len(fp8) > 1:
-        work = [(mb[n] / 1e9, pass_seconds(r["timings"])) for n, r in fp8]
-        seconds_per_gb, _, rms = fit_per_layer(work)
-        print(
-            "  moequant-fp8: quantize pass + export " + " / ".join(f"{t:.1f}" for _, t in work) + " s: "
-            f"{1 / max(seconds_per_gb, 1e-9):.2f} GB/s of source checkpoint per added layer (least squares, "
-            f"rms {rms:.2f} s; no forward)"
-        )
+    for tool in ("moequant-fp8", "moequant-rtn"):  # the model-free plans: GB/s of source through pass + export
+        done = [(n, runs[f"{tool}@{n}"]) for n in counts if "timings" in runs.get(f"{tool}@{n}", {})]
+        if len(done) > 1:
+            work = [(mb[n] / 1e9, pass_seconds(r["timings"])) for n, r in done]
+            seconds_per_gb, _, rms = fit_per_layer(work)
+            print(
+                f"  {tool}: quantize pass + export " + " / ".join(f"{t:.1f}" for _, t in work) + " s: "
+                f"{1 / max(seconds_per_gb, 1e-9):.2f} GB/s of source checkpoint per added layer (least squares, "
+                f"rms {rms:.2f} s; no forward)"
+            )
 
 
 OUTSIDE_PASS = ("setup", "calibrate", "plan", "evaluate", "report", "other")  # every other stage is the pass's

@@ -87,7 +87,10 @@ def plan_stage(run: Run, stats_dir: Path | None, settings: CalibrationSettings):
     """Make the plan; rewrite OUTPUT/plan.json only when its content changes (so a rerun reuses it).
     Returns (the plan, whether plan.json was reused)."""
     plan_path = run.directory / "plan.json"
-    plan = run.plan if stats_dir is None and run.plan is not None else make_plan(run.recipe, run.source, stats_dir)
+    if stats_dir is None and run.plan is not None:
+        plan = run.plan
+    else:
+        plan = make_plan(run.recipe, run.source, stats_dir, run.plan_shapes)
     plan.run_fingerprint = run_fingerprint(run.recipe, run.source, settings, plan)
     if plan_path.exists():
         try:
@@ -355,7 +358,8 @@ def run_plan(recipe_path=None, model=None, output=None, overrides=(), stats=None
     recipe = resolve_recipe(recipe_path, model, output, overrides)
     out = Path(recipe.output)
     ckpt = open_checkpoint(recipe.model)
-    check_recipe(recipe, ckpt)  # what shapes alone refuse, before the directory is touched
+    run = Run(recipe, ckpt, out, device)
+    check_recipe(recipe, ckpt, run)  # what shapes alone refuse, before the directory is touched; planned once
     stats_dir = Path(stats) if stats else out / "stats"
     found = (stats_dir / "summary.json").exists()
     if not found and (stats or needs_statistics(recipe)):
@@ -365,7 +369,10 @@ def run_plan(recipe_path=None, model=None, output=None, overrides=(), stats=None
             f"{' ' + same if same else ''}` first (it writes them there), or pass --stats DIR."
         )
     with output_lock(out, "plan"):
-        plan = make_plan(recipe, ckpt, stats_dir if found else None)
+        if not found and run.plan is not None:
+            plan = run.plan
+        else:
+            plan = make_plan(recipe, ckpt, stats_dir if found else None, run.plan_shapes)
         plan.run_fingerprint = run_fingerprint(recipe, ckpt, calibration_settings(recipe, device, ckpt=ckpt), plan)
         return plan, write_plan(plan, out / "plan.json")
 

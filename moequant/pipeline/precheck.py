@@ -49,7 +49,7 @@ def check_recipe(recipe, ckpt, run=None) -> list[str]:
     from moequant import parallel
     from moequant.algorithms.registry import algorithm
     from moequant.layouts import layout_for, layout_refusal
-    from moequant.plan.policy import check_plan, make_plan
+    from moequant.plan.policy import check_plan, make_plan, plan_shapes
     from moequant.plan.recipe import resolve_format
     from moequant.plan.rules import needs_statistics
     from moequant.targets import get_target
@@ -89,7 +89,10 @@ def check_recipe(recipe, ckpt, run=None) -> list[str]:
         run.plan = make_plan(recipe, ckpt, None)  # the shapes decide it all: the plan stage takes this one
         notes = list(run.plan.notes)
     else:
-        notes = check_plan(recipe, ckpt)
+        shapes = plan_shapes(recipe, ckpt)
+        notes = check_plan(recipe, ckpt, shapes)
+        if run is not None:  # the plan stage starts from them (make_plan makes its own for another recipe)
+            run.plan_shapes = shapes
     # what the algorithms refuse, for this model and under torchrun (last: the plan's checks say more); an
     # algorithm the recipe names but no format uses is asked about the model alone
     used = {recipe.algorithm_for(spec.name) for spec in specs if spec.quantized}

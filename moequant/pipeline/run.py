@@ -30,6 +30,7 @@ from moequant.io.run_lock import output_lock
 if TYPE_CHECKING:
     from moequant.arch import Adapter
     from moequant.plan.model import Plan
+    from moequant.plan.policy import PlanShapes
     from moequant.plan.recipe import Recipe
 
 
@@ -46,6 +47,7 @@ class Run:
     output: Checkpoint | Path | None = None  # OUTPUT/checkpoint once exported, opened once (GGUF: its directory)
     overwrite: bool = False  # statistics of other settings in OUTPUT/stats may be replaced (--overwrite)
     plan: Plan | None = None  # the precheck's plan when the recipe reads no statistics (the plan stage's, then)
+    plan_shapes: PlanShapes | None = None  # else the shape part of the plan the precheck checked (policy.plan_shapes)
 
     @property
     def adapter(self) -> Adapter:

@@ -173,8 +173,17 @@ class PlanContext:
         # (layer, proj) -> loss scale, from the per-layer KL probe, when usable
         self.layer_scale: dict[tuple[int, str], float] | None = None
         self.probe_info: dict | None = None
-        if stats is not None:
-            self.layer_scale, self.probe_info = _probe_scales(self)
+        self.use_stats(stats)
+
+    def use_stats(self, stats) -> None:
+        """Plan from these statistics (or None) from now on: what was looked up before is forgotten, but for the
+        bytes, which shapes alone decide (the precheck's context is the plan stage's: policy.PlanShapes)."""
+        self.stats = stats
+        self._usage.clear()
+        self._loss.clear()
+        self._sensitivity.clear()
+        self.unfit.clear()
+        self.layer_scale, self.probe_info = _probe_scales(self) if stats is not None else (None, None)
 
     def nbytes(self, spec, t) -> int:
         """Bytes of tensor `t` (a TensorInfo / TensorPlan) in `spec`, as the export layout writes them."""

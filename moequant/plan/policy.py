@@ -1,6 +1,7 @@
 """The policy engine: recipe + calibration statistics -> one format per tensor (plan.json).
 
-make_plan builds a plan, check_plan refuses before calibration what shapes alone decide. By concern,
+make_plan builds a plan, check_plan refuses before calibration what shapes alone decide; both start from
+plan_shapes' PlanShapes, which the precheck makes once and the plan stage reuses. By concern,
 beside it in moequant.plan: the planning context and the statistics readers with the predicted loss
 (context), what each serving target allows (serving), keep / rules / uniform (rules), the budget
 (budget, over the option tables of options and the knapsack of solver), the summary dict and its text
@@ -23,43 +24,70 @@ from moequant.plan.summary import plan_summary
 from moequant.targets import get_target
 
 
-def make_plan(recipe: Recipe, checkpoint_or_tensors, stats=None) -> Plan:
+def make_plan(recipe: Recipe, checkpoint_or_tensors, stats=None, shapes: PlanShapes | None = None) -> Plan:
     """Decide a format for every tensor.
 
     checkpoint_or_tensors: an open checkpoint (its adapter classifies the tensors), or a list of
     TensorInfo / (name, role, layer, expert, proj, shape) tuples. stats: a loaded statistics
     object, a statistics directory, or None (allowed for uniform plans and layer-only rules).
+    shapes: check_plan's PlanShapes of this recipe and model, reused instead of made again.
     """
-    return _make_plan(recipe, checkpoint_or_tensors, loaded_stats(stats), shapes_only=False)
+    if shapes is None or shapes.recipe is not recipe:
+        shapes = plan_shapes(recipe, checkpoint_or_tensors)
+    return _make_plan(recipe, shapes, loaded_stats(stats), shapes_only=False)
 
 
-def check_plan(recipe: Recipe, checkpoint_or_tensors) -> list[str]:
+def check_plan(recipe: Recipe, checkpoint_or_tensors, shapes: PlanShapes | None = None) -> list[str]:
     """Refuse, before any calibration, what the recipe and the tensor shapes alone decide: an
     infeasible budget (the smallest plan is known from shapes), a format that cannot hold a tensor,
     a format the target cannot serve, keep entries the target cannot serve. Returns the plan's notes
-    (e.g. a candidate not offered to some layers, and why). Reads no weights or statistics."""
-    return _make_plan(recipe, checkpoint_or_tensors, None, shapes_only=True)
+    (e.g. a candidate not offered to some layers, and why). Reads no weights or statistics. shapes: the
+    recipe's PlanShapes when the caller keeps them for make_plan (plan_shapes)."""
+    return _make_plan(recipe, shapes or plan_shapes(recipe, checkpoint_or_tensors), None, shapes_only=True)
 
 
-def _make_plan(recipe: Recipe, checkpoint_or_tensors, stats, shapes_only: bool):
-    """make_plan, or with shapes_only the checks of check_plan (its notes returned, no plan)."""
+@dataclasses.dataclass
+class PlanShapes:
+    """What a plan takes from the recipe and the tensors' shapes alone, made once: the precheck's shape checks
+    and the plan stage's plan both start from it (the context's byte lookups too)."""
+
+    recipe: Recipe
+    tensors: list[TensorInfo]
+    ctx: PlanContext  # without statistics until the plan stage attaches them
+    non_expert_spec: object
+    plans: list[TensorPlan]  # the non-routed tensors' plans at non_experts.format (the plan takes copies)
+    kept_experts: dict
+    notes: list[str]  # what checking the kept experts said
+
+
+def plan_shapes(recipe: Recipe, checkpoint_or_tensors) -> PlanShapes:
+    """The shape part of a plan (PlanShapes): tensors, their context, the non-routed tensors' plans, the kept
+    experts. Refuses a model without routed experts and keep entries the target cannot serve."""
     config = None
     if hasattr(checkpoint_or_tensors, "keys") and hasattr(checkpoint_or_tensors, "shape"):
         tensors = tensors_from_checkpoint(checkpoint_or_tensors)
         config = checkpoint_or_tensors.config
     else:
         tensors = as_tensor_infos(checkpoint_or_tensors)
-    ctx = PlanContext(recipe, tensors, stats, config)
-    target = recipe.target
-    notes: list[str] = []
+    ctx = PlanContext(recipe, tensors, None, config)
     if not ctx.experts:
         raise UserError(f"model {recipe.model} has no routed expert weights for moequant to plan.")
-
-    # Non-routed tensors: fixed formats.
     non_expert_spec = resolve_format(recipe, recipe.non_experts.format)
     plans = _non_expert_plans(ctx, recipe, tensors, non_expert_spec)
     kept_experts = kept_routed_experts(recipe, tensors)
+    notes: list[str] = []
     check_kept_experts(ctx, recipe, kept_experts, notes)
+    return PlanShapes(recipe, tensors, ctx, non_expert_spec, plans, kept_experts, notes)
+
+
+def _make_plan(recipe: Recipe, shapes: PlanShapes, stats, shapes_only: bool):
+    """make_plan from the shape part, or with shapes_only the checks of check_plan (its notes returned, no plan)."""
+    ctx = shapes.ctx
+    ctx.use_stats(stats)
+    tensors, non_expert_spec, kept_experts = shapes.tensors, shapes.non_expert_spec, shapes.kept_experts
+    target = recipe.target
+    notes = list(shapes.notes)
+    plans = [dataclasses.replace(p) for p in shapes.plans]  # the budget may move some to other formats
     free = [e for e in sorted(ctx.experts) if e not in kept_experts]
     sizes = _byte_sizes(ctx, plans, kept_experts)
 

@@ -292,6 +292,7 @@ CONFIG_REFUSED = {
     "glm4_moe_lite": "dense layers only before the first MoE layer",
     "exaone_moe": "dense layers only before the first MoE layer",
     "nemotron_h": "has dense MLP layers",
+    "glm_moe_dsa": "dense layers only before the first MoE layer",
 }
 
 
@@ -306,3 +307,20 @@ def test_what_gguf_does_not_write_is_refused_by_the_precheck_in_one_sentence(mod
     assert why and "\n" not in why and ". " not in why, why
     assert model_type in why or CONFIG_REFUSED.get(model_type, "?") in why, why
     assert (model_type in REFUSED) == ("GGUF export does not write" in why), why
+
+
+@pytest.mark.parametrize("head", [32, 96, 64, 128])
+def test_glm5_indexer_heads_llama_cpp_cannot_rotate_are_refused(head):
+    """llama.cpp's glm-dsa graph multiplies each indexer head by an orthonormal Hadamard matrix as wide as the largest
+    power of two (64 at least) dividing it: GLM-5's config with indexer heads of 32 or 96 is refused in one sentence,
+    64 and GLM-5's 128 are written."""
+    from moequant.formats import get_format
+    from moequant.layouts import layout_refusal
+
+    config = families.tiny_family_config("glm_moe_dsa").to_dict()
+    config.update(families.GGUF_OVERRIDES["glm_moe_dsa"][1], index_head_dim=head, model_type="glm_moe_dsa")
+    why = layout_refusal("gguf", get_format("q4_k"), "llama.cpp", adapter_for(config))
+    if head in (64, 128):
+        assert why is None, why
+    else:
+        assert why and "\n" not in why and ". " not in why and f"index_head_dim is {head}" in why, why

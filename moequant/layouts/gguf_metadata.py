@@ -124,10 +124,11 @@ def hp_glm_dsa(w, adapter, c):
     """GLM-5 (glm-dsa): deepseek2's MLA and MoE keys, the lightning indexer's sizes and top-k, and which layers run
     their own indexer (`indexer.types`, true = full; a shared layer reuses the last full layer's top-k)."""
     hp_deepseek2(w, adapter, c)
-    w.add_indexer_head_count(int(c["index_n_heads"]))
-    w.add_indexer_key_length(int(c["index_head_dim"]))
-    w.add_indexer_top_k(int(c["index_topk"]))
-    types = c.get("indexer_types") or ["full"] * adapter.num_layers
+    d = {**adapter.config, **c}  # transformers' defaults too: indexer_types from index_topk_freq / _pattern if unset
+    w.add_indexer_head_count(int(d["index_n_heads"]))
+    w.add_indexer_key_length(int(d["index_head_dim"]))
+    w.add_indexer_top_k(int(d["index_topk"]))
+    types = d.get("indexer_types") or ["full"] * adapter.num_layers
     w.add_array(f"{w.arch}.attention.indexer.types", [t == "full" for t in types])  # gguf-py 0.19 has no helper
 
 
@@ -135,7 +136,7 @@ def refuse_indexer_head(adapter, c):
     """llama.cpp rotates the indexer's queries and keys by an orthonormal Hadamard matrix as wide as the largest power
     of two (64 at least) dividing the head, multiplied with the whole head: only a power-of-two head of 64 or more
     fits (GLM-5's is 128); the rotation leaves the indexer's scores as transformers computes them."""
-    head = int(c.get("index_head_dim") or 0)
+    head = int({**adapter.config, **c}.get("index_head_dim") or 0)
     if head < 64 or head & (head - 1):
         return (
             "llama.cpp's {arch} graph rotates the indexer's heads by a Hadamard matrix whose width must be a power of "

@@ -228,6 +228,13 @@ GGUF_OVERRIDES: dict[str, tuple[str, dict]] = {
     # one MoE layer (here and below): a random sigmoid router has near ties that llama.cpp's 8-bit activations in the
     # quantized layers before it flip (tests/test_gguf_archs.py's DeepSeek-V3 has one too)
     "glm4_moe_lite": ("dense layers first", {"mlp_layer_types": ["dense", "dense", "dense", "sparse"]}),
+    # GLM-5's: three dense layers first, then MoE layers; 32 indexer heads of 128 (llama.cpp's Hadamard rotation takes
+    # power-of-two widths of 64 or more; with 2 heads many index scores are exactly 0, all heads' ReLU at 0, and
+    # top-k's ties break apart); the indexer's top-k (16) below the test's texts, so the selection acts
+    "glm_moe_dsa": (
+        "dense layers first, indexer heads of a power-of-two width of 64 or more (128)",
+        {"mlp_layer_types": ["dense", "dense", "dense", "sparse"], "index_head_dim": 128, "index_n_heads": 32},
+    ),
     "qwen3_next": (
         "full attention every full_attention_interval-th layer",
         {"layer_types": ["linear_attention"] * 3 + ["full_attention"]},

@@ -292,6 +292,7 @@ CONFIG_REFUSED = {
     "glm4_moe_lite": "dense layers only before the first MoE layer",
     "exaone_moe": "dense layers only before the first MoE layer",
     "nemotron_h": "has dense MLP layers",
+    "glm_moe_dsa": "dense layers only before the first MoE layer",
 }
 
 
@@ -306,3 +307,66 @@ def test_what_gguf_does_not_write_is_refused_by_the_precheck_in_one_sentence(mod
     assert why and "\n" not in why and ". " not in why, why
     assert model_type in why or CONFIG_REFUSED.get(model_type, "?") in why, why
     assert (model_type in REFUSED) == ("GGUF export does not write" in why), why
+
+
+@pytest.mark.parametrize("head", [32, 96, 64, 128])
+def test_glm5_indexer_heads_llama_cpp_cannot_rotate_are_refused(head):
+    """llama.cpp's glm-dsa graph multiplies each indexer head by an orthonormal Hadamard matrix as wide as the largest
+    power of two (64 at least) dividing it: GLM-5's config with indexer heads of 32 or 96 is refused in one sentence,
+    64 and GLM-5's 128 are written."""
+    from moequant.formats import get_format
+    from moequant.layouts import layout_refusal
+
+    config = families.tiny_family_config("glm_moe_dsa").to_dict()
+    config.update(families.GGUF_OVERRIDES["glm_moe_dsa"][1], index_head_dim=head, model_type="glm_moe_dsa")
+    why = layout_refusal("gguf", get_format("q4_k"), "llama.cpp", adapter_for(config))
+    if head in (64, 128):
+        assert why is None, why
+    else:
+        assert why and "\n" not in why and ". " not in why and f"index_head_dim is {head}" in why, why
+
+
+def test_glm5_indexer_layers_are_written_as_transformers_resolves_them(tmp_path, monkeypatch):
+    """A GLM-5.x config.json may name the layers that reuse the last full layer's top-k by index_topk_pattern (or
+    index_topk_freq / index_skip_topk_offset) instead of indexer_types: the GGUF's attention.indexer.types is
+    transformers' resolution of them (what llama.cpp's converter writes: it reads the config through transformers)."""
+    import json
+
+    from transformers import AutoConfig
+
+    monkeypatch.setitem(families.OVERRIDES, "glm_moe_dsa", families.GGUF_OVERRIDES["glm_moe_dsa"][1])
+    source = build_family("glm_moe_dsa", tmp_path / "src")
+    config = json.loads((source / "config.json").read_text())
+    del config["indexer_types"]
+    config["index_topk_pattern"] = "FFSF"
+    (source / "config.json").write_text(json.dumps(config))
+    out = export_checkpoint(source, {}, tmp_path / "f32", layout="gguf", target="llama.cpp", gguf_float="f32")
+    field = gguf.GGUFReader(out / "model.gguf").fields["glm-dsa.attention.indexer.types"]
+    want = [t == "full" for t in AutoConfig.from_pretrained(source).indexer_types]
+    assert [bool(x) for x in field.contents()] == want == [True, True, False, True]
+
+
+@pytest.mark.slow
+def test_glm5_indexer_top_k_in_llama_cpp_with_an_f32_cache_is_transformers(llama, tmp_path, monkeypatch):
+    """llama.cpp keeps the indexer's keys in the KV cache's type: with an F32 cache GLM-5's F32 file gives
+    transformers' logits at every position (KL <= 1e-6: every top-k choice the same, shared layers included), where
+    the default F16 cache's rounding flips a near-tied choice (test_llama_cpp_runs_the_family: 3.6e-5, measured). The
+    selection acts: transformers without it (index_topk over the texts' length) is far off."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    source = decisive_family("glm_moe_dsa", tmp_path / "src", monkeypatch)
+    tok = Tokenizer.from_file(str(source / "tokenizer.json"))
+    ids = [tok.encode(t).ids[:64] for t in _texts()[:3]]
+    assert json.loads((source / "config.json").read_text())["index_topk"] < max(len(i) for i in ids)
+    f32 = export_checkpoint(source, {}, tmp_path / "f32", layout="gguf", target="llama.cpp", gguf_float="f32")
+    base = _logits(_reference(source, {}, {}, tmp_path / "r0"), ids)
+    (got,) = V.logits([f32 / "model.gguf"], ids, cache="f32")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "index_topk": 4096}))
+    unselected = _logits(_reference(source, {}, {}, tmp_path / "r1"), ids)
+    kl, kl_unselected = _kl(base, got), _kl(base, unselected)
+    print(f"glm_moe_dsa: F32 cache KL {kl:.2e}; transformers without the top-k selection {kl_unselected:.2e}")
+    assert kl <= 1e-6
+    assert kl_unselected > 1e-2

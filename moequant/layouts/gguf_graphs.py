@@ -29,6 +29,14 @@ llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants, its l
   routed_scaling_factor, `expert_weights_norm`, groups as `expert_group_count` / `_used_count` ranked
   by the sum of each group's two best scores (V3's rule; V2's group_limited_greedy ranks by the best
   one: refused), shared experts `ffn_*_shexp` of width n_ff_exp * n_shared;
+- glm-dsa (GLM-5): deepseek2's MLA (kv_b_proj split alike) and MoE keys plus the lightning indexer as gguf-py names
+  it (`indexer.attn_q_b`, `indexer.attn_k`, `indexer.k_norm` weight and bias, `indexer.proj`), written as they are on
+  disk (its rope, interleaved over the head's first qk_rope dims, is transformers'), `attention.indexer.{head_count,
+  key_length,top_k}` and `attention.indexer.types` (a bool a layer, true = full; a shared layer reuses the last full
+  layer's top-k, as transformers' indexer_types); the graph rotates the indexer's q / k by an orthonormal Hadamard
+  matrix as wide as the largest power of two (64 at least) dividing the head, so only power-of-two heads of 64 or
+  more run (GLM-5's: 128); its indexer keys sit in the K cache's type (F16 by default), whose rounding can flip a
+  near-tied top-k choice;
 - glm4moe (GLM-4.5 ... 4.7, Solar-Open), minimax-m2, ernie4_5-moe, hunyuan-moe, dots1, lfm2moe and
   GLM-4.7-Flash (deepseek2) read their MoE keys from `meta.hp_moe`; ernie4_5-moe also interleave_moe_layer_step;
   dots1 takes as many key / value heads as query heads; lfm2moe computes the logits with the embeddings
@@ -223,6 +231,12 @@ GRAPHS: dict[str, Graph] = {
     "mistral4": Graph(
         "mistral4", meta.hp_deepseek2, meta.refuse_deepseek2, splits=_DEEPSEEK2.splits
     ),  # deepseek2's graph
+    "glm_moe_dsa": Graph(  # GLM-5: deepseek2's MLA with the lightning indexer
+        "glm-dsa",
+        meta.hp_glm_dsa,
+        meta.first(meta.refuse_deepseek2, meta.refuse_indexer_head),
+        splits=_DEEPSEEK2.splits,
+    ),
     "solar_open": Graph("glm4moe", meta.hp_moe, meta.refuse_interleaved_dense),
     "glm4v_moe": Graph("glm4moe", meta.hp_glm4v, meta.refuse_interleaved_dense),
     "exaone_moe": Graph("exaone-moe", meta.hp_swa, meta.refuse_interleaved_dense),
@@ -285,7 +299,6 @@ REFUSED: dict[str, str] = {
     **{
         mt: f"llama.cpp's {arch} graph needs {what}, which GGUF export does not write yet"
         for mt, arch, what in (
-            ("glm_moe_dsa", "glm-dsa", "its MLA and indexer tensors in a layout (a ggml shape check fails on ours)"),
             ("afmoe", "afmoe", "its gated attention and AFMoE's own norms and routing worked out"),
             (
                 "mimo_v2_flash",

@@ -120,6 +120,31 @@ def hp_deepseek2(w, adapter, c):
         w.add_rope_scaling_yarn_log_mul(0.1 * float(mscale_all))  # llama.cpp divides it by 0.1 again
 
 
+def hp_glm_dsa(w, adapter, c):
+    """GLM-5 (glm-dsa): deepseek2's MLA and MoE keys, the lightning indexer's sizes and top-k, and which layers run
+    their own indexer (`indexer.types`, true = full; a shared layer reuses the last full layer's top-k)."""
+    hp_deepseek2(w, adapter, c)
+    d = {**adapter.config, **c}  # transformers' defaults too: indexer_types from index_topk_freq / _pattern if unset
+    w.add_indexer_head_count(int(d["index_n_heads"]))
+    w.add_indexer_key_length(int(d["index_head_dim"]))
+    w.add_indexer_top_k(int(d["index_topk"]))
+    types = d.get("indexer_types") or ["full"] * adapter.num_layers
+    w.add_array(f"{w.arch}.attention.indexer.types", [t == "full" for t in types])  # gguf-py 0.19 has no helper
+
+
+def refuse_indexer_head(adapter, c):
+    """llama.cpp rotates the indexer's queries and keys by an orthonormal Hadamard matrix as wide as the largest power
+    of two (64 at least) dividing the head, multiplied with the whole head: only a power-of-two head of 64 or more
+    fits (GLM-5's is 128); the rotation leaves the indexer's scores as transformers computes them."""
+    head = int({**adapter.config, **c}.get("index_head_dim") or 0)
+    if head < 64 or head & (head - 1):
+        return (
+            "llama.cpp's {arch} graph rotates the indexer's heads by a Hadamard matrix whose width must be a power of "
+            f"two of at least 64 (GLM-5's index_head_dim is 128), but this checkpoint's index_head_dim is {head}"
+        )
+    return None
+
+
 def hp_openai_moe(w, adapter, c):
     gqa_heads(w, adapter, c)
     w.add_feed_forward_length(adapter.expert_intermediate)
@@ -316,12 +341,12 @@ def refuse_deepseek2(adapter, c):
     moe = adapter.moe_layers
     if moe != list(range(moe[0] if moe else adapter.num_layers, adapter.num_layers)):
         return (
-            "llama.cpp's deepseek2 graph has dense layers only before the first MoE layer "
-            "(leading_dense_block_count); this checkpoint's moe_layer_freq interleaves them"
+            "llama.cpp's {arch} graph has dense layers only before the first MoE layer "
+            f"(leading_dense_block_count), but this checkpoint's MoE layers are {moe}"
         )
     if c.get("rope_interleave") is False:
         return (
-            "llama.cpp's deepseek2 graph rotates interleaved rope pairs (DeepSeek's own weight order), but this "
+            "llama.cpp's {arch} graph rotates interleaved rope pairs (DeepSeek's own weight order), but this "
             "checkpoint's config.json sets rope_interleave: false"
         )
     r = adapter.routing

@@ -150,11 +150,13 @@ def ggml_quantize(items: list[tuple[str, np.ndarray, np.ndarray | None]]) -> lis
         return [np.load(f"{tmp}/q{i}.npy") for i in range(len(items))]
 
 
-def logits(models: list, tokens: list[list[int]]) -> list[list[np.ndarray]]:
-    """llama.cpp's logits [len, vocab] of each token sequence, for each GGUF in `models` (one process)."""
+def logits(models: list, tokens: list[list[int]], cache: str | None = None) -> list[list[np.ndarray]]:
+    """llama.cpp's logits [len, vocab] of each token sequence, for each GGUF in `models` (one process); `cache`: the
+    KV cache's type ("f32", "f16"; default llama.cpp's own, F16)."""
     with tempfile.TemporaryDirectory() as tmp:
         ops = [
-            {"op": "logits", "model": str(m), "tokens": tokens, "out": f"{tmp}/l{i}.npz"} for i, m in enumerate(models)
+            {"op": "logits", "model": str(m), "tokens": tokens, "out": f"{tmp}/l{i}.npz", "cache": cache}
+            for i, m in enumerate(models)
         ]
         run_ops(ops)
         out = []

@@ -4,7 +4,8 @@
 
 JOB: {"ops": [...]}, each op one of
   {"op": "tokenize", "model": gguf, "texts": [str]}                  -> {"tokens": [[int]]}
-  {"op": "logits", "model": gguf, "tokens": [[int]], "out": npz}     -> {"shapes": [...]} (npz: seq0, seq1, ...)
+  {"op": "logits", "model": gguf, "tokens": [[int]], "out": npz, "cache": "f32" | "f16" | absent (llama.cpp's F16)}
+                                                                     -> {"shapes": [...]} (npz: seq0, seq1, ...)
   {"op": "quantize", "src": gguf, "dst": gguf, "ftype": "Q4_K_M", "imatrix": gguf | null,
    "overrides": {pattern: "Q6_K"}, "token_embedding_type": "BF16" | null, "output_tensor_type": ... | null}
                                                                      -> {"rc": int, "imatrix_entries": int}
@@ -22,12 +23,23 @@ import sys
 import numpy as np
 
 
-def _llama(path: str, n_ctx: int = 512):
+def _llama(path: str, n_ctx: int = 512, cache: str | None = None):
     from llama_cpp import Llama
 
+    types = {} if cache is None else {"type_k": _GGML_TYPES[cache], "type_v": _GGML_TYPES[cache]}  # K and V alike
     return Llama(
-        model_path=path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, n_threads=2, verbose=False, n_gpu_layers=0
+        model_path=path,
+        n_ctx=n_ctx,
+        n_batch=n_ctx,
+        logits_all=True,
+        n_threads=2,
+        verbose=False,
+        n_gpu_layers=0,
+        **types,
     )
+
+
+_GGML_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids of the KV cache types a logits op may ask for
 
 
 def tokenize(op):
@@ -37,7 +49,7 @@ def tokenize(op):
 
 def logits(op):
     n_ctx = max(len(t) for t in op["tokens"]) + 8
-    llm = _llama(op["model"], n_ctx=max(64, n_ctx))
+    llm = _llama(op["model"], n_ctx=max(64, n_ctx), cache=op.get("cache"))
     arrays = {}
     for i, toks in enumerate(op["tokens"]):
         llm.reset()

@@ -109,12 +109,15 @@ class Graph:
     refuses: Callable = meta.no_refusal  # (adapter, config) -> why llama.cpp could not run it, or None
     transforms: tuple = ()  # (HF regex, transform): the tensor gguf-py names, written transformed
     splits: tuple = ()  # (HF regex with the layer as group 1, [(gguf MODEL_TENSOR name, transform or None)], suffix)
+    extra: Callable | None = (
+        None  # (text config) -> {GGUF name: F32 tensor}: what the graph reads beyond the checkpoint
+    )
 
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 # what llama.cpp's loader adds to gguf-py's name of a tensor stored without a suffix (the rest, like Mamba's ssm_a,
 # it reads without one)
-_SUFFIXES = {"ATTN_SINKS": ".weight", "FFN_EXP_PROBS_B": ".bias"}
+_SUFFIXES = {"ATTN_SINKS": ".weight", "FFN_EXP_PROBS_B": ".bias", "LAYER_OUT_SCALE": ".weight"}
 # as llama.cpp's converters rename them: DeepSeek's correction bias; a multimodal checkpoint's text model (transformers'
 # model.language_model., Kimi-K2.5's language_model.) under the causal LM's names
 _HF_RENAMES = (
@@ -272,6 +275,16 @@ GRAPHS: dict[str, Graph] = {
         ),
         splits=((_L + r"linear_attn\.dt_bias", [("SSM_DT", _heads_tiled)], ".bias"),),
     ),
+    "gemma4": Graph(
+        "gemma4",
+        meta.hp_gemma4,
+        meta.refuse_gemma4,
+        splits=(  # the router's input scale and its per-expert output scale, as llama.cpp's converter names them
+            (_L + r"router\.scale", [("FFN_GATE_INP", None)], ".scale"),
+            (_L + r"router\.per_expert_scale", [("FFN_DOWN_EXP", None)], ".scale"),
+        ),
+        extra=meta.gemma4_rope_freqs,
+    ),
 }
 ARCHS = {mt: g.arch for mt, g in GRAPHS.items()}  # model_type -> llama.cpp architecture
 
@@ -293,13 +306,6 @@ REFUSED: dict[str, str] = {
                 "the sliding-window layers' own head counts and sizes and attention-sink biases",
             ),
             ("kimi_linear", "kimi-linear", "the KDA linear-attention layers transformed"),
-            (
-                "gemma4",
-                "gemma4",
-                "Gemma-4's sliding and full layers' own head widths and key / value heads, its shared key / value "
-                "layers, the full layers' proportional rope (a rope_freqs tensor) and its router scales "
-                "(ffn_gate_inp.scale, ffn_down_exps.scale) worked out",
-            ),
             (
                 "unlimited_ocr",
                 "deepseek2-ocr",

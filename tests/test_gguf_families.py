@@ -325,3 +325,51 @@ def test_what_gguf_does_not_write_is_refused_by_the_precheck_in_one_sentence(mod
     assert why and "\n" not in why and ". " not in why, why
     assert model_type in why or CONFIG_REFUSED.get(model_type, "?") in why, why
     assert (model_type in REFUSED) == ("GGUF export does not write" in why), why
+
+
+_PROPORTIONAL = {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}
+# Gemma-4 configs llama.cpp's gemma4 graph cannot follow (beyond CONFIG_REFUSED's), with the refusal's words
+GEMMA4_REFUSED = [
+    (  # transformers takes it (both kinds keep a layer of their own), llama.cpp reuses layers 0 and 1 the other way
+        {
+            "num_kv_shared_layers": 2,
+            "layer_types": ["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+            "per_layer_config": {},
+        },
+        "a sliding one, then a full one",
+    ),
+    (
+        {
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                "full_attention": _PROPORTIONAL,
+            }
+        },
+        "rope_parameters have linear",
+    ),
+    (
+        {
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                "full_attention": {**_PROPORTIONAL, "factor": 8.0},
+            }
+        },
+        "sets a factor",
+    ),
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention: all"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_activation": "gelu"}, "hidden_activation is gelu"),
+]
+
+
+@pytest.mark.parametrize("change, words", GEMMA4_REFUSED, ids=[w for _, w in GEMMA4_REFUSED])
+def test_gemma4_configs_its_llama_cpp_graph_cannot_follow_are_refused_in_one_sentence(change, words, monkeypatch):
+    from moequant.formats import get_format
+    from moequant.layouts import layout_refusal
+
+    monkeypatch.setitem(families.OVERRIDES, "gemma4", {**families.OVERRIDES["gemma4"], **GEMMA4, **change})
+    monkeypatch.setitem(families.OVERRIDES["gemma4"], "vocab_size_per_layer_input", families.VOCAB)
+    config = families.tiny_family_config("gemma4").to_dict()
+    config["model_type"] = "gemma4"
+    why = layout_refusal("gguf", get_format("q4_k"), "llama.cpp", adapter_for(config))
+    assert why and "\n" not in why and ". " not in why and words in why, why

@@ -51,6 +51,14 @@ llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants, its l
   feed_forward_length, attention / embedding / residual / logit scales = attention_multiplier,
   embedding_multiplier, residual_multiplier, logits_scaling (the logits divided by it), the shared expert's
   input_linear split into ffn_gate_shexp / ffn_up_shexp; mistral4 is deepseek2's graph under its own name;
+- gemma4 (Gemma-4's text model): sliding layers of head width head_dim rotated whole at their own theta
+  (`rope.freq_base_swa`), full layers of their own width and key / value heads (per_layer_config; keys as values
+  without v_proj, attention_k_eq_v) rotated whole with `rope_freqs.weight` {width / 2} = 1 on the proportional
+  rope's rotated frequencies and 1e30 on the rest; the last `shared_kv_layers` layers reuse the keys and values of
+  layers n-2 (sliding) and n-1 (full) before them; a GELU MLP beside the experts in every layer (feed_forward_length
+  per layer, doubled in the shared ones with use_double_wide_mlp), router.scale as `ffn_gate_inp.scale`,
+  router.per_expert_scale as `ffn_down_exps.scale`, layer_scalar as `layer_output_scale.weight`, per-layer
+  embeddings (`embedding_length_per_layer_input`) looked up by token, the final logits' softcap;
 - openai-moe (gpt-oss): gate / up de-interleaved into `ffn_{gate,up}_exps` with their biases
   (`.bias` {n_ff_exp, n_expert}), `post_attention_norm`, `attn_sinks.weight`, router bias
   `ffn_gate_inp.bias`, sliding window on even layers (llama.cpp's fixed pattern), SwiGLU with

@@ -456,9 +456,7 @@ def hp_gemma4(w, adapter, c):
 
 
 def refuse_gemma4(adapter, c):
-    layers = gemma4_layers(c)
-    if len({h for swa, h, _ in layers if not swa}) > 1 or len({h for swa, h, _ in layers if swa}) > 1:
-        return "llama.cpp's gemma4 graph takes one head width for the full layers and one for the sliding ones"
+    layers = gemma4_layers(c)  # one head width per kind of layer: transformers' own rope requires it
     rope = c.get("rope_parameters") or {}
     full, sliding = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
     if sliding.get("rope_type") != "default" or full.get("rope_type") not in ("default", "proportional"):

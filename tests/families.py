@@ -244,6 +244,9 @@ GGUF_OVERRIDES: dict[str, tuple[str, dict]] = {
         "no dense MLP layers",
         {"layers_block_type": ["linear_attention", "moe", "full_attention", "linear_attention"]},
     ),
+    # the tiny model keeps Gemma-4's 262,144 per-layer embedding rows beside its 4,096 tokens; llama.cpp looks both up
+    # by token
+    "gemma4": ("per-layer embeddings over the token vocabulary", {"vocab_size_per_layer_input": VOCAB}),
     "exaone_moe": (
         "dense layers first",
         {

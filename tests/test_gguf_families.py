@@ -31,7 +31,11 @@ HEAD_SCALE: dict[str, float] = {"granitemoe": 32 * 6, "granitemoeshared": 32 * 6
 # dequantization is 3e-3 of KL (measured; its F32 file matches to 3e-7, the last layer alone to 8e-5), with routers
 # at 8x or 32x alike; the likely cause, not isolated: llama.cpp's 8-bit activations in each quantized matmul, through
 # the recurrent layers
-LAST_LAYER_ONLY = ("qwen3_next",)
+# Gemma-4 likewise (every layer's experts quantized: 2.2e-2 llama.cpp vs ours, measured; the last layer alone 8.9e-5):
+# its F32 file is 5.6e-5 from transformers through llama.cpp's F16 key / value cache (Gemma's attention is unscaled,
+# over normed keys) and ggml's GELU through an fp16 table, and 4.6e-7 with an F32 cache and transformers' GELU rounded
+# through fp16 alike (measured), so the graph computes transformers' forward; top-2 routing then amplifies those roundings
+LAST_LAYER_ONLY = ("qwen3_next", "gemma4")
 # routers whose random scores keep near ties at 8x, which llama.cpp's 8-bit activations in the quantized layers
 # before them flip (measured with every MoE layer quantized, llama.cpp vs ours: Qwen3-VL-MoE 1.3e-3 at 8x, 7.4e-5 at
 # 32x; Kimi-K2.5's sigmoid router 1.7e-3 at 8x, 8.1e-4 at 32x; tests/families.py's GGUF_OVERRIDES give GLM-4.7-Flash
@@ -46,7 +50,19 @@ GRANITE = {
     "residual_multiplier": 0.22,
     "logits_scaling": 6.0,
 }
-CHECKED = {"granitemoe": GRANITE, "granitemoeshared": {**GRANITE, "shared_intermediate_size": 128}}
+# Gemma-4 as its checkpoints differ from the tiny defaults: full layers of their own head width and key / value heads
+# (keys as values: attention_k_eq_v), the last two layers reusing layer 0's (sliding) and layer 1's (full) keys and
+# values with a twice-as-wide MLP, a window shorter than the test's texts and the final logits' softcap
+GEMMA4 = {
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "per_layer_config": {L: {"head_dim": 64, "num_key_value_heads": 1} for L in (1, 3)},
+    "attention_k_eq_v": True,
+    "num_kv_shared_layers": 2,
+    "use_double_wide_mlp": True,
+    "sliding_window": 16,
+    "final_logit_softcapping": 30.0,
+}
+CHECKED = {"granitemoe": GRANITE, "granitemoeshared": {**GRANITE, "shared_intermediate_size": 128}, "gemma4": GEMMA4}
 
 
 # the families GGUF writes beyond tests/test_gguf_archs.py's and tests/test_gguf.py's (qwen2_moe, mixtral)
@@ -86,6 +102,8 @@ def decisive_family(model_type: str, directory, monkeypatch, seed: int = 0):
                 x = x * HEAD_SCALE.get(model_type, 32)
             elif role == "router" and t.dim() == 2:
                 x = x * ROUTER_SCALE.get(model_type, 8)
+            elif name.endswith(("router.scale", "per_expert_scale", "layer_scalar")):  # Gemma-4's, ones at init
+                x = x * (0.5 + torch.rand(t.shape, generator=g))
             elif t.dim() == 1 and name.endswith("bias"):
                 x = torch.randn(t.shape, generator=g) * 0.1
             elif t.dim() == 1 and "norm" in name:
@@ -293,6 +311,7 @@ CONFIG_REFUSED = {
     "exaone_moe": "dense layers only before the first MoE layer",
     "nemotron_h": "has dense MLP layers",
     "glm_moe_dsa": "dense layers only before the first MoE layer",
+    "gemma4": "vocab_size_per_layer_input",
 }
 
 
@@ -370,3 +389,49 @@ def test_glm5_indexer_top_k_in_llama_cpp_with_an_f32_cache_is_transformers(llama
     print(f"glm_moe_dsa: F32 cache KL {kl:.2e}; transformers without the top-k selection {kl_unselected:.2e}")
     assert kl <= 1e-6
     assert kl_unselected > 1e-2
+_PROPORTIONAL = {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}
+# Gemma-4 configs llama.cpp's gemma4 graph cannot follow (beyond CONFIG_REFUSED's), with the refusal's words
+GEMMA4_REFUSED = [
+    (  # transformers takes it (both kinds keep a layer of their own), llama.cpp reuses layers 0 and 1 the other way
+        {
+            "num_kv_shared_layers": 2,
+            "layer_types": ["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+            "per_layer_config": {},
+        },
+        "a sliding one, then a full one",
+    ),
+    (
+        {
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                "full_attention": _PROPORTIONAL,
+            }
+        },
+        "rope_parameters have linear",
+    ),
+    (
+        {
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                "full_attention": {**_PROPORTIONAL, "factor": 8.0},
+            }
+        },
+        "sets a factor",
+    ),
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention: all"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_activation": "gelu"}, "hidden_activation is gelu"),
+]
+
+
+@pytest.mark.parametrize("change, words", GEMMA4_REFUSED, ids=[w for _, w in GEMMA4_REFUSED])
+def test_gemma4_configs_its_llama_cpp_graph_cannot_follow_are_refused_in_one_sentence(change, words, monkeypatch):
+    from moequant.formats import get_format
+    from moequant.layouts import layout_refusal
+
+    monkeypatch.setitem(families.OVERRIDES, "gemma4", {**families.OVERRIDES["gemma4"], **GEMMA4, **change})
+    monkeypatch.setitem(families.OVERRIDES["gemma4"], "vocab_size_per_layer_input", families.VOCAB)
+    config = families.tiny_family_config("gemma4").to_dict()
+    config["model_type"] = "gemma4"
+    why = layout_refusal("gguf", get_format("q4_k"), "llama.cpp", adapter_for(config))
+    assert why and "\n" not in why and ". " not in why and words in why, why

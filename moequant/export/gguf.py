@@ -415,13 +415,19 @@ def export_gguf(
         add_tokenizer(writer, ckpt.directory)
         order = [t for t in ("token_embd.weight", "output_norm.weight", "output.weight") if t in plan_of]
         order += sorted(t for t in plan_of if not t.startswith("blk.") and t not in order)  # output_norm.bias ...
+        extra = {n: t.numpy() for n, t in (graph.extra(c) if graph.extra else {}).items()}  # Gemma-4's rope_freqs
+        order += sorted(extra)
         for L in range(adapter.num_layers):
             order += sorted(t for t in plan_of if t.startswith(f"blk.{L}."))
             if L in adapter.moe_layers:
                 order += [f"blk.{L}.ffn_{p}_exps.weight" for p in adapter.projections]
         for target in order:
             m = re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight", target)
-            lazy, raw = experts_for(int(m[1]), m[2]) if m and target not in plan_of else tensor_for(target)
+            if target in extra:
+                arr = extra[target]
+                lazy, raw = _Lazy(arr.shape, arr.dtype, arr.nbytes, lambda arr=arr: arr), None
+            else:
+                lazy, raw = experts_for(int(m[1]), m[2]) if m and target not in plan_of else tensor_for(target)
             writer.add_tensor_info(target, lazy.shape, lazy.dtype, lazy.nbytes, raw_dtype=raw)
             writer.tensors[-1][target].tensor = lazy  # written (made) in order by write_tensors_to_file
         writer.write_header_to_file()

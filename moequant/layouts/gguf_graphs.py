@@ -59,6 +59,14 @@ llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants, its l
   feed_forward_length, attention / embedding / residual / logit scales = attention_multiplier,
   embedding_multiplier, residual_multiplier, logits_scaling (the logits divided by it), the shared expert's
   input_linear split into ffn_gate_shexp / ffn_up_shexp; mistral4 is deepseek2's graph under its own name;
+- gemma4 (Gemma-4's text model): sliding layers of head width head_dim rotated whole at their own theta
+  (`rope.freq_base_swa`), full layers of their own width and key / value heads (per_layer_config; keys as values
+  without v_proj, attention_k_eq_v) rotated whole with `rope_freqs.weight` {width / 2} = 1 on the proportional
+  rope's rotated frequencies and 1e30 on the rest; the last `shared_kv_layers` layers reuse the keys and values of
+  layers n-2 (sliding) and n-1 (full) before them; a GELU MLP beside the experts in every layer (feed_forward_length
+  per layer, doubled in the shared ones with use_double_wide_mlp), router.scale as `ffn_gate_inp.scale`,
+  router.per_expert_scale as `ffn_down_exps.scale`, layer_scalar as `layer_output_scale.weight`, per-layer
+  embeddings (`embedding_length_per_layer_input`) looked up by token, the final logits' softcap;
 - openai-moe (gpt-oss): gate / up de-interleaved into `ffn_{gate,up}_exps` with their biases
   (`.bias` {n_ff_exp, n_expert}), `post_attention_norm`, `attn_sinks.weight`, router bias
   `ffn_gate_inp.bias`, sliding window on even layers (llama.cpp's fixed pattern), SwiGLU with
@@ -117,12 +125,15 @@ class Graph:
     refuses: Callable = meta.no_refusal  # (adapter, config) -> why llama.cpp could not run it, or None
     transforms: tuple = ()  # (HF regex, transform): the tensor gguf-py names, written transformed
     splits: tuple = ()  # (HF regex with the layer as group 1, [(gguf MODEL_TENSOR name, transform or None)], suffix)
+    extra: Callable | None = (
+        None  # (text config) -> {GGUF name: F32 tensor}: what the graph reads beyond the checkpoint
+    )
 
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 # what llama.cpp's loader adds to gguf-py's name of a tensor stored without a suffix (the rest, like Mamba's ssm_a,
 # it reads without one)
-_SUFFIXES = {"ATTN_SINKS": ".weight", "FFN_EXP_PROBS_B": ".bias"}
+_SUFFIXES = {"ATTN_SINKS": ".weight", "FFN_EXP_PROBS_B": ".bias", "LAYER_OUT_SCALE": ".weight"}
 # as llama.cpp's converters rename them: DeepSeek's correction bias; a multimodal checkpoint's text model (transformers'
 # model.language_model., Kimi-K2.5's language_model.) under the causal LM's names
 _HF_RENAMES = (
@@ -286,6 +297,16 @@ GRAPHS: dict[str, Graph] = {
         ),
         splits=((_L + r"linear_attn\.dt_bias", [("SSM_DT", _heads_tiled)], ".bias"),),
     ),
+    "gemma4": Graph(
+        "gemma4",
+        meta.hp_gemma4,
+        meta.refuse_gemma4,
+        splits=(  # the router's input scale and its per-expert output scale, as llama.cpp's converter names them
+            (_L + r"router\.scale", [("FFN_GATE_INP", None)], ".scale"),
+            (_L + r"router\.per_expert_scale", [("FFN_DOWN_EXP", None)], ".scale"),
+        ),
+        extra=meta.gemma4_rope_freqs,
+    ),
 }
 ARCHS = {mt: g.arch for mt, g in GRAPHS.items()}  # model_type -> llama.cpp architecture
 
@@ -306,13 +327,6 @@ REFUSED: dict[str, str] = {
                 "the sliding-window layers' own head counts and sizes and attention-sink biases",
             ),
             ("kimi_linear", "kimi-linear", "the KDA linear-attention layers transformed"),
-            (
-                "gemma4",
-                "gemma4",
-                "Gemma-4's sliding and full layers' own head widths and key / value heads, its shared key / value "
-                "layers, the full layers' proportional rope (a rope_freqs tensor) and its router scales "
-                "(ffn_gate_inp.scale, ffn_down_exps.scale) worked out",
-            ),
             (
                 "unlimited_ocr",
                 "deepseek2-ocr",

@@ -39,7 +39,9 @@ def add_common_metadata(w, adapter, c: dict) -> None:
 
 
 def rope_parameters(c: dict) -> dict:
-    return c.get("rope_parameters") or c.get("rope_scaling") or {}
+    """The rope of the (full-attention) layers; Gemma-4 keys it by layer type, as llama.cpp's converter reads it."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    return rope.get("full_attention", rope)
 
 
 def gqa_heads(w, adapter, c: dict, rotary: float = 1.0, kv_heads=None) -> None:
@@ -430,3 +432,105 @@ def refuse_nemotron_h(adapter, c):
             "layers_block_type has dense MLP layers"
         )
     return None
+
+
+def gemma4_layers(c: dict) -> list[tuple[bool, int, int]]:
+    """Gemma-4's layers as (sliding, head width, key / value heads): the sliding ones the config's own, the full ones
+    as per_layer_config overrides them (global_head_dim, num_global_key_value_heads as transformers derives them)."""
+    overrides = {int(k): v for k, v in (c.get("per_layer_config") or {}).items()}
+    layers = []
+    for L, kind in enumerate(c["layer_types"]):
+        own = overrides.get(L, {})
+        layers.append(
+            (
+                kind == "sliding_attention",
+                int(own.get("head_dim", c["head_dim"])),
+                int(own.get("num_key_value_heads", c["num_key_value_heads"])),
+            )
+        )
+    return layers
+
+
+def hp_gemma4(w, adapter, c):
+    """Gemma-4: sliding layers of head width head_dim (rope over all of it at their own theta), full layers of their
+    own width (rope over all of it, rope_freqs leaving the proportional rope's unrotated part still), key / value heads
+    per layer, the last num_kv_shared_layers layers reusing the last sliding and full layers' keys and values, the
+    per-layer embeddings' width (0: none), a dense MLP beside the experts in every layer (twice as wide in the shared
+    layers with use_double_wide_mlp) and the final logits' softcap."""
+    layers = gemma4_layers(c)
+    full = next(h for swa, h, _ in layers if not swa)
+    swa = int(c["head_dim"])
+    w.add_head_count_kv([n for _, _, n in layers])
+    w.add_key_length(full)
+    w.add_value_length(full)
+    w.add_key_length_swa(swa)
+    w.add_value_length_swa(swa)
+    w.add_rope_dimension_count(full)
+    w.add_rope_dimension_count_swa(swa)
+    w.add_rope_freq_base_swa(float(c["rope_parameters"]["sliding_attention"]["rope_theta"]))
+    w.add_sliding_window(int(c["sliding_window"]))
+    w.add_sliding_window_pattern([s for s, _, _ in layers])
+    shared = int(c.get("num_kv_shared_layers") or 0)
+    w.add_shared_kv_layers(shared)
+    w.add_embedding_length_per_layer_input(int(c.get("hidden_size_per_layer_input") or 0))
+    ff, wide = int(c["intermediate_size"]), 2 if c.get("use_double_wide_mlp") else 1
+    w.add_feed_forward_length([ff * wide if L >= len(layers) - shared else ff for L in range(len(layers))])
+    w.add_expert_feed_forward_length(adapter.expert_intermediate)
+    if c.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(float(c["final_logit_softcapping"]))
+
+
+def refuse_gemma4(adapter, c):
+    layers = gemma4_layers(c)  # one head width per kind of layer: transformers' own rope requires it
+    rope = c.get("rope_parameters") or {}
+    full, sliding = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    if sliding.get("rope_type") != "default" or full.get("rope_type") not in ("default", "proportional"):
+        return (
+            "llama.cpp's gemma4 graph rotates the sliding layers by default rope and the full ones by default or "
+            f"proportional rope, but this checkpoint's rope_parameters have {sliding.get('rope_type')} and "
+            f"{full.get('rope_type')}"
+        )
+    if float(full.get("factor", 1.0)) != 1.0:
+        return "llama.cpp's gemma4 graph does not scale the full layers' rope, but this checkpoint's sets a factor"
+    shared = int(c.get("num_kv_shared_layers") or 0)
+    first = len(layers) - shared
+    if shared and (first < 2 or c["layer_types"][first - 2 : first] != ["sliding_attention", "full_attention"]):
+        return (
+            "llama.cpp's gemma4 graph gives the layers sharing keys and values those of the two layers before them "
+            "(a sliding one, then a full one), but this checkpoint's layer_types differ there"
+        )
+    if c.get("use_bidirectional_attention") == "all":
+        return (
+            "llama.cpp's gemma4 graph attends causally to text, but this checkpoint's config.json sets "
+            "use_bidirectional_attention: all"
+        )
+    if c.get("attention_bias"):
+        return "llama.cpp's gemma4 graph has no attention biases, but this checkpoint's config.json sets attention_bias"
+    if c.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        return (
+            "llama.cpp's gemma4 graph activates by GELU's tanh approximation, but this checkpoint's hidden_activation "
+            f"is {c.get('hidden_activation')}"
+        )
+    if c.get("hidden_size_per_layer_input") and int(c.get("vocab_size_per_layer_input") or 0) != int(c["vocab_size"]):
+        return (
+            "llama.cpp's gemma4 graph looks the per-layer embeddings up over the token vocabulary, but this "
+            f"checkpoint's vocab_size_per_layer_input {c.get('vocab_size_per_layer_input')} is not its vocab_size "
+            f"{c['vocab_size']}"
+        )
+    return None
+
+
+def gemma4_rope_freqs(c: dict):
+    """rope_freqs {full head width / 2}: 1 for the rotated frequencies, 1e30 (no rotation) for the rest of a
+    proportional rope (transformers' zero inverse frequencies), so that llama.cpp's rope over the whole head keeps
+    the unrotated dimensions where transformers has them."""
+    import torch
+
+    full = next(h for swa, h, _ in gemma4_layers(c) if not swa)
+    rope = c["rope_parameters"]["full_attention"]
+    rotated = (
+        int(float(rope.get("partial_rotary_factor", 1.0)) * full // 2)
+        if rope["rope_type"] == "proportional"
+        else full // 2
+    )
+    return {"rope_freqs.weight": torch.tensor([1.0] * rotated + [1e30] * (full // 2 - rotated), dtype=torch.float32)}

@@ -34,9 +34,9 @@ HEAD_SCALE: dict[str, float] = {"granitemoe": 32 * 6, "granitemoeshared": 32 * 6
 LAST_LAYER_ONLY = ("qwen3_next",)
 # routers whose random scores keep near ties at 8x, which llama.cpp's 8-bit activations in the quantized layers
 # before them flip (measured with every MoE layer quantized, llama.cpp vs ours: Qwen3-VL-MoE 1.3e-3 at 8x, 7.4e-5 at
-# 32x; Kimi-K2.5's sigmoid router 1.7e-3 at 8x, 8.1e-4 at 32x; tests/families.py's GGUF_OVERRIDES give GLM-4.7-Flash
-# one MoE layer for it)
-ROUTER_SCALE = {"qwen3_vl_moe": 32, "kimi_k25": 32}
+# 32x; Kimi-K2.5's sigmoid router 1.7e-3 at 8x, 8.1e-4 at 32x; MiMo-V2-Flash's sigmoid router 2.9e-3 at 8x, 5.5e-5 at
+# 32x, its F32 file 4e-7 at both; tests/families.py's GGUF_OVERRIDES give GLM-4.7-Flash one MoE layer for it)
+ROUTER_SCALE = {"qwen3_vl_moe": 32, "kimi_k25": 32, "mimo_v2_flash": 32}
 TYPES = ("q4_0", "q5_1", "q4_1", "q5_0", "q8_0")  # 32-blocks: rows of 128 hold them
 # config values the families' defaults leave at a no-op, set here so that llama.cpp must read them: Granite-3.1-MoE's
 # multipliers (the defaults are all 1.0) and GraniteMoeShared's shared expert (the default width is 0: none)
@@ -46,7 +46,13 @@ GRANITE = {
     "residual_multiplier": 0.22,
     "logits_scaling": 6.0,
 }
-CHECKED = {"granitemoe": GRANITE, "granitemoeshared": {**GRANITE, "shared_intermediate_size": 128}}
+# MiMo-V2-Flash's values narrower than its keys (192 / 128 in the checkpoint; the tiny defaults are equal) and a
+# sliding window shorter than the texts (64 tokens), so that the window and the sinks count
+CHECKED = {
+    "granitemoe": GRANITE,
+    "granitemoeshared": {**GRANITE, "shared_intermediate_size": 128},
+    "mimo_v2_flash": {"v_head_dim": 16, "sliding_window": 12},
+}
 
 
 # the families GGUF writes beyond tests/test_gguf_archs.py's and tests/test_gguf.py's (qwen2_moe, mixtral)
@@ -306,3 +312,43 @@ def test_what_gguf_does_not_write_is_refused_by_the_precheck_in_one_sentence(mod
     assert why and "\n" not in why and ". " not in why, why
     assert model_type in why or CONFIG_REFUSED.get(model_type, "?") in why, why
     assert (model_type in REFUSED) == ("GGUF export does not write" in why), why
+
+
+_MIMO_ROPE = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.334}
+# configs of a family GGUF writes that its llama.cpp graph cannot follow: (family, config.json values, refusal's words)
+GRAPH_CANNOT_FOLLOW = [
+    ("mimo_v2_flash", {"routed_scaling_factor": 2.5}, "routed_scaling_factor"),
+    ("mimo_v2_flash", {"norm_topk_prob": False}, "norm_topk_prob"),
+    ("mimo_v2_flash", {"attention_bias": True}, "attention_bias"),
+    (
+        "mimo_v2_flash",
+        {
+            "rope_parameters": {
+                "full_attention": _MIMO_ROPE,
+                "sliding_attention": {**_MIMO_ROPE, "rope_type": "linear", "factor": 2.0},
+            }
+        },
+        "unscaled rope",
+    ),
+    (
+        "mimo_v2_flash",
+        {
+            "rope_parameters": {
+                "full_attention": _MIMO_ROPE,
+                "sliding_attention": {**_MIMO_ROPE, "partial_rotary_factor": 0.5},
+            }
+        },
+        "partial_rotary_factor",
+    ),
+]
+
+
+@pytest.mark.parametrize("model_type, values, words", GRAPH_CANNOT_FOLLOW)
+def test_a_config_the_graph_cannot_follow_is_refused_in_one_sentence(model_type, values, words):
+    from moequant.formats import get_format
+    from moequant.layouts import layout_refusal
+
+    config = {**families.tiny_family_config(model_type).to_dict(), "model_type": model_type}
+    assert layout_refusal("gguf", get_format("q4_k"), "llama.cpp", adapter_for(config)) is None  # as the family ships
+    why = layout_refusal("gguf", get_format("q4_k"), "llama.cpp", adapter_for({**config, **values}))
+    assert why and "\n" not in why and ". " not in why and words in why, why

@@ -55,7 +55,10 @@ llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants, its l
   (`.bias` {n_ff_exp, n_expert}), `post_attention_norm`, `attn_sinks.weight`, router bias
   `ffn_gate_inp.bias`, sliding window on even layers (llama.cpp's fixed pattern), SwiGLU with
   alpha 1.702 / limit 7; MXFP4 experts as ggml MXFP4 blocks (e8m0 byte, then element j in the low
-  nibble of byte j and element j+16 in its high nibble).
+  nibble of byte j and element j+16 in its high nibble);
+- mimo2 (MiMo-V2-Flash): per-layer key / value heads, sliding_window_pattern, freq_base_swa, one key length, one value
+  length and one rope dimension count for all layers, attn_sinks where a layer has them (the sliding ones),
+  attention.value_scale; sigmoid routing, always renormalised, never scaled; dense layers are those without a router.
 """
 
 from __future__ import annotations
@@ -226,6 +229,7 @@ GRAPHS: dict[str, Graph] = {
     "solar_open": Graph("glm4moe", meta.hp_moe, meta.refuse_interleaved_dense),
     "glm4v_moe": Graph("glm4moe", meta.hp_glm4v, meta.refuse_interleaved_dense),
     "exaone_moe": Graph("exaone-moe", meta.hp_swa, meta.refuse_interleaved_dense),
+    "mimo_v2_flash": Graph("mimo2", meta.hp_mimo2, meta.refuse_mimo2),
     "jamba": Graph(
         "jamba",
         meta.hp_jamba,
@@ -287,11 +291,6 @@ REFUSED: dict[str, str] = {
         for mt, arch, what in (
             ("glm_moe_dsa", "glm-dsa", "its MLA and indexer tensors in a layout (a ggml shape check fails on ours)"),
             ("afmoe", "afmoe", "its gated attention and AFMoE's own norms and routing worked out"),
-            (
-                "mimo_v2_flash",
-                "mimo2",
-                "the sliding-window layers' own head counts and sizes and attention-sink biases",
-            ),
             ("kimi_linear", "kimi-linear", "the KDA linear-attention layers transformed"),
             (
                 "gemma4",

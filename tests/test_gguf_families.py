@@ -352,3 +352,23 @@ def test_a_config_the_graph_cannot_follow_is_refused_in_one_sentence(model_type,
     assert layout_refusal("gguf", get_format("q4_k"), "llama.cpp", adapter_for(config)) is None  # as the family ships
     why = layout_refusal("gguf", get_format("q4_k"), "llama.cpp", adapter_for({**config, **values}))
     assert why and "\n" not in why and ". " not in why and words in why, why
+
+
+def test_mimo_v2_flashs_hub_config_is_written_as_transformers_reads_it():
+    """MiMo-V2-Flash's config.json on the hub spells its attention as hybrid_layer_pattern, swa_rope_theta and
+    sliding_window_size, which transformers reads as its own layer_types, per-layer-type rope and a window one wider
+    (sliding_window_size + 1): the graph is written from what transformers runs, not from config.json's spelling."""
+    from moequant.layouts.gguf_graphs import graph_config, model_refusal
+
+    pattern = [0 if L == 0 or (L + 1) % 6 == 0 else 1 for L in range(12)]
+    hub = {
+        **{k: v for k, v in families.tiny_family_config("mimo_v2_flash").to_dict().items() if k != "layer_types"},
+        **{"model_type": "mimo_v2_flash", "num_hidden_layers": 12, "mlp_layer_types": None, "rope_parameters": None},
+        **{"hybrid_layer_pattern": pattern, "sliding_window": 128, "sliding_window_size": 128},
+        **{"rope_theta": 5e6, "swa_rope_theta": 1e4, "partial_rotary_factor": 0.334, "swa_num_key_value_heads": 4},
+    }
+    ad = adapter_for(hub)
+    c = graph_config(ad, hub)
+    assert c["sliding_window"] == 129
+    assert [int(t == "sliding_attention") for t in c["layer_types"]] == pattern
+    assert c["rope_parameters"]["sliding_attention"]["rope_theta"] == 1e4 and model_refusal(ad, hub) is None

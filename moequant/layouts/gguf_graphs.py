@@ -326,9 +326,24 @@ REFUSED: dict[str, str] = {
 }
 
 
+# families whose config.json transformers reads differently from its spelling: the graph is written from transformers'
+# own config, what its forward runs. MiMo-V2-Flash's hub config names hybrid_layer_pattern, swa_rope_theta and
+# sliding_window_size, which transformers replaces by its layer_types and per-layer-type rope and widens by one
+# (sliding_window 129 for a window size of 128)
+_TRANSFORMERS_CONFIG = ("mimo_v2_flash",)
+
+
 def graph_config(adapter, config: dict) -> dict:
     """The config llama.cpp's graph is written from: a multimodal checkpoint's text config (transformers' own, with
-    config.json's values) beside its top-level keys (vision_config) and model_type; a causal LM's config.json."""
+    config.json's values) beside its top-level keys (vision_config) and model_type; transformers' config of a
+    _TRANSFORMERS_CONFIG family; a causal LM's config.json."""
+    if config.get("model_type") in _TRANSFORMERS_CONFIG:
+        from transformers import AutoConfig
+
+        from moequant.arch.generic import decode_special_floats
+
+        raw = {k: v for k, v in decode_special_floats(config).items() if k != "model_type"}
+        return {**AutoConfig.for_model(config["model_type"], **raw).to_dict(), "model_type": config["model_type"]}
     if "text_config" not in config:
         return config
     return {**config, **adapter.text_config, "model_type": config["model_type"]}

@@ -204,11 +204,6 @@ def hp_mimo2(w, adapter, c):
 def refuse_mimo2(adapter, c):
     full, swa = rope_parameters(c), rope_parameters(c, "sliding_attention")
     r = adapter.routing
-    if not c.get("layer_types") or "rope_theta" not in swa:
-        return (
-            "llama.cpp's {arch} graph is written from transformers' MiMo-V2-Flash config (layer_types and a rope per "
-            "layer type), which this checkpoint's config.json does not hold"
-        )
     if {full.get("rope_type", "default"), swa.get("rope_type", "default")} != {"default"} or full.get(
         "partial_rotary_factor"
     ) != swa.get("partial_rotary_factor"):

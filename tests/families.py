@@ -237,6 +237,13 @@ GGUF_OVERRIDES: dict[str, tuple[str, dict]] = {
         "no dense MLP layers",
         {"layers_block_type": ["linear_attention", "moe", "full_attention", "linear_attention"]},
     ),
+    "unlimited_ocr": (
+        "multi-head attention, dense layers first",
+        {
+            "num_key_value_heads": SIZES["num_attention_heads"],
+            "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+        },
+    ),
     "exaone_moe": (
         "dense layers first",
         {

@@ -59,6 +59,12 @@ llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants, its l
 - mimo2 (MiMo-V2-Flash): per-layer key / value heads, sliding_window_pattern, freq_base_swa, one key length, one value
   length and one rope dimension count for all layers, attn_sinks where a layer has them (the sliding ones),
   attention.value_scale; sigmoid routing, always renormalised, never scaled; dense layers are those without a router.
+- deepseek2-ocr (Unlimited-OCR's text model): deepseek2's MoE keys over plain multi-head attention (as many key /
+  value heads as query heads, heads hidden / n_head wide, NEOX rope over the whole head at base 10000, which ggml
+  asserts), dense layers only first, shared experts always; the reference sliding window (a decoded token sees the
+  prompt and the last sliding_window decoded tokens) is not in the graph: a prompt attends over all of itself in both,
+  but past sliding_window decoded tokens llama.cpp keeps attending to all of them. On disk the vision parts sit beside
+  the text model under `model.` (DeepSeek-OCR's layout), outside the GGUF.
 """
 
 from __future__ import annotations
@@ -230,6 +236,7 @@ GRAPHS: dict[str, Graph] = {
     "glm4v_moe": Graph("glm4moe", meta.hp_glm4v, meta.refuse_interleaved_dense),
     "exaone_moe": Graph("exaone-moe", meta.hp_swa, meta.refuse_interleaved_dense),
     "mimo_v2_flash": Graph("mimo2", meta.hp_mimo2, meta.refuse_mimo2),
+    "unlimited_ocr": Graph("deepseek2-ocr", meta.hp_deepseek2ocr, meta.refuse_deepseek2ocr),  # its text model
     "jamba": Graph(
         "jamba",
         meta.hp_jamba,
@@ -299,12 +306,6 @@ REFUSED: dict[str, str] = {
                 "layers, the full layers' proportional rope (a rope_freqs tensor) and its router scales "
                 "(ffn_gate_inp.scale, ffn_down_exps.scale) worked out",
             ),
-            (
-                "unlimited_ocr",
-                "deepseek2-ocr",
-                "its text model's layout and metadata worked out (llama.cpp's converter knows it as "
-                "UnlimitedOCRForCausalLM)",
-            ),
         )
     },
     **{
@@ -340,13 +341,15 @@ def graph_config(adapter, config: dict) -> dict:
     if config.get("model_type") in _TRANSFORMERS_CONFIG:
         from transformers import AutoConfig
 
-        from moequant.arch.generic import decode_special_floats
-
-        raw = {k: v for k, v in decode_special_floats(config).items() if k != "model_type"}
+        raw = {k: v for k, v in config.items() if k != "model_type"}
         return {**AutoConfig.for_model(config["model_type"], **raw).to_dict(), "model_type": config["model_type"]}
     if "text_config" not in config:
         return config
     return {**config, **adapter.text_config, "model_type": config["model_type"]}
+
+
+# vision parts that sit beside the text model's under its own prefix: Unlimited-OCR's on disk (DeepSeek-OCR's layout)
+_VISION_BESIDE_TEXT = re.compile(r"model\.(sam_model|vision_model|projector|image_newline|view_seperator)\b")
 
 
 def outside_text_model(adapter, config: dict, hf_name: str) -> bool:
@@ -354,6 +357,8 @@ def outside_text_model(adapter, config: dict, hf_name: str) -> bool:
     projector): llama.cpp reads those from a separate mmproj file, which GGUF export does not write."""
     if "text_config" not in config:
         return False
+    if _VISION_BESIDE_TEXT.match(hf_name):
+        return True
     expert = adapter.expert_tensor_name(adapter.moe_layers[0], 0, adapter.projections[0])
     prefix = expert[: re.search(r"\.\w+\.\d+\.", expert).start() + 1]  # the text model's, before its layers
     return not hf_name.startswith(prefix) and adapter.classify(hf_name).role != "lm_head"

@@ -223,6 +223,39 @@ def refuse_mimo2(adapter, c):
     return None
 
 
+def hp_deepseek2ocr(w, adapter, c):
+    """Unlimited-OCR's text model: DeepSeek-V2's MoE keys (softmax routing, scaled by routed_scaling_factor, never
+    renormalised: transformers' DeepSeek-V2 router, whose config has no norm_topk_prob) over plain multi-head
+    attention (llama.cpp's graph rotates whole heads, NEOX, at base 10000)."""
+    import dataclasses
+
+    hp_moe(w, adapter, c, routing=dataclasses.replace(adapter.routing, normalize_topk=False))
+
+
+def refuse_deepseek2ocr(adapter, c):
+    n_head, n_kv = int(c["num_attention_heads"]), int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    rope = rope_parameters(c)
+    if n_kv != n_head or int(c.get("head_dim") or adapter.hidden // n_head) * n_head != adapter.hidden:
+        return (
+            "llama.cpp's {arch} graph runs multi-head attention over heads of hidden_size / num_attention_heads, but "
+            f"this checkpoint has {n_kv} key / value heads for {n_head} query heads or heads of another width"
+        )
+    if float(rope.get("rope_theta", c.get("rope_theta", 10000.0))) != 10000.0 or rope.get("rope_type", "default") != (
+        "default"
+    ):
+        return "llama.cpp's {arch} graph rotates by an unscaled rope of base 10000, but this checkpoint's rope differs"
+    if c.get("attention_bias"):
+        return (
+            "llama.cpp's {arch} graph adds no q / k / v biases, but this checkpoint's config.json sets attention_bias"
+        )
+    if c.get("topk_method") == "group_limited_greedy" and adapter.routing.topk_groups < adapter.routing.groups:
+        return (
+            "llama.cpp's {arch} graph ranks expert groups by the sum of their two best scores, but this checkpoint "
+            "routes with group_limited_greedy (the best score)"
+        )
+    return refuse_interleaved_dense(adapter, c)
+
+
 def hp_qwen3next(w, adapter, c):
     """Qwen3-Next: qwen2moe's keys, rope over partial_rotary_factor of each head, the gated-delta-net sizes as
     llama.cpp's ssm keys and a full-attention layer every full_attention_interval layers."""

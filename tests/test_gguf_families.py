@@ -35,7 +35,7 @@ LAST_LAYER_ONLY = ("qwen3_next",)
 # routers whose random scores keep near ties at 8x, which llama.cpp's 8-bit activations in the quantized layers
 # before them flip (measured with every MoE layer quantized, llama.cpp vs ours: Qwen3-VL-MoE 1.3e-3 at 8x, 7.4e-5 at
 # 32x; Kimi-K2.5's sigmoid router 1.7e-3 at 8x, 8.1e-4 at 32x; MiMo-V2-Flash's sigmoid router 2.9e-3 at 8x, 5.5e-5 at
-# 32x, its F32 file 4e-7 at both; tests/families.py's GGUF_OVERRIDES give GLM-4.7-Flash one MoE layer for it)
+# 32x, 1.9e-5 at 8x with its last MoE layer alone quantized, its F32 file 4e-7 at all three; tests/families.py's GGUF_OVERRIDES give GLM-4.7-Flash one MoE layer for it)
 ROUTER_SCALE = {"qwen3_vl_moe": 32, "kimi_k25": 32, "mimo_v2_flash": 32}
 TYPES = ("q4_0", "q5_1", "q4_1", "q5_0", "q8_0")  # 32-blocks: rows of 128 hold them
 # config values the families' defaults leave at a no-op, set here so that llama.cpp must read them: Granite-3.1-MoE's

@@ -247,6 +247,13 @@ GGUF_OVERRIDES: dict[str, tuple[str, dict]] = {
     # the tiny model keeps Gemma-4's 262,144 per-layer embedding rows beside its 4,096 tokens; llama.cpp looks both up
     # by token
     "gemma4": ("per-layer embeddings over the token vocabulary", {"vocab_size_per_layer_input": VOCAB}),
+    "unlimited_ocr": (
+        "multi-head attention, dense layers first",
+        {
+            "num_key_value_heads": SIZES["num_attention_heads"],
+            "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+        },
+    ),
     "exaone_moe": (
         "dense layers first",
         {

@@ -38,9 +38,9 @@ HEAD_SCALE: dict[str, float] = {"granitemoe": 32 * 6, "granitemoeshared": 32 * 6
 LAST_LAYER_ONLY = ("qwen3_next", "gemma4")
 # routers whose random scores keep near ties at 8x, which llama.cpp's 8-bit activations in the quantized layers
 # before them flip (measured with every MoE layer quantized, llama.cpp vs ours: Qwen3-VL-MoE 1.3e-3 at 8x, 7.4e-5 at
-# 32x; Kimi-K2.5's sigmoid router 1.7e-3 at 8x, 8.1e-4 at 32x; tests/families.py's GGUF_OVERRIDES give GLM-4.7-Flash
-# one MoE layer for it)
-ROUTER_SCALE = {"qwen3_vl_moe": 32, "kimi_k25": 32}
+# 32x; Kimi-K2.5's sigmoid router 1.7e-3 at 8x, 8.1e-4 at 32x; MiMo-V2-Flash's sigmoid router 2.9e-3 at 8x, 5.5e-5 at
+# 32x, 1.9e-5 at 8x with its last MoE layer alone quantized, its F32 file 4e-7 at all three; tests/families.py's GGUF_OVERRIDES give GLM-4.7-Flash one MoE layer for it)
+ROUTER_SCALE = {"qwen3_vl_moe": 32, "kimi_k25": 32, "mimo_v2_flash": 32}
 TYPES = ("q4_0", "q5_1", "q4_1", "q5_0", "q8_0")  # 32-blocks: rows of 128 hold them
 # config values the families' defaults leave at a no-op, set here so that llama.cpp must read them: Granite-3.1-MoE's
 # multipliers (the defaults are all 1.0) and GraniteMoeShared's shared expert (the default width is 0: none)
@@ -62,7 +62,19 @@ GEMMA4 = {
     "sliding_window": 16,
     "final_logit_softcapping": 30.0,
 }
-CHECKED = {"granitemoe": GRANITE, "granitemoeshared": {**GRANITE, "shared_intermediate_size": 128}, "gemma4": GEMMA4}
+# MiMo-V2-Flash's values narrower than its keys (192 / 128 in the checkpoint; the tiny defaults are equal) and a
+# sliding window shorter than the texts (64 tokens), so that the window and the sinks count;
+CHECKED = {
+    "granitemoe": GRANITE,
+    "granitemoeshared": {**GRANITE, "shared_intermediate_size": 128},
+    "gemma4": GEMMA4,
+    "mimo_v2_flash": {"v_head_dim": 16, "sliding_window": 12},
+    # Unlimited-OCR's routed weights scaled, and its reference sliding window shorter than the texts: a prompt attends
+    # over all of itself in transformers (the window holds for decoded tokens only), as llama.cpp's graph does (a scale
+    # of 2.5 moves llama.cpp vs ours to 8.4e-4 of KL, its 8-bit activations in the quantized experts amplified; 1.5:
+    # 7e-5)
+    "unlimited_ocr": {"routed_scaling_factor": 1.5, "sliding_window": 12},
+}
 
 
 # the families GGUF writes beyond tests/test_gguf_archs.py's and tests/test_gguf.py's (qwen2_moe, mixtral)
@@ -312,6 +324,7 @@ CONFIG_REFUSED = {
     "nemotron_h": "has dense MLP layers",
     "glm_moe_dsa": "dense layers only before the first MoE layer",
     "gemma4": "vocab_size_per_layer_input",
+    "unlimited_ocr": "2 key / value heads for 4 query heads",
 }
 
 
@@ -389,6 +402,8 @@ def test_glm5_indexer_top_k_in_llama_cpp_with_an_f32_cache_is_transformers(llama
     print(f"glm_moe_dsa: F32 cache KL {kl:.2e}; transformers without the top-k selection {kl_unselected:.2e}")
     assert kl <= 1e-6
     assert kl_unselected > 1e-2
+
+
 _PROPORTIONAL = {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}
 # Gemma-4 configs llama.cpp's gemma4 graph cannot follow (beyond CONFIG_REFUSED's), with the refusal's words
 GEMMA4_REFUSED = [
@@ -435,3 +450,79 @@ def test_gemma4_configs_its_llama_cpp_graph_cannot_follow_are_refused_in_one_sen
     config["model_type"] = "gemma4"
     why = layout_refusal("gguf", get_format("q4_k"), "llama.cpp", adapter_for(config))
     assert why and "\n" not in why and ". " not in why and words in why, why
+
+
+_MIMO_ROPE = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.334}
+# configs of a family GGUF writes that its llama.cpp graph cannot follow: (family, config.json values, refusal's words)
+GRAPH_CANNOT_FOLLOW = [
+    ("mimo_v2_flash", {"routed_scaling_factor": 2.5}, "routed_scaling_factor"),
+    ("mimo_v2_flash", {"norm_topk_prob": False}, "norm_topk_prob"),
+    ("mimo_v2_flash", {"attention_bias": True}, "attention_bias"),
+    (
+        "mimo_v2_flash",
+        {
+            "rope_parameters": {
+                "full_attention": _MIMO_ROPE,
+                "sliding_attention": {**_MIMO_ROPE, "rope_type": "linear", "factor": 2.0},
+            }
+        },
+        "unscaled rope",
+    ),
+    (
+        "mimo_v2_flash",
+        {
+            "rope_parameters": {
+                "full_attention": _MIMO_ROPE,
+                "sliding_attention": {**_MIMO_ROPE, "partial_rotary_factor": 0.5},
+            }
+        },
+        "partial_rotary_factor",
+    ),
+]
+
+
+_OCR = "unlimited_ocr"
+GRAPH_CANNOT_FOLLOW += [
+    (_OCR, {"num_key_value_heads": 2}, "2 key / value heads for 4 query heads"),
+    (_OCR, {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, "base 10000"),
+    (_OCR, {"attention_bias": True}, "attention_bias"),
+    (_OCR, {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1}, "group_limited_greedy"),
+    (_OCR, {"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}, "dense layers only before the first MoE"),
+]
+
+
+@pytest.mark.parametrize("model_type, values, words", GRAPH_CANNOT_FOLLOW)
+def test_a_config_the_graph_cannot_follow_is_refused_in_one_sentence(model_type, values, words, monkeypatch):
+    from moequant.formats import get_format
+    from moequant.layouts import layout_refusal
+
+    shipped = {**families.OVERRIDES.get(model_type, {}), **families.GGUF_OVERRIDES.get(model_type, ("", {}))[1]}
+    monkeypatch.setitem(families.OVERRIDES, model_type, shipped)
+    config = {**families.tiny_family_config(model_type).to_dict(), "model_type": model_type}
+    assert layout_refusal("gguf", get_format("q4_k"), "llama.cpp", adapter_for(config)) is None  # as the family ships
+    if "text_config" in config:  # a multimodal checkpoint: its text model's config
+        changed = {**config, "text_config": {**config["text_config"], **values}}
+    else:
+        changed = {**config, **values}
+    why = layout_refusal("gguf", get_format("q4_k"), "llama.cpp", adapter_for(changed))
+    assert why and "\n" not in why and ". " not in why and words in why, why
+
+
+def test_mimo_v2_flashs_hub_config_is_written_as_transformers_reads_it():
+    """MiMo-V2-Flash's config.json on the hub spells its attention as hybrid_layer_pattern, swa_rope_theta and
+    sliding_window_size, which transformers reads as its own layer_types, per-layer-type rope and a window one wider
+    (sliding_window_size + 1): the graph is written from what transformers runs, not from config.json's spelling."""
+    from moequant.layouts.gguf_graphs import graph_config, model_refusal
+
+    pattern = [0 if L == 0 or (L + 1) % 6 == 0 else 1 for L in range(12)]
+    hub = {
+        **{k: v for k, v in families.tiny_family_config("mimo_v2_flash").to_dict().items() if k != "layer_types"},
+        **{"model_type": "mimo_v2_flash", "num_hidden_layers": 12, "mlp_layer_types": None, "rope_parameters": None},
+        **{"hybrid_layer_pattern": pattern, "sliding_window": 128, "sliding_window_size": 128},
+        **{"rope_theta": 5e6, "swa_rope_theta": 1e4, "partial_rotary_factor": 0.334, "swa_num_key_value_heads": 4},
+    }
+    ad = adapter_for(hub)
+    c = graph_config(ad, hub)
+    assert c["sliding_window"] == 129
+    assert [int(t == "sliding_attention") for t in c["layer_types"]] == pattern
+    assert c["rope_parameters"]["sliding_attention"]["rope_theta"] == 1e4 and model_refusal(ad, hub) is None

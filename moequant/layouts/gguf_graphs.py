@@ -71,7 +71,16 @@ llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants, its l
   (`.bias` {n_ff_exp, n_expert}), `post_attention_norm`, `attn_sinks.weight`, router bias
   `ffn_gate_inp.bias`, sliding window on even layers (llama.cpp's fixed pattern), SwiGLU with
   alpha 1.702 / limit 7; MXFP4 experts as ggml MXFP4 blocks (e8m0 byte, then element j in the low
-  nibble of byte j and element j+16 in its high nibble).
+  nibble of byte j and element j+16 in its high nibble);
+- mimo2 (MiMo-V2-Flash): per-layer key / value heads, sliding_window_pattern, freq_base_swa, one key length, one value
+  length and one rope dimension count for all layers, attn_sinks where a layer has them (the sliding ones),
+  attention.value_scale; sigmoid routing, always renormalised, never scaled; dense layers are those without a router.
+- deepseek2-ocr (Unlimited-OCR's text model): deepseek2's MoE keys over plain multi-head attention (as many key /
+  value heads as query heads, heads hidden / n_head wide, NEOX rope over the whole head at base 10000, which ggml
+  asserts), dense layers only first, shared experts always; the reference sliding window (a decoded token sees the
+  prompt and the last sliding_window decoded tokens) is not in the graph: a prompt attends over all of itself in both,
+  but past sliding_window decoded tokens llama.cpp keeps attending to all of them. On disk the vision parts sit beside
+  the text model under `model.` (DeepSeek-OCR's layout), outside the GGUF.
 """
 
 from __future__ import annotations
@@ -251,6 +260,8 @@ GRAPHS: dict[str, Graph] = {
     "solar_open": Graph("glm4moe", meta.hp_moe, meta.refuse_interleaved_dense),
     "glm4v_moe": Graph("glm4moe", meta.hp_glm4v, meta.refuse_interleaved_dense),
     "exaone_moe": Graph("exaone-moe", meta.hp_swa, meta.refuse_interleaved_dense),
+    "mimo_v2_flash": Graph("mimo2", meta.hp_mimo2, meta.refuse_mimo2),
+    "unlimited_ocr": Graph("deepseek2-ocr", meta.hp_deepseek2ocr, meta.refuse_deepseek2ocr),  # its text model
     "jamba": Graph(
         "jamba",
         meta.hp_jamba,
@@ -321,18 +332,7 @@ REFUSED: dict[str, str] = {
         mt: f"llama.cpp's {arch} graph needs {what}, which GGUF export does not write yet"
         for mt, arch, what in (
             ("afmoe", "afmoe", "its gated attention and AFMoE's own norms and routing worked out"),
-            (
-                "mimo_v2_flash",
-                "mimo2",
-                "the sliding-window layers' own head counts and sizes and attention-sink biases",
-            ),
             ("kimi_linear", "kimi-linear", "the KDA linear-attention layers transformed"),
-            (
-                "unlimited_ocr",
-                "deepseek2-ocr",
-                "its text model's layout and metadata worked out (llama.cpp's converter knows it as "
-                "UnlimitedOCRForCausalLM)",
-            ),
         )
     },
     **{
@@ -354,12 +354,29 @@ REFUSED: dict[str, str] = {
 }
 
 
+# families whose config.json transformers reads differently from its spelling: the graph is written from transformers'
+# own config, what its forward runs. MiMo-V2-Flash's hub config names hybrid_layer_pattern, swa_rope_theta and
+# sliding_window_size, which transformers replaces by its layer_types and per-layer-type rope and widens by one
+# (sliding_window 129 for a window size of 128)
+_TRANSFORMERS_CONFIG = ("mimo_v2_flash",)
+
+
 def graph_config(adapter, config: dict) -> dict:
     """The config llama.cpp's graph is written from: a multimodal checkpoint's text config (transformers' own, with
-    config.json's values) beside its top-level keys (vision_config) and model_type; a causal LM's config.json."""
+    config.json's values) beside its top-level keys (vision_config) and model_type; transformers' config of a
+    _TRANSFORMERS_CONFIG family; a causal LM's config.json."""
+    if config.get("model_type") in _TRANSFORMERS_CONFIG:
+        from transformers import AutoConfig
+
+        raw = {k: v for k, v in config.items() if k != "model_type"}
+        return {**AutoConfig.for_model(config["model_type"], **raw).to_dict(), "model_type": config["model_type"]}
     if "text_config" not in config:
         return config
     return {**config, **adapter.text_config, "model_type": config["model_type"]}
+
+
+# vision parts that sit beside the text model's under its own prefix: Unlimited-OCR's on disk (DeepSeek-OCR's layout)
+_VISION_BESIDE_TEXT = re.compile(r"model\.(sam_model|vision_model|projector|image_newline|view_seperator)\b")
 
 
 def outside_text_model(adapter, config: dict, hf_name: str) -> bool:
@@ -367,6 +384,8 @@ def outside_text_model(adapter, config: dict, hf_name: str) -> bool:
     projector): llama.cpp reads those from a separate mmproj file, which GGUF export does not write."""
     if "text_config" not in config:
         return False
+    if _VISION_BESIDE_TEXT.match(hf_name):
+        return True
     expert = adapter.expert_tensor_name(adapter.moe_layers[0], 0, adapter.projections[0])
     prefix = expert[: re.search(r"\.\w+\.\d+\.", expert).start() + 1]  # the text model's, before its layers
     return not hf_name.startswith(prefix) and adapter.classify(hf_name).role != "lm_head"

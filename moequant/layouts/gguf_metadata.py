@@ -38,10 +38,11 @@ def add_common_metadata(w, adapter, c: dict) -> None:
         w.add_rope_scaling_factor(float(rope["factor"]))
 
 
-def rope_parameters(c: dict) -> dict:
-    """The rope of the (full-attention) layers; Gemma-4 keys it by layer type, as llama.cpp's converter reads it."""
+def rope_parameters(c: dict, layer_type: str = "full_attention") -> dict:
+    """The rope of one kind of layer: transformers nests it by layer type where the kinds differ (MiMo-V2-Flash,
+    Gemma-4: its full layers' rope is the one llama.cpp's converter reads)."""
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    return rope.get("full_attention", rope)
+    return rope[layer_type] if isinstance(rope.get(layer_type), dict) else rope
 
 
 def gqa_heads(w, adapter, c: dict, rotary: float = 1.0, kv_heads=None) -> None:
@@ -204,6 +205,81 @@ def hp_swa(w, adapter, c):
     hp_moe(w, adapter, c)
     w.add_sliding_window(int(c["sliding_window"]))
     w.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
+
+
+def hp_mimo2(w, adapter, c):
+    """MiMo-V2-Flash: sliding-window layers (layer_types) with twice the full layers' key / value heads (transformers'
+    rule; a per-layer list) and their own rope base, values narrower than keys (v_head_dim), rope over
+    partial_rotary_factor of each head, the value scale as attention.value_scale (llama.cpp scales the attention's
+    output by it: the same, it is linear); dense layers are those without a router."""
+    kinds, n_kv, head_dim = c["layer_types"], int(c["num_key_value_heads"]), int(c["head_dim"])
+    w.add_head_count_kv([2 * n_kv if t == "sliding_attention" else n_kv for t in kinds])
+    w.add_key_length(head_dim)
+    w.add_value_length(int(c["v_head_dim"]))
+    w.add_rope_dimension_count(int(head_dim * float(rope_parameters(c).get("partial_rotary_factor", 1.0))))
+    w.add_rope_freq_base_swa(float(rope_parameters(c, "sliding_attention")["rope_theta"]))
+    w.add_feed_forward_length(int(c["intermediate_size"]))
+    w.add_expert_feed_forward_length(adapter.expert_intermediate)
+    w.add_sliding_window(int(c["sliding_window"]))
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in kinds])
+    gating(w, adapter.routing)
+    if c.get("attention_value_scale") is not None:  # gguf-py 0.19 has no helper for it
+        w.add_float32(f"{w.arch}.attention.value_scale", float(c["attention_value_scale"]))
+
+
+def refuse_mimo2(adapter, c):
+    full, swa = rope_parameters(c), rope_parameters(c, "sliding_attention")
+    r = adapter.routing
+    if {full.get("rope_type", "default"), swa.get("rope_type", "default")} != {"default"} or full.get(
+        "partial_rotary_factor"
+    ) != swa.get("partial_rotary_factor"):
+        return (
+            "llama.cpp's {arch} graph rotates every layer by one unscaled rope over the same share of each head, but "
+            "this checkpoint's rope_parameters scale it or differ in partial_rotary_factor between layer types"
+        )
+    if c.get("attention_bias"):
+        return (
+            "llama.cpp's {arch} graph adds no q / k / v biases, but this checkpoint's config.json sets attention_bias"
+        )
+    if not r.normalize_topk or float(r.scaling) != 1.0:
+        return (
+            "llama.cpp's {arch} graph renormalises the top-k routing weights and does not scale them, but this "
+            "checkpoint's config.json sets norm_topk_prob: false or a routed_scaling_factor other than 1"
+        )
+    return None
+
+
+def hp_deepseek2ocr(w, adapter, c):
+    """Unlimited-OCR's text model: DeepSeek-V2's MoE keys (softmax routing, scaled by routed_scaling_factor, never
+    renormalised: transformers' DeepSeek-V2 router, whose config has no norm_topk_prob) over plain multi-head
+    attention (llama.cpp's graph rotates whole heads, NEOX, at base 10000)."""
+    import dataclasses
+
+    hp_moe(w, adapter, c, routing=dataclasses.replace(adapter.routing, normalize_topk=False))
+
+
+def refuse_deepseek2ocr(adapter, c):
+    n_head, n_kv = int(c["num_attention_heads"]), int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    rope = rope_parameters(c)
+    if n_kv != n_head or int(c.get("head_dim") or adapter.hidden // n_head) * n_head != adapter.hidden:
+        return (
+            "llama.cpp's {arch} graph runs multi-head attention over heads of hidden_size / num_attention_heads, but "
+            f"this checkpoint has {n_kv} key / value heads for {n_head} query heads or heads of another width"
+        )
+    if float(rope.get("rope_theta", c.get("rope_theta", 10000.0))) != 10000.0 or rope.get("rope_type", "default") != (
+        "default"
+    ):
+        return "llama.cpp's {arch} graph rotates by an unscaled rope of base 10000, but this checkpoint's rope differs"
+    if c.get("attention_bias"):
+        return (
+            "llama.cpp's {arch} graph adds no q / k / v biases, but this checkpoint's config.json sets attention_bias"
+        )
+    if c.get("topk_method") == "group_limited_greedy" and adapter.routing.topk_groups < adapter.routing.groups:
+        return (
+            "llama.cpp's {arch} graph ranks expert groups by the sum of their two best scores, but this checkpoint "
+            "routes with group_limited_greedy (the best score)"
+        )
+    return refuse_interleaved_dense(adapter, c)
 
 
 def hp_qwen3next(w, adapter, c):

@@ -237,6 +237,18 @@ GGUF_OVERRIDES: dict[str, tuple[str, dict]] = {
         "no dense MLP layers",
         {"layers_block_type": ["linear_attention", "moe", "full_attention", "linear_attention"]},
     ),
+    # Trinity's attention (three sliding layers, then a full one without rope) and its muP embedding scale and
+    # route_scale (Trinity-Mini's), which transformers' defaults leave off
+    "afmoe": (
+        "three sliding-window layers to one full-attention layer, and muP's embedding scale",
+        {
+            "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+            "sliding_window": 16,  # shorter than the test's texts: the window acts
+            "mup_enabled": True,
+            "route_scale": 2.826,
+            "num_dense_layers": 3,  # one MoE layer: a random sigmoid router's near ties (as GLM-4.7-Flash's)
+        },
+    ),
     "exaone_moe": (
         "dense layers first",
         {

@@ -85,6 +85,8 @@ def decisive_family(model_type: str, directory, monkeypatch, seed: int = 0):
             if name == "lm_head.weight":
                 x = x * HEAD_SCALE.get(model_type, 32)
             elif role == "router" and t.dim() == 2:
+                if not x.any():  # AFMoE's init leaves its router at zero: every token would take the same experts
+                    x = torch.randn(t.shape, generator=g) * 0.02
                 x = x * ROUTER_SCALE.get(model_type, 8)
             elif t.dim() == 1 and name.endswith("bias"):
                 x = torch.randn(t.shape, generator=g) * 0.1
@@ -292,6 +294,7 @@ CONFIG_REFUSED = {
     "glm4_moe_lite": "dense layers only before the first MoE layer",
     "exaone_moe": "dense layers only before the first MoE layer",
     "nemotron_h": "has dense MLP layers",
+    "afmoe": "layer_types differ",
 }
 
 
@@ -306,3 +309,21 @@ def test_what_gguf_does_not_write_is_refused_by_the_precheck_in_one_sentence(mod
     assert why and "\n" not in why and ". " not in why, why
     assert model_type in why or CONFIG_REFUSED.get(model_type, "?") in why, why
     assert (model_type in REFUSED) == ("GGUF export does not write" in why), why
+
+
+# a config the family's GGUF_OVERRIDES layout changed in one more way that its llama.cpp graph cannot follow
+VARIANT_REFUSED = [("afmoe", {"mup_enabled": False}, "mup_enabled: false")]
+
+
+@pytest.mark.parametrize(("model_type", "change", "words"), VARIANT_REFUSED)
+def test_a_shipped_layout_changed_where_llama_cpp_cannot_follow_is_refused(model_type, change, words, monkeypatch):
+    from moequant.formats import get_format
+    from moequant.layouts import layout_refusal
+
+    monkeypatch.setitem(families.OVERRIDES, model_type, families.GGUF_OVERRIDES[model_type][1])
+    config = families.tiny_family_config(model_type).to_dict()
+    config["model_type"] = model_type
+    assert layout_refusal("gguf", get_format("q4_k"), "llama.cpp", adapter_for(config)) is None
+    config.update(change)
+    why = layout_refusal("gguf", get_format("q4_k"), "llama.cpp", adapter_for(config))
+    assert why and "\n" not in why and ". " not in why and words in why, why

@@ -51,6 +51,12 @@ llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants, its l
   feed_forward_length, attention / embedding / residual / logit scales = attention_multiplier,
   embedding_multiplier, residual_multiplier, logits_scaling (the logits divided by it), the shared expert's
   input_linear split into ffn_gate_shexp / ffn_up_shexp; mistral4 is deepseek2's graph under its own name;
+- afmoe (Trinity): NEOX rope on every layer but each fourth one (llama.cpp's fixed n_no_rope_layer_step 4), which
+  must be the full-attention layers (transformers ropes only the sliding ones), the sliding window on the others
+  (sliding_window_pattern), the embeddings always times sqrt(n_embd) (muP), attention gated by sigmoid(attn_gate)
+  before attn_output, q / k norms per head, four plain RMS norms per layer (attn_norm, post_attention_norm,
+  ffn_norm, post_ffw_norm), sigmoid routing with expert_bias as exp_probs_b.bias (selection only), the top-k always
+  renormalised and times route_scale (expert_weights_scale), num_dense_layers leading dense layers;
 - openai-moe (gpt-oss): gate / up de-interleaved into `ffn_{gate,up}_exps` with their biases
   (`.bias` {n_ff_exp, n_expert}), `post_attention_norm`, `attn_sinks.weight`, router bias
   `ffn_gate_inp.bias`, sliding window on even layers (llama.cpp's fixed pattern), SwiGLU with
@@ -226,6 +232,7 @@ GRAPHS: dict[str, Graph] = {
     "solar_open": Graph("glm4moe", meta.hp_moe, meta.refuse_interleaved_dense),
     "glm4v_moe": Graph("glm4moe", meta.hp_glm4v, meta.refuse_interleaved_dense),
     "exaone_moe": Graph("exaone-moe", meta.hp_swa, meta.refuse_interleaved_dense),
+    "afmoe": Graph("afmoe", meta.hp_afmoe, meta.refuse_afmoe),
     "jamba": Graph(
         "jamba",
         meta.hp_jamba,
@@ -286,7 +293,6 @@ REFUSED: dict[str, str] = {
         mt: f"llama.cpp's {arch} graph needs {what}, which GGUF export does not write yet"
         for mt, arch, what in (
             ("glm_moe_dsa", "glm-dsa", "its MLA and indexer tensors in a layout (a ggml shape check fails on ours)"),
-            ("afmoe", "afmoe", "its gated attention and AFMoE's own norms and routing worked out"),
             (
                 "mimo_v2_flash",
                 "mimo2",

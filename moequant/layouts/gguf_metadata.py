@@ -179,6 +179,35 @@ def hp_swa(w, adapter, c):
     w.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
 
 
+def hp_afmoe(w, adapter, c):
+    """AFMoE (Trinity): hp_moe's keys with its own routing (sigmoid scores, the top-k always renormalised, then times
+    route_scale; expert_bias selects only) and the sliding window on the layers layer_types say."""
+    import dataclasses
+
+    routing = dataclasses.replace(
+        adapter.routing, scoring="sigmoid", normalize_topk=True, scaling=float(c.get("route_scale") or 1.0)
+    )
+    hp_moe(w, adapter, c, routing=routing)
+    if c.get("sliding_window"):
+        w.add_sliding_window(int(c["sliding_window"]))
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
+
+
+def refuse_afmoe(adapter, c):
+    want = ["full_attention" if (L + 1) % 4 == 0 else "sliding_attention" for L in range(adapter.num_layers)]
+    if list(c.get("layer_types") or want) != want:
+        return (
+            "llama.cpp's afmoe graph skips rope on every fourth layer and ropes the others (Trinity's three sliding "
+            "layers to one full one), but this checkpoint's layer_types differ"
+        )
+    if not c.get("mup_enabled"):
+        return (
+            "llama.cpp's afmoe graph always scales the embeddings by sqrt(hidden_size) (muP, as Trinity ships), but "
+            "this checkpoint's config.json sets mup_enabled: false"
+        )
+    return refuse_interleaved_dense(adapter, c)
+
+
 def hp_qwen3next(w, adapter, c):
     """Qwen3-Next: qwen2moe's keys, rope over partial_rotary_factor of each head, the gated-delta-net sizes as
     llama.cpp's ssm keys and a full-attention layer every full_attention_interval layers."""

@@ -249,6 +249,20 @@ GGUF_OVERRIDES: dict[str, tuple[str, dict]] = {
             "num_dense_layers": 3,  # one MoE layer: a random sigmoid router's near ties (as GLM-4.7-Flash's)
         },
     ),
+    # Kimi-Linear-48B-A3B's layout: as many KDA heads as attention heads, no q compression, three KDA layers to one
+    # MLA layer, dense layers first; one MoE layer (as GLM-4.7-Flash's): with three, llama.cpp vs our dequantization
+    # is 2.7e-3 of KL (F32 file 6e-8, measured), its 8-bit activations through the recurrent layers or the sigmoid
+    # routers' near ties (not isolated)
+    "kimi_linear": (
+        "as many KDA heads as attention heads and dense layers first",
+        {
+            "linear_num_heads": SIZES["num_attention_heads"],
+            "linear_head_dim": 32,
+            "q_lora_rank": None,
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+            "mlp_layer_types": ["dense"] * 3 + ["sparse"],
+        },
+    ),
     "exaone_moe": (
         "dense layers first",
         {

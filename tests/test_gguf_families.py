@@ -37,6 +37,10 @@ LAST_LAYER_ONLY = ("qwen3_next",)
 # 32x; Kimi-K2.5's sigmoid router 1.7e-3 at 8x, 8.1e-4 at 32x; tests/families.py's GGUF_OVERRIDES give GLM-4.7-Flash
 # one MoE layer for it)
 ROUTER_SCALE = {"qwen3_vl_moe": 32, "kimi_k25": 32}
+# tensors scaled up, per family: llama.cpp's KDA l2-normalises q and k with rms_norm_eps (1e-5) as its epsilon where
+# transformers (FLA) uses 1e-6, which moves the tiny random model's logits (its q / k sums of squares are ~6e-4: KL 3.5e-4,
+# 5.8e-8 with transformers' epsilon at 1e-5, measured) and not a real checkpoint's; its q / k convolutions at 32x
+SCALED = {"kimi_linear": (r"self_attn\.[qk]_conv1d\.weight", 32)}
 TYPES = ("q4_0", "q5_1", "q4_1", "q5_0", "q8_0")  # 32-blocks: rows of 128 hold them
 # config values the families' defaults leave at a no-op, set here so that llama.cpp must read them: Granite-3.1-MoE's
 # multipliers (the defaults are all 1.0) and GraniteMoeShared's shared expert (the default width is 0: none)
@@ -82,7 +86,9 @@ def decisive_family(model_type: str, directory, monkeypatch, seed: int = 0):
         for name, t in tensors.items():
             role = ad.classify(name).role
             x = t.float()
-            if name == "lm_head.weight":
+            if model_type in SCALED and re.search(SCALED[model_type][0], name):
+                x = x * SCALED[model_type][1]
+            elif name == "lm_head.weight":
                 x = x * HEAD_SCALE.get(model_type, 32)
             elif role == "router" and t.dim() == 2:
                 if not x.any():  # AFMoE's init leaves its router at zero: every token would take the same experts
@@ -193,10 +199,12 @@ def test_llama_cpp_runs_the_family(model_type, llama, tmp_path, monkeypatch):
 
 
 _ARCH_IDS = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
-CONVOLVED = sorted(  # families whose llama.cpp graph convolves (Mamba's, the gated delta net's, LFM2's short conv)
-    mt
-    for mt in set(ARCHS) & set(families.taken_families())
-    if {"SSM_CONV1D", "SHORTCONV_CONV"} & {t.name for t in gguf.MODEL_TENSORS[_ARCH_IDS[ARCHS[mt]]]}
+CONVOLVED = (
+    sorted(  # families whose llama.cpp graph convolves (Mamba's, the gated delta net's, KDA's, LFM2's short conv)
+        mt
+        for mt in set(ARCHS) & set(families.taken_families())
+        if {"SSM_CONV1D", "SSM_CONV1D_Q", "SHORTCONV_CONV"} & {t.name for t in gguf.MODEL_TENSORS[_ARCH_IDS[ARCHS[mt]]]}
+    )
 )
 
 
@@ -213,7 +221,7 @@ def test_a_bf16_file_holds_in_f32_what_llama_cpp_reads_in_f32(model_type, llama,
     ids = [tok.encode(t).ids[:64] for t in _texts()[:3]]
     out = export_checkpoint(source, {}, tmp_path / "bf16", layout="gguf", target="llama.cpp")
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out / "model.gguf").tensors}
-    kernels = [n for n in types if n.endswith(("ssm_conv1d.weight", "shortconv.conv.weight"))]
+    kernels = [n for n in types if re.search(r"(ssm_conv1d(_[qkv])?|shortconv\.conv)\.weight$", n)]
     assert kernels and all(types[n] == "F32" for n in kernels), types
     assert all(types[n] == "F32" for n in types if n.endswith("_norm.weight")), types
     assert "BF16" in types.values()
@@ -295,6 +303,7 @@ CONFIG_REFUSED = {
     "exaone_moe": "dense layers only before the first MoE layer",
     "nemotron_h": "has dense MLP layers",
     "afmoe": "layer_types differ",
+    "kimi_linear": "linear_num_heads 32 and 4 attention heads",
 }
 
 
@@ -312,7 +321,12 @@ def test_what_gguf_does_not_write_is_refused_by_the_precheck_in_one_sentence(mod
 
 
 # a config the family's GGUF_OVERRIDES layout changed in one more way that its llama.cpp graph cannot follow
-VARIANT_REFUSED = [("afmoe", {"mup_enabled": False}, "mup_enabled: false")]
+VARIANT_REFUSED = [
+    ("afmoe", {"mup_enabled": False}, "mup_enabled: false"),
+    ("kimi_linear", {"moe_renormalize": False}, "moe_renormalize: false"),
+    ("kimi_linear", {"num_expert_group": 2, "topk_group": 1}, "routes without expert groups"),
+    ("kimi_linear", {"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}, "dense layers only before"),
+]
 
 
 @pytest.mark.parametrize(("model_type", "change", "words"), VARIANT_REFUSED)

@@ -57,6 +57,12 @@ llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants, its l
   before attn_output, q / k norms per head, four plain RMS norms per layer (attn_norm, post_attention_norm,
   ffn_norm, post_ffw_norm), sigmoid routing with expert_bias as exp_probs_b.bias (selection only), the top-k always
   renormalised and times route_scale (expert_weights_scale), num_dense_layers leading dense layers;
+- kimi-linear (Kimi-Linear): deepseek2's MLA without rope (the rope part attended unrotated) on the layers with one
+  key / value head, KDA on those with none (a per-layer list); KDA's q / k / v projections and their convolutions
+  apart (`ssm_conv1d_{q,k,v}`, kept [channels, 1, kernel], F32), ssm_a = -exp(A_log), dt_bias as ssm_dt.bias,
+  f_a / f_b, g_a / g_b, b_proj as ssm_beta, o_norm as ssm_norm (gated by a sigmoid), as many KDA heads as attention
+  heads, `kda.head_dim`; q and k l2-normalised with rms_norm_eps as the epsilon (transformers: 1e-6); MoE as
+  deepseek2's, the top-k always renormalised, no expert groups, dense layers first;
 - openai-moe (gpt-oss): gate / up de-interleaved into `ffn_{gate,up}_exps` with their biases
   (`.bias` {n_ff_exp, n_expert}), `post_attention_norm`, `attn_sinks.weight`, router bias
   `ffn_gate_inp.bias`, sliding window on even layers (llama.cpp's fixed pattern), SwiGLU with
@@ -128,6 +134,7 @@ _HF_RENAMES = (
     (r"^model\.language_model\.", "model."),
     (r"^language_model\.", ""),
     (r"^model\.blocks\.", "model.layers."),  # Kimi-K2.5's text layers, as moequant's adapter names them on disk
+    (r"\.block_sparse_moe\.(gate|up|down)_proj\.", r".mlp.\1_proj."),  # Kimi-Linear's dense layers as saved
 )
 
 
@@ -233,6 +240,14 @@ GRAPHS: dict[str, Graph] = {
     "glm4v_moe": Graph("glm4moe", meta.hp_glm4v, meta.refuse_interleaved_dense),
     "exaone_moe": Graph("exaone-moe", meta.hp_swa, meta.refuse_interleaved_dense),
     "afmoe": Graph("afmoe", meta.hp_afmoe, meta.refuse_afmoe),
+    # the KDA convolutions stay [channels, 1, kernel] (llama.cpp's {kernel, 1, channels})
+    "kimi_linear": Graph(
+        "kimi-linear",
+        meta.hp_kimi_linear,
+        meta.refuse_kimi_linear,
+        transforms=((_L + r"self_attn\.A_log", _neg_exp),),
+        splits=(*_DEEPSEEK2.splits, (_L + r"self_attn\.dt_bias", [("SSM_DT", None)], ".bias")),
+    ),
     "jamba": Graph(
         "jamba",
         meta.hp_jamba,
@@ -298,7 +313,6 @@ REFUSED: dict[str, str] = {
                 "mimo2",
                 "the sliding-window layers' own head counts and sizes and attention-sink biases",
             ),
-            ("kimi_linear", "kimi-linear", "the KDA linear-attention layers transformed"),
             (
                 "gemma4",
                 "gemma4",

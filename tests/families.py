@@ -250,9 +250,10 @@ GGUF_OVERRIDES: dict[str, tuple[str, dict]] = {
         },
     ),
     # Kimi-Linear-48B-A3B's layout: as many KDA heads as attention heads, no q compression, three KDA layers to one
-    # MLA layer, dense layers first; one MoE layer (as GLM-4.7-Flash's): with three, llama.cpp vs our dequantization
-    # is 2.7e-3 of KL (F32 file 6e-8, measured), its 8-bit activations through the recurrent layers or the sigmoid
-    # routers' near ties (not isolated)
+    # MLA layer, dense layers first; one MoE layer (as GLM-4.7-Flash's): with three, every one's experts quantized,
+    # llama.cpp vs our dequantization is 2.7e-3 of KL with the routers at 8x, 3.1e-2 at 4x, and 2.6e-4 with the last
+    # layer's alone (F32 file 6e-8; measured): the quantized layers' 8-bit activations flip the later sigmoid routers'
+    # near ties
     "kimi_linear": (
         "as many KDA heads as attention heads and dense layers first",
         {

@@ -254,6 +254,35 @@ GGUF_OVERRIDES: dict[str, tuple[str, dict]] = {
             "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
         },
     ),
+    # Trinity's attention (three sliding layers, then a full one without rope) and its muP embedding scale and
+    # route_scale (Trinity-Mini's), which transformers' defaults leave off
+    "afmoe": (
+        "three sliding-window layers to one full-attention layer, and muP's embedding scale",
+        {
+            "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+            "sliding_window": 16,  # shorter than the test's texts: the window acts
+            "mup_enabled": True,
+            "route_scale": 2.826,
+            # one MoE layer (as GLM-4.7-Flash's): with three, llama.cpp vs our dequantization is 4.6e-2 of KL with the
+            # routers at 8x, 1.0e-3 at 32x (measured): the random sigmoid routers' near ties
+            "num_dense_layers": 3,
+        },
+    ),
+    # Kimi-Linear-48B-A3B's layout: as many KDA heads as attention heads, no q compression, three KDA layers to one
+    # MLA layer, dense layers first; one MoE layer (as GLM-4.7-Flash's): with three, every one's experts quantized,
+    # llama.cpp vs our dequantization is 2.7e-3 of KL with the routers at 8x, 3.1e-2 at 4x, and 2.6e-4 with the last
+    # layer's alone (F32 file 6e-8; measured): the quantized layers' 8-bit activations flip the later sigmoid routers'
+    # near ties
+    "kimi_linear": (
+        "as many KDA heads as attention heads and dense layers first",
+        {
+            "linear_num_heads": SIZES["num_attention_heads"],
+            "linear_head_dim": 32,
+            "q_lora_rank": None,
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+            "mlp_layer_types": ["dense"] * 3 + ["sparse"],
+        },
+    ),
     "exaone_moe": (
         "dense layers first",
         {

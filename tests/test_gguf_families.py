@@ -41,6 +41,10 @@ LAST_LAYER_ONLY = ("qwen3_next", "gemma4")
 # 32x; Kimi-K2.5's sigmoid router 1.7e-3 at 8x, 8.1e-4 at 32x; MiMo-V2-Flash's sigmoid router 2.9e-3 at 8x, 5.5e-5 at
 # 32x, 1.9e-5 at 8x with its last MoE layer alone quantized, its F32 file 4e-7 at all three; tests/families.py's GGUF_OVERRIDES give GLM-4.7-Flash one MoE layer for it)
 ROUTER_SCALE = {"qwen3_vl_moe": 32, "kimi_k25": 32, "mimo_v2_flash": 32}
+# tensors scaled up, per family: llama.cpp's KDA l2-normalises q and k with rms_norm_eps (1e-5) as its epsilon where
+# transformers (FLA) uses 1e-6, which moves the tiny random model's logits (its q / k sums of squares are ~6e-4: KL 3.5e-4,
+# 5.8e-8 with transformers' epsilon at 1e-5, measured) and not a real checkpoint's; its q / k convolutions at 32x
+SCALED = {"kimi_linear": (r"self_attn\.[qk]_conv1d\.weight", 32)}
 TYPES = ("q4_0", "q5_1", "q4_1", "q5_0", "q8_0")  # 32-blocks: rows of 128 hold them
 # config values the families' defaults leave at a no-op, set here so that llama.cpp must read them: Granite-3.1-MoE's
 # multipliers (the defaults are all 1.0) and GraniteMoeShared's shared expert (the default width is 0: none)
@@ -110,9 +114,13 @@ def decisive_family(model_type: str, directory, monkeypatch, seed: int = 0):
         for name, t in tensors.items():
             role = ad.classify(name).role
             x = t.float()
-            if name == "lm_head.weight":
+            if model_type in SCALED and re.search(SCALED[model_type][0], name):
+                x = x * SCALED[model_type][1]
+            elif name == "lm_head.weight":
                 x = x * HEAD_SCALE.get(model_type, 32)
             elif role == "router" and t.dim() == 2:
+                if not x.any():  # AFMoE's init leaves its router at zero: every token would take the same experts
+                    x = torch.randn(t.shape, generator=g) * 0.02
                 x = x * ROUTER_SCALE.get(model_type, 8)
             elif name.endswith(("router.scale", "per_expert_scale", "layer_scalar")):  # Gemma-4's, ones at init
                 x = x * (0.5 + torch.rand(t.shape, generator=g))
@@ -221,10 +229,12 @@ def test_llama_cpp_runs_the_family(model_type, llama, tmp_path, monkeypatch):
 
 
 _ARCH_IDS = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
-CONVOLVED = sorted(  # families whose llama.cpp graph convolves (Mamba's, the gated delta net's, LFM2's short conv)
-    mt
-    for mt in set(ARCHS) & set(families.taken_families())
-    if {"SSM_CONV1D", "SHORTCONV_CONV"} & {t.name for t in gguf.MODEL_TENSORS[_ARCH_IDS[ARCHS[mt]]]}
+CONVOLVED = (
+    sorted(  # families whose llama.cpp graph convolves (Mamba's, the gated delta net's, KDA's, LFM2's short conv)
+        mt
+        for mt in set(ARCHS) & set(families.taken_families())
+        if {"SSM_CONV1D", "SSM_CONV1D_Q", "SHORTCONV_CONV"} & {t.name for t in gguf.MODEL_TENSORS[_ARCH_IDS[ARCHS[mt]]]}
+    )
 )
 
 
@@ -241,7 +251,7 @@ def test_a_bf16_file_holds_in_f32_what_llama_cpp_reads_in_f32(model_type, llama,
     ids = [tok.encode(t).ids[:64] for t in _texts()[:3]]
     out = export_checkpoint(source, {}, tmp_path / "bf16", layout="gguf", target="llama.cpp")
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out / "model.gguf").tensors}
-    kernels = [n for n in types if n.endswith(("ssm_conv1d.weight", "shortconv.conv.weight"))]
+    kernels = [n for n in types if re.search(r"(ssm_conv1d(_[qkv])?|shortconv\.conv)\.weight$", n)]
     assert kernels and all(types[n] == "F32" for n in kernels), types
     assert all(types[n] == "F32" for n in types if n.endswith("_norm.weight")), types
     assert "BF16" in types.values()
@@ -325,6 +335,8 @@ CONFIG_REFUSED = {
     "glm_moe_dsa": "dense layers only before the first MoE layer",
     "gemma4": "vocab_size_per_layer_input",
     "unlimited_ocr": "2 key / value heads for 4 query heads",
+    "afmoe": "layer_types differ",
+    "kimi_linear": "linear_num_heads 32 and 4 attention heads",
 }
 
 
@@ -526,3 +538,26 @@ def test_mimo_v2_flashs_hub_config_is_written_as_transformers_reads_it():
     assert c["sliding_window"] == 129
     assert [int(t == "sliding_attention") for t in c["layer_types"]] == pattern
     assert c["rope_parameters"]["sliding_attention"]["rope_theta"] == 1e4 and model_refusal(ad, hub) is None
+
+
+# a config the family's GGUF_OVERRIDES layout changed in one more way that its llama.cpp graph cannot follow
+VARIANT_REFUSED = [
+    ("afmoe", {"mup_enabled": False}, "mup_enabled: false"),
+    ("kimi_linear", {"moe_renormalize": False}, "moe_renormalize: false"),
+    ("kimi_linear", {"num_expert_group": 2, "topk_group": 1}, "routes without expert groups"),
+    ("kimi_linear", {"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}, "dense layers only before"),
+]
+
+
+@pytest.mark.parametrize(("model_type", "change", "words"), VARIANT_REFUSED)
+def test_a_shipped_layout_changed_where_llama_cpp_cannot_follow_is_refused(model_type, change, words, monkeypatch):
+    from moequant.formats import get_format
+    from moequant.layouts import layout_refusal
+
+    monkeypatch.setitem(families.OVERRIDES, model_type, families.GGUF_OVERRIDES[model_type][1])
+    config = families.tiny_family_config(model_type).to_dict()
+    config["model_type"] = model_type
+    assert layout_refusal("gguf", get_format("q4_k"), "llama.cpp", adapter_for(config)) is None
+    config.update(change)
+    why = layout_refusal("gguf", get_format("q4_k"), "llama.cpp", adapter_for(config))
+    assert why and "\n" not in why and ". " not in why and words in why, why

@@ -54,7 +54,7 @@ _F32_ROLES = ("router", "shared_expert_gate")  # ffn_gate_inp(_shexp): F32, neve
 # short conv take F32 kernels only): norms, the (short) convolutions' kernels, DSA's indexer projection, and a
 # tensor stored without a .weight suffix (Mamba's ssm_a, biases)
 _F32_NAMES = re.compile(
-    r".*(_norm\.weight|\.ssm_conv1d\.weight|\.shortconv\.conv\.weight|\.indexer\.proj\.weight)|.*(?<!\.weight)"
+    r".*(_norm\.weight|\.ssm_conv1d(_[qkv])?\.weight|\.shortconv\.conv\.weight|\.indexer\.proj\.weight)|.*(?<!\.weight)"
 )
 _TYPED_ROLES = {"embedding": "token_embd.weight", "lm_head": "output.weight"}  # the tensors `types` may set, by role
 

@@ -67,6 +67,18 @@ llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants, its l
   per layer, doubled in the shared ones with use_double_wide_mlp), router.scale as `ffn_gate_inp.scale`,
   router.per_expert_scale as `ffn_down_exps.scale`, layer_scalar as `layer_output_scale.weight`, per-layer
   embeddings (`embedding_length_per_layer_input`) looked up by token, the final logits' softcap;
+- afmoe (Trinity): NEOX rope on every layer but each fourth one (llama.cpp's fixed n_no_rope_layer_step 4), which
+  must be the full-attention layers (transformers ropes only the sliding ones), the sliding window on the others
+  (sliding_window_pattern), the embeddings always times sqrt(n_embd) (muP), attention gated by sigmoid(attn_gate)
+  before attn_output, q / k norms per head, four plain RMS norms per layer (attn_norm, post_attention_norm,
+  ffn_norm, post_ffw_norm), sigmoid routing with expert_bias as exp_probs_b.bias (selection only), the top-k always
+  renormalised and times route_scale (expert_weights_scale), num_dense_layers leading dense layers;
+- kimi-linear (Kimi-Linear): deepseek2's MLA without rope (the rope part attended unrotated) on the layers with one
+  key / value head, KDA on those with none (a per-layer list); KDA's q / k / v projections and their convolutions
+  apart (`ssm_conv1d_{q,k,v}`, kept [channels, 1, kernel], F32), ssm_a = -exp(A_log), dt_bias as ssm_dt.bias,
+  f_a / f_b, g_a / g_b, b_proj as ssm_beta, o_norm as ssm_norm (gated by a sigmoid), as many KDA heads as attention
+  heads, `kda.head_dim`; q and k l2-normalised with rms_norm_eps as the epsilon (transformers: 1e-6); MoE as
+  deepseek2's, the top-k always renormalised, no expert groups, dense layers first;
 - openai-moe (gpt-oss): gate / up de-interleaved into `ffn_{gate,up}_exps` with their biases
   (`.bias` {n_ff_exp, n_expert}), `post_attention_norm`, `attn_sinks.weight`, router bias
   `ffn_gate_inp.bias`, sliding window on even layers (llama.cpp's fixed pattern), SwiGLU with
@@ -150,6 +162,7 @@ _HF_RENAMES = (
     (r"^model\.language_model\.", "model."),
     (r"^language_model\.", ""),
     (r"^model\.blocks\.", "model.layers."),  # Kimi-K2.5's text layers, as moequant's adapter names them on disk
+    (r"\.block_sparse_moe\.(gate|up|down)_proj\.", r".mlp.\1_proj."),  # Kimi-Linear's dense layers as saved
 )
 
 
@@ -262,6 +275,15 @@ GRAPHS: dict[str, Graph] = {
     "exaone_moe": Graph("exaone-moe", meta.hp_swa, meta.refuse_interleaved_dense),
     "mimo_v2_flash": Graph("mimo2", meta.hp_mimo2, meta.refuse_mimo2),
     "unlimited_ocr": Graph("deepseek2-ocr", meta.hp_deepseek2ocr, meta.refuse_deepseek2ocr),  # its text model
+    "afmoe": Graph("afmoe", meta.hp_afmoe, meta.refuse_afmoe),
+    # the KDA convolutions stay [channels, 1, kernel] (llama.cpp's {kernel, 1, channels})
+    "kimi_linear": Graph(
+        "kimi-linear",
+        meta.hp_kimi_linear,
+        meta.refuse_kimi_linear,
+        transforms=((_L + r"self_attn\.A_log", _neg_exp),),
+        splits=(*_DEEPSEEK2.splits, (_L + r"self_attn\.dt_bias", [("SSM_DT", None)], ".bias")),
+    ),
     "jamba": Graph(
         "jamba",
         meta.hp_jamba,
@@ -328,13 +350,6 @@ REFUSED: dict[str, str] = {
         "llama.cpp's phimoe graph weights the top-k experts by a renormalised softmax, not by PhiMoE's sparsemixer "
         "(a softmax over the scores near the best one), so it would not compute this checkpoint's logits"
     ),
-    **{
-        mt: f"llama.cpp's {arch} graph needs {what}, which GGUF export does not write yet"
-        for mt, arch, what in (
-            ("afmoe", "afmoe", "its gated attention and AFMoE's own norms and routing worked out"),
-            ("kimi_linear", "kimi-linear", "the KDA linear-attention layers transformed"),
-        )
-    },
     **{
         mt: f"llama.cpp's {arch} graph is newer than gguf-py 0.19, whose tensor names GGUF export writes"
         for mt, arch in (

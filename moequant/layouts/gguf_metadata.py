@@ -93,11 +93,11 @@ def hp_granite(w, adapter, c):
         w.add_expert_shared_feed_forward_length(int(c["shared_intermediate_size"]))
 
 
-def hp_deepseek2(w, adapter, c):
+def hp_deepseek2(w, adapter, c, kv_heads=1):
     import gguf
 
     kv_lora, rope, nope = int(c["kv_lora_rank"]), int(c["qk_rope_head_dim"]), int(c["qk_nope_head_dim"])
-    w.add_head_count_kv(1)  # MLA runs as MQA over the compressed KV
+    w.add_head_count_kv(kv_heads)  # MLA runs as MQA over the compressed KV
     w.add_feed_forward_length(int(c.get("intermediate_size", adapter.expert_intermediate)))
     w.add_leading_dense_block_count(adapter.moe_layers[0] if adapter.moe_layers else adapter.num_layers)
     w.add_q_lora_rank(int(c.get("q_lora_rank") or 0))
@@ -146,6 +146,34 @@ def refuse_indexer_head(adapter, c):
             f"two of at least 64 (GLM-5's index_head_dim is 128), but this checkpoint's index_head_dim is {head}"
         )
     return None
+
+
+def hp_kimi_linear(w, adapter, c):
+    """Kimi-Linear: deepseek2's MLA and MoE keys (its MLA has no rope: the rope part is attended unrotated), one
+    key / value head on the full-attention layers and none on the KDA ones (llama.cpp's recurrent layers), the KDA
+    head width and its short convolution's kernel."""
+    hp_deepseek2(w, adapter, c, [1 if t == "full_attention" else 0 for t in c["layer_types"]])
+    w.add_ssm_conv_kernel(int(c["linear_conv_kernel_dim"]))
+    w.add_kda_head_dim(int(c["linear_head_dim"]))
+
+
+def refuse_kimi_linear(adapter, c):
+    heads, linear = int(c["num_attention_heads"]), int(c["linear_num_heads"])
+    if linear != heads:
+        return (
+            f"llama.cpp's kimi-linear graph gives the KDA layers as many heads as the attention layers (Kimi-Linear's "
+            f"own layout), but this checkpoint's config.json has linear_num_heads {linear} and {heads} attention heads"
+        )
+    # config.json's own names (transformers' aliases norm_topk_prob / n_group / topk_group)
+    if not c.get("moe_renormalize", c.get("norm_topk_prob", True)):
+        return (
+            "llama.cpp's kimi-linear graph always renormalises the top-k routing weights, but this checkpoint's "
+            "config.json sets moe_renormalize: false"
+        )
+    groups = int(c.get("num_expert_group", c.get("n_group")) or 1)
+    if groups > 1 and int(c.get("topk_group") or groups) < groups:
+        return "llama.cpp's kimi-linear graph routes without expert groups, but this checkpoint's config.json uses them"
+    return refuse_interleaved_dense(adapter, c)
 
 
 def hp_openai_moe(w, adapter, c):
@@ -278,6 +306,35 @@ def refuse_deepseek2ocr(adapter, c):
         return (
             "llama.cpp's {arch} graph ranks expert groups by the sum of their two best scores, but this checkpoint "
             "routes with group_limited_greedy (the best score)"
+        )
+    return refuse_interleaved_dense(adapter, c)
+
+
+def hp_afmoe(w, adapter, c):
+    """AFMoE (Trinity): hp_moe's keys with its own routing (sigmoid scores, the top-k always renormalised, then times
+    route_scale; expert_bias selects only) and the sliding window on the layers layer_types say."""
+    import dataclasses
+
+    routing = dataclasses.replace(
+        adapter.routing, scoring="sigmoid", normalize_topk=True, scaling=float(c.get("route_scale") or 1.0)
+    )
+    hp_moe(w, adapter, c, routing=routing)
+    if c.get("sliding_window"):
+        w.add_sliding_window(int(c["sliding_window"]))
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
+
+
+def refuse_afmoe(adapter, c):
+    want = ["full_attention" if (L + 1) % 4 == 0 else "sliding_attention" for L in range(adapter.num_layers)]
+    if list(c.get("layer_types") or want) != want:
+        return (
+            "llama.cpp's afmoe graph skips rope on every fourth layer and ropes the others (Trinity's three sliding "
+            "layers to one full one), but this checkpoint's layer_types differ"
+        )
+    if not c.get("mup_enabled"):
+        return (
+            "llama.cpp's afmoe graph always scales the embeddings by sqrt(hidden_size) (muP, as Trinity ships), but "
+            "this checkpoint's config.json sets mup_enabled: false"
         )
     return refuse_interleaved_dense(adapter, c)
 

@@ -294,3 +294,31 @@ def test_expert_biases_stay_out_of_the_bits_per_routed_expert_weight(tmp_path):
     assert memory["routed_expert_matrices"]["bytes_quantized"] == blocks
     assert memory["by_role"]["routed_expert"]["bytes_quantized"] == blocks + biases
     assert memory["bits_per_weight_experts"] == plan.summary["bits_per_weight"]["routed_experts"] == 4.25  # mxfp4
+
+
+def test_a_gguf_plan_counts_no_bytes_for_a_multi_token_prediction_layer(tmp_path):
+    """DeepSeek-V3's MTP layer (the layer past num_hidden_layers, num_nextn_predict_layers: 1) is left out of a GGUF
+    (llama.cpp's converter leaves it out of deepseek2 files): the file holds no tensor of it, and the plan's bytes per
+    role are the file's (it counted the layer's tensors, which no GGUF holds, before)."""
+    import gguf
+
+    from benchmarks.make_sources import make_deepseek_fp8
+
+    source = make_deepseek_fp8(tmp_path / "src")
+    mtp = int(open_checkpoint(source).config["num_hidden_layers"])
+    rtn = [f"algorithms.{name}=rtn" for name in formats.format_names() if name != "bf16"]
+    overrides = [*TINY, *rtn, "experts.method=uniform", "experts.format=q8_0", "non_experts.format=bf16"]
+    overrides += ["export.gguf_token_embd=null", "export.gguf_output=null"]
+    recipe = resolve_recipe(RECIPES[0].with_name("gguf.yaml"), str(source), str(tmp_path / "run"), overrides)
+    ckpt = open_checkpoint(recipe.model)
+    assert any(name.startswith(f"model.layers.{mtp}.") for name in ckpt.keys())
+    plan = make_plan(recipe, ckpt)
+    quantized, _ = quantize_model(
+        recipe.model, plan, calibration_settings(recipe), tmp_path / "work", progress=False, lazy=True
+    )
+    export_checkpoint(ckpt.directory, quantized, tmp_path / "checkpoint", **export_arguments(recipe))
+    reader = gguf.GGUFReader(str(tmp_path / "checkpoint" / "model.gguf"))
+    assert not [t.name for t in reader.tensors if t.name.startswith(f"blk.{mtp}.")]
+    assert int(reader.fields["deepseek2.block_count"].contents()) == mtp
+    memory = build_report(model=str(source), checkpoint=tmp_path / "checkpoint", plan=plan_to_dict(plan))["memory"]
+    assert memory["bytes_quantized"] == plan.summary["total_bytes"]

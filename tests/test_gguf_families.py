@@ -561,3 +561,32 @@ def test_a_shipped_layout_changed_where_llama_cpp_cannot_follow_is_refused(model
     config.update(change)
     why = layout_refusal("gguf", get_format("q4_k"), "llama.cpp", adapter_for(config))
     assert why and "\n" not in why and ". " not in why and words in why, why
+
+
+@pytest.mark.slow
+def test_llama_cpp_runs_a_checkpoint_with_a_multi_token_prediction_layer(llama, tmp_path):
+    """A DeepSeek-V3 checkpoint as it ships, with its MTP layer (num_nextn_predict_layers: 1; FP8 blocks): the GGUF
+    leaves that layer out, as llama.cpp's converter does for deepseek2, and llama.cpp runs the file as transformers
+    runs the checkpoint (transformers ignores the layer too); it was refused after the quantization work before."""
+    import json
+
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+
+    from benchmarks.make_sources import make_deepseek_fp8
+    from moequant.io.checkpoint import copy_aux_files
+
+    source = make_deepseek_fp8(tmp_path / "src")
+    out = export_checkpoint(source, {}, tmp_path / "f32", layout="gguf", target="llama.cpp", gguf_float="f32")
+    tok = Tokenizer.from_file(str(source / "tokenizer.json"))
+    ids = [tok.encode(t).ids[:64] for t in _texts()[:3]]
+    (got,) = V.logits([out / "model.gguf"], ids)
+    plain = tmp_path / "plain"  # the FP8 blocks dequantized (transformers' FP8 loader needs accelerate)
+    ckpt = open_checkpoint(source)
+    plain.mkdir()
+    save_file({n: ckpt.get(n).float() for n in ckpt.keys()}, str(plain / "model.safetensors"), {"format": "pt"})
+    (plain / "config.json").write_text(json.dumps({k: v for k, v in ckpt.config.items() if k != "quantization_config"}))
+    copy_aux_files(source, plain)
+    kl = _kl(_logits(_reference(plain, {}, {}, tmp_path / "ref"), ids), got)
+    print(f"deepseek_v3 with its MTP layer: F32 file KL {kl:.2e}")
+    assert kl <= 1e-4

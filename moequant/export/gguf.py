@@ -48,6 +48,7 @@ from moequant.layouts.gguf_graphs import (
     graph_config,
     model_refusal,
     outside_text_model,
+    prediction_layer,
     reshaped_reason,
     written_shapes,
 )
@@ -293,7 +294,7 @@ def export_gguf(
     expert_names = _expert_names(adapter)
     plan_of = {}  # GGUF name -> (HF name, transform)
     for name in ckpt.keys():
-        if name in expert_names:
+        if name in expert_names or prediction_layer(c, name):  # a multi-token-prediction layer: llama.cpp's --no-mtp
             continue
         targets = gguf_targets(mt, name)
         if not targets and outside_text_model(adapter, c, name):  # the vision tower: llama.cpp's mmproj file

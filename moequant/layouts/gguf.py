@@ -40,6 +40,7 @@ from moequant.layouts.gguf_graphs import (  # noqa: F401  (ARCHS, REFUSED: tests
     REFUSED,
     gguf_targets,
     model_refusal,
+    prediction_layer,
     reshaped_reason,
     written_shapes,
 )
@@ -148,6 +149,8 @@ class Gguf(Layout):
     @staticmethod
     def plain_nbytes(role, shape, export, element_size=2, name=None, config=None):
         mt = (config or {}).get("model_type")
+        if name and mt in ARCHS and prediction_layer(config, name):
+            return 0  # a multi-token-prediction layer: GGUF export leaves it out
         names = [g for g, _ in gguf_targets(mt, name)] if name and mt in ARCHS else []
         if name and mt in ARCHS and not names and "text_config" in config:
             return 0  # a multimodal checkpoint's vision tower: llama.cpp's separate mmproj file, not this one

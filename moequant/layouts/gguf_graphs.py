@@ -394,6 +394,15 @@ def graph_config(adapter, config: dict) -> dict:
 _VISION_BESIDE_TEXT = re.compile(r"model\.(sam_model|vision_model|projector|image_newline|view_seperator)\b")
 
 
+def prediction_layer(config: dict, hf_name: str) -> bool:
+    """Whether a tensor belongs to a multi-token-prediction layer (DeepSeek's, GLM's num_nextn_predict_layers: the
+    layers past num_hidden_layers). GGUF export leaves them out, as llama.cpp's converter does for deepseek2 and with
+    --no-mtp for the graphs that can read them (they only draft tokens; the model's logits do not use them)."""
+    m = _LAYER.search(_renamed(hf_name))
+    layers = (config.get("text_config") or config).get("num_hidden_layers")
+    return bool(m and layers is not None and int(m[1]) >= int(layers))
+
+
 def outside_text_model(adapter, config: dict, hf_name: str) -> bool:
     """Whether a multimodal checkpoint's tensor lies outside its text model and head (the vision tower, its
     projector): llama.cpp reads those from a separate mmproj file, which GGUF export does not write."""

@@ -507,3 +507,22 @@ def test_apply_from_the_quantized_source(model_type, built, tmp_path):
     source = _quantized_source(model_type, built(model_type), tmp_path / "source")
     checkpoint = _apply(source, tmp_path / "run", "recipes/uniform-int4.yaml")
     assert _transformers_matches_moequant(checkpoint) <= 1e-5
+
+
+def test_routing_metadata_reads_the_families_own_config_names():
+    """The report's (and pruning's) routing metadata of families that name its keys their own way: AFMoE's router
+    (transformers' AfmoeTokenChoiceRouter: sigmoid scores, expert_bias for the selection only, the top-k renormalised,
+    times route_scale) and Kimi-Linear's moe_renormalize / num_expert_group."""
+    from families import tiny_family_config
+
+    from moequant.arch import adapter_for
+
+    def routing(model_type, **change):
+        config = tiny_family_config(model_type).to_dict()
+        config.update(change, model_type=model_type)
+        return adapter_for(config).routing
+
+    afmoe = routing("afmoe", route_scale=2.826)
+    assert (afmoe.scoring, afmoe.normalize_topk, afmoe.scaling, afmoe.correction_bias) == ("sigmoid", True, 2.826, True)
+    assert routing("kimi_linear", moe_renormalize=False).normalize_topk is False
+    assert routing("kimi_linear", moe_renormalize=True).normalize_topk is True

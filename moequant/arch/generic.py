@@ -603,16 +603,20 @@ class GenericAdapter(Adapter):
         where it has them; a selection bias (DeepSeek-V3's `e_score_correction_bias`) implies sigmoid scores;
         a config without `norm_topk_prob` renormalises its top-k weights (Mixtral's rule)."""
         c = self.text_config
-        bias = any(r.role == "router" and "correction" in n for n, (_, r) in self._entries.items())
+        bias = any(
+            r.role == "router" and ("correction" in n or n.endswith(".expert_bias"))  # AFMoE's: selection only
+            for n, (_, r) in self._entries.items()
+        )
         scoring = str(cfg_get(c, "scoring_func", "score_func", default="sigmoid" if bias else "softmax")).lower()
         grouped = cfg_get(c, "topk_method", default="group_limited_greedy") in ("group_limited_greedy", "noaux_tc")
         return Routing(
             "sigmoid" if "sigmoid" in scoring else "softmax",
             self.top_k,
-            normalize_topk=bool(cfg_get(c, "norm_topk_prob", default=True)),
-            groups=int(cfg_get(c, "n_group", default=1) or 1) if grouped else 1,
+            # the families' own names too: Kimi-Linear's moe_renormalize / num_expert_group, AFMoE's route_scale
+            normalize_topk=bool(cfg_get(c, "norm_topk_prob", "moe_renormalize", default=True)),
+            groups=int(cfg_get(c, "n_group", "num_expert_group", default=1) or 1) if grouped else 1,
             topk_groups=int(cfg_get(c, "topk_group", default=1) or 1) if grouped else 1,
-            scaling=float(cfg_get(c, "routed_scaling_factor", default=1.0) or 1.0),
+            scaling=float(cfg_get(c, "routed_scaling_factor", "route_scale", default=1.0) or 1.0),
             correction_bias=bias,
             router_bias=any(
                 r.role == "router" and n.endswith(".bias") and "correction" not in n

@@ -83,14 +83,18 @@ def resolve_recipe(recipe_path, model=None, output=None, overrides=()) -> Recipe
     return load_recipe(DEFAULT_RECIPE if recipe_path is None else recipe_path, overrides)
 
 
+def _make_run_plan(run: Run, stats_dir: Path | None):
+    """The precheck's whole plan of a recipe that reads no statistics, else make_plan from the precheck's shape part."""
+    if stats_dir is None and run.plan is not None:
+        return run.plan
+    return make_plan(run.recipe, run.source, stats_dir, run.plan_shapes)
+
+
 def plan_stage(run: Run, stats_dir: Path | None, settings: CalibrationSettings):
     """Make the plan; rewrite OUTPUT/plan.json only when its content changes (so a rerun reuses it).
     Returns (the plan, whether plan.json was reused)."""
     plan_path = run.directory / "plan.json"
-    if stats_dir is None and run.plan is not None:
-        plan = run.plan
-    else:
-        plan = make_plan(run.recipe, run.source, stats_dir, run.plan_shapes)
+    plan = _make_run_plan(run, stats_dir)
     plan.run_fingerprint = run_fingerprint(run.recipe, run.source, settings, plan)
     if plan_path.exists():
         try:
@@ -369,10 +373,7 @@ def run_plan(recipe_path=None, model=None, output=None, overrides=(), stats=None
             f"{' ' + same if same else ''}` first (it writes them there), or pass --stats DIR."
         )
     with output_lock(out, "plan"):
-        if not found and run.plan is not None:
-            plan = run.plan
-        else:
-            plan = make_plan(recipe, ckpt, stats_dir if found else None, run.plan_shapes)
+        plan = _make_run_plan(run, stats_dir if found else None)
         plan.run_fingerprint = run_fingerprint(recipe, ckpt, calibration_settings(recipe, device, ckpt=ckpt), plan)
         return plan, write_plan(plan, out / "plan.json")
 

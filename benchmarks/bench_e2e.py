@@ -158,6 +158,7 @@ def child_moequant(tool: str, model: str, out: str, samples: int, seq_len: int, 
     return {
         "seconds": seconds,
         "timings": stages,
+        "parts": timing.parts(),  # inside a stage: where the evaluation's seconds go
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
         "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else 0.0,
         "peak_rss_gib": peak_rss_bytes() / 2**30,
@@ -476,6 +477,10 @@ def print_stages(results: dict, tools, counts) -> None:
                 values = [r["timings"].get(name, 0.0) for _, r in done]
             slope = fit_per_layer(list(zip([n for n, _ in done], values)))[0] if len(done) > 1 else float("nan")
             print(f"  {name:18s} {' / '.join(f'{v:7.2f}' for v in values)}   {slope:7.2f} s/layer")
+        for name in dict.fromkeys(k for _, r in done for k in r.get("parts", {})):  # inside the stages above
+            values = [r.get("parts", {}).get(name, 0.0) for _, r in done]
+            slope = fit_per_layer(list(zip([n for n, _ in done], values)))[0] if len(done) > 1 else float("nan")
+            print(f"    {name:26s} {' / '.join(f'{v:7.2f}' for v in values)}   {slope:7.2f} s/layer")
         other = [r["timings"].get("other", 0.0) / max(r["seconds"], 1e-9) for _, r in done]
         print("  other's share of the run: " + " / ".join(f"{x:.1%}" for x in other))
 

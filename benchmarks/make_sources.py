@@ -34,7 +34,8 @@ import torch
 from moequant import formats
 from moequant.arch import adapter_for
 from moequant.errors import UserError
-from moequant.io.checkpoint import ShardWriter, atomic_directory
+from moequant.io.checkpoint import atomic_directory
+from moequant.io.shards import ShardWriter
 from moequant.layouts.deepseek_fp8 import pack_deepseek_fp8
 from moequant.layouts.gpt_oss_mxfp4 import pack_gpt_oss_mxfp4
 from moequant.layouts.gpt_oss_mxfp4 import quantization_config as gpt_oss_quantization_config

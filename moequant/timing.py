@@ -19,12 +19,12 @@ import threading
 import time
 
 _clock = time.perf_counter  # one place to read the time (tests count with a fake clock)
-_state: dict = {"owner": None, "seconds": {}, "stack": [], "t0": 0.0}
+_state: dict = {"owner": None, "seconds": {}, "stack": [], "t0": 0.0, "parts": {}}
 
 
 def start() -> None:
     """A new account on this thread (the previous one, if any, is dropped)."""
-    _state.update(owner=threading.get_ident(), seconds={}, stack=[], t0=_clock())
+    _state.update(owner=threading.get_ident(), seconds={}, stack=[], t0=_clock(), parts={})
 
 
 def stop() -> None:
@@ -56,6 +56,27 @@ def stage(name: str, whole: bool = False, sync: bool = True):
         seconds[name] = seconds.get(name, 0.0) + elapsed - frame["inner"]
         if stack:
             stack[-1]["inner"] += elapsed
+
+
+@contextlib.contextmanager
+def part(name: str):
+    """Add the block's seconds to `name` among the parts: where the seconds inside one stage go (the
+    evaluation's reads, layers, tallies), kept apart from the stages, which add up to the run."""
+    if not active():
+        yield
+        return
+    t0 = _clock()
+    try:
+        yield
+    finally:
+        _synchronize()
+        parts = _state["parts"]
+        parts[name] = parts.get(name, 0.0) + _clock() - t0
+
+
+def parts() -> dict[str, float]:
+    """The parts' seconds so far (a copy)."""
+    return dict(_state["parts"])
 
 
 def claim(name: str) -> None:

@@ -17,7 +17,8 @@ from tiny import TINY_CONFIGS, build_tiny
 from moequant.arch import adapter_for, supported_model_types
 from moequant.cli import main
 from moequant.errors import UserError
-from moequant.io.checkpoint import ShardWriter, atomic_directory, open_checkpoint, read_safetensors_header
+from moequant.io.checkpoint import atomic_directory, open_checkpoint, read_safetensors_header
+from moequant.io.shards import ShardWriter
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 PUBLISHED = json.loads((CONFIGS / "published.json").read_text())
@@ -98,6 +99,47 @@ def test_write_expert_round_trips_through_transformers(tiny_dirs, tmp_path, mode
     # the other experts are untouched
     other = 0 if expert else 1
     assert torch.equal(adapter.read_expert(back, layer, other, "down"), adapter.read_expert(ckpt, layer, other, "down"))
+
+
+def test_shard_writer_threads_write_the_same_files(tmp_path, monkeypatch):
+    """Several writing threads (the streamed export's) give the files one thread writes, byte for byte, and the
+    tensors read back through safetensors' own reader; a write that fails is raised, not lost."""
+    from safetensors.torch import load_file
+
+    import moequant.io.shards as shards_module
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        f"t{i}": torch.randn(37 + i, 50, generator=g).to(dt) for i, dt in enumerate([torch.bfloat16, torch.float32] * 6)
+    }
+    tensors["codes"] = torch.randint(0, 255, (333,), generator=g, dtype=torch.uint8)
+    monkeypatch.setattr(shards_module, "IN_FLIGHT_BYTES", 20_000)  # the bound on bytes in flight is exercised too
+    files = {}
+    for threads in (0, 3):
+        d = tmp_path / f"threads{threads}"
+        d.mkdir()
+        writer = ShardWriter(d, max_shard_bytes=30_000, threads=threads)
+        for n, t in tensors.items():
+            writer.add(n, t)
+        assert writer.finish()[0] == "model-00001-of-00003.safetensors"  # several shards
+        files[threads] = {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+    assert files[0] == files[3]
+    back = {}
+    for name in files[3]:
+        if name.endswith(".safetensors"):
+            back.update(load_file(tmp_path / "threads3" / name))
+    assert back.keys() == tensors.keys() and all(torch.equal(back[n], t) for n, t in tensors.items())
+
+    def broken(fd, position, tensor, ready=None):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shards_module, "_write_at", broken)
+    (tmp_path / "broken").mkdir()
+    writer = ShardWriter(tmp_path / "broken", max_shard_bytes=30_000, threads=2)
+    with pytest.raises(OSError, match="No space left"):
+        for n, t in tensors.items():
+            writer.add(n, t)
+        writer.close()
 
 
 def test_roles_cover_every_tensor_and_routers_are_found(tiny_dirs):

@@ -44,6 +44,26 @@ def test_nested_stages_are_exclusive_and_other_is_the_rest(clock):
     assert sum(timing.account().values()) == 15
 
 
+def test_parts_split_a_whole_stage_without_changing_the_stages(clock):
+    timing.start()
+    with timing.stage("evaluate", whole=True):
+        clock[0] = 1
+        with timing.part("evaluate: read"):
+            clock[0] = 3
+        with timing.part("evaluate: layers"):
+            clock[0] = 4
+        with timing.part("evaluate: read"):  # parts add up over their blocks
+            clock[0] = 7
+        clock[0] = 8
+    assert timing.parts() == {"evaluate: read": 5, "evaluate: layers": 1}
+    assert timing.account() == {"evaluate": 8, "other": 0}  # the stages still add up to the run
+    timing.stop()
+    with timing.part("evaluate: read"):  # no account: nothing counted
+        clock[0] = 20
+    timing.start()
+    assert timing.parts() == {}
+
+
 def test_claim_gives_a_name_the_unstaged_seconds_so_far(clock):
     timing.start()
     clock[0] = 2

@@ -4,12 +4,14 @@ layer read ahead on a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import defaultdict
 
 import torch
 
+from moequant import timing
 from moequant.evaluate.capture import Capture, has_fused_experts
 from moequant.evaluate.tally import Tally, as_windows, check_batch_size, equal_length_batches, same_structure
 
@@ -154,8 +156,9 @@ def evaluate_streaming(
                 ids = torch.stack([windows[i][0] for i in idx])
                 doms = [windows[i][1] for i in idx]
                 batch_doms = [doms[s : s + batch_size] for s in range(0, len(idx), batch_size)]
-                ref_run = LayerRunner(ref_ckpt, adapter, ids, batch_size, device, dtype)
-                q_run = LayerRunner(q_ckpt, q_adapter, ids, batch_size, device, dtype)
+                with timing.part("evaluate: set-up"):
+                    ref_run = LayerRunner(ref_ckpt, adapter, ids, batch_size, device, dtype)
+                    q_run = LayerRunner(q_ckpt, q_adapter, ids, batch_size, device, dtype)
                 if tally is None:
                     expert_errors = per_expert and all(
                         has_fused_experts(r.model, adapter, L) for r in (ref_run, q_run) for L in layers
@@ -167,41 +170,59 @@ def evaluate_streaming(
                 q_cap = Capture(q_run.model, q_adapter, keep_inputs=False)
                 h_ref, h_q = list(ref_run.embedded), list(q_run.embedded)
                 try:
-                    for L, (ref_state, q_state) in _layers_read_ahead((ref_run, q_run), adapter):
-                        with (
-                            ref_run.materialized(L, state=ref_state) as ref_layer,
-                            q_run.materialized(L, state=q_state) as q_layer,
-                        ):
+                    layer_states = _timed(_layers_read_ahead((ref_run, q_run), adapter), "evaluate: read (waited for)")
+                    for L, (ref_state, q_state) in layer_states:
+                        with contextlib.ExitStack() as stack:
+                            with timing.part("evaluate: materialize"):
+                                ref_layer = stack.enter_context(ref_run.materialized(L, state=ref_state))
+                                q_layer = stack.enter_context(q_run.materialized(L, state=q_state))
                             for b in range(len(h_ref)):
                                 ref_cap.clear()
                                 q_cap.clear()
-                                h_ref[b] = ref_run.run(ref_layer, L, b, h_ref[b])
-                                h_q[b] = q_run.run(q_layer, L, b, h_q[b])
+                                with timing.part("evaluate: layers"):
+                                    h_ref[b] = ref_run.run(ref_layer, L, b, h_ref[b])
+                                    h_q[b] = q_run.run(q_layer, L, b, h_q[b])
                                 if L in layers:
-                                    tally.add_moe_layer(
-                                        layers.index(L),
-                                        L,
-                                        adapter,
-                                        ref_run.model,
-                                        q_run.model,
-                                        ref_cap,
-                                        q_cap,
-                                        batch_doms[b],
-                                        length,
-                                    )
+                                    with timing.part("evaluate: tally"):
+                                        tally.add_moe_layer(
+                                            layers.index(L),
+                                            L,
+                                            adapter,
+                                            ref_run.model,
+                                            q_run.model,
+                                            ref_cap,
+                                            q_cap,
+                                            batch_doms[b],
+                                            length,
+                                        )
+                            with timing.part("evaluate: materialize"):  # the layers back on the meta device
+                                stack.close()
                         if progress:
                             bar.advance(task)
                 finally:
                     ref_cap.remove()
                     q_cap.remove()
-                _real_head(ref_run, adapter)
-                _real_head(q_run, q_adapter)
-                for b, batch_ids in enumerate(ref_run.batches):
-                    tally.add_logits(batch_ids, batch_doms[b], _logits(ref_run, b, h_ref[b]), _logits(q_run, b, h_q[b]))
+                with timing.part("evaluate: heads and logits"):
+                    _real_head(ref_run, adapter)
+                    _real_head(q_run, q_adapter)
+                    for b, batch_ids in enumerate(ref_run.batches):
+                        ref_logits, q_logits = _logits(ref_run, b, h_ref[b]), _logits(q_run, b, h_q[b])
+                        tally.add_logits(batch_ids, batch_doms[b], ref_logits, q_logits)
     finally:
         if progress:
             bar.stop()
     return tally.result(len(windows), time.perf_counter() - start)
+
+
+def _timed(states, name: str):
+    """`states` (an iterator), the seconds spent waiting for each next item added to timing's part `name`."""
+    it = iter(states)
+    while True:
+        with timing.part(name):
+            item = next(it, None)
+        if item is None:
+            return
+        yield item
 
 
 def _layers_read_ahead(runs, adapter, ahead: bool | None = None):

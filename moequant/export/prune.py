@@ -22,13 +22,13 @@ from pathlib import Path
 
 from moequant.errors import UserError
 from moequant.io.checkpoint import (
-    ShardWriter,
     atomic_directory,
     atomic_write_text,
     copy_aux_files,
     model_dtype,
     open_checkpoint,
 )
+from moequant.io.shards import ShardWriter
 
 COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts", "num_routed_experts")
 PRUNE_FILE = "moequant_prune.json"  # beside config.json: what was dropped, for a reader and the report

@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from moequant import timing
 from moequant.errors import UserError
 from moequant.export.write import (
     check_export_options,
@@ -38,9 +39,11 @@ from moequant.export.write import (
     write_unquantized,
 )
 from moequant.formats import QuantizedTensor, parse_key
-from moequant.io.checkpoint import INDEX_NAME, SINGLE_NAME, ShardWriter, atomic_directory
+from moequant.io.checkpoint import INDEX_NAME, SINGLE_NAME, atomic_directory
+from moequant.io.shards import ShardWriter
 
-WRITE_AHEAD = 64  # packed tensors waiting for the writer thread at most (host memory: a few chunks' tensors)
+WRITE_AHEAD = 64  # packed tensors waiting for the writer thread at most (memory: a few chunks' tensors)
+WRITE_THREADS = 4  # threads copying packed tensors to the host and writing them (ShardWriter's `threads`)
 
 
 def layer_of(name: str, adapter) -> int | None:
@@ -84,7 +87,8 @@ class _OpenLayer:
 
     def submit(self, fn, *args) -> None:
         while len(self.pending) >= WRITE_AHEAD:
-            self.pending.popleft().result()
+            with timing.stage("write_wait"):  # the pass waits for the disk
+                self.pending.popleft().result()
         self.pending.append(self.pool.submit(fn, *args))
 
     def close(self) -> None:
@@ -127,7 +131,7 @@ class StreamedExport:
         """A shard writer whose header room fits `names` (each written as at most four tensors of about its
         name's length): a layer's shards of a small model are not padded with a large model's 2 MiB headers."""
         reserve = 8 * math.ceil((1024 + sum(4 * (len(n) + 128) for n in names)) / 8)
-        return ShardWriter(directory, max_shard_bytes=self.max_shard_bytes, reserve=reserve)
+        return ShardWriter(directory, max_shard_bytes=self.max_shard_bytes, reserve=reserve, threads=WRITE_THREADS)
 
     # ------------------------------------------------------------------------------ one layer
 
@@ -153,9 +157,16 @@ class StreamedExport:
         return {}
 
     def _pack(self, name: str, q: QuantizedTensor) -> None:
-        host = {k: v.to("cpu") for k, v in self.writer.pack(name, q).items()}  # packed where the codes are
+        """Packed where the codes are; a GPU tensor goes to the host on a writing thread once `ready` fires."""
+        packed = self.writer.pack(name, q)
+        ready = None
+        if any(v.is_cuda for v in packed.values()):
+            # a view would keep its whole stack of experts on the GPU until written: copy out its own bytes
+            packed = {k: v.clone() if v._base is not None else v for k, v in packed.items()}
+            ready = torch.cuda.Event()
+            ready.record()
         self._open.sources.append(name)
-        self._open.submit(_add_all, self._open.shards, host)
+        self._open.submit(_add_all, self._open.shards, packed, ready)
 
     def end_layer(self, layer: int, items: dict, rank: int = 0) -> None:
         """The layer's remaining tensors, then its shards closed and renamed into place (`queue_layer_end`, then
@@ -235,9 +246,9 @@ class StreamedExport:
         return out_dir
 
 
-def _add_all(shards: ShardWriter, tensors: dict) -> None:
+def _add_all(shards: ShardWriter, tensors: dict, ready=None) -> None:
     for name, tensor in tensors.items():
-        shards.add(name, tensor)
+        shards.add(name, tensor, ready)
 
 
 def _check_complete(sources: list[str], names) -> None:

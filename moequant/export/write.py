@@ -54,12 +54,12 @@ from moequant.errors import UserError
 from moequant.formats import QuantizedTensor
 from moequant.io.checkpoint import (
     EXPORT_INFO,
-    ShardWriter,
     atomic_directory,
     copy_aux_files,
     model_dtype,
     open_checkpoint,
 )
+from moequant.io.shards import ShardWriter
 from moequant.layouts import LAYOUTS
 from moequant.layouts.compressed_tensors import transformers_stop
 from moequant.targets import TARGETS, Target, get_target

@@ -9,6 +9,8 @@ every quantized format of the compressed-tensors one, and the quantized sources 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from test_export_models import build_model, quantize_experts, quantize_named
@@ -127,3 +129,31 @@ def test_deepseek_fp8_and_gpt_oss_mxfp4_exports(tmp_path, monkeypatch):
 @pytest.mark.parametrize("make", [make_deepseek_fp8, make_qwen_int4, make_gpt_oss_mxfp4])
 def test_quantized_sources(make, tmp_path, monkeypatch):
     _layers_decode_on_the_device(make(tmp_path / "src"), monkeypatch)
+
+
+@pytest.mark.parametrize("make", [make_deepseek_fp8, make_qwen_int4])
+def test_a_layer_read_by_several_threads_equals_one_thread_s(make, tmp_path, monkeypatch):
+    """The quantize pass's GPU read of a layer's experts (several threads, a few experts each, decoded where
+    they go) gives the values read_experts gives expert after expert, for every expert and for one rank's
+    slice; forced onto the host's device here, where the decoding runs the same code."""
+    import moequant.pipeline.read_ahead as read_ahead
+    from moequant import parallel
+
+    monkeypatch.setattr(read_ahead, "READ_SLICE", 3)  # slices that do not divide the experts evenly
+    ckpt = open_checkpoint(make(tmp_path / "src"))
+    adapter = adapter_for(ckpt.config)
+    L, cpu = adapter.moe_layers[-1], torch.device("cpu")
+    threads = set()
+    real = parallel.read_experts
+
+    def counted(*args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(parallel, "read_experts", counted)
+    for own in (None, range(1, adapter.num_experts - 1)):
+        together = read_ahead.read_layer_experts(adapter, ckpt, L, own, cpu, torch.bfloat16)
+        for p in adapter.projections:
+            alone = real(adapter, ckpt, L, p, own, device=cpu, dtype=torch.bfloat16)
+            assert together[p].dtype == torch.bfloat16 and torch.equal(together[p], alone), (own, p)
+    assert any(name.startswith("moequant-read-experts") for name in threads)

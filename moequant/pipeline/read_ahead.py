@@ -4,21 +4,48 @@ reserved in the memory budget until they are allocated (`submit_read_ahead`, whe
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from moequant import parallel, timing
 
+READ_THREADS = 4  # threads reading and decoding one layer's experts on a GPU run
+READ_SLICE = 4  # experts a thread reads at a time (its temporary on the GPU: that many experts)
+
 
 def read_layer_experts(adapter, ckpt, layer: int, own: range | None, device=None, dtype=None) -> dict:
     """A layer's routed-expert weights {proj: [E, out, in]} from disk; this rank's experts only. With a GPU
-    `device` their stored bytes go there and are decoded there, into `dtype`; without, on the host as read
-    (float32 for quantized sources: the CPU's exact path). Its seconds less the disk reads' are "decode"
+    `device` their stored bytes go there and are decoded there, into `dtype`, by several threads a few experts
+    at a time (one thread reading expert after expert was the model-free plans' limit); without, on the host as
+    read (float32 for quantized sources: the CPU's exact path). Its seconds less the disk reads' are "decode"
     (transfer, decode and stacking; moequant.timing)."""
     with timing.stage("decode"):
-        return {
-            p: parallel.read_experts(adapter, ckpt, layer, p, own, device=device, dtype=dtype)
+        if device is None or dtype is None or adapter.fused_experts:
+            return {
+                p: parallel.read_experts(adapter, ckpt, layer, p, own, device=device, dtype=dtype)
+                for p in adapter.projections
+            }
+        experts = own if own is not None else range(adapter.num_experts)
+        stacks = {
+            p: torch.empty((len(experts),) + tuple(adapter.expert_shape(p)), dtype=dtype, device=device)
             for p in adapter.projections
         }
+
+        def fill(p, lo: int, hi: int) -> None:  # the same values read_experts gives, in their place
+            stacks[p][lo:hi] = parallel.read_experts(
+                adapter, ckpt, layer, p, experts[lo:hi], device=device, dtype=dtype
+            )
+
+        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="moequant-read-experts") as pool:
+            jobs = [
+                pool.submit(fill, p, lo, min(len(experts), lo + READ_SLICE))
+                for p in adapter.projections
+                for lo in range(0, len(experts), READ_SLICE)
+            ]
+            for job in jobs:
+                job.result()
+        return stacks
 
 
 def experts_placement(run, prepared: bool = False) -> tuple:

@@ -13,7 +13,7 @@ Tools:
   moequant-pass       algorithms.gptq.gptq_pass(grid="searched", refit=True), the recipe's default gptq section: act
                       order, the searched grid and the least-squares scale refit, one projection at a time as
                       the pass runs it
-  moequant-fp32       moequant with MOEQUANT_GPTQ_MATMUL=fp32 (float32 products throughout, no TF32);
+  moequant-fp32       moequant with gpu_math update_matmul=fp32 (float32 products throughout, no TF32);
                       with `moequant` in the same run it also prints the fraction of differing codes
   rtn                 round-to-nearest, for scale
   llmc-batched        llm-compressor's GPTQModifier, its default batched_quantization="auto"
@@ -159,17 +159,8 @@ def expert_hessians(x: torch.Tensor, routes: list, fn=None) -> tuple[torch.Tenso
 
 
 def run_moequant(layer: Layer, args, act_order: bool, matmul: str | None = None) -> dict:
-    """matmul: MOEQUANT_GPTQ_MATMUL for this run (None: the library's default)."""
-    before = os.environ.get("MOEQUANT_GPTQ_MATMUL")
-    if matmul is not None:
-        os.environ["MOEQUANT_GPTQ_MATMUL"] = matmul
-    try:
-        return _run_moequant(layer, args, act_order, matmul)
-    finally:
-        if before is None:
-            os.environ.pop("MOEQUANT_GPTQ_MATMUL", None)
-        else:
-            os.environ["MOEQUANT_GPTQ_MATMUL"] = before
+    """matmul: gptq.gpu_math.update_matmul for this run (None: the library's default)."""
+    return _run_moequant(layer, args, act_order, matmul)
 
 
 _CODES: dict = {}  # (shape key, label) -> codes per projection, for code agreement between runs
@@ -177,7 +168,9 @@ _CODES: dict = {}  # (shape key, label) -> codes per projection, for code agreem
 
 def _run_moequant(layer: Layer, args, act_order: bool, matmul) -> dict:
     from moequant.algorithms import gptq
+    from moequant.algorithms.gpu_math import GpuMath
 
+    gpu_math = GpuMath() if matmul is None else GpuMath(update_matmul=matmul)
     device = args.device
     experts = layer.gate.shape[0]
     base = peak_reset(device)
@@ -194,6 +187,7 @@ def _run_moequant(layer: Layer, args, act_order: bool, matmul) -> dict:
         tokens=counts,
         min_tokens=1,
         chunk_experts=args.chunk_experts,
+        gpu_math=gpu_math,
     )
     del h_in
     sync(device)
@@ -202,7 +196,13 @@ def _run_moequant(layer: Layer, args, act_order: bool, matmul) -> dict:
     sync(device)
     t3 = time.perf_counter()
     q_down, report_down = gptq.gptq(
-        layer.down, h_down, args.format, act_order=act_order, tokens=counts, chunk_experts=args.chunk_experts
+        layer.down,
+        h_down,
+        args.format,
+        act_order=act_order,
+        tokens=counts,
+        chunk_experts=args.chunk_experts,
+        gpu_math=gpu_math,
     )
     del h_down
     sync(device)
@@ -568,18 +568,19 @@ def main():
 def verify(device):
     """Same codes with and without CUDA graphs, batched and one by one, on this device."""
     from moequant.algorithms import gptq
+    from moequant.algorithms.gpu_math import GpuMath
 
     layer = make_layer("medium" if device.startswith("cuda") else "small", device, seed=1)
     h, counts = expert_hessians(layer.calib, layer.calib_routes)
     for key in ("int4-g128-sym", "int4-g32-asym", "mxfp4", "nvfp4", "fp8-block128", "int8-channel"):
         for act in (False, True):
-            os.environ["MOEQUANT_CUDA_GRAPHS"] = "1"
             t0 = time.perf_counter()
             (a_gate, a_up), _ = gptq.gptq_shared_hessian([layer.gate, layer.up], h, key, act_order=act)
             sync(device)
             t1 = time.perf_counter()
-            os.environ["MOEQUANT_CUDA_GRAPHS"] = "0"
-            (b_gate, b_up), _ = gptq.gptq_shared_hessian([layer.gate, layer.up], h, key, act_order=act)
+            (b_gate, b_up), _ = gptq.gptq_shared_hessian(
+                [layer.gate, layer.up], h, key, act_order=act, gpu_math=GpuMath(cuda_graphs=False)
+            )
             sync(device)
             t2 = time.perf_counter()
             one = gptq.gptq(layer.gate[3], h[3], key, act_order=act)[0]
@@ -592,7 +593,6 @@ def verify(device):
                 f"batched==single {same_one} ({frac_one:.2e} differ)  graph {t1 - t0:.2f}s eager {t2 - t1:.2f}s",
                 flush=True,
             )
-    os.environ["MOEQUANT_CUDA_GRAPHS"] = "1"
     del layer, h
 
 
@@ -604,6 +604,7 @@ def profile(device, shape, experts, out_dir=None):
     from torch.profiler import profile as torch_profile
 
     from moequant.algorithms import cholesky, gptq
+    from moequant.algorithms.gpu_math import GpuMath
 
     torch.backends.cuda.matmul.allow_tf32 = False
     layer = make_layer(shape, device)
@@ -718,14 +719,19 @@ def profile(device, shape, experts, out_dir=None):
                 print(f"    rows {tile_rows:3} warps {warps}: failed ({type(err).__name__})", flush=True)
         del x, vn, vd, scales, codes
 
-    for sweep in ("0", "1"):
-        os.environ["MOEQUANT_TRITON"] = sweep
+    for triton in (False, True):
+        gpu_math = GpuMath(triton=triton)
         for label, run in (
             (
                 "gate+up",
-                lambda: gptq.gptq_shared_hessian([gate, up], h_in, "int4-g128-sym", act_order=True, tokens=counts),
+                lambda: gptq.gptq_shared_hessian(
+                    [gate, up], h_in, "int4-g128-sym", act_order=True, tokens=counts, gpu_math=gpu_math
+                ),
             ),
-            ("down", lambda: gptq.gptq(down, h_down, "int4-g128-sym", act_order=True, tokens=counts)),
+            (
+                "down",
+                lambda: gptq.gptq(down, h_down, "int4-g128-sym", act_order=True, tokens=counts, gpu_math=gpu_math),
+            ),
         ):
             run()  # warm-up (Triton compile, cuBLAS handles)
             sync(device)
@@ -751,7 +757,6 @@ def profile(device, shape, experts, out_dir=None):
                 except Exception:  # noqa: BLE001 - older torch names the column cuda_time_total
                     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70)
                 print(table, flush=True)
-    os.environ["MOEQUANT_TRITON"] = "1"
 
 
 def profile_refit(device, shape, experts, key):

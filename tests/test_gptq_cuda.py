@@ -12,6 +12,7 @@ import torch
 from helpers import make_layer, output_error
 
 from moequant.algorithms import cholesky, gptq, gptq_triton, rtn
+from moequant.algorithms.gpu_math import GpuMath
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,10 +56,8 @@ def test_kernel_equals_its_torch_definition_bit_for_bit(asym, bits, i1, i2):
     assert (codes[..., i1:i2] >= qmin).all() and (codes[..., i1:i2] <= qmax).all()
 
 
-def _solve(monkeypatch, fused, *args, matmul="fp32", **kwargs):
-    monkeypatch.setenv("MOEQUANT_TRITON", "1" if fused else "0")
-    monkeypatch.setenv("MOEQUANT_GPTQ_MATMUL", matmul)
-    q, report = gptq.gptq(*args, **kwargs)
+def _solve(fused, *args, matmul="fp32", **kwargs):
+    q, report = gptq.gptq(*args, gpu_math=GpuMath(triton=fused, update_matmul=matmul), **kwargs)
     assert report.settings["sweep"] == ("triton" if fused else "torch")
     assert report.settings["update_matmul"] == (matmul if fused else "fp32")
     return q, report
@@ -66,14 +65,14 @@ def _solve(monkeypatch, fused, *args, matmul="fp32", **kwargs):
 
 @pytest.mark.parametrize("grid", ["minmax", "searched"])
 @pytest.mark.parametrize("key,act_order", [("int4-g128-sym", True), ("int4-g64-asym", False), ("int8-channel", True)])
-def test_fused_matches_torch_sweep_on_cuda(monkeypatch, key, act_order, grid):
+def test_fused_matches_torch_sweep_on_cuda(key, act_order, grid):
     """Same algorithm, different float32 rounding order (V instead of U = V^-1): a few codes may
     flip; held-out error must be as good, and both must be close to a float64 CPU solve.
-    (The fused sweep in float32 throughout, MOEQUANT_GPTQ_MATMUL=fp32; TF32 is tested below.)"""
+    (The fused sweep in float32 throughout, gpu_math.update_matmul=fp32; TF32 is tested below.)"""
     w, h, held_out = make_layer(experts=6, out=96, n_in=1024, tokens=3000, seed=11)
     wc, hc = w.cuda(), h.cuda()
-    fused, rep_f = _solve(monkeypatch, True, wc, hc, key, act_order=act_order, grid=grid)
-    torch_sweep, rep_t = _solve(monkeypatch, False, wc, hc, key, act_order=act_order, grid=grid)
+    fused, rep_f = _solve(True, wc, hc, key, act_order=act_order, grid=grid)
+    torch_sweep, rep_t = _solve(False, wc, hc, key, act_order=act_order, grid=grid)
     exact, _ = gptq.gptq(w.double(), h.double(), key, act_order=act_order, grid=grid)
     if grid == "searched" and key.endswith("-sym"):  # mirrored grids in the fused sweep
         assert bool((fused.scales < 0).any())
@@ -99,7 +98,7 @@ def test_fused_matches_torch_sweep_on_cuda(monkeypatch, key, act_order, grid):
     "key,act_order",
     [("int4-g128-sym", True), ("int4-g64-asym", False), ("int8-channel", True), ("int3-g128-sym", True)],
 )
-def test_tf32_updates_as_accurate_as_float32(monkeypatch, key, act_order):
+def test_tf32_updates_as_accurate_as_float32(key, act_order):
     """The default fused sweep (TF32 lazy updates, split-TF32 Cholesky products) against the same
     sweep in float32: held-out error within 0.1%, proxy loss within 0.1%. Codes: a changed rounding
     moves a weight across a rounding boundary now and then, and each flip changes the errors fed to
@@ -109,8 +108,8 @@ def test_tf32_updates_as_accurate_as_float32(monkeypatch, key, act_order):
     So codes are held to 98% agreement here, the error to 0.1%."""
     w, h, held_out = make_layer(experts=6, out=96, n_in=1024, tokens=3000, seed=11)
     wc, hc = w.cuda(), h.cuda()
-    tf32, rep_t = _solve(monkeypatch, True, wc, hc, key, act_order=act_order, matmul="tf32")
-    fp32, rep_f = _solve(monkeypatch, True, wc, hc, key, act_order=act_order, matmul="fp32")
+    tf32, rep_t = _solve(True, wc, hc, key, act_order=act_order, matmul="tf32")
+    fp32, rep_f = _solve(True, wc, hc, key, act_order=act_order, matmul="fp32")
     assert rep_t.settings["cholesky_matmul"] == "tf32x3" and rep_f.settings["cholesky_matmul"] == "fp32"
     differ = (tf32.codes != fp32.codes).float().mean().item()
     err_t = output_error(w, tf32.dequantize(torch.float32).cpu(), held_out)
@@ -126,23 +125,22 @@ def test_tf32_updates_as_accurate_as_float32(monkeypatch, key, act_order):
         assert abs(a - b) <= 1e-3 * b
 
 
-def test_tf32_setting_restored_and_fp32_forced(monkeypatch):
-    """The TF32 switch is scoped to GPTQ's products; MOEQUANT_GPTQ_MATMUL=fp32 gives the float32 path."""
+def test_tf32_setting_restored_and_fp32_forced():
+    """The TF32 switch is scoped to GPTQ's products; gpu_math.update_matmul=fp32 gives the float32 path
+    (the one _solve asserts the report names), its products made with TF32 off."""
     w, h, _ = make_layer(experts=2, out=32, n_in=1024, tokens=1500, seed=14)
     before = torch.backends.cuda.matmul.fp32_precision
-    q, report = _solve(monkeypatch, True, w.cuda(), h.cuda(), "int4-g128-sym", act_order=True, matmul="tf32")
+    q, report = _solve(True, w.cuda(), h.cuda(), "int4-g128-sym", act_order=True, matmul="tf32")
     assert torch.backends.cuda.matmul.fp32_precision == before
-    monkeypatch.setenv("MOEQUANT_GPTQ_MATMUL", "bf16")
-    with pytest.raises(Exception, match="MOEQUANT_GPTQ_MATMUL"):
-        gptq.gptq(w.cuda(), h.cuda(), "int4-g128-sym")
+    _solve(True, w.cuda(), h.cuda(), "int4-g128-sym", act_order=True, matmul="fp32")
+    assert torch.backends.cuda.matmul.fp32_precision == before
 
 
-def test_fused_shared_hessian_and_fallbacks(monkeypatch):
+def test_fused_shared_hessian_and_fallbacks():
     """gate + up through one fused sweep; a zero-token expert gets exactly round-to-nearest."""
     w, h, _ = make_layer(experts=4, out=64, n_in=256, tokens=800, seed=12)
     h[2] = 0
     gate, up = w[:, :24].cuda(), w[:, 24:].cuda()
-    monkeypatch.setenv("MOEQUANT_TRITON", "1")
     (q_gate, q_up), report = gptq.gptq_shared_hessian([gate, up], h.cuda(), "int4-g128-sym", act_order=True)
     assert report.settings["sweep"] == "triton" and report.method == ["gptq", "gptq", "rtn", "gptq"]
     alone, _ = gptq.gptq(gate, h.cuda(), "int4-g128-sym", act_order=True)

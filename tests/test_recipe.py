@@ -162,7 +162,11 @@ def test_gptq_section_names_its_accepted_values():
     )
     assert (
         error_of({"gptq": {"colour": 1}})
-        == "recipe r.yaml: unknown key 'gptq.colour'; accepted keys here: grid, refit."
+        == "recipe r.yaml: unknown key 'gptq.colour'; accepted keys here: grid, refit, gpu_math."
+    )
+    assert error_of({"gptq": {"gpu_math": {"cholesky": "fast"}}}) == (
+        "recipe r.yaml: key 'gptq.gpu_math.cholesky' has value 'fast'; accepted: 'auto', 'torch', 'looped' or "
+        "'blocked'."
     )
 
 

@@ -4,20 +4,18 @@ retried with tenfold damping where it fails, and on CUDA a blocked Cholesky made
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from moequant.algorithms.tf32 import tf32_products
 
 
-def inverse_cholesky(h, damp, max_tries, skip, inverse=True, tf32=False):
+def inverse_cholesky(h, damp, max_tries, skip, inverse=True, tf32=False, how="auto"):
     """U = upper Cholesky factor of (H + lambda I)^-1 per expert, lambda = f * mean(diag(H)).
 
     f starts at `damp` and grows tenfold for the experts whose factorization failed, up to
     `max_tries` tries. Experts flagged in `skip` (round-to-nearest) get U = I.
     With inverse=False, V = U^-1 instead (upper triangular, H + lambda I = V V^T), which the
-    fused sweep uses.
+    fused sweep uses. tf32, how: as `cholesky_ex`'s.
     Returns (U or V [c, in, in], f used per expert, None where skipped or every try failed).
     """
     c, n = h.shape[0], h.shape[-1]
@@ -36,7 +34,7 @@ def inverse_cholesky(h, damp, max_tries, skip, inverse=True, tf32=False):
         # triangular solve, half the work of inverse-then-Cholesky. V = J L J.
         damped = torch.flip(h if every else h[rows], dims=(-2, -1))
         damped.diagonal(dim1=-2, dim2=-1).add_((factor * mean_diag[rows])[:, None])
-        chol, info = cholesky_ex(damped, tf32)
+        chol, info = cholesky_ex(damped, tf32, how)
         del damped
         if inverse:
             eye = torch.eye(n, device=h.device, dtype=h.dtype).expand(len(rows), n, n)
@@ -65,12 +63,13 @@ def inverse_cholesky(h, damp, max_tries, skip, inverse=True, tf32=False):
     return u, used
 
 
-def cholesky_ex(a, tf32=False):
+def cholesky_ex(a, tf32=False, how="auto"):
     """torch.linalg.cholesky_ex (lower factor, info per matrix), on CUDA for large batched
     matrices as a blocked left-looking Cholesky whose work is batched matrix products over all
-    experts (MOEQUANT_CHOLESKY=torch|looped|blocked chooses; default `blocked` for n >= 1024)."""
+    experts. how (the recipe's gptq.gpu_math.cholesky): torch (torch's batched one), looped (torch's,
+    one matrix at a time), blocked (`blocked_cholesky`, split-TF32 products with tf32), auto (blocked on
+    CUDA for n >= 1024, else torch)."""
 
-    how = os.environ.get("MOEQUANT_CHOLESKY", "auto")
     n = a.shape[-1]
     if how == "auto":
         how = "blocked" if a.is_cuda and a.dim() == 3 and n >= 1024 else "torch"

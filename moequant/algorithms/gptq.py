@@ -9,7 +9,7 @@ factorization (`gptq_shared_hessian`).
 
 Two sweeps:
 - fused (integer formats with fixed scales, float32, on CUDA when Triton imports; the report's
-  settings["sweep"] == "triton"; MOEQUANT_TRITON=0 turns it off): GPTQ written on V, the upper
+  settings["sweep"] == "triton"; the recipe's gptq.gpu_math.triton=false turns it off): GPTQ written on V, the upper
   triangular factor with H = V V^T (one Cholesky of the order-reversed Hessian, no inverse), a
   Triton kernel for the columns inside each 64-column block (moequant.algorithms.gptq_triton
   explains both), and the updates between blocks as batched matrix products (TF32 by default,
@@ -18,11 +18,12 @@ Two sweeps:
   than cuSOLVER's batched one.
 - torch (every other case, and always on the CPU): U, the Cholesky factor of H^-1, and the
   column loop in torch; on CUDA the block sweep is captured once as a CUDA graph and replayed
-  for every block (MOEQUANT_CUDA_GRAPHS=0 turns that off; the codes are the same).
+  for every block (gpu_math.cuda_graphs=false turns that off; the codes are the same).
 
-TF32 on CUDA (the fused sweep only; MOEQUANT_GPTQ_MATMUL=fp32 forces float32 products
-throughout, MOEQUANT_GPTQ_CHOLESKY_MATMUL=fp32 only in the factorization; the report's settings
-say what ran). Both phases are bound by float32 matrix products, so:
+TF32 on CUDA (the fused sweep only; gpu_math.update_matmul=fp32 forces float32 products
+throughout, gpu_math.cholesky_matmul=fp32 only in the factorization; the report's settings
+say what ran). `gpu_math` (moequant.algorithms.gpu_math.GpuMath, the recipe's gptq.gpu_math) carries
+these choices to every function here. Both phases are bound by float32 matrix products, so:
 - the lazy updates between blocks, W[:, later] += D[:, block] @ V'[block, later], are plain TF32
   products (10-bit mantissa inputs, float32 sums). D = W - Q is the quantization error itself, so
   a ~2^-11 relative error of its update is far below the quantization step; the columns inside
@@ -75,7 +76,7 @@ from moequant import timing
 from moequant.algorithms import gptq_triton
 from moequant.algorithms.cholesky import inverse_cholesky
 from moequant.algorithms.columns import cq_call, cq_fit, squeeze_params, stack_chunks, tree_map
-from moequant.algorithms.gpu_math import cholesky_matmul, cuda_graphs_enabled, update_matmul
+from moequant.algorithms.gpu_math import GpuMath
 from moequant.algorithms.tf32 import tf32_products as _tf32_products
 from moequant.errors import UserError
 
@@ -126,6 +127,7 @@ def gptq(
     max_damp_tries: int = 6,
     device: torch.device | str | None = None,
     grid: str = "minmax",
+    gpu_math: GpuMath = GpuMath(),
 ):
     """GPTQ-quantize the experts of one projection; returns (QuantizedTensor, GPTQReport).
 
@@ -147,6 +149,7 @@ def gptq(
     grid: "minmax" (the format's own scales) or "searched" (integer formats, static groups: each
         group's scale / zero point searched for the least diag(H)-weighted error of rounding the
         original weights, `formats.searched_fit`; the grid GPTQ then rounds onto).
+    gpu_math: how it computes on a GPU (module doc); on the CPU only its `cholesky` choice applies.
     """
     quantized, report = gptq_shared_hessian(
         [weight],
@@ -163,24 +166,23 @@ def gptq(
         max_damp_tries=max_damp_tries,
         device=device,
         grid=grid,
+        gpu_math=gpu_math,
     )
     return quantized[0], report
 
 
-def gptq_pass(
-    weight: torch.Tensor, hessian: torch.Tensor, spec, device=None, grid: str = "minmax", refit: bool = False
-):
+def gptq_pass(weight, hessian, spec, device=None, grid: str = "minmax", refit: bool = False, gpu_math=GpuMath()):
     """GPTQ as the quantize pass and the probe run it: activation order with static groups (vLLM takes
     no dynamic g_idx); for integer formats the `grid` GPTQ rounds onto (minmax | searched) and, with
     `refit`, the least-squares scale refit of integer group formats (moequant.algorithms.refit).
     The defaults here are plain GPTQ; the recipe's `gptq: {grid, refit}` defaults to searched + refit.
     Quality and cost: benchmarks/bench_quality.py, bench_gptq.py."""
-    (q,), report = gptq_pass_shared([weight], hessian, spec, device=device, grid=grid, refit=refit)
+    (q,), report = gptq_pass_shared([weight], hessian, spec, device=device, grid=grid, refit=refit, gpu_math=gpu_math)
     return q, report
 
 
 def gptq_pass_shared(
-    weights: Sequence[torch.Tensor], hessian: torch.Tensor, spec, device=None, grid: str = "minmax", refit: bool = False
+    weights, hessian, spec, device=None, grid: str = "minmax", refit: bool = False, gpu_math=GpuMath()
 ):
     """`gptq_pass` of projections that read the same input (gate and up): one factorization and one
     sweep for all (`gptq_shared_hessian`), each weight's own scales and refit; the same codes and
@@ -197,10 +199,11 @@ def gptq_pass_shared(
         static_groups=True,
         device=device,
         grid=grid if spec.is_int else "minmax",
+        gpu_math=gpu_math,
     )
     if refit and spec.is_int and spec.granularity == "group":  # one Hessian preparation for all weights
         with timing.stage("gptq_refit"):
-            qs = refit_scales_shared(qs, weights, hessian)
+            qs = refit_scales_shared(qs, weights, hessian, triton=gpu_math.triton)
     return qs, report
 
 
@@ -220,6 +223,7 @@ def gptq_shared_hessian(
     max_damp_tries: int = 6,
     device: torch.device | str | None = None,
     grid: str = "minmax",
+    gpu_math: GpuMath = GpuMath(),
 ):
     """GPTQ of several projections that read the same input (gate and up): one factorization.
 
@@ -307,6 +311,7 @@ def gptq_shared_hessian(
                 max_damp_tries=max_damp_tries,
                 squeeze=single,
                 grid=grid,
+                gpu_math=gpu_math,
             )
         except torch.OutOfMemoryError:
             if chunk_experts == 1:
@@ -341,7 +346,7 @@ def _solve_chunk(
 
 
 def _gptq_chunk(
-    ws, h, spec, experts, report, *, block_size, damp, act_order, static_groups, max_damp_tries, squeeze, grid="minmax"
+    ws, h, spec, experts, report, *, block_size, damp, act_order, static_groups, max_damp_tries, squeeze, grid, gpu_math
 ):
     """GPTQ of one chunk of experts. ws: list of [c, out_k, in] float32; h: [c, in, in] float32.
 
@@ -363,7 +368,7 @@ def _gptq_chunk(
     # The searched grid weighs each column's rounding error by H_ii (original column order).
     importance = diag.clone() if grid == "searched" else None  # [c, in]
     # The column quantizers see each whole (zeroed) weight once, e.g. for per-tensor scales.
-    cqs = [formats.column_quantizer(spec, w[0] if squeeze else w, grid=grid) for w in ws]
+    cqs = [formats.column_quantizer(spec, w[0] if squeeze else w, grid=grid, triton=gpu_math.triton) for w in ws]
     group_width = cqs[0].group_width
     per_row = group_width >= num_in  # per-channel / per-tensor scales: one fit for all columns
     if not per_row:
@@ -383,15 +388,15 @@ def _gptq_chunk(
 
     # Integer formats with fixed scales on CUDA: the fused Triton sweep, which works with the
     # reversed Cholesky factor V of H itself (no inverse; see gptq_triton's module doc).
-    fused = fixed_params is not None and gptq_triton.usable(spec, h.device, h.dtype)
+    fused = fixed_params is not None and gpu_math.triton and gptq_triton.usable(spec, h.device, h.dtype)
     report.settings["sweep"] = "triton" if fused else "torch"
-    tf32 = fused and h.is_cuda and update_matmul() == "tf32"
+    tf32 = fused and h.is_cuda and gpu_math.update_matmul == "tf32"
     report.settings["update_matmul"] = "tf32" if tf32 else "fp32"
-    tf32_chol = tf32 and cholesky_matmul() == "tf32x3"
+    tf32_chol = tf32 and gpu_math.cholesky_matmul == "tf32x3"
     report.settings["cholesky_matmul"] = "tf32x3" if tf32_chol else "fp32"
     t0 = _clock(h)
     report.seconds["prepare"] += t0 - t_start
-    u = _factorize(h, idx, report, damp, max_damp_tries, inverse=not fused, tf32=tf32_chol)
+    u = _factorize(h, idx, report, damp, max_damp_tries, inverse=not fused, tf32=tf32_chol, how=gpu_math.cholesky)
     report.seconds["factorize"] += _clock(u) - t0
     del h
 
@@ -411,7 +416,18 @@ def _gptq_chunk(
         return out
     t_sweep = _clock(w_all)
     codes, losses, merge, params = _sweep_torch(
-        w_all, u, cqs, fixed_params, perm, group_width, per_row, block_size, spec, out_rows, squeeze
+        w_all,
+        u,
+        cqs,
+        fixed_params,
+        perm,
+        group_width,
+        per_row,
+        block_size,
+        spec,
+        out_rows,
+        squeeze,
+        gpu_math.cuda_graphs,
     )
     t0 = _clock(w_all)
     report.seconds["sweep"] += t0 - t_sweep
@@ -464,12 +480,12 @@ def _fixed_params(cqs, ws, spec, per_row, static_groups, importance, squeeze):
     return None
 
 
-def _factorize(h, idx, report, damp, max_damp_tries, *, inverse, tf32):
+def _factorize(h, idx, report, damp, max_damp_tries, *, inverse, tf32, how):
     """The (inverse) Cholesky factor of each damped Hessian; an expert whose every damping fails falls
     back to round-to-nearest (identity factor), and the report says so."""
     num_in = h.shape[-1]
     u, used_damp = inverse_cholesky(
-        h, damp, max_damp_tries, [report.method[e] == RTN for e in idx], inverse=inverse, tf32=tf32
+        h, damp, max_damp_tries, [report.method[e] == RTN for e in idx], inverse=inverse, tf32=tf32, how=how
     )
     for j, e in enumerate(idx):
         if report.method[e] == RTN:
@@ -485,7 +501,9 @@ def _factorize(h, idx, report, damp, max_damp_tries, *, inverse, tf32):
     return u
 
 
-def _sweep_torch(w_all, u, cqs, fixed_params, perm, group_width, per_row, block_size, spec, out_rows, squeeze):
+def _sweep_torch(
+    w_all, u, cqs, fixed_params, perm, group_width, per_row, block_size, spec, out_rows, squeeze, cuda_graphs=True
+):
     """GPTQ's column sweep in torch ops, block by block (CUDA graphs replay the full blocks): returns
     (codes in the sweep's layout, per-expert loss, whether projections were merged, the params used)."""
     c, num_in = w_all.shape[0], w_all.shape[-1]
@@ -561,7 +579,7 @@ def _sweep_torch(w_all, u, cqs, fixed_params, perm, group_width, per_row, block_
     ]
 
     graph = None
-    use_graph = fixed and w_all.is_cuda and cuda_graphs_enabled()
+    use_graph = fixed and w_all.is_cuda and cuda_graphs
     for i1 in range(0, num_in, block_size):
         i2 = min(i1 + block_size, num_in)
         if use_graph and i1 > 0 and i2 - i1 == block_size:

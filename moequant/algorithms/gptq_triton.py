@@ -40,8 +40,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's CPU int
 
 
 def usable(spec, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the fused sweep can run this format on this device (and is not switched off)."""
-    if triton is None or os.environ.get("MOEQUANT_TRITON", "1") == "0":
+    """Whether the fused sweep can run this format on this device (the caller asks whether it is switched off)."""
+    if triton is None:
         return False
     if dtype != torch.float32 or not spec.is_int or spec.granularity not in ("group", "channel"):
         return False

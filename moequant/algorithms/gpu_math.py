@@ -1,50 +1,54 @@
-"""The environment switches that change GPU results: how GPTQ's products and Cholesky are computed, whether the
-Triton kernels of the sweep, the refit and the grid search run, and CUDA graphs. A run records the ones set
-otherwise than their default in its fingerprint (moequant.measure.settings)."""
+"""How GPTQ computes on a GPU: the recipe's `gptq.gpu_math:` section. Each switch changes GPU results (GPTQ's
+products and Cholesky, whether the Triton kernels of the sweep, the refit and the grid search run, CUDA
+graphs), so the run fingerprint records the ones set away from their defaults (moequant.measure.settings) and
+statistics and checkpoints made under other GPU math are never reused. On the CPU only `cholesky` changes
+which routine runs; the others are inert there."""
 
 from __future__ import annotations
 
 import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
 
 from moequant.errors import UserError
 
-# The environment switches that change GPU results (GPTQ's products and Cholesky, the Triton kernels of the
-# sweep, the refit and the grid search, CUDA graphs), each with whether a value reads as its default (unset: it does): a run records the
-# ones set otherwise in its fingerprint (moequant.measure.settings), so statistics and checkpoints made under
-# other GPU math are never reused for this one.
-GPU_MATH_SWITCHES = {
-    "MOEQUANT_GPTQ_MATMUL": lambda v: v.lower() == "tf32",
-    "MOEQUANT_GPTQ_CHOLESKY_MATMUL": lambda v: v.lower() == "tf32x3",
-    "MOEQUANT_CHOLESKY": lambda v: v == "auto",
-    "MOEQUANT_TRITON": lambda v: v != "0",
-    "MOEQUANT_CUDA_GRAPHS": lambda v: v != "0",
+
+class GpuMath(BaseModel):
+    """The recipe's `gptq.gpu_math:` section (moequant.algorithms.gptq's module doc says what each one does)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # the fused sweep's lazy-update products: TF32, or float32 throughout
+    update_matmul: Literal["tf32", "fp32"] = "tf32"
+    # the blocked Cholesky's products (with update_matmul tf32): split TF32 (tf32x3), or float32
+    cholesky_matmul: Literal["tf32x3", "fp32"] = "tf32x3"
+    # the factorization: auto = the blocked one on CUDA for batches of matrices of order >= 1024, else torch's
+    # batched cholesky_ex; looped = torch's, one matrix at a time (cholesky.cholesky_ex)
+    cholesky: Literal["auto", "torch", "looped", "blocked"] = "auto"
+    triton: bool = True  # the Triton kernels (GPTQ's fused sweep, the refit, the searched grid) where they apply
+    cuda_graphs: bool = True  # the torch sweep's blocks captured once as a CUDA graph (the codes are the same)
+
+    def changed(self) -> dict:
+        """{switch: value} of the switches set away from their defaults (what the fingerprint records)."""
+        return {k: v for k, v in self.model_dump().items() if v != GpuMath.model_fields[k].default}
+
+
+# The environment variables that chose these before the recipe did, with the key that replaces each.
+OLD_VARIABLES = {
+    "MOEQUANT_GPTQ_MATMUL": "update_matmul",
+    "MOEQUANT_GPTQ_CHOLESKY_MATMUL": "cholesky_matmul",
+    "MOEQUANT_CHOLESKY": "cholesky",
+    "MOEQUANT_TRITON": "triton",
+    "MOEQUANT_CUDA_GRAPHS": "cuda_graphs",
 }
 
 
-def gpu_math_switches() -> dict[str, str]:
-    """{variable: value} of the GPU-math switches set to something other than their default."""
-    values = {k: os.environ.get(k) for k in GPU_MATH_SWITCHES}
-    return {k: v for k, v in values.items() if v is not None and not GPU_MATH_SWITCHES[k](v)}
-
-
-def update_matmul() -> str:
-    """MOEQUANT_GPTQ_MATMUL: "tf32" (default) or "fp32", the fused sweep's lazy-update products."""
-
-    value = os.environ.get("MOEQUANT_GPTQ_MATMUL", "tf32").lower()
-    if value not in ("tf32", "fp32"):
-        raise UserError(f"MOEQUANT_GPTQ_MATMUL={value!r}: expected 'tf32' or 'fp32'.")
-    return value
-
-
-def cholesky_matmul() -> str:
-    """MOEQUANT_GPTQ_CHOLESKY_MATMUL: "tf32x3" (default) or "fp32", the blocked Cholesky's products."""
-
-    value = os.environ.get("MOEQUANT_GPTQ_CHOLESKY_MATMUL", "tf32x3").lower()
-    if value not in ("tf32x3", "fp32"):
-        raise UserError(f"MOEQUANT_GPTQ_CHOLESKY_MATMUL={value!r}: expected 'tf32x3' or 'fp32'.")
-    return value
-
-
-def cuda_graphs_enabled() -> bool:
-
-    return os.environ.get("MOEQUANT_CUDA_GRAPHS", "1") != "0"
+def refuse_old_variables() -> None:
+    """A run refuses an old GPU-math variable instead of ignoring it, so no setting silently stops applying."""
+    for name, key in OLD_VARIABLES.items():
+        if name in os.environ:
+            raise UserError(
+                f"the environment variable {name} is no longer read: unset it and set the recipe key "
+                f"gptq.gpu_math.{key} instead (e.g. --set gptq.gpu_math.{key}=...)."
+            )

@@ -24,7 +24,9 @@ from moequant.algorithms import refit_triton
 from moequant.errors import UserError
 
 
-def refit_scales(q, weight: torch.Tensor, hessian: torch.Tensor, *, budget_bytes: int | None = None):
+def refit_scales(
+    q, weight: torch.Tensor, hessian: torch.Tensor, *, budget_bytes: int | None = None, triton: bool = True
+):
     """q (integer group format, [E, out, in] or [out, in]) with each row's scales re-solved for the least
     output error tr((W - Wq) H (W - Wq)^T) given its codes; weight / hessian as given to GPTQ.
 
@@ -37,11 +39,12 @@ def refit_scales(q, weight: torch.Tensor, hessian: torch.Tensor, *, budget_bytes
     integers, exact in TF32), about 2^-20 relative. The systems are solved by Cholesky (A is a
     Gram matrix, lightly damped) on accelerators, by LU in float64 on the CPU. Chunks hold at
     most `budget_bytes` of the work (default: moequant.memory_budget's share for temporaries). The
-    per-row check keeps the old scales wherever the solve does not help."""
-    return refit_scales_shared([q], [weight], hessian, budget_bytes=budget_bytes)[0]
+    per-row check keeps the old scales wherever the solve does not help. triton=False: never the kernel (the
+    recipe's gptq.gpu_math.triton)."""
+    return refit_scales_shared([q], [weight], hessian, budget_bytes=budget_bytes, triton=triton)[0]
 
 
-def refit_scales_shared(qs, weights, hessian: torch.Tensor, *, budget_bytes: int | None = None):
+def refit_scales_shared(qs, weights, hessian: torch.Tensor, *, budget_bytes: int | None = None, triton: bool = True):
     """`refit_scales` of projections that read the same input (gate and up): one Hessian, whose
     preparation (the kernel's int8 pieces) is made once per chunk of experts for all of them;
     the same scales as one `refit_scales` per projection."""
@@ -63,7 +66,7 @@ def refit_scales_shared(qs, weights, hessian: torch.Tensor, *, budget_bytes: int
     num_experts, _, cols = codes[0].shape
     groups = scales[0].shape[-1]
     gs = cols // groups
-    kernel = work == torch.float32 and refit_triton.usable(spec.bits, gs, cols, device)
+    kernel = triton and refit_triton.usable(spec.bits, gs, cols, device) and work == torch.float32
     rows = max(c.shape[1] for c in codes)  # one projection's systems are alive at a time
     if kernel:
         # A, its damped copy and Cholesky factor, b and its per-column-block sums, the centred codes, H and

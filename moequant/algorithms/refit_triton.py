@@ -50,7 +50,7 @@ def column_block(group_size: int, cols: int) -> int | None:
 
 def usable(bits: int, group_size: int, cols: int, device: torch.device) -> bool:
     """Whether the kernel can form these normal equations (centred codes fit int8; supported widths)."""
-    if triton is None or os.environ.get("MOEQUANT_TRITON", "1") == "0":
+    if triton is None:
         return False
     if bits > 7 or group_size not in GROUP_SIZES or column_block(group_size, cols) is None:
         return False

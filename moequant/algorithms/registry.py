@@ -24,6 +24,7 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from moequant.algorithms.gpu_math import GpuMath
 from moequant.registry import Registry
 
 
@@ -38,6 +39,8 @@ class GptqOptions(BaseModel):
     grid: Literal["minmax", "searched"] = "searched"
     # re-solve each row's scales by least squares for GPTQ's codes (algorithms/refit.py)
     refit: bool = True
+    # how it computes on a GPU (TF32 products, the Cholesky routine, Triton kernels, CUDA graphs): gpu_math.py
+    gpu_math: GpuMath = GpuMath()
 
 
 PLAIN_GPTQ = GptqOptions(grid="minmax", refit=False)  # GPTQ as published: the min/max grid, no refit
@@ -111,7 +114,9 @@ def _gptq(weights, spec, hessian, options, device, label):
     from moequant.algorithms.gptq import gptq_pass_shared
 
     options = options or GptqOptions()
-    qs, rep = gptq_pass_shared(weights, hessian, spec, device=device, grid=options.grid, refit=options.refit)
+    qs, rep = gptq_pass_shared(
+        weights, hessian, spec, device=device, grid=options.grid, refit=options.refit, gpu_math=options.gpu_math
+    )
     return qs, {"fallbacks": rep.fallbacks(), "damp": rep.damp}
 
 

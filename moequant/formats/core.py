@@ -120,6 +120,7 @@ def quantize(
     global_scale=None,
     grid: str = "minmax",
     importance: torch.Tensor | None = None,
+    triton: bool = True,
     **params,
 ) -> QuantizedTensor:
     """Quantize `weight` ([out, in] or [E, out, in], any float dtype, CPU or CUDA) to `spec`.
@@ -132,6 +133,7 @@ def quantize(
     scale / zero point of least importance-weighted error, `searched_fit`).
     importance: per input column ([in] or [E, in], the inputs' second moments), weighting the
     searched grid's error (ggml types: their scale search); None weighs all columns alike.
+    triton: the searched grid may run as a Triton kernel on CUDA (search_triton; the recipe's gptq.gpu_math.triton).
     """
     spec = get_format(spec, **params)
     if spec.is_ggml:
@@ -151,14 +153,14 @@ def quantize(
         and weight.shape[0] > 1
         and weight.numel() > _chunk_elements(weight.device)
     ):
-        return _quantize_in_expert_chunks(weight, spec, name, global_scale, grid, importance)
+        return _quantize_in_expert_chunks(weight, spec, name, global_scale, grid, importance, triton)
     x = _prepare(weight, spec, name)
     if not spec.quantized:
         return QuantizedTensor(spec, tuple(weight.shape), weight.to(torch.bfloat16))
     gs = _global_scale(spec, x, global_scale, name)
     xg = _reduction_view(spec, x)
     if grid == "searched":
-        scales, zeros = searched_fit(spec, xg, _importance_view(spec, importance, x, name), name)
+        scales, zeros = searched_fit(spec, xg, _importance_view(spec, importance, x, name), name, triton)
     else:
         scales, zeros = _fit(spec, xg, _bcast_gs(gs, xg.dim() - 1), name)
     if spec.granularity == "block":
@@ -181,7 +183,7 @@ def _chunk_elements(device: torch.device) -> int:
     return CHUNK_ELEMENTS if device.type == "cpu" else 8 * CHUNK_ELEMENTS
 
 
-def _quantize_in_expert_chunks(weight, spec, name, global_scale, grid="minmax", importance=None) -> QuantizedTensor:
+def _quantize_in_expert_chunks(weight, spec, name, global_scale, grid, importance, triton) -> QuantizedTensor:
     per = max(1, _chunk_elements(weight.device) // weight[0].numel())
     # per-expert importance [E, in] is sliced with its experts; [in] (or [1, in]) is shared by all
     per_expert = importance is not None and importance.dim() == 2 and importance.shape[0] > 1
@@ -198,6 +200,7 @@ def _quantize_in_expert_chunks(weight, spec, name, global_scale, grid="minmax", 
             global_scale=None if gs is None else gs[i : i + per],
             grid=grid,
             importance=importance[i : i + per] if per_expert else importance,
+            triton=triton,
         )
         for i in range(0, weight.shape[0], per)
     ]
@@ -269,7 +272,16 @@ class ColumnQuantizer:
     unchanged weight this gives exactly `quantize(weight, spec)`.
     """
 
-    def __init__(self, spec, weight: torch.Tensor, *, name: str | None = None, global_scale=None, grid: str = "minmax"):
+    def __init__(
+        self,
+        spec,
+        weight: torch.Tensor,
+        *,
+        name: str | None = None,
+        global_scale=None,
+        grid: str = "minmax",
+        triton: bool = True,
+    ):
         self.spec = get_format(spec)
         if not self.spec.quantized:
             raise UserError("format bf16 keeps weights as they are; there is nothing to quantize column by column")
@@ -280,6 +292,7 @@ class ColumnQuantizer:
                 "the searched grid applies to integer formats (int8, int4, int3, int2), not %s" % self.spec.key
             )
         self.grid = grid
+        self.triton = triton  # the searched grid's Triton kernel may run (search_triton)
         x = _prepare(weight, self.spec, name)
         check_finite(_absmax(x.flatten(), 0), x, name)  # fail before any column work, as quantize() does
         self.name = name
@@ -297,7 +310,11 @@ class ColumnQuantizer:
         if self.grid == "searched":
             return ColumnParams(
                 *searched_fit(
-                    spec, x.unsqueeze(-2), None if importance is None else importance.unsqueeze(-2), self.name
+                    spec,
+                    x.unsqueeze(-2),
+                    None if importance is None else importance.unsqueeze(-2),
+                    self.name,
+                    self.triton,
                 )
             )
         if spec.granularity == "block":
@@ -353,10 +370,10 @@ class ColumnQuantizer:
 
 
 def column_quantizer(
-    spec, weight: torch.Tensor, *, name: str | None = None, global_scale=None, grid: str = "minmax"
+    spec, weight: torch.Tensor, *, name: str | None = None, global_scale=None, grid: str = "minmax", triton=True
 ) -> ColumnQuantizer:
     """A ColumnQuantizer for `weight` ([out, in] or [E, out, in]) in format `spec`."""
-    return ColumnQuantizer(spec, weight, name=name, global_scale=global_scale, grid=grid)
+    return ColumnQuantizer(spec, weight, name=name, global_scale=global_scale, grid=grid, triton=triton)
 
 
 # ---------------------------------------------------------------- internals
@@ -506,7 +523,9 @@ GRIDS = ("minmax", "searched")
 SEARCH_STEPS = 21
 
 
-def searched_fit(spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name: str | None = None):
+def searched_fit(
+    spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name: str | None = None, triton: bool = True
+):
     """`_search`'s scales (and zero points), and for symmetric group formats the sign of each
     group's scale too: the two's complement grid -2^(B-1)..2^(B-1)-1 has one more level below zero
     than above, and a negative scale puts that level on the positive side, so a group whose extreme
@@ -515,9 +534,10 @@ def searched_fit(spec, xg: torch.Tensor, importance: torch.Tensor | None = None,
     group keeps the one with the smaller error, its codes as `_encode` gives them, ties positive. No
     byte more: the scale is a bf16 number either way, and every dequantizer multiplies by it
     (w = q * s); on tiny-deepseek-v3 it cuts the importance-weighted round-to-nearest error of
-    int4-g32-sym by 12% (benchmarks/RESULTS.md, bench_quality.py: symmetric scale signs)."""
+    int4-g32-sym by 12% (benchmarks/RESULTS.md, bench_quality.py: symmetric scale signs). triton=False: the
+    torch loop even where the Triton kernel applies."""
     spec = get_format(spec)
-    return _search(spec, xg, importance, name, signed=signed_scales(spec))
+    return _search(spec, xg, importance, name, signed=signed_scales(spec), triton=triton)
 
 
 def signed_scales(spec) -> bool:
@@ -540,7 +560,9 @@ def _choose_sign(spec, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, s_mirr
     return torch.where(better, -s_mirrored, s)
 
 
-def _search(spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name: str | None = None, signed=False):
+def _search(
+    spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name: str | None = None, signed=False, triton=True
+):
     """Scales (and zero points) over the last axis of xg ([..., k] elements per group) that minimise
     sum_i importance_i * (x_i - dequantized_i)^2 over a candidate set that contains the format's
     own min/max rule (so the result is never worse than `_fit`'s on that objective).
@@ -579,7 +601,7 @@ def _search(spec, xg: torch.Tensor, importance: torch.Tensor | None = None, name
     # tensor divided by a Python number, here on every device alike
     factors = 1.0 / torch.tensor(divisors, dtype=torch.float32)
     mirrored = signed and spec.symmetric
-    if search_triton.usable(spec, x):  # every candidate of every group in one kernel (same arithmetic)
+    if triton and search_triton.usable(spec, x):  # every candidate of every group in one kernel (same arithmetic)
         return search_triton.searched_fit_triton(spec, x, importance, best_s, best_z, factors, mirrored)
     factors = factors.tolist()
     # the code ranges searched: the format's own, and the mirrored one for the search on -x

@@ -42,7 +42,7 @@ GROUP_SIZES = (16, 32, 64, 128, 256)  # group widths the kernel takes (one tile 
 
 def usable(spec, xg: torch.Tensor) -> bool:
     """Whether the kernel runs this search: integer groups of a listed width, on CUDA (or the interpreter)."""
-    if triton is None or os.environ.get("MOEQUANT_TRITON", "1") == "0":
+    if triton is None:
         return False
     if not (spec.is_int and spec.granularity == "group") or xg.shape[-1] not in GROUP_SIZES:
         return False

@@ -65,6 +65,7 @@ def sensitivity(
     format_keys,
     min_tokens: int,
     grid: str = "minmax",
+    triton: bool = True,
 ):
     """Predicted per-token squared output error of round-to-nearest per (proj, format): tr(ΔW H ΔWᵀ)
     per expert, on the grid the quantize pass rounds onto: integer group formats (GPTQ's) on `grid`
@@ -73,7 +74,8 @@ def sensitivity(
 
     H is `chosen_hessian`'s. Computed where the statistics are (the layer's device), in chunks of
     experts, float64 on the CPU and float32 on accelerators (a ranking signal: 1e-6 relative is
-    plenty). Formats that cannot hold a shape are left out (and reported)."""
+    plenty). Formats that cannot hold a shape are left out (and reported). triton: the searched grid's Triton
+    kernel may run (the recipe's gptq.gpu_math.triton)."""
     from moequant import formats
 
     out, skipped = {}, []
@@ -104,7 +106,7 @@ def sensitivity(
                 if spec.is_ggml:  # as the quantize pass will: the scale search weighted by diag(H)
                     q = formats.quantize_ggml(w, spec, importance=imp)
                 elif grid == "searched" and spec.is_int and spec.granularity == "group":
-                    q = formats.quantize(w, spec, grid="searched", importance=imp)
+                    q = formats.quantize(w, spec, grid="searched", importance=imp, triton=triton)
                 else:
                     q = formats.quantize(w, spec)
                 dW = w.to(dtype) - q.dequantize(dtype=dtype)
@@ -304,7 +306,9 @@ def _moe_layer_statistics(
     hidden = collect_moe_stats(runner, module, L, col, hidden, before_batch=set_domains)
     tensors = col.finish()
     weights = {p: parallel.read_experts(adapter, ckpt, L, p, own) for p in adapter.projections}
-    sens, skipped = sensitivity(weights, tensors, settings.formats, settings.min_tokens, settings.gptq_grid)
+    sens, skipped = sensitivity(
+        weights, tensors, settings.formats, settings.min_tokens, settings.gptq_grid, settings.gptq.gpu_math.triton
+    )
     tensors.update(sens)
     _check_finite(tensors, L)
     if world is not None:

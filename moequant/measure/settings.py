@@ -103,10 +103,9 @@ class CalibrationSettings(Calibration):
         return {"gptq": self.gptq}
 
     def fingerprint_fields(self) -> dict:
-        """Everything here that decides the statistics and the codes, with FINGERPRINT_VERSION; the GPU-math
-        switches set away from their defaults (moequant.algorithms.gpu_math) too, as they change GPTQ's codes."""
-        from moequant.algorithms.gpu_math import gpu_math_switches
-
+        """Everything here that decides the statistics and the codes, with FINGERPRINT_VERSION; the recipe's
+        gptq.gpu_math switches set away from their defaults too (moequant.algorithms.gpu_math), as they change
+        GPTQ's codes ({} at the defaults, as before the switches were recipe keys)."""
         fields = {
             k: getattr(self, k)
             for k in (
@@ -132,5 +131,5 @@ class CalibrationSettings(Calibration):
             **fields,
             "gptq": [self.gptq.grid, self.gptq.refit],
             "tensor_formats": list(self.tensor_formats),
-            "gpu_math": gpu_math_switches(),
+            "gpu_math": self.gptq.gpu_math.changed(),
         }

@@ -74,7 +74,11 @@ DEFAULT_RECIPE = "selective"  # what a command without --recipe runs: the bundle
 
 
 def resolve_recipe(recipe_path, model=None, output=None, overrides=()) -> Recipe:
-    """The recipe at `recipe_path` (None: the bundled DEFAULT_RECIPE) with --model / --output / --set applied."""
+    """The recipe at `recipe_path` (None: the bundled DEFAULT_RECIPE) with --model / --output / --set applied.
+    Every command that runs a recipe starts here, so an old GPU-math environment variable is refused first."""
+    from moequant.algorithms.gpu_math import refuse_old_variables
+
+    refuse_old_variables()
     overrides = list(overrides)
     if model:
         overrides.append(f"model={model}")

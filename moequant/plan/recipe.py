@@ -27,6 +27,10 @@ experts:
   prune: {experts: 2, saliency: reap}   # or {fraction: 0.25}: drop that many experts of every MoE layer (plan.prune);
                                         # or {by: budget}: the budget chooses how many (plan.drop)
 algorithms: {int4: gptq, mxfp4: gptq, int8: rtn, fp8: rtn}
+gptq:                         # how GPTQ rounds (moequant.algorithms.registry.GptqOptions)
+  grid: searched              # | minmax
+  refit: true
+  gpu_math: {update_matmul: tf32, cholesky_matmul: tf32x3, cholesky: auto, triton: true, cuda_graphs: true}
 formats: {int4: {group_size: 128, symmetric: true}, fp8: {block: [128, 128]}}
 export: {format: compressed-tensors}    # | gptq | awq | fp8-block | gpt-oss-mxfp4
 evaluate: {dataset: builtin:mix, samples: 64, seq_len: 512}
@@ -543,9 +547,14 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:
-    """Plain JSON-able dict (for plan.json and reports); `experts.prune` only when set, so a recipe without it
-    writes the plan.json and run fingerprint it always did."""
+    """Plain JSON-able dict (for plan.json and reports); `experts.prune` only when set and `gptq.gpu_math` only
+    with its switches set away from their defaults, so a recipe without them writes the plan.json and run
+    fingerprint it always did."""
     data = recipe.model_dump(mode="json")
+    changed = recipe.gptq.gpu_math.changed()
+    data["gptq"]["gpu_math"] = changed
+    if not changed:
+        del data["gptq"]["gpu_math"]
     if data["experts"].get("prune") is None:
         del data["experts"]["prune"]
     elif data["experts"]["prune"]["by"] is None:  # a count or fraction: the dict it was before `by` existed

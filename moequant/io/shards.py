@@ -17,7 +17,7 @@ import torch
 
 from moequant.io.checkpoint import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, current_umask
 
-IN_FLIGHT_BYTES = 2**30  # bytes handed to the writing threads and not yet written, at most
+IN_FLIGHT_BYTES = 2**28  # bytes handed to the writing threads and not yet written, at most (a few dozen experts)
 
 
 def header_reserve(max_shard_bytes: int) -> int:

@@ -200,7 +200,9 @@ def _first_layer_runs(model_dir, tmp_path, overrides: list[str], contrast: list[
     references = {}
     for proj in adapter.projections:
         group = "down" if proj == "down" else "gate_up"
-        _, h = chosen_hessian(tensors, group, torch.arange(adapter.num_experts), MIN_ROUTED_TOKENS)
+        _, h = chosen_hessian(
+            tensors, group, torch.arange(adapter.num_experts), MIN_ROUTED_TOKENS, settings.hessian_prior
+        )
         references[proj] = (adapter.read_experts(ckpt, layer, proj).float(), h.float())
     return adapter, settings, experts, references
 
@@ -226,6 +228,30 @@ def test_routing_weighted_hessians_reach_the_quantize_pass(model_dir, tmp_path):
         close = torch.isclose(experts["changed"][proj], want, rtol=1e-3, atol=1e-6).float().mean()
         assert close > 0.99, (proj, float(close))
         assert not torch.allclose(experts["contrast"][proj], want)
+
+
+def test_the_hessian_prior_reaches_the_quantize_pass(model_dir, tmp_path):
+    """calibration.hessian_prior: the first MoE layer's GPTQ equals GPTQ on calibration's Hessians shrunk by that
+    prior (stats.chosen_hessian, computed separately), and differs from the run without a prior; the
+    statistics' fingerprint names it."""
+    import torch
+
+    from moequant.algorithms.gptq import gptq
+    from moequant.pipeline.apply import calibration_settings, resolve_recipe
+
+    plain = ["gptq.grid=minmax", "gptq.refit=false"]
+    _, settings, experts, references = _first_layer_runs(
+        model_dir, tmp_path, ["calibration.hessian_prior=4", *plain], ["calibration.hessian_prior=0", *plain]
+    )
+    default = calibration_settings(resolve_recipe("recipes/selective.yaml", model_dir, tmp_path / "d", []))
+    assert settings.hessian_prior == 4 and default.hessian_prior == 1
+    assert settings.fingerprint_fields() != default.fingerprint_fields()
+    for proj, (w, h) in references.items():
+        want = gptq(w, h, "int4-g32-sym", act_order=True, static_groups=True)[0].dequantize(torch.float32)
+        close = torch.isclose(experts["changed"][proj], want, rtol=1e-3, atol=1e-6).float().mean()
+        assert close > 0.99, (proj, float(close))
+        if proj != "down":  # down's Hessian has no prior
+            assert not torch.allclose(experts["contrast"][proj], want)
 
 
 def test_searched_grid_and_refit_reach_the_quantize_pass(model_dir, tmp_path):

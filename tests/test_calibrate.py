@@ -310,3 +310,43 @@ def test_sensitivity_is_on_the_grid_the_quantize_pass_rounds_onto(tiny_dirs, tmp
         s, m = runs["searched"].layers[L].sensitivity, runs["minmax"].layers[L].sensitivity
         assert all(float(s[p]["int4-g32-sym"].sum()) < 0.9 * float(m[p]["int4-g32-sym"].sum()) for p in s)
         assert all(torch.equal(s[p]["int8-channel"], m[p]["int8-channel"]) for p in s)
+
+
+def test_an_expert_s_own_gate_up_hessian_is_shrunk_toward_the_layer_s(tmp_path):
+    """stats.chosen_hessian with calibration.hessian_prior: an expert with n >= min_tokens routed tokens gets
+    (n H_own + k H_all) / (n + k), k = prior x d (float64 reference); below min_tokens the all-token one, as
+    before; prior 0, down's Hessians and a layer without a shared all-token Hessian keep the own one."""
+    from moequant.measure.stats import chosen_hessian
+
+    g = torch.Generator().manual_seed(0)
+    E, d = 4, 6
+
+    def spd(n):
+        a = torch.randn(n, d, 3 * d, generator=g, dtype=torch.float64)
+        return a @ a.transpose(1, 2) / (3 * d)
+
+    own_h, all_h = spd(E), spd(1)
+    tokens = torch.tensor([3, 10, 100, 1000])
+    stats = {
+        "hessian_routed.gate_up": own_h.float(),
+        "hessian.gate_up": all_h.float(),
+        "input_routed.gate_up.tokens": tokens,
+        "hessian_routed.down": own_h.float(),
+        "hessian.down": spd(E).float(),
+        "input_routed.down.tokens": tokens,
+    }
+    for prior in (0.5, 2.0):
+        own, h = chosen_hessian(stats, "gate_up", [0, 1, 2, 3], min_tokens=8, prior=prior)
+        assert own.tolist() == [False, True, True, True]
+        k = prior * d
+        expected = [all_h[0]] + [(n * own_h[e] + k * all_h[0]) / (n + k) for e, n in [(1, 10), (2, 100), (3, 1000)]]
+        for e in range(E):
+            assert torch.allclose(h[e].double(), expected[e], rtol=1e-6, atol=1e-7), (prior, e)
+        assert not torch.allclose(h[1].double(), own_h[1], rtol=1e-3)  # it did move
+    _, h0 = chosen_hessian(stats, "gate_up", [1, 3], min_tokens=8, prior=0)
+    assert torch.equal(h0, own_h[[1, 3]].float())
+    _, hd = chosen_hessian(stats, "down", [1, 3], min_tokens=8, prior=2.0)
+    assert torch.equal(hd, own_h[[1, 3]].float())
+    per_expert = {**stats, "hessian.gate_up": own_h.float()}  # no all-experts coverage: hessian.* is per expert
+    _, hp = chosen_hessian(per_expert, "gate_up", [1, 3], min_tokens=8, prior=2.0)
+    assert torch.equal(hp, own_h[[1, 3]].float())

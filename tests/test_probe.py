@@ -59,17 +59,25 @@ def kl_mean(ref: torch.Tensor, q: torch.Tensor) -> float:
 
 
 def gptq_reference(stats, L, original, spec, min_tokens):
-    """Qwen2-MoE on-disk names -> GPTQ-dequantized weights, Hessians chosen
-    from the statistics."""
+    """Qwen2-MoE on-disk names -> GPTQ-dequantized weights, Hessians chosen from the statistics: an expert's own
+    when it has min_tokens routed tokens (gate/up's shrunk toward the all-token one by the default prior of d
+    tokens: (n H_own + d H_all) / (n + d)), else the all-token one."""
     from moequant.algorithms.gptq import gptq
+    from moequant.measure.settings import HESSIAN_PRIOR
 
     ls, out = stats.layers[L], {}
     for proj in ("gate", "up", "down"):
         names = [f"model.layers.{L}.mlp.experts.{e}.{proj}_proj.weight" for e in range(ls.num_experts)]
         W = torch.stack([original[n].float() for n in names])
-        own = ls.input_tokens(proj, routed=True) >= min_tokens
+        n = ls.input_tokens(proj, routed=True)
+        own = n >= min_tokens
         assert 0 < int(own.sum()) < ls.num_experts  # both Hessian choices are exercised
-        H = torch.where(own[:, None, None], ls.hessian(proj, routed=True), ls.hessian(proj))
+        mine = ls.hessian(proj, routed=True)
+        if proj != "down":
+            k = HESSIAN_PRIOR * W.shape[-1]
+            w = (n.double() / (n.double() + k))[:, None, None]
+            mine = (w * mine.double() + (1 - w) * ls.hessian(proj).double()).float()
+        H = torch.where(own[:, None, None], mine, ls.hessian(proj))
         q, _ = gptq(W, H, spec, act_order=True, static_groups=True)
         out.update(zip(names, q.dequantize(torch.float32)))
     return out

@@ -66,6 +66,7 @@ def sensitivity(
     min_tokens: int,
     grid: str = "minmax",
     triton: bool = True,
+    hessian_prior: float | None = None,
 ):
     """Predicted per-token squared output error of round-to-nearest per (proj, format): tr(ΔW H ΔWᵀ)
     per expert, on the grid the quantize pass rounds onto: integer group formats (GPTQ's) on `grid`
@@ -98,7 +99,7 @@ def sensitivity(
         parts = {key: [] for key, _ in specs}
         for lo in range(0, E, chunk):
             idx = torch.arange(lo, min(E, lo + chunk), device=dev)
-            _, H = chosen_hessian(stats, group, idx, min_tokens)
+            _, H = chosen_hessian(stats, group, idx, min_tokens, hessian_prior)
             H = H.to(dtype)
             w = W[lo : lo + chunk].to(dev, torch.float32)
             imp = torch.diagonal(H, dim1=-2, dim2=-1).float()  # the scale searches' column weights
@@ -307,7 +308,13 @@ def _moe_layer_statistics(
     tensors = col.finish()
     weights = {p: parallel.read_experts(adapter, ckpt, L, p, own) for p in adapter.projections}
     sens, skipped = sensitivity(
-        weights, tensors, settings.formats, settings.min_tokens, settings.gptq_grid, settings.gptq.gpu_math.triton
+        weights,
+        tensors,
+        settings.formats,
+        settings.min_tokens,
+        settings.gptq_grid,
+        settings.gptq.gpu_math.triton,
+        settings.hessian_prior,
     )
     tensors.update(sens)
     _check_finite(tensors, L)
@@ -358,6 +365,7 @@ def _run_probes(ckpt, adapter, output: Path, settings: CalibrationSettings, inpu
             algorithm=settings.probe_algorithm,
             hessians=settings.hessians,
             min_tokens=settings.min_tokens,
+            hessian_prior=settings.hessian_prior,
             options=settings.algorithm_options,
             projections=settings.probe_projections,
             progress=progress,

@@ -254,7 +254,9 @@ def auto_probe_algorithm(format_keys, shapes, algorithm_for) -> str:
     return algorithm(algorithm_for(formats.parse_key(key).name)).probe
 
 
-def layer_hessians(stats_dir: Path, layer: int, proj: str, num_experts: int, min_tokens: int) -> torch.Tensor:
+def layer_hessians(
+    stats_dir: Path, layer: int, proj: str, num_experts: int, min_tokens: int, hessian_prior: float | None = None
+) -> torch.Tensor:
     """[E, d, d]: `stats.chosen_hessian` of every expert, from the statistics when they were
     saved with their Hessians, else from calibration's scratch copy (`.work/hessians_LLL`)."""
     from safetensors import safe_open
@@ -268,7 +270,7 @@ def layer_hessians(stats_dir: Path, layer: int, proj: str, num_experts: int, min
     if not all(k in stats for k in keys):
         with safe_open(str(scratch), "pt") as f:
             stats.update({k: f.get_tensor(k) for k in keys})
-    return chosen_hessian(stats, group, torch.arange(num_experts), min_tokens)[1]
+    return chosen_hessian(stats, group, torch.arange(num_experts), min_tokens, hessian_prior)[1]
 
 
 def _probed_experts(
@@ -282,6 +284,7 @@ def _probed_experts(
     dtype,
     device,
     options: dict | None = None,
+    hessian_prior: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """proj -> [E, out, in] dequantized weights of the layer's routed experts in `key`, rounded by the
     registered algorithm `name` with its `options` ({algorithm name: options}), as the quantize pass."""
@@ -296,7 +299,11 @@ def _probed_experts(
     jobs = [("gate", "up"), ("down",)] if shared else [(p,) for p in adapter.projections]
     for projs in jobs:
         W = [adapter.read_experts(checkpoint, layer, p).float() for p in projs]
-        H = layer_hessians(stats_dir, layer, projs[0], adapter.num_experts, min_tokens) if algo.hessians else None
+        H = (
+            layer_hessians(stats_dir, layer, projs[0], adapter.num_experts, min_tokens, hessian_prior)
+            if algo.hessians
+            else None
+        )
         label = f"layer {layer} {'/'.join(projs)} experts"
         qs, _ = algo.quantize(W, spec, H, (options or {}).get(algo.name), device, label)
         for p, q in zip(projs, qs):
@@ -318,6 +325,7 @@ def run_probe(
     algorithm: str = "rtn",
     hessians: bool = True,
     min_tokens: int = 64,
+    hessian_prior: float | None = None,
     options: dict | None = None,
     projections: bool = False,
     progress: bool = False,
@@ -349,7 +357,17 @@ def run_probe(
         }
     algorithm = probe_algorithm_for(algorithm, hessians)
     quantized = lambda L: _probed_experts(
-        adapter, checkpoint, L, probe_key, algorithm, stats_dir, min_tokens, runner.dtype, device, options
+        adapter,
+        checkpoint,
+        L,
+        probe_key,
+        algorithm,
+        stats_dir,
+        min_tokens,
+        runner.dtype,
+        device,
+        options,
+        hessian_prior,
     )
     stream_bytes = tokens * adapter.hidden * torch.finfo(runner.dtype).bits // 8
     split = tuple(adapter.projections) if projections else ()

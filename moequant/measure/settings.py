@@ -17,6 +17,13 @@ from moequant.errors import UserError, schema_refusal
 
 DEFAULT_SENSITIVITY_FORMATS = ("fp8-channel", "int8-channel", "int4-g128-sym", "mxfp4", "int3-g128-sym", "int2-g64-sym")
 MIN_ROUTED_TOKENS = 64  # below this an expert's own Hessian is too noisy: use the all-experts one
+# Above it, an expert's own gate/up Hessian is shrunk toward the layer's all-token one as if HESSIAN_PRIOR x d
+# tokens of the layer's input (d: its width) joined its n routed tokens: H = (n H_own + k H_all) / (n + k),
+# k = HESSIAN_PRIOR d. n routed tokens estimate a d x d matrix poorly when n is not well above d (a DeepSeek-V3 or
+# GLM-4.6 expert sees 2-3k of 65k calibration tokens at d = 5120-7168: its own Hessian is rank-deficient).
+# Measured on the zoo models (benchmarks/RESULTS.md, Hessian prior, 2026-12-07); down's input (the expert's own
+# activation) has no all-token Hessian unless every token runs through every expert, so it is left as it is.
+HESSIAN_PRIOR = 1.0
 DEFAULT_DATASET = "builtin:mix"
 
 # How a routed token counts in its expert's Hessian hessian_routed.{group} = sum_t c_t x_t x_t^T / sum_t c_t:
@@ -51,12 +58,15 @@ class Calibration(BaseModel):
     # routing weight to that expert (MoEQuant's affinity-guided GPTQ), tokens = 1 (measured:
     # benchmarks/bench_quality.py, where routing lowers GPTQ's KL on both bundled models)
     hessian_weighting: Literal[HESSIAN_WEIGHTINGS] = "routing"
+    # an expert's own gate/up Hessian shrunk toward the layer's all-token one by this many tokens per input
+    # column (HESSIAN_PRIOR's note); 0: its own routed tokens alone
+    hessian_prior: float = Field(HESSIAN_PRIOR, ge=0)
 
 
 # Which set of fields fingerprint_fields writes; raise it when a field is added or changes meaning. Statistics of
 # another version are made again once (calibrate says so) instead of being refused as other settings.
 # 1 (unnumbered): fields added after the first were written only away from their first defaults.
-FINGERPRINT_VERSION = 2
+FINGERPRINT_VERSION = 3
 
 
 class CalibrationSettings(Calibration):
@@ -123,6 +133,7 @@ class CalibrationSettings(Calibration):
                 "compute_dtype",
                 "save_hessians",
                 "hessian_weighting",
+                "hessian_prior",
                 "probe_projections",
             )
         }

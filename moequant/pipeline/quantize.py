@@ -163,6 +163,7 @@ def _statistics_and_quantize_in_chunks(
                 options=settings.algorithm_options,
                 codes_to="cpu" if on_gpu else None,
                 store=store,
+                hessian_prior=settings.hessian_prior,
             )
             with timing.stage("solve_copy"):  # the dequantized chunk back into the resident copy
                 for p in adapter.projections:

@@ -65,6 +65,7 @@ def calibration_settings(
         compute_dtype=c.compute_dtype,
         tensor_formats=non_expert_formats,
         hessian_weighting=c.hessian_weighting,
+        hessian_prior=c.hessian_prior,
         gptq=recipe.gptq,
         probe_projections=bool(probe_samples) and get_target(recipe.target).granularity == "layer_proj",
     )

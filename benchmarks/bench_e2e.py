@@ -46,9 +46,11 @@ from measure import peak_rss_bytes  # benchmarks/measure.py (the script's own di
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "data" / "configs"
-TOOLS = ("moequant-gptq", "moequant-selective", "moequant-fp8", "moequant-rtn", "llmc-gptq")
+TOOLS = ("moequant-gptq", "moequant-gptq-noprior", "moequant-selective", "moequant-fp8", "moequant-rtn", "llmc-gptq")
 RECIPES = {
     "moequant-gptq": ("uniform-int4.yaml", ["formats.int4.group_size=128"]),
+    # the same without the Hessian prior (each expert's own routed tokens alone): the prior's A/B at real shapes
+    "moequant-gptq-noprior": ("uniform-int4.yaml", ["formats.int4.group_size=128", "calibration.hessian_prior=0"]),
     # the probe is off by default past 2e9 routed-expert parameters (Qwen3-30B-A3B has 29e9): as there
     "moequant-selective": ("selective.yaml", ["formats.int4.group_size=128", "calibration.probe_samples=0"]),
     "moequant-fp8": ("uniform-fp8.yaml", []),
@@ -339,6 +341,7 @@ def main() -> None:
 
 OUTPUT_BITS = {
     "moequant-gptq": 4.25,
+    "moequant-gptq-noprior": 4.25,
     "moequant-selective": 5.5,
     "moequant-fp8": 8.1,
     "moequant-rtn": 4.25,

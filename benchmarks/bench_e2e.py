@@ -263,7 +263,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--eval-samples", type=int, default=16)
-    p.add_argument("--tools", default=",".join(TOOLS))
+    p.add_argument("--tools", default=",".join(t for t in TOOLS if t != "moequant-gptq-noprior"))
     p.add_argument("--json", default=None, help="also write the results here, rewritten after every run")
     p.add_argument(
         "--warmup",

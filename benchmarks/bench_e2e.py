@@ -137,6 +137,7 @@ def child_moequant(tool: str, model: str, out: str, samples: int, seq_len: int, 
         f"evaluate.seq_len={seq_len}",
         *extra,
     ]
+    timing.count_parts(True)  # the evaluation's split below (each part synchronizes the GPU)
     t0 = time.perf_counter()
     apply(
         str(ROOT / "recipes" / recipe),

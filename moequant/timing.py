@@ -9,7 +9,8 @@ Only the thread that called `start` is counted: the next layer's read-ahead and 
 beside it, and the seconds it waits for them land in the stage that waits ("read_wait", "pack_write").
 On a GPU a stage synchronizes the device when it ends, so the kernels it queued count in it and not in
 the next stage that happens to wait for them. Without `start` (a library call, pareto) every stage is a
-no-op.
+no-op. Parts (`part`), a finer split inside a stage, are counted only after `count_parts(True)` (bench_e2e):
+each part synchronizes the device, which inside the evaluation's per-batch loop would cost an apply time.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ import time
 
 _clock = time.perf_counter  # one place to read the time (tests count with a fake clock)
 _state: dict = {"owner": None, "seconds": {}, "stack": [], "t0": 0.0, "parts": {}}
+_count_parts = {"on": False}  # outlives `start`: the benchmark asks before apply starts its account
+
+
+def count_parts(on: bool) -> None:
+    """Whether `part` counts (and synchronizes the device) from now on; off by default (see the module doc)."""
+    _count_parts["on"] = on
 
 
 def start() -> None:
@@ -61,8 +68,9 @@ def stage(name: str, whole: bool = False, sync: bool = True):
 @contextlib.contextmanager
 def part(name: str):
     """Add the block's seconds to `name` among the parts: where the seconds inside one stage go (the
-    evaluation's reads, layers, tallies), kept apart from the stages, which add up to the run."""
-    if not active():
+    evaluation's reads, layers, tallies), kept apart from the stages, which add up to the run. A no-op unless
+    `count_parts(True)`."""
+    if not (active() and _count_parts["on"]):
         yield
         return
     t0 = _clock()

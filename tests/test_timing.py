@@ -45,6 +45,7 @@ def test_nested_stages_are_exclusive_and_other_is_the_rest(clock):
 
 
 def test_parts_split_a_whole_stage_without_changing_the_stages(clock):
+    timing.count_parts(True)
     timing.start()
     with timing.stage("evaluate", whole=True):
         clock[0] = 1
@@ -62,6 +63,12 @@ def test_parts_split_a_whole_stage_without_changing_the_stages(clock):
         clock[0] = 20
     timing.start()
     assert timing.parts() == {}
+    timing.count_parts(False)  # the default: an apply's evaluation does not synchronize per part
+    with timing.stage("evaluate", whole=True):
+        with timing.part("evaluate: read"):
+            clock[0] = 22
+    assert timing.parts() == {}
+    assert timing.seconds() == {"evaluate": 2}
 
 
 def test_claim_gives_a_name_the_unstaged_seconds_so_far(clock):

@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     from moequant.io.checkpoint import load_tokenizer, open_checkpoint
     from moequant.io.loader import from_pretrained_complete
     from moequant.llamacpp.runner import ggml_quantize
-    from moequant.measure.calibrate import MIN_ROUTED_TOKENS, calibrate
+    from moequant.measure.calibrate import MIN_ROUTED_TOKENS, HessianRule, calibrate
     from moequant.measure.data import load_samples
     from moequant.measure.stats import chosen_hessian, load_stats
     from moequant.metrics import token_statistics
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
                     deq[(L, pj)] = formats.quantize(w, spec, grid=grid, importance=imp).dequantize()
                 else:
                     tensors = stats[wt].layers[L].tensors
-                    _, H = chosen_hessian(tensors, group, torch.arange(ad.num_experts), MIN_ROUTED_TOKENS)
+                    _, H = chosen_hessian(tensors, group, torch.arange(ad.num_experts), HessianRule(MIN_ROUTED_TOKENS))
                     H = H.float()
                     if opts["blend"]:  # + blend x the all-tokens Hessian, both at unit mean diagonal
                         h_all = tensors[f"hessian.{group}"].float().expand_as(H)
@@ -316,7 +316,7 @@ def main(argv=None) -> int:
                         stats[wt].layers[L].tensors,
                         "down" if pj == "down" else "gate_up",
                         torch.arange(ad.num_experts),
-                        MIN_ROUTED_TOKENS,
+                        HessianRule(MIN_ROUTED_TOKENS),
                     )
                     q = formats.quantize_ggml(w, t, hessian=H.float())
                 else:

@@ -171,7 +171,7 @@ def _first_layer_runs(model_dir, tmp_path, overrides: list[str], contrast: list[
     import moequant
     from moequant.arch import adapter_for
     from moequant.io.checkpoint import open_checkpoint
-    from moequant.measure.calibrate import MIN_ROUTED_TOKENS, CalibrationSettings, calibrate
+    from moequant.measure.calibrate import MIN_ROUTED_TOKENS, CalibrationSettings, HessianRule, calibrate
     from moequant.measure.stats import chosen_hessian, load_stats
     from moequant.pipeline.apply import calibration_settings, resolve_recipe
 
@@ -201,7 +201,7 @@ def _first_layer_runs(model_dir, tmp_path, overrides: list[str], contrast: list[
     for proj in adapter.projections:
         group = "down" if proj == "down" else "gate_up"
         _, h = chosen_hessian(
-            tensors, group, torch.arange(adapter.num_experts), MIN_ROUTED_TOKENS, settings.hessian_prior
+            tensors, group, torch.arange(adapter.num_experts), HessianRule(MIN_ROUTED_TOKENS, settings.hessian_prior)
         )
         references[proj] = (adapter.read_experts(ckpt, layer, proj).float(), h.float())
     return adapter, settings, experts, references

@@ -270,6 +270,7 @@ def test_sensitivity_is_on_the_grid_the_quantize_pass_rounds_onto(tiny_dirs, tmp
     per channel; as published (min/max grid) every format is on its min/max rule."""
     from moequant import formats
     from moequant.algorithms.registry import GptqOptions
+    from moequant.measure.settings import HessianRule
     from moequant.measure.stats import chosen_hessian
 
     src = str(tiny_dirs["qwen2_moe"])
@@ -293,7 +294,7 @@ def test_sensitivity_is_on_the_grid_the_quantize_pass_rounds_onto(tiny_dirs, tmp
             for proj in adapter.projections:
                 w = adapter.read_experts(ckpt, L, proj).double()
                 group = "down" if proj == "down" else "gate_up"
-                _, h = chosen_hessian(stats.layers[L].tensors, group, torch.arange(w.shape[0]), 64)
+                _, h = chosen_hessian(stats.layers[L].tensors, group, torch.arange(w.shape[0]), HessianRule(64))
                 h = h.double()
                 for key in keys:
                     if key == "int4-g32-sym" and grid == "searched":
@@ -316,6 +317,7 @@ def test_an_expert_s_own_gate_up_hessian_is_shrunk_toward_the_layer_s(tmp_path):
     """stats.chosen_hessian with calibration.hessian_prior: an expert with n >= min_tokens routed tokens gets
     (n H_own + k H_all) / (n + k), k = prior x d (float64 reference); below min_tokens the all-token one, as
     before; prior 0, down's Hessians and a layer without a shared all-token Hessian keep the own one."""
+    from moequant.measure.settings import HessianRule
     from moequant.measure.stats import chosen_hessian
 
     g = torch.Generator().manual_seed(0)
@@ -336,17 +338,17 @@ def test_an_expert_s_own_gate_up_hessian_is_shrunk_toward_the_layer_s(tmp_path):
         "input_routed.down.tokens": tokens,
     }
     for prior in (0.5, 2.0):
-        own, h = chosen_hessian(stats, "gate_up", [0, 1, 2, 3], min_tokens=8, prior=prior)
+        own, h = chosen_hessian(stats, "gate_up", [0, 1, 2, 3], HessianRule(8, prior))
         assert own.tolist() == [False, True, True, True]
         k = prior * d
         expected = [all_h[0]] + [(n * own_h[e] + k * all_h[0]) / (n + k) for e, n in [(1, 10), (2, 100), (3, 1000)]]
         for e in range(E):
             assert torch.allclose(h[e].double(), expected[e], rtol=1e-6, atol=1e-7), (prior, e)
         assert not torch.allclose(h[1].double(), own_h[1], rtol=1e-3)  # it did move
-    _, h0 = chosen_hessian(stats, "gate_up", [1, 3], min_tokens=8, prior=0)
+    _, h0 = chosen_hessian(stats, "gate_up", [1, 3], HessianRule(8, 0))
     assert torch.equal(h0, own_h[[1, 3]].float())
-    _, hd = chosen_hessian(stats, "down", [1, 3], min_tokens=8, prior=2.0)
+    _, hd = chosen_hessian(stats, "down", [1, 3], HessianRule(8, 2.0))
     assert torch.equal(hd, own_h[[1, 3]].float())
     per_expert = {**stats, "hessian.gate_up": own_h.float()}  # no all-experts coverage: hessian.* is per expert
-    _, hp = chosen_hessian(per_expert, "gate_up", [1, 3], min_tokens=8, prior=2.0)
+    _, hp = chosen_hessian(per_expert, "gate_up", [1, 3], HessianRule(8, 2.0))
     assert torch.equal(hp, own_h[[1, 3]].float())

@@ -115,3 +115,11 @@ def test_gguf_lowbit_on_tiny_qwen2moe_is_one_note_and_needs_its_attention_s_byte
     with pytest.raises(UserError) as info:
         check_plan(resolve_recipe("gguf-lowbit", "zoo:tiny-qwen2moe", None, ["non_experts.formats=[]"]), ckpt)
     assert str(info.value).endswith("accepted: bits_per_weight >= 3.2500.") and "\n" not in str(info.value)
+
+
+def test_a_negative_hessian_prior_is_refused_before_anything_is_written(tmp_path):
+    out = tmp_path / "run"
+    result = _invoke("apply", "--output", str(out), settings=[*TINY, "calibration.hessian_prior=-1"])
+    line = refused(result)
+    assert "calibration.hessian_prior" in line and "at least 0" in line, line
+    assert not out.exists()

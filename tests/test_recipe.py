@@ -188,6 +188,12 @@ def test_wrong_types_and_values():
     assert error_of({"calibration": {"probe_samples": -1}}) == (
         "recipe r.yaml: key 'calibration.probe_samples' has value -1; accepted: a number of at least 0."
     )
+    assert error_of({"calibration": {"hessian_prior": -0.5}}) == (
+        "recipe r.yaml: key 'calibration.hessian_prior' has value -0.5; accepted: a number of at least 0."
+    )
+    assert error_of({"calibration": {"hessian_prior": "strong"}}) == (
+        "recipe r.yaml: key 'calibration.hessian_prior' has value 'strong'; accepted: a number."
+    )
     assert error_of({"calibration": {"probe_samples": 2.5}}) == (
         "recipe r.yaml: key 'calibration.probe_samples' has value 2.5; accepted: a whole number."
     )

@@ -43,6 +43,7 @@ from moequant.measure.settings import (  # noqa: F401  (the names library caller
     HESSIAN_WEIGHTINGS,
     MIN_ROUTED_TOKENS,
     CalibrationSettings,
+    HessianRule,
 )
 from moequant.measure.stats import chosen_hessian, layer_file
 
@@ -63,10 +64,9 @@ def sensitivity(
     weights: dict[str, torch.Tensor],
     stats: dict[str, torch.Tensor],
     format_keys,
-    min_tokens: int,
+    rule: HessianRule,
     grid: str = "minmax",
     triton: bool = True,
-    hessian_prior: float | None = None,
 ):
     """Predicted per-token squared output error of round-to-nearest per (proj, format): tr(ΔW H ΔWᵀ)
     per expert, on the grid the quantize pass rounds onto: integer group formats (GPTQ's) on `grid`
@@ -99,7 +99,7 @@ def sensitivity(
         parts = {key: [] for key, _ in specs}
         for lo in range(0, E, chunk):
             idx = torch.arange(lo, min(E, lo + chunk), device=dev)
-            _, H = chosen_hessian(stats, group, idx, min_tokens, hessian_prior)
+            _, H = chosen_hessian(stats, group, idx, rule)
             H = H.to(dtype)
             w = W[lo : lo + chunk].to(dev, torch.float32)
             imp = torch.diagonal(H, dim1=-2, dim2=-1).float()  # the scale searches' column weights
@@ -311,10 +311,9 @@ def _moe_layer_statistics(
         weights,
         tensors,
         settings.formats,
-        settings.min_tokens,
+        settings.hessian_rule,
         settings.gptq_grid,
         settings.gptq.gpu_math.triton,
-        settings.hessian_prior,
     )
     tensors.update(sens)
     _check_finite(tensors, L)
@@ -364,8 +363,7 @@ def _run_probes(ckpt, adapter, output: Path, settings: CalibrationSettings, inpu
             device=settings.device,
             algorithm=settings.probe_algorithm,
             hessians=settings.hessians,
-            min_tokens=settings.min_tokens,
-            hessian_prior=settings.hessian_prior,
+            rule=settings.hessian_rule,
             options=settings.algorithm_options,
             projections=settings.probe_projections,
             progress=progress,

@@ -80,6 +80,7 @@ from pathlib import Path
 
 import torch
 
+from moequant.measure.settings import HessianRule
 from moequant.measure.stats import PROBE_SCHEMA, TENSOR_PROBE_SCHEMA, chosen_hessian, layer_file
 from moequant.metrics import LOGIT_CHUNK_ELEMENTS, token_statistics
 
@@ -254,9 +255,7 @@ def auto_probe_algorithm(format_keys, shapes, algorithm_for) -> str:
     return algorithm(algorithm_for(formats.parse_key(key).name)).probe
 
 
-def layer_hessians(
-    stats_dir: Path, layer: int, proj: str, num_experts: int, min_tokens: int, hessian_prior: float | None = None
-) -> torch.Tensor:
+def layer_hessians(stats_dir: Path, layer: int, proj: str, num_experts: int, rule: HessianRule) -> torch.Tensor:
     """[E, d, d]: `stats.chosen_hessian` of every expert, from the statistics when they were
     saved with their Hessians, else from calibration's scratch copy (`.work/hessians_LLL`)."""
     from safetensors import safe_open
@@ -270,7 +269,7 @@ def layer_hessians(
     if not all(k in stats for k in keys):
         with safe_open(str(scratch), "pt") as f:
             stats.update({k: f.get_tensor(k) for k in keys})
-    return chosen_hessian(stats, group, torch.arange(num_experts), min_tokens, hessian_prior)[1]
+    return chosen_hessian(stats, group, torch.arange(num_experts), rule)[1]
 
 
 def _probed_experts(
@@ -280,11 +279,10 @@ def _probed_experts(
     key: str,
     name: str,
     stats_dir: Path,
-    min_tokens: int,
+    rule: HessianRule,
     dtype,
     device,
     options: dict | None = None,
-    hessian_prior: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """proj -> [E, out, in] dequantized weights of the layer's routed experts in `key`, rounded by the
     registered algorithm `name` with its `options` ({algorithm name: options}), as the quantize pass."""
@@ -299,11 +297,7 @@ def _probed_experts(
     jobs = [("gate", "up"), ("down",)] if shared else [(p,) for p in adapter.projections]
     for projs in jobs:
         W = [adapter.read_experts(checkpoint, layer, p).float() for p in projs]
-        H = (
-            layer_hessians(stats_dir, layer, projs[0], adapter.num_experts, min_tokens, hessian_prior)
-            if algo.hessians
-            else None
-        )
+        H = layer_hessians(stats_dir, layer, projs[0], adapter.num_experts, rule) if algo.hessians else None
         label = f"layer {layer} {'/'.join(projs)} experts"
         qs, _ = algo.quantize(W, spec, H, (options or {}).get(algo.name), device, label)
         for p, q in zip(projs, qs):
@@ -324,8 +318,7 @@ def run_probe(
     max_stream_bytes: int = MAX_STREAM_BYTES,
     algorithm: str = "rtn",
     hessians: bool = True,
-    min_tokens: int = 64,
-    hessian_prior: float | None = None,
+    rule: HessianRule = HessianRule(),
     options: dict | None = None,
     projections: bool = False,
     progress: bool = False,
@@ -363,11 +356,10 @@ def run_probe(
         probe_key,
         algorithm,
         stats_dir,
-        min_tokens,
+        rule,
         runner.dtype,
         device,
         options,
-        hessian_prior,
     )
     stream_bytes = tokens * adapter.hidden * torch.finfo(runner.dtype).bits // 8
     split = tuple(adapter.projections) if projections else ()

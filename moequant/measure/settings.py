@@ -8,7 +8,7 @@ passes no recipe gets the recipe schema's defaults.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -33,6 +33,15 @@ DEFAULT_DATASET = "builtin:mix"
 # layer multiplied by r) was measured too and dropped: it beat "tokens" on two of four runs and lost to
 # "routing" on three (benchmarks/RESULTS.md, bench_quality.py).
 HESSIAN_WEIGHTINGS = ("tokens", "routing")
+
+
+class HessianRule(NamedTuple):
+    """Which Hessian an expert's rounding reads (stats.chosen_hessian): its own routed-token one when it has at
+    least `min_tokens` routed tokens, else the all-token one; an own gate/up Hessian shrunk toward the layer's by
+    `prior` tokens per input column (HESSIAN_PRIOR's note). One value, so the callers pass the rule, not its parts."""
+
+    min_tokens: int = MIN_ROUTED_TOKENS
+    prior: float = HESSIAN_PRIOR
 
 
 class Calibration(BaseModel):
@@ -92,6 +101,10 @@ class CalibrationSettings(Calibration):
     # the KL probe also measures each projection alone (probe.py), for plans that choose a format
     # per (layer, projection): llama.cpp's
     probe_projections: bool = False
+
+    @property
+    def hessian_rule(self) -> HessianRule:
+        return HessianRule(self.min_tokens, self.hessian_prior)
 
     def __init__(self, **fields):
         try:

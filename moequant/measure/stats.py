@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 
 from moequant.errors import UserError
 from moequant.io.checkpoint import atomic_write_text
-from moequant.measure import settings as measure_settings
+from moequant.measure.settings import HessianRule
 
 GROUP_OF_PROJ = {"gate": "gate_up", "up": "gate_up", "down": "down"}
 PROBE_SCHEMA, PROBE_FILE = (
@@ -145,23 +145,23 @@ def load_stats(directory: str | Path, with_hessians: bool = True) -> Stats:
     return Stats(directory, summary, layers, probe=load_probe(directory), tensor_probe=load_tensor_probe(directory))
 
 
-def chosen_hessian(stats: dict[str, torch.Tensor], group: str, idx, min_tokens: int, prior: float | None = None):
+def chosen_hessian(stats: dict[str, torch.Tensor], group: str, idx, rule: HessianRule = HessianRule()):
     """(own [c] bool, [c, d, d] Hessian) for experts `idx`: each expert's own routed-token Hessian
-    when it has at least `min_tokens` routed tokens, else the all-tokens one; an own gate/up Hessian is
-    shrunk toward the layer's all-token one by `prior` tokens per input column (calibration.hessian_prior;
-    None: settings.HESSIAN_PRIOR, whose note says why). The one place this rule lives (sensitivity, the
-    probe's GPTQ and the quantize pass all ask here)."""
+    when it has at least `rule.min_tokens` routed tokens, else the all-tokens one; an own gate/up Hessian is
+    shrunk toward the layer's all-token one by `rule.prior` tokens per input column (calibration.hessian_prior;
+    settings.HESSIAN_PRIOR's note says why). The one place this rule lives (sensitivity, the probe's GPTQ and
+    the quantize pass all ask here)."""
     routed = stats[f"hessian_routed.{group}"]
     idx = torch.as_tensor(idx, device=routed.device)
     chosen = routed[idx]  # a copy (integer indexing), so the all-tokens rows are written into it in place:
     # one [c, d, d] tensor, where expanding and torch.where made three (12 GB each for 58 DeepSeek-V3 experts)
     tokens = stats[f"input_routed.{group}.tokens"][idx.to(stats[f"input_routed.{group}.tokens"].device)]
-    own = tokens.to(chosen.device) >= min_tokens
+    own = tokens.to(chosen.device) >= rule.min_tokens
     fallback = ~own
     if fallback.any():  # the all-tokens Hessian: one for all experts ([1, d, d]) or one each (routing-weighted)
         h_all = stats[f"hessian.{group}"].expand(routed.shape[0], -1, -1)
         chosen[fallback] = h_all[idx[fallback].to(h_all.device)].to(chosen.device)
-    prior = measure_settings.HESSIAN_PRIOR if prior is None else prior
+    prior = rule.prior
     shared = stats.get(f"hessian.{group}")  # gate/up's all-token Hessian is one for the layer: [1, d, d]
     if group == "gate_up" and prior > 0 and shared is not None and shared.shape[0] == 1:
         k = prior * chosen.shape[-1]

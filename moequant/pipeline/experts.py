@@ -8,18 +8,16 @@ import torch
 
 from moequant import formats, timing
 from moequant.algorithms.registry import algorithm
-from moequant.measure.settings import HESSIAN_PRIOR
+from moequant.measure.settings import HessianRule
 from moequant.measure.stats import chosen_hessian
 
 
-def _chosen_statistics(
-    collected: dict, group: str, idx: torch.Tensor, num_experts: int, min_tokens: int, hessian_prior: float
-):
+def _chosen_statistics(collected: dict, group: str, idx: torch.Tensor, rule: HessianRule):
     """Per expert of `idx`: (own, routed tokens, Hessian, mean |x|, token count used) — the expert's
-    own routed-token statistics when it has at least `min_tokens` tokens, else all tokens'
+    own routed-token statistics when it has at least `rule.min_tokens` tokens, else all tokens'
     (`stats.chosen_hessian`'s rule)."""
     tokens = collected[f"input_routed.{group}.tokens"][idx]
-    own, H = chosen_hessian(collected, group, idx, min_tokens, hessian_prior)
+    own, H = chosen_hessian(collected, group, idx, rule)
     own = own.to(tokens.device)
     m = torch.where(
         own[:, None], collected[f"input_routed.{group}.abs_mean"][idx], collected[f"input.{group}.abs_mean"][idx]
@@ -33,7 +31,7 @@ def _quantize_experts(
     layer: int,
     plan_rows,
     collected: dict | None,
-    min_tokens: int,
+    rule: HessianRule,
     device,
     weights: dict,
     input_scale: torch.Tensor | None = None,
@@ -41,7 +39,6 @@ def _quantize_experts(
     options: dict | None = None,
     codes_to=None,
     store=None,
-    hessian_prior: float = HESSIAN_PRIOR,
 ):
     """One layer's routed experts, batched per (projection, format, algorithm), each batch rounded by its
     registered algorithm (moequant.algorithms.registry) with its `options` ({algorithm name: options},
@@ -87,9 +84,7 @@ def _quantize_experts(
             algo = algorithm("rtn")  # no statistics to read
         if algo.hessians:
             with timing.stage("statistics"):
-                own, tokens, H, _, _ = _chosen_statistics(
-                    collected, group, idx, adapter.num_experts, min_tokens, hessian_prior
-                )
+                own, tokens, H, _, _ = _chosen_statistics(collected, group, idx, rule)
                 if input_scale is not None and group == "gate_up":
                     H = H / (input_scale[:, None] * input_scale[None, :])  # Hessian of x / s
         entries = {p: {"experts": experts, "format": key, "algorithm": algo.name} for p in projs}
@@ -99,7 +94,7 @@ def _quantize_experts(
             )
         if rep is not None:  # per-expert fallbacks: an expert's too few routed tokens, then the solver's own
             fallbacks = {
-                str(experts[e]): f"all-tokens Hessian: {int(tokens[e])} routed tokens < {min_tokens}"
+                str(experts[e]): f"all-tokens Hessian: {int(tokens[e])} routed tokens < {rule.min_tokens}"
                 for e in range(len(experts))
                 if not own[e]
             }

@@ -156,14 +156,13 @@ def _statistics_and_quantize_in_chunks(
                 layer,
                 rows,
                 collected,
-                settings.min_tokens,
+                settings.hessian_rule,
                 dev,
                 weights=weights,
                 first_expert=lo,
                 options=settings.algorithm_options,
                 codes_to="cpu" if on_gpu else None,
                 store=store,
-                hessian_prior=settings.hessian_prior,
             )
             with timing.stage("solve_copy"):  # the dequantized chunk back into the resident copy
                 for p in adapter.projections:
@@ -427,7 +426,7 @@ def _rtn_experts_streamed(run: "_Pass", L: int, mine: list):
                 L,
                 rows,
                 None,
-                run.settings.min_tokens,
+                run.settings.hessian_rule,
                 device,
                 weights=weights,
                 first_expert=lo,

@@ -104,13 +104,7 @@ def quantize_whole_layer(
     Returns (quantized, report, dequantized experts, full-precision replacements, the preparation or None)."""
     prepared, changed, replaced, input_scale = None, {}, {}, None
     if preparer is not None:
-        choose = functools.partial(
-            _chosen_statistics,
-            collected,
-            num_experts=run.adapter.num_experts,
-            min_tokens=run.settings.min_tokens,
-            hessian_prior=run.settings.hessian_prior,
-        )
+        choose = functools.partial(_chosen_statistics, collected, rule=run.settings.hessian_rule)
         prepared = preparer.prepare_layer(
             LayerToPrepare(
                 preparer.name,
@@ -132,14 +126,13 @@ def quantize_whole_layer(
         L,
         mine,
         collected,
-        run.settings.min_tokens,
+        run.settings.hessian_rule,
         run.settings.device,
         weights=weights,
         input_scale=input_scale,
         first_expert=run.own.start if run.own is not None else 0,
         options=run.settings.algorithm_options,
         store=run.export.store if run.export is not None else None,
-        hessian_prior=run.settings.hessian_prior,
     )
     # experts the folds changed but the plan keeps in full precision: written as folded
     planned = {(t.expert, t.proj) for t in mine if t.quantized}

@@ -298,35 +298,67 @@ def test_experts_fused_on_disk_and_quantized_are_refused_in_one_sentence(built, 
     assert "Traceback" not in result.output
 
 
-def test_export_of_experts_fused_on_disk_loads_in_transformers_once_registered(built, tmp_path):
+@pytest.mark.parametrize("model_type", ["gemma4", "granitemoe"])  # an image-text wrapper and a causal LM
+def test_export_of_experts_fused_on_disk_stops_plain_transformers_until_registered(model_type, built, tmp_path):
     """The export stores one tensor per expert (as vLLM's loaders take these families); transformers has no
-    per-expert mapping for Gemma-4, so a fresh process without moequant.register_for_transformers misses the
-    experts, and with it loads them (the logits: test_int4_experts_export_reloads_in_transformers)."""
+    per-expert mapping for Gemma-4 or GraniteMoE and would load the experts at random with warnings only. In a fresh
+    process plain from_pretrained stops before it builds the model, with one ValueError quoting moequant's sentence
+    (a caller's own attn_implementation does not get past it; an export that keeps every expert bf16 stops too), and
+    after moequant.register_for_transformers(path) the same call loads every tensor of the int4 export: moequant.load's
+    weights of it, and its logits."""
+    import json
     import subprocess
     import sys
 
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
     from test_export_models import quantize_experts
 
     from moequant.export.write import export_checkpoint
+    from moequant.layouts.compressed_tensors import FUSED_REFUSAL
 
-    source = built("gemma4")
+    source = built(model_type)
     out = export_checkpoint(source, quantize_experts(source, lambda L, e, p: "int4-g32-sym"), tmp_path / "q")
-    names = [n for f in out.glob("*.safetensors") for n in __import__("safetensors").safe_open(str(f), "pt").keys()]
-    assert any(PER_EXPERT.search(n) for n in names) and not any(n.endswith("experts.gate_up_proj") for n in names)
+    names = [n for f in out.glob("*.safetensors") for n in safe_open(str(f), "pt").keys()]
+    assert any(PER_EXPERT.search(n) for n in names), names
+    # nothing quantized (every routed expert kept bf16): the same per-expert tensors, the same stop
+    kept = export_checkpoint(source, quantize_experts(source, lambda L, e, p: "bf16"), tmp_path / "b")
+    save_file({"tokens": TOKENS}, tmp_path / "tokens.safetensors")
     script = (
         "import json, sys, torch, moequant\n"
+        "from safetensors.torch import load_file, save_file\n"
         "from moequant.arch.generic import model_class\n"
-        "path = sys.argv[1]; config = json.load(open(path + '/config.json'))\n"
-        "if sys.argv[2] == 'registered': moequant.register_for_transformers(path)\n"
-        "_, info = model_class(config).from_pretrained(path, dtype=torch.float32, output_loading_info=True)\n"
-        "print(sorted(k for k in info['missing_keys'] if 'experts' in k))\n"
+        "path, tmp, kept = sys.argv[1:4]; cls = model_class(json.load(open(path + '/config.json')))\n"
+        "for where, extra in ((path, {}), (path, {'attn_implementation': 'eager'}), (kept, {})):\n"
+        "    try: cls.from_pretrained(where, dtype=torch.float32, **extra)\n"
+        "    except ValueError as e: print(json.dumps(str(e)))\n"
+        "    else: print('loaded')\n"
+        "print(moequant.register_for_transformers(path))\n"
+        "model, info = cls.from_pretrained(path, dtype=torch.float32, output_loading_info=True)\n"
+        "print(json.dumps(sorted(info['missing_keys'])))\n"
+        "with torch.no_grad(): logits = model(load_file(tmp + '/tokens.safetensors')['tokens']).logits\n"
+        "state = {'state.' + k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}\n"
+        "save_file({'logits': logits.contiguous(), **state}, tmp + '/theirs.safetensors')\n"
     )
-    said = {}
-    for how in ("plain", "registered"):
-        run = subprocess.run([sys.executable, "-c", script, str(out), how], capture_output=True, text=True)
-        assert run.returncode == 0, run.stderr[-2000:]
-        said[how] = run.stdout.strip().splitlines()[-1]
-    assert "experts.gate_up_proj" in said["plain"] and said["registered"] == "[]", said
+    run = subprocess.run(
+        [sys.executable, "-c", script, str(out), str(tmp_path), str(kept)], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    plain, own_attention, plain_kept, registered, missing = run.stdout.strip().splitlines()[-5:]
+    for said in (plain, own_attention, plain_kept):
+        assert said != "loaded" and FUSED_REFUSAL in json.loads(said), said
+    assert "\n" not in json.loads(plain)
+    assert registered == "True" and json.loads(missing) == [], (registered, missing)
+    # their weights are moequant's dequantized ones bit for bit (kept in the checkpoint's dtype, as
+    # _transformers_matches_moequant checks), and so their logits are those of moequant.load's model
+    theirs = load_file(tmp_path / "theirs.safetensors")
+    ours = load(out, torch.float32)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            t = theirs["state." + name]
+            p.data = p.data.to(t.dtype)
+            assert torch.equal(p.data, t), name
+        assert _kl(ours(TOKENS).logits, theirs["logits"]) <= 1e-5
 
 
 def test_zero_experts_count_nowhere_and_add_no_expert_error(built):

@@ -19,7 +19,12 @@ from moequant.cli import main
 from moequant.export.write import export_checkpoint
 from moequant.io.checkpoint import open_checkpoint
 from moequant.io.loader import load
-from moequant.layouts.compressed_tensors import TRANSFORMERS_REFUSAL, transformers_stop, without_transformers_stop
+from moequant.layouts.compressed_tensors import (
+    FUSED_REFUSAL,
+    TRANSFORMERS_REFUSAL,
+    transformers_stop,
+    without_transformers_stop,
+)
 from moequant.zoo import path as zoo_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,3 +127,44 @@ def test_the_stop_is_written_and_dropped_only_for_a_mix():
     assert transformers_stop(uniform) == uniform
     own = {"model_type": "qwen2_moe", "attn_implementation": "eager"}  # a source's own choice is kept
     assert without_transformers_stop(own) == own
+
+
+def test_the_fused_experts_stop_is_written_and_dropped_beside_the_mix_stop():
+    """A family whose own checkpoints keep experts fused gets its stop on experts_implementation, also beside a
+    mix's stop; moequant drops both and keeps a source's own experts_implementation."""
+    uniform = {"model_type": "gemma4", "quantization_config": {"config_groups": {"group_0": {}}}}
+    stopped = transformers_stop(uniform, experts_fused_on_disk=True)
+    assert stopped["experts_implementation"] == {"": FUSED_REFUSAL} and "attn_implementation" not in stopped
+    assert without_transformers_stop(stopped) == uniform
+    mixed = {"model_type": "gemma4", "quantization_config": {"config_groups": {"moequant_transformers_guard": {}}}}
+    both = transformers_stop(mixed, experts_fused_on_disk=True)
+    assert both["attn_implementation"] == {"": TRANSFORMERS_REFUSAL}  # checked first: no registration reads a mix
+    assert both["experts_implementation"] == {"": FUSED_REFUSAL}
+    assert without_transformers_stop(both) == mixed
+    own = {"model_type": "gemma4", "experts_implementation": "eager"}
+    assert without_transformers_stop(own) == own
+
+
+def test_the_fused_experts_stop_is_accepted_where_moequant_says_so():
+    """What vLLM's Transformers modeling backend does with an export's config (AutoModel.from_config, then its own
+    experts): in a fresh process transformers stops at the fused-experts sentence, and after accept_fused_stop (the
+    vLLM plugin's call; register_for_transformers makes it too) it builds the model."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from transformers import AutoConfig, AutoModel\n"
+        "from moequant.layouts.compressed_tensors import FUSED_REFUSAL, accept_fused_stop\n"
+        "config = AutoConfig.for_model('granitemoe', hidden_size=32, intermediate_size=16, num_hidden_layers=1,\n"
+        "    num_attention_heads=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,\n"
+        "    vocab_size=64, experts_implementation={'': FUSED_REFUSAL})\n"
+        "try: AutoModel.from_config(config)\n"
+        "except ValueError as e: print(FUSED_REFUSAL in str(e))\n"
+        "else: print('built')\n"
+        "accept_fused_stop()\n"
+        "print(type(AutoModel.from_config(config)).__name__)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["True", "GraniteMoeModel"], run.stdout

@@ -134,7 +134,11 @@ def register_for_transformers(config: dict) -> bool:
     layer's experts in one tensor (Gemma-4, GraniteMoE, Qwen3-VL-MoE, Mistral-4 ...): the export stores one
     tensor per expert, as vLLM loads it, and transformers has no per-expert mapping for these families. The
     family's own mapping is kept and transformers' per-expert merge (its qwen2_moe rule) added, through its public
-    `register_checkpoint_conversion_mapping`. Returns whether the family needed it (False: nothing done)."""
+    `register_checkpoint_conversion_mapping`. The export's config.json names FUSED_REFUSAL as its experts
+    implementation so that transformers stops before this ran (compressed_tensors.transformers_stop); that sentence
+    is registered as transformers' default experts function (grouped_mm), through its public ExpertsInterface
+    (accept_fused_stop), so the export then loads as it is. Returns whether the family needed it (False: nothing
+    done)."""
     adapter = adapter_for(config)
     if not getattr(adapter, "experts_fused_on_disk", None):
         return False
@@ -144,6 +148,9 @@ def register_for_transformers(config: dict) -> bool:
     )
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
+    from moequant.layouts.compressed_tensors import accept_fused_stop
+
+    accept_fused_stop()
     model_type = config["model_type"]
     if model_type in _REGISTERED:
         return True

@@ -158,7 +158,11 @@ def write_checkpoint_files(tmp: Path, ckpt, writer) -> None:
     # source: the output's describes only what this export wrote
     config = {k: v for k, v in ckpt.config.items() if k not in ("auto_map", "quantization_config")}
     config["quantization_config"] = writer.quantization_config()
-    config = transformers_stop(config)  # a per-layer mix: plain transformers refuses it in one line
+    # a per-layer mix, or per-expert tensors of a family transformers reads fused: plain transformers refuses
+    # it in one line (the latter until moequant.register_for_transformers ran)
+    config = transformers_stop(
+        config, experts_fused_on_disk=bool(getattr(writer.adapter, "experts_fused_on_disk", None))
+    )
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for fname, content in writer.extra_files().items():
         (tmp / fname).write_text(json.dumps(content, indent=2) + "\n")

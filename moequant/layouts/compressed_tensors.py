@@ -445,26 +445,58 @@ def transformers_guard_group() -> dict:
 
 # config.json's key that makes plain transformers refuse a per-layer mix up front (transformers_stop)
 TRANSFORMERS_STOP_KEY = "attn_implementation"
+# and the one that makes it refuse, until moequant.register_for_transformers ran, the per-expert tensors of a family
+# whose own checkpoints keep a layer's experts in one tensor (transformers has no per-expert mapping for it)
+FUSED_STOP_KEY = "experts_implementation"
+FUSED_REFUSAL = (
+    "moequant: this export stores one tensor per routed expert and transformers reads this family's experts "
+    "fused, so call moequant.register_for_transformers(path) once before from_pretrained, or load it with "
+    "moequant.load"
+)
 
 
-def transformers_stop(config: dict) -> dict:
-    """`config` (a checkpoint's config.json) with the stop for plain transformers added where its
-    quantization_config has the guard group (routed experts in several formats). No targets make transformers 5
-    read such a mix (it takes one experts scheme per model, get_experts_scheme), and the guard alone lets it warn
-    once, then fail mid-load with an AttributeError of its own. transformers validates `attn_implementation`
-    before it builds the model and raises one ValueError quoting an unknown value: TRANSFORMERS_REFUSAL. vLLM's
-    own model classes do not read the key (tests/test_vllm.py; SGLang's are not run here); `{"": ...}` sets it
-    on the top-level config only, not on sub-configs (a vision tower an engine builds from transformers'
-    classes). moequant drops it on reading (without_transformers_stop); a caller passing attn_implementation
-    overrides it and meets the guard."""
+def accept_fused_stop() -> None:
+    """Make transformers in this process take FUSED_REFUSAL as an experts implementation: its default one
+    (grouped_mm), registered under that name through its public ExpertsInterface. moequant.register_for_transformers
+    calls it beside the per-expert mapping; the vLLM plugin calls it so that vLLM's Transformers modeling backend,
+    which builds transformers' model from config.json for a family without a vLLM class of its own (and replaces
+    the experts with its own), is not stopped."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(FUSED_REFUSAL, ALL_EXPERTS_FUNCTIONS["grouped_mm"])
+
+
+def transformers_stop(config: dict, experts_fused_on_disk: bool = False) -> dict:
+    """`config` (a checkpoint's config.json) with the stops for plain transformers added.
+
+    Where its quantization_config has the guard group (routed experts in several formats): no targets make
+    transformers 5 read such a mix (it takes one experts scheme per model, get_experts_scheme), and the guard alone
+    lets it warn once, then fail mid-load with an AttributeError of its own. transformers validates
+    `attn_implementation` before it builds the model and raises one ValueError quoting an unknown value:
+    TRANSFORMERS_REFUSAL. A caller passing attn_implementation overrides it and meets the guard.
+
+    Where the family's own checkpoints keep experts fused (`experts_fused_on_disk`): transformers would load the
+    export's per-expert tensors as unexpected keys and the experts at random, with warnings only. It validates
+    `experts_implementation` the same way and raises quoting FUSED_REFUSAL; moequant.register_for_transformers adds
+    the per-expert mapping and accepts that sentence (accept_fused_stop), so the same from_pretrained then loads the
+    export. A caller passing experts_implementation overrides it.
+
+    vLLM's own model classes read neither key (tests/test_vllm.py, tests/test_vllm_families.py; SGLang's are not
+    run here); `{"": ...}` sets them on the top-level config only, not on sub-configs (a vision tower an engine
+    builds from transformers' classes). vLLM's Transformers modeling backend builds transformers' model from the
+    config: it sets the text config's attn_implementation itself, and moequant's vLLM plugin, where installed,
+    accepts the experts stop. moequant drops both on reading (without_transformers_stop)."""
     groups = (config.get("quantization_config") or {}).get("config_groups") or {}
-    if TRANSFORMERS_GUARD not in groups:
-        return config
-    return {**config, TRANSFORMERS_STOP_KEY: {"": TRANSFORMERS_REFUSAL}}
+    if TRANSFORMERS_GUARD in groups:
+        config = {**config, TRANSFORMERS_STOP_KEY: {"": TRANSFORMERS_REFUSAL}}
+    if experts_fused_on_disk:
+        config = {**config, FUSED_STOP_KEY: {"": FUSED_REFUSAL}}
+    return config
 
 
 def without_transformers_stop(config: dict) -> dict:
-    """config.json as moequant reads it: transformers_stop's key removed (moequant builds the model from it)."""
-    if config.get(TRANSFORMERS_STOP_KEY) != {"": TRANSFORMERS_REFUSAL}:
+    """config.json as moequant reads it: transformers_stop's keys removed (moequant builds the model from it)."""
+    ours = {TRANSFORMERS_STOP_KEY: {"": TRANSFORMERS_REFUSAL}, FUSED_STOP_KEY: {"": FUSED_REFUSAL}}
+    if not any(config.get(k) == v for k, v in ours.items()):
         return config
-    return {k: v for k, v in config.items() if k != TRANSFORMERS_STOP_KEY}
+    return {k: v for k, v in config.items() if ours.get(k, ...) != v}

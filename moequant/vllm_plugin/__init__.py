@@ -28,10 +28,14 @@ from moequant.vllm_plugin.names import QUANT_METHOD
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point: add the `moequant` quantization method to vLLM.
-    vLLM may call it several times per process; registering again replaces the same class."""
+    """The `vllm.general_plugins` entry point: add the `moequant` quantization method to vLLM, and let vLLM's
+    Transformers modeling backend build transformers' model of an export whose config.json stops plain transformers
+    until the per-expert mapping is registered (compressed_tensors.accept_fused_stop; vLLM loads the per-expert
+    tensors itself). vLLM may call it several times per process; registering again replaces the same entries."""
     from vllm.model_executor.layers.quantization import register_quantization_config
 
+    from moequant.layouts.compressed_tensors import accept_fused_stop
     from moequant.vllm_plugin.method import MoequantConfig
 
     register_quantization_config(QUANT_METHOD)(MoequantConfig)
+    accept_fused_stop()

@@ -461,8 +461,10 @@ def accept_fused_stop() -> None:
     calls it beside the per-expert mapping; the vLLM plugin calls it so that vLLM's Transformers modeling backend,
     which builds transformers' model from config.json for a family without a vLLM class of its own (and replaces
     the experts with its own), is not stopped."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:  # a transformers without the experts interface validates no experts_implementation either
+        return
     ALL_EXPERTS_FUNCTIONS.register(FUSED_REFUSAL, ALL_EXPERTS_FUNCTIONS["grouped_mm"])
 
 

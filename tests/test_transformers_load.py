@@ -75,6 +75,21 @@ def test_one_routed_expert_format_loads_with_moequant_weights_and_no_warning_per
     assert kl_to_moequant(out, model) <= 1e-4
 
 
+def test_an_export_with_nothing_quantized_is_a_plain_checkpoint_transformers_loads(tmp_path):
+    """Nothing quantized (a pruned model kept in bf16, or a plan keeping every tensor): no quantization_config is
+    written, since transformers' compressed-tensors loader takes the experts' scheme from the first config group
+    and failed on a config with none; the export's logits are the source's in transformers itself, bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    source = zoo_path("tiny-qwen2moe")
+    out = export_checkpoint(source, {}, tmp_path / "plain", target="transformers")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    with torch.no_grad():
+        theirs = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()(TOKENS).logits
+        ours = plain_transformers(out)(TOKENS).logits
+    assert torch.equal(ours, theirs)
+
+
 def test_uniform_recipe_checkpoint_loads_quietly_with_moequant_weights(tmp_path, capfd, caplog):
     """The same through `moequant apply --recipe uniform-int4.yaml` (GPTQ's mirrored grids: negative scales)."""
     checkpoint = apply("uniform-int4.yaml", tmp_path / "run")

@@ -157,7 +157,11 @@ def write_checkpoint_files(tmp: Path, ckpt, writer) -> None:
     # auto_map: code we neither copy nor run; the source's own quantization_config described the
     # source: the output's describes only what this export wrote
     config = {k: v for k, v in ckpt.config.items() if k not in ("auto_map", "quantization_config")}
-    config["quantization_config"] = writer.quantization_config()
+    qc = writer.quantization_config()
+    if qc.get("quant_method") != "compressed-tensors" or qc.get("config_groups"):
+        config["quantization_config"] = qc
+    # else nothing was quantized (a pruned model kept in bf16): a plain checkpoint, since transformers' compressed-
+    # tensors loader takes the experts' scheme from the first config group and fails on a config with none
     # a per-layer mix, or per-expert tensors of a family transformers reads fused: plain transformers refuses
     # it in one line (the latter until moequant.register_for_transformers ran)
     config = transformers_stop(

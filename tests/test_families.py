@@ -558,3 +558,83 @@ def test_routing_metadata_reads_the_families_own_config_names():
     assert (afmoe.scoring, afmoe.normalize_topk, afmoe.scaling, afmoe.correction_bias) == ("sigmoid", True, 2.826, True)
     assert routing("kimi_linear", moe_renormalize=False).normalize_topk is False
     assert routing("kimi_linear", moe_renormalize=True).normalize_topk is True
+
+
+def _layer_parameters(model_type):
+    """(adapter, [(layer, memory key, class names from the decoder layer's child module down to the parameter's
+    owner)]) for every parameter of the decoder layers of the family's tiny model, as transformers builds it (on
+    the meta device): the module classes are transformers' own, independent of the path names moequant reads."""
+    from families import tiny_family_config
+
+    from moequant.arch.generic import model_class
+
+    top = tiny_family_config(model_type)
+    config = top.to_dict()
+    config["model_type"] = model_type
+    adapter = adapter_for(config)
+    with torch.device("meta"):
+        model = model_class(config).from_config(top)
+    decoder = model.get_decoder()
+    prefix = next(n for n, m in model.named_modules() if m is decoder)
+    out = []
+    for i, layer in enumerate(decoder.layers):
+        modules = dict(layer.named_modules())
+        for name, _ in layer.named_parameters():
+            parts = name.split(".")[:-1]
+            chain = [type(modules[".".join(parts[: j + 1])]).__name__ for j in range(len(parts))]
+            out.append((i, f"{prefix}.layers.{i}.{name}", chain))
+    return adapter, out
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_a_tensor_of_an_attention_module_has_the_attention_role(model_type):
+    """Every linear weight under a decoder layer's attention module (transformers' *Attention class) is classified
+    attention, in dense layers as in MoE layers: an attention output gate named gate_proj (AFMoE, Beam, HY-V4) is
+    not a dense MLP's gate."""
+    adapter, params = _layer_parameters(model_type)
+    under = 0
+    for _, key, chain in params:
+        if "Attention" not in chain[0]:
+            continue
+        role = adapter.classify(adapter.disk_name(key))
+        if chain[-1] == "Linear" and key.endswith(".weight"):
+            assert role.role == "attention", (key, role)
+            under += 1
+        else:
+            assert role.role in ("attention", "norm", "other"), (key, role)
+    if any("Attention" in chain[0] for _, _, chain in params):
+        assert under > 0
+
+
+def test_every_afmoe_tensor_has_the_role_its_module_implies():
+    """AFMoE (Trinity): in every layer, dense or MoE, each tensor's role is the one transformers' module classes
+    imply: attention (its output gate too), norms, the dense MLP's projections, the MoE block's router, shared
+    expert and routed experts."""
+    adapter, params = _layer_parameters("afmoe")
+    seen = set()
+    for layer, key, chain in params:
+        if chain and chain[-1] == "AfmoeExperts":  # stored one tensor per expert: checked by their names below
+            continue
+        role = adapter.classify(adapter.disk_name(key))
+        leaf = key.split(".")[-2]
+        if chain[-1].endswith("RMSNorm"):
+            want = ("norm", None)
+        elif chain[0] == "AfmoeAttention":
+            want = ("attention", None)
+        elif chain[0] == "AfmoeMLP":
+            want = ("dense_mlp", leaf.removesuffix("_proj"))
+        elif chain[-1] == "AfmoeMLP" or chain[-2:] == ["AfmoeMLP", "Linear"]:
+            want = ("shared_expert", leaf.removesuffix("_proj"))
+        else:  # the MoE block's own parameters (expert_bias) and its router's
+            assert chain[0] == "AfmoeSparseMoeBlock" and (len(chain) == 1 or "Router" in chain[1]), (key, chain)
+            want = ("router", None)
+        assert (role.role, role.proj, role.layer) == (*want, layer), (key, chain, role)
+        seen.add((layer, want[0]))
+    for layer in adapter.moe_layers:
+        for e in range(adapter.num_experts):
+            for proj in adapter.projections:
+                role = adapter.classify(adapter.expert_tensor_name(layer, e, proj))
+                assert (role.role, role.layer, role.expert, role.proj) == ("routed_expert", layer, e, proj)
+    dense = [L for L in range(adapter.num_layers) if L not in adapter.moe_layers]
+    assert dense and adapter.moe_layers  # both kinds of layer are checked
+    assert {(L, "dense_mlp") for L in dense} | {(L, "attention") for L in range(adapter.num_layers)} <= seen

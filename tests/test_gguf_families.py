@@ -590,3 +590,54 @@ def test_llama_cpp_runs_a_checkpoint_with_a_multi_token_prediction_layer(llama, 
     kl = _kl(_logits(_reference(plain, {}, {}, tmp_path / "ref"), ids), got)
     print(f"deepseek_v3 with its MTP layer: F32 file KL {kl:.2e}")
     assert kl <= 1e-4
+
+
+# families whose GGUF graph adds tensors the checkpoint does not hold (Graph.extra: Gemma-4's rope_freqs)
+ADDING = sorted(mt for mt in FAMILIES if GRAPHS[mt].extra is not None)
+
+
+def _planned_and_written(model_type, tmp_path, monkeypatch, settings=()):
+    """The plan of recipes/gguf.yaml on the family's tiny model (routed experts q8_0 by round to nearest, the rest
+    bf16), its checkpoint, and {name: (ggml type, bytes)} of the GGUF file exported from it, read by gguf-py."""
+    from moequant.pipeline.apply import calibration_settings, export_arguments, resolve_recipe
+    from moequant.pipeline.quantize import quantize_model
+    from moequant.plan.policy import make_plan
+
+    source = decisive_family(model_type, tmp_path / "src", monkeypatch)
+    tiny = ["calibration.samples=4", "calibration.seq_len=32", "calibration.probe_samples=0"]
+    tiny += [f"algorithms.{name}=rtn" for name in formats.format_names() if name != "bf16"]
+    tiny += ["non_experts.formats=[]", "experts.method=uniform", "experts.format=q8_0", "non_experts.format=bf16"]
+    tiny += ["export.gguf_token_embd=null", "export.gguf_output=null"]
+    recipe = resolve_recipe("recipes/gguf.yaml", str(source), str(tmp_path / "run"), [*tiny, *settings])
+    ckpt = open_checkpoint(recipe.model)
+    plan = make_plan(recipe, ckpt)
+    quantized, _ = quantize_model(
+        recipe.model, plan, calibration_settings(recipe), tmp_path / "work", progress=False, lazy=True
+    )
+    export_checkpoint(ckpt.directory, quantized, tmp_path / "checkpoint", **export_arguments(recipe))
+    tensors = gguf.GGUFReader(tmp_path / "checkpoint" / "model.gguf").tensors
+    return plan, ckpt, {t.name: (t.tensor_type.name, int(t.n_bytes)) for t in tensors}
+
+
+@pytest.mark.parametrize("model_type", ADDING)
+def test_the_plans_bytes_are_the_gguf_files_tensor_bytes_with_the_tensors_the_graph_adds(
+    model_type, tmp_path, monkeypatch
+):
+    """A GGUF plan counts the tensors llama.cpp's graph reads beyond the checkpoint (Gemma-4's rope_freqs, which the
+    export makes from the config): the plan's bytes, row by row and in total, are the bytes gguf-py reads from the
+    written file (the plan left rope_freqs out before: its bytes were short of the file's)."""
+    plan, ckpt, written = _planned_and_written(model_type, tmp_path, monkeypatch)
+    added = {t.name for t in plan.tensors if t.name not in ckpt.keys() and t.role != "lm_head"}
+    assert added and added <= set(written)
+    assert all(t.bytes == written[t.name][1] for t in plan.tensors if t.name in added)
+    assert plan.summary["total_bytes"] == sum(b for _, b in written.values())
+
+
+def test_gemma4_per_layer_token_embeddings_take_the_token_embeddings_type(tmp_path, monkeypatch):
+    """llama.cpp's quantizer puts per_layer_token_embd.weight in token_embd's category (its --token-embedding-type
+    and its mixes' token-embedding rule set both), so export.gguf_token_embd types both tensors, the plan counting
+    the per-layer table in that type too."""
+    plan, ckpt, written = _planned_and_written("gemma4", tmp_path, monkeypatch, ["export.gguf_token_embd=q8_0"])
+    assert written["token_embd.weight"][0] == written["per_layer_token_embd.weight"][0] == "Q8_0"
+    assert written["output.weight"][0] == "BF16"  # the tiny model's head is its own: export.gguf_output null
+    assert plan.summary["total_bytes"] == sum(b for _, b in written.values())

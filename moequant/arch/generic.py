@@ -34,6 +34,9 @@ from moequant.arch.base import PROJECTIONS, Adapter, Routing, TensorRole, cfg_ge
 from moequant.errors import UserError
 
 _SHARED = re.compile(r"shared")
+# a decoder layer's attention child (self_attn, attention, linear_attn, ...): its gate projection (AFMoE's, Beam's,
+# HY-V4's output gate) is the attention's, not a dense MLP's gate
+_ATTENTION = re.compile(r"attn|attention", re.IGNORECASE)
 
 
 def _quiet():
@@ -460,7 +463,7 @@ class GenericAdapter(Adapter):
                 return TensorRole("shared_expert", L, None, proj) if linear else TensorRole("other", L)
             if block or head in ("gate", "router"):
                 return TensorRole("router", L)  # the block's own parameters: the router's (and its bias)
-        if (not block) and linear and proj is not None:
+        if (not block) and linear and proj is not None and not _ATTENTION.search(rest.split(".")[0]):
             return TensorRole("dense_mlp", L, None, proj)
         if linear:
             return TensorRole("attention", L)

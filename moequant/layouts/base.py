@@ -112,6 +112,12 @@ class Layout:
         it copies). The plan counts them as kept tensors."""
         return []
 
+    @staticmethod
+    def added_tensors(config: dict) -> list[tuple[str, str, tuple, int]]:
+        """Tensors the layout writes that no checkpoint tensor is the source of, made from the model's `config`:
+        (name written, its role, shape, bytes). The plan counts them as kept tensors."""
+        return []
+
     @classmethod
     def refuses_model(cls, adapter) -> str | None:
         """Why the layout cannot write this architecture at all (None: it can)."""

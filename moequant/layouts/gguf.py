@@ -39,6 +39,7 @@ from moequant.layouts.gguf_graphs import (  # noqa: F401  (ARCHS, REFUSED: tests
     GRAPHS,
     REFUSED,
     gguf_targets,
+    graph_config,
     model_refusal,
     prediction_layer,
     reshaped_reason,
@@ -168,6 +169,18 @@ class Gguf(Layout):
     def copied_tensors(names):
         source = tied_output(names)
         return [("output.weight", "lm_head", source)] if source else []
+
+    @staticmethod
+    def added_tensors(config):
+        graph = GRAPHS.get(config.get("model_type"))
+        if graph is None or graph.extra is None:
+            return []
+        from moequant.arch import adapter_for
+
+        made = graph.extra(
+            graph_config(adapter_for(config), config)
+        )  # as export_gguf writes them (Gemma-4's rope_freqs)
+        return [(n, "other", tuple(t.shape), t.numel() * t.element_size()) for n, t in made.items()]
 
     @staticmethod
     def refuses(spec):

@@ -54,7 +54,7 @@ def _layout_for(export_format: str):
     the zero points it stores (`symmetric_zeros`), how it stores the tensors it leaves unquantized
     (`plain_nbytes`: GGUF writes norms, biases and routers F32, the rest in export.gguf_float, token_embd /
     output in export.gguf_token_embd / gguf_output) and the tensors it adds (`copied_tensors`: GGUF's
-    output.weight copy of tied embeddings)."""
+    output.weight copy of tied embeddings; `added_tensors`: Gemma-4's GGUF rope_freqs)."""
     return layout_for(export_format)
 
 
@@ -158,6 +158,8 @@ class PlanContext:
             if not t.is_routed_weight and (why := self.layout.kept_reason(self.model_type, t.name))
         }
         self.layout_copies = [c for c in self.layout.copied_tensors(names) if c[2] in names]
+        # and those it makes from the config alone (name, role, shape, bytes): Gemma-4's GGUF rope_freqs
+        self.layout_added = self.layout.added_tensors(self.config) if self.config else []
         self.experts: dict[tuple[int, int], list[TensorInfo]] = defaultdict(list)
         for t in tensors:
             if t.is_routed_weight:

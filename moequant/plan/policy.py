@@ -161,7 +161,7 @@ def _non_expert_plans(ctx: PlanContext, recipe: Recipe, tensors: list[TensorInfo
 
 def _copied_tensors(ctx: PlanContext, tensors: list[TensorInfo]) -> list[TensorPlan]:
     """Kept entries for the tensors the export layout adds (GGUF: output.weight, a copy of tied
-    embeddings), so the plan's bytes and a gigabytes budget count them."""
+    embeddings; Gemma-4's rope_freqs, made from the config), so the plan's bytes and a gigabytes budget count them."""
     by_name = {t.name: t for t in tensors}
     bf16 = _formats().get_format("bf16")
     out = []
@@ -169,6 +169,9 @@ def _copied_tensors(ctx: PlanContext, tensors: list[TensorInfo]) -> list[TensorP
         t = dataclasses.replace(by_name[source], name=name, role=role)
         kept = f"the {ctx.layout.name} export writes {source} again as {name}"
         out.append(_row(t, bf16, ctx.recipe, ctx.nbytes(bf16, t), kept=kept))
+    for name, role, shape, nbytes in ctx.layout_added:
+        t = TensorInfo(name, role, None, None, None, shape)
+        out.append(_row(t, bf16, ctx.recipe, nbytes, kept=f"the {ctx.layout.name} export adds {name}"))
     return out
 
 

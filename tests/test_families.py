@@ -606,6 +606,34 @@ def test_a_tensor_of_an_attention_module_has_the_attention_role(model_type):
         assert under > 0
 
 
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_a_tensor_of_a_dense_mlp_module_has_the_dense_mlp_role(model_type):
+    """Every linear weight under one of transformers' *MLP modules outside the MoE block (the module holding the
+    *Experts; its shared expert is an *MLP inside it) is classified dense_mlp with its projection, in dense layers as
+    beside the block in MoE layers: LongCat-Flash's two always-on MLPs (`mlps.0`, `mlps.1`) and AXK2's low-rank
+    gate MLP inside its gated norms (`input_layernorm.mlp.fc1`) were classified attention."""
+    adapter, params = _layer_parameters(model_type)
+    paths = [(layer, key.split(f".layers.{layer}.", 1)[1].split(".")[:-1], chain) for layer, key, chain in params]
+    blocks = {  # the module around each layer's *Experts, where it is a module below the decoder layer
+        (layer, ".".join(parts[:j]))
+        for layer, parts, chain in paths
+        for j, cls in enumerate(chain)
+        if cls.endswith("Experts") and j > 0
+    }
+    under = 0
+    for (layer, key, chain), (_, parts, _) in zip(params, paths):
+        mlps = [".".join(parts[: j + 1]) for j, cls in enumerate(chain) if cls.endswith("MLP")]
+        outside = [m for m in mlps if not any(b == layer and (m == p or m.startswith(p + ".")) for b, p in blocks)]
+        if not outside or chain[-1] != "Linear" or not key.endswith(".weight"):
+            continue
+        role = adapter.classify(adapter.disk_name(key))
+        got = (role.role, role.layer, role.proj in ("gate", "up", "down"))
+        assert got == ("dense_mlp", layer, True), (key, chain, role)
+        under += 1
+    if model_type in ("longcat_flash", "axk2"):  # the MLPs beside the MoE block are checked
+        assert under > 0
+
+
 def test_every_afmoe_tensor_has_the_role_its_module_implies():
     """AFMoE (Trinity): in every layer, dense or MoE, each tensor's role is the one transformers' module classes
     imply: attention (its output gate too), norms, the dense MLP's projections, the MoE block's router, shared

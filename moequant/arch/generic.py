@@ -35,8 +35,9 @@ from moequant.errors import UserError
 
 _SHARED = re.compile(r"shared")
 # a decoder layer's attention child (self_attn, attention, linear_attn, ...): its gate projection (AFMoE's, Beam's,
-# HY-V4's output gate) is the attention's, not a dense MLP's gate
-_ATTENTION = re.compile(r"attn|attention", re.IGNORECASE)
+# HY-V4's output gate) is the attention's, not a dense MLP's gate. A norm named after the attention
+# (post_attention_layernorm) is not one: AXK2's gated norm holds a small MLP of its own
+_ATTENTION = re.compile(r"^(?!.*norm).*(attn|attention)", re.IGNORECASE)
 
 
 def _quiet():
@@ -463,7 +464,9 @@ class GenericAdapter(Adapter):
                 return TensorRole("shared_expert", L, None, proj) if linear else TensorRole("other", L)
             if block or head in ("gate", "router"):
                 return TensorRole("router", L)  # the block's own parameters: the router's (and its bias)
-        if (not block) and linear and proj is not None and not _ATTENTION.search(rest.split(".")[0]):
+        # a dense MLP's projection outside the MoE block, in a dense layer or beside the block in an MoE layer
+        # (LongCat-Flash's two always-on MLPs, `mlps.0` / `mlps.1`; AXK2's low-rank gate MLP inside its gated norms)
+        if linear and proj is not None and not _ATTENTION.search(rest.split(".")[0]):
             return TensorRole("dense_mlp", L, None, proj)
         if linear:
             return TensorRole("attention", L)
@@ -719,10 +722,12 @@ class GenericAdapter(Adapter):
 
 
 def _proj_of(rest: str) -> str | None:
-    m = re.search(r"(?:^|\.)(gate|up|down|w1|w2|w3)(?:_proj)?\.weight$", rest)
+    """The MLP projection a weight's name says: gate/up/down, Mixtral's w1/w3/w2, or an ungated MLP's fc1/fc2 (up,
+    down)."""
+    m = re.search(r"(?:^|\.)(gate|up|down|w1|w2|w3|fc1|fc2)(?:_proj)?\.weight$", rest)
     if not m:
         return None
-    return {"w1": "gate", "w3": "up", "w2": "down"}.get(m.group(1), m.group(1))
+    return {"w1": "gate", "w3": "up", "w2": "down", "fc1": "up", "fc2": "down"}.get(m.group(1), m.group(1))
 
 
 def _prefix_of(model, base) -> str:

@@ -113,9 +113,10 @@ class Layout:
         return []
 
     @staticmethod
-    def added_tensors(config: dict) -> list[tuple[str, str, tuple, int]]:
-        """Tensors the layout writes that no checkpoint tensor is the source of, made from the model's `config`:
-        (name written, its role, shape, bytes). The plan counts them as kept tensors."""
+    def added_tensors(adapter, config: dict) -> list[tuple[str, str, tuple, int]]:
+        """Tensors the layout writes that no checkpoint tensor is the source of, made from the model's `config`
+        (and its `adapter`, the caller's: layouts sit below arch/): (name written, its role, shape, bytes). The plan
+        counts them as kept tensors."""
         return []
 
     @classmethod

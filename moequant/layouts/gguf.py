@@ -171,15 +171,11 @@ class Gguf(Layout):
         return [("output.weight", "lm_head", source)] if source else []
 
     @staticmethod
-    def added_tensors(config):
+    def added_tensors(adapter, config):
         graph = GRAPHS.get(config.get("model_type"))
         if graph is None or graph.extra is None:
             return []
-        from moequant.arch import adapter_for
-
-        made = graph.extra(
-            graph_config(adapter_for(config), config)
-        )  # as export_gguf writes them (Gemma-4's rope_freqs)
+        made = graph.extra(graph_config(adapter, config))  # as export_gguf writes them (Gemma-4's rope_freqs)
         return [(n, "other", tuple(t.shape), t.numel() * t.element_size()) for n, t in made.items()]
 
     @staticmethod

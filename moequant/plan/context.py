@@ -42,6 +42,7 @@ from typing import Iterable
 
 import numpy as np
 
+from moequant.arch import adapter_for
 from moequant.errors import UserError
 from moequant.layouts import layout_for
 from moequant.plan.model import NON_EXPERT_ROLES, PROJECTIONS, TensorInfo, _formats
@@ -159,7 +160,7 @@ class PlanContext:
         }
         self.layout_copies = [c for c in self.layout.copied_tensors(names) if c[2] in names]
         # and those it makes from the config alone (name, role, shape, bytes): Gemma-4's GGUF rope_freqs
-        self.layout_added = self.layout.added_tensors(self.config) if self.config else []
+        self.layout_added = self.layout.added_tensors(adapter_for(self.config), self.config) if self.config else []
         self.experts: dict[tuple[int, int], list[TensorInfo]] = defaultdict(list)
         for t in tensors:
             if t.is_routed_weight:

@@ -42,7 +42,6 @@ from typing import Iterable
 
 import numpy as np
 
-from moequant.arch import adapter_for
 from moequant.errors import UserError
 from moequant.layouts import layout_for
 from moequant.plan.model import NON_EXPERT_ROLES, PROJECTIONS, TensorInfo, _formats
@@ -144,7 +143,7 @@ def sensitivity(table: dict, layer: int, proj: str, key: str) -> np.ndarray:
 class PlanContext:
     """What make_plan computes once: routed experts, usage, byte and loss lookups."""
 
-    def __init__(self, recipe: Recipe, tensors: list[TensorInfo], stats, config: dict | None = None):
+    def __init__(self, recipe: Recipe, tensors: list[TensorInfo], stats, config: dict | None = None, adapter=None):
         self.recipe, self.tensors, self.stats = recipe, tensors, stats
         self.config = config or {}  # the checkpoint's config.json ({} for a list of tensors)
         self.model_type = self.config.get("model_type")
@@ -160,7 +159,8 @@ class PlanContext:
         }
         self.layout_copies = [c for c in self.layout.copied_tensors(names) if c[2] in names]
         # and those it makes from the config alone (name, role, shape, bytes): Gemma-4's GGUF rope_freqs
-        self.layout_added = self.layout.added_tensors(adapter_for(self.config), self.config) if self.config else []
+        # (the checkpoint's adapter, built once on it: none for a list of tensors)
+        self.layout_added = self.layout.added_tensors(adapter, self.config) if adapter is not None else []
         self.experts: dict[tuple[int, int], list[TensorInfo]] = defaultdict(list)
         for t in tensors:
             if t.is_routed_weight:

@@ -103,10 +103,10 @@ def drop_budget(
         )
     base = recipe.model_copy(update={"experts": recipe.experts.model_copy(update={"prune": None})})
     if hasattr(model, "keys") and hasattr(model, "shape"):
-        tensors, config = tensors_from_checkpoint(model), model.config
+        tensors, config, adapter = tensors_from_checkpoint(model), model.config, model.adapter
     else:
-        tensors, config = as_tensor_infos(model), None
-    ctx = PlanContext(base, tensors, stats, config)
+        tensors, config, adapter = as_tensor_infos(model), None, None
+    ctx = PlanContext(base, tensors, stats, config, adapter)
     if not shapes_only and not ctx.layer_scale:
         raise UserError(
             "experts.prune by: budget weighs dropping (measured KL) against quantizing, which needs the "

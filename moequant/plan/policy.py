@@ -63,13 +63,13 @@ class PlanShapes:
 def plan_shapes(recipe: Recipe, checkpoint_or_tensors) -> PlanShapes:
     """The shape part of a plan (PlanShapes): tensors, their context, the non-routed tensors' plans, the kept
     experts. Refuses a model without routed experts and keep entries the target cannot serve."""
-    config = None
+    config = adapter = None
     if hasattr(checkpoint_or_tensors, "keys") and hasattr(checkpoint_or_tensors, "shape"):
         tensors = tensors_from_checkpoint(checkpoint_or_tensors)
-        config = checkpoint_or_tensors.config
+        config, adapter = checkpoint_or_tensors.config, checkpoint_or_tensors.adapter
     else:
         tensors = as_tensor_infos(checkpoint_or_tensors)
-    ctx = PlanContext(recipe, tensors, None, config)
+    ctx = PlanContext(recipe, tensors, None, config, adapter)
     if not ctx.experts:
         raise UserError(f"model {recipe.model} has no routed expert weights for moequant to plan.")
     non_expert_spec = resolve_format(recipe, recipe.non_experts.format)

@@ -22,6 +22,7 @@ from moequant.io.loader import load
 from moequant.layouts.compressed_tensors import (
     FUSED_REFUSAL,
     TRANSFORMERS_REFUSAL,
+    UNQUANTIZED_EXPERTS,
     transformers_stop,
     without_transformers_stop,
 )
@@ -103,6 +104,47 @@ def test_uniform_recipe_checkpoint_loads_quietly_with_moequant_weights(tmp_path,
     # in float32 and rounds once (in float32 the two differ by that rounding: KL ~2e-4 here)
     with torch.no_grad():
         assert torch.equal(model(TOKENS).logits, load(checkpoint, torch.bfloat16)(TOKENS).logits)
+
+
+def test_non_experts_only_recipe_checkpoint_loads_with_moequant_weights(tmp_path, capfd, caplog):
+    """recipes/non-experts-only.yaml: attention and shared experts int8, routed experts bf16. transformers runs the
+    routed experts through one group's scheme whatever `ignore` says, and under the int8 group it kept only packed
+    codes: the load failed ("Concatenate ... Ckpt contains: 0"). The export now names an FP8 group first (matching
+    no module), under which transformers passes weights without a scale through: it loads moequant's weights."""
+    checkpoint = apply("non-experts-only.yaml", tmp_path / "run")
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert "attn_implementation" not in config
+    assert list(config["quantization_config"]["config_groups"])[0] == UNQUANTIZED_EXPERTS
+    capfd.readouterr()
+    with caplog.at_level(logging.WARNING):
+        model = plain_transformers(checkpoint, dtype=torch.bfloat16)
+    said = capfd.readouterr().err + caplog.text
+    unmatched = {line.split("Could not match", 1)[1] for line in said.splitlines() if "Could not match" in line}
+    assert len(unmatched) <= 1 and all("stored unquantized" in u for u in unmatched), said[-2000:]
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS).logits, load(checkpoint, torch.bfloat16)(TOKENS).logits)
+    assert open_checkpoint(checkpoint).config["quantization_config"] == config["quantization_config"]
+
+
+def test_bf16_routed_experts_beside_int4_ones_stop_plain_transformers_in_one_line(tmp_path, capfd, caplog):
+    """Some MoE layers' experts int4 and the others bf16 is a mix transformers cannot read either (it decodes every
+    routed expert with the int4 scheme and found no codes in the bf16 layers, failing mid-load): bf16 counts as a
+    format, so the export has the mix's stop; moequant reads it."""
+    source = zoo_path("tiny-qwen2moe")
+    experts = quantize_experts(source, lambda L, e, p: "int4-g32-sym" if L % 2 == 0 else None)
+    out = export_checkpoint(source, experts, tmp_path / "half")
+    capfd.readouterr()
+    with caplog.at_level(logging.WARNING), pytest.raises(ValueError) as refused:
+        plain_transformers(out)
+    assert TRANSFORMERS_REFUSAL in str(refused.value)
+    every_int4 = export_checkpoint(source, quantize_experts(source, lambda L, e, p: "int4-g32-sym"), tmp_path / "all")
+    assert kl_to_moequant(every_int4, plain_transformers(every_int4)) <= 1e-4  # one format: no stop
+    ours = load(out, torch.float32)
+    layers = ours.model.layers
+    for L in range(len(layers)):  # moequant reads each layer's own format: the bf16 layers are the source's
+        fused = layers[L].mlp.experts.down_proj
+        source_down = load(source, torch.float32).model.layers[L].mlp.experts.down_proj
+        assert torch.equal(fused, source_down) == (L % 2 == 1)
 
 
 def test_selective_recipe_checkpoint_stops_plain_transformers_in_one_line(selective, capfd, caplog):

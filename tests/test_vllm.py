@@ -26,7 +26,7 @@ from support.verify_vllm import (
     quantized_moe_kernel_gap,
     run_vllm,
 )
-from test_export_models import quantize_experts
+from test_export_models import quantize_experts, quantize_named
 
 from moequant.algorithms.gptq import gptq
 from moequant.arch import adapter_for
@@ -91,6 +91,12 @@ def exports(tmp_path_factory):
         export_checkpoint(qwen, mix, root / "tiny-qwen2moe-mix", int8_activations="dynamic"),
         export_checkpoint(qwen, int4, root / "tiny-qwen2moe-gptq", layout="gptq"),
     ]
+    # recipes/non-experts-only.yaml's kind: attention and the shared expert int8 (W8A8), the routed experts bf16,
+    # with the FP8 group that only tells transformers the experts are unquantized (UNQUANTIZED_EXPERTS)
+    non_experts = quantize_named(
+        qwen, lambda name, role: "int8-channel" if role in ("attention", "shared_expert") else None
+    )
+    good.append(export_checkpoint(qwen, non_experts, root / "tiny-qwen2moe-non-experts", int8_activations="dynamic"))
     asym = [
         export_checkpoint(
             qwen, gptq_experts(qwen, "int4-g64-asym"), root / "tiny-qwen2moe-w4a16-asym", target="transformers"
@@ -138,14 +144,14 @@ def test_vllm_cpu_loads_our_exports_and_agrees_with_moequant_load(exports):
     gap = quantized_moe_kernel_gap()
     if gap:  # vLLM still parses our quantization_config and picks its MoE method; only the kernel is missing
         print(f"NOT CHECKED on this machine: vLLM serving our quantized exports. {gap}")
-        for c in good:
-            if is_quantized(c):
-                out = outs[str(c.resolve())]
-                assert isinstance(out, str) and re.search(r"No (WNA16|Int8) MoE backend supports", out), (
-                    f"{c.name}: expected vLLM's no-kernel refusal on this CPU, got {str(out)[:300]}"
-                )
-        good = [c for c in good if not is_quantized(c)]
-        served = good[0]  # the control scores the bf16 model's outputs against the misread int4 experts
+        quantized_moe = [c for c in good if is_quantized(c) and not c.name.endswith("non-experts")]
+        for c in quantized_moe:
+            out = outs[str(c.resolve())]
+            assert isinstance(out, str) and re.search(r"No (WNA16|Int8) MoE backend supports", out), (
+                f"{c.name}: expected vLLM's no-kernel refusal on this CPU, got {str(out)[:300]}"
+            )
+        good = [c for c in good if c not in quantized_moe]
+        served = next(c for c in good if not is_quantized(c))  # the control scores the bf16 model's outputs
     lines, failed = [], []
     for c in good:
         report = compare_with_moequant(c, prompts[c], outs[str(c.resolve())])

@@ -194,7 +194,8 @@ class Layout:
             out.append(module_name(name))
         return out
 
-    def _one_format_per_moe_layer(self) -> None:
+    def _routed_schemes(self) -> dict[int, set[str]]:
+        """{MoE layer: the scheme keys of its routed experts' weights}, "bf16" for those left unquantized."""
         per_layer: dict[int, set] = defaultdict(set)
         for name in self.ckpt.keys():
             layer = layer_of_experts(self.roles, name)
@@ -202,7 +203,10 @@ class Layout:
                 continue
             q = self.items.get(name)
             per_layer[layer].add(self._scheme_key(q) if q is not None else "bf16")
-        for layer, keys in sorted(per_layer.items()):
+        return per_layer
+
+    def _one_format_per_moe_layer(self) -> None:
+        for layer, keys in sorted(self._routed_schemes().items()):
             if len(keys) > 1:
                 raise UserError(
                     f"target {self.target} needs one format for all routed experts of an MoE layer, but layer {layer} "

@@ -332,9 +332,11 @@ class CompressedTensors(Layout):
         config_groups = {}
         group_formats = set()
         groups = self.groups()
-        routed = {module_name(n) for n, q in self.items.items() if self.roles[n].role == "routed_expert"}
-        if not self.target.expert_format_map and sum(1 for _, targets in groups if routed.intersection(targets)) > 1:
+        routed = set().union(*self._routed_schemes().values())  # "bf16" among them for experts left unquantized
+        if not self.target.expert_format_map and len(routed) > 1:
             config_groups[TRANSFORMERS_GUARD] = transformers_guard_group()  # first: the group transformers takes
+        elif routed == {"bf16"} and groups:
+            config_groups[UNQUANTIZED_EXPERTS] = unquantized_experts_group()
         for i, (scheme, targets) in enumerate(groups):
             if not self.target.expert_format_map:  # the plugin's per-expert map names every expert itself
                 targets = self._whole_layers_as_regex(targets)
@@ -440,6 +442,22 @@ def transformers_guard_group() -> dict:
     layer by its own name, so an unmatched target changes nothing there (the scheme is the one moequant
     writes for fp8-channel experts); the top-level format ignores this group."""
     target = f"re:^{TRANSFORMERS_REFUSAL} - experts$"  # a valid regex as it reads: '.' matches itself too
+    return {"targets": [target], **_ct_scheme(formats.parse_key("fp8-channel"), "none")}
+
+
+UNQUANTIZED_EXPERTS = "moequant_unquantized_experts"
+
+
+def unquantized_experts_group() -> dict:
+    """A config group that matches no module and lets plain transformers load bf16 routed experts beside quantized
+    modules (e.g. recipes/non-experts-only.yaml). transformers 5.x runs every checkpoint's routed experts through
+    the scheme of the first group whose `re:` targets name `experts` (get_experts_scheme); under an integer scheme it
+    keeps only packed codes, so bf16 experts arrived as nothing ("Concatenate ... Ckpt contains: 0"). Under an FP8
+    scheme a weight without a scale passes through as it is (integrations/compressed_tensors.py, checked in 5.17 and
+    5.25), so this group says FP8. Its target names no module, so vLLM, SGLang and moequant, which match each layer by
+    name and find the experts in `ignore`, read the export as before; compressed-tensors' loader warns once that the
+    target, a sentence saying why, matched nothing."""
+    target = "re:^moequant: the routed experts are stored unquantized, this group matches no module - experts$"
     return {"targets": [target], **_ct_scheme(formats.parse_key("fp8-channel"), "none")}
 
 

@@ -87,7 +87,7 @@ def build_skeleton(checkpoint, dtype=torch.float32, experts_implementation: str 
 
     from moequant.arch import adapter_for
     from moequant.arch.generic import model_class
-    from moequant.layouts.compressed_tensors import FUSED_REFUSAL, TRANSFORMERS_REFUSAL
+    from moequant.layouts.compressed_tensors import clear_stops
 
     adapter = getattr(checkpoint, "adapter", None) or adapter_for(checkpoint.config)  # the checkpoint's own
     quiet = logging.getLogger("transformers")
@@ -95,10 +95,7 @@ def build_skeleton(checkpoint, dtype=torch.float32, experts_implementation: str 
     quiet.setLevel(logging.ERROR)
     try:
         config = AutoConfig.from_pretrained(checkpoint.directory, trust_remote_code=False)
-        if config._attn_implementation == TRANSFORMERS_REFUSAL:  # our export's stops for plain transformers
-            config._attn_implementation = None
-        if config._experts_implementation == FUSED_REFUSAL:
-            config._experts_implementation = None
+        clear_stops(config)  # our export's stops for plain transformers
         with torch.device("meta"):
             extra = {"experts_implementation": experts_implementation} if experts_implementation else {}
             model = model_class(checkpoint.config).from_config(config, dtype=dtype, **extra)

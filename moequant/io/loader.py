@@ -134,13 +134,13 @@ def from_pretrained_complete(directory, dtype, shown_as=None):
 
     from moequant.arch import register_for_transformers
     from moequant.arch.generic import model_class
-    from moequant.layouts.compressed_tensors import FUSED_REFUSAL, FUSED_STOP_KEY, without_transformers_stop
+    from moequant.layouts.compressed_tensors import has_fused_stop, without_transformers_stop
 
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # only our own (rich) bars on screen: its tqdm would interleave with them
     try:
         config = json.loads((Path(directory) / "config.json").read_text())
-        if config.get(FUSED_STOP_KEY) == {"": FUSED_REFUSAL}:  # our export of a family transformers reads fused
+        if has_fused_stop(config):  # our export of a family transformers reads fused
             register_for_transformers(without_transformers_stop(config))
         model, info = model_class(config).from_pretrained(
             str(directory), dtype=dtype, trust_remote_code=False, output_loading_info=True

@@ -514,9 +514,26 @@ def transformers_stop(config: dict, experts_fused_on_disk: bool = False) -> dict
     return config
 
 
+# {config.json key: the sentence transformers_stop writes there}
+STOPS = {TRANSFORMERS_STOP_KEY: TRANSFORMERS_REFUSAL, FUSED_STOP_KEY: FUSED_REFUSAL}
+
+
 def without_transformers_stop(config: dict) -> dict:
     """config.json as moequant reads it: transformers_stop's keys removed (moequant builds the model from it)."""
-    ours = {TRANSFORMERS_STOP_KEY: {"": TRANSFORMERS_REFUSAL}, FUSED_STOP_KEY: {"": FUSED_REFUSAL}}
+    ours = {k: {"": sentence} for k, sentence in STOPS.items()}
     if not any(config.get(k) == v for k, v in ours.items()):
         return config
     return {k: v for k, v in config.items() if ours.get(k, ...) != v}
+
+
+def has_fused_stop(config: dict) -> bool:
+    """Whether config.json is our export of a family transformers reads fused (it needs register_for_transformers)."""
+    return config.get(FUSED_STOP_KEY) == {"": FUSED_REFUSAL}
+
+
+def clear_stops(config) -> None:
+    """A transformers config read from our export's config.json, its stops for plain transformers cleared (they
+    resolve, on the config object, to `_attn_implementation` / `_experts_implementation` holding the sentence)."""
+    for key, sentence in STOPS.items():
+        if getattr(config, f"_{key}", None) == sentence:
+            setattr(config, f"_{key}", None)

@@ -115,7 +115,7 @@ def _awq_down(layer: LayerToPrepare, key: str, idx: torch.Tensor) -> tuple[torch
     """AWQ of the down_proj of experts `idx` in format `key`: per-expert scales (on each expert's own
     routed-token statistics) folded into the same experts' up_proj rows, then the scaled weights clipped;
     `weights` changed in place. Returns (the scales [len(idx), I], report entry)."""
-    weights, device, min_tokens = layer.weights, layer.device, layer.min_tokens
+    weights, device, min_tokens = layer.weights, layer.device, layer.rule.min_tokens
     own, counts, H, m, used = layer.choose("down", idx)
     scales, rep = awq_scales([weights["down"][idx]], key, hessian=H, mean_abs=m, tokens=used, grid=GRID, device=device)
     scales = scales.to("cpu", torch.float32)

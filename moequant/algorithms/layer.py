@@ -26,10 +26,10 @@ class LayerToPrepare:
     weights: dict  # proj -> [E, out, in] float32 on the host, changed in place
     statistics: dict  # the experts' input statistics from the forward (measure.collector.LayerCollector)
     # (group, expert ids) -> (own [c] bool, routed tokens [c], Hessian [c, d, d], mean |x| [c, d], tokens used
-    # [c]): each expert's routed-token statistics when it has at least min_tokens, else all tokens'
+    # [c]): each expert's routed-token statistics when it has at least rule.min_tokens, else all tokens'
     choose: Callable
     tokens: dict  # the MoE block's input: "x", "indices", "weights" (lists per batch), "act" (its activation)
-    min_tokens: int
+    rule: object  # the run's measure.settings.HessianRule, which `choose` applies (min_tokens, prior)
     device: object
 
 

@@ -104,7 +104,8 @@ def quantize_whole_layer(
     Returns (quantized, report, dequantized experts, full-precision replacements, the preparation or None)."""
     prepared, changed, replaced, input_scale = None, {}, {}, None
     if preparer is not None:
-        choose = functools.partial(_chosen_statistics, collected, rule=run.settings.hessian_rule)
+        rule = run.settings.hessian_rule
+        choose = functools.partial(_chosen_statistics, collected, rule=rule)
         prepared = preparer.prepare_layer(
             LayerToPrepare(
                 preparer.name,
@@ -116,7 +117,7 @@ def quantize_whole_layer(
                 collected,
                 choose,
                 tokens,
-                run.settings.min_tokens,
+                rule,
                 run.settings.device,
             )
         )

@@ -36,7 +36,7 @@ from moequant.errors import UserError
 _SHARED = re.compile(r"shared")
 # a decoder layer's attention child (self_attn, attention, linear_attn, ...): its gate projection (AFMoE's, Beam's,
 # HY-V4's output gate) is the attention's, not a dense MLP's gate. A norm named after the attention
-# (post_attention_layernorm) is not one: AXK2's gated norm holds a small MLP of its own
+# (post_attention_layernorm) is not one
 _ATTENTION = re.compile(r"^(?!.*norm).*(attn|attention)", re.IGNORECASE)
 
 
@@ -448,9 +448,11 @@ class GenericAdapter(Adapter):
             if key.startswith("lm_head."):
                 return TensorRole("lm_head")
             return TensorRole("norm") if norm else TensorRole("other")
-        if norm:
-            return TensorRole("norm", L)
         linear = isinstance(module, torch.nn.Linear) and leaf in ("weight", "bias")
+        if norm or (linear and "norm" in rest.split(".")[0].lower()):
+            # a gated norm's own low-rank gate (AXK2's GatedRMSNorm: hidden -> 16 -> hidden) is part of the norm:
+            # a fraction of a percent of the layer, and 16 input columns no group format holds
+            return TensorRole("norm", L)
         proj = _proj_of(rest)
         block = self.block_path.get(L)
         # experts right in the decoder layer (Gemma-4): the layer is the block, and only its router and shared
@@ -465,7 +467,7 @@ class GenericAdapter(Adapter):
             if block or head in ("gate", "router"):
                 return TensorRole("router", L)  # the block's own parameters: the router's (and its bias)
         # a dense MLP's projection outside the MoE block, in a dense layer or beside the block in an MoE layer
-        # (LongCat-Flash's two always-on MLPs, `mlps.0` / `mlps.1`; AXK2's low-rank gate MLP inside its gated norms)
+        # (LongCat-Flash's two always-on MLPs, `mlps.0` / `mlps.1`)
         if linear and proj is not None and not _ATTENTION.search(rest.split(".")[0]):
             return TensorRole("dense_mlp", L, None, proj)
         if linear:

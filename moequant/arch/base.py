@@ -278,6 +278,11 @@ class Adapter:
         """On-disk name of an in-memory parameter outside the decoder layers (embedding, final norm, head)."""
         return memory_key
 
+    def transformers_module_names(self) -> dict[str, str]:
+        """{on-disk module: the module transformers' model holds it in} for the Linear weights transformers' weight
+        conversion renames on load (one tensor to one tensor); the families that keep their names: {}."""
+        return {}
+
     def decoder(self, model):
         """(the decoder module, its list of decoder layers) of a transformers causal LM of this family."""
         return model.model, model.model.layers

@@ -27,6 +27,7 @@ import functools
 import json
 import logging
 import re
+from collections import defaultdict
 
 import torch
 
@@ -704,6 +705,14 @@ class GenericAdapter(Adapter):
 
     def disk_name(self, memory_key: str) -> str:
         return self._memory_to_disk[memory_key]
+
+    def transformers_module_names(self) -> dict[str, str]:
+        renamed: dict[str, list[str]] = defaultdict(list)
+        for key, name in self._memory_to_disk.items():
+            if key != name and key.endswith(".weight") and name.endswith(".weight") and key not in self._joined:
+                if key not in self._split:
+                    renamed[name.removesuffix(".weight")].append(key.removesuffix(".weight"))
+        return {name: keys[0] for name, keys in renamed.items() if len(keys) == 1}
 
     def expert_from_module(self, experts, expert, proj):
         i = self.expert_intermediate

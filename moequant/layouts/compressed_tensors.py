@@ -337,9 +337,13 @@ class CompressedTensors(Layout):
             config_groups[TRANSFORMERS_GUARD] = transformers_guard_group()  # first: the group transformers takes
         elif routed == {"bf16"} and groups:
             config_groups[UNQUANTIZED_EXPERTS] = unquantized_experts_group()
+        renamed = self.adapter.transformers_module_names()
         for i, (scheme, targets) in enumerate(groups):
+            aliases = sorted(renamed[m] for m in targets if m in renamed)
             if not self.target.expert_format_map:  # the plugin's per-expert map names every expert itself
                 targets = self._whole_layers_as_regex(targets)
+            if aliases:
+                targets = [*targets, transformers_alias_target(aliases)]
             config_groups[f"group_{i}"] = {"targets": targets, **scheme}
             group_formats.add(scheme["format"])
         if len(group_formats) == 1:
@@ -418,6 +422,20 @@ def experts_target(head: str, layers: list[int], leaves) -> str:
     if head.startswith(MULTIMODAL_TEXT[0]):
         heads = f"(?:{heads}|{re.escape(MULTIMODAL_TEXT[1] + head[len(MULTIMODAL_TEXT[0]) :])})"
     return f"re:^{heads}(?:{alternatives})\\.(?:[^.]+\\.)*experts(?:\\.\\d+\\.(?:{names}))?$"
+
+
+def transformers_alias_target(modules: list[str]) -> str:
+    """One `re:` target naming `modules` as transformers' model holds them, where its weight conversion renames a
+    family's on-disk names on load (DeepSeek-V4's `layers.0.attn.wo_b` is its `model.layers.0.self_attn.o_b_proj`,
+    Nemotron-H's `backbone.` is `model.`, A.X-K2's `q_b_proj` is `q_gate_proj` ...). compressed-tensors matches
+    targets against the model's module names, so under the on-disk names alone transformers left those modules
+    plain and initialised them at random (only its MISSING / UNEXPECTED report said so). vLLM, SGLang and moequant
+    match on-disk names, which the group's plain targets still give; this target matches none of theirs
+    (moequant's reader checks: a module targeted twice is refused). It never spells "experts" (a shared expert's
+    name has it: `expert[s]`), since transformers takes the routed experts' scheme from the first group whose
+    `re:` targets contain that word (get_experts_scheme)."""
+    names = "|".join(re.escape(m).replace("experts", "expert[s]") for m in modules)
+    return f"re:^(?:{names})$"
 
 
 # an image-text model's text layers: as transformers and the checkpoints name them, as vLLM does

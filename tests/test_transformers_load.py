@@ -23,6 +23,7 @@ from moequant.layouts.compressed_tensors import (
     FUSED_REFUSAL,
     TRANSFORMERS_REFUSAL,
     UNQUANTIZED_EXPERTS,
+    transformers_alias_target,
     transformers_stop,
     without_transformers_stop,
 )
@@ -225,3 +226,19 @@ def test_the_fused_experts_stop_is_accepted_where_moequant_says_so():
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == ["True", "GraniteMoeModel"], run.stdout
+
+
+def test_the_alias_target_names_exactly_its_modules_and_never_spells_experts():
+    """transformers takes the routed experts' scheme from the first group whose `re:` targets say "experts": the
+    alias of a shared expert's module must not, and it must match its modules and no other layer's."""
+    import re
+
+    modules = [f"model.layers.{L}.self_attn.o_b_proj" for L in (0, 1, 12)] + ["model.layers.3.mlp.shared_experts.w1"]
+    target = transformers_alias_target(modules)
+    assert target.startswith("re:") and "experts" not in target
+    others = [
+        "model.layers.2.self_attn.o_b_proj",
+        "model.layers.120.self_attn.o_b_proj",
+        "model.layers.1.mlp.shared_experts.w1",
+    ]
+    assert [m for m in modules + others if re.match(target[3:], m)] == modules

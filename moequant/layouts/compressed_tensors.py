@@ -433,9 +433,22 @@ def transformers_alias_target(modules: list[str]) -> str:
     match on-disk names, which the group's plain targets still give; this target matches none of theirs
     (moequant's reader checks: a module targeted twice is refused). It never spells "experts" (a shared expert's
     name has it: `expert[s]`), since transformers takes the routed experts' scheme from the first group whose
-    `re:` targets contain that word (get_experts_scheme)."""
-    names = "|".join(re.escape(m).replace("experts", "expert[s]") for m in modules)
-    return f"re:^(?:{names})$"
+    `re:` targets contain that word (get_experts_scheme). A module of every layer is one alternative with its layer
+    numbers as an alternation, so a 61-layer model's target stays a few kilobytes."""
+    layers: dict[tuple[str, str], list[str]] = defaultdict(list)  # (before, after the layer number): layers
+    for m in modules:
+        numbered = re.fullmatch(r"(.*?\.layers\.)(\d+)(\..*)", m)
+        if numbered:
+            layers[(numbered[1], numbered[3])].append(numbered[2])
+        else:
+            layers[(m, "")] = []
+    names = []
+    for (head, tail), found in sorted(layers.items()):
+        at = f"(?:{'|'.join(sorted(found, key=int))})" if found else ""
+        names.append(
+            re.escape(head).replace("experts", "expert[s]") + at + re.escape(tail).replace("experts", "expert[s]")
+        )
+    return f"re:^(?:{'|'.join(names)})$"
 
 
 # an image-text model's text layers: as transformers and the checkpoints name them, as vLLM does

@@ -21,6 +21,7 @@ from moequant.io.checkpoint import open_checkpoint
 from moequant.io.loader import load
 from moequant.layouts.compressed_tensors import (
     FUSED_REFUSAL,
+    SPLIT_REFUSAL,
     TRANSFORMERS_REFUSAL,
     UNQUANTIZED_EXPERTS,
     transformers_alias_target,
@@ -185,6 +186,9 @@ def test_the_stop_is_written_and_dropped_only_for_a_mix():
     assert transformers_stop(uniform) == uniform
     own = {"model_type": "qwen2_moe", "attn_implementation": "eager"}  # a source's own choice is kept
     assert without_transformers_stop(own) == own
+    split = transformers_stop(uniform, split_quantized=True)  # a quantized module transformers splits on load
+    assert split["attn_implementation"] == {"": SPLIT_REFUSAL} and without_transformers_stop(split) == uniform
+    assert transformers_stop(mixed, split_quantized=True)["attn_implementation"] == {"": TRANSFORMERS_REFUSAL}
 
 
 def test_the_fused_experts_stop_is_written_and_dropped_beside_the_mix_stop():

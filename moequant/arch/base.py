@@ -283,6 +283,10 @@ class Adapter:
         conversion renames on load (one tensor to one tensor); the families that keep their names: {}."""
         return {}
 
+    def transformers_split_modules(self) -> set[str]:
+        """On-disk modules whose weight transformers' weight conversion splits into several modules on load."""
+        return set()
+
     def decoder(self, model):
         """(the decoder module, its list of decoder layers) of a transformers causal LM of this family."""
         return model.model, model.model.layers

@@ -714,6 +714,9 @@ class GenericAdapter(Adapter):
                     renamed[name.removesuffix(".weight")].append(key.removesuffix(".weight"))
         return {name: keys[0] for name, keys in renamed.items() if len(keys) == 1}
 
+    def transformers_split_modules(self) -> set[str]:
+        return {stored.removesuffix(".weight") for stored, _ in self._split.values() if stored.endswith(".weight")}
+
     def expert_from_module(self, experts, expert, proj):
         i = self.expert_intermediate
         if proj == "down":

@@ -61,6 +61,7 @@ from moequant.io.checkpoint import (
 )
 from moequant.io.shards import ShardWriter
 from moequant.layouts import LAYOUTS
+from moequant.layouts.base import module_name
 from moequant.layouts.compressed_tensors import transformers_stop
 from moequant.targets import TARGETS, Target, get_target
 
@@ -164,8 +165,11 @@ def write_checkpoint_files(tmp: Path, ckpt, writer) -> None:
     # tensors loader takes the experts' scheme from the first config group and fails on a config with none
     # a per-layer mix, or per-expert tensors of a family transformers reads fused: plain transformers refuses
     # it in one line (the latter until moequant.register_for_transformers ran)
+    split = writer.adapter.transformers_split_modules()
     config = transformers_stop(
-        config, experts_fused_on_disk=bool(getattr(writer.adapter, "experts_fused_on_disk", None))
+        config,
+        experts_fused_on_disk=bool(getattr(writer.adapter, "experts_fused_on_disk", None)),
+        split_quantized=any(module_name(n) in split for n in writer.items),
     )
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for fname, content in writer.extra_files().items():

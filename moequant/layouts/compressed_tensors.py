@@ -494,6 +494,11 @@ def unquantized_experts_group() -> dict:
 
 # config.json's key that makes plain transformers refuse a per-layer mix up front (transformers_stop)
 TRANSFORMERS_STOP_KEY = "attn_implementation"
+# and its sentence for a quantized module transformers splits into several on load (LaRA-mini's linear_attn.in_proj)
+SPLIT_REFUSAL = (
+    "moequant: transformers splits some of this model's quantized modules into several on load and cannot split "
+    "their packed weights, so load it with moequant.load or serve it with vLLM or SGLang"
+)
 # and the one that makes it refuse, until moequant.register_for_transformers ran, the per-expert tensors of a family
 # whose own checkpoints keep a layer's experts in one tensor (transformers has no per-expert mapping for it)
 FUSED_STOP_KEY = "experts_implementation"
@@ -517,7 +522,7 @@ def accept_fused_stop() -> None:
     ALL_EXPERTS_FUNCTIONS.register(FUSED_REFUSAL, ALL_EXPERTS_FUNCTIONS["grouped_mm"])
 
 
-def transformers_stop(config: dict, experts_fused_on_disk: bool = False) -> dict:
+def transformers_stop(config: dict, experts_fused_on_disk: bool = False, split_quantized: bool = False) -> dict:
     """`config` (a checkpoint's config.json) with the stops for plain transformers added.
 
     Where its quantization_config has the guard group (routed experts in several formats): no targets make
@@ -532,6 +537,10 @@ def transformers_stop(config: dict, experts_fused_on_disk: bool = False) -> dict
     the per-expert mapping and accepts that sentence (accept_fused_stop), so the same from_pretrained then loads the
     export. A caller passing experts_implementation overrides it.
 
+    Where a quantized module is one transformers' weight conversion splits into several on load
+    (`split_quantized`): it splits the stored weight, not a packed one with its scales, and those modules loaded at
+    random. The same key as the mix's stop, saying SPLIT_REFUSAL (a mix's sentence first where both hold).
+
     vLLM's own model classes read neither key (tests/test_vllm.py, tests/test_vllm_families.py; SGLang's are not
     run here); `{"": ...}` sets them on the top-level config only, not on sub-configs (a vision tower an engine
     builds from transformers' classes). vLLM's Transformers modeling backend builds transformers' model from the
@@ -540,21 +549,27 @@ def transformers_stop(config: dict, experts_fused_on_disk: bool = False) -> dict
     groups = (config.get("quantization_config") or {}).get("config_groups") or {}
     if TRANSFORMERS_GUARD in groups:
         config = {**config, TRANSFORMERS_STOP_KEY: {"": TRANSFORMERS_REFUSAL}}
+    elif split_quantized:
+        config = {**config, TRANSFORMERS_STOP_KEY: {"": SPLIT_REFUSAL}}
     if experts_fused_on_disk:
         config = {**config, FUSED_STOP_KEY: {"": FUSED_REFUSAL}}
     return config
 
 
-# {config.json key: the sentence transformers_stop writes there}
-STOPS = {TRANSFORMERS_STOP_KEY: TRANSFORMERS_REFUSAL, FUSED_STOP_KEY: FUSED_REFUSAL}
+# (config.json key, a sentence transformers_stop writes there)
+STOPS = (
+    (TRANSFORMERS_STOP_KEY, TRANSFORMERS_REFUSAL),
+    (TRANSFORMERS_STOP_KEY, SPLIT_REFUSAL),
+    (FUSED_STOP_KEY, FUSED_REFUSAL),
+)
 
 
 def without_transformers_stop(config: dict) -> dict:
     """config.json as moequant reads it: transformers_stop's keys removed (moequant builds the model from it)."""
-    ours = {k: {"": sentence} for k, sentence in STOPS.items()}
-    if not any(config.get(k) == v for k, v in ours.items()):
+    ours = [(key, {"": sentence}) for key, sentence in STOPS]
+    if not any(config.get(k) == v for k, v in ours):
         return config
-    return {k: v for k, v in config.items() if ours.get(k, ...) != v}
+    return {k: v for k, v in config.items() if (k, v) not in ours}
 
 
 def has_fused_stop(config: dict) -> bool:
@@ -565,6 +580,6 @@ def has_fused_stop(config: dict) -> bool:
 def clear_stops(config) -> None:
     """A transformers config read from our export's config.json, its stops for plain transformers cleared (they
     resolve, on the config object, to `_attn_implementation` / `_experts_implementation` holding the sentence)."""
-    for key, sentence in STOPS.items():
+    for key, sentence in STOPS:
         if getattr(config, f"_{key}", None) == sentence:
             setattr(config, f"_{key}", None)

@@ -335,7 +335,7 @@ class CompressedTensors(Layout):
         routed = set().union(*self._routed_schemes().values())  # "bf16" among them for experts left unquantized
         if not self.target.expert_format_map and len(routed) > 1:
             config_groups[TRANSFORMERS_GUARD] = transformers_guard_group()  # first: the group transformers takes
-        elif routed == {"bf16"} and groups:
+        elif routed and groups and not any(self.roles[n].role == "routed_expert" for n in self.items):
             config_groups[UNQUANTIZED_EXPERTS] = unquantized_experts_group()
         renamed = self.adapter.transformers_module_names()
         for i, (scheme, targets) in enumerate(groups):

@@ -141,12 +141,9 @@ def test_bf16_routed_experts_beside_int4_ones_stop_plain_transformers_in_one_lin
     assert TRANSFORMERS_REFUSAL in str(refused.value)
     every_int4 = export_checkpoint(source, quantize_experts(source, lambda L, e, p: "int4-g32-sym"), tmp_path / "all")
     assert kl_to_moequant(every_int4, plain_transformers(every_int4)) <= 1e-4  # one format: no stop
-    ours = load(out, torch.float32)
-    layers = ours.model.layers
-    for L in range(len(layers)):  # moequant reads each layer's own format: the bf16 layers are the source's
-        fused = layers[L].mlp.experts.down_proj
-        source_down = load(source, torch.float32).model.layers[L].mlp.experts.down_proj
-        assert torch.equal(fused, source_down) == (L % 2 == 1)
+    ours, theirs = load(out, torch.float32).model.layers, load(source, torch.float32).model.layers
+    for L in range(len(ours)):  # moequant reads each layer's own format: the bf16 layers are the source's
+        assert torch.equal(ours[L].mlp.experts.down_proj, theirs[L].mlp.experts.down_proj) == (L % 2 == 1)
 
 
 def test_selective_recipe_checkpoint_stops_plain_transformers_in_one_line(selective, capfd, caplog):

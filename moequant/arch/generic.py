@@ -709,9 +709,9 @@ class GenericAdapter(Adapter):
     def transformers_module_names(self) -> dict[str, str]:
         renamed: dict[str, list[str]] = defaultdict(list)
         for key, name in self._memory_to_disk.items():
-            if key != name and key.endswith(".weight") and name.endswith(".weight") and key not in self._joined:
-                if key not in self._split:
-                    renamed[name.removesuffix(".weight")].append(key.removesuffix(".weight"))
+            one_to_one = key not in self._joined and key not in self._split
+            if one_to_one and key != name and key.endswith(".weight") and name.endswith(".weight"):
+                renamed[name.removesuffix(".weight")].append(key.removesuffix(".weight"))
         return {name: keys[0] for name, keys in renamed.items() if len(keys) == 1}
 
     def transformers_split_modules(self) -> set[str]:

@@ -31,6 +31,7 @@ SIZES = {
     "expert_ffn_hidden_size": EXPERT_WIDTH,
     "expert_intermediate_size": EXPERT_WIDTH,
     "shared_expert_intermediate_size": 128,
+    "shared_intermediate_size": 128,  # Granite's shared MLP beside the MoE block (its default 0: none)
     "moe_shared_expert_intermediate_size": 128,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
@@ -61,6 +62,8 @@ SIZES = {
     "linear_num_value_heads": 4,
     "mamba_num_heads": 8,
     "mamba_head_dim": 32,
+    "mamba_n_heads": 8,  # GraniteMoeHybrid's names: its heads times their width must be 2 x hidden_size
+    "mamba_d_head": 32,
     "mamba_d_state": 16,
     "mamba_dt_rank": 16,
     "ssm_state_size": 16,
@@ -116,6 +119,8 @@ OVERRIDES: dict[str, dict] = {
     # GLM-5: layers that reuse the previous layer's indexer top-k (handed from layer to layer), as its checkpoints do
     "glm_moe_dsa": {"indexer_types": ["full", "shared", "full", "shared"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+    # Granite-4.0-H as its checkpoints are: Mamba-2 layers with an attention layer between (the default is Mamba only)
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"]},
 }
 
 _TYPES = set(supported_model_types())
@@ -182,7 +187,6 @@ TRANSFORMERS_CANNOT_RELOAD: dict[str, str] = {
 # untested, not refused
 UNBUILT: dict[str, str] = {
     "dots3_note": "per-layer attention kinds that must be homogeneous",
-    "granitemoehybrid": "Mamba head sizes tied to the hidden size",
     "deepseek_ocr2": "vision encoders sized by fields the fixture does not shrink: the default build needs over 9 GB",
     "inkling_mm_model": "vision and audio encoders sized by fields the fixture does not shrink: over 9 GB",
     "diffusion_gemma": "its per-layer attention kinds do not survive the fixture's shrinking",

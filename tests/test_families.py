@@ -644,7 +644,9 @@ def test_a_tensor_of_a_dense_mlp_module_has_the_dense_mlp_role(model_type):
     """Every linear weight under one of transformers' *MLP modules outside the MoE block (the module holding the
     *Experts; its shared expert is an *MLP inside it) is classified dense_mlp with its projection, in dense layers as
     beside the block in MoE layers: LongCat-Flash's two always-on MLPs (`mlps.0`, `mlps.1`) were classified
-    attention. An MLP inside a norm module is the norm's (test_a_linear_inside_a_norm_module_is_the_norm_s)."""
+    attention. One the decoder layer names shared beside the block is the block's shared expert (Granite's
+    `shared_mlp`, whose fused `input_linear` was classified attention). An MLP inside a norm module is the norm's
+    (test_a_linear_inside_a_norm_module_is_the_norm_s)."""
     adapter, params = _layer_parameters(model_type)
     paths = [(layer, key.split(f".layers.{layer}.", 1)[1].split(".")[:-1], chain) for layer, key, chain in params]
     blocks = {  # the module around each layer's *Experts, where it is a module below the decoder layer
@@ -653,7 +655,7 @@ def test_a_tensor_of_a_dense_mlp_module_has_the_dense_mlp_role(model_type):
         for j, cls in enumerate(chain)
         if cls.endswith("Experts") and j > 0
     }
-    under = 0
+    under = shared_beside = 0
     for (layer, key, chain), (_, parts, _) in zip(params, paths):
         mlps = [".".join(parts[: j + 1]) for j, cls in enumerate(chain) if cls.endswith("MLP")]
         outside = [m for m in mlps if not any(b == layer and (m == p or m.startswith(p + ".")) for b, p in blocks)]
@@ -661,11 +663,15 @@ def test_a_tensor_of_a_dense_mlp_module_has_the_dense_mlp_role(model_type):
         if not outside or in_norm or chain[-1] != "Linear" or not key.endswith(".weight"):
             continue
         role = adapter.classify(adapter.disk_name(key))
-        got = (role.role, role.layer, role.proj in ("gate", "up", "down"))
-        assert got == ("dense_mlp", layer, True), (key, chain, role)
+        got = (role.role, role.layer, role.proj in ("gate", "up", "down", "gate_up"))
+        beside_block = any(b == layer for b, _ in blocks) and "shared" in outside[0].split(".")[0]
+        assert got == ("shared_expert" if beside_block else "dense_mlp", layer, True), (key, chain, role)
         under += 1
-    if model_type in ("longcat_flash", "axk2"):  # the MLPs beside the MoE block are checked
+        shared_beside += beside_block
+    if model_type in ("longcat_flash", "axk2", "granitemoeshared", "granitemoehybrid"):  # MLPs beside the block
         assert under > 0
+    if model_type in ("granitemoeshared", "granitemoehybrid"):
+        assert shared_beside > 0
 
 
 @pytest.mark.parametrize("model_type", SUPPORTED)

@@ -467,9 +467,14 @@ class GenericAdapter(Adapter):
                 return TensorRole("shared_expert", L, None, proj) if linear else TensorRole("other", L)
             if block or head in ("gate", "router"):
                 return TensorRole("router", L)  # the block's own parameters: the router's (and its bias)
+        head = rest.split(".")[0]
+        # an MLP the decoder layer names shared, beside its MoE block: that block's shared expert (Granite's
+        # `shared_mlp`, which llama.cpp's converter writes as ffn_*_shexp)
+        if linear and proj is not None and block is not None and _SHARED.search(head):
+            return TensorRole("shared_expert", L, None, proj)
         # a dense MLP's projection outside the MoE block, in a dense layer or beside the block in an MoE layer
         # (LongCat-Flash's two always-on MLPs, `mlps.0` / `mlps.1`)
-        if linear and proj is not None and not _ATTENTION.search(rest.split(".")[0]):
+        if linear and proj is not None and not _ATTENTION.search(head):
             return TensorRole("dense_mlp", L, None, proj)
         if linear:
             return TensorRole("attention", L)
@@ -736,12 +741,13 @@ class GenericAdapter(Adapter):
 
 
 def _proj_of(rest: str) -> str | None:
-    """The MLP projection a weight's name says: gate/up/down, Mixtral's w1/w3/w2, or an ungated MLP's fc1/fc2 (up,
-    down)."""
-    m = re.search(r"(?:^|\.)(gate|up|down|w1|w2|w3|fc1|fc2)(?:_proj)?\.weight$", rest)
+    """The MLP projection a weight's name says: gate/up/down, Mixtral's w1/w3/w2, an ungated MLP's fc1/fc2 (up,
+    down), or Granite's input_linear / output_linear (gate and up rows in one tensor, down)."""
+    m = re.search(r"(?:^|\.)(gate|up|down|w1|w2|w3|fc1|fc2|input_linear|output_linear)(?:_proj)?\.weight$", rest)
     if not m:
         return None
-    return {"w1": "gate", "w3": "up", "w2": "down", "fc1": "up", "fc2": "down"}.get(m.group(1), m.group(1))
+    names = {"w1": "gate", "w3": "up", "w2": "down", "fc1": "up", "fc2": "down"}
+    return {**names, "input_linear": "gate_up", "output_linear": "down"}.get(m.group(1), m.group(1))
 
 
 def _prefix_of(model, base) -> str:

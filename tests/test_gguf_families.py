@@ -26,7 +26,8 @@ from moequant.io.checkpoint import open_checkpoint
 from moequant.layouts.gguf_graphs import ARCHS, GRAPHS, REFUSED, gguf_targets
 from moequant.layouts.gguf_transforms import ROW_ORDER
 
-HEAD_SCALE: dict[str, float] = {"granitemoe": 32 * 6, "granitemoeshared": 32 * 6}  # Granite divides by logits_scaling
+# Granite divides by logits_scaling
+HEAD_SCALE: dict[str, float] = {"granitemoe": 32 * 6, "granitemoeshared": 32 * 6, "granitemoehybrid": 32 * 6}
 # Qwen3-Next's quantized check quantizes the last MoE layer only: with every layer's experts quantized llama.cpp vs our
 # dequantization is 3e-3 of KL (measured; its F32 file matches to 3e-7, the last layer alone to 8e-5), with routers
 # at 8x or 32x alike; the likely cause, not isolated: llama.cpp's 8-bit activations in each quantized matmul, through
@@ -44,7 +45,13 @@ ROUTER_SCALE = {"qwen3_vl_moe": 32, "kimi_k25": 32, "mimo_v2_flash": 32}
 # tensors scaled up, per family: llama.cpp's KDA l2-normalises q and k with rms_norm_eps (1e-5) as its epsilon where
 # transformers (FLA) uses 1e-6, which moves the tiny random model's logits (its q / k sums of squares are ~6e-4: KL 3.5e-4,
 # 5.8e-8 with transformers' epsilon at 1e-5, measured) and not a real checkpoint's; its q / k convolutions at 32x
-SCALED = {"kimi_linear": (r"self_attn\.[qk]_conv1d\.weight", 32)}
+# Granite-4.0-H's attention queries and keys at 32x, so that its attention is far from uniform and rope, which its
+# graph must leave off (rope.scaling.finetuned false), moves the logits: F32 file 7.0e-3 from transformers with rope on
+# (measured; 2.3e-5 at 8x, 5.8e-9 unscaled), 2e-9 with it off
+SCALED = {
+    "kimi_linear": (r"self_attn\.[qk]_conv1d\.weight", 32),
+    "granitemoehybrid": (r"self_attn\.[qk]_proj\.weight", 32),
+}
 TYPES = ("q4_0", "q5_1", "q4_1", "q5_0", "q8_0")  # 32-blocks: rows of 128 hold them
 # config values the families' defaults leave at a no-op, set here so that llama.cpp must read them: Granite-3.1-MoE's
 # multipliers (the defaults are all 1.0) and GraniteMoeShared's shared expert (the default width is 0: none)
@@ -71,6 +78,8 @@ GEMMA4 = {
 CHECKED = {
     "granitemoe": GRANITE,
     "granitemoeshared": {**GRANITE, "shared_intermediate_size": 128},
+    # Granite-4.0-H: two Mamba groups, so that the gated norm's grouping counts (its checkpoints have one)
+    "granitemoehybrid": {**GRANITE, "shared_intermediate_size": 128, "mamba_n_groups": 2},
     "gemma4": GEMMA4,
     "mimo_v2_flash": {"v_head_dim": 16, "sliding_window": 12},
     # Unlimited-OCR's routed weights scaled, and its reference sliding window shorter than the texts: a prompt attends
@@ -500,6 +509,14 @@ GRAPH_CANNOT_FOLLOW += [
     (_OCR, {"attention_bias": True}, "attention_bias"),
     (_OCR, {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1}, "group_limited_greedy"),
     (_OCR, {"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}, "dense layers only before the first MoE"),
+]
+
+
+_GRANITE_H = "granitemoehybrid"
+GRAPH_CANNOT_FOLLOW += [
+    (_GRANITE_H, {"position_embedding_type": "rope"}, "position_embedding_type"),
+    (_GRANITE_H, {"layer_types": ["full_attention"] * 4}, "without Mamba layers"),
+    (_GRANITE_H, {"mamba_proj_bias": True}, "mamba_proj_bias"),
 ]
 
 

@@ -58,7 +58,10 @@ llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp, gguf-py constants, its l
 - granitemoe (GraniteMoE, GraniteMoeShared): llama's interleaved rope (q / k rows permuted), the expert width as
   feed_forward_length, attention / embedding / residual / logit scales = attention_multiplier,
   embedding_multiplier, residual_multiplier, logits_scaling (the logits divided by it), the shared expert's
-  input_linear split into ffn_gate_shexp / ffn_up_shexp; mistral4 is deepseek2's graph under its own name;
+  input_linear split into ffn_gate_shexp / ffn_up_shexp; granitehybrid (GraniteMoeHybrid, Granite-4.0-H) the same
+  over Mamba-2 layers written as nemotron_h_moe's (below) with key / value heads on the attention layers only and
+  rope off (rope.scaling.finetuned false, as its converter writes a hybrid); mistral4 is deepseek2's graph under its
+  own name;
 - gemma4 (Gemma-4's text model): sliding layers of head width head_dim rotated whole at their own theta
   (`rope.freq_base_swa`), full layers of their own width and key / value heads (per_layer_config; keys as values
   without v_proj, attention_k_eq_v) rotated whole with `rope_freqs.weight` {width / 2} = 1 on the proportional
@@ -235,6 +238,26 @@ GRAPHS: dict[str, Graph] = {
                 [("FFN_GATE_SHEXP", _first_half), ("FFN_UP_SHEXP", _second_half)],
                 ".weight",
             ),
+        ),
+    ),
+    "granitemoehybrid": Graph(
+        "granitehybrid",
+        meta.hp_granite_hybrid,
+        meta.refuse_granite_hybrid,
+        transforms=(
+            *_PERMUTE_QK,
+            (_L + r"mamba\.A_log", _neg_exp_col),
+            (_L + r"mamba\.D", _heads_col),
+            (_L + r"mamba\.conv1d\.weight", _conv),
+            (_L + r"mamba\.norm\.weight", _grouped),
+        ),
+        splits=(
+            (
+                _L + r"shared_mlp\.input_linear\.weight",
+                [("FFN_GATE_SHEXP", _first_half), ("FFN_UP_SHEXP", _second_half)],
+                ".weight",
+            ),
+            (_L + r"mamba\.dt_bias", [("SSM_DT", None)], ".bias"),
         ),
     ),
     "gpt_oss": Graph(

@@ -93,6 +93,34 @@ def hp_granite(w, adapter, c):
         w.add_expert_shared_feed_forward_length(int(c["shared_intermediate_size"]))
 
 
+def granite_hybrid_attention(c) -> list[bool]:
+    """GraniteMoeHybrid's layers: True where attention, False where Mamba-2 (layer_types; the hub's own config.json
+    spells them "attention" / "mamba", transformers 5.x "full_attention" / "linear_attention")."""
+    return [kind in ("attention", "full_attention") for kind in c["layer_types"]]
+
+
+def hp_granite_hybrid(w, adapter, c):
+    """GraniteMoeHybrid (Granite-4.0-H): Granite's scales and shared expert, key / value heads on the attention layers
+    only, Mamba-2's sizes under its `mamba_` keys (time-step rank = heads, as llama.cpp's converter writes it), and
+    rope switched off as transformers runs it (llama.cpp's graph ropes unless rope.scaling.finetuned is false)."""
+    n_kv = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    kv_heads = [n_kv if attention else 0 for attention in granite_hybrid_attention(c)]
+    gqa_heads(w, adapter, {k: v for k, v in c.items() if k != "head_dim"}, kv_heads=kv_heads)
+    w.add_feed_forward_length(adapter.expert_intermediate)
+    w.add_attention_scale(float(c["attention_multiplier"]))
+    w.add_embedding_scale(float(c["embedding_multiplier"]))
+    w.add_residual_scale(float(c["residual_multiplier"]))
+    w.add_logit_scale(float(c["logits_scaling"]))
+    if c.get("shared_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(int(c["shared_intermediate_size"]))
+    w.add_rope_scaling_finetuned(c.get("position_embedding_type") == "rope")
+    w.add_ssm_conv_kernel(int(c["mamba_d_conv"]))
+    w.add_ssm_state_size(int(c["mamba_d_state"]))
+    w.add_ssm_group_count(int(c.get("mamba_n_groups") or 1))
+    w.add_ssm_inner_size(int(c["mamba_expand"]) * adapter.hidden)
+    w.add_ssm_time_step_rank(int(c["mamba_n_heads"]))
+
+
 def hp_deepseek2(w, adapter, c, kv_heads=1):
     import gguf
 
@@ -555,6 +583,27 @@ def refuse_lfm2(adapter, c):
             "llama.cpp's lfm2moe graph computes the logits with the token embeddings (tied, as LFM2 ships), but this "
             "checkpoint's config.json sets tie_word_embeddings: false"
         )
+    return None
+
+
+def refuse_granite_hybrid(adapter, c):
+    attention = granite_hybrid_attention(c)
+    if all(attention):
+        return (
+            "llama.cpp's converter writes a GraniteMoeHybrid checkpoint without Mamba layers as its granitemoe graph, "
+            "which GGUF export does not write for this family"
+        )
+    if c.get("position_embedding_type") == "rope":
+        return (
+            "llama.cpp's converter turns rope off for a GraniteMoeHybrid checkpoint with Mamba layers, but this "
+            "checkpoint's config.json asks for rope (position_embedding_type)"
+        )
+    if int(c["mamba_expand"]) * adapter.hidden != int(c["mamba_n_heads"]) * int(c["mamba_d_head"]):
+        return "llama.cpp's granitehybrid graph takes Mamba heads that fill mamba_expand x hidden_size"
+    if c.get("mamba_proj_bias"):
+        return "llama.cpp's granitehybrid graph has no bias for the Mamba layers' projections (mamba_proj_bias)"
+    if (c.get("hidden_act") or "silu") != "silu":
+        return f"llama.cpp's granitehybrid graph takes silu MLPs, not {c.get('hidden_act')}"
     return None
 
 

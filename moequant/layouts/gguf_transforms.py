@@ -126,7 +126,7 @@ def _neg_exp_col(t, c):
 
 
 def _grouped(t, c):  # Mamba-2's gated norm [d_inner] -> llama.cpp's {d_inner / n_groups, n_groups}
-    return t.reshape(int(c.get("n_groups") or 1), -1)
+    return t.reshape(int(c.get("n_groups") or c.get("mamba_n_groups") or 1), -1)  # Granite's key: mamba_n_groups
 
 
 RESHAPES = (

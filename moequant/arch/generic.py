@@ -39,6 +39,9 @@ _SHARED = re.compile(r"shared")
 # HY-V4's output gate) is the attention's, not a dense MLP's gate. A norm named after the attention
 # (post_attention_layernorm) is not one
 _ATTENTION = re.compile(r"^(?!.*norm).*(attn|attention)", re.IGNORECASE)
+# a hyper-connection's residual mixing (Qwen4-Exp's attn_ / mlp_hyper_connection: low-rank sigmoid gates over the
+# residual streams) steers every token like a router does: not attention, kept at the source's precision
+_HYPER_CONNECTION = re.compile(r"hyper_connection")
 
 
 def _quiet():
@@ -468,6 +471,10 @@ class GenericAdapter(Adapter):
             if block or head in ("gate", "router"):
                 return TensorRole("router", L)  # the block's own parameters: the router's (and its bias)
         head = rest.split(".")[0]
+        # a Linear right on the decoder layer (Gemma-4's per-layer input gate and projection) or in a hyper-connection
+        # is neither attention nor an MLP of the recipe's: other, kept as stored
+        if linear and (rest.count(".") == 1 or _HYPER_CONNECTION.search(head)):
+            return TensorRole("other", L)
         # an MLP the decoder layer names shared, beside its MoE block: that block's shared expert (Granite's
         # `shared_mlp`, which llama.cpp's converter writes as ffn_*_shexp)
         if linear and proj is not None and block is not None and _SHARED.search(head):

@@ -290,9 +290,11 @@ def _error_summary(log: str) -> str:
         for ln in log.splitlines()
         if (
             re.search(r"(Error|Exception|error:|Illegal|Aborted)", ln)
-            or re.sub(r"^(\[rank\d+\]:)?\s*", "", ln).startswith("assert ")  # the failed assertion's source line
+            # the failed assertion's source line, under one "[rank0]:" prefix or two (a worker restarted after an
+            # earlier checkpoint's failure prints both)
+            or re.sub(r"^(\s*\[rank\d+\]:)*\s*", "", ln).startswith("assert ")
         )
-        and not ln.lstrip().startswith(("File ", "[rank0]:   File"))
+        and not re.sub(r"^(\s*\[rank\d+\]:)*\s*", "", ln).startswith("File ")
     ]
     return "\n".join(lines[-4:]) or log[-2000:]
 

@@ -79,11 +79,11 @@ def hp_qwen3vlmoe(w, adapter, c):
     w.add_num_deepstack_layers(len((c.get("vision_config") or {}).get("deepstack_visual_indexes") or []))
 
 
-def hp_granite(w, adapter, c):
+def hp_granite(w, adapter, c, kv_heads=None):
     """GraniteMoe(Shared): llama's keys with the expert width as the feed-forward length (the graph's n_ff), head
     width hidden / heads (llama.cpp's converter ignores head_dim), the four multipliers as llama.cpp's scales and the
     shared expert's width."""
-    gqa_heads(w, adapter, {k: v for k, v in c.items() if k != "head_dim"})
+    gqa_heads(w, adapter, {k: v for k, v in c.items() if k != "head_dim"}, kv_heads=kv_heads)
     w.add_feed_forward_length(adapter.expert_intermediate)
     w.add_attention_scale(float(c["attention_multiplier"]))
     w.add_embedding_scale(float(c["embedding_multiplier"]))
@@ -104,15 +104,7 @@ def hp_granite_hybrid(w, adapter, c):
     only, Mamba-2's sizes under its `mamba_` keys (time-step rank = heads, as llama.cpp's converter writes it), and
     rope switched off as transformers runs it (llama.cpp's graph ropes unless rope.scaling.finetuned is false)."""
     n_kv = int(c.get("num_key_value_heads") or c["num_attention_heads"])
-    kv_heads = [n_kv if attention else 0 for attention in granite_hybrid_attention(c)]
-    gqa_heads(w, adapter, {k: v for k, v in c.items() if k != "head_dim"}, kv_heads=kv_heads)
-    w.add_feed_forward_length(adapter.expert_intermediate)
-    w.add_attention_scale(float(c["attention_multiplier"]))
-    w.add_embedding_scale(float(c["embedding_multiplier"]))
-    w.add_residual_scale(float(c["residual_multiplier"]))
-    w.add_logit_scale(float(c["logits_scaling"]))
-    if c.get("shared_intermediate_size"):
-        w.add_expert_shared_feed_forward_length(int(c["shared_intermediate_size"]))
+    hp_granite(w, adapter, c, kv_heads=[n_kv if attention else 0 for attention in granite_hybrid_attention(c)])
     w.add_rope_scaling_finetuned(c.get("position_embedding_type") == "rope")
     w.add_ssm_conv_kernel(int(c["mamba_d_conv"]))
     w.add_ssm_state_size(int(c["mamba_d_state"]))

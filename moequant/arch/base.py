@@ -343,7 +343,8 @@ class Adapter:
     ) -> dict:
         """State dict of decoder layer `layer` in transformers' in-memory layout.
 
-        `experts` optionally maps proj → `[E, out, in]` replacement weights (e.g. dequantized),
+        `experts` optionally maps proj → `[E, out, in]` replacement weights (e.g. dequantized), or "gate_up" →
+        `[E, 2 * out, in]` (gate rows, then up rows: taken as it is, no second copy of the largest tensor), and
         `tensors` maps on-disk name → replacement for anything else. With `device`, what is read from
         the checkpoint goes there as stored and is decoded there.
         """
@@ -351,7 +352,9 @@ class Adapter:
         out = {}
         for key in keys:
             routed = key.split(".")[-2:-1] == ["experts"]  # the routed experts' (not a fused shared_experts module's)
-            if routed and key.endswith("experts.gate_up_proj") and not self.fused_experts:
+            if routed and key.endswith("experts.gate_up_proj") and not self.fused_experts and "gate_up" in experts:
+                out[key] = experts["gate_up"].to(dtype)
+            elif routed and key.endswith("experts.gate_up_proj") and not self.fused_experts:
                 # gate then up, each cast into its half as it arrives: one [E, 2I, H] tensor in `dtype`
                 # and one projection in flight (a cat of two float32 stacks held three)
                 fused = None
@@ -366,7 +369,10 @@ class Adapter:
                     del part
                 out[key] = fused
             elif routed and key.endswith("experts.up_proj") and not self.fused_experts:  # experts without a gate
-                out[key] = self.read_experts(checkpoint, layer, "up", device=device, dtype=dtype)
+                u = experts.get("up", None)
+                out[key] = (
+                    self.read_experts(checkpoint, layer, "up", device=device, dtype=dtype) if u is None else u.to(dtype)
+                )
             elif routed and key.endswith("experts.down_proj") and not self.fused_experts:
                 d = experts.get("down", None)
                 out[key] = (

@@ -273,9 +273,10 @@ _READ_THREADS = 8  # threads that read and decode one layer's routed experts (bo
 def _read_states(runs, adapter, L: int, pool) -> list:
     """Each run's layer L state (LayerRunner.read_layer). An MoE layer's routed experts, stored one tensor per
     expert, are read first as slices of experts on `pool`'s threads, every run's at once, each slice cast into
-    its place in one stack per projection (one thread reading both models expert after expert was the
-    evaluation's cost on a GPU), then handed to read_layer, which reads the rest: the same values in the same
-    dtype as read_layer reads itself."""
+    its place in one stack per projection, gate and up into the halves of the one gate_up stack transformers
+    holds (one thread reading both models expert after expert was the evaluation's cost on a GPU; a separate
+    gate and up stack cast into gate_up afterwards held a DeepSeek-V3 layer's largest tensor twice), then handed
+    to read_layer, which reads the rest: the same values in the same dtype as read_layer reads itself."""
     if L not in adapter.moe_layers or adapter.fused_experts or pool is None:
         return [r.read_layer(L) for r in runs]
     E = adapter.num_experts
@@ -287,11 +288,17 @@ def _read_states(runs, adapter, L: int, pool) -> list:
     stacks, jobs = [], []
     for r in runs:
         device = r.device if torch.device(r.device).type == "cuda" else None  # as read_layer: decoded there
-        mine = {}
+        shape = {p: (E,) + tuple(adapter.expert_shape(p)) for p in adapter.projections}
+        mine, into = {}, {}
+        if "gate" in shape:  # [E, 2I, H]: gate rows, then up rows (the layout layer_state_dict builds)
+            rows = shape["gate"][1]
+            mine["gate_up"] = torch.empty((E, 2 * rows, shape["gate"][2]), dtype=r.dtype, device=device)
+            into = {"gate": mine["gate_up"][:, :rows], "up": mine["gate_up"][:, rows:]}
         for p in adapter.projections:
-            mine[p] = torch.empty((E,) + tuple(adapter.expert_shape(p)), dtype=r.dtype, device=device)
+            if p not in into:
+                into[p] = mine[p] = torch.empty(shape[p], dtype=r.dtype, device=device)
             for lo in range(0, E, step):
-                jobs.append(pool.submit(fill, r, p, mine[p], range(lo, min(E, lo + step)), device))
+                jobs.append(pool.submit(fill, r, p, into[p], range(lo, min(E, lo + step)), device))
         stacks.append(mine)
     for job in jobs:
         job.result()

@@ -250,6 +250,32 @@ def test_layer_by_layer_equals_transformers_whole_forward(model_type, built):
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_a_layer_materialized_with_replacement_experts_holds_them(model_type, built):
+    """The quantize pass's forward after quantization, the sensitivity probe's damaged weights and the whole-layer
+    search all hand a layer replacement experts: transformers' experts module holds exactly those for every
+    projection (gate-less experts' up was read from disk instead), given per projection or, as the
+    evaluation's threaded read hands them, gate and up as one gate_up stack."""
+    from moequant.io.layers import LayerRunner
+
+    checkpoint = open_checkpoint(built(model_type))
+    adapter = checkpoint.adapter
+    runner = LayerRunner(checkpoint, adapter, TOKENS, batch_size=1)
+    L = adapter.moe_layers[-1]
+    gen = torch.Generator().manual_seed(0)
+    shape = {p: (adapter.num_experts, *adapter.expert_shape(p)) for p in adapter.projections}
+    replaced = {p: torch.randn(shape[p], generator=gen) for p in adapter.projections}
+    ways = [replaced]
+    if "gate" in replaced and not adapter.fused_experts:
+        ways.append({"gate_up": torch.cat([replaced["gate"], replaced["up"]], 1), "down": replaced["down"]})
+    for experts in ways:
+        with runner.materialized(L, experts=experts) as module:
+            held = adapter.experts_in_layer(module, L)
+            for p in adapter.projections:
+                for e in (0, adapter.num_experts - 1):
+                    assert torch.equal(adapter.expert_from_module(held, e, p), replaced[p][e]), (sorted(experts), p, e)
+
+
 def test_experts_fused_on_disk_are_read_one_expert_at_a_time_as_shipped(tmp_path):
     """Qwen3-VL-MoE's checkpoints keep a layer's experts in one tensor, stored [E, H, 2I] (transformers transposes
     it on load, going by the stored shape). moequant lists each expert's projection under its per-expert name and

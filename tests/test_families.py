@@ -20,6 +20,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from families import (
+    ANY_QUANTIZATION_CONFIG,
     EXPERT_WIDTH,
     FAMILIES,
     NAMED,
@@ -219,6 +220,10 @@ def test_non_expert_int8_export_reloads_in_transformers(model_type, built, tmp_p
     with torch.no_grad():
         ours = load(out, torch.float32)(TOKENS).logits
         assert _kl(load(source, torch.float32)(TOKENS).logits, ours) > 1e-9  # the export is quantized
+        if model_type in ANY_QUANTIZATION_CONFIG:  # still its own failure: the list stays true
+            with pytest.raises(RuntimeError, match="automatic conversion of the weights"):
+                _transformers_model(out)
+            return
         if model_type in NON_EXPERTS_SPLIT_ON_LOAD:
             with pytest.raises(ValueError, match="transformers splits some of this model's quantized modules"):
                 _transformers_model(out)

@@ -419,8 +419,9 @@ def experts_target(head: str, layers: list[int], leaves) -> str:
     alternatives = "|".join(str(layer) for layer in layers)
     names = "|".join(re.escape(leaf) for leaf in leaves)
     heads = re.escape(head)
-    if head.startswith(MULTIMODAL_TEXT[0]):
-        heads = f"(?:{heads}|{re.escape(MULTIMODAL_TEXT[1] + head[len(MULTIMODAL_TEXT[0]) :])})"
+    for ours, theirs in (MULTIMODAL_TEXT, MULTIMODAL_TEXT[::-1]):  # (MiniMax-M3-VL's checkpoints say vLLM's)
+        if head.startswith(ours):
+            heads = f"(?:{heads}|{re.escape(theirs + head[len(ours) :])})"
     return f"re:^{heads}(?:{alternatives})\\.(?:[^.]+\\.)*experts(?:\\.\\d+\\.(?:{names}))?$"
 
 

@@ -387,6 +387,8 @@ REFUSED: dict[str, str] = {
             ("minimax", "minimax-01"),
             ("granitemoe_swa", "granite_swa"),
             ("hy_v4", "hy_v4"),
+            ("hy_v4_vl", "hy_v4"),  # its text model's
+            ("minimax_m3_vl", "minimax-m3"),
         )
     },
 }

@@ -231,11 +231,13 @@ class Adapter:
         self._check_expert(layer, expert, proj)
         return checkpoint.get(self.expert_tensor_name(layer, expert, proj), device)
 
-    def read_experts(self, checkpoint, layer: int, proj: str, experts=None, device=None, dtype=None) -> torch.Tensor:
+    def read_experts(
+        self, checkpoint, layer: int, proj: str, experts=None, device=None, dtype=None, out=None
+    ) -> torch.Tensor:
         """The experts of one layer and projection (all, or those in `experts`) as `[E, out, in]`, in
-        `dtype` (default: as read) on `device` (default: the host). On a device, each expert's stored
-        bytes are decoded there into one preallocated stack: no host copy beyond one stored expert."""
-        out = None
+        `dtype` (default: as read) on `device` (default: the host), or written into `out` (a slice of a larger
+        stack: no second copy). On a device, each expert's stored bytes are decoded there into one preallocated
+        stack: no host copy beyond one stored expert."""
         for i, e in enumerate(range(self.num_experts) if experts is None else experts):
             w = self.read_expert(checkpoint, layer, e, proj, device)
             if out is None:

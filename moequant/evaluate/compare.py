@@ -283,7 +283,7 @@ def _read_states(runs, adapter, L: int, pool) -> list:
     step = max(1, -(-E // _READ_THREADS))
 
     def fill(r, p, stack, part, device):
-        stack[part.start : part.stop] = r.adapter.read_experts(r.checkpoint, L, p, part, device, r.dtype)
+        r.adapter.read_experts(r.checkpoint, L, p, part, device, r.dtype, out=stack[part.start : part.stop])
 
     stacks, jobs = [], []
     for r in runs:

@@ -489,36 +489,32 @@ def test_streamed_evaluation_equals_the_whole_model_evaluation(zoo, tmp_path, mo
     assert calls  # the grouped path ran
     _close({**whole, "experts": None}, {**grouped, "experts": None})
     _close(whole["experts"], grouped["experts"], ".experts", rel=2e-4)
-    # the next layer read (and, on a GPU, decoded) on a thread while this one computes, forced on the CPU: the
-    # same numbers to the bit (the states are the ones materialized would read itself)
-    # the next layer read (and, on a GPU, decoded) on a thread while this one computes, or, where a second layer
-    # does not fit, this layer's routed experts read by several threads when it is reached, both forced on the
-    # CPU: the same numbers to the bit (the states are the ones materialized would read itself)
-    read_ahead = compare._layers_read_ahead
+    # the next layer read (and, on a GPU, decoded) on a thread while this one computes, its routed experts by
+    # several threads straight into the layer's stacks, forced on the CPU: the same numbers to the bit (the states
+    # are the ones materialized would read itself)
+    read_ahead, threads, expert_threads = compare._layers_read_ahead, set(), set()
     real_read, real_experts = LayerRunner.read_layer, type(src.adapter).read_experts
-    for ahead_mode in (True, False):
-        threads, expert_threads = set(), set()
 
-        def forced(runs, adapter, ahead=None, threaded=None):
-            for L, states in read_ahead(runs, adapter, ahead=ahead_mode, threaded=True):
-                assert all(s is not None for s in states)
-                yield L, states
-
-        def on_which_thread(self, layer, *args, **kwargs):
+    def forced(runs, adapter, ahead=None):
+        for L, states in read_ahead(runs, adapter, ahead=True):
+            assert all(s is not None for s in states)
             threads.add(threading.current_thread().name)
-            return real_read(self, layer, *args, **kwargs)
+            yield L, states
 
-        def experts_on_which_thread(self, *args, **kwargs):
-            expert_threads.add(threading.current_thread().name)
-            return real_experts(self, *args, **kwargs)
+    def on_which_thread(self, layer, *args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return real_read(self, layer, *args, **kwargs)
 
-        monkeypatch.setattr(compare, "_layers_read_ahead", forced)
-        monkeypatch.setattr(LayerRunner, "read_layer", on_which_thread)
-        monkeypatch.setattr(type(src.adapter), "read_experts", experts_on_which_thread)
-        ahead = evaluate_streaming(src.directory, out, windows, batch_size=2, dtype=torch.float32, grouped=False)
-        assert any(name.startswith("moequant-eval-read-experts") for name in expert_threads), ahead_mode
-        # read ahead: the whole layer on the reader thread; when reached: the rest of it on this one
-        assert ("MainThread" in threads) == (not ahead_mode), threads
-        assert {k: v for k, v in ahead.items() if "seconds" not in k} == {
-            k: v for k, v in streamed.items() if "seconds" not in k
-        }, ahead_mode
+    def experts_on_which_thread(self, *args, **kwargs):
+        expert_threads.add(threading.current_thread().name)
+        return real_experts(self, *args, **kwargs)
+
+    monkeypatch.setattr(compare, "_layers_read_ahead", forced)
+    monkeypatch.setattr(LayerRunner, "read_layer", on_which_thread)
+    monkeypatch.setattr(type(src.adapter), "read_experts", experts_on_which_thread)
+    ahead = evaluate_streaming(src.directory, out, windows, batch_size=2, dtype=torch.float32, grouped=False)
+    assert any(name.startswith("moequant-eval-read") for name in threads)
+    assert any(name.startswith("moequant-eval-read-experts") for name in expert_threads)
+    assert {k: v for k, v in ahead.items() if "seconds" not in k} == {
+        k: v for k, v in streamed.items() if "seconds" not in k
+    }

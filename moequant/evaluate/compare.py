@@ -176,6 +176,7 @@ def evaluate_streaming(
                             with timing.part("evaluate: materialize"):
                                 ref_layer = stack.enter_context(ref_run.materialized(L, state=ref_state))
                                 q_layer = stack.enter_context(q_run.materialized(L, state=q_state))
+                            del ref_state, q_state  # the layers hold them: freed when they go back to meta
                             for b in range(len(h_ref)):
                                 ref_cap.clear()
                                 q_cap.clear()
@@ -223,26 +224,24 @@ def _timed(states, name: str):
         if item is None:
             return
         yield item
+        del item  # not held while the next one is read
 
 
-def _layers_read_ahead(runs, adapter, ahead: bool | None = None, threaded: bool | None = None):
+def _layers_read_ahead(runs, adapter, ahead: bool | None = None):
     """(L, [each run's layer L state, or None: read when materialized]) for every decoder layer. With `ahead`
     (None: on a GPU with room for a second layer of every run, moequant.memory_budget) the next layer is read and
     decoded while this one computes: the evaluation was bound by reading both models' layers one after the
-    other. With `threaded` (None: on a GPU; always when read ahead) a layer's routed experts are read by several threads at once, both
-    models' together (`_read_states`): read ahead, or, where a second layer does not fit (DeepSeek-V3's width),
-    when the layer is reached. On the host neither (host memory stays at one layer of each model, and the
-    host's cores are the ones decoding)."""
+    other. Its routed experts are read by several threads at once, both models' together (`_read_states`).
+    On the host it is not (host memory stays at one layer of each model)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from moequant import memory_budget as budget
 
-    on_gpu = torch.device(runs[0].device).type == "cuda"
     if ahead is None:
+        device = torch.device(runs[0].device)
         one_layer = sum(_layer_bytes(r, adapter) for r in runs)
-        ahead = on_gpu and budget.device_free_bytes(torch.device(runs[0].device)) >= 3 * one_layer
-    threaded = on_gpu if threaded is None else threaded
-    if not ahead and not threaded:
+        ahead = device.type == "cuda" and budget.device_free_bytes(device) >= 3 * one_layer
+    if not ahead:
         for L in range(adapter.num_layers):
             yield L, [None] * len(runs)
         return
@@ -254,10 +253,6 @@ def _layers_read_ahead(runs, adapter, ahead: bool | None = None, threaded: bool 
         def read(L):
             return reader.submit(_read_states, runs, adapter, L, slices)
 
-        if not ahead:
-            for L in range(adapter.num_layers):
-                yield L, _read_states(runs, adapter, L, slices)
-            return
         pending = read(0)
         for L in range(adapter.num_layers):
             states = pending.result()

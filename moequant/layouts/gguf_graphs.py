@@ -389,6 +389,7 @@ REFUSED: dict[str, str] = {
             ("hy_v4", "hy_v4"),
             ("hy_v4_vl", "hy_v4"),  # its text model's
             ("minimax_m3_vl", "minimax-m3"),
+            ("bailing_hybrid", "bailingmoe3"),  # Ling-3.0
         )
     },
 }

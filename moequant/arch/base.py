@@ -351,6 +351,15 @@ class Adapter:
         the checkpoint goes there as stored and is decoded there.
         """
         experts, tensors = experts or {}, tensors or {}
+
+        def given_or_read(proj):  # the replacement where one is given (any projection), else the checkpoint's
+            given = experts.get(proj)
+            return (
+                self.read_experts(checkpoint, layer, proj, device=device, dtype=dtype)
+                if given is None
+                else given.to(dtype)
+            )
+
         out = {}
         for key in keys:
             routed = key.split(".")[-2:-1] == ["experts"]  # the routed experts' (not a fused shared_experts module's)
@@ -371,17 +380,9 @@ class Adapter:
                     del part
                 out[key] = fused
             elif routed and key.endswith("experts.up_proj") and not self.fused_experts:  # experts without a gate
-                u = experts.get("up", None)
-                out[key] = (
-                    self.read_experts(checkpoint, layer, "up", device=device, dtype=dtype) if u is None else u.to(dtype)
-                )
+                out[key] = given_or_read("up")
             elif routed and key.endswith("experts.down_proj") and not self.fused_experts:
-                d = experts.get("down", None)
-                out[key] = (
-                    self.read_experts(checkpoint, layer, "down", device=device, dtype=dtype)
-                    if d is None
-                    else d.to(dtype)
-                )
+                out[key] = given_or_read("down")
             elif (
                 routed
                 and self.fused_experts

@@ -280,10 +280,10 @@ def _read_states(runs, adapter, L: int, pool) -> list:
     def fill(r, p, stack, part, device):
         r.adapter.read_experts(r.checkpoint, L, p, part, device, r.dtype, out=stack[part.start : part.stop])
 
+    shape = {p: (E,) + tuple(adapter.expert_shape(p)) for p in adapter.projections}
     stacks, jobs = [], []
     for r in runs:
         device = r.device if torch.device(r.device).type == "cuda" else None  # as read_layer: decoded there
-        shape = {p: (E,) + tuple(adapter.expert_shape(p)) for p in adapter.projections}
         mine, into = {}, {}
         if "gate" in shape:  # [E, 2I, H]: gate rows, then up rows (the layout layer_state_dict builds)
             rows = shape["gate"][1]

@@ -43,9 +43,9 @@ def _guarded(monkeypatch) -> list:
     """Checkpoint.read_stored returns guarded tensors from now on; returns the list of names read."""
     read, real = [], Checkpoint.read_stored
 
-    def guarded(self, name):
+    def guarded(self, name, pinned=False):
         read.append(name)
-        return real(self, name).as_subclass(_Stored)
+        return real(self, name, pinned).as_subclass(_Stored)
 
     monkeypatch.setattr(Checkpoint, "read_stored", guarded)
     return read

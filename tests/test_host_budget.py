@@ -61,7 +61,9 @@ def _layer_bytes_from_headers(directory) -> dict[int, int]:
 def test_a_host_budget_below_one_layers_read_is_refused_before_any_weight_is_read(model, tmp_path, monkeypatch):
     reads = []
     real = Checkpoint._read_stored
-    monkeypatch.setattr(Checkpoint, "_read_stored", lambda self, name: reads.append(name) or real(self, name))
+    monkeypatch.setattr(
+        Checkpoint, "_read_stored", lambda self, name, *rest: reads.append(name) or real(self, name, *rest)
+    )
     out = tmp_path / "run"
     args = ["apply", "--recipe", "uniform-int4", "--model", str(model), "--output", str(out)]
     result = CliRunner().invoke(main, [*args, "--max-host-memory", "64MB"])

@@ -428,7 +428,7 @@ def test_reading_the_source_never_writes_a_dense_copy(sources, tmp_path, monkeyp
 @pytest.mark.parametrize("kind", sorted(MAKERS))
 def test_experts_read_onto_a_device_equal_the_host_decode(kind, sources):
     """read_experts with a device sends the stored bytes there and decodes there (the GPU path): the same
-    float32 values as the host's decode, and in a compute dtype exactly their rounding; on CUDA when
+    float32 values as the host's decode, and in a compute dtype exactly their rounding, and so every other tensor; on CUDA when
     present, else through the same path on the CPU device."""
     from moequant.arch import adapter_for
 
@@ -443,3 +443,5 @@ def test_experts_read_onto_a_device_equal_the_host_decode(kind, sources):
         some = range(1, 3)
         half = adapter.read_experts(ckpt, layer, proj, some, device=device, dtype=torch.bfloat16)
         assert half.dtype == torch.bfloat16 and torch.equal(half.cpu(), host[1:3].to(torch.bfloat16))
+    for name in ckpt.keys():  # every tensor, decoded or as stored (on CUDA read through page-locked memory)
+        assert torch.equal(ckpt.get(name, device).cpu(), ckpt.get(name)), name

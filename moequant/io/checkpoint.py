@@ -79,6 +79,10 @@ class TensorEntry:
         return self.numel * DTYPE_SIZES[self.dtype]
 
 
+# Page-locked reads up to this size (an expert's or an attention projection's bytes); a larger tensor (an embedding)
+# is read into pageable memory, so the host allocator does not cache a block of its size for the rest of the run.
+_PINNED_MAX_BYTES = 256 * 1024 * 1024
+
 TORCH_DTYPES = {
     "BOOL": torch.bool,
     "U8": torch.uint8,
@@ -272,22 +276,24 @@ class Checkpoint:
         `device`, the stored bytes are sent there and a quantized weight is decoded there (the host never
         holds its float32 copy)."""
         enc = self.encodings.get(name)
+        pinned = device is not None and torch.device(device).type == "cuda"
         if enc is not None:
             from moequant.io.dequant import decode
 
-            return decode(enc, self.read_stored, device)
+            return decode(enc, lambda n: self.read_stored(n, pinned), device)
         self._entry(name)
-        t = self.read_stored(name)
-        return t if device is None else t.to(device)
+        t = self.read_stored(name, pinned)
+        return t if device is None else t.to(device)  # a blocking copy: no reader holds more than this in pinned memory
 
-    def read_stored(self, name: str) -> torch.Tensor:
+    def read_stored(self, name: str, pinned: bool = False) -> torch.Tensor:
         """One stored tensor as the file holds it, with a plain positioned read (not mmap), so
         memory holds only what was asked for: reading every layer of a 600 GB checkpoint in turn
-        never maps it all."""
+        never maps it all. `pinned`: read into page-locked memory (a tensor on its way to a GPU),
+        from which the copy is one asynchronous transfer, not a second pass through a staging buffer."""
         with timing.stage("read", sync=False):  # disk -> host (moequant.timing)
-            return self._read_stored(name)
+            return self._read_stored(name, pinned)
 
-    def _read_stored(self, name: str) -> torch.Tensor:
+    def _read_stored(self, name: str, pinned: bool = False) -> torch.Tensor:
         if name in self.slices:  # one expert of a fused tensor: only its bytes are read
             fused, expert, start, end, transposed = self.slices[name]
             part = self._handle(self.stored[fused].shard).get_slice(fused)
@@ -296,13 +302,20 @@ class Checkpoint:
         dtype = TORCH_DTYPES.get(entry.dtype)
         if dtype is None:  # exotic dtypes (F4 …): let the safetensors library decode them
             return self._handle(entry.shard).get_tensor(name)
-        buf = bytearray(entry.nbytes)
+        if not entry.nbytes:
+            return torch.empty(entry.shape, dtype=dtype)
+        if pinned and entry.nbytes <= _PINNED_MAX_BYTES:
+            # torch's caching host allocator keeps the block for the next read of its size once the copy is done
+            pinned_bytes = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=True)
+            buf = pinned_bytes.numpy()
+        else:
+            pinned_bytes, buf = None, bytearray(entry.nbytes)
         with open(entry.shard, "rb") as f:
             f.seek(entry.offset)
-            if f.readinto(buf) != len(buf):
+            if f.readinto(buf) != entry.nbytes:
                 raise UserError(f"{entry.shard} ends inside tensor {name!r}; the file is truncated.")
-        if not buf:
-            return torch.empty(entry.shape, dtype=dtype)
+        if pinned_bytes is not None:
+            return pinned_bytes.view(dtype).reshape(entry.shape)
         return torch.frombuffer(buf, dtype=dtype).reshape(entry.shape)
 
     def _handle(self, shard: Path):

@@ -3,10 +3,11 @@ experts (`--experts` tensors of 2048 x 7168 float8 codes and their 128 x 128-blo
 written, read once to warm the page cache (as the evaluation finds a checkpoint the run has just written), then read
 into one bf16 stack on the GPU per variant and thread count:
 
-- `pageable`: as moequant.io.checkpoint.Checkpoint.read_stored reads a tensor today (a zero-filled bytearray, a
-  positioned read into it), then `.to(device, non_blocking=True)` from that pageable memory, decoded on the GPU;
-- `pinned`: the positioned read lands in page-locked memory (torch's caching host allocator), then an asynchronous
-  copy, decoded on the GPU.
+- `pageable`: as moequant.io.checkpoint.Checkpoint.read_stored read a tensor for a GPU before 82ea05a (and still
+  reads one for the host): a zero-filled bytearray, a positioned read into it, then `.to(device, non_blocking=True)`
+  from that pageable memory, decoded on the GPU;
+- `pinned`: as it reads one for a GPU since: the positioned read lands in page-locked memory (torch's caching host
+  allocator), then an asynchronous copy, decoded on the GPU.
 
 Printed: seconds and GB/s of stored bytes for each, and whether every variant's stack equals the first one's.
 

@@ -184,7 +184,9 @@ def test_int4_experts_export_reloads_in_transformers(model_type, built, tmp_path
     # the export's experts are quantized: moequant's own reading differs from the source...
     with torch.no_grad():
         ref, quantized = load(source, torch.float32)(TOKENS).logits, load(out, torch.float32)(TOKENS).logits
-    assert _kl(ref, quantized) > 1e-7
+    # (float32 noise alone gives ~1e-14; a tiny random model's near-uniform logits make int4's KL as small as 8e-8:
+    # hy_v3, whose logits are within 0.3 of each other)
+    assert _kl(ref, quantized) > 1e-9
     # ...and plain transformers reads the same weights
     _check_transformers_reload(model_type, out)
 
